@@ -1,0 +1,9 @@
+"""rltrain_kernels: the kernel layer shared by every rltrain role.
+
+- `rltrain_kernels.ops.<op>`: one folder per op (Triton kernels, their autograd Functions and modules, and a
+  plain-PyTorch reference beside them).
+- `rltrain_kernels.registry`: device-neutral kernel ids, device detection, and `apply_default_kernels(model)`,
+  which swaps a transformers model's modules for this device's kernels.
+"""
+
+__version__ = "0.1.0"

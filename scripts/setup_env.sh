@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment with rltrain and rltrain-kernels installed in editable mode.
+#
+#   bash scripts/setup_env.sh            # -> .venv (override with RLTRAIN_VENV=/path)
+#
+# Re-running is a no-op unless a pyproject.toml or this script changed (a stamp file records their hash).
+# torch==2.13.0 is installed first: a bare `torch` requirement would pull a multi-GB CUDA build on a CPU machine,
+# while an already installed torch that satisfies the pins is kept.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${RLTRAIN_VENV:-$root/.venv}
+python=${PYTHON:-python3}
+stamp=$venv/.rltrain-env-hash
+want=$(cat "$root/pyproject.toml" "$root/kernels/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
+    exit 0
+fi
+echo "[setup_env] installing into $venv (first run takes a few minutes)" >&2
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+"$venv/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
+"${pip[@]}" -e "$root/kernels" -e "$root[test]"
+echo "$want" > "$stamp"

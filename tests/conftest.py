@@ -1,0 +1,51 @@
+"""Test-wide setup: run Triton kernels through the interpreter when no GPU is present, skip GPU-only tests.
+
+TRITON_INTERPRET must be set before triton is first imported, which is why this happens at conftest import time
+(pytest imports conftest before any test module). `import torch` does not import triton.
+"""
+
+import os
+import random
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device() -> str:
+    """The device the kernels under test run on: CUDA when present, else CPU (Triton through the interpreter)."""
+    return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request):
+    """Seed every test from fresh entropy and record the seed, so each run draws new inputs yet a failure
+    can be replayed with RLTRAIN_TEST_SEED=<seed>."""
+    seed = int(os.environ.get("RLTRAIN_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    torch.manual_seed(seed)
+    random.seed(seed)
+    request.node.user_properties.append(("seed", seed))
+    yield seed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        seed = dict(item.user_properties).get("seed")
+        if seed is not None:
+            report.sections.append(("seed", f"replay with RLTRAIN_TEST_SEED={seed}"))
