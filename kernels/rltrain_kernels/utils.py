@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -17,7 +18,7 @@ DEVICES = ("cuda", "npu", "cpu")
 @functools.lru_cache(maxsize=1)
 def npu_available() -> bool:
     """True when torch_npu is importable and reports an Ascend NPU."""
-    if importlib.util.find_spec("torch_npu") is None:
+    if not module_available("torch_npu"):
         return False
     import torch_npu  # noqa: F401  (registers torch.npu)
 
@@ -42,3 +43,13 @@ def check_device(device: str) -> str:
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}; expected one of {', '.join(DEVICES)}")
     return device
+
+
+def module_available(name: str) -> bool:
+    """True when `import name` would succeed (already imported counts, including test stand-ins)."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False

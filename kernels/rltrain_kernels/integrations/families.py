@@ -1,0 +1,122 @@
+"""Which modules of a transformers model each kernel replaces, per model family, and how they are replaced.
+
+Table-driven (one row per `config.model_type`), so supporting a family is one entry, not a patch file. Classes are
+looked up by name in the model's own modeling module, so the table imports nothing from transformers.
+
+Swapping sets `module.__class__` to a cached subclass of the original whose `forward` calls the kernel. Weights,
+parameter names, buffers and state_dict keys are untouched, only the given model changes (no process-wide
+monkey-patching), applying twice is a no-op, and `restore_original_modules(model)` undoes it. Such a model still
+deep-copies; pickling it by reference is not supported (the subclasses are created at run time).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from rltrain_kernels.registry import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    rmsnorm: tuple[str, ...] = ()    # RMSNorm classes: `weight`, `variance_epsilon`, y = w * x / rms(x)
+    mlp: tuple[str, ...] = ()        # gated MLPs: gate_proj, up_proj, down_proj, act_fn
+    attention: tuple[str, ...] = ()  # attention classes whose forward calls the module's apply_rotary_pos_emb
+
+
+def _family(prefix: str) -> ModelFamily:
+    return ModelFamily((f"{prefix}RMSNorm",), (f"{prefix}MLP",), (f"{prefix}Attention",))
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    "llama": _family("Llama"),
+    "mistral": _family("Mistral"),
+    "qwen2": _family("Qwen2"),
+    "qwen3": _family("Qwen3"),
+    # Experts are one fused module in transformers 5 (no per-expert MLP); the shared/dense MLP class is swapped.
+    "qwen3_moe": _family("Qwen3Moe"),
+}
+
+
+def register_model_family(model_type: str, family: ModelFamily) -> None:
+    """Add or replace a row of the table (e.g. for a custom model loaded with trust_remote_code)."""
+    FAMILIES[model_type] = family
+
+
+def family_classes(model: nn.Module, role: str, kernel_id: str) -> tuple[type, ...]:
+    """The classes playing `role` ('rmsnorm' | 'mlp' | 'attention') in `model`, resolved in its modeling module."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise UnsupportedModelError(
+            f"{kernel_id}: no adapter for model_type {model_type!r} ({type(model).__name__}); supported: "
+            f"{', '.join(sorted(FAMILIES))} (add one with rltrain_kernels.integrations.families.register_model_family)")
+    module = sys.modules[type(model).__module__]
+    names = getattr(FAMILIES[model_type], role)
+    classes = tuple(c for name in names if isinstance(c := getattr(module, name, None), type))
+    if not classes:
+        raise UnsupportedModelError(f"{kernel_id}: {module.__name__} defines none of {', '.join(names)}")
+    return classes
+
+
+_SWAPPED: dict[tuple[type, str, str], type] = {}
+
+
+def original_class(module: nn.Module) -> type:
+    return getattr(type(module), "_rltrain_original_class", type(module))
+
+
+def swap_forward(module: nn.Module, kernel_id: str, device: str, forward) -> bool:
+    """Give `module` a forward that runs `kernel_id` on `device`. Returns False when it already had it."""
+    original = original_class(module)
+    key = (original, kernel_id, device)
+    swapped = _SWAPPED.get(key)
+    if swapped is None:
+        tag = f"{kernel_id}/{device}"
+
+        def extra_repr(self) -> str:
+            base = original.extra_repr(self)
+            return f"{base}, kernel={tag}" if base else f"kernel={tag}"
+
+        swapped = type(original.__name__, (original,), {
+            "forward": forward, "extra_repr": extra_repr, "_rltrain_original_class": original,
+            "_rltrain_kernel": tag, "__module__": original.__module__, "__qualname__": original.__qualname__})
+        _SWAPPED[key] = swapped
+    if type(module) is swapped:
+        return False
+    module.__class__ = swapped
+    return True
+
+
+def swap_modules(model: nn.Module, classes: tuple[type, ...], kernel_id: str, device: str, forward,
+                 accept=lambda module: True) -> int:
+    """swap_forward on every module of `model` that is an instance of `classes` and passes `accept`."""
+    targets = [m for m in model.modules() if issubclass(original_class(m), classes) and accept(m)]
+    return sum(swap_forward(m, kernel_id, device, forward) for m in targets)
+
+
+def restore_original_modules(model: nn.Module) -> int:
+    """Undo every kernel swap in `model`; returns the number of modules restored."""
+    restored = 0
+    for m in model.modules():
+        if original_class(m) is not type(m):
+            m.__class__ = original_class(m)
+            restored += 1
+    return restored
+
+
+def with_globals(func: types.FunctionType, **replacements) -> types.FunctionType:
+    """A copy of `func` whose global names in `replacements` resolve to the given objects; the module itself (and
+    every other model of that family in the process) is left alone."""
+    missing = [name for name in replacements if name not in func.__code__.co_names]
+    if missing:
+        raise UnsupportedModelError(f"{func.__qualname__} does not call {', '.join(missing)}")
+    namespace = dict(func.__globals__, **replacements)
+    new = types.FunctionType(func.__code__, namespace, func.__name__, func.__defaults__, func.__closure__)
+    new.__kwdefaults__ = func.__kwdefaults__
+    new.__qualname__ = func.__qualname__
+    new.__doc__ = func.__doc__
+    return new

@@ -1,0 +1,122 @@
+"""Model-level: swapping kernels into Llama / Qwen2 / Qwen3 / Qwen3-MoE built from configs keeps logits and every
+gradient, and never touches weights, parameter names or state_dict keys.
+
+`impl="cuda"` runs the Triton kernels — natively on a GPU, through the interpreter on CPU (how CI checks them);
+`impl="cpu"` runs the plain-torch references.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from rltrain_kernels.integrations.families import restore_original_modules
+from rltrain_kernels.registry import apply_default_kernels, apply_kernel
+from tests.helpers import assert_rel_close, rel_error
+from tests.model_factory import MODEL_TYPES, forward_backward, tiny_causal_lm
+
+ALL = {"fused_rmsnorm", "fused_swiglu", "fused_rope"}
+
+
+def _inputs(model, batch=2, seq=11):
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=model.device)
+    grad_logits = torch.randn(batch, seq, model.config.vocab_size, device=model.device)
+    return ids, grad_logits
+
+
+def _expected_swaps(model_type):
+    layers = 2
+    norms = layers * (4 if model_type in ("qwen3", "qwen3_moe") else 2) + 1
+    mlps = 1 if model_type == "qwen3_moe" else layers  # the MoE model's second layer is sparse
+    return {"fused_rmsnorm": norms, "fused_swiglu": mlps, "fused_rope": layers}
+
+
+@pytest.mark.parametrize("impl", ["cuda", "cpu"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_swapped_model_matches_fp32(model_type, impl, device):
+    if impl == "cpu":
+        device = "cpu"
+    model = tiny_causal_lm(model_type, device=device)
+    patched = copy.deepcopy(model)
+    applied = apply_default_kernels(patched, "auto", device=impl)
+    assert applied == _expected_swaps(model_type)
+
+    ids, grad_logits = _inputs(model)
+    ref_logits, ref_grads = forward_backward(model, ids, grad_logits)
+    logits, grads = forward_backward(patched, ids, grad_logits)
+    assert_rel_close(logits, ref_logits, name="logits")
+    assert set(grads) == set(ref_grads)
+    for name, g in ref_grads.items():
+        assert_rel_close(grads[name], g, name=f"grad {name}")
+
+
+def test_swap_keeps_weights_names_and_state_dict():
+    model = tiny_causal_lm("qwen3")
+    before = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
+    names = [n for n, _ in model.named_parameters()]
+    apply_default_kernels(model, "auto", device="cuda")
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert [n for n, _ in model.named_parameters()] == names
+    for k, (ptr, value) in before.items():
+        assert after[k].data_ptr() == ptr and torch.equal(after[k], value), k
+
+
+def test_swap_is_idempotent_visible_and_reversible():
+    model = tiny_causal_lm("llama")
+    first = apply_default_kernels(model, "auto", device="cuda")
+    assert apply_default_kernels(model, "auto", device="cuda") == {k: 0 for k in first}
+    assert "kernel=fused_rmsnorm/cuda" in repr(model)
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm"  # class name kept for tooling that matches on it
+    # switching a module to another device's implementation replaces, not stacks
+    assert apply_kernel("fused_rmsnorm", model, device="cpu") == first["fused_rmsnorm"]
+    assert type(model.model.norm).__mro__[1].__name__ == "LlamaRMSNorm"
+    assert restore_original_modules(model) == sum(first.values())
+    assert "kernel=" not in repr(model)
+
+
+def test_swap_is_per_model_not_process_wide():
+    patched, untouched = tiny_causal_lm("qwen2"), tiny_causal_lm("qwen2")
+    apply_kernel("fused_rope", patched, device="cuda")
+    attn = untouched.model.layers[0].self_attn
+    assert type(attn).forward.__globals__["apply_rotary_pos_emb"].__module__.startswith("transformers.")
+    assert type(patched.model.layers[0].self_attn).__name__ == "Qwen2Attention"
+
+
+def test_swap_into_a_loaded_model(tmp_path):
+    import transformers as tf
+
+    tiny_causal_lm("qwen3").save_pretrained(tmp_path)
+    loaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    reference = copy.deepcopy(loaded)
+    assert apply_default_kernels(loaded, "fused_rmsnorm,fused_swiglu,fused_rope", device="cuda")
+    ids, grad_logits = _inputs(loaded)
+    ref_logits, _ = forward_backward(reference, ids, grad_logits)
+    logits, _ = forward_backward(loaded, ids, grad_logits)
+    assert_rel_close(logits, ref_logits, name="logits")
+
+
+def test_swiglu_leaves_non_silu_mlps_alone():
+    model = tiny_causal_lm("llama", hidden_act="gelu")
+    assert apply_kernel("fused_swiglu", model, device="cuda") == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_swapped_bf16_model_is_no_less_accurate_than_eager(model_type):
+    """bf16 on the GPU at a less tiny size: the fused model's error against an fp32 copy is within 1.5× (+1e-3) of
+    the unfused bf16 model's error, for logits and gradients."""
+    dims = dict(hidden_size=512, intermediate_size=1376, num_attention_heads=8, num_key_value_heads=4,
+                head_dim=64, vocab_size=4096)
+    fp32 = tiny_causal_lm(model_type, dtype=torch.float32, device="cuda", **dims)
+    eager = copy.deepcopy(fp32).to(torch.bfloat16)
+    fused = copy.deepcopy(eager)
+    apply_default_kernels(fused, "auto", device="cuda")
+    ids, grad_logits = _inputs(fp32, batch=4, seq=256)
+    ref_logits, ref_grads = forward_backward(fp32, ids, grad_logits)
+    eager_logits, eager_grads = forward_backward(eager, ids, grad_logits)
+    fused_logits, fused_grads = forward_backward(fused, ids, grad_logits)
+    assert rel_error(fused_logits, ref_logits) <= 1.5 * rel_error(eager_logits, ref_logits) + 1e-3
+    for name, g in ref_grads.items():
+        fused_err, eager_err = rel_error(fused_grads[name], g), rel_error(eager_grads[name], g)
+        assert fused_err <= 1.5 * eager_err + 1e-3, f"{name}: fused {fused_err:.2e} vs eager {eager_err:.2e}"

@@ -1,0 +1,173 @@
+"""The kernel registry: registration rules, discovery, device-neutral ids, include_kernels parsing, config form."""
+
+import logging
+import sys
+import textwrap
+
+import pytest
+import torch.nn as nn
+
+from rltrain_kernels import registry
+from rltrain_kernels.registry import (BaseKernel, apply_default_kernels, apply_kernel, apply_kernel_config,
+                                      discover_kernels, get_default_kernels, get_kernel, known_kernel_ids,
+                                      parse_include_kernels, register_kernel)
+from rltrain_kernels.utils import detect_device
+
+BUILTIN_IDS = {"fused_rmsnorm", "fused_swiglu", "fused_rope"}
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """Register test kernels without leaking them into other tests."""
+    discover_kernels()
+    monkeypatch.setattr(registry, "_REGISTRY", {k: dict(v) for k, v in registry._REGISTRY.items()})
+    monkeypatch.setattr(registry, "_DISCOVERED", set(registry._DISCOVERED))
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hits = []
+
+
+def make_kernel(kernel_id, device, default=True, deps=True):
+    class K(BaseKernel):
+        @classmethod
+        def check_deps(cls):
+            return deps
+
+        @classmethod
+        def apply(cls, model, **kwargs):
+            model.hits.append((cls.kernel_id, cls.device, kwargs))
+            return 1
+
+    K.kernel_id, K.device, K.default = kernel_id, device, default
+    K.__name__ = K.__qualname__ = f"K_{kernel_id}_{device}"
+    return K
+
+
+def test_builtin_ids_are_device_neutral_and_cover_every_device():
+    assert BUILTIN_IDS <= set(known_kernel_ids())
+    for kid in BUILTIN_IDS:
+        assert set(registry._REGISTRY[kid]) == {"cuda", "npu", "cpu"}, kid
+
+
+def test_defaults_on_cpu_and_detected_device():
+    assert BUILTIN_IDS <= set(get_default_kernels("cpu"))
+    assert set(get_default_kernels()) == set(get_default_kernels(detect_device()))
+
+
+def test_duplicate_registration_is_rejected(scratch_registry):
+    register_kernel(make_kernel("dup_test", "cpu"))
+    with pytest.raises(ValueError, match="already registered"):
+        register_kernel(make_kernel("dup_test", "cpu"))
+    register_kernel(make_kernel("dup_test", "cuda"))  # same id, another device: fine
+
+
+def test_registration_validates_the_class(scratch_registry):
+    with pytest.raises(ValueError, match="unknown device"):
+        register_kernel(make_kernel("bad_device", "tpu"))
+    with pytest.raises(ValueError, match="kernel_id is empty"):
+        register_kernel(make_kernel("", "cpu"))
+
+    class NoApply(BaseKernel):
+        kernel_id, device = "no_apply", "cpu"
+
+    with pytest.raises(TypeError, match="does not implement apply"):
+        register_kernel(NoApply)
+
+
+def test_unknown_id_lists_known_ids():
+    with pytest.raises(ValueError, match=r"unknown kernel id 'fused_nope'.*fused_rmsnorm"):
+        get_kernel("fused_nope")
+    with pytest.raises(ValueError, match=r"unknown kernel id\(s\) 'fused_nope'.*fused_rope"):
+        apply_default_kernels(nn.Linear(2, 2), ["fused_rmsnorm", "fused_nope"])
+
+
+@pytest.mark.parametrize("value, expected", [
+    (None, None), (False, None), ("", None), ("none", None), ([], None),
+    (True, "auto"), ("auto", "auto"),
+    ("a,b", ["a", "b"]), (" a , b ,", ["a", "b"]), (["a", "b"], ["a", "b"]), (("a",), ["a"]),
+], ids=repr)
+def test_parse_include_kernels(value, expected):
+    assert parse_include_kernels(value) == expected
+
+
+def test_parse_include_kernels_rejects_other_types():
+    with pytest.raises(TypeError, match="include_kernels"):
+        parse_include_kernels(3)
+
+
+def test_apply_default_kernels_selection(scratch_registry, caplog):
+    register_kernel(make_kernel("t_default", "cpu"))
+    register_kernel(make_kernel("t_optional", "cpu", default=False))
+    register_kernel(make_kernel("t_cuda_only", "cuda"))
+    register_kernel(make_kernel("t_missing_deps", "cpu", deps=False))
+    model = Counter()
+    assert apply_default_kernels(model, None, device="cpu") == {}
+    assert model.hits == []
+
+    # a stand-in model has no family adapter: the built-in kernels skip it in auto mode, ours apply
+    applied = apply_default_kernels(model, "auto", device="cpu")
+    assert applied == {"t_default": 1}
+    assert "t_optional" not in applied
+
+    model.hits.clear()
+    with caplog.at_level(logging.INFO, logger="rltrain_kernels.registry"):
+        applied = apply_default_kernels(model, "t_optional,t_cuda_only,t_missing_deps", device="cpu")
+    assert applied == {"t_optional": 1}
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert any("t_cuda_only" in m and "cpu" in m for m in skipped), skipped
+    assert any("t_missing_deps" in m for m in skipped), skipped
+
+    with pytest.raises(ValueError, match="no usable implementation on 'cpu'.*cuda"):
+        apply_kernel("t_cuda_only", model, device="cpu")
+    assert apply_kernel("t_cuda_only", model, device="cuda", flag=1) == 1
+    assert model.hits[-1] == ("t_cuda_only", "cuda", {"flag": 1})
+
+
+def test_explicit_kernel_on_unsupported_model_raises_but_auto_skips():
+    with pytest.raises(ValueError, match="no adapter for model_type"):
+        apply_default_kernels(nn.Linear(2, 2), ["fused_rmsnorm"], device="cpu")
+    assert apply_default_kernels(nn.Linear(2, 2), "auto", device="cpu") == {}
+
+
+def test_kernel_config_form(scratch_registry):
+    register_kernel(make_kernel("t_cfg", "cpu"))
+    register_kernel(make_kernel("t_cfg", "cuda"))
+    model = Counter()
+    assert apply_kernel_config(model, {"name": "cpu", "include_kernels": "t_cfg"}) == {"t_cfg": 1}
+    assert apply_kernel_config(model, {"name": "cuda", "include_kernels": ["t_cfg"]}) == {"t_cfg": 1}
+    assert [h[1] for h in model.hits] == ["cpu", "cuda"]
+    assert apply_kernel_config(model, None) == {}
+    with pytest.raises(ValueError, match="unknown key.*include"):
+        apply_kernel_config(model, {"name": "auto", "include": "auto"})
+    with pytest.raises(ValueError, match="kernel_config.name.*'gpu'"):
+        apply_kernel_config(model, {"name": "gpu"})
+
+
+def test_discovery_survives_a_broken_module(tmp_path, monkeypatch, scratch_registry, caplog):
+    pkg = tmp_path / "fake_kernel_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "good.py").write_text(textwrap.dedent("""
+        from rltrain_kernels.registry import BaseKernel, register_kernel
+
+        @register_kernel
+        class Good(BaseKernel):
+            kernel_id, device = "t_discovered", "cpu"
+
+            @classmethod
+            def apply(cls, model, **kwargs):
+                return 0
+    """))
+    (pkg / "broken.py").write_text("import a_module_that_does_not_exist_anywhere\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="rltrain_kernels.registry"):
+        failed = discover_kernels("fake_kernel_pkg")
+    assert failed == ["fake_kernel_pkg.broken"]
+    assert "t_discovered" in known_kernel_ids()
+    assert any("fake_kernel_pkg.broken" in r.getMessage() for r in caplog.records)
+    assert discover_kernels("fake_kernel_pkg") == []  # once only
+    sys.modules.pop("fake_kernel_pkg.good", None)
+    sys.modules.pop("fake_kernel_pkg", None)
