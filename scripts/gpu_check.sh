@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# GPU check: run the kernel test suite natively on a CUDA GPU (the @pytest.mark.gpu cases included), then the
+# benchmarks, and print their tables last. Made for the lent GPU machine, which has torch/triton/transformers/pytest
+# but none of the peers: their wheels travel in .whl/ (see kernels/benchmarks/README.md for the download line).
+#
+#   bash scripts/gpu_check.sh                  # tests, then every benchmark
+#   bash scripts/gpu_check.sh tests            # tests only
+#   bash scripts/gpu_check.sh bench [NAME...]  # benchmarks only (NAME: bench_linear_logprobs, ...), extra args none
+#
+# Logs go to $OUT (the device tool's return folder) or /tmp/gpu_check.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=${OUT:-/tmp/gpu_check}
+mkdir -p "$out"
+what=${1:-all}
+shift || true
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "installing the carried wheels failed"; exit 1; }
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD/kernels:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 - <<'PY' | tee "$out/versions.txt"
+import datetime, importlib, torch
+print("date", datetime.date.today(), "| device", torch.cuda.get_device_name(0), "| torch", torch.__version__)
+for name in ("triton", "transformers", "liger_kernel", "cut_cross_entropy", "fla"):
+    try:
+        mod = importlib.import_module(name)
+        print(f"  {name} {getattr(mod, '__version__', '?')}")
+    except Exception as exc:
+        print(f"  {name} unavailable: {type(exc).__name__}")
+PY
+
+status=0
+summary=()
+if [ "$what" = all ] || [ "$what" = tests ]; then
+    python3 -m pytest -q -p no:cacheprovider tests/kernels --junitxml="$out/junit.xml" 2>&1 | tee "$out/tests.log" | tail -40
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || status=1
+    summary+=("tests: $(tail -1 "$out/tests.log")")
+fi
+if [ "$what" = all ] || [ "$what" = bench ]; then
+    names=("$@")
+    [ ${#names[@]} -gt 0 ] || names=($(cd kernels/benchmarks && ls bench_*.py | sed 's/\.py$//'))
+    for name in "${names[@]}"; do
+        echo "=== $name"
+        python3 "kernels/benchmarks/$name.py" > "$out/$name.log" 2>&1
+        rc=$?
+        [ "$rc" -eq 0 ] || { status=1; tail -20 "$out/$name.log"; }
+        summary+=("$name: exit $rc")
+    done
+    for name in "${names[@]}"; do
+        echo; echo "### $name"; sed -n '/^|/p' "$out/$name.log"
+    done
+fi
+echo; printf '%s\n' "${summary[@]}"
+exit $status
