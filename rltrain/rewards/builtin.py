@@ -1,0 +1,85 @@
+"""Built-in reward functions (verl's signature): exact-answer scoring for math-style outputs.
+
+- `math`: extracts the final answer from `#### 42` (GSM8K style) or the last `\\boxed{...}` and compares it with
+  the ground truth (numerically when both parse as numbers, else as normalised strings). 1.0 or 0.0.
+- `arithmetic`: the embedded task's scorer: the response's text up to the first newline or end-of-text must be the
+  ground-truth integer.
+- `default`: picks by `data_source` (known sources below), falling back to `math`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from rltrain.registry import Registry
+
+BUILTIN_REWARDS: Registry = Registry("built-in reward function")
+
+_HASH_ANSWER = re.compile(r"####\s*(.+)")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (nested braces allowed), or None."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1:j]
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    matches = _HASH_ANSWER.findall(text)
+    return matches[-1] if matches else None
+
+
+def normalize(answer: str) -> str:
+    answer = answer.strip().strip("$").strip()
+    answer = answer.rstrip(".").replace(",", "").replace(" ", "")
+    return answer
+
+
+def answers_match(answer: str, ground_truth) -> bool:
+    a, g = normalize(answer), normalize(str(ground_truth))
+    try:
+        return abs(float(a) - float(g)) <= 1e-6 * max(1.0, abs(float(g)))
+    except ValueError:
+        return a == g
+
+
+@BUILTIN_REWARDS.register("math")
+def math_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    answer = extract_answer(solution_str)
+    return float(answer is not None and answers_match(answer, ground_truth))
+
+
+@BUILTIN_REWARDS.register("arithmetic")
+def arithmetic_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    answer = solution_str.split("\n", 1)[0].strip()
+    return float(answer == str(ground_truth).strip())
+
+
+DATA_SOURCE_REWARDS = {
+    "rltrain/arithmetic": "arithmetic",
+    "openai/gsm8k": "math",
+    "lighteval/MATH": "math",
+    "DigitalLearningGmbH/MATH-lighteval": "math",
+}
+
+
+@BUILTIN_REWARDS.register("default")
+def default_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    name = DATA_SOURCE_REWARDS.get(data_source, "math")
+    return BUILTIN_REWARDS.get(name)(data_source, solution_str, ground_truth, extra_info)
