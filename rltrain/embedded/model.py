@@ -1,0 +1,102 @@
+"""The embedded policy: a small Qwen3 built from a config, and its supervised warm start (cached on disk).
+
+The warm start trains on the task's training prompts and answers for a few hundred steps, stopping while the model
+is still often wrong, so that RL has room to improve it. The result is saved in HF format under
+`<output_dir>/warmstart/<hash>` and reused by later runs with the same settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from rltrain.config import require
+from rltrain.data.rows import PromptRow
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EmbeddedModelConfig:
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    head_dim: int = 32
+    warmstart_steps: int = 150
+    warmstart_batch_size: int = 64
+    warmstart_lr: float = 3e-3
+
+    def validate(self):
+        for key in ("hidden_size", "num_layers", "num_heads", "head_dim", "warmstart_batch_size"):
+            require(getattr(self, key) >= 1, key, "must be >= 1", getattr(self, key))
+        require(self.warmstart_steps >= 0, "warmstart_steps", "must be >= 0", self.warmstart_steps)
+
+
+def build_model(config: EmbeddedModelConfig, tokenizer, seed: int):
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    qwen = tf.Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=2 * config.hidden_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_heads, head_dim=config.head_dim, max_position_embeddings=256,
+        tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id)
+    qwen._attn_implementation = "eager"
+    return tf.AutoModelForCausalLM.from_config(qwen, dtype=torch.float32)
+
+
+def _sft_batch(rows: list[PromptRow], tokenizer):
+    texts = [row.prompt + str(row.ground_truth) for row in rows]
+    prompt_lens = [len(tokenizer(row.prompt).input_ids) for row in rows]
+    enc = [tokenizer(t).input_ids + [tokenizer.eos_token_id] for t in texts]
+    width = max(map(len, enc))
+    ids = torch.full((len(enc), width), tokenizer.pad_token_id)
+    labels = torch.full((len(enc), width), -100)
+    for i, (seq, p) in enumerate(zip(enc, prompt_lens)):
+        ids[i, :len(seq)] = torch.tensor(seq)
+        labels[i, p:len(seq)] = torch.tensor(seq[p:])  # train on the answer and <eos> only
+    return ids, (ids != tokenizer.pad_token_id).long(), labels
+
+
+def warm_start(model, tokenizer, rows: list[PromptRow], config: EmbeddedModelConfig, seed: int) -> None:
+    """Supervised training on prompt -> answer, in place."""
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.warmstart_lr, weight_decay=0.0)
+    model.train()
+    for step in range(config.warmstart_steps):
+        ids, mask, labels = _sft_batch(rng.sample(rows, min(config.warmstart_batch_size, len(rows))), tokenizer)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step % 50 == 0 or step == config.warmstart_steps - 1:
+            logger.info("warm start %d/%d: loss %.3f", step + 1, config.warmstart_steps, loss.item())
+
+
+def embedded_policy_dir(output_dir: str, config: EmbeddedModelConfig, task_config, seed: int) -> Path:
+    """Build (or reuse) the warm-started embedded model; returns its HF-format directory."""
+    from rltrain.embedded.task import make_rows
+    from rltrain.embedded.tokenizer import build_char_tokenizer
+
+    key = hashlib.sha256(json.dumps([asdict(config), asdict(task_config), seed], sort_keys=True).encode())
+    target = Path(output_dir) / "warmstart" / key.hexdigest()[:12]
+    if (target / "config.json").is_file():
+        logger.info("reusing the warm-started embedded model at %s", target)
+        return target
+    tokenizer = build_char_tokenizer()
+    model = build_model(config, tokenizer, seed)
+    train_rows, _ = make_rows(task_config)
+    logger.info("warm-starting the embedded model (%d steps) -> %s", config.warmstart_steps, target)
+    warm_start(model, tokenizer, train_rows, config, seed)
+    tmp = target.with_name(target.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)
+    return target

@@ -1,0 +1,105 @@
+"""The job's config: one typed slice per component, assembled from the Hydra config and validated up front.
+
+Each role receives only its own slice; `JobConfig` exists so that the whole config is checked (unknown keys, types,
+values) before any work starts, with errors that name the key (`rollout.n: must be >= 1 (got 0)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rltrain.algorithms.config import AlgorithmConfig
+from rltrain.config import from_mapping, require
+from rltrain.embedded.model import EmbeddedModelConfig
+from rltrain.embedded.task import TaskConfig
+from rltrain.tracking import LOGGERS
+from rltrain.workers.actor import ActorConfig
+from rltrain.workers.reward import RewardConfig
+from rltrain.workers.rollout import RolloutConfig
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 40
+    output_dir: str = "outputs/grpo"
+    save_every: int = 0              # also saved at the end; 0 = only at the end
+    resume: str = "auto"             # auto | never | a checkpoint directory
+    seed: int = 0
+    val_every: int = 10              # also at step 0 and at the end; 0 = only those
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    device: str = "auto"             # auto | cpu | cuda
+
+    def validate(self):
+        require(self.total_steps >= 1, "total_steps", "must be >= 1", self.total_steps)
+        require(self.save_every >= 0, "save_every", "must be >= 0", self.save_every)
+        require(self.val_every >= 0, "val_every", "must be >= 0", self.val_every)
+        require(bool(self.output_dir), "output_dir", "must be a directory path", self.output_dir)
+        for name in self.logger:
+            require(name in LOGGERS, "logger", f"entries must be among {', '.join(LOGGERS)}", name)
+        require(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda", self.device)
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None          # a local transformers model directory; null = the embedded default
+    dtype: str = "float32"           # float32 | bfloat16 | float16
+    embedded: EmbeddedModelConfig = field(default_factory=EmbeddedModelConfig)
+
+    def validate(self):
+        require(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16",
+                self.dtype)
+
+
+@dataclass
+class DataConfig:
+    train_files: str | list[str] | None = None   # parquet/jsonl in verl's row format; null = the embedded task
+    val_files: str | list[str] | None = None
+    batch_size: int = 16                         # prompts per step (each gets rollout.n responses)
+    max_prompt_length: int = 256                 # longer prompts are dropped with a warning
+    val_max_rows: int = 0                        # 0 = every validation row
+    task: TaskConfig = field(default_factory=TaskConfig)
+
+    def validate(self):
+        require(self.batch_size >= 1, "batch_size", "must be >= 1", self.batch_size)
+        require(self.max_prompt_length >= 1, "max_prompt_length", "must be >= 1", self.max_prompt_length)
+        require(self.val_max_rows >= 0, "val_max_rows", "must be >= 0", self.val_max_rows)
+        require(self.val_files is None or self.train_files is not None, "val_files",
+                "needs data.train_files (the embedded task brings its own split)", self.val_files)
+
+
+@dataclass
+class KernelConfig:
+    name: str = "auto"
+    include_kernels: str | list[str] | bool | None = "auto"
+
+    def validate(self):
+        require(self.name in ("auto", "cuda", "npu", "cpu"), "name", "must be auto, cuda, npu or cpu", self.name)
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None       # null = start a local Ray; "auto" or host:port joins a cluster
+    num_cpus: int | None = None      # for the local Ray; null = all cores
+
+
+@dataclass
+class JobConfig:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    kernel_config: KernelConfig = field(default_factory=KernelConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+def load_job_config(cfg) -> JobConfig:
+    """Validate a composed Hydra/OmegaConf config (or a plain dict) into a JobConfig; raises ConfigError."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    cfg = {k: v for k, v in cfg.items() if k != "hydra"}
+    return from_mapping(JobConfig, cfg, "config")

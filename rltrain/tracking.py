@@ -1,0 +1,78 @@
+"""Metric sinks: console (a progress line per step), jsonl (<output_dir>/metrics.jsonl), tensorboard, wandb.
+
+Every record is a flat dict with a `step`; train records and validation records (keys starting with `val/`) go to
+the same sinks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+
+class Tracker:
+    def __init__(self, backends: list[str], output_dir: str, total_steps: int, run_name: str = "rltrain",
+                 config: dict | None = None):
+        unknown = [b for b in backends if b not in LOGGERS]
+        if unknown:
+            raise ValueError(f"trainer.logger: unknown logger {unknown[0]!r}; known: {', '.join(LOGGERS)}")
+        self.backends, self.total_steps = backends, total_steps
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._start, self._first_step = time.monotonic(), None
+        self._tb = self._wandb = None
+        if "tensorboard" in backends:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise ImportError(f"trainer.logger lists tensorboard, but it is not installed ({exc}); "
+                                  "pip install tensorboard") from None
+            self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+        if "wandb" in backends:
+            try:
+                import wandb
+            except ImportError:
+                raise ImportError("trainer.logger lists wandb, but it is not installed; pip install wandb") from None
+            self._wandb = wandb.init(project="rltrain", name=run_name, config=config, dir=output_dir)
+
+    def log(self, record: dict) -> None:
+        step = record["step"]
+        if "jsonl" in self.backends:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        if "console" in self.backends:
+            self._console(record)
+
+    def _console(self, record: dict) -> None:
+        step = record["step"]
+        if any(k.startswith("val/") for k in record):
+            print(f"[val  step {step:>4}] reward {record.get('val/reward_mean', float('nan')):.3f} "
+                  f"({record.get('val/count', 0)} prompts)", flush=True)
+            return
+        if self._first_step is None:
+            self._first_step, self._start = step - 1, time.monotonic() - record.get("time/step_s", 0.0)
+        done = step - self._first_step
+        per_step = (time.monotonic() - self._start) / max(done, 1)
+        eta = per_step * (self.total_steps - step)
+        filled = int(20 * step / max(self.total_steps, 1))
+        bar = "#" * filled + "." * (20 - filled)
+        print(f"[train {step:>4}/{self.total_steps}] |{bar}| reward {record.get('train/reward_mean', 0):.3f} "
+              f"kl {record.get('actor/ppo_kl', 0):+.4f} entropy {record.get('actor/entropy', 0):.3f} "
+              f"len {record.get('train/response_len_mean', 0):.1f} | {per_step:.1f} s/step, ETA {eta:.0f} s",
+              file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -1,0 +1,229 @@
+"""The single controller: holds the GRPO loop and nothing heavy; the roles are Ray actors holding the models.
+
+One step: sample prompts → rollout (n responses each) → reward → group advantages → old (and reference)
+log-probs → actor update → push the new weights into the rollout engine. Validation (greedy by default) runs at step
+0, every trainer.val_every steps and at the end; checkpoints every trainer.save_every steps and at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import ray
+import torch
+from tensordict import TensorDict
+
+from rltrain import checkpoint as ckpt
+from rltrain.algorithms.advantages import compute_advantages
+from rltrain.data.rows import load_rows
+from rltrain.data.sampler import PromptSampler, drop_long_prompts, encode_prompts
+from rltrain.job import JobConfig
+from rltrain.tracking import Tracker
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.batch import concat_batches
+from rltrain.workers.reference import ReferenceWorker
+from rltrain.workers.reward import RewardWorker
+from rltrain.workers.rollout import RolloutWorker
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_and_data(job: JobConfig):
+    """(model dir, train rows, val rows): the given ones, or the embedded default's (warm-started, cached)."""
+    if job.model.path is None:
+        from rltrain.embedded.model import embedded_policy_dir
+
+        model_dir = str(embedded_policy_dir(job.trainer.output_dir, job.model.embedded, job.data.task,
+                                            job.trainer.seed))
+    else:
+        model_dir = job.model.path
+        if not (Path(model_dir) / "config.json").is_file():
+            raise FileNotFoundError(f"model.path: {model_dir!r} is not a transformers model directory "
+                                    "(no config.json)")
+    if job.data.train_files is None:
+        from rltrain.embedded.task import make_rows
+
+        train_rows, val_rows = make_rows(job.data.task)
+    else:
+        train_rows = load_rows(job.data.train_files)
+        val_rows = load_rows(job.data.val_files) if job.data.val_files is not None else []
+    return model_dir, train_rows, val_rows
+
+
+class GRPOTrainer:
+    def __init__(self, job: JobConfig):
+        from transformers import AutoTokenizer
+
+        self.job = job
+        self.output_dir = Path(job.trainer.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        device = job.trainer.device
+        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        self.model_dir, train_rows, val_rows = resolve_model_and_data(job)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, padding_side="left")
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        limit = job.data.max_prompt_length
+        self.sampler = PromptSampler(drop_long_prompts(train_rows, self.tokenizer, limit, "data.train_files"),
+                                     job.trainer.seed)
+        self.val_rows = drop_long_prompts(val_rows, self.tokenizer, limit, "data.val_files") if val_rows else []
+        if job.data.val_max_rows:
+            self.val_rows = self.val_rows[:job.data.val_max_rows]
+        self._start_workers()
+        self.tracker = Tracker(job.trainer.logger, str(self.output_dir), job.trainer.total_steps)
+        self.step, self.initial_val = 0, None
+
+    def _start_workers(self) -> None:
+        job, kernels = self.job, vars(self.job.kernel_config)
+        if not ray.is_initialized():
+            ray.init(address=job.ray.address, num_cpus=job.ray.num_cpus, include_dashboard=False,
+                     log_to_driver=True, configure_logging=False)
+        gpu = 1 if self.device == "cuda" else 0
+        # CPU roles take turns (the controller waits on each), so they reserve no CPUs and may share cores.
+        opts = dict(num_cpus=0)
+        common = dict(model_path=self.model_dir, dtype=job.model.dtype, kernel_config=kernels, device=self.device)
+        temperature = job.rollout.temperature
+        self.actor = ray.remote(ActorWorker).options(**opts, num_gpus=gpu).remote(
+            job.actor, job.algorithm.loss, temperature=temperature, seed=job.trainer.seed, **common)
+        # on one GPU the rollout and reference share the actor's device (colocated), reserving no extra GPU
+        self.rollout = ray.remote(RolloutWorker).options(**opts).remote(job.rollout, **common)
+        self.reference = None
+        if job.algorithm.loss.kl_coef > 0:
+            self.reference = ray.remote(ReferenceWorker).options(**opts).remote(
+                temperature=temperature, micro_batch_size=job.actor.micro_batch_size, **common)
+        self.reward = ray.remote(RewardWorker).options(**opts).remote(job.reward, self.model_dir)
+
+    # ---------------------------------------------------------------- one step
+    def _generate_and_score(self, rows, n: int, temperature: float, seed: int):
+        ids, mask = encode_prompts(rows, self.tokenizer)
+        batch = ray.get(self.rollout.generate.remote(ids, mask, n, temperature, seed))
+        response_rows = [row for row in rows for _ in range(n)]
+        rewards, extras, errors, _ = ray.get(self.reward.score.remote(batch["response_ids"], batch["response_mask"],
+                                                                       response_rows))
+        batch["rewards"] = rewards
+        return batch, extras, errors
+
+    def _collect(self, step: int):
+        """A batch of data.batch_size prompt groups; with dynamic sampling, groups whose rewards are all equal are
+        dropped and refilled with new prompts (up to algorithm.dynamic_sampling_max_rounds extra rounds)."""
+        job = self.job
+        want, n = job.data.batch_size, job.rollout.n
+        kept, extras, errors, seen = [], [], 0, 0
+        for round_ in range(1 + (job.algorithm.dynamic_sampling_max_rounds if job.algorithm.dynamic_sampling else 0)):
+            rows = self.sampler.next(want)
+            batch, round_extras, round_errors = self._generate_and_score(
+                rows, n, job.rollout.temperature, seed=job.trainer.seed * 1_000_003 + step * 101 + round_)
+            extras += round_extras
+            errors += round_errors
+            seen += want
+            if job.algorithm.dynamic_sampling:
+                rewards = batch["rewards"].view(want, n)
+                informative = (rewards.max(1).values - rewards.min(1).values) > 0
+                batch = batch[informative.repeat_interleave(n)]
+            kept.append(batch)
+            if sum(b.batch_size[0] for b in kept) >= want * n:
+                break
+        batch = concat_batches(kept)[: want * n]
+        batch["group_ids"] = torch.arange(batch.batch_size[0]) // n
+        return batch, extras, errors, seen
+
+    def train_step(self, step: int) -> dict:
+        job, start = self.job, time.monotonic()
+        batch, extras, errors, prompts_seen = self._collect(step)
+        if batch.batch_size[0] == 0:
+            logger.warning("step %d: dynamic sampling kept no group (all rewards equal in every group); skipped",
+                           step)
+            return {"step": step, "train/groups_kept": 0.0, "reward/errors": errors}
+        batch["advantages"] = compute_advantages(job.algorithm.adv_estimator, batch["rewards"],
+                                                 batch["response_mask"], batch["group_ids"])
+        response_len = batch["response_mask"].sum(1).float()
+        if job.algorithm.overlong_filter:
+            batch["response_mask"] = batch["response_mask"] * (~batch["truncated"]).unsqueeze(1).long()
+        batch["old_logprobs"] = ray.get(self.actor.compute_logprobs.remote(batch))
+        if self.reference is not None:
+            batch["ref_logprobs"] = ray.get(self.reference.compute_logprobs.remote(batch))
+        metrics = ray.get(self.actor.update.remote(batch))
+        ray.get(self.rollout.load_state_dict.remote(self.actor.state_dict.remote()))
+        elapsed = time.monotonic() - start
+        tokens = batch["prompt_mask"].sum().item() + batch["response_mask"].sum().item()
+        record = {"step": step, "train/reward_mean": batch["rewards"].mean().item(),
+                  "train/reward_std": batch["rewards"].std().item() if batch.batch_size[0] > 1 else 0.0,
+                  "train/response_len_mean": response_len.mean().item(),
+                  "train/truncated_frac": batch["truncated"].float().mean().item(),
+                  "train/groups_kept": batch.batch_size[0] / job.rollout.n / job.data.batch_size,
+                  "train/prompts_sampled": prompts_seen, **metrics, "reward/errors": errors,
+                  "time/step_s": elapsed, "perf/tokens_per_s": tokens / elapsed}
+        for key in sorted({k for e in extras for k in e}):
+            values = [e[key] for e in extras if key in e]
+            record[f"reward/{key}_mean"] = sum(values) / len(values)
+        return record
+
+    def validate(self, step: int) -> dict | None:
+        if not self.val_rows:
+            return None
+        job = self.job
+        batch, _, errors = self._generate_and_score(self.val_rows, 1, job.rollout.val_temperature,
+                                                    seed=job.trainer.seed + 7)
+        record = {"step": step, "val/reward_mean": batch["rewards"].mean().item(), "val/count": len(self.val_rows),
+                  "val/response_len_mean": batch["response_mask"].sum(1).float().mean().item(),
+                  "val/reward_errors": errors}
+        self.tracker.log(record)
+        return record
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, step: int) -> Path:
+        state = {"sampler": self.sampler.state_dict(), "initial_val": self.initial_val}
+        actor = self.actor
+        path = ckpt.save_checkpoint(str(self.output_dir), step, lambda p: ray.get(actor.save_pretrained.remote(p)),
+                                    ray.get(actor.optimizer_state.remote()), self.tokenizer, state)
+        logger.info("saved checkpoint %s", path)
+        return path
+
+    def maybe_resume(self) -> None:
+        mode = self.job.trainer.resume
+        if mode == "never":
+            (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)
+            return
+        path = ckpt.latest_checkpoint(str(self.output_dir)) if mode == "auto" else Path(mode)
+        if path is None:
+            return
+        if not path.is_dir():
+            raise FileNotFoundError(f"trainer.resume: no checkpoint directory {str(path)!r}")
+        model_state, optimizer_state, state = ckpt.load_checkpoint(path)
+        ray.get(self.actor.load_checkpoint.remote(model_state, optimizer_state))
+        ray.get(self.rollout.load_state_dict.remote(model_state))
+        self.sampler.load_state_dict(state["sampler"])
+        ckpt.set_rng_state(state["rng"])
+        self.step, self.initial_val = state["step"], state.get("initial_val")
+        logger.info("resumed from %s at step %d", path, self.step)
+
+    # ---------------------------------------------------------------- the loop
+    def fit(self) -> dict:
+        job = self.job.trainer
+        self.maybe_resume()
+        if self.step == 0:
+            record = self.validate(0)
+            self.initial_val = record["val/reward_mean"] if record else None
+        final_val = None
+        for step in range(self.step + 1, job.total_steps + 1):
+            self.tracker.log(self.train_step(step))
+            self.step = step
+            last = step == job.total_steps
+            if last or (job.val_every and step % job.val_every == 0):
+                record = self.validate(step)
+                final_val = record["val/reward_mean"] if record and last else final_val
+            if last or (job.save_every and step % job.save_every == 0):
+                self.save(step)
+        if self.initial_val is not None and final_val is not None:
+            print(f"held-out reward: {self.initial_val:.3f} before RL -> {final_val:.3f} after "
+                  f"({100 * (final_val - self.initial_val):+.1f} points)", flush=True)
+        return {"initial_val": self.initial_val, "final_val": final_val, "step": self.step}
+
+    def close(self) -> None:
+        self.tracker.close()
+        ray.get(self.reward.close.remote())
+        for handle in (self.actor, self.rollout, self.reference, self.reward):
+            if handle is not None:
+                ray.kill(handle)

@@ -1,0 +1,54 @@
+"""The fields of the TensorDict batches the roles exchange, and helpers to build model inputs from them.
+
+Fields (B responses; P prompt width, left-padded; R response width, right-padded):
+  prompt_ids [B,P], prompt_mask [B,P], response_ids [B,R], response_mask [B,R], group_ids [B], truncated [B],
+  rewards [B], advantages [B,R], old_logprobs [B,R], ref_logprobs [B,R], rollout_logprobs [B,R] (engines that
+  report them).
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+IGNORE_INDEX = -100
+
+
+def model_inputs(batch: TensorDict):
+    """input_ids, attention_mask and position_ids for the concatenated prompt + response."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1).long()
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids
+
+
+def response_hidden(model, batch: TensorDict) -> torch.Tensor:
+    """Final hidden states at the positions that predict each response token: [B, R, H]."""
+    input_ids, attention_mask, position_ids = model_inputs(batch)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids).last_hidden_state
+    prompt_width, response_width = batch["prompt_ids"].shape[1], batch["response_ids"].shape[1]
+    return hidden[:, prompt_width - 1: prompt_width + response_width - 1]
+
+
+def split(batch: TensorDict, size: int) -> list[TensorDict]:
+    return [batch[i:i + size] for i in range(0, batch.batch_size[0], size)]
+
+
+def concat_batches(batches: list[TensorDict]) -> TensorDict:
+    """Concatenate batches whose prompt/response widths differ: prompts are left-padded, responses right-padded
+    (pad id 0 under a zero mask; masked positions are never read)."""
+    batches = [b for b in batches if b.batch_size[0] > 0] or batches[:1]
+    prompt_width = max(b["prompt_ids"].shape[1] for b in batches)
+    response_width = max(b["response_ids"].shape[1] for b in batches)
+    padded = []
+    for b in batches:
+        b = b.clone()
+        dp, dr = prompt_width - b["prompt_ids"].shape[1], response_width - b["response_ids"].shape[1]
+        fields = dict(b.items())
+        fields["prompt_ids"] = torch.nn.functional.pad(b["prompt_ids"], (dp, 0))
+        fields["prompt_mask"] = torch.nn.functional.pad(b["prompt_mask"], (dp, 0))
+        fields["response_ids"] = torch.nn.functional.pad(b["response_ids"], (0, dr))
+        fields["response_mask"] = torch.nn.functional.pad(b["response_mask"], (0, dr))
+        padded.append(TensorDict(fields, batch_size=b.batch_size))
+    return torch.cat(padded) if len(padded) > 1 else padded[0]

@@ -1,0 +1,49 @@
+"""What every role holding a policy copy shares: loading it (with the configured kernels swapped in) and
+computing per-token log-probs of responses with `rltrain_kernels.linear_logprobs` (no logits materialised)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from tensordict import TensorDict
+
+from rltrain.workers.batch import IGNORE_INDEX, response_hidden, split
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def set_threads(num_threads: int) -> None:
+    torch.set_num_threads(num_threads if num_threads > 0 else max(1, os.cpu_count() or 1))
+
+
+def load_policy(path: str, dtype: str, kernel_config: dict | None, device: str):
+    import transformers as tf
+    from rltrain_kernels.registry import apply_kernel_config
+
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="eager")
+    model.to(device)
+    applied = apply_kernel_config(model, kernel_config)
+    logger.info("loaded policy %s (%s) on %s; kernels: %s", path, dtype, device, applied or "none")
+    return model
+
+
+def response_logprobs(model, batch: TensorDict, temperature: float, micro_batch_size: int,
+                      with_entropy: bool = False):
+    """log p(response token) under `model` at `temperature`, [B, R] fp32 (0 where masked); optionally entropy."""
+    from rltrain_kernels import linear_logprobs
+
+    weight = model.get_output_embeddings().weight
+    logps, ents = [], []
+    with torch.no_grad():
+        for micro in split(batch, micro_batch_size):
+            labels = micro["response_ids"].masked_fill(micro["response_mask"] == 0, IGNORE_INDEX)
+            logp, ent = linear_logprobs(response_hidden(model, micro), weight, labels, temperature=temperature,
+                                        return_entropy=with_entropy)
+            logps.append(logp)
+            ents.append(ent)
+    logp = torch.cat(logps)
+    return (logp, torch.cat(ents)) if with_entropy else logp

@@ -1,0 +1,44 @@
+"""RewardWorker: decodes responses and scores them with the configured reward function in a process pool with a
+per-sample timeout (rltrain.rewards.pool)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rltrain.config import require
+from rltrain.data.rows import PromptRow
+from rltrain.rewards.pool import RewardInput, RewardPool
+
+
+@dataclass
+class RewardConfig:
+    path: str | None = None   # a Python file with the reward function; null = a built-in
+    name: str = "default"     # the function in `path`, or a built-in: default, math, arithmetic
+    timeout_s: float = 10.0   # per sample; past it the sample scores 0 and counts in reward/errors
+    num_workers: int = 2
+
+    def validate(self):
+        require(self.timeout_s > 0, "timeout_s", "must be > 0", self.timeout_s)
+        require(self.num_workers >= 1, "num_workers", "must be >= 1", self.num_workers)
+
+
+class RewardWorker:
+    def __init__(self, config: RewardConfig, tokenizer_path: str):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.pool = RewardPool(config.path, config.name, config.timeout_s, config.num_workers)
+
+    def score(self, response_ids: torch.Tensor, response_mask: torch.Tensor, rows: list[PromptRow]):
+        """rows[i] is the prompt row of response i. Returns (rewards [B], per-sample metrics, errors, texts)."""
+        texts = [self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+                 for ids, mask in zip(response_ids, response_mask)]
+        items = [RewardInput(row.data_source, text, row.ground_truth, row.extra_info)
+                 for row, text in zip(rows, texts)]
+        result = self.pool.score(items)
+        return torch.tensor(result.scores, dtype=torch.float32), result.metrics, result.errors, texts
+
+    def close(self) -> None:
+        self.pool.close()
