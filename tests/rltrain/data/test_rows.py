@@ -1,0 +1,90 @@
+"""Data rows (verl format) from jsonl and parquet; malformed input names file, row and field; the sampler's order
+is deterministic and resumable."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rltrain.data.rows import DataError, load_rows, render_prompt
+from rltrain.data.sampler import PromptSampler, encode_prompts
+from rltrain.embedded.task import TaskConfig, make_rows
+from rltrain.embedded.tokenizer import build_char_tokenizer
+
+GOOD = [
+    {"prompt": "1+1=", "data_source": "rltrain/arithmetic", "reward_model": {"ground_truth": "2"}},
+    {"prompt": [{"role": "user", "content": "2+2="}], "data_source": "openai/gsm8k", "ground_truth": "4",
+     "extra_info": {"split": "train"}},
+]
+
+
+def _jsonl(path, records):
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return str(path)
+
+
+def test_jsonl_and_parquet_load_the_same_rows(tmp_path):
+    from_jsonl = load_rows(_jsonl(tmp_path / "a.jsonl", GOOD))
+    table = pa.Table.from_pylist([{"prompt": "1+1=", "data_source": "rltrain/arithmetic",
+                                   "reward_model": {"ground_truth": "2"}}])
+    pq.write_table(table, tmp_path / "b.parquet")
+    from_parquet = load_rows([str(tmp_path / "b.parquet")])
+    assert from_parquet[0] == from_jsonl[0]
+    assert from_jsonl[1].ground_truth == "4" and from_jsonl[1].extra_info == {"split": "train"}
+    tokenizer = build_char_tokenizer()
+    assert render_prompt(from_jsonl[1].prompt, tokenizer) == "2+2="
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"data_source": "x", "ground_truth": "1"}, "row 2: field 'prompt' must be a string or a list"),
+    ({"prompt": "", "ground_truth": "1"}, "row 2: field 'prompt' is empty"),
+    ({"prompt": [{"role": "user"}], "ground_truth": "1"}, r"row 2: field 'prompt\[0\]' must be a message"),
+    ({"prompt": "q", "data_source": 3, "ground_truth": "1"}, "row 2: field 'data_source' must be a string"),
+    ({"prompt": "q"}, r"row 2: field 'reward_model.ground_truth' \(or 'ground_truth'\) is missing"),
+    ({"prompt": "q", "reward_model": {"ground_truth": None}}, "row 2: field 'reward_model.ground_truth' is null"),
+    ({"prompt": "q", "ground_truth": "1", "extra_info": [1]}, "row 2: field 'extra_info' must be a dict"),
+])
+def test_malformed_rows_name_file_row_and_field(tmp_path, record, message):
+    path = _jsonl(tmp_path / "bad.jsonl", [GOOD[0], record])
+    with pytest.raises(DataError, match=f"bad.jsonl: {message}"):
+        load_rows(path)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(DataError, match="no such data file"):
+        load_rows(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported file type '.csv'"):
+        load_rows(str(tmp_path / "x.csv"))
+    (tmp_path / "broken.jsonl").write_text(json.dumps(GOOD[0]) + "\n{not json\n")
+    with pytest.raises(DataError, match="broken.jsonl: row 2: invalid JSON"):
+        load_rows(str(tmp_path / "broken.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataError, match="holds no rows"):
+        load_rows(str(tmp_path / "empty.jsonl"))
+    (tmp_path / "junk.parquet").write_text("not parquet")
+    with pytest.raises(DataError, match="junk.parquet: not a readable parquet file"):
+        load_rows(str(tmp_path / "junk.parquet"))
+
+
+def test_sampler_is_deterministic_and_resumable():
+    rows, _ = make_rows(TaskConfig(max_operand=9, num_val=10))
+    a = PromptSampler(rows, seed=3)
+    first = [a.next(7) for _ in range(20)]  # crosses epoch boundaries (90 rows)
+    b = PromptSampler(rows, seed=3)
+    for _ in range(11):
+        b.next(7)
+    c = PromptSampler(rows, seed=3)
+    c.load_state_dict(b.state_dict())
+    assert [c.next(7) for _ in range(9)] == first[11:]
+    assert PromptSampler(rows, seed=4).next(7) != first[0]
+
+
+def test_task_split_is_disjoint_and_prompts_left_padded():
+    train, val = make_rows(TaskConfig(max_operand=9, num_val=10))
+    assert len(train) == 90 and len(val) == 10
+    assert not {r.prompt for r in train} & {r.prompt for r in val}
+    tokenizer = build_char_tokenizer()
+    ids, mask = encode_prompts([train[0], val[0]], tokenizer)
+    assert mask[:, -1].all() and tokenizer.decode(ids[0][mask[0].bool()]) == train[0].prompt

@@ -1,0 +1,78 @@
+"""Config: every preset composes and validates; unknown keys, wrong types and bad values name the key; the CLI
+reports them without a stack trace and exits 2 before any work starts."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from rltrain.config import ConfigError
+from rltrain.job import JobConfig, load_job_config
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "config")
+PRESETS = ["grpo", "drgrpo", "dapo", "gspo", "rloo", "reinforce_pp"]
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name="grpo", overrides=list(overrides))
+
+
+def test_default_config_equals_dataclass_defaults():
+    """grpo.yaml and the dataclasses must not drift apart: the file's values are the code's defaults."""
+    assert load_job_config(_compose()) == JobConfig()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_algorithm_preset_validates(preset):
+    job = load_job_config(_compose(f"algorithm={preset}"))
+    expected = {"drgrpo": ("drgrpo", "seq-mean-token-sum-norm"), "gspo": ("grpo", "seq-mean-token-mean"),
+                "rloo": ("rloo", "token-mean"), "reinforce_pp": ("reinforce_pp", "token-mean")}
+    assert (job.algorithm.adv_estimator, job.algorithm.loss.loss_agg) == expected.get(preset, ("grpo", "token-mean"))
+    if preset == "dapo":
+        assert job.algorithm.dynamic_sampling and job.algorithm.overlong_filter
+        assert job.algorithm.loss.clip_high == 0.28
+    if preset == "gspo":
+        assert job.algorithm.loss.importance_level == "sequence"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("+trainer.foo=1", "trainer.foo: unknown key; trainer has: device, logger"),
+    ("+algorithm.loss.clip=0.1", "algorithm.loss.clip: unknown key"),
+    ("trainer.total_steps=abc", "trainer.total_steps: expected int, got 'abc'"),
+    ("rollout.n=0", "rollout.n: must be >= 1 (got 0)"),
+    ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator: unknown advantage estimator; known: drgrpo, grpo"),
+    ("algorithm.loss.loss_agg=mean", "algorithm.loss.loss_agg: must be one of token-mean"),
+    ("algorithm.loss.dual_clip=0.5", "algorithm.loss.dual_clip: must be null or > 1 (got 0.5)"),
+    ("trainer.logger=[console,mlflow]", "trainer.logger: entries must be among console, jsonl"),
+    ("model.dtype=fp8", "model.dtype: must be float32, bfloat16 or float16"),
+    ("kernel_config.name=gpu", "kernel_config.name: must be auto, cuda, npu or cpu"),
+    ("data.task.operators=/", "data.task.operators: must be a non-empty subset"),
+])
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+        load_job_config(_compose(override))
+
+
+def test_int_widens_to_float_and_lists_coerce():
+    job = load_job_config(_compose("actor.lr=1", "data.train_files=[a.jsonl,b.jsonl]"))
+    assert job.actor.lr == 1.0 and isinstance(job.actor.lr, float)
+    assert job.data.train_files == ["a.jsonl", "b.jsonl"]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "rltrain.main_grpo", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_prints_resolved_config_and_rejects_bad_input():
+    shown = _cli("--cfg", "job", "algorithm=dapo")
+    assert shown.returncode == 0, shown.stderr
+    assert "clip_high: 0.28" in shown.stdout and "total_steps: 40" in shown.stdout
+    bad = _cli("rollout.temperature=0")
+    assert bad.returncode == 2
+    assert "config error: rollout.temperature: must be > 0" in bad.stderr and "Traceback" not in bad.stderr
+    unknown = _cli("trainer.nope=1")
+    assert unknown.returncode != 0 and "trainer.nope" in unknown.stderr and "Traceback" not in unknown.stderr
