@@ -54,8 +54,10 @@ def resolve_model_and_data(job: JobConfig):
 
 class GRPOTrainer:
     def __init__(self, job: JobConfig):
+        import transformers
         from transformers import AutoTokenizer
 
+        transformers.utils.logging.disable_progress_bar()
         self.job = job
         self.output_dir = Path(job.trainer.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ def load_policy(path: str, dtype: str, kernel_config: dict | None, device: str):
     import transformers as tf
     from rltrain_kernels.registry import apply_kernel_config
 
+    tf.utils.logging.disable_progress_bar()  # one bar per load and save per worker is noise in the run's log
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="eager")
     model.to(device)
     applied = apply_kernel_config(model, kernel_config)

@@ -1,0 +1,187 @@
+"""Benchmark the gated delta rule kernels against fla 0.6, torch SDPA (causal) and the naive torch recurrence.
+
+Run on a CUDA machine (fla-core / flash-linear-attention 0.6.0 installed for the comparison columns):
+    python kernels/benchmarks/bench_gated_delta_rule.py [--quick]
+Checks correctness first (ours vs the naive recurrence at a small size, forward and gradients; ours vs fla's
+forward at every timed shape), then times forward and forward+backward (bf16, H=16, K=V=128) and the
+fused-recurrent decode step (B=256, one token, fp32 state in/out) as bandwidth on the state bytes.
+fla's gated chunk backward refuses to run on Hopper with Triton 3.4-3.7.0 (fla issue #640: wrong gradients); its
+guard is bypassed here (fla.ops.common.chunk_o.IS_NVIDIA_HOPPER = False) for timing only: its gradients are not
+trusted. A markdown table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from rltrain_kernels.ops.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule,
+    naive_recurrent_gated_delta_rule,
+)
+
+COPY_CEILING_TBPS = 4.19  # H200 device copy (read + write), /work/shared/ENVIRONMENT.md
+
+
+def load_fla():
+    try:
+        import fla.ops.common.chunk_o as fla_chunk_o
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fused
+    except ImportError as err:
+        print(f"fla not importable ({err}); skipping its columns")
+        return None, None
+    fla_chunk_o.IS_NVIDIA_HOPPER = False  # timing only, see the module docstring
+    return fla_chunk, fla_fused
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(B, T, H, K, V, dtype=torch.bfloat16, requires_grad=False, N=None):
+    q = torch.randn(B, T, H, K, device="cuda", dtype=dtype)
+    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).to(dtype)
+    v = torch.randn(B, T, H, V, device="cuda", dtype=dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, device="cuda")).to(dtype)
+    beta = torch.rand(B, T, H, device="cuda").sigmoid().to(dtype)
+    h0 = torch.randn(N or B, H, K, V, device="cuda")
+    tensors = [q, k, v, g, beta]
+    for t in tensors:
+        t.requires_grad_(requires_grad)
+    return tensors, h0
+
+
+def check_against_naive():
+    """Ours vs the fp32 naive recurrence (B=1, T=300, H=2, K=V=128), forward and every gradient."""
+    (q, k, v, g, beta), h0 = make_inputs(1, 300, 2, 128, 128, dtype=torch.bfloat16, requires_grad=True)
+    h0.requires_grad_(True)
+    do = torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for name, fn in (("ours", chunk_gated_delta_rule), ("naive", naive_recurrent_gated_delta_rule)):
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+        o, ht = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+        (o.float() * do.float()).sum().add(ht.sum()).backward()
+        results[name] = [o, ht] + [t.grad for t in inputs]
+    names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    errs = {n: rel(a, b) for n, a, b in zip(names, results["ours"], results["naive"])}
+    print("ours vs naive fp32 (bf16 inputs):", ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+    worst_out = max(errs["o"], errs["final_state"])
+    worst_grad = max(v for n, v in errs.items() if n.startswith("d"))
+    if worst_out > 5e-3 or worst_grad > 1e-2:
+        raise SystemExit(f"correctness check failed (outputs {worst_out:.1e}, gradients {worst_grad:.1e})")
+
+
+def time_chunk(fn, B, T, H, D, cu_seqlens=None, N=None):
+    (q, k, v, g, beta), h0 = make_inputs(B, T, H, D, D, requires_grad=True, N=N)
+    do = torch.randn_like(v)
+    kwargs = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+    fwd = lambda: fn(q, k, v, g, beta, **kwargs)  # noqa: E731
+
+    def fwd_bwd():
+        o, _ = fn(q, k, v, g, beta, **kwargs)
+        o.backward(do)
+
+    with torch.no_grad():
+        t_fwd = do_bench(fwd)
+    return t_fwd, do_bench(fwd_bwd, grad_to_none=[q, k, v, g, beta])
+
+
+def time_sdpa(B, T, H, D):
+    q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    with torch.no_grad():
+        t_fwd = do_bench(fwd)
+    return t_fwd, do_bench(lambda: fwd().backward(do), grad_to_none=[q, k, v])
+
+
+def forward_agreement(fla_chunk, B, T, H, D, cu_seqlens=None, N=None) -> float:
+    (q, k, v, g, beta), h0 = make_inputs(B, T, H, D, D, N=N)
+    kwargs = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
+    o_fla, ht_fla = fla_chunk(q, k, v, g, beta, **kwargs)
+    return max(rel(o, o_fla), rel(ht, ht_fla))
+
+
+def time_decode(fn, B, H, D):
+    (q, k, v, g, beta), h0 = make_inputs(B, 1, H, D, D)
+    t = do_bench(lambda: fn(q, k, v, g, beta, initial_state=h0, output_final_state=True))
+    state_bytes = 2 * h0.numel() * 4  # read the fp32 state once, write it once
+    return t, state_bytes / (t * 1e-3) / 1e12
+
+
+def profile_kernels(B=8, T=2048, H=16, D=128):
+    """Per-kernel CUDA time of one forward+backward of ours (after a warm-up), to see where the time goes."""
+    (q, k, v, g, beta), h0 = make_inputs(B, T, H, D, D, requires_grad=True)
+    do = torch.randn_like(v)
+    for _ in range(2):
+        chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)[0].backward(do)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)[0].backward(do)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one small shape, fewer columns (smoke run)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print our per-kernel CUDA time for one forward+backward at B8 T2048 (tuning)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    fla_chunk, fla_fused = load_fla()
+    print(f"device: {torch.cuda.get_device_name()}")
+    check_against_naive()
+    if args.profile:
+        profile_kernels()
+
+    H, D = 16, 128
+    shapes = [("B8 T2048", 8, 2048), ("B2 T8192", 2, 8192)] if not args.quick else [("B2 T1024", 2, 1024)]
+    varlen = [4096, 1000, 2048, 512, 3000, 5728] if not args.quick else [700, 300, 1024]
+    rows = []
+    for label, B, T in shapes:
+        if fla_chunk is not None:
+            print(f"{label}: ours vs fla forward rel err {forward_agreement(fla_chunk, B, T, H, D):.1e}")
+        rows.append((label, "ours", *time_chunk(chunk_gated_delta_rule, B, T, H, D)))
+        if fla_chunk is not None:
+            rows.append((label, "fla 0.6 (bwd guard bypassed)", *time_chunk(fla_chunk, B, T, H, D)))
+        rows.append((label, "torch SDPA causal", *time_sdpa(B, T, H, D)))
+    cu = torch.tensor([0, *torch.tensor(varlen).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    label = f"varlen {len(varlen)} seqs, {sum(varlen)} tokens"
+    if fla_chunk is not None:
+        err = forward_agreement(fla_chunk, 1, sum(varlen), H, D, cu_seqlens=cu, N=len(varlen))
+        print(f"{label}: ours vs fla forward rel err {err:.1e}")
+    rows.append((label, "ours", *time_chunk(chunk_gated_delta_rule, 1, sum(varlen), H, D, cu, len(varlen))))
+    if fla_chunk is not None:
+        rows.append((label, "fla 0.6 (bwd guard bypassed)",
+                     *time_chunk(fla_chunk, 1, sum(varlen), H, D, cu, len(varlen))))
+    small = (1, 256, 4, 64)
+    rows.append(("B1 T256 H4 K=V=64 (small)", "naive torch", *time_chunk(naive_recurrent_gated_delta_rule, *small)))
+    rows.append(("B1 T256 H4 K=V=64 (small)", "ours", *time_chunk(chunk_gated_delta_rule, *small)))
+
+    decode_B = 256 if not args.quick else 32
+    decode = [("ours fused_recurrent", *time_decode(fused_recurrent_gated_delta_rule, decode_B, H, D))]
+    if fla_fused is not None:
+        decode.append(("fla 0.6 fused_recurrent", *time_decode(fla_fused, decode_B, H, D)))
+
+    print(f"\n## Gated delta rule, bf16, H={H}, K=V={D} ({torch.cuda.get_device_name()})\n")
+    print("| case | implementation | forward ms | forward+backward ms |")
+    print("| --- | --- | ---: | ---: |")
+    for case, impl, t_fwd, t_all in rows:
+        print(f"| {case} | {impl} | {t_fwd:.3f} | {t_all:.3f} |")
+    print(f"\n## Decode step, B={decode_B}, H={H}, K=V={D}, fp32 state in/out\n")
+    print(f"| implementation | ms | state TB/s | % of {COPY_CEILING_TBPS} TB/s copy |")
+    print("| --- | ---: | ---: | ---: |")
+    for impl, t, tbps in decode:
+        print(f"| {impl} | {t:.4f} | {tbps:.2f} | {100 * tbps / COPY_CEILING_TBPS:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()

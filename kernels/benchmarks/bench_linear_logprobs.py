@@ -1,0 +1,289 @@
+"""Benchmark linear_logprobs against torch naive, verl 0.9.1, CCE and Liger at bf16, H=4096, V=151936.
+
+Run on a CUDA machine from the repo root (peers optional: install/carry liger-kernel==0.8.5,
+cut-cross-entropy==25.1.1 and verl==0.9.1 --no-deps to get their rows):
+    PYTHONPATH=kernels python kernels/benchmarks/bench_linear_logprobs.py            # N = 8192, 32768
+    PYTHONPATH=kernels python kernels/benchmarks/bench_linear_logprobs.py --quick    # small smoke size
+    PYTHONPATH=kernels python kernels/benchmarks/bench_linear_logprobs.py --tune     # ours over tile shapes, N=8192
+First checks ours against an fp32 reference (outputs on 256 rows at the real shape, every gradient at N=512), then
+measures the bf16 GEMM rate with a large torch.matmul, then times each implementation (median of CUDA-event
+timings, fresh random inputs, never zeros): forward (no_grad, like the reference / old-logprob passes) and
+forward+backward, as ratios to the floors — 1 GEMM (2·N·H·V flops) for forward, 4 GEMMs for forward+backward —
+and the extra peak memory: max_memory_allocated − (memory before the call + the outputs and gradients it returns).
+Peers compute different things (CCE: logprob only; Liger: mean loss only; verl and ours: logprob + entropy), each
+called the way its docs show; a peer that fails to import or run is skipped with a note. verl's kernels import
+only verl.utils.device, so verl is loaded from its installed files with a stand-in for that module, without
+running verl/__init__.py. A markdown table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import statistics
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+from rltrain_kernels.ops.linear_logprobs import ChunkConfig, linear_logprobs, naive_linear_logprobs
+
+GiB = 2**30
+
+
+# ---------------------------------------------------------------------------------------------------- peers
+def torch_naive(hidden, weight, labels, temperature=1.0):
+    """What a plain PyTorch actor does: bf16 GEMM, fp32 logits materialised, log_softmax, gather, entropy."""
+    logits = (hidden @ weight.T).float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    logprobs = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logprobs, entropy
+
+
+def load_verl():
+    spec = importlib.util.find_spec("verl")   # finds the package without executing verl/__init__.py
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("verl is not installed")
+    root = Path(list(spec.submodule_search_locations)[0])
+    packages = (("verl", root), ("verl.utils", root / "utils"), ("verl.utils.kernel", root / "utils" / "kernel"))
+    for name, path in packages:
+        module = types.ModuleType(name)
+        module.__path__ = [str(path)]
+        sys.modules.setdefault(name, module)
+    device = types.ModuleType("verl.utils.device")   # the one verl module its kernels import
+    device.is_cuda_available = torch.cuda.is_available()
+    device.is_npu_available = False
+    device.get_device_name = lambda: "cuda"
+    device.get_torch_device = lambda: torch.cuda
+    device.get_device_id = lambda: torch.cuda.current_device()
+    device.get_device_capability = lambda *a: torch.cuda.get_device_capability(*a)
+    sys.modules["verl.utils.device"] = device
+    from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+
+    def verl_fn(hidden, weight, labels):
+        return linear_cross_entropy(hidden, weight, labels, 1.0, "none")
+
+    return verl_fn
+
+
+def load_cce():
+    from cut_cross_entropy import linear_cross_entropy
+
+    def cce_fn(hidden, weight, labels):   # per-token loss = −logprob
+        return (linear_cross_entropy(hidden, weight, labels, reduction="none"),)
+
+    return cce_fn
+
+
+def load_liger():
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    loss_module = LigerFusedLinearCrossEntropyLoss()
+
+    def liger_fn(hidden, weight, labels):   # mean loss only
+        out = loss_module(weight, hidden, labels)
+        out = out[0] if isinstance(out, tuple) else getattr(out, "loss", out)
+        return (out,)
+
+    return liger_fn
+
+
+def ours(return_entropy=True, config=None):
+    def fn(hidden, weight, labels):
+        logprobs, entropy = linear_logprobs(hidden, weight, labels, return_entropy=return_entropy,
+                                            chunk_config=config)
+        return (logprobs,) if entropy is None else (logprobs, entropy)
+
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+def make_inputs(n, vocab, hidden_size, logit_std=3.0):
+    hidden = torch.randn(n, hidden_size, device="cuda").to(torch.bfloat16)
+    weight = (torch.randn(vocab, hidden_size, device="cuda") * (logit_std / math.sqrt(hidden_size))).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    return hidden, weight, labels
+
+
+def median_ms(step, warmup=2, iters=7) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def gemm_rate(size=8192, k=8192) -> float:
+    """bf16 dense GEMM flop/s measured now, on this GPU: [2·size, k] @ [k, size]."""
+    a = torch.randn(2 * size, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, size, device="cuda", dtype=torch.bfloat16)
+    ms = median_ms(lambda: torch.matmul(a, b), warmup=5, iters=20)
+    return 2 * (2 * size) * k * size / (ms * 1e-3)
+
+
+def measure(fn, hidden, weight, labels, iters):
+    """(forward ms, forward+backward ms, extra peak bytes of forward+backward)."""
+    with torch.no_grad():
+        fwd_ms = median_ms(lambda: fn(hidden, weight, labels), iters=iters)
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    upstream = {}
+
+    def fwd_bwd():
+        h.grad = w.grad = None
+        outs = fn(h, w, labels)
+        grads = [upstream.setdefault(i, torch.randn_like(o)) for i, o in enumerate(outs)]
+        torch.autograd.backward(outs, grads)
+        return outs
+
+    both_ms = median_ms(fwd_bwd, iters=iters)
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    outs = fwd_bwd()
+    torch.cuda.synchronize()
+    returned = sum(o.numel() * o.element_size() for o in outs) + sum(
+        g.numel() * g.element_size() for g in (h.grad, w.grad) if g is not None)
+    extra = torch.cuda.max_memory_allocated() - before - returned
+    del outs
+    h.grad = w.grad = None
+    return fwd_ms, both_ms, extra
+
+
+# ---------------------------------------------------------------------------------------------------- checks
+def rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check_correctness(vocab, hidden_size):
+    """Ours vs fp32 dense: outputs on 256 rows of the real shape, every gradient at N=512."""
+    hidden, weight, labels = make_inputs(512, vocab, hidden_size)
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    lp, ent = linear_logprobs(h, w, labels)
+    g_lp, g_ent = torch.randn_like(lp), torch.randn_like(ent)
+    torch.autograd.backward([lp, ent], [g_lp, g_ent])
+    h32 = hidden.float().requires_grad_()
+    w32 = weight.float().requires_grad_()
+    ref_lp, ref_ent = naive_linear_logprobs(h32, w32, labels, compute_dtype=torch.float32)
+    torch.autograd.backward([ref_lp, ref_ent], [g_lp, g_ent])
+    errs = {"logprobs": rel(lp, ref_lp), "entropy": rel(ent, ref_ent), "grad_hidden": rel(h.grad, h32.grad),
+            "grad_weight": rel(w.grad, w32.grad)}
+    print("ours vs fp32 dense (bf16 inputs, N=512):", ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+    if max(errs.values()) > 1e-2:
+        raise SystemExit(f"correctness check failed: {errs}")
+    return errs
+
+
+def check_against_ours(name, fn, hidden, weight, labels, our_lp, our_ent) -> str:
+    """A peer's forward against ours on the same inputs (ours is checked against fp32 separately)."""
+    with torch.no_grad():
+        outs = fn(hidden, weight, labels)
+    if name.startswith("CCE"):
+        return f"logprob vs ours {rel(-outs[0], our_lp):.1e}"
+    if name.startswith("Liger"):
+        return f"mean loss vs ours {rel(outs[0], -our_lp.mean()):.1e}"
+    notes = [f"logprob vs ours {rel(outs[0], our_lp):.1e}"]
+    if len(outs) > 1:
+        notes.append(f"entropy vs ours {rel(outs[1], our_ent):.1e}")
+    return ", ".join(notes)
+
+
+TUNE_CONFIGS = [(2048, 16384, 2048), (2048, 16384, 1024), (2048, 16384, 4096), (4096, 8192, 2048),
+                (1024, 32768, 2048), (4096, 16384, 2048), (1024, 16384, 2048)]
+
+
+def tune(n, vocab, hidden_size, rate, iters):
+    """Ours at several tile shapes (the default first): fwd and fwd+bwd vs the floors, extra peak memory."""
+    hidden, weight, labels = make_inputs(n, vocab, hidden_size)
+    floor1 = 2 * n * hidden_size * vocab / rate * 1e3
+    print(f"\n| token_chunk | vocab_chunk | block_v | fwd / floor | fwd+bwd / floor | extra peak GiB |  (N={n})")
+    print("|---|---|---|---|---|---|")
+    for token_chunk, vocab_chunk, block_v in TUNE_CONFIGS:
+        config = ChunkConfig(token_chunk=token_chunk, vocab_chunk=vocab_chunk, block_v=block_v)
+        fwd_ms, both_ms, extra = measure(ours(True, config), hidden, weight, labels, iters)
+        print(f"| {token_chunk} | {vocab_chunk} | {block_v} | {fwd_ms / floor1:.3f} | {both_ms / (4 * floor1):.3f} "
+              f"| {extra / GiB:.3f} |", flush=True)
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------- main
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke size: N=2048, V=32000, H=1024")
+    parser.add_argument("--tokens", type=int, nargs="*", default=None, help="override the N values")
+    parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--tune", action="store_true",
+                        help="instead: time ours over a few tile shapes (token_chunk, vocab_chunk, block_v)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    vocab, hidden_size, tokens = (32000, 1024, [2048]) if args.quick else (151936, 4096, [8192, 32768])
+    tokens = args.tokens or tokens
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    check_correctness(vocab, hidden_size)
+    rate = gemm_rate()
+    print(f"bf16 GEMM rate: {rate / 1e12:.0f} TFLOP/s")
+
+    if args.tune:
+        return tune(tokens[0], vocab, hidden_size, rate, args.iters)
+    impls = [("ours (logprob+entropy)", ours(True)), ("ours (logprob only)", ours(False)),
+             ("torch naive (fp32 logits)", torch_naive)]
+    if not args.no_peers:
+        for name, loader in (("verl 0.9.1 (logprob+entropy)", load_verl), ("CCE (logprob only)", load_cce),
+                             ("Liger FLCE (mean loss only)", load_liger)):
+            try:
+                impls.append((name, loader()))
+            except Exception as err:  # noqa: BLE001 - any import failure just drops the row
+                print(f"skipping {name}: {type(err).__name__}: {err}")
+
+    rows = []
+    for n in tokens:
+        hidden, weight, labels = make_inputs(n, vocab, hidden_size)
+        floor1 = 2 * n * hidden_size * vocab / rate * 1e3
+        with torch.no_grad():
+            our_lp, our_ent = linear_logprobs(hidden, weight, labels)
+            ref_lp, ref_ent = naive_linear_logprobs(hidden[:256], weight, labels[:256], compute_dtype=torch.float32)
+        print(f"N={n}: ours vs fp32 dense on 256 rows: logprobs {rel(our_lp[:256], ref_lp):.1e}, "
+              f"entropy {rel(our_ent[:256], ref_ent):.1e}")
+        for name, fn in impls:
+            naive_bytes = 5 * n * vocab * 4   # logits, log_softmax, exp, product, grad: ~5 fp32 N×V tensors
+            if fn is torch_naive and naive_bytes > torch.cuda.mem_get_info()[0] * 0.9:
+                print(f"skipping {name} at N={n}: needs ~{naive_bytes / GiB:.0f} GiB")
+                continue
+            try:
+                note = check_against_ours(name, fn, hidden, weight, labels, our_lp, our_ent)
+                fwd_ms, both_ms, extra = measure(fn, hidden, weight, labels, args.iters)
+            except Exception as err:  # noqa: BLE001
+                print(f"{name} failed at N={n}: {type(err).__name__}: {err}")
+                torch.cuda.empty_cache()
+                continue
+            rows.append((n, name, fwd_ms, fwd_ms / floor1, both_ms, both_ms / (4 * floor1), extra / GiB, note))
+            print(f"N={n} {name}: fwd {fwd_ms:.1f} ms ({fwd_ms / floor1:.2f}x), fwd+bwd {both_ms:.1f} ms "
+                  f"({both_ms / (4 * floor1):.2f}x), extra peak {extra / GiB:.3f} GiB  {note}", flush=True)
+            torch.cuda.empty_cache()
+        del hidden, weight, labels
+
+    print(f"\nbf16, H={hidden_size}, V={vocab}; GEMM rate {rate / 1e12:.0f} TFLOP/s; floors: fwd = 1 GEMM, "
+          f"fwd+bwd = 4 GEMMs (2·N·H·V flops each)\n")
+    print("| N | implementation | fwd ms | fwd / 1-GEMM floor | fwd+bwd ms | fwd+bwd / 4-GEMM floor | "
+          "extra peak GiB | forward check |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n, name, fwd_ms, r1, both_ms, r4, extra, note in rows:
+        print(f"| {n} | {name} | {fwd_ms:.1f} | {r1:.2f} | {both_ms:.1f} | {r4:.2f} | {extra:.3f} | {note} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""Benchmark: fused_policy_loss vs the torch naive loss (materialised logits) vs Liger's LigerFusedLinearGRPOLoss.
+
+    PYTHONPATH=kernels python kernels/benchmarks/bench_policy_loss.py          # B=8 T=1024 H=4096 V=151936 bf16,
+                                                                                # then B=16 T=4096
+    PYTHONPATH=kernels python kernels/benchmarks/bench_policy_loss.py --quick  # small shapes, a smoke run
+
+Run from the repo root on a CUDA machine (~3 min, most of it Liger and its torch.compile warm-up).
+Liger (carry/install liger-kernel==0.8.5 --no-deps) is optional: its rows are skipped when it does not import.
+Same options for all three: PPO clip 0.2/0.2, k3 KL vs ref with coefficient 0.04, token-mean (Liger: "bnpo"),
+advantages [B], temperature 1. Inputs are fresh random tensors (never zeros): logits with std ≈ 2, ~25% of each
+row masked as prompt/padding, old/ref logprobs = the true logp + N(0, 0.1²).
+
+Per method: forward+backward median time (CUDA events, after warm-up; the grads are reset each step), extra peak
+memory beyond the inputs (it includes grad_hidden and grad_weight, which every method produces) and the part of it
+beyond those two gradients; the ratio to the 3-GEMM floor, 3·2·N·H·V flops at the bf16 GEMM rate measured in the
+same run on an 8192³ matmul. Correctness vs naive is checked first (loss, grad_hidden, grad_weight). A markdown
+table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import statistics
+
+import torch
+
+from rltrain_kernels.ops.policy_loss import PolicyLossChunkConfig, fused_policy_loss
+
+OPTIONS = dict(clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_type="k3", loss_agg="token-mean")
+
+
+def make_inputs(B, T, H, V, device="cuda", dtype=torch.bfloat16):
+    hidden = torch.randn(B, T, H, device=device, dtype=dtype)
+    weight = (torch.randn(V, H, device=device) * (2.0 / math.sqrt(H))).to(dtype)
+    labels = torch.randint(0, V, (B, T), device=device)
+    starts = torch.randint(0, T // 4 + 1, (B, 1), device=device)          # prompt tokens: masked out
+    ends = torch.randint(3 * T // 4, T + 1, (B, 1), device=device)         # padding after the response
+    pos = torch.arange(T, device=device)
+    mask = (pos >= starts) & (pos < ends)
+    advantages = torch.randn(B, device=device)
+    with torch.no_grad():
+        logp = fused_policy_loss(hidden, weight, labels, mask, advantages, torch.zeros(B, T, device=device)).logprobs
+    old = logp + 0.1 * torch.randn_like(logp)
+    ref = logp + 0.1 * torch.randn_like(logp)
+    return dict(hidden=hidden, weight=weight, labels=labels, mask=mask, advantages=advantages, old=old, ref=ref)
+
+
+def naive_loss(hidden, weight, labels, mask, advantages, old, ref):
+    """What a trainer does without fusion (verl-style): bf16 logits, fp32 log-softmax, entropy for the metric."""
+    logits = (hidden @ weight.T).float()
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logp = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+    m = mask.float()
+    ratio = torch.exp(logp - old)
+    adv = advantages.unsqueeze(1)
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - OPTIONS["clip_low"], 1 + OPTIONS["clip_high"]))
+    kl = torch.exp(ref - logp) - (ref - logp) - 1
+    loss = ((pg + OPTIONS["kl_coef"] * kl) * m).sum() / m.sum()
+    with torch.no_grad():
+        _ = ((entropy * m).sum() / m.sum()).item()
+    return loss
+
+
+def ours(config):
+    def run(hidden, weight, labels, mask, advantages, old, ref):
+        return fused_policy_loss(hidden, weight, labels, mask, advantages, old, ref, chunk_config=config,
+                                 **OPTIONS).loss
+    return run
+
+
+def ours_gspo(config):
+    def run(hidden, weight, labels, mask, advantages, old, ref):
+        opts = dict(OPTIONS, importance_level="sequence", loss_agg="seq-mean-token-mean")
+        return fused_policy_loss(hidden, weight, labels, mask, advantages, old, ref, chunk_config=config,
+                                 **opts).loss
+    return run
+
+
+def liger():
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    except Exception as err:   # noqa: BLE001  (any import failure: skip the peer)
+        print(f"liger-kernel unavailable ({type(err).__name__}: {err}); skipping its rows")
+        return None
+    module = LigerFusedLinearGRPOLoss(beta=OPTIONS["kl_coef"], compiled=True, use_ref_model=True, chunk_size=1,
+                                      epsilon_low=OPTIONS["clip_low"], epsilon_high=OPTIONS["clip_high"],
+                                      loss_type="bnpo", temperature=1.0)
+
+    def run(hidden, weight, labels, mask, advantages, old, ref):
+        loss, _metrics = module(hidden, weight, labels, mask.to(torch.int64), advantages,
+                                ref_per_token_logps=ref, old_per_token_logps=old)
+        return loss
+    return run
+
+
+def fwd_bwd(fn, inputs):
+    inputs["hidden"].grad = inputs["weight"].grad = None
+    fn(**inputs).backward()
+
+
+def measure(fn, inputs, warmup, repeats):
+    """(median ms, extra peak bytes) of one forward+backward."""
+    for _ in range(warmup):
+        fwd_bwd(fn, inputs)
+    times = []
+    for _ in range(repeats):
+        inputs["hidden"].grad = inputs["weight"].grad = None
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(**inputs).backward()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    inputs["hidden"].grad = inputs["weight"].grad = None
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd_bwd(fn, inputs)
+    torch.cuda.synchronize()
+    return statistics.median(times), torch.cuda.max_memory_allocated() - base
+
+
+def gemm_rate(n=8192, repeats=20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n**3 * repeats / (start.elapsed_time(end) * 1e-3)
+
+
+def grads_of(fn, inputs):
+    fwd_bwd(fn, inputs)
+    out = (inputs["hidden"].grad.float(), inputs["weight"].grad.float())
+    inputs["hidden"].grad = inputs["weight"].grad = None
+    return out
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def check(name, fn, expected, inputs):
+    """Max relative error vs the naive loss over (loss, grad_hidden, grad_weight)."""
+    loss = fn(**inputs)
+    gh, gw = grads_of(fn, inputs)
+    err = max(abs(loss.item() - expected[0]) / max(abs(expected[0]), 0.1), rel(gh, expected[1]), rel(gw, expected[2]))
+    status = "ok" if err < 2e-2 else "MISMATCH"
+    print(f"  check {name}: max rel err vs naive {err:.2e} ({status})")
+    return err
+
+
+def run_case(label, B, T, H, V, methods, rate, warmup, repeats, with_naive):
+    print(f"\n== {label}: B={B} T={T} H={H} V={V} bf16 ==")
+    inputs = make_inputs(B, T, H, V)
+    inputs["hidden"].requires_grad_()
+    inputs["weight"].requires_grad_()
+    floor_ms = 3 * 2 * B * T * H * V / rate * 1e3
+    grad_bytes = inputs["hidden"].numel() * 2 + inputs["weight"].numel() * 2
+    rows, expected = [], None
+    if with_naive:
+        try:
+            loss = naive_loss(**inputs)
+            expected = (loss.item(), *grads_of(naive_loss, inputs))
+            methods = [("torch naive", naive_loss)] + methods
+        except torch.cuda.OutOfMemoryError:
+            print("  torch naive: OOM")
+            rows.append((label, "torch naive", None, None, None, None))
+            inputs["hidden"].grad = inputs["weight"].grad = None
+            gc.collect()
+            torch.cuda.empty_cache()
+    for name, fn in methods:
+        comparable = expected is not None and name != "torch naive" and "GSPO" not in name   # naive is token-level
+        err = check(name, fn, expected, inputs) if comparable else None
+        try:
+            ms, peak = measure(fn, inputs, warmup, repeats)
+        except torch.cuda.OutOfMemoryError:
+            print(f"  {name}: OOM")
+            rows.append((label, name, None, None, None, err))
+            inputs["hidden"].grad = inputs["weight"].grad = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
+        print(f"  {name}: {ms:.1f} ms ({ms / floor_ms:.2f}x floor {floor_ms:.1f} ms), extra peak "
+              f"{peak / 2**30:.2f} GiB ({(peak - grad_bytes) / 2**30:.2f} GiB beyond the grads)")
+        rows.append((label, name, ms, ms / floor_ms, peak, err))
+        gc.collect()
+        torch.cuda.empty_cache()
+    del inputs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows, floor_ms, grad_bytes
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes, fewer repeats")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--token-chunks", default="1024,2048,512",
+                        help="rows per chunk to time for ours at the main size (first = the default config)")
+    parser.add_argument("--no-liger", action="store_true")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    torch.manual_seed(0)
+    repeats = args.repeats or (3 if args.quick else 7)
+    warmup = 1 if args.quick else 2
+    rate = gemm_rate(4096 if args.quick else 8192)
+    print(f"{torch.cuda.get_device_name()}: bf16 GEMM {rate / 1e12:.0f} TFLOP/s; torch {torch.__version__}")
+    main_shape = (2, 512, 1024, 32000) if args.quick else (8, 1024, 4096, 151936)
+    big_shape = (4, 2048, 1024, 32000) if args.quick else (16, 4096, 4096, 151936)
+
+    chunks = [int(c) for c in args.token_chunks.split(",") if c]
+    methods = [(f"ours (rows={c})", ours(PolicyLossChunkConfig(token_chunk=c))) for c in chunks]
+    methods.append((f"ours GSPO (rows={chunks[0]})", ours_gspo(PolicyLossChunkConfig(token_chunk=chunks[0]))))
+    liger_fn = None if args.no_liger else liger()
+    if liger_fn is not None:
+        methods.append(("Liger GRPO (chunk_size=1)", liger_fn))
+    table = []
+    rows, floor_ms, grad_bytes = run_case("main", *main_shape, methods, rate, warmup, repeats, with_naive=True)
+    table += [(r, floor_ms, grad_bytes) for r in rows]
+    big_methods = [(f"ours (rows={chunks[0]})", ours(PolicyLossChunkConfig(token_chunk=chunks[0]))),
+                   (f"ours GSPO (rows={chunks[0]}, two-pass)", ours_gspo(PolicyLossChunkConfig(token_chunk=chunks[0])))]
+    rows, floor_ms, grad_bytes = run_case("large", *big_shape, big_methods, rate, warmup, max(2, repeats // 2),
+                                          with_naive=True)
+    table += [(r, floor_ms, grad_bytes) for r in rows]
+
+    print("\n| shape | method | fwd+bwd ms | × 3-GEMM floor | extra peak GiB | beyond grads GiB | rel err vs naive |")
+    print("|---|---|---|---|---|---|---|")
+    shapes = {"main": main_shape, "large": big_shape}
+    for (label, name, ms, ratio, peak, err), floor_ms, grad_bytes in table:
+        B, T, H, V = shapes[label]
+        shape = f"B={B} T={T} H={H} V={V} (floor {floor_ms:.1f} ms)"
+        if ms is None:
+            print(f"| {shape} | {name} | OOM | | | | |")
+            continue
+        err_s = "—" if err is None else f"{err:.1e}"
+        print(f"| {shape} | {name} | {ms:.1f} | {ratio:.2f} | {peak / 2**30:.2f} | "
+              f"{(peak - grad_bytes) / 2**30:.2f} | {err_s} |")
+
+
+if __name__ == "__main__":
+    main()

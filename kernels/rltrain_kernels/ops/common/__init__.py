@@ -1,0 +1,14 @@
+"""Chunk machinery shared by the delta-rule family (gated delta rule, IPLR, gated delta product).
+
+- `chunking`: chunk bookkeeping for packed variable-length batches (cu_seqlens → per-chunk sequence/offset).
+- `cumsum`: chunk-local (reverse) cumulative sums of log gates.
+- `wy`: the WY representation of a chunk's Householder products (A, the UT transform
+  T = (I + A)⁻¹ in registers via `solve_unit_lower`, w, u);
+  `wy_bwd`: its backward.
+- `state_pass`: the sequential inter-chunk state recurrence, forward and backward.
+
+Everything works on the flattened token axis: [1, total_tokens, heads, dim] with cu_seqlens (a non-varlen batch
+is the packed batch with equal lengths). For reuse (IPLR, gated delta product): `solve_unit_lower` is a
+`@triton.jit` helper any kernel can call on its own strictly lower [64, 64] tile; the state pass takes w, u, k and
+an optional gate cumsum (G=None for ungated ops).
+"""

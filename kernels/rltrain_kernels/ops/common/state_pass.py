@@ -1,0 +1,164 @@
+"""The sequential inter-chunk state pass of the chunked delta rule, forward and backward.
+
+Forward, per (sequence, value head, V block), chunk by chunk with the [K, BV] fp32 state S in registers:
+    store S (the state at the chunk's start, for the output pass and the backward)
+    δ = u − w S                                  (the chunk's corrected values, "v_new")
+    S ← γ_last S + (diag(exp(G_last − G)) K)ᵀ δ   (γ_last = exp(G_last), the chunk's total decay)
+
+Backward, chunks in reverse, with dS = ∂L/∂(state at the chunk's end) (the final-state gradient to start):
+    store dS (per chunk: the gradient of the state the chunk hands on)
+    dδ = Pᵀ dO + diag(exp(G_last − G)) K dS,      P_ij = scale q_iᵀk_j exp(G_i − G_j) (j ≤ i)
+    dS ← γ_last dS + scale (diag(γ) Q)ᵀ dO − wᵀ dδ
+and the dS left after the first chunk is the initial-state gradient.
+See common/wy.py for the dot precision choice (DOT_PREC).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunking import ChunkLayout
+from .wy import dot_precision
+
+
+@triton.jit
+def state_pass_fwd_kernel(
+    k, w, u, G, h, v_new, h0, ht, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences × heads on axis 0 (no 65535 limit)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_i, o_k = tl.arange(0, BT), tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_h = m_k[:, None] & m_v[None, :]
+    state_offset = o_k[:, None] * V + o_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        b_h += tl.load(h0 + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, mask=m_h, other=0.0)
+    for i_t in range(tl.cdiv(eos - bos, BT)):
+        tl.store(h + ((c0 + i_t) * HV + i_hv) * K * V + state_offset, b_h, mask=m_h)
+        o_t = bos + i_t * BT + o_i
+        m_t = o_t < eos
+        b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                      other=0.0).to(tl.float32)
+        p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
+        b_u = tl.load(u + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_v = b_u - tl.dot(b_w, b_h, input_precision=DOT_PREC)
+        tl.store(v_new + p_v, b_v, mask=m_t[:, None] & m_v[None, :])
+        if USE_G:
+            last = tl.minimum(bos + (i_t + 1) * BT, eos) - 1
+            b_G_last = tl.load(G + last * HV + i_hv)
+            b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
+            b_v = b_v * tl.where(m_t, tl.exp(b_G_last - b_G), 0.0)[:, None]
+            b_h *= tl.exp(b_G_last)
+        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                      other=0.0).to(tl.float32)
+        b_h += tl.dot(tl.trans(b_k), b_v, input_precision=DOT_PREC)
+    if STORE_FINAL_STATE:
+        tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, b_h, mask=m_h)
+
+
+@triton.jit
+def state_pass_bwd_kernel(
+    q, k, w, G, do, dv, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
+    STORE_INITIAL_STATE_GRADIENT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences × heads on axis 0 (no 65535 limit)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_i, o_k = tl.arange(0, BT), tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_h = m_k[:, None] & m_v[None, :]
+    state_offset = o_k[:, None] * V + o_v[None, :]
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_FINAL_STATE_GRADIENT:
+        b_dh += tl.load(dht + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, mask=m_h, other=0.0)
+    NT = tl.cdiv(eos - bos, BT)
+    for i_r in range(NT):
+        i_t = NT - 1 - i_r
+        tl.store(dh + ((c0 + i_t) * HV + i_hv) * K * V + state_offset, b_dh, mask=m_h)
+        o_t = bos + i_t * BT + o_i
+        m_t = o_t < eos
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
+        b_do = tl.load(do + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        # Pᵀ[j, i] = scale k_jᵀq_i exp(G_i − G_j) for i ≥ j.
+        m_A = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+        b_At = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * scale
+        if USE_G:
+            last = tl.minimum(bos + (i_t + 1) * BT, eos) - 1
+            b_G_last = tl.load(G + last * HV + i_hv)
+            b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
+            b_At = b_At * tl.exp(tl.where(m_A, b_G[None, :] - b_G[:, None], 0.0))
+            b_kd = b_k * tl.where(m_t, tl.exp(b_G_last - b_G), 0.0)[:, None]
+            b_qd = b_q * (tl.exp(b_G) * scale)[:, None]
+        else:
+            b_kd = b_k
+            b_qd = b_q * scale
+        b_At = tl.where(m_A, b_At, 0.0)
+        b_dv = tl.dot(b_At, b_do, input_precision=DOT_PREC) + tl.dot(b_kd, b_dh, input_precision=DOT_PREC)
+        tl.store(dv + p_v, b_dv, mask=m_t[:, None] & m_v[None, :])
+        if USE_G:
+            b_dh *= tl.exp(b_G_last)
+        b_dh += tl.dot(tl.trans(b_qd), b_do, input_precision=DOT_PREC)
+        b_dh -= tl.dot(tl.trans(b_w), b_dv, input_precision=DOT_PREC)
+    if STORE_INITIAL_STATE_GRADIENT:
+        tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, b_dh, mask=m_h)
+
+
+def _state_blocks(K: int, V: int) -> tuple[int, int]:
+    if K > 256:
+        raise ValueError(f"the chunked state pass keeps the whole key dim in registers: K={K} must be <= 256")
+    # BV=32: a [128, 32] fp32 state tile plus [64, 128] operand tiles fit 4 warps without spilling (K=128).
+    return triton.next_power_of_2(K), min(32, triton.next_power_of_2(V))
+
+
+def state_pass_fwd(k, w, u, G, initial_state, output_final_state: bool, layout: ChunkLayout):
+    """→ (h [chunks, HV, K, V] fp32 chunk-start states, v_new [tokens, HV, V] fp32, final state or None)."""
+    TT, H, K = k.shape
+    HV, V = u.shape[1], u.shape[2]
+    N = layout.num_seqs
+    BK, BV = _state_blocks(K, V)
+    h = torch.empty(layout.num_chunks, HV, K, V, dtype=torch.float32, device=k.device)
+    v_new = torch.empty(TT, HV, V, dtype=torch.float32, device=k.device)
+    ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
+    state_pass_fwd_kernel[(N * HV, triton.cdiv(V, BV))](
+        k, w, u, G, h, v_new, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, HV=HV, K=K, V=V,
+        BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None, USE_INITIAL_STATE=initial_state is not None,
+        STORE_FINAL_STATE=output_final_state, DOT_PREC=dot_precision(k.dtype), num_warps=4)
+    return h, v_new, ht
+
+
+def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: ChunkLayout):
+    """→ (dh [chunks, HV, K, V] fp32: gradient of each chunk's end state, dv [tokens, HV, V] fp32: ∂L/∂δ,
+    dh0 [N, HV, K, V] fp32 or None)."""
+    TT, H, K = k.shape
+    HV, V = do.shape[1], do.shape[2]
+    N = layout.num_seqs
+    BK, BV = _state_blocks(K, V)
+    dh = torch.empty(layout.num_chunks, HV, K, V, dtype=torch.float32, device=k.device)
+    dv = torch.empty(TT, HV, V, dtype=torch.float32, device=k.device)
+    dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if need_dh0 else None
+    state_pass_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
+        q, k, w, G, do, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V,
+        BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
+        STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=dot_precision(q.dtype), num_warps=4)
+    return dh, dv, dh0

@@ -1,0 +1,128 @@
+"""WY / UT-transform representation of a chunk of gated delta-rule updates (forward).
+
+Within a chunk (local index i, chunk-local cumulative gate G_i, γ_i = exp(G_i)) the updates compose to
+    S_i = γ_i S_0 + Σ_{j≤i} exp(G_i − G_j) k_j δ_jᵀ,   δ = u − w S_0,
+with  A_ij = β_i exp(G_i − G_j) k_iᵀk_j (i > j, else 0),  T = (I + A)⁻¹  (unit lower triangular),
+      w = T diag(β γ) K,   u = T diag(β) V.
+This module builds A, solves for T in registers (forward substitution, one row per step) and forms w and u.
+T is stored (fp32, [tokens, heads, chunk]) so the backward can rebuild w and u without the solve.
+
+Dot precision: operands stay fp32; `DOT_PREC` is "ieee" for fp32 inputs (exact fp32, as the interpreter does)
+and "tf32" for bf16/fp16 inputs (bf16 values are exact in tf32, products accumulate in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunking import ChunkLayout
+
+
+@triton.jit
+def solve_unit_lower(b_A, BT: tl.constexpr, SOLVE_PREC: tl.constexpr):
+    """(I + A)⁻¹ for a strictly lower triangular [BT, BT] fp32 tile A (BT ≤ 64, a multiple of 16).
+
+    1. The four 16×16 diagonal blocks D at once by forward substitution (15 steps instead of 63: the selected
+       rows r, 16+r, 32+r, 48+r live in disjoint column blocks, so one masked reduction carries all four):
+       row i of T_D − I is −D_i − Σ_{l<i} D_il (T_D − I)_l, rows l < i already in place.
+    2. With L = A − D (strictly block-lower) and M = T_D L: I + A = (I + D)(I + M), M⁴ = 0, so
+       T = (I + M)⁻¹ T_D = (I − M)(I + M²) T_D: four [BT, BT] dots.
+    """
+    o_i = tl.arange(0, BT)
+    same_block = (o_i // 16)[:, None] == (o_i // 16)[None, :]
+    b_T = -tl.where(same_block, b_A, 0.0)
+    for r in range(1, 16):
+        sel = (o_i % 16) == r
+        row = tl.sum(tl.where(sel[:, None], b_T, 0.0), 0)
+        row = row + tl.sum(row[:, None] * b_T, 0)
+        b_T = tl.where(sel[:, None] & same_block, row[None, :], b_T)
+    b_TD = b_T + (o_i[:, None] == o_i[None, :]).to(tl.float32)
+    b_M = tl.dot(b_TD, tl.where(same_block, 0.0, b_A), input_precision=SOLVE_PREC)
+    b_X = b_TD + tl.dot(tl.dot(b_M, b_M, input_precision=SOLVE_PREC), b_TD, input_precision=SOLVE_PREC)
+    return b_X - tl.dot(b_M, b_X, input_precision=SOLVE_PREC)
+
+
+@triton.jit
+def gated_wy_fwd_kernel(
+    k, v, beta, G, Ai, w, u, cu_seqlens, chunk_indices,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, LOAD_AI: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr,
+    SOLVE_PREC: tl.constexpr,
+):
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    o_i = tl.arange(0, BT)
+    o_t = bos + i_t * BT + o_i
+    m_t = o_t < eos
+    b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    if USE_G:
+        b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
+    else:
+        b_G = tl.zeros([BT], dtype=tl.float32)
+    p_Ai = Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :]
+    if LOAD_AI:
+        b_T = tl.load(p_Ai, mask=m_t[:, None], other=0.0)
+    else:
+        b_A = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :],
+                          mask=m_t[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
+            b_A += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)
+        m_A = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
+        b_A = tl.where(m_A, b_A * b_beta[:, None] * tl.exp(tl.where(m_A, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+        b_T = solve_unit_lower(b_A, BT, SOLVE_PREC)
+        tl.store(p_Ai, b_T, mask=m_t[:, None])
+    b_kscale = b_beta * tl.exp(b_G)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = m_t[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+        b_w = tl.dot(b_T, b_k * b_kscale[:, None], input_precision=DOT_PREC)
+        tl.store(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_k)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = m_t[:, None] & (o_v < V)[None, :]
+        b_v = tl.load(v + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_v, other=0.0).to(tl.float32)
+        b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT_PREC)
+        tl.store(u + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """'ieee' for fp32 inputs (fp32 results), 'tf32' when the inputs are bf16/fp16 (see the module docstring)."""
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def solve_precision(dtype: torch.dtype) -> str:
+    """The solve's block merges use 'tf32x3' (≈ fp32 accuracy on tensor cores) for bf16/fp16 inputs: T feeds every
+    later stage, so its error is kept below tf32's 2⁻¹¹; 'ieee' for fp32 inputs."""
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32x3"
+
+
+def gated_wy_fwd(k, v, beta, G, layout: ChunkLayout, Ai=None):
+    """k [tokens, H, K], v [tokens, HV, V], beta/G [tokens, HV] (G fp32 chunk-local cumsum or None) →
+    (Ai [tokens, HV, BT] fp32 = T, w [tokens, HV, K] fp32, u [tokens, HV, V] fp32). With Ai given, skip the
+    solve and only rebuild w and u (the backward's recomputation)."""
+    TT, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    BT = layout.chunk_size
+    if BT % 16 or not 16 <= BT <= 64:
+        raise ValueError(f"chunk_size must be 16, 32, 48 or 64 (the solve works in 16-row blocks), got {BT}")
+    load_ai = Ai is not None
+    if Ai is None:
+        Ai = torch.empty(TT, HV, BT, dtype=torch.float32, device=k.device)
+    w = torch.empty(TT, HV, K, dtype=torch.float32, device=k.device)
+    u = torch.empty(TT, HV, V, dtype=torch.float32, device=k.device)
+    if layout.num_chunks:
+        gated_wy_fwd_kernel[(layout.num_chunks, HV)](
+            k, v, beta, G, Ai, w, u, layout.cu_seqlens, layout.chunk_indices, H=H, HV=HV, K=K, V=V, BT=BT,
+            BK=min(64, triton.next_power_of_2(K)), BV=min(64, triton.next_power_of_2(V)), LOAD_AI=load_ai,
+            USE_G=G is not None, DOT_PREC=dot_precision(k.dtype),
+            SOLVE_PREC=solve_precision(k.dtype))
+    return Ai, w, u

@@ -1,0 +1,108 @@
+"""Backward of the WY / UT representation (common/wy.py): from dw, du to dk, dv, dβ and the chunk-local gate
+cumsum gradient dG, using the stored T = (I + A)⁻¹.
+
+With K̃ = diag(βγ) K, Ṽ = diag(β) V, w = T K̃, u = T Ṽ:
+    dK̃ = Tᵀ dw,  dṼ = Tᵀ du,  dT = dw K̃ᵀ + du Ṽᵀ,  dA = −Tᵀ dT Tᵀ restricted to the strict lower triangle,
+and with A_ij = β_i exp(G_i − G_j) k_iᵀk_j:
+    dk += βγ ⊙ dK̃ + (dA ⊙ β_i e^{G_i−G_j}) K + (dA ⊙ β_i e^{G_i−G_j})ᵀ K,   dv = β ⊙ dṼ
+    dβ_i = Σ dK̃_i ⊙ γ_i k_i + Σ dṼ_i ⊙ v_i + Σ_j dA_ij e^{G_i−G_j} k_iᵀk_j
+    dG_i += β_iγ_i Σ dK̃_i ⊙ k_i + Σ_j (dA ⊙ A)_ij − Σ_j (dA ⊙ A)_ji
+One program per (chunk, value head); two sweeps over K/V blocks (the first accumulates dT, the second writes).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunking import ChunkLayout
+from .wy import dot_precision
+
+
+@triton.jit
+def gated_wy_bwd_kernel(
+    k, v, beta, G, Ai, dw, du, dk, dv, dbeta, dG, cu_seqlens, chunk_indices,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    o_i = tl.arange(0, BT)
+    o_t = bos + i_t * BT + o_i
+    m_t = o_t < eos
+    b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    if USE_G:
+        b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
+    else:
+        b_G = tl.zeros([BT], dtype=tl.float32)
+    b_gamma = tl.exp(b_G)
+    b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+    b_dT = tl.zeros([BT, BT], dtype=tl.float32)
+    b_KK = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = m_t[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+        b_dw = tl.load(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_k, other=0.0)
+        b_dT += tl.dot(b_dw, tl.trans(b_k * (b_beta * b_gamma)[:, None]), input_precision=DOT_PREC)
+        b_KK += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = m_t[:, None] & (o_v < V)[None, :]
+        p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
+        b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
+        b_du = tl.load(du + p_v, mask=m_v, other=0.0)
+        b_dT += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]), input_precision=DOT_PREC)
+        b_dvt = tl.dot(tl.trans(b_T), b_du, input_precision=DOT_PREC)
+        b_dbeta += tl.sum(b_dvt * b_v, 1)
+        tl.store(dv + p_v, b_dvt * b_beta[:, None], mask=m_v)
+    # dA = −Tᵀ dT Tᵀ on the strict lower triangle.
+    m_A = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_dA = tl.dot(tl.dot(tl.trans(b_T), b_dT, input_precision=DOT_PREC), tl.trans(b_T), input_precision=DOT_PREC)
+    b_E = tl.where(m_A, tl.exp(tl.where(m_A, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+    b_dA = tl.where(m_A, -b_dA, 0.0)
+    b_dAE = b_dA * b_E  # ∂L/∂(β_i k_iᵀk_j) without β
+    b_dbeta += tl.sum(b_dAE * b_KK, 1)
+    b_dAA = b_dAE * b_KK * b_beta[:, None]  # dA ⊙ A
+    b_dG = tl.sum(b_dAA, 1) - tl.sum(b_dAA, 0)
+    b_B = b_dAE * b_beta[:, None]
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = m_t[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+        p_k = (o_t[:, None] * HV + i_hv) * K + o_k[None, :]
+        b_dw = tl.load(dw + p_k, mask=m_k, other=0.0)
+        b_dkt = tl.dot(tl.trans(b_T), b_dw, input_precision=DOT_PREC)
+        b_dkt_k = tl.sum(b_dkt * b_k, 1)
+        b_dbeta += b_dkt_k * b_gamma
+        b_dG += b_dkt_k * b_gamma * b_beta
+        b_dk = tl.load(dk + p_k, mask=m_k, other=0.0)
+        b_dk += b_dkt * (b_beta * b_gamma)[:, None]
+        b_dk += tl.dot(b_B, b_k, input_precision=DOT_PREC) + tl.dot(tl.trans(b_B), b_k, input_precision=DOT_PREC)
+        tl.store(dk + p_k, b_dk, mask=m_k)
+    tl.store(dbeta + o_t * HV + i_hv, b_dbeta, mask=m_t)
+    if USE_G:
+        b_dG += tl.load(dG + o_t * HV + i_hv, mask=m_t, other=0.0)
+        tl.store(dG + o_t * HV + i_hv, b_dG, mask=m_t)
+
+
+def gated_wy_bwd(k, v, beta, G, Ai, dw, du, dk, dG, layout: ChunkLayout):
+    """Adds the WY backward into dk [tokens, HV, K] fp32 and dG [tokens, HV] fp32 (in place);
+    returns (dv [tokens, HV, V] fp32, dbeta [tokens, HV] fp32)."""
+    TT, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    dv = torch.empty(TT, HV, V, dtype=torch.float32, device=k.device)
+    dbeta = torch.empty(TT, HV, dtype=torch.float32, device=k.device)
+    if layout.num_chunks:
+        gated_wy_bwd_kernel[(layout.num_chunks, HV)](
+            k, v, beta, G, Ai, dw, du, dk, dv, dbeta, dG, layout.cu_seqlens, layout.chunk_indices,
+            H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=min(64, triton.next_power_of_2(K)),
+            BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None, DOT_PREC=dot_precision(k.dtype),
+            num_warps=8)  # four [64, 64] fp32 tiles live at once (T, dT, KK, dA); untimed
+    return dv, dbeta

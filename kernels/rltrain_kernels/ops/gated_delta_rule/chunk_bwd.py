@@ -1,0 +1,122 @@
+"""Chunked gated delta rule, backward: recompute w, u (from the stored T), chunk states S and δ; run the reverse
+state pass (dS per chunk, dδ, dh0); the per-chunk pass below (dq, dk, dw, dG); the WY backward (dk, dv, dβ, dG);
+the reverse chunk-local cumsum dG → dg; and sum dq, dk over each GVA group of value heads.
+
+Per chunk, with S the chunk-start state, dS' the gradient of the chunk-end state, P_ij = scale q_iᵀk_j e^{G_i−G_j}
+(j ≤ i) and γ = exp(G), γ_L its last entry:
+    dP = dO δᵀ (masked),                     dq = scale diag(γ) dO Sᵀ + (dP ⊙ P/qk) K
+    dk = (dP ⊙ P/qk)ᵀ Q + diag(e^{G_L−G}) δ dS'ᵀ,   dw = −dδ Sᵀ
+    dG_i = scale γ_i q_iᵀ S dO_i + Σ_j (dP⊙P)_ij − Σ_j (dP⊙P)_ji − k_iᵀ dS' δ_i e^{G_L−G_i}
+           + [i = L] (γ_L ⟨S, dS'⟩ + Σ_j k_jᵀ dS' δ_j e^{G_L−G_j})
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.chunking import ChunkLayout
+from ..common.cumsum import chunk_local_cumsum
+from ..common.state_pass import state_pass_bwd, state_pass_fwd
+from ..common.wy import dot_precision, gated_wy_fwd
+from ..common.wy_bwd import gated_wy_bwd
+
+
+@triton.jit
+def chunk_dqkwg_kernel(
+    q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
+    o_i, o_k = tl.arange(0, BT), tl.arange(0, BK)
+    o_t = bos + i_t * BT + o_i
+    m_t = o_t < eos
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)   # dO Sᵀ
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)   # δ dS'ᵀ
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dP = tl.zeros([BT, BT], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    p_state = (i_hc * HV + i_hv) * K * V + o_k[:, None] * V
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
+        b_h = tl.load(h + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_vn = tl.load(v_new + p_v, mask=m_tv, other=0.0)
+        b_dv = tl.load(dv + p_v, mask=m_tv, other=0.0)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_dq += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)
+        b_dk += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PREC)
+        b_dw -= tl.dot(b_dv, tl.trans(b_h), input_precision=DOT_PREC)
+        b_dP += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PREC)
+        b_hdh += tl.sum(b_h * b_dh, 1)
+    tl.store(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_dw, mask=m_tk)
+    b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
+    last = tl.minimum(bos + (i_t + 1) * BT, eos) - 1
+    b_G_last = tl.load(G + last * HV + i_hv)
+    m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_E = tl.where(m_A, tl.exp(tl.where(m_A, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+    b_dS = b_dP * b_E * scale  # ∂L/∂(q_iᵀk_j)
+    b_dq = b_dq * (tl.exp(b_G) * scale)[:, None]
+    b_dG = tl.sum(b_dq * b_q, 1)
+    b_dq += tl.dot(b_dS, b_k, input_precision=DOT_PREC)
+    b_dPP = b_dS * tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # dP ⊙ P
+    b_dG += tl.sum(b_dPP, 1) - tl.sum(b_dPP, 0)
+    b_dk = b_dk * tl.where(m_t, tl.exp(b_G_last - b_G), 0.0)[:, None]
+    b_term = tl.sum(b_dk * b_k, 1)
+    b_dG -= b_term
+    b_dG += tl.where(o_t == last, tl.sum(b_term, 0) + tl.exp(b_G_last) * tl.sum(b_hdh, 0), 0.0)
+    b_dk += tl.dot(tl.trans(b_dS), b_q, input_precision=DOT_PREC)
+    tl.store(dq + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_dq, mask=m_tk)
+    tl.store(dk + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_dk, mask=m_tk)
+    tl.store(dG + o_t * HV + i_hv, b_dG, mask=m_t)
+
+
+def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout):
+    """→ dq, dk (per value head, fp32 [tokens, HV, K]; dk still lacks the WY part), dw, dG (partial)."""
+    TT, H, K = q.shape
+    HV, V = do.shape[1], do.shape[2]
+    dq = torch.empty(TT, HV, K, dtype=torch.float32, device=q.device)
+    dk, dw = torch.empty_like(dq), torch.empty_like(dq)
+    dG = torch.empty(TT, HV, dtype=torch.float32, device=q.device)
+    if K > 256:
+        raise ValueError(f"K={K} > 256 is not supported by the chunked backward")
+    if layout.num_chunks:
+        chunk_dqkwg_kernel[(layout.num_chunks, HV)](
+            q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, layout.cu_seqlens, layout.chunk_indices,
+            layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size,
+            BK=triton.next_power_of_2(K), BV=min(64, triton.next_power_of_2(V)), DOT_PREC=dot_precision(q.dtype),
+            # 8 warps: three [64, K] fp32 accumulators (96 KiB at K=128) would spill at 4 warps; untimed.
+            num_warps=8)
+    return dq, dk, dw, dG
+
+
+def chunk_gated_delta_rule_bwd(q, k, v, beta, scale: float, initial_state, G, Ai, do, dht, layout: ChunkLayout):
+    """Flattened inputs (as chunk_gated_delta_rule_fwd) and the saved G, Ai → (dq [tokens, H, K], dk, dv
+    [tokens, HV, V], dg [tokens, HV], dbeta [tokens, HV], dh0 or None), all fp32."""
+    TT, H, K = q.shape
+    HV = v.shape[1]
+    _, w, u = gated_wy_fwd(k, v, beta, G, layout, Ai=Ai)
+    h, v_new, _ = state_pass_fwd(k, w, u, G, initial_state, False, layout)
+    dh, dv_new, dh0 = state_pass_bwd(q, k, w, G, do, dht, scale, initial_state is not None, layout)
+    dq, dk, dw, dG = chunk_dqkwg(q, k, v_new, h, dh, do, dv_new, G, scale, layout)
+    dv, dbeta = gated_wy_bwd(k, v, beta, G, Ai, dw, dv_new, dk, dG, layout)
+    dg = chunk_local_cumsum(dG, layout, reverse=True)
+    if HV != H:  # value heads hv = h·(HV/H) + j share q/k head h
+        dq = dq.view(TT, H, HV // H, K).sum(2)
+        dk = dk.view(TT, H, HV // H, K).sum(2)
+    return dq, dk, dv, dg, dbeta, dh0

@@ -1,0 +1,84 @@
+"""Chunked gated delta rule, forward: gate cumsum → WY (A, T = (I + A)⁻¹, w, u) → state pass → output pass.
+
+Output pass, per (V block, chunk, value head), with S the chunk-start state and δ the corrected values:
+    O = scale · (diag(γ) Q S + (Q Kᵀ ⊙ exp(G_i − G_j) [j ≤ i]) δ)
+Everything runs on the flattened token axis with a ChunkLayout (common/chunking.py), so padded and packed batches
+share one path. Intermediates are fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.chunking import ChunkLayout
+from ..common.cumsum import chunk_local_cumsum
+from ..common.state_pass import state_pass_fwd
+from ..common.wy import dot_precision, gated_wy_fwd
+
+CHUNK_SIZE = 64
+
+
+@triton.jit
+def chunk_output_fwd_kernel(
+    q, k, v_new, h, G, o, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_c, i_v, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # chunks on axis 0 (no 65535 limit)
+    i_h = i_hv // (HV // H)
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t  # this chunk's row in h
+    o_i = tl.arange(0, BT)
+    o_t = bos + i_t * BT + o_i
+    m_t = o_t < eos
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                      other=0.0).to(tl.float32)
+        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                      other=0.0).to(tl.float32)
+        b_h = tl.load(h + (i_hc * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
+                      mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_o += tl.dot(b_q, b_h, input_precision=DOT_PREC)
+        b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
+    m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
+    b_o = b_o * tl.exp(b_G)[:, None]
+    b_A = tl.where(m_A, b_A * tl.exp(tl.where(m_A, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+    p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
+    b_v = tl.load(v_new + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+    b_o = (b_o + tl.dot(b_A, b_v, input_precision=DOT_PREC)) * scale
+    tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+
+def chunk_output_fwd(q, k, v_new, h, G, scale: float, layout: ChunkLayout, out_dtype) -> torch.Tensor:
+    TT, H, K = q.shape
+    HV, V = v_new.shape[1], v_new.shape[2]
+    o = torch.empty(TT, HV, V, dtype=out_dtype, device=q.device)
+    BK, BV = min(64, triton.next_power_of_2(K)), min(64, triton.next_power_of_2(V))
+    if layout.num_chunks:
+        chunk_output_fwd_kernel[(layout.num_chunks, triton.cdiv(V, BV), HV)](
+            q, k, v_new, h, G, o, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,
+            H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(q.dtype))
+    return o
+
+
+def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool,
+                               layout: ChunkLayout):
+    """Flattened inputs q, k [tokens, H, K], v [tokens, HV, V], g, beta [tokens, HV] (contiguous) →
+    (o [tokens, HV, V] in v's dtype, final state or None, G fp32 chunk-local gate cumsum, Ai fp32 T matrices)."""
+    G = chunk_local_cumsum(g, layout)
+    Ai, w, u = gated_wy_fwd(k, v, beta, G, layout)
+    h, v_new, ht = state_pass_fwd(k, w, u, G, initial_state, output_final_state, layout)
+    o = chunk_output_fwd(q, k, v_new, h, G, scale, layout, v.dtype)
+    return o, ht, G, Ai

@@ -1,0 +1,61 @@
+"""The gated delta rule in plain PyTorch, token by token: the readable ground truth the kernels are tested against.
+
+    S_t = exp(g_t) (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,    o_t = S_tᵀ (scale · q_t)
+
+computed in fp32 (float64 when the inputs are float64, which the gradient tests use); differentiable through
+autograd. See README.md for the maths and the chunked form.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .inputs import check_inputs, l2norm, sequence_bounds
+
+
+def naive_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Reference gated delta rule.
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V] (HV a multiple of H: grouped value heads share q/k head hv // (HV/H));
+    g (log-space gate, ≤ 0), beta: [B, T, HV]; initial_state: [N, HV, K, V]; cu_seqlens: [N+1] with B = 1.
+    Returns o [B, T, HV, V] in v's dtype and the final state [N, HV, K, V] (fp32, or float64 for float64 inputs)
+    when output_final_state, else None.
+    """
+    N, group, scale = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    # Flatten the batch into one token axis and expand q/k to the value heads (GVA).
+    qf = q.to(acc).reshape(B * T, H, K).repeat_interleave(group, dim=1) * scale
+    kf = k.to(acc).reshape(B * T, H, K).repeat_interleave(group, dim=1)
+    vf, gf, bf = v.to(acc).reshape(B * T, HV, V), g.to(acc).reshape(B * T, HV), beta.to(acc).reshape(B * T, HV)
+    outputs, finals = [], []
+    for n, (start, end) in enumerate(sequence_bounds(B, T, cu_seqlens)):
+        if initial_state is not None:
+            state = initial_state[n].to(acc)
+        else:
+            state = torch.zeros(HV, K, V, dtype=acc, device=q.device)
+        for t in range(start, end):
+            k_t, v_t, b_t = kf[t], vf[t], bf[t]  # [HV, K], [HV, V], [HV]
+            state = state * gf[t].exp()[:, None, None]
+            # v_t − Sᵀ k_t: the delta between the target value and what the decayed state predicts for k_t.
+            delta = (v_t - torch.einsum("hkv,hk->hv", state, k_t)) * b_t[:, None]
+            state = state + k_t[:, :, None] * delta[:, None, :]
+            outputs.append(torch.einsum("hkv,hk->hv", state, qf[t]))
+        finals.append(state)
+    o = torch.stack(outputs, 0).reshape(B, T, HV, V).to(v.dtype) if outputs else v.new_zeros(B, T, HV, V)
+    final_state = torch.stack(finals, 0) if output_final_state else None
+    return o, final_state

@@ -1,0 +1,23 @@
+"""Fused PPO/GRPO/GSPO policy loss from the last hidden states: gradients computed in the forward pass, logits
+never materialised beyond one token chunk.
+
+    from rltrain_kernels.ops.policy_loss import fused_policy_loss
+    out = fused_policy_loss(hidden, lm_head.weight, labels, mask, advantages, old_logprobs, ref_logprobs,
+                            clip_low=0.2, clip_high=0.28, kl_coef=0.001, loss_agg="token-mean")
+    out.loss.backward(); out.logprobs, out.entropy, out.metrics["clipfrac"]
+
+Layers: kernel.py (Triton token kernels; the vocab-wide row passes are linear_logprobs') → chunk.py (chunk driver,
+torch twins of the kernels) → function.py (checks, path choice, autograd Function, public function); reference.py
+is the dense ground truth with the same signature; options.py holds the shared options and checks. README.md has
+the maths, the GEMM count and the memory bound.
+"""
+
+from rltrain_kernels.ops.policy_loss.chunk import PolicyLossChunkConfig, workspace_bytes
+from rltrain_kernels.ops.policy_loss.function import FusedPolicyLossFunction, fused_policy_loss
+from rltrain_kernels.ops.policy_loss.options import (
+    IMPORTANCE_LEVELS, KL_TYPES, LOSS_AGGS, PolicyLossOptions, PolicyLossOutput,
+)
+from rltrain_kernels.ops.policy_loss.reference import reference_policy_loss
+
+__all__ = ["FusedPolicyLossFunction", "IMPORTANCE_LEVELS", "KL_TYPES", "LOSS_AGGS", "PolicyLossChunkConfig",
+           "PolicyLossOptions", "PolicyLossOutput", "fused_policy_loss", "reference_policy_loss", "workspace_bytes"]

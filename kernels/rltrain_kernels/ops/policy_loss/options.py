@@ -1,0 +1,157 @@
+"""The policy-loss options, their validation, the input checks and the output type — shared by the fused op and the
+reference so that both accept exactly the same arguments and fail with the same messages."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_TYPES = ("k1", "k2", "k3")
+IMPORTANCE_LEVELS = ("token", "sequence")
+METRIC_NAMES = ("clipfrac", "ppo_kl", "ref_kl", "entropy")
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _choice(name: str, value, choices) -> str:
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; expected one of {', '.join(repr(c) for c in choices)}")
+    return value
+
+
+@dataclass(frozen=True)
+class PolicyLossOptions:
+    """Every scalar option of the loss, validated on construction (messages name the argument)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    kl_type: str = "k3"
+    entropy_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    importance_level: str = "token"
+    temperature: float = 1.0
+    norm_tokens: float | None = None
+    norm_len: float | None = None
+
+    def __post_init__(self):
+        set_ = lambda key, value: object.__setattr__(self, key, value)  # noqa: E731  (frozen dataclass)
+        for key in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "temperature"):
+            set_(key, _number(key, getattr(self, key)))
+        if not 0.0 <= self.clip_low < 1.0:
+            raise ValueError(f"clip_low must be in [0, 1) so that the lower bound 1 - clip_low is > 0, "
+                             f"got {self.clip_low}")
+        if self.clip_high < 0.0:
+            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
+        if self.dual_clip is not None:
+            set_("dual_clip", _number("dual_clip", self.dual_clip))
+            if self.dual_clip <= 1.0:
+                raise ValueError(f"dual_clip must be > 1 (it caps -A·ratio at -A·dual_clip for A < 0), "
+                                 f"got {self.dual_clip}")
+        if self.temperature <= 0.0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        _choice("kl_type", self.kl_type, KL_TYPES)
+        _choice("loss_agg", self.loss_agg, LOSS_AGGS)
+        _choice("importance_level", self.importance_level, IMPORTANCE_LEVELS)
+        if self.norm_tokens is not None:
+            set_("norm_tokens", _number("norm_tokens", self.norm_tokens))
+            if self.norm_tokens <= 0:
+                raise ValueError(f"norm_tokens must be > 0, got {self.norm_tokens}")
+            if self.loss_agg != "token-mean":
+                raise ValueError(f"norm_tokens applies to loss_agg='token-mean' only, got loss_agg={self.loss_agg!r}")
+        if self.norm_len is not None:
+            set_("norm_len", _number("norm_len", self.norm_len))
+            if self.norm_len <= 0:
+                raise ValueError(f"norm_len must be > 0, got {self.norm_len}")
+            if self.loss_agg != "seq-mean-token-sum-norm":
+                raise ValueError(f"norm_len applies to loss_agg='seq-mean-token-sum-norm' only, "
+                                 f"got loss_agg={self.loss_agg!r}")
+
+    @property
+    def kl_index(self) -> int:
+        """0: no KL term (kl_coef == 0), else 1/2/3 for k1/k2/k3 — the Triton kernels' constexpr."""
+        return 0 if self.kl_coef == 0.0 else KL_TYPES.index(self.kl_type) + 1
+
+
+@dataclass
+class PolicyLossOutput:
+    """loss: scalar, differentiable w.r.t. hidden and weight. logprobs, entropy: [B, T] fp32 (the reference: its
+    compute dtype), detached, 0 where mask == 0. metrics: floats `clipfrac`, `ppo_kl`, `ref_kl`, `entropy`."""
+
+    loss: torch.Tensor
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    metrics: dict[str, float]
+
+
+def _shape(t) -> tuple:
+    return tuple(getattr(t, "shape", ()))
+
+
+def check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs, opts: PolicyLossOptions):
+    """Shapes, dtypes and devices of the tensor arguments; raises naming the argument."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("mask", mask),
+                    ("advantages", advantages), ("old_logprobs", old_logprobs)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must have shape [B, T, H], got {_shape(hidden)}")
+    if not hidden.dtype.is_floating_point:
+        raise TypeError(f"hidden must be a floating-point tensor, got {hidden.dtype}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[2] or weight.shape[0] < 1:
+        raise ValueError(f"weight must have shape [V, H] with H = hidden.shape[-1] = {hidden.shape[2]}, "
+                         f"got {_shape(weight)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
+    bt = tuple(hidden.shape[:2])
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    for name, t in (("labels", labels), ("mask", mask), ("old_logprobs", old_logprobs),
+                    ("ref_logprobs", ref_logprobs)):
+        if t is not None and tuple(t.shape) != bt:
+            raise ValueError(f"{name} must have shape [B, T] = {list(bt)}, got {list(t.shape)}")
+    if tuple(advantages.shape) not in (bt[:1], bt):
+        raise ValueError(f"advantages must have shape [B] = {list(bt[:1])} or [B, T] = {list(bt)}, "
+                         f"got {list(advantages.shape)}")
+    for name, t in (("advantages", advantages), ("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        if t is not None and not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if mask.dtype.is_complex:
+        raise TypeError(f"mask must be bool or real (0/1), got {mask.dtype}")
+    if ref_logprobs is not None and not isinstance(ref_logprobs, torch.Tensor):
+        raise TypeError(f"ref_logprobs must be a tensor or None, got {type(ref_logprobs).__name__}")
+    if opts.kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={opts.kl_coef} needs ref_logprobs (got None)")
+    for name, t in (("weight", weight), ("labels", labels), ("mask", mask), ("advantages", advantages),
+                    ("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+
+
+def check_label_range(labels: torch.Tensor, valid: torch.Tensor, vocab: int) -> None:
+    """Labels where mask != 0 must be token ids; masked positions may hold anything (padding, -100)."""
+    bad = valid & ((labels < 0) | (labels >= vocab))
+    if labels.is_cuda:
+        torch._assert_async(~bad.any(), f"labels must lie in [0, {vocab}) where mask != 0")  # no host sync
+    elif bad.any():
+        raise ValueError(f"labels must lie in [0, {vocab}) where mask != 0; got {labels[bad][:5].tolist()}")
+
+
+def metrics_dict(values: torch.Tensor) -> dict[str, float]:
+    """[4] tensor (METRIC_NAMES order) → floats, with one device→host copy."""
+    return dict(zip(METRIC_NAMES, values.detach().double().cpu().tolist()))

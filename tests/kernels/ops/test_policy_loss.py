@@ -1,0 +1,388 @@
+"""fused_policy_loss against the dense float64 reference: both fused paths (chunked torch; Triton, interpreted on CPU),
+loss, grad_hidden, grad_weight, logprobs, entropy and metrics, for every option; fully masked sequences, zero
+advantages, micro-batches with norm_tokens, bf16, upstream gradients, frozen weights, input checks.
+
+Run: `pytest tests/kernels/ops/test_policy_loss.py` (CPU, ~1-2 min, most of it the Triton interpreter, whose
+per-row vocab pass costs ~25 ms a row: interpreted cases keep B·T ≤ 15). The `gpu`-marked tests run real sizes,
+chunk edges and the memory bound on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rltrain_kernels.ops.policy_loss import (
+    LOSS_AGGS, PolicyLossChunkConfig, fused_policy_loss, reference_policy_loss, workspace_bytes,
+)
+from tests.helpers import REL_THRESHOLD, assert_rel_close, case_id, dtype_id
+
+IMPLS = ["torch", "triton"]
+# 8-token chunks: B·T = 15 tokens → chunks 8/7; T = 5 ≤ 8, so GSPO chunks hold whole sequences. V = 257 with
+# 128-wide blocks crosses two block edges inside each row pass.
+CHUNKS = PolicyLossChunkConfig(token_chunk=8, align=1, block_v=128)
+# T = 5 > 4: GSPO takes the two-pass route (logp of every token first, then the gradient pass).
+TWO_PASS = PolicyLossChunkConfig(token_chunk=4, align=1, block_v=128)
+
+
+def make_inputs(B=3, T=5, H=32, V=257, dtype=torch.float32, device="cpu", adv_shape="BT", masked_rows=(1,),
+                ratio_spread=0.6, zero_adv=False):
+    """Fresh random inputs: logits with std ≈ 3; ~20% of tokens masked (their labels set to -100) and the rows in
+    `masked_rows` fully masked; old/ref logprobs = the true logp + N(0, spread²), so ratios spread over
+    ~[e^-1.2, e^1.2]. Two tokens are pinned so every branch is taken whatever the draw: the first token has A < 0
+    and ratio e (dual clips ≤ 2.7 cap it), the last row's first token has A > 0 and ratio e^0.5 (upper clip)."""
+    hidden = torch.randn(B, T, H, device=device)
+    weight = torch.randn(V, H, device=device) * (3.0 / math.sqrt(H))
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    labels = torch.randint(0, V, (B, T), device=device)
+    mask = torch.rand(B, T, device=device) > 0.2
+    pinned = [(row, log_ratio, sign) for row, log_ratio, sign in ((0, 1.0, -1.0), (B - 1, 0.5, 1.0))
+              if row not in masked_rows]
+    for row, _, _ in pinned:
+        mask[row, 0] = True
+    for row in masked_rows:
+        mask[row] = False
+    labels[~mask] = -100
+    with torch.no_grad():
+        logp = reference_policy_loss(hidden.double(), weight.double(), labels, mask,
+                                     torch.zeros(B, device=device), torch.zeros(B, T, device=device)).logprobs
+    old = (logp + ratio_spread * torch.randn(B, T, device=device)).float()
+    ref = (logp + ratio_spread * torch.randn(B, T, device=device)).float()
+    adv = torch.zeros(B, device=device) if adv_shape == "B" else torch.zeros(B, T, device=device)
+    if not zero_adv:
+        adv.normal_()
+        for row, log_ratio, sign in pinned:
+            old[row, 0] = logp[row, 0] - log_ratio
+            adv[row] = sign if adv_shape == "B" else adv[row]
+            if adv_shape != "B":
+                adv[row, 0] = sign
+    old[~mask] = float("nan")   # padding may hold anything: it must not reach the loss or the gradients
+    ref[~mask] = float("inf")
+    return dict(hidden=hidden, weight=weight, labels=labels, mask=mask, advantages=adv, old_logprobs=old,
+                ref_logprobs=ref)
+
+
+def run(inputs, impl, dtype=None, grad_scale=1.0, **opts):
+    """One forward + backward of loss·grad_scale on fresh leaves; returns (output, grad_hidden, grad_weight)."""
+    dtype = dtype or inputs["hidden"].dtype
+    hidden = inputs["hidden"].detach().clone().to(dtype).requires_grad_()
+    weight = inputs["weight"].detach().clone().to(dtype).requires_grad_()
+    args = {k: v for k, v in inputs.items() if k not in ("hidden", "weight")}
+    if impl == "reference64":
+        out = reference_policy_loss(hidden, weight, **args, **opts)
+    else:
+        out = fused_policy_loss(hidden, weight, **args, impl=impl, **opts)
+    (out.loss * grad_scale).backward()
+    return out, hidden.grad, weight.grad
+
+
+def run_reference(inputs, grad_scale=1.0, **opts):
+    return run(inputs, "reference64", dtype=torch.float64, grad_scale=grad_scale, **opts)
+
+
+def assert_matches(actual, expected, dtype, loss_tol=None):
+    out, gh, gw = actual
+    ref, rgh, rgw = expected
+    tol = REL_THRESHOLD[dtype]
+    loss_tol = loss_tol or tol
+    # absolute against the loss' natural scale (mean of O(1) terms): a relative error on a near-zero loss is noise
+    assert abs(out.loss.item() - ref.loss.item()) <= loss_tol * (1.0 + abs(ref.loss.item())), \
+        f"loss {out.loss.item()} vs reference {ref.loss.item()}"
+    assert out.loss.dtype == torch.float32 and out.logprobs.dtype == torch.float32
+    assert not out.logprobs.requires_grad and not out.entropy.requires_grad
+    assert_rel_close(out.logprobs, ref.logprobs, threshold=max(tol, 1e-5), name="logprobs")
+    assert_rel_close(out.entropy, ref.entropy, threshold=max(tol, 1e-5), name="entropy")
+    assert_rel_close(gh, rgh, threshold=tol, name="grad_hidden")
+    assert_rel_close(gw, rgw, threshold=tol, name="grad_weight")
+    assert set(out.metrics) == {"clipfrac", "ppo_kl", "ref_kl", "entropy"}
+    for key, value in ref.metrics.items():
+        assert isinstance(out.metrics[key], float)
+        assert abs(out.metrics[key] - value) <= max(tol, 1e-5) * (1.0 + abs(value)), \
+            f"metric {key}: {out.metrics[key]} vs reference {value}"
+
+
+# Every option at least once, alone and combined; the advantage shape alternates between [B] and [B, T].
+OPTION_CASES = {
+    "default": {},
+    "clip-higher": dict(clip_low=0.2, clip_high=0.28),
+    "dual-clip": dict(dual_clip=1.5),
+    "dual-clip-clip-higher": dict(dual_clip=2.0, clip_low=0.1, clip_high=0.3),
+    "kl-k1": dict(kl_coef=0.1, kl_type="k1"),
+    "kl-k2": dict(kl_coef=0.1, kl_type="k2"),
+    "kl-k3": dict(kl_coef=0.1, kl_type="k3"),
+    "entropy": dict(entropy_coef=0.05),
+    "temperature": dict(temperature=0.7),
+    "seq-mean-token-sum": dict(loss_agg="seq-mean-token-sum"),
+    "seq-mean-token-mean": dict(loss_agg="seq-mean-token-mean"),
+    "seq-mean-token-sum-norm": dict(loss_agg="seq-mean-token-sum-norm"),
+    "seq-mean-token-sum-norm-len": dict(loss_agg="seq-mean-token-sum-norm", norm_len=16),
+    "norm-tokens": dict(norm_tokens=40),
+    "gspo": dict(importance_level="sequence", loss_agg="seq-mean-token-mean"),
+    "gspo-all": dict(importance_level="sequence", loss_agg="seq-mean-token-mean", dual_clip=1.5, kl_coef=0.1,
+                     kl_type="k2", entropy_coef=0.02, temperature=1.3, clip_high=0.28),
+    "gspo-token-mean": dict(importance_level="sequence", loss_agg="token-mean", kl_coef=0.05),
+    "all": dict(clip_high=0.28, dual_clip=3.0, kl_coef=0.05, kl_type="k3", entropy_coef=0.01, temperature=0.8,
+                loss_agg="seq-mean-token-mean"),
+}
+
+
+# The second shape: T = 13 > 8 sends GSPO through the two-pass route; V = 100 is one partial 128-block.
+SHAPES = [dict(B=3, T=5, H=32, V=257), dict(B=2, T=13, H=16, V=100)]
+
+
+# interpreted Triton runs the first shape only (the torch path shares its chunk driver)
+MATCH_CASES = [pytest.param(impl, name, shape, id=f"{name}-{impl}-{case_id(**shape)}")
+               for name in OPTION_CASES for impl in IMPLS for shape in SHAPES
+               if impl == "torch" or shape is SHAPES[0]]
+
+
+@pytest.mark.parametrize(("impl", "name", "shape"), MATCH_CASES)
+def test_matches_reference(impl, name, shape, device):
+    opts = OPTION_CASES[name]
+    adv_shape = "B" if list(OPTION_CASES).index(name) % 2 else "BT"
+    inputs = make_inputs(**shape, device=device, adv_shape=adv_shape, masked_rows=(1,) if shape["B"] > 2 else ())
+    assert_matches(run(inputs, impl, chunk_config=CHUNKS, **opts), run_reference(inputs, **opts), torch.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("config", [CHUNKS, TWO_PASS, PolicyLossChunkConfig()],
+                         ids=["whole-sequence-chunks", "two-pass", "one-chunk"])
+def test_sequence_level_chunking(impl, config, device):
+    opts = dict(importance_level="sequence", loss_agg="seq-mean-token-mean", kl_coef=0.1, entropy_coef=0.01)
+    inputs = make_inputs(device=device)
+    assert_matches(run(inputs, impl, chunk_config=config, **opts), run_reference(inputs, **opts), torch.float32)
+
+
+def test_options_reach_every_branch(device):
+    """The inputs above exercise what the options change: clipping on both sides, the dual clip, the KL types."""
+    inputs = make_inputs(B=3, T=13, device=device, masked_rows=())
+    base = run_reference(inputs)[0]
+    clipped = base.metrics["clipfrac"] * int(inputs["mask"].sum())
+    assert abs(clipped - round(clipped)) < 1e-9
+    assert 0.05 < base.metrics["clipfrac"] < 0.95
+    losses = {name: run_reference(inputs, **opts)[0].loss.item() for name, opts in OPTION_CASES.items()}
+    assert losses["dual-clip"] != losses["default"]
+    assert losses["clip-higher"] != losses["default"]
+    assert len({losses["kl-k1"], losses["kl-k2"], losses["kl-k3"]}) == 3
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("loss_agg", LOSS_AGGS)
+def test_fully_masked(impl, loss_agg, device):
+    """No token in: loss 0, gradients 0, metrics 0 (no NaN from 0/0) for every aggregation."""
+    inputs = make_inputs(B=2, T=5, device=device, masked_rows=(0, 1))
+    inputs["mask"][0, 0] = False
+    out, gh, gw = run(inputs, impl, chunk_config=CHUNKS, loss_agg=loss_agg, kl_coef=0.1, entropy_coef=0.1)
+    assert out.loss.item() == 0.0
+    assert torch.count_nonzero(gh) == 0 and torch.count_nonzero(gw) == 0
+    assert out.metrics == {"clipfrac": 0.0, "ppo_kl": 0.0, "ref_kl": 0.0, "entropy": 0.0}
+    assert torch.count_nonzero(out.logprobs) == 0 and torch.count_nonzero(out.entropy) == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["reference"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_zero_advantages_give_exact_zero(impl, level, device):
+    inputs = make_inputs(device=device, zero_adv=True, adv_shape="BT" if level == "token" else "B")
+    out, gh, gw = run(inputs, impl, chunk_config=None if impl == "reference" else CHUNKS, importance_level=level,
+                      dual_clip=3.0)
+    assert out.loss.item() == 0.0
+    assert torch.count_nonzero(gh) == 0 and torch.count_nonzero(gw) == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_micro_batches_with_norm_tokens(impl, device):
+    """Splitting a batch into micro-batches, each normalised by the batch's token count, sums to the batch's
+    loss and gradients (gradient accumulation)."""
+    inputs = make_inputs(B=3, T=6, device=device, masked_rows=())
+    opts = dict(kl_coef=0.1, entropy_coef=0.01, clip_high=0.28)
+    whole, whole_gh, whole_gw = run(inputs, impl, chunk_config=CHUNKS, **opts)
+    n_tokens = int(inputs["mask"].sum())
+    hidden = inputs["hidden"].detach().clone().requires_grad_()
+    weight = inputs["weight"].detach().clone().requires_grad_()
+    total = 0.0
+    for rows in (slice(0, 1), slice(1, 3)):
+        part = {k: v[rows] for k, v in inputs.items() if k not in ("hidden", "weight")}
+        out = fused_policy_loss(hidden[rows], weight, **part, norm_tokens=n_tokens, impl=impl, chunk_config=CHUNKS,
+                                **opts)
+        out.loss.backward()
+        total += out.loss.item()
+    assert abs(total - whole.loss.item()) <= 1e-5 * (1 + abs(whole.loss.item()))
+    assert_rel_close(hidden.grad, whole_gh, name="grad_hidden")
+    assert_rel_close(weight.grad, whole_gw, name="grad_weight")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["default", "gspo-all", "all"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+def test_half_inputs(impl, name, dtype, device):
+    """Half inputs: fp32 logits and statistics, gradients in the input dtype — within 1e-2 (bf16) / 2e-3 (fp16)
+    of the float64 reference run on the same (rounded) inputs."""
+    if impl == "triton" and dtype == torch.float16 and name != "default":
+        pytest.skip("fp16 shares every code path with bf16 but the dtype: one interpreted case suffices")
+    opts = OPTION_CASES[name]
+    inputs = make_inputs(dtype=dtype, device=device)
+    actual = run(inputs, impl, chunk_config=CHUNKS, **opts)
+    assert actual[1].dtype == dtype and actual[2].dtype == dtype
+    assert_matches(actual, run_reference(inputs, **opts), dtype, loss_tol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_upstream_gradient_and_single_backward(impl, device):
+    inputs = make_inputs(device=device)
+    opts = dict(kl_coef=0.1, dual_clip=2.0)
+    assert_matches(run(inputs, impl, grad_scale=-0.37, chunk_config=CHUNKS, **opts),
+                   run_reference(inputs, grad_scale=-0.37, **opts), torch.float32)
+    hidden = inputs["hidden"].clone().requires_grad_()
+    args = {k: v for k, v in inputs.items() if k not in ("hidden",)}
+    out = fused_policy_loss(hidden, **args, impl=impl, chunk_config=CHUNKS)
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward through it twice"):
+        out.loss.backward()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_frozen_weight_and_no_grad(impl, device):
+    inputs = make_inputs(device=device)
+    opts = dict(entropy_coef=0.01, importance_level="sequence")
+    ref, ref_gh, _ = run_reference(inputs, **opts)
+    hidden = inputs["hidden"].clone().requires_grad_()
+    args = {k: v for k, v in inputs.items() if k != "hidden"}
+    out = fused_policy_loss(hidden, **args, impl=impl, chunk_config=CHUNKS, **opts)
+    out.loss.backward()
+    assert inputs["weight"].grad is None
+    assert_rel_close(hidden.grad, ref_gh, dtype=torch.float32, name="grad_hidden")
+    with torch.no_grad():
+        out = fused_policy_loss(hidden, **args, impl=impl, chunk_config=CHUNKS, **opts)
+    assert out.loss.grad_fn is None
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-5 * (1 + abs(ref.loss.item()))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_strided_inputs(impl, device):
+    """The usual call site slices shifted views out of bigger tensors: hidden[:, :-1], input_ids[:, 1:]."""
+    inputs = make_inputs(device=device)
+    B, T, H = inputs["hidden"].shape
+    padded = torch.randn(B, T + 1, H, device=device)
+    padded[:, :-1] = inputs["hidden"]
+    labels = torch.randint(0, 257, (B, T + 1), device=device)
+    labels[:, 1:] = inputs["labels"].clamp_min(0)
+    opts = dict(kl_coef=0.1, entropy_coef=0.01)
+    expected = run_reference(inputs, **opts)
+    hidden = padded.requires_grad_()
+    weight = inputs["weight"].clone().requires_grad_()
+    args = {k: v.t().contiguous().t() for k, v in inputs.items() if k not in ("hidden", "weight", "labels")}
+    out = fused_policy_loss(hidden[:, :-1], weight, labels[:, 1:], **args, impl=impl, chunk_config=CHUNKS, **opts)
+    out.loss.backward()
+    assert_rel_close(hidden.grad[:, :-1], expected[1], dtype=torch.float32, name="grad_hidden")
+    assert torch.count_nonzero(hidden.grad[:, -1]) == 0
+    assert_rel_close(weight.grad, expected[2], dtype=torch.float32, name="grad_weight")
+
+
+def test_reference_path_and_auto(device):
+    """impl='reference' (and 'auto' off CUDA at small sizes, or for float64) is the dense path in fp32/fp64."""
+    inputs = make_inputs(device=device)
+    opts = OPTION_CASES["all"]
+    expected = run_reference(inputs, **opts)
+    assert_matches(run(inputs, "reference", **opts), expected, torch.float32)
+    auto = run(inputs, "auto", dtype=torch.float64, **opts)
+    assert auto[0].loss.dtype == torch.float64
+    assert abs(auto[0].loss.item() - expected[0].loss.item()) < 1e-12
+
+
+ERROR_CASES = [   # (id, changed arguments, expected message)
+    ("loss_agg", dict(loss_agg="mean"), r"unknown loss_agg 'mean'; expected one of 'token-mean', 'seq-mean-token-sum'"),
+    ("kl_type", dict(kl_type="k4"), r"unknown kl_type 'k4'; expected one of 'k1', 'k2', 'k3'"),
+    ("importance_level", dict(importance_level="seq"),
+     r"unknown importance_level 'seq'; expected one of 'token', 'sequence'"),
+    ("impl", dict(impl="cuda"), r"unknown impl 'cuda'; expected one of 'auto', 'triton', 'torch', 'reference'"),
+    ("dual_clip", dict(dual_clip=1.0), r"dual_clip must be > 1"),
+    ("clip_low", dict(clip_low=1.0), r"clip_low must be in \[0, 1\)"),
+    ("clip_high", dict(clip_high=-0.1), r"clip_high must be >= 0"),
+    ("temperature", dict(temperature=0.0), r"temperature must be > 0"),
+    ("norm_tokens-zero", dict(norm_tokens=0), r"norm_tokens must be > 0"),
+    ("norm_tokens-agg", dict(norm_tokens=10, loss_agg="seq-mean-token-mean"),
+     r"norm_tokens applies to loss_agg='token-mean' only"),
+    ("norm_len-agg", dict(norm_len=10), r"norm_len applies to loss_agg='seq-mean-token-sum-norm' only"),
+    ("kl-without-ref", dict(kl_coef=0.1, ref_logprobs=None), r"kl_coef=0.1 needs ref_logprobs"),
+    ("hidden-2d", dict(hidden=torch.zeros(3, 32)), r"hidden must have shape \[B, T, H\]"),
+    ("weight-shape", dict(weight=torch.zeros(257, 16)),
+     r"weight must have shape \[V, H\] with H = hidden.shape\[-1\] = 32"),
+    ("weight-dtype", dict(weight=torch.zeros(257, 32, dtype=torch.float64)), r"weight dtype torch.float64 differs"),
+    ("labels-float", dict(labels=torch.zeros(3, 5)), r"labels must be an integer tensor"),
+    ("mask-shape", dict(mask=torch.ones(3, 6)), r"mask must have shape \[B, T\] = \[3, 5\], got \[3, 6\]"),
+    ("advantages-shape", dict(advantages=torch.zeros(3, 5, 1)),
+     r"advantages must have shape \[B\] = \[3\] or \[B, T\] = \[3, 5\]"),
+    ("old-shape", dict(old_logprobs=torch.zeros(5)), r"old_logprobs must have shape \[B, T\]"),
+    ("ref-dtype", dict(ref_logprobs=torch.zeros(3, 5, dtype=torch.int64)),
+     r"ref_logprobs must be a floating-point tensor"),
+    ("labels-range", dict(labels=torch.full((3, 5), 257)), r"labels must lie in \[0, 257\) where mask != 0"),
+    ("chunk_config-type", dict(chunk_config=PolicyLossChunkConfig), r"chunk_config must be a PolicyLossChunkConfig"),
+]
+
+
+@pytest.mark.parametrize(("change", "message"), [pytest.param(c, m, id=i) for i, c, m in ERROR_CASES])
+@pytest.mark.parametrize("impl", ["torch", "reference"])
+def test_input_errors(change, message, impl):
+    kwargs = dict(make_inputs(masked_rows=()), impl=impl)
+    kwargs.update(change)
+    if impl == "reference" and "chunk_config" in change:
+        pytest.skip("the reference has no chunk_config")
+    with pytest.raises((ValueError, TypeError), match=message):
+        fused_policy_loss(**kwargs)
+
+
+def test_chunk_config_checks():
+    with pytest.raises(ValueError, match="PolicyLossChunkConfig.token_chunk must be a positive int"):
+        PolicyLossChunkConfig(token_chunk=0)
+    with pytest.raises(ValueError, match="block_v must be a power of two"):
+        PolicyLossChunkConfig(block_v=100)
+    assert PolicyLossChunkConfig().rows(151936) == 1024
+    assert workspace_bytes(10**6, 151936) == 1024 * 151936 * 4 <= 640 * 2**20
+
+
+# ----------------------------------------------------------------------------------------------------------------
+GPU_CASES = [
+    dict(B=2, T=600, H=1024, V=32000, dtype=torch.bfloat16, chunk=512),
+    dict(B=4, T=300, H=512, V=50257, dtype=torch.float32, chunk=768),
+    dict(B=3, T=1100, H=256, V=151936, dtype=torch.bfloat16, chunk=1024),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: case_id(B=c["B"], T=c["T"], H=c["H"], V=c["V"],
+                                                                     dtype=dtype_id(c["dtype"]), chunk=c["chunk"]))
+@pytest.mark.parametrize("name", ["default", "all", "gspo-all"])
+def test_gpu_real_sizes(case, name, device):
+    """Real vocabularies, ragged chunks, GSPO with T > chunk (two-pass: cases 1 and 3) and T < chunk (whole
+    sequences per chunk: case 2); the float64 reference runs on the GPU too."""
+    opts = OPTION_CASES[name]
+    inputs = make_inputs(B=case["B"], T=case["T"], H=case["H"], V=case["V"], dtype=case["dtype"], device=device,
+                         masked_rows=(1,))
+    config = PolicyLossChunkConfig(token_chunk=case["chunk"], align=128)
+    actual = run(inputs, "triton", chunk_config=config, **opts)
+    assert_matches(actual, run_reference(inputs, **opts), case["dtype"], loss_tol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_memory_bound(device):
+    """Peak memory beyond inputs and the two gradients stays within the logits workspace (+ O(B·T) vectors and
+    cuBLAS' workspace), independent of B·T."""
+    B, T, H, V = 4, 2048, 2048, 65536
+    inputs = make_inputs(B=B, T=T, H=H, V=V, dtype=torch.bfloat16, device=device, masked_rows=())
+    config = PolicyLossChunkConfig(token_chunk=1024)
+    hidden = inputs["hidden"].requires_grad_()
+    weight = inputs["weight"].requires_grad_()
+    args = {k: v for k, v in inputs.items() if k not in ("hidden", "weight")}
+    fused_policy_loss(hidden, weight, **args, chunk_config=config, kl_coef=0.1).loss.backward()   # warm-up
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fused_policy_loss(hidden, weight, **args, chunk_config=config, kl_coef=0.1).loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    grads = hidden.numel() * 2 + weight.numel() * 2
+    bound = workspace_bytes(B * T, V, config) + 80 * B * T + 64 * 2**20
+    assert extra - grads <= bound, f"{(extra - grads) / 2**20:.0f} MiB beyond the gradients > {bound / 2**20:.0f}"
