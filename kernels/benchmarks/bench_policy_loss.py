@@ -153,12 +153,12 @@ def rel(a, b) -> float:
 
 
 def check(name, fn, expected, inputs):
-    """Max relative error vs the naive loss over (loss, grad_hidden, grad_weight)."""
+    """Max relative error vs the fp32 naive loss over (loss, grad_hidden, grad_weight)."""
     loss = fn(**inputs)
     gh, gw = grads_of(fn, inputs)
     err = max(abs(loss.item() - expected[0]) / max(abs(expected[0]), 0.1), rel(gh, expected[1]), rel(gw, expected[2]))
     status = "ok" if err < 2e-2 else "MISMATCH"
-    print(f"  check {name}: max rel err vs naive {err:.2e} ({status})")
+    print(f"  check {name}: max rel err vs fp32 naive {err:.2e} ({status})")
     return err
 
 
@@ -172,8 +172,12 @@ def run_case(label, B, T, H, V, methods, rate, warmup, repeats, with_naive):
     rows, expected = [], None
     if with_naive:
         try:
-            loss = naive_loss(**inputs)
-            expected = (loss.item(), *grads_of(naive_loss, inputs))
+            # The yardstick is the naive loss on fp32 copies of the inputs: the bf16 naive path is itself ~4.6e-2 off
+            # in the gradients at this size (H200, 2026-11-22), so checking against it flags accurate kernels.
+            fp32 = {k: (v.detach().float().requires_grad_() if k in ("hidden", "weight") else v)
+                    for k, v in inputs.items()}
+            expected = (naive_loss(**fp32).item(), *grads_of(naive_loss, fp32))
+            del fp32
             methods = [("torch naive", naive_loss)] + methods
         except torch.cuda.OutOfMemoryError:
             print("  torch naive: OOM")
@@ -182,7 +186,7 @@ def run_case(label, B, T, H, V, methods, rate, warmup, repeats, with_naive):
             gc.collect()
             torch.cuda.empty_cache()
     for name, fn in methods:
-        comparable = expected is not None and name != "torch naive" and "GSPO" not in name   # naive is token-level
+        comparable = expected is not None and "GSPO" not in name   # the naive loss is token-level
         err = check(name, fn, expected, inputs) if comparable else None
         try:
             ms, peak = measure(fn, inputs, warmup, repeats)
@@ -236,7 +240,7 @@ def main():
                                           with_naive=True)
     table += [(r, floor_ms, grad_bytes) for r in rows]
 
-    print("\n| shape | method | fwd+bwd ms | × 3-GEMM floor | extra peak GiB | beyond grads GiB | rel err vs naive |")
+    print("\n| shape | method | fwd+bwd ms | × 3-GEMM floor | extra peak GiB | beyond grads GiB | rel err vs fp32 naive |")
     print("|---|---|---|---|---|---|---|")
     shapes = {"main": main_shape, "large": big_shape}
     for (label, name, ms, ratio, peak, err), floor_ms, grad_bytes in table:

@@ -7,8 +7,8 @@ with  A_ij = β_i exp(G_i − G_j) k_iᵀk_j (i > j, else 0),  T = (I + A)⁻¹ 
 This module builds A, solves for T in registers (forward substitution, one row per step) and forms w and u.
 T is stored (fp32, [tokens, heads, chunk]) so the backward can rebuild w and u without the solve.
 
-Dot precision: operands stay fp32; `DOT_PREC` is "ieee" for fp32 inputs (exact fp32, as the interpreter does)
-and "tf32" for bf16/fp16 inputs (bf16 values are exact in tf32, products accumulate in fp32).
+Dot precision: operands stay fp32; `DOT_PREC` is "ieee" (exact fp32, as the interpreter does) for every input
+dtype for now: tf32 products gave wrong gradients on Hopper with triton 3.6 (see LOW_PRECISION_DOT below).
 """
 
 from __future__ import annotations
@@ -94,15 +94,24 @@ def gated_wy_fwd_kernel(
         tl.store(u + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v)
 
 
+# tl.dot input precision for bf16/fp16 inputs, for the chunk products and for the solve's block merges (fp32
+# inputs always use "ieee"). The interpreter ignores input_precision, so only a GPU run can validate a choice.
+# Measured on H200 with triton 3.6 (2026-11-22): "tf32" products (with either "tf32x3" or "ieee" solves) give dk
+# off by 10-15% in bf16 and once an illegal memory access (the class of Hopper miscompiles behind fla #640), while
+# "ieee" everywhere matches the float64 reference. Correct first: "ieee" until a tensor-core variant is proven.
+LOW_PRECISION_DOT = "ieee"
+LOW_PRECISION_SOLVE = "ieee"
+
+
 def dot_precision(dtype: torch.dtype) -> str:
-    """'ieee' for fp32 inputs (fp32 results), 'tf32' when the inputs are bf16/fp16 (see the module docstring)."""
-    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+    """'ieee' for fp32 inputs (fp32 results), LOW_PRECISION_DOT when the inputs are bf16/fp16."""
+    return "ieee" if dtype in (torch.float32, torch.float64) else LOW_PRECISION_DOT
 
 
 def solve_precision(dtype: torch.dtype) -> str:
-    """The solve's block merges use 'tf32x3' (≈ fp32 accuracy on tensor cores) for bf16/fp16 inputs: T feeds every
-    later stage, so its error is kept below tf32's 2⁻¹¹; 'ieee' for fp32 inputs."""
-    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32x3"
+    """The solve's block merges: T feeds every later stage, so its error is kept below tf32's 2⁻¹¹
+    (LOW_PRECISION_SOLVE for bf16/fp16 inputs); 'ieee' for fp32 inputs."""
+    return "ieee" if dtype in (torch.float32, torch.float64) else LOW_PRECISION_SOLVE
 
 
 def gated_wy_fwd(k, v, beta, G, layout: ChunkLayout, Ai=None):
