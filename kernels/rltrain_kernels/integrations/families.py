@@ -11,13 +11,18 @@ deep-copies; pickling it by reference is not supported (the subclasses are creat
 
 from __future__ import annotations
 
+import importlib
 import sys
 import types
 from dataclasses import dataclass
 
 import torch.nn as nn
 
-from rltrain_kernels.registry import UnsupportedModelError
+from rltrain_kernels.registry import UnsupportedModelError, register_kernel
+from rltrain_kernels.utils import module_available
+
+# What each device's implementations need importable.
+DEVICE_DEPS = {"cuda": "triton", "npu": "torch_npu", "cpu": None}
 
 
 @dataclass(frozen=True)
@@ -120,3 +125,21 @@ def with_globals(func: types.FunctionType, **replacements) -> types.FunctionType
     new.__qualname__ = func.__qualname__
     new.__doc__ = func.__doc__
     return new
+
+
+def register_per_device(base: type, ops: dict[str, str]) -> None:
+    """Register one subclass of `base` (a BaseKernel whose apply() calls `cls.load_op()`) per device, from
+    {device: "module.path:function"}; each checks its device's dependency (DEVICE_DEPS) and imports its op lazily."""
+    for device, target in ops.items():
+        module_name, function = target.split(":")
+        dep = DEVICE_DEPS[device]
+
+        def check_deps(cls, dep=dep) -> bool:
+            return dep is None or module_available(dep)
+
+        def load_op(cls, module_name=module_name, function=function):
+            return getattr(importlib.import_module(module_name), function)
+
+        name = f"{base.__name__.lstrip('_')}{device.upper()}"
+        register_kernel(type(name, (base,), {"device": device, "check_deps": classmethod(check_deps),
+                                             "load_op": classmethod(load_op), "__module__": base.__module__}))

@@ -4,9 +4,8 @@ cuda: the Triton kernel (rltrain_kernels.ops.rmsnorm); npu: torch_npu.npu_rms_no
 reference. Qwen3's per-head q_norm / k_norm are the same class and are swapped too.
 """
 
-from rltrain_kernels.integrations.families import family_classes, swap_modules
-from rltrain_kernels.registry import BaseKernel, register_kernel
-from rltrain_kernels.utils import module_available
+from rltrain_kernels.integrations.families import family_classes, register_per_device, swap_modules
+from rltrain_kernels.registry import BaseKernel
 
 
 class _FusedRMSNorm(BaseKernel):
@@ -23,39 +22,8 @@ class _FusedRMSNorm(BaseKernel):
         return swap_modules(model, classes, cls.kernel_id, cls.device, forward)
 
 
-@register_kernel
-class FusedRMSNormCUDA(_FusedRMSNorm):
-    device = "cuda"
-
-    @classmethod
-    def check_deps(cls) -> bool:
-        return module_available("triton")
-
-    @classmethod
-    def load_op(cls):
-        from rltrain_kernels.ops.rmsnorm import rms_norm
-        return rms_norm
-
-
-@register_kernel
-class FusedRMSNormNPU(_FusedRMSNorm):
-    device = "npu"
-
-    @classmethod
-    def check_deps(cls) -> bool:
-        return module_available("torch_npu")
-
-    @classmethod
-    def load_op(cls):
-        from rltrain_kernels.ops.rmsnorm.npu import npu_rms_norm
-        return npu_rms_norm
-
-
-@register_kernel
-class FusedRMSNormCPU(_FusedRMSNorm):
-    device = "cpu"
-
-    @classmethod
-    def load_op(cls):
-        from rltrain_kernels.ops.rmsnorm.naive import naive_rms_norm
-        return naive_rms_norm
+register_per_device(_FusedRMSNorm, {
+    "cuda": "rltrain_kernels.ops.rmsnorm:rms_norm",
+    "npu": "rltrain_kernels.ops.rmsnorm.npu:npu_rms_norm",
+    "cpu": "rltrain_kernels.ops.rmsnorm.naive:naive_rms_norm",
+})

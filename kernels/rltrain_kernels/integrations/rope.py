@@ -7,9 +7,9 @@ built from the same class), the swapped attention class runs a copy of the origi
 torch_npu.npu_rotary_mul; cpu: the plain-torch reference.
 """
 
-from rltrain_kernels.integrations.families import family_classes, original_class, swap_modules, with_globals
-from rltrain_kernels.registry import BaseKernel, register_kernel
-from rltrain_kernels.utils import module_available
+from rltrain_kernels.integrations.families import (family_classes, original_class, register_per_device,
+                                                  swap_modules, with_globals)
+from rltrain_kernels.registry import BaseKernel
 
 
 class _FusedRoPE(BaseKernel):
@@ -27,39 +27,8 @@ class _FusedRoPE(BaseKernel):
         return changed
 
 
-@register_kernel
-class FusedRoPECUDA(_FusedRoPE):
-    device = "cuda"
-
-    @classmethod
-    def check_deps(cls) -> bool:
-        return module_available("triton")
-
-    @classmethod
-    def load_op(cls):
-        from rltrain_kernels.ops.rope import apply_rotary_pos_emb
-        return apply_rotary_pos_emb
-
-
-@register_kernel
-class FusedRoPENPU(_FusedRoPE):
-    device = "npu"
-
-    @classmethod
-    def check_deps(cls) -> bool:
-        return module_available("torch_npu")
-
-    @classmethod
-    def load_op(cls):
-        from rltrain_kernels.ops.rope.npu import npu_apply_rotary_pos_emb
-        return npu_apply_rotary_pos_emb
-
-
-@register_kernel
-class FusedRoPECPU(_FusedRoPE):
-    device = "cpu"
-
-    @classmethod
-    def load_op(cls):
-        from rltrain_kernels.ops.rope.naive import naive_apply_rotary_pos_emb
-        return naive_apply_rotary_pos_emb
+register_per_device(_FusedRoPE, {
+    "cuda": "rltrain_kernels.ops.rope:apply_rotary_pos_emb",
+    "npu": "rltrain_kernels.ops.rope.npu:npu_apply_rotary_pos_emb",
+    "cpu": "rltrain_kernels.ops.rope.naive:naive_apply_rotary_pos_emb",
+})

@@ -1,14 +1,13 @@
 """`fused_swiglu`: replaces the activation-and-product of a gated MLP, down(silu(gate(x)) * up(x)).
 
-Only models whose config.hidden_act is silu/swish are swapped (a GELU-gated MLP keeps its forward). cuda: the Triton kernel
-(rltrain_kernels.ops.swiglu); npu: torch_npu.npu_swiglu; cpu: the plain-torch reference.
+Only models whose config.hidden_act is silu/swish are swapped (a GELU-gated MLP keeps its forward).
+cuda: the Triton kernel (rltrain_kernels.ops.swiglu); npu: torch_npu.npu_swiglu; cpu: the plain-torch reference.
 """
 
 import logging
 
-from rltrain_kernels.integrations.families import family_classes, swap_modules
-from rltrain_kernels.registry import BaseKernel, register_kernel
-from rltrain_kernels.utils import module_available
+from rltrain_kernels.integrations.families import family_classes, register_per_device, swap_modules
+from rltrain_kernels.registry import BaseKernel
 
 logger = logging.getLogger(__name__)
 SILU_NAMES = ("silu", "swish")
@@ -32,39 +31,8 @@ class _FusedSwiGLU(BaseKernel):
         return swap_modules(model, classes, cls.kernel_id, cls.device, forward)
 
 
-@register_kernel
-class FusedSwiGLUCUDA(_FusedSwiGLU):
-    device = "cuda"
-
-    @classmethod
-    def check_deps(cls) -> bool:
-        return module_available("triton")
-
-    @classmethod
-    def load_op(cls):
-        from rltrain_kernels.ops.swiglu import swiglu
-        return swiglu
-
-
-@register_kernel
-class FusedSwiGLUNPU(_FusedSwiGLU):
-    device = "npu"
-
-    @classmethod
-    def check_deps(cls) -> bool:
-        return module_available("torch_npu")
-
-    @classmethod
-    def load_op(cls):
-        from rltrain_kernels.ops.swiglu.npu import npu_swiglu
-        return npu_swiglu
-
-
-@register_kernel
-class FusedSwiGLUCPU(_FusedSwiGLU):
-    device = "cpu"
-
-    @classmethod
-    def load_op(cls):
-        from rltrain_kernels.ops.swiglu.naive import naive_swiglu
-        return naive_swiglu
+register_per_device(_FusedSwiGLU, {
+    "cuda": "rltrain_kernels.ops.swiglu:swiglu",
+    "npu": "rltrain_kernels.ops.swiglu.npu:npu_swiglu",
+    "cpu": "rltrain_kernels.ops.swiglu.naive:naive_swiglu",
+})
