@@ -18,6 +18,7 @@ import hydra
 from omegaconf import DictConfig
 
 from rltrain.config import ConfigError
+from rltrain.data.rows import DataError
 from rltrain.job import load_job_config
 
 
@@ -39,7 +40,11 @@ def main(cfg: DictConfig) -> None:
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
     logging.getLogger("rltrain").setLevel(logging.INFO)
-    run(job)
+    try:
+        run(job)
+    except (ConfigError, FileNotFoundError, DataError) as err:  # bad input found while starting: say what, no trace
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

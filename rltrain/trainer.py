@@ -17,6 +17,7 @@ from tensordict import TensorDict
 
 from rltrain import checkpoint as ckpt
 from rltrain.algorithms.advantages import compute_advantages
+from rltrain.config import ConfigError
 from rltrain.data.rows import load_rows
 from rltrain.data.sampler import PromptSampler, drop_long_prompts, encode_prompts
 from rltrain.job import JobConfig
@@ -31,7 +32,15 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_model_and_data(job: JobConfig):
-    """(model dir, train rows, val rows): the given ones, or the embedded default's (warm-started, cached)."""
+    """(model dir, train rows, val rows): the given ones, or the embedded default's (warm-started, cached). Data is
+    read and validated first, so a malformed row fails before any model work."""
+    if job.data.train_files is None:
+        from rltrain.embedded.task import make_rows
+
+        train_rows, val_rows = make_rows(job.data.task)
+    else:
+        train_rows = load_rows(job.data.train_files)
+        val_rows = load_rows(job.data.val_files) if job.data.val_files is not None else []
     if job.model.path is None:
         from rltrain.embedded.model import embedded_policy_dir
 
@@ -42,13 +51,6 @@ def resolve_model_and_data(job: JobConfig):
         if not (Path(model_dir) / "config.json").is_file():
             raise FileNotFoundError(f"model.path: {model_dir!r} is not a transformers model directory "
                                     "(no config.json)")
-    if job.data.train_files is None:
-        from rltrain.embedded.task import make_rows
-
-        train_rows, val_rows = make_rows(job.data.task)
-    else:
-        train_rows = load_rows(job.data.train_files)
-        val_rows = load_rows(job.data.val_files) if job.data.val_files is not None else []
     return model_dir, train_rows, val_rows
 
 
@@ -62,6 +64,8 @@ class GRPOTrainer:
         self.output_dir = Path(job.trainer.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         device = job.trainer.device
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("trainer.device: 'cuda' was asked for but this machine shows no CUDA device")
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         self.model_dir, train_rows, val_rows = resolve_model_and_data(job)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, padding_side="left")
@@ -82,20 +86,20 @@ class GRPOTrainer:
         if not ray.is_initialized():
             ray.init(address=job.ray.address, num_cpus=job.ray.num_cpus, include_dashboard=False,
                      log_to_driver=True, configure_logging=False)
-        gpu = 1 if self.device == "cuda" else 0
-        # CPU roles take turns (the controller waits on each), so they reserve no CPUs and may share cores.
-        opts = dict(num_cpus=0)
+        # The model roles share one GPU (colocated): each asks for a fraction of it, since Ray hides the GPU from an
+        # actor that asks for none. CPU roles take turns (the controller waits on each), so they reserve no CPUs.
+        model_roles = 3 if job.algorithm.loss.kl_coef > 0 else 2
+        opts = dict(num_cpus=0, num_gpus=1 / model_roles if self.device == "cuda" else 0)
         common = dict(model_path=self.model_dir, dtype=job.model.dtype, kernel_config=kernels, device=self.device)
         temperature = job.rollout.temperature
-        self.actor = ray.remote(ActorWorker).options(**opts, num_gpus=gpu).remote(
+        self.actor = ray.remote(ActorWorker).options(**opts).remote(
             job.actor, job.algorithm.loss, temperature=temperature, seed=job.trainer.seed, **common)
-        # on one GPU the rollout and reference share the actor's device (colocated), reserving no extra GPU
         self.rollout = ray.remote(RolloutWorker).options(**opts).remote(job.rollout, **common)
         self.reference = None
         if job.algorithm.loss.kl_coef > 0:
             self.reference = ray.remote(ReferenceWorker).options(**opts).remote(
                 temperature=temperature, micro_batch_size=job.actor.micro_batch_size, **common)
-        self.reward = ray.remote(RewardWorker).options(**opts).remote(job.reward, self.model_dir)
+        self.reward = ray.remote(RewardWorker).options(num_cpus=0).remote(job.reward, self.model_dir)
 
     # ---------------------------------------------------------------- one step
     def _generate_and_score(self, rows, n: int, temperature: float, seed: int):

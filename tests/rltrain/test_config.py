@@ -76,3 +76,13 @@ def test_cli_prints_resolved_config_and_rejects_bad_input():
     assert "config error: rollout.temperature: must be > 0" in bad.stderr and "Traceback" not in bad.stderr
     unknown = _cli("trainer.nope=1")
     assert unknown.returncode != 0 and "trainer.nope" in unknown.stderr and "Traceback" not in unknown.stderr
+
+
+def test_cli_reports_bad_data_and_model_paths_without_a_trace(tmp_path):
+    missing = _cli(f"trainer.output_dir={tmp_path}", f"model.path={tmp_path / 'nope'}")
+    assert missing.returncode == 2 and "model.path" in missing.stderr and "Traceback" not in missing.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "ground_truth": "2"}\n{"prompt": 5, "ground_truth": "1"}\n')
+    rows = _cli(f"trainer.output_dir={tmp_path}", f"data.train_files={bad}")
+    assert rows.returncode == 2 and "bad.jsonl: row 2: field 'prompt'" in rows.stderr
+    assert "Traceback" not in rows.stderr
