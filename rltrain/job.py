@@ -20,12 +20,12 @@ from rltrain.workers.rollout import RolloutConfig
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 40
+    total_steps: int = 200
     output_dir: str = "outputs/grpo"
     save_every: int = 0              # also saved at the end; 0 = only at the end
     resume: str = "auto"             # auto | never | a checkpoint directory
     seed: int = 0
-    val_every: int = 10              # also at step 0 and at the end; 0 = only those
+    val_every: int = 50              # also at step 0 and at the end; 0 = only those
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     device: str = "auto"             # auto | cpu | cuda
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Quick start, command 1: set up .venv and run the main job on its embedded default.
+# Quick start, command 1: set up .venv and run the main job, `python -m rltrain.main_grpo`, on its embedded default
+# (a small Qwen3 and a synthetic arithmetic task built in code: CPU, no downloads, a few minutes).
 #
-#   bash scripts/quickstart.sh [args passed to the job]
+#   bash scripts/quickstart.sh [Hydra overrides, e.g. trainer.total_steps=10]
 #
-# Until the GRPO trainer lands (issue 7), the main job is the kernel demo: a small Qwen3 built from its config,
-# the default kernels swapped in, and a table showing that logits and gradients match the unpatched model.
+# Outputs go to outputs/grpo/ (metrics.jsonl, checkpoints/); `python -m rltrain.plot outputs/grpo` draws the curves.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$root/scripts/setup_env.sh"
-exec "${RLTRAIN_VENV:-$root/.venv}/bin/python" "$root/examples/kernel_demo.py" "$@"
+cd "$root"
+exec "${RLTRAIN_VENV:-$root/.venv}/bin/python" -m rltrain.main_grpo "$@"

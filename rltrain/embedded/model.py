@@ -31,7 +31,7 @@ class EmbeddedModelConfig:
     num_heads: int = 4
     head_dim: int = 32
     warmstart_steps: int = 600             # upper bound on supervised steps
-    warmstart_target_accuracy: float = 0.3  # stop once greedy accuracy on training problems reaches this
+    warmstart_target_accuracy: float = 0.15  # stop once greedy accuracy on training problems reaches this
     warmstart_eval_every: int = 20
     warmstart_batch_size: int = 64
     warmstart_lr: float = 3e-3

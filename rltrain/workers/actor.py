@@ -15,7 +15,7 @@ from rltrain.workers.policy import load_policy, response_logprobs, set_threads
 
 @dataclass
 class ActorConfig:
-    lr: float = 3e-4
+    lr: float = 5e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     mini_batch_size: int = 0     # responses per optimizer step; 0 = the whole batch (one step per RL step)

@@ -17,7 +17,7 @@ ENGINES = ("hf",)
 @dataclass
 class RolloutConfig:
     engine: str = "hf"
-    n: int = 8                     # responses per prompt (the GRPO group size)
+    n: int = 16                    # responses per prompt (the GRPO group size)
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 8
