@@ -30,6 +30,7 @@ class ModelFamily:
     rmsnorm: tuple[str, ...] = ()    # RMSNorm classes: `weight`, `variance_epsilon`, y = w * x / rms(x)
     mlp: tuple[str, ...] = ()        # gated MLPs: gate_proj, up_proj, down_proj, act_fn
     attention: tuple[str, ...] = ()  # attention classes whose forward calls the module's apply_rotary_pos_emb
+    linear_attention: tuple[str, ...] = ()  # gated delta rule layers calling fla-named module functions
 
 
 def _family(prefix: str) -> ModelFamily:
@@ -43,6 +44,9 @@ FAMILIES: dict[str, ModelFamily] = {
     "qwen3": _family("Qwen3"),
     # Experts are one fused module in transformers 5 (no per-expert MLP); the shared/dense MLP class is swapped.
     "qwen3_moe": _family("Qwen3Moe"),
+    # Qwen3-Next: its RMSNorm is (1 + w)-scaled and its attention uses partial rotary, so only the MLPs and the
+    # Gated DeltaNet layers take our kernels.
+    "qwen3_next": ModelFamily(mlp=("Qwen3NextMLP",), linear_attention=("Qwen3NextGatedDeltaNet",)),
 }
 
 
@@ -61,6 +65,8 @@ def family_classes(model: nn.Module, role: str, kernel_id: str) -> tuple[type, .
             f"{', '.join(sorted(FAMILIES))} (add one with rltrain_kernels.integrations.families.register_model_family)")
     module = sys.modules[type(model).__module__]
     names = getattr(FAMILIES[model_type], role)
+    if not names:
+        raise UnsupportedModelError(f"{kernel_id}: model_type {model_type!r} has no {role} modules it applies to")
     classes = tuple(c for name in names if isinstance(c := getattr(module, name, None), type))
     if not classes:
         raise UnsupportedModelError(f"{kernel_id}: {module.__name__} defines none of {', '.join(names)}")
@@ -115,30 +121,44 @@ def restore_original_modules(model: nn.Module) -> int:
 
 def with_globals(func: types.FunctionType, **replacements) -> types.FunctionType:
     """A copy of `func` whose global names in `replacements` resolve to the given objects; the module itself (and
-    every other model of that family in the process) is left alone."""
-    missing = [name for name in replacements if name not in func.__code__.co_names]
-    if missing:
-        raise UnsupportedModelError(f"{func.__qualname__} does not call {', '.join(missing)}")
-    namespace = dict(func.__globals__, **replacements)
-    new = types.FunctionType(func.__code__, namespace, func.__name__, func.__defaults__, func.__closure__)
+    every other model of that family in the process) is left alone. A decorated function (functools.wraps, holding
+    the original in a closure cell, e.g. transformers' force_accelerate_hooks) is rebuilt around the rebound
+    original, so the decorator keeps working."""
+    if not all(name in func.__code__.co_names for name in replacements):
+        inner = getattr(func, "__wrapped__", None)
+        cells = func.__closure__ or ()
+        if inner is None or not any(c.cell_contents is inner for c in cells):
+            missing = [name for name in replacements if name not in func.__code__.co_names]
+            raise UnsupportedModelError(f"{func.__qualname__} does not call {', '.join(missing)}")
+        new_inner = with_globals(inner, **replacements)
+        closure = tuple(types.CellType(new_inner) if c.cell_contents is inner else c for c in cells)
+        wrapper = _copy_function(func, func.__globals__, closure)
+        wrapper.__wrapped__ = new_inner
+        return wrapper
+    return _copy_function(func, dict(func.__globals__, **replacements), func.__closure__)
+
+
+def _copy_function(func: types.FunctionType, namespace: dict, closure) -> types.FunctionType:
+    new = types.FunctionType(func.__code__, namespace, func.__name__, func.__defaults__, closure)
     new.__kwdefaults__ = func.__kwdefaults__
     new.__qualname__ = func.__qualname__
     new.__doc__ = func.__doc__
+    new.__dict__.update({k: v for k, v in func.__dict__.items() if k != "__wrapped__"})
     return new
 
 
 def register_per_device(base: type, ops: dict[str, str]) -> None:
     """Register one subclass of `base` (a BaseKernel whose apply() calls `cls.load_op()`) per device, from
-    {device: "module.path:function"}; each checks its device's dependency (DEVICE_DEPS) and imports its op lazily."""
+    {device: "module.path:attribute"}; each checks its device's dependency (DEVICE_DEPS) and imports its op lazily."""
     for device, target in ops.items():
-        module_name, function = target.split(":")
+        module_name, attribute = target.split(":")
         dep = DEVICE_DEPS[device]
 
         def check_deps(cls, dep=dep) -> bool:
             return dep is None or module_available(dep)
 
-        def load_op(cls, module_name=module_name, function=function):
-            return getattr(importlib.import_module(module_name), function)
+        def load_op(cls, module_name=module_name, attribute=attribute):
+            return getattr(importlib.import_module(module_name), attribute)
 
         name = f"{base.__name__.lstrip('_')}{device.upper()}"
         register_kernel(type(name, (base,), {"device": device, "check_deps": classmethod(check_deps),

@@ -1,0 +1,53 @@
+"""`fused_gated_delta_rule`: runs the gated delta rule of linear-attention layers (Qwen3-Next's Gated DeltaNet) on
+rltrain's kernels — chunked for prefill and training, fused-recurrent for one-token decoding steps.
+
+transformers' GatedDeltaNet forward calls its modeling module's `torch_chunk_gated_delta_rule` and
+`torch_recurrent_gated_delta_rule` with fla's argument names plus keywords ours do not take (chunk_size, ...). As for
+RoPE, the swapped class runs a copy of the forward whose globals resolve those two names to the adapters below,
+leaving the module and every other model alone. CUDA only: elsewhere transformers' own torch path stays (our naive
+recurrence is the reference, not a faster CPU path).
+"""
+
+from rltrain_kernels.integrations.families import (family_classes, original_class, register_per_device,
+                                                  swap_modules, with_globals)
+from rltrain_kernels.registry import BaseKernel
+
+
+def chunk_adapter(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, cu_seqlens=None, **_ignored):
+    from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
+                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def recurrent_adapter(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, **_ignored):
+    from rltrain_kernels.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    return fused_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
+                                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+ADAPTERS = (chunk_adapter, recurrent_adapter)
+
+
+class _FusedGatedDeltaRule(BaseKernel):
+    kernel_id = "fused_gated_delta_rule"
+
+    @classmethod
+    def apply(cls, model, **kwargs) -> int:
+        classes = family_classes(model, "linear_attention", cls.kernel_id)
+        chunk, recurrent = cls.load_op()
+        changed = 0
+        for layer_cls in classes:
+            forward = with_globals(layer_cls.forward, torch_chunk_gated_delta_rule=chunk,
+                                   torch_recurrent_gated_delta_rule=recurrent)
+            changed += swap_modules(model, (layer_cls,), cls.kernel_id, cls.device, forward,
+                                    accept=lambda m, c=layer_cls: original_class(m) is c)
+        return changed
+
+
+register_per_device(_FusedGatedDeltaRule, {"cuda": "rltrain_kernels.integrations.gated_delta_rule:ADAPTERS"})
