@@ -30,6 +30,19 @@ def device() -> str:
     return "cuda" if HAS_CUDA else "cpu"
 
 
+@pytest.fixture
+def poison_allocations(monkeypatch):
+    """Fill every float tensor the host code allocates with NaN (torch.empty / empty_like), so an output element
+    a kernel fails to write shows up as non-finite instead of passing on a lucky zero."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: poison(real_empty(*args, **kwargs)))
+    monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: poison(real_empty_like(*args, **kwargs)))
+
+
 @pytest.fixture(autouse=True)
 def fresh_seed(request):
     """Seed every test from fresh entropy and record the seed, so each run draws new inputs yet a failure
