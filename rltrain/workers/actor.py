@@ -67,7 +67,8 @@ class ActorWorker:
         # token-mean normalises by the mini-batch's token count (exact under micro-batching); Dr.GRPO's
         # seq-mean-token-sum-norm by a constant length, the padded response width
         norm = {"token-mean": dict(norm_tokens=max(n_tokens, 1)),
-                "seq-mean-token-sum-norm": dict(norm_len=mini_batch["response_ids"].shape[1])}.get(loss_cfg.loss_agg, {})
+                "seq-mean-token-sum-norm": dict(norm_len=mini_batch["response_ids"].shape[1])}
+        norm = norm.get(loss_cfg.loss_agg, {})
         for micro in split(mini_batch, self.config.micro_batch_size):
             micro_tokens = micro["response_mask"].sum().item()
             micro_seqs = int((micro["response_mask"].sum(1) > 0).sum())
@@ -79,8 +80,10 @@ class ActorWorker:
                 kl_coef=loss_cfg.kl_coef, kl_type=loss_cfg.kl_type, entropy_coef=loss_cfg.entropy_coef,
                 loss_agg=loss_cfg.loss_agg, importance_level=loss_cfg.importance_level,
                 temperature=self.temperature, **norm)
-            # token-mean is normalised by the mini-batch's token count already; sequence means are per micro-batch
-            scale = 1.0 if loss_cfg.loss_agg == "token-mean" else micro_seqs / n_seqs
+            # token-mean is normalised by the mini-batch's token count already; the sequence means are per
+            # micro-batch: over its sequences with tokens (seq-mean-*) or over all its rows (Dr.GRPO's B·norm_len)
+            scale = {"token-mean": 1.0, "seq-mean-token-sum-norm": micro.batch_size[0] / mini_batch.batch_size[0]
+                     }.get(loss_cfg.loss_agg, micro_seqs / n_seqs)
             (out.loss * scale).backward()
             sums["loss"] += out.loss.item() * scale
             for key in ("entropy", "ppo_kl", "clipfrac", "ref_kl"):  # token means -> weight by tokens

@@ -72,3 +72,22 @@ def test_weight_push_makes_rollout_match_actor(setup):
     rollout.load_state_dict(actor.state_dict())
     for name, value in rollout.model.state_dict().items():
         assert torch.equal(value, actor.model.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batching_gives_the_whole_batch_gradient(setup, loss_agg):
+    """Gradient accumulation over micro-batches equals one pass over the mini-batch, for each aggregation (one
+    response fully masked, so valid-sequence counts differ from row counts)."""
+    model_dir, batch, _ = setup
+    batch = batch.clone()
+    batch["response_mask"][2] = 0
+    batch["rewards"] = torch.rand(batch.batch_size[0])
+    batch["advantages"] = compute_advantages("grpo", batch["rewards"], batch["response_mask"], batch["group_ids"])
+    grads = []
+    for micro in (batch.batch_size[0], 5):
+        actor = ActorWorker(ActorConfig(micro_batch_size=micro, grad_clip=1e9, torch_threads=1),
+                            LossConfig(loss_agg=loss_agg), model_dir, "float32", None, temperature=1.0)
+        batch["old_logprobs"] = actor.compute_logprobs(batch)
+        actor.update(batch)
+        grads.append(torch.cat([p.grad.flatten() for p in actor.model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
