@@ -46,7 +46,7 @@ def _describe(tp) -> str:
 
 
 def _coerce(value, tp, key: str):
-    """Return `value` as type `tp` (int -> float widening, tuples/ListConfig -> list) or raise _FieldError."""
+    """Return `value` as type `tp` (int -> float widening, tuples -> list) or raise _FieldError."""
     origin = typing.get_origin(tp)
     if origin is Literal:
         if value in typing.get_args(tp):
@@ -58,7 +58,7 @@ def _coerce(value, tp, key: str):
             except _FieldError:
                 continue
     elif origin is list:
-        if isinstance(value, (list, tuple)) or (hasattr(value, "__iter__") and type(value).__name__ == "ListConfig"):
+        if isinstance(value, (list, tuple)):
             (item_tp,) = typing.get_args(tp)
             return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
     elif tp is type(None):
@@ -79,7 +79,7 @@ def _coerce(value, tp, key: str):
 
 def from_mapping(cls, mapping: Mapping | None, prefix: str):
     """Build dataclass `cls` from `mapping` (a dict or OmegaConf node), validating keys, types and values."""
-    mapping = {} if mapping is None else dict(mapping.items())
+    mapping = {} if mapping is None else dict(mapping)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(mapping) - set(fields))
     if unknown:

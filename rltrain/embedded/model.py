@@ -74,14 +74,15 @@ def _sft_batch(rows: list[PromptRow], tokenizer):
 
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, rows: list[PromptRow]) -> float:
-    """Fraction of rows whose greedy answer (up to <eos>) equals the ground truth."""
+    """Fraction of rows whose greedy answer (up to <eos>) the task's reward function scores as right."""
     from rltrain.data.sampler import encode_prompts
+    from rltrain.rewards.builtin import arithmetic_reward
 
     ids, mask = encode_prompts(rows, tokenizer)
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     answers = tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
-    return sum(a.strip() == str(r.ground_truth) for a, r in zip(answers, rows)) / len(rows)
+    return sum(arithmetic_reward(r.data_source, a, r.ground_truth) for a, r in zip(answers, rows)) / len(rows)
 
 
 def warm_start(model, tokenizer, rows: list[PromptRow], config: EmbeddedModelConfig, seed: int) -> float:

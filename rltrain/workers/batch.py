@@ -43,7 +43,6 @@ def concat_batches(batches: list[TensorDict]) -> TensorDict:
     response_width = max(b["response_ids"].shape[1] for b in batches)
     padded = []
     for b in batches:
-        b = b.clone()
         dp, dr = prompt_width - b["prompt_ids"].shape[1], response_width - b["response_ids"].shape[1]
         fields = dict(b.items())
         fields["prompt_ids"] = torch.nn.functional.pad(b["prompt_ids"], (dp, 0))

@@ -32,19 +32,16 @@ def load_policy(path: str, dtype: str, kernel_config: dict | None, device: str):
     return model
 
 
-def response_logprobs(model, batch: TensorDict, temperature: float, micro_batch_size: int,
-                      with_entropy: bool = False):
-    """log p(response token) under `model` at `temperature`, [B, R] fp32 (0 where masked); optionally entropy."""
+def response_logprobs(model, batch: TensorDict, temperature: float, micro_batch_size: int) -> torch.Tensor:
+    """log p(response token) under `model` at `temperature`, [B, R] fp32 (0 where masked)."""
     from rltrain_kernels import linear_logprobs
 
     weight = model.get_output_embeddings().weight
-    logps, ents = [], []
+    logps = []
     with torch.no_grad():
         for micro in split(batch, micro_batch_size):
             labels = micro["response_ids"].masked_fill(micro["response_mask"] == 0, IGNORE_INDEX)
-            logp, ent = linear_logprobs(response_hidden(model, micro), weight, labels, temperature=temperature,
-                                        return_entropy=with_entropy)
+            logp, _ = linear_logprobs(response_hidden(model, micro), weight, labels, temperature=temperature,
+                                      return_entropy=False)
             logps.append(logp)
-            ents.append(ent)
-    logp = torch.cat(logps)
-    return (logp, torch.cat(ents)) if with_entropy else logp
+    return torch.cat(logps)

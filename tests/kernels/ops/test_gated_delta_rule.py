@@ -172,10 +172,13 @@ def reference(q, k, v, g, beta, h0, cu_seqlens=None, l2norm=False, scale=None):
 # 2. The fused-recurrent kernel (forward)
 # ---------------------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("impl", ["fused_recurrent", "chunk"])
 @pytest.mark.parametrize("B,T,H,HV,K,V,gate", GATED_CASES, ids=GATED_IDS)
-def test_fused_recurrent_matches_naive(B, T, H, HV, K, V, gate, device):
+def test_forward_matches_naive(B, T, H, HV, K, V, gate, impl, device):
+    """The fused-recurrent (section 2) and chunked (section 3b) forwards against the naive recurrence."""
+    fn = fused_recurrent_gated_delta_rule if impl == "fused_recurrent" else chunk_gated_delta_rule
     q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, HV=HV, gate=gate, device=device, initial_state=True)
-    o, ht = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o, ht = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     o_ref, ht_ref = reference(q, k, v, g, beta, h0)
     assert_rel_close(o, o_ref, threshold=1e-5, name="o")
     assert_rel_close(ht, ht_ref, threshold=1e-5, name="final_state")
@@ -270,13 +273,7 @@ def test_common_state_pass_matches_torch(gated, device):
 # 3b. The chunked forward
 # ---------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("B,T,H,HV,K,V,gate", GATED_CASES, ids=GATED_IDS)
-def test_chunk_forward_matches_naive(B, T, H, HV, K, V, gate, device):
-    q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, HV=HV, gate=gate, device=device, initial_state=True)
-    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o_ref, ht_ref = reference(q, k, v, g, beta, h0)
-    assert_rel_close(o, o_ref, threshold=1e-5, name="o")
-    assert_rel_close(ht, ht_ref, threshold=1e-5, name="final_state")
+# (covered by test_forward_matches_naive[chunk] above)
 
 
 def test_chunk_forward_without_states_and_custom_scale(device):

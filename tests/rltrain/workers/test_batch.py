@@ -1,0 +1,23 @@
+"""concat_batches: batches of different prompt/response widths concatenate with prompts left-padded and responses
+right-padded, every real token and mask value kept in place (dynamic sampling relies on it)."""
+
+import torch
+from tensordict import TensorDict
+
+from rltrain.workers.batch import concat_batches, model_inputs
+
+
+def _batch(n, p, r, fill):
+    return TensorDict({"prompt_ids": torch.full((n, p), fill), "prompt_mask": torch.ones(n, p, dtype=torch.long),
+                       "response_ids": torch.full((n, r), fill + 1), "response_mask": torch.ones(n, r, dtype=torch.long),
+                       "rewards": torch.full((n,), float(fill))}, batch_size=[n])
+
+
+def test_concat_pads_prompts_left_and_responses_right():
+    out = concat_batches([_batch(2, 3, 4, 10), _batch(1, 5, 2, 20), _batch(0, 7, 9, 30)])
+    assert out.batch_size[0] == 3 and out["prompt_ids"].shape == (3, 5) and out["response_ids"].shape == (3, 4)
+    assert out["prompt_mask"][0].tolist() == [0, 0, 1, 1, 1] and out["prompt_ids"][0, 2:].tolist() == [10] * 3
+    assert out["response_mask"][2].tolist() == [1, 1, 0, 0] and out["response_ids"][2, :2].tolist() == [21, 21]
+    assert out["rewards"].tolist() == [10.0, 10.0, 20.0]
+    _, attention_mask, position_ids = model_inputs(out)
+    assert position_ids[0, 2].item() == 0 and attention_mask[0].sum().item() == 7  # positions start at real tokens
