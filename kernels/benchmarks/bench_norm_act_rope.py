@@ -1,7 +1,9 @@
-"""Benchmark: fused RMSNorm, SwiGLU and RoPE against torch eager, torch.compile and Liger, as % of copy bandwidth.
+"""Benchmark: fused RMSNorm, gated RMSNorm, SwiGLU and RoPE against torch eager, torch.compile, Liger and fla, as %
+of copy bandwidth.
 
-Run on a CUDA machine (from the repo root; Liger is optional, carry its wheel to compare):
+Run on a CUDA machine (from the repo root; Liger and fla are optional, carry their wheels to compare):
     pip install liger-kernel==0.8.5          # optional peer; skipped with a note when its import fails
+    pip install fla-core==0.6.0              # optional peer for the gated RMSNorm (fla.modules FusedRMSNormGated)
     PYTHONPATH=kernels python kernels/benchmarks/bench_norm_act_rope.py [--tokens 16384 --hidden 4096]
         [--no-compile] [--sweep]             # --sweep: also time RMSNorm backward over programs-per-SM
     # check the script itself without a GPU (tiny sizes, Triton interpreter, wall-clock timings are meaningless):
@@ -18,6 +20,7 @@ between repetitions, so these are DRAM numbers. A markdown table is printed last
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import time
 from dataclasses import dataclass, field
@@ -26,9 +29,10 @@ from typing import Callable
 import torch
 import triton
 
-from rltrain_kernels.ops.rmsnorm import naive_rms_norm, rms_norm
+from rltrain_kernels.ops.rmsnorm import gated_rms_norm, naive_gated_rms_norm, naive_rms_norm, rms_norm
 from rltrain_kernels.ops.rmsnorm.kernel import rms_norm_backward, rms_norm_forward
 from rltrain_kernels.ops.rope import apply_rotary_pos_emb, naive_apply_rotary_pos_emb
+from rltrain_kernels.ops.rope import kernel as rope_kernel
 from rltrain_kernels.ops.swiglu import naive_swiglu, swiglu
 
 DTYPE = torch.bfloat16
@@ -132,6 +136,35 @@ def rmsnorm_residual_case(n_rows: int, hidden: int) -> Case:
     return case
 
 
+def gated_rmsnorm_case(n_tokens: int, hidden: int, head_dim: int = 128) -> Case:
+    """Qwen3-Next's GatedDeltaNet output norm: per head over head_v_dim (128), gated by silu(z); the [tokens,
+    hidden] activation is viewed as [tokens·hidden/head_dim, head_dim] rows, as the model reshapes it."""
+    head_dim = min(head_dim, hidden)
+    n_rows = n_tokens * (hidden // head_dim)
+
+    def make(seed, dtype):
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        x, g, dy = (seeded_randn(gen, n_rows, head_dim, dtype=dtype) for _ in range(3))
+        w = seeded_randn(gen, head_dim, dtype=dtype, scale=0.1, shift=1.0).requires_grad_()
+        x.requires_grad_(), g.requires_grad_()
+        return (x, g, w), (x, g, w), (dy,)
+
+    b = DTYPE.itemsize
+    case = Case("GatedRMSNorm", make, lambda x, g, w: naive_gated_rms_norm(x, g, w, 1e-6),
+                # fwd: read x, g; write y (+ read w). bwd: read dy, x, g; write dx, dg (+ read w, write dw).
+                fwd_bytes=3 * n_rows * head_dim * b + head_dim * b,
+                fwdbwd_bytes=8 * n_rows * head_dim * b + 3 * head_dim * b)
+    case.variants["rltrain"] = lambda x, g, w: gated_rms_norm(x, g, w, 1e-6)
+    try:
+        from fla.modules.fused_norm_gate import rms_norm_gated
+        # rms_norm_gated(x, g, weight, bias, activation="swish", residual=None, prenorm=False, residual_in_fp32=False,
+        # eps=1e-6) in fla 0.6.0 (FusedRMSNormGated's functional form; "swish" = silu); norm before gate.
+        case.variants["fla"] = lambda x, g, w: rms_norm_gated(x, g, w, None, activation="swish", eps=1e-6)
+    except Exception as exc:  # noqa: BLE001
+        case.notes.append(f"fla gated RMSNorm skipped: {exc!r}")
+    return case
+
+
 def swiglu_case(n_rows: int, inter: int) -> Case:
     def make(seed, dtype):
         gen = torch.Generator(device=DEVICE).manual_seed(seed)
@@ -154,12 +187,22 @@ def swiglu_case(n_rows: int, inter: int) -> Case:
     return case
 
 
-def rope_case(n_tokens: int, n_q_heads: int = 32, n_k_heads: int = 8, head_dim: int = 128) -> Case:
+def _rope_with_warps(warps: int, *args):
+    default, rope_kernel.NUM_WARPS = rope_kernel.NUM_WARPS, warps
+    try:
+        return apply_rotary_pos_emb(*args)
+    finally:
+        rope_kernel.NUM_WARPS = default
+
+
+def rope_case(n_tokens: int, n_q_heads: int = 32, n_k_heads: int = 8, head_dim: int = 128,
+              sweep: bool = False) -> Case:
     def make(seed, dtype):
         gen = torch.Generator(device=DEVICE).manual_seed(seed)
         # HF's layout: projections viewed [B, T, H, D], transposed to [B, H, T, D] (non-contiguous views).
-        q = seeded_randn(gen, 1, n_tokens, n_q_heads, head_dim, dtype=dtype).requires_grad_().transpose(1, 2)
-        k = seeded_randn(gen, 1, n_tokens, n_k_heads, head_dim, dtype=dtype).requires_grad_().transpose(1, 2)
+        q_leaf = seeded_randn(gen, 1, n_tokens, n_q_heads, head_dim, dtype=dtype).requires_grad_()
+        k_leaf = seeded_randn(gen, 1, n_tokens, n_k_heads, head_dim, dtype=dtype).requires_grad_()
+        q, k = q_leaf.transpose(1, 2), k_leaf.transpose(1, 2)
         # HF's rotary table: cat(freqs, freqs), random positions (Liger reads only the first half of cos/sin).
         inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim))
         pos = torch.randint(0, 131072, (n_tokens,), device=DEVICE, generator=gen).float()
@@ -168,7 +211,8 @@ def rope_case(n_tokens: int, n_q_heads: int = 32, n_k_heads: int = 8, head_dim: 
         cos, sin = emb.cos().to(DTYPE).to(dtype), emb.sin().to(DTYPE).to(dtype)
         dq = seeded_randn(gen, 1, n_tokens, n_q_heads, head_dim, dtype=dtype).transpose(1, 2)
         dk = seeded_randn(gen, 1, n_tokens, n_k_heads, head_dim, dtype=dtype).transpose(1, 2)
-        return (q, k, cos, sin), (q, k), (dq, dk)
+        # gradients w.r.t. the [B, T, H, D] leaves (grads w.r.t. the transposed views failed CUDA-graph capture)
+        return (q, k, cos, sin), (q_leaf, k_leaf), (dq, dk)
 
     b = DTYPE.itemsize
     qk = (n_q_heads + n_k_heads) * n_tokens * head_dim * b
@@ -178,6 +222,9 @@ def rope_case(n_tokens: int, n_q_heads: int = 32, n_k_heads: int = 8, head_dim: 
                 # bwd: read dq_embed, dk_embed, cos, sin; write dq, dk.
                 fwd_bytes=2 * qk + table, fwdbwd_bytes=4 * qk + 2 * table)
     case.variants["rltrain"] = apply_rotary_pos_emb
+    if sweep:  # warps per program (one token each); the default is rope_kernel.NUM_WARPS
+        for warps in (1, 2, 8):
+            case.variants[f"rltrain {warps}w"] = functools.partial(_rope_with_warps, warps)
     try:
         from liger_kernel.ops.rope import LigerRopeFunction
         # forward(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rotary_dim=None) in 0.8.5; rotates q/k in place
@@ -243,7 +290,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the naive references")
-    parser.add_argument("--sweep", action="store_true", help="also sweep RMSNorm backward programs per SM")
+    parser.add_argument("--sweep", action="store_true", help="also sweep RMSNorm backward programs per SM and RoPE warps per program")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny sizes on CPU through the Triton interpreter (TRITON_INTERPRET=1): checks the script")
     args = parser.parse_args()
@@ -258,7 +305,8 @@ def main() -> None:
     ceiling = copy_ceiling_gbps()
     print(f"copy ceiling: {ceiling:.0f} GB/s (read + write, 1 GiB copy)")
     cases = [rmsnorm_case(args.tokens, args.hidden), rmsnorm_residual_case(args.tokens, args.hidden),
-             swiglu_case(args.tokens, args.hidden), rope_case(args.tokens)]
+             gated_rmsnorm_case(args.tokens, args.hidden), swiglu_case(args.tokens, args.hidden),
+             rope_case(args.tokens, sweep=args.sweep)]
     rows, notes = [], []
     for case in cases:
         variants = {"torch eager": case.reference, **case.variants}
@@ -288,8 +336,8 @@ def main() -> None:
         for note in notes:
             print(f"- {note}")
     bytes_of = {c.name: (c.fwd_bytes, c.fwdbwd_bytes) for c in cases}
-    print(f"\n### [{args.tokens}, {args.hidden}] bf16 (RoPE: q [1,32,{args.tokens},128], k [1,8,{args.tokens},128]); "
-          f"copy ceiling {ceiling:.0f} GB/s\n")
+    print(f"\n### [{args.tokens}, {args.hidden}] bf16 (GatedRMSNorm: per head of {min(128, args.hidden)}; RoPE: q "
+          f"[1,32,{args.tokens},128], k [1,8,{args.tokens},128]); copy ceiling {ceiling:.0f} GB/s\n")
     print("GPU time from CUDA-graph replays; 'eager' = plain calls, host (Python + launch) time included.\n")
     print("| op | variant | fwd us | fwd GB/s | fwd % copy | fwd+bwd us | fwd+bwd GB/s | fwd+bwd % copy "
           "| eager fwd+bwd us | max rel err |")

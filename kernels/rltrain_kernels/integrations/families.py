@@ -31,6 +31,7 @@ class ModelFamily:
     mlp: tuple[str, ...] = ()        # gated MLPs: gate_proj, up_proj, down_proj, act_fn
     attention: tuple[str, ...] = ()  # attention classes whose forward calls the module's apply_rotary_pos_emb
     linear_attention: tuple[str, ...] = ()  # gated delta rule layers calling fla-named module functions
+    gated_rmsnorm: tuple[str, ...] = ()  # gated RMSNorms: `weight`, `variance_epsilon`, forward(x, gate) = norm·silu
 
 
 def _family(prefix: str) -> ModelFamily:
@@ -44,9 +45,10 @@ FAMILIES: dict[str, ModelFamily] = {
     "qwen3": _family("Qwen3"),
     # Experts are one fused module in transformers 5 (no per-expert MLP); the shared/dense MLP class is swapped.
     "qwen3_moe": _family("Qwen3Moe"),
-    # Qwen3-Next: its RMSNorm is (1 + w)-scaled and its attention uses partial rotary, so only the MLPs and the
-    # Gated DeltaNet layers take our kernels.
-    "qwen3_next": ModelFamily(mlp=("Qwen3NextMLP",), linear_attention=("Qwen3NextGatedDeltaNet",)),
+    # Qwen3-Next: its RMSNorm is (1 + w)-scaled and its attention uses partial rotary, so only the MLPs, the
+    # Gated DeltaNet layers and their gated output norms take our kernels.
+    "qwen3_next": ModelFamily(mlp=("Qwen3NextMLP",), linear_attention=("Qwen3NextGatedDeltaNet",),
+                              gated_rmsnorm=("Qwen3NextRMSNormGated",)),
 }
 
 
@@ -56,7 +58,8 @@ def register_model_family(model_type: str, family: ModelFamily) -> None:
 
 
 def family_classes(model: nn.Module, role: str, kernel_id: str) -> tuple[type, ...]:
-    """The classes playing `role` ('rmsnorm' | 'mlp' | 'attention') in `model`, resolved in its modeling module."""
+    """The classes playing `role` (a ModelFamily field: 'rmsnorm', 'mlp', ...) in `model`, resolved in its modeling
+    module."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:

@@ -1,5 +1,5 @@
-"""Model-level: swapping kernels into Llama / Qwen2 / Qwen3 / Qwen3-MoE built from configs keeps logits and every
-gradient, and never touches weights, parameter names or state_dict keys.
+"""Model-level: swapping kernels into Llama / Qwen2 / Qwen3 / Qwen3-MoE (and Qwen3-Next's gated output norms) built
+from configs keeps logits and every gradient, and never touches weights, parameter names or state_dict keys.
 
 `impl="cuda"` runs the Triton kernels — natively on a GPU, through the interpreter on CPU (how CI checks them);
 `impl="cpu"` runs the plain-torch references.
@@ -99,6 +99,82 @@ def test_swap_into_a_loaded_model(tmp_path):
 def test_swiglu_leaves_non_silu_mlps_alone():
     model = tiny_causal_lm("llama", hidden_act="gelu")
     assert apply_kernel("fused_swiglu", model, device="cuda") == 0
+
+
+def tiny_qwen3_next(device="cpu"):
+    """Three layers (two Gated DeltaNet, one full attention), MoE MLPs; fp32."""
+    modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    from transformers import Qwen3NextConfig
+
+    config = Qwen3NextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"], num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=24, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    config._attn_implementation = "eager"
+    return modeling.Qwen3NextForCausalLM(config).to(device)
+
+
+@pytest.mark.parametrize("impl", ["cuda", "cpu"])
+def test_qwen3_next_gated_norm_swap_matches_fp32(impl, device):
+    """fused_gated_rmsnorm swaps both GatedDeltaNet output norms (head_v_dim 24: not a power of two) and the model
+    keeps transformers' logits and every gradient; on "cuda" every norm call runs the Triton kernel (interpreted on
+    CPU)."""
+    import rltrain_kernels.ops.rmsnorm as rmsnorm_ops
+
+    if impl == "cpu":
+        device = "cpu"
+    model = tiny_qwen3_next(device)
+    with torch.no_grad():  # non-trivial norm weights, so a dropped or misplaced weight shows
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.norm.weight.normal_(1.0, 0.5)
+    patched = copy.deepcopy(model)
+    assert apply_kernel("fused_gated_rmsnorm", patched, device=impl) == 2
+    assert repr(patched).count(f"kernel=fused_gated_rmsnorm/{impl}") == 2
+
+    ids, grad_logits = _inputs(model)
+    ref_logits, ref_grads = forward_backward(model, ids, grad_logits)
+    calls = []
+    real_apply = rmsnorm_ops.GatedRMSNormFunction.apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rmsnorm_ops.GatedRMSNormFunction, "apply",
+                   staticmethod(lambda *args: calls.append(args[0].shape) or real_apply(*args)))
+        logits, grads = forward_backward(patched, ids, grad_logits)
+    assert len(calls) == (2 if impl == "cuda" else 0)
+    assert_rel_close(logits, ref_logits, name="logits")
+    assert set(grads) == set(ref_grads)
+    assert any(".norm.weight" in name and "linear_attn" in name for name in grads)
+    for name, g in ref_grads.items():
+        # 1e-4, not fp32's 1e-5: the kernel sums in another order, and gradients that are sums over every token with
+        # cancellation (dt_bias, A_log) amplify that (1.5e-5 seen on one seed); a wrong term is off by far more.
+        assert_rel_close(grads[name], g, threshold=1e-4, name=f"grad {name}")
+
+
+def test_qwen3_next_defaults_include_gated_norm_idempotent_and_reversible():
+    model = tiny_qwen3_next()
+    before = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
+    first = apply_default_kernels(model, "auto", device="cuda")
+    assert first["fused_gated_rmsnorm"] == 2 and "fused_rmsnorm" not in first  # (1 + w) norms are left alone
+    norm = model.model.layers[0].linear_attn.norm
+    assert type(norm).__name__ == "Qwen3NextRMSNormGated" and "kernel=fused_gated_rmsnorm/cuda" in repr(norm)
+    assert apply_default_kernels(model, "auto", device="cuda") == {k: 0 for k in first}
+    after = model.state_dict()
+    assert list(after) == list(before)
+    for k, (ptr, value) in before.items():
+        assert after[k].data_ptr() == ptr and torch.equal(after[k], value), k
+    assert apply_kernel("fused_gated_rmsnorm", model, device="cpu") == 2  # replaces, does not stack
+    assert type(norm).__mro__[1].__name__ == "Qwen3NextRMSNormGated"
+    assert restore_original_modules(model) == sum(first.values())
+    assert "kernel=" not in repr(model)
+
+
+def test_gated_norm_kernel_needs_a_family_with_gated_norms():
+    from rltrain_kernels.registry import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="gated_rmsnorm"):
+        apply_kernel("fused_gated_rmsnorm", tiny_causal_lm("qwen3"), device="cuda")
 
 
 @pytest.mark.gpu

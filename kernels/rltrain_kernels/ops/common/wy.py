@@ -7,8 +7,8 @@ with  A_ij = β_i exp(G_i − G_j) k_iᵀk_j (i > j, else 0),  T = (I + A)⁻¹ 
 This module builds A, solves for T in registers (forward substitution, one row per step) and forms w and u.
 T is stored (fp32, [tokens, heads, chunk]) so the backward can rebuild w and u without the solve.
 
-Dot precision: operands stay fp32; `DOT_PREC` is "ieee" (exact fp32, as the interpreter does) for every input
-dtype for now: tf32 products gave wrong gradients on Hopper with triton 3.6 (see LOW_PRECISION_DOT below).
+Dot precision: operands stay fp32; `DOT_PREC` is "tf32" (tensor cores) for bf16/fp16 inputs and "ieee" (exact
+fp32) for fp32 inputs; see LOW_PRECISION_DOT below for why no kernel transposes a dot result.
 """
 
 from __future__ import annotations
@@ -96,10 +96,11 @@ def gated_wy_fwd_kernel(
 
 # tl.dot input precision for bf16/fp16 inputs, for the chunk products and for the solve's block merges (fp32
 # inputs always use "ieee"). The interpreter ignores input_precision, so only a GPU run can validate a choice.
-# Measured on H200 with triton 3.6 (2026-11-22): "tf32" products (with either "tf32x3" or "ieee" solves) give dk
-# off by 10-15% in bf16 and once an illegal memory access (the class of Hopper miscompiles behind fla #640), while
-# "ieee" everywhere matches the float64 reference. Correct first: "ieee" until a tensor-core variant is proven.
-LOW_PRECISION_DOT = "ieee"
+# Triton 3.4–3.7.0 miscompiles, on Hopper, a tensor-core dot whose operand is tl.trans of another tensor-core dot's
+# result (fla #640): that gave dk off by 10–15% here with "tf32". No kernel of the delta-rule family does that any
+# more (the transposed product is computed as its own dot from loaded tiles), and with "tf32" every gradient is
+# within 2.6e-3 of the fp32 reference on H200 / triton 3.6 (2026-11-22, bf16, T=1024, K=V=128, GVA, varlen).
+LOW_PRECISION_DOT = "tf32"
 LOW_PRECISION_SOLVE = "ieee"
 
 

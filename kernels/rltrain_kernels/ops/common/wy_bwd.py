@@ -43,6 +43,7 @@ def gated_wy_bwd_kernel(
     b_gamma = tl.exp(b_G)
     b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dTt = tl.zeros([BT, BT], dtype=tl.float32)  # dTᵀ, see the note at its use
     b_KK = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -50,6 +51,7 @@ def gated_wy_bwd_kernel(
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
         b_dw = tl.load(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_k, other=0.0)
         b_dT += tl.dot(b_dw, tl.trans(b_k * (b_beta * b_gamma)[:, None]), input_precision=DOT_PREC)
+        b_dTt += tl.dot(b_k * (b_beta * b_gamma)[:, None], tl.trans(b_dw), input_precision=DOT_PREC)
         b_KK += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
@@ -59,6 +61,7 @@ def gated_wy_bwd_kernel(
         b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
         b_du = tl.load(du + p_v, mask=m_v, other=0.0)
         b_dT += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]), input_precision=DOT_PREC)
+        b_dTt += tl.dot(b_v * b_beta[:, None], tl.trans(b_du), input_precision=DOT_PREC)
         b_dvt = tl.dot(tl.trans(b_T), b_du, input_precision=DOT_PREC)
         b_dbeta += tl.sum(b_dvt * b_v, 1)
         tl.store(dv + p_v, b_dvt * b_beta[:, None], mask=m_v)
@@ -72,6 +75,12 @@ def gated_wy_bwd_kernel(
     b_dAA = b_dAE * b_KK * b_beta[:, None]  # dA ⊙ A
     b_dG = tl.sum(b_dAA, 1) - tl.sum(b_dAA, 0)
     b_B = b_dAE * b_beta[:, None]
+    # Bᵀ rebuilt from dTᵀ (dAᵀ = −T dTᵀ T) instead of tl.trans(b_B): transposing a tensor-core dot result as a dot
+    # operand is miscompiled on Hopper by Triton 3.4–3.7.0 (fla #640: wrong dk); two extra dots per chunk.
+    m_At = (o_i[:, None] < o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_dAt = tl.dot(tl.dot(b_T, b_dTt, input_precision=DOT_PREC), b_T, input_precision=DOT_PREC)
+    b_Et = tl.where(m_At, tl.exp(tl.where(m_At, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
+    b_Bt = tl.where(m_At, -b_dAt, 0.0) * b_Et * b_beta[None, :]
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
@@ -84,7 +93,7 @@ def gated_wy_bwd_kernel(
         b_dG += b_dkt_k * b_gamma * b_beta
         b_dk = tl.load(dk + p_k, mask=m_k, other=0.0)
         b_dk += b_dkt * (b_beta * b_gamma)[:, None]
-        b_dk += tl.dot(b_B, b_k, input_precision=DOT_PREC) + tl.dot(tl.trans(b_B), b_k, input_precision=DOT_PREC)
+        b_dk += tl.dot(b_B, b_k, input_precision=DOT_PREC) + tl.dot(b_Bt, b_k, input_precision=DOT_PREC)
         tl.store(dk + p_k, b_dk, mask=m_k)
     tl.store(dbeta + o_t * HV + i_hv, b_dbeta, mask=m_t)
     if USE_G:

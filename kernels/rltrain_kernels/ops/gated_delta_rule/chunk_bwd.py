@@ -45,6 +45,7 @@ def chunk_dqkwg_kernel(
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)   # δ dS'ᵀ
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dPt = tl.zeros([BT, BT], dtype=tl.float32)  # dPᵀ, see the note at its use
     b_hdh = tl.zeros([BK], dtype=tl.float32)
     p_state = (i_hc * HV + i_hv) * K * V + o_k[:, None] * V
     for i_v in range(tl.cdiv(V, BV)):
@@ -61,6 +62,7 @@ def chunk_dqkwg_kernel(
         b_dk += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PREC)
         b_dw -= tl.dot(b_dv, tl.trans(b_h), input_precision=DOT_PREC)
         b_dP += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PREC)
+        b_dPt += tl.dot(b_vn, tl.trans(b_do), input_precision=DOT_PREC)
         b_hdh += tl.sum(b_h * b_dh, 1)
     tl.store(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_dw, mask=m_tk)
     b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -80,7 +82,11 @@ def chunk_dqkwg_kernel(
     b_term = tl.sum(b_dk * b_k, 1)
     b_dG -= b_term
     b_dG += tl.where(o_t == last, tl.sum(b_term, 0) + tl.exp(b_G_last) * tl.sum(b_hdh, 0), 0.0)
-    b_dk += tl.dot(tl.trans(b_dS), b_q, input_precision=DOT_PREC)
+    # dSᵀ from dPᵀ (accumulated above) rather than tl.trans(b_dS): transposing a tensor-core dot result as a dot
+    # operand is miscompiled on Hopper by Triton 3.4–3.7.0 (fla #640: wrong dk); one extra [BT, BV] dot per V block.
+    m_At = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_Et = tl.where(m_At, tl.exp(tl.where(m_At, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
+    b_dk += tl.dot(b_dPt * b_Et * scale, b_q, input_precision=DOT_PREC)
     tl.store(dq + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_dq, mask=m_tk)
     tl.store(dk + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_dk, mask=m_tk)
     tl.store(dG + o_t * HV + i_hv, b_dG, mask=m_t)
@@ -99,9 +105,10 @@ def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout
         chunk_dqkwg_kernel[(layout.num_chunks, HV)](
             q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, layout.cu_seqlens, layout.chunk_indices,
             layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size,
-            BK=triton.next_power_of_2(K), BV=min(64, triton.next_power_of_2(V)), DOT_PREC=dot_precision(q.dtype),
-            # 8 warps: three [64, K] fp32 accumulators (96 KiB at K=128) would spill at 4 warps; untimed.
-            num_warps=8)
+            BK=triton.next_power_of_2(K), BV=min(32, triton.next_power_of_2(V)), DOT_PREC=dot_precision(q.dtype),
+            # 8 warps: three [64, K] fp32 accumulators (96 KiB at K=128) would spill at 4 warps. BV=32, 2 stages:
+            # with tf32 dots, BV=64 and 3 stages asked for 256 KiB of shared memory on H200 (limit 227 KiB).
+            num_warps=8, num_stages=2)
     return dq, dk, dw, dG
 
 

@@ -1,12 +1,15 @@
 """RMSNorm with an optional fused residual add: public function, autograd Function and nn.Module.
 
-    from rltrain_kernels.ops.rmsnorm import rms_norm, RMSNorm
+    from rltrain_kernels.ops.rmsnorm import gated_rms_norm, rms_norm, RMSNorm
     y = rms_norm(x, weight, eps=1e-6)                       # y = weight * x / sqrt(mean(x²) + eps)
     y, s = rms_norm(x, weight, eps, residual=residual)      # s = x + residual; y = rms_norm(s)
+    y = gated_rms_norm(x, gate, weight, eps=1e-6)           # y = rms_norm(x) * silu(gate)  (Qwen3-Next)
 
 Statistics are fp32; the output has x's dtype (weight may be fp32 or x's dtype). Everything is differentiable
-(x, weight, residual, and through the returned s). Tensors the Triton kernels cannot take (CPU tensors outside the
-interpreter, float64, rows wider than 64K) go to `naive_rms_norm`, which computes the same function.
+(x, weight, residual, and through the returned s; x, gate, weight for the gated norm). Tensors the Triton kernels
+cannot take (CPU tensors outside the interpreter, float64, rows wider than 64K) go to `naive_rms_norm` /
+`naive_gated_rms_norm`, which compute the same functions (the gated one step for step as transformers'
+Qwen3NextRMSNormGated). Kernels: kernel.py (plain and residual), gated_kernel.py (gated).
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from torch.autograd.function import once_differentiable
 import torch.nn as nn
 
 from rltrain_kernels.ops.rmsnorm.kernel import MAX_FUSED_COLS, rms_norm_backward, rms_norm_forward
-from rltrain_kernels.ops.rmsnorm.naive import naive_rms_norm
+from rltrain_kernels.ops.rmsnorm.gated_kernel import gated_rms_norm_backward, gated_rms_norm_forward
+from rltrain_kernels.ops.rmsnorm.naive import naive_gated_rms_norm, naive_rms_norm
 from rltrain_kernels.utils import triton_interpreted
 
-__all__ = ["RMSNorm", "RMSNormFunction", "naive_rms_norm", "rms_norm"]
+__all__ = ["GatedRMSNorm", "GatedRMSNormFunction", "RMSNorm", "RMSNormFunction", "gated_rms_norm",
+           "naive_gated_rms_norm", "naive_rms_norm", "rms_norm"]
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -78,6 +83,53 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return rms_norm(x, self.weight, self.variance_epsilon, residual)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class GatedRMSNormFunction(torch.autograd.Function):
+    """apply(x, gate, weight, eps) -> y = rms_norm(x) * weight * silu(gate)."""
+
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps):
+        weight = weight.contiguous()
+        y, x_rows, g_rows, rstd = gated_rms_norm_forward(x, gate, weight, eps)
+        ctx.save_for_backward(x_rows, g_rows, weight, rstd)
+        return y
+
+    @staticmethod
+    @once_differentiable  # the backward kernels are not themselves differentiable
+    def backward(ctx, dy):
+        x_rows, g_rows, weight, rstd = ctx.saved_tensors
+        dx, dg, dw = gated_rms_norm_backward(dy, x_rows, g_rows, weight, rstd, compute_dw=ctx.needs_input_grad[2])
+        return dx, dg, dw, None
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Gated RMSNorm over the last dim (Qwen3-Next's Qwen3NextRMSNormGated): weight * x / sqrt(mean(x²) + eps) *
+    silu(gate), computed in fp32, returned in x's dtype. gate has x's shape (any float dtype)."""
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"gated_rms_norm: weight shape {tuple(weight.shape)} != ({x.shape[-1]},)")
+    if gate.shape != x.shape:
+        raise ValueError(f"gated_rms_norm: gate shape {tuple(gate.shape)} != x shape {tuple(x.shape)}")
+    if not (_kernel_supported(x) and gate.dtype in _KERNEL_DTYPES and gate.device == x.device):
+        return naive_gated_rms_norm(x, gate, weight, eps)
+    return GatedRMSNormFunction.apply(x, gate, weight, eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """Drop-in for HF's Qwen3NextRMSNormGated (same attribute names `weight`, `variance_epsilon`, `activation`):
+    forward(x, gate) -> rms_norm(x) * silu(gate)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+        self.activation = "silu"
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(x, gate, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

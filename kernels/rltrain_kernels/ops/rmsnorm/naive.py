@@ -22,3 +22,17 @@ def naive_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     variance = hidden.pow(2).mean(-1, keepdim=True)
     hidden = hidden * torch.rsqrt(variance + eps)
     return (weight * hidden.to(input_dtype)).to(input_dtype)
+
+
+def naive_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6):
+    """y = weight * x / sqrt(mean(x**2, -1) + eps) * silu(gate), step for step as HF's Qwen3NextRMSNormGated:
+    normalise in fp32, cast to x's dtype, multiply by the weight (in the weight/x promoted dtype), multiply by
+    silu(gate) computed in fp32, cast to x's dtype. float64 inputs stay float64 throughout (reference use)."""
+    input_dtype = x.dtype
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    hidden = x.to(compute)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    hidden = weight * hidden.to(input_dtype)
+    hidden = hidden * torch.nn.functional.silu(gate.to(compute))
+    return hidden.to(input_dtype)

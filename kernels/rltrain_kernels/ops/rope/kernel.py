@@ -25,6 +25,8 @@ import triton.language as tl
 # Head chunk per loop step: ≤ 2048 values per half-tile (32 heads × 64 at D=128: all of Llama's q heads in one step,
 # 16 fp32 registers per thread per half at 4 warps).
 MAX_TILE = 2048
+# Warps per program (one token). Module-level so bench_norm_act_rope.py --sweep-rope can time the alternatives.
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -128,6 +130,6 @@ def rope_apply(q: torch.Tensor | None, k: torch.Tensor | None, cos: torch.Tensor
         n_tokens, n_q_heads, n_k_heads, half,
         DO_Q=q is not None, DO_K=k is not None, BACKWARD=backward,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
-        num_warps=4,
+        num_warps=NUM_WARPS,
     )
     return q_out, k_out

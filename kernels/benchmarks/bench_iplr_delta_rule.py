@@ -1,0 +1,148 @@
+"""Benchmark the IPLR delta rule kernels against fla 0.6's chunk_iplr_delta_rule (forward only: fla has no chunked
+IPLR backward) and our chunk_gated_delta_rule (the closest op with a backward, same sizes).
+
+Run on a CUDA machine (flash-linear-attention 0.6.0 installed for the fla column):
+    python kernels/benchmarks/bench_iplr_delta_rule.py [--quick]
+Checks correctness first (ours vs the fp32 naive recurrence at a small size, forward and every gradient; ours vs
+fla's forward at every timed shape), then times forward and forward+backward in bf16, H=16, K=V=128, inputs in the
+stable regime a = −β k̂, b = k̂ (k̂ l2-normalised, β ∈ (0, 1)), with an fp32 initial state and the final state out.
+A markdown table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
+from rltrain_kernels.ops.iplr_delta_rule import chunk_iplr_delta_rule, naive_recurrent_iplr_delta_rule
+
+
+def load_fla():
+    try:
+        from fla.ops.generalized_delta_rule import chunk_iplr_delta_rule as fla_chunk
+    except ImportError as err:
+        print(f"fla not importable ({err}); skipping its column")
+        return None
+    return fla_chunk
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(B, T, H, K, V, dtype=torch.bfloat16, requires_grad=False, N=None):
+    """q, k, v, a, b (bf16) in the stable regime and an fp32 initial state."""
+    q = torch.randn(B, T, H, K, device="cuda", dtype=dtype)
+    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).to(dtype)
+    v = torch.randn(B, T, H, V, device="cuda", dtype=dtype)
+    k_hat = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1)
+    beta = torch.rand(B, T, H, 1, device="cuda")
+    a, b = (-beta * k_hat).to(dtype), k_hat.to(dtype)
+    h0 = torch.randn(N or B, H, K, V, device="cuda")
+    tensors = [q, k, v, a, b]
+    for t in tensors:
+        t.requires_grad_(requires_grad)
+    return tensors, h0
+
+
+def check_against_naive():
+    """Ours vs the fp32 naive recurrence (B=1, T=300, H=2, K=V=128, bf16 inputs), forward and every gradient."""
+    (q, k, v, a, b), h0 = make_inputs(1, 300, 2, 128, 128)
+    do = torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for name, fn in (("ours", chunk_iplr_delta_rule), ("naive", naive_recurrent_iplr_delta_rule)):
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, a, b, h0)]
+        o, ht = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+        (o.float() * do.float()).sum().add(ht.sum()).backward()
+        results[name] = [o, ht] + [t.grad for t in inputs]
+    names = ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"]
+    errs = {n: rel(x, y) for n, x, y in zip(names, results["ours"], results["naive"])}
+    print("ours vs naive fp32 (bf16 inputs):", ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+    worst_out = max(errs["o"], errs["final_state"])
+    worst_grad = max(e for n, e in errs.items() if n.startswith("d"))
+    if worst_out > 5e-3 or worst_grad > 1e-2:
+        raise SystemExit(f"correctness check failed (outputs {worst_out:.1e}, gradients {worst_grad:.1e})")
+
+
+def time_iplr(fn, B, T, H, D, backward=True, cu_seqlens=None, N=None):
+    (q, k, v, a, b), h0 = make_inputs(B, T, H, D, D, requires_grad=backward, N=N)
+    do = torch.randn_like(v)
+    kwargs = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+    fwd = lambda: fn(q, k, v, a, b, **kwargs)  # noqa: E731
+    with torch.no_grad():
+        t_fwd = do_bench(fwd)
+    if not backward:
+        return t_fwd, None
+
+    def fwd_bwd():
+        o, _ = fn(q, k, v, a, b, **kwargs)
+        o.backward(do)
+
+    return t_fwd, do_bench(fwd_bwd, grad_to_none=[q, k, v, a, b])
+
+
+def time_gated_delta_rule(B, T, H, D, cu_seqlens=None, N=None):
+    (q, k, v, _, _), h0 = make_inputs(B, T, H, D, D, N=N)
+    g = F.logsigmoid(torch.randn(B, T, H, device="cuda")).to(torch.bfloat16)
+    beta = torch.rand(B, T, H, device="cuda").to(torch.bfloat16)
+    tensors = [q, k, v, g, beta]
+    for t in tensors:
+        t.requires_grad_(True)
+    do = torch.randn_like(v)
+    kwargs = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+    with torch.no_grad():
+        t_fwd = do_bench(lambda: chunk_gated_delta_rule(*tensors, **kwargs))
+    t_all = do_bench(lambda: chunk_gated_delta_rule(*tensors, **kwargs)[0].backward(do), grad_to_none=tensors)
+    return t_fwd, t_all
+
+
+def forward_agreement(fla_chunk, B, T, H, D, cu_seqlens=None, N=None) -> float:
+    (q, k, v, a, b), h0 = make_inputs(B, T, H, D, D, N=N)
+    kwargs = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+    o, ht = chunk_iplr_delta_rule(q, k, v, a, b, **kwargs)
+    o_fla, ht_fla = fla_chunk(q, k, v, a, b, **kwargs)
+    return max(rel(o, o_fla), rel(ht, ht_fla))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one small shape (smoke run)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    fla_chunk = load_fla()
+    print(f"device: {torch.cuda.get_device_name()}")
+    check_against_naive()
+
+    H, D = 16, 128
+    shapes = [("B8 T2048", 8, 2048, None), ("B2 T8192", 2, 8192, None)] if not args.quick else \
+        [("B2 T1024", 2, 1024, None)]
+    lengths = [4096, 1000, 2048, 512, 3000, 5728] if not args.quick else [700, 300, 1024]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    shapes.append((f"varlen {len(lengths)} seqs, {sum(lengths)} tokens", 1, sum(lengths), cu))
+    rows = []
+    for label, B, T, cu_seqlens in shapes:
+        N = None if cu_seqlens is None else cu_seqlens.numel() - 1
+        if fla_chunk is not None:
+            err = forward_agreement(fla_chunk, B, T, H, D, cu_seqlens=cu_seqlens, N=N)
+            print(f"{label}: ours vs fla forward rel err {err:.1e}")
+        rows.append((label, "ours chunk_iplr_delta_rule", *time_iplr(chunk_iplr_delta_rule, B, T, H, D,
+                                                                      cu_seqlens=cu_seqlens, N=N)))
+        if fla_chunk is not None:
+            rows.append((label, "fla 0.6 chunk_iplr_delta_rule (no backward)",
+                         *time_iplr(fla_chunk, B, T, H, D, backward=False, cu_seqlens=cu_seqlens, N=N)))
+        rows.append((label, "ours chunk_gated_delta_rule", *time_gated_delta_rule(B, T, H, D, cu_seqlens, N)))
+
+    print(f"\n## IPLR delta rule, bf16, H={H}, K=V={D} ({torch.cuda.get_device_name()})\n")
+    print("| case | implementation | forward ms | forward+backward ms |")
+    print("| --- | --- | ---: | ---: |")
+    for case, impl, t_fwd, t_all in rows:
+        print(f"| {case} | {impl} | {t_fwd:.3f} | {'n/a' if t_all is None else f'{t_all:.3f}'} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Chunked IPLR delta rule, backward: recompute w, u (from the stored T), the chunk-start states S and the a-reads
+X; run the shared reverse state pass (common/state_pass.py, with b in the role of k and our w = −T A: it yields
+dS' per chunk, dX and dh0); then the output/state pass below (dq, dk, db, dv, dw) and the WY backward (da, and
+the WY parts of dk, db, dv).
+
+Per chunk (M = [j ≤ i], strict = i > j, S the chunk-start state, dS' the gradient of the chunk-end state, dX the
+total gradient of X from the state pass; W = T A = −w so that X = W S + u):
+    dq = scale (dO Sᵀ + (dO Xᵀ ⊙ M) B + (dO Vᵀ ⊙ M) K)
+    db = scale (dO Xᵀ ⊙ M)ᵀ Q + X dS'ᵀ + (dM_ab)ᵀ A,    dk = scale (dO Vᵀ ⊙ M)ᵀ Q + V dS'ᵀ + (dM_ak)ᵀ A
+    dv = scale (Q Kᵀ ⊙ M)ᵀ dO + K dS' + strict(A Kᵀ)ᵀ Tᵀ dX,     dW = dX Sᵀ
+    da = Tᵀ dW + dM_ab B + dM_ak K,  with  dT = dW Aᵀ + dX Vᵀ strict(A Kᵀ)ᵀ,
+    dM_ab = strict(Tᵀ dT Tᵀ)  (T = (I − M_ab)⁻¹),   dM_ak = strict(Tᵀ dX Vᵀ)
+Every transposed [BT, BT] product is accumulated as its own dot from loaded tiles instead of transposing a dot result
+(the Hopper miscompile pattern of fla #640, see common/wy_bwd.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.chunking import ChunkLayout
+from ..common.state_pass import state_pass_bwd
+from ..common.wy import dot_precision
+from .chunk_fwd import iplr_state_pass_fwd, iplr_wy_fwd
+
+
+@triton.jit
+def iplr_output_bwd_dqwv_kernel(
+    q, k, v, b, x, h, dh, do, dx, dq, dv, dw, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """dq = scale (dO Sᵀ + (dO Xᵀ ⊙ M) B + (dO Vᵀ ⊙ M) K), dW = dX Sᵀ, dv = scale (Q Kᵀ ⊙ M)ᵀ dO + K dS'."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
+    o_i, o_k = tl.arange(0, BT), tl.arange(0, BK)
+    o_t = bos + i_t * BT + o_i
+    m_t = o_t < eos
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
+    b_q = tl.load(q + p_k, mask=m_tk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
+    m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    m_At = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_Pkt = tl.where(m_At, tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC), 0.0) * scale  # [j, i]
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)   # dO Sᵀ
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)   # dX Sᵀ
+    b_dPb = tl.zeros([BT, BT], dtype=tl.float32)  # dO Xᵀ
+    b_dPk = tl.zeros([BT, BT], dtype=tl.float32)  # dO Vᵀ
+    p_state = (i_hc * H + i_h) * K * V + o_k[:, None] * V
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
+        b_h = tl.load(h + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_x = tl.load(x + p_v, mask=m_tv, other=0.0)
+        b_dx = tl.load(dx + p_v, mask=m_tv, other=0.0)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_dq += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)
+        b_dw += tl.dot(b_dx, tl.trans(b_h), input_precision=DOT_PREC)
+        b_dPb += tl.dot(b_do, tl.trans(b_x), input_precision=DOT_PREC)
+        b_dPk += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
+        b_dv = tl.dot(b_Pkt, b_do, input_precision=DOT_PREC) + tl.dot(b_k, b_dh, input_precision=DOT_PREC)
+        tl.store(dv + p_v, b_dv, mask=m_tv)
+    b_b = tl.load(b + p_k, mask=m_tk, other=0.0).to(tl.float32)
+    b_dq += tl.dot(tl.where(m_A, b_dPb, 0.0), b_b, input_precision=DOT_PREC)
+    b_dq += tl.dot(tl.where(m_A, b_dPk, 0.0), b_k, input_precision=DOT_PREC)
+    tl.store(dq + p_k, b_dq * scale, mask=m_tk)
+    tl.store(dw + p_k, b_dw, mask=m_tk)
+
+
+@triton.jit
+def iplr_output_bwd_dkb_kernel(
+    q, v, x, dh, do, dk, db, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """db = scale (dO Xᵀ ⊙ M)ᵀ Q + X dS'ᵀ,  dk = scale (dO Vᵀ ⊙ M)ᵀ Q + V dS'ᵀ (the WY parts come later)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
+    o_i, o_k = tl.arange(0, BT), tl.arange(0, BK)
+    o_t = bos + i_t * BT + o_i
+    m_t = o_t < eos
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_db = tl.zeros([BT, BK], dtype=tl.float32)   # X dS'ᵀ
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)   # V dS'ᵀ
+    b_dPbt = tl.zeros([BT, BT], dtype=tl.float32)  # X dOᵀ
+    b_dPkt = tl.zeros([BT, BT], dtype=tl.float32)  # V dOᵀ
+    p_state = (i_hc * H + i_h) * K * V + o_k[:, None] * V
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
+        b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_x = tl.load(x + p_v, mask=m_tv, other=0.0)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_db += tl.dot(b_x, tl.trans(b_dh), input_precision=DOT_PREC)
+        b_dk += tl.dot(b_v, tl.trans(b_dh), input_precision=DOT_PREC)
+        b_dPbt += tl.dot(b_x, tl.trans(b_do), input_precision=DOT_PREC)
+        b_dPkt += tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
+    m_At = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
+    b_q = tl.load(q + p_k, mask=m_tk, other=0.0).to(tl.float32)
+    b_db += tl.dot(tl.where(m_At, b_dPbt, 0.0) * scale, b_q, input_precision=DOT_PREC)
+    b_dk += tl.dot(tl.where(m_At, b_dPkt, 0.0) * scale, b_q, input_precision=DOT_PREC)
+    tl.store(dk + p_k, b_dk, mask=m_tk)
+    tl.store(db + p_k, b_db, mask=m_tk)
+
+
+def iplr_output_bwd(q, k, v, b, x, h, dh, do, dx, scale: float, layout: ChunkLayout):
+    """→ dq, dk, db, dw [tokens, H, K] fp32 and dv [tokens, H, V] fp32 (dk, db, dv still lack the WY part)."""
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    if K > 256:
+        raise ValueError(f"K={K} > 256 is not supported by the chunked backward")
+    dq = torch.empty(TT, H, K, dtype=torch.float32, device=q.device)
+    dk, db, dw = torch.empty_like(dq), torch.empty_like(dq), torch.empty_like(dq)
+    dv = torch.empty(TT, H, V, dtype=torch.float32, device=q.device)
+    if layout.num_chunks:
+        # Two kernels rather than one: together they keep four [64, K] and four [64, 64] fp32 accumulators live
+        # across the V loop (~270 registers/thread at K=128, 8 warps: spills); split, each holds half of them.
+        common = dict(H=H, K=K, V=V, BT=layout.chunk_size, BK=triton.next_power_of_2(K),
+                      BV=min(32, triton.next_power_of_2(V)), DOT_PREC=dot_precision(q.dtype), num_warps=8)
+        iplr_output_bwd_dqwv_kernel[(layout.num_chunks, H)](
+            q, k, v, b, x, h, dh, do, dx, dq, dv, dw, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets,
+            scale, **common)
+        iplr_output_bwd_dkb_kernel[(layout.num_chunks, H)](
+            q, v, x, dh, do, dk, db, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale, **common)
+    return dq, dk, db, dv, dw
+
+
+@triton.jit
+def iplr_wy_bwd_kernel(
+    k, v, a, b, Ai, dw, dx, dk, db, dv, da, cu_seqlens, chunk_indices,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    o_i = tl.arange(0, BT)
+    o_t = bos + i_t * BT + o_i
+    m_t = o_t < eos
+    m_L = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    m_U = (o_i[:, None] < o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_T = tl.load(Ai + (o_t[:, None] * H + i_h) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+    b_Mak = tl.zeros([BT, BT], dtype=tl.float32)   # a_iᵀ k_j
+    b_Makt = tl.zeros([BT, BT], dtype=tl.float32)  # k_iᵀ a_j
+    b_dT = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dTt = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = m_t[:, None] & (o_k < K)[None, :]
+        p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
+        b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_dw = tl.load(dw + p_k, mask=m_k, other=0.0)
+        b_Mak += tl.dot(b_a, tl.trans(b_k), input_precision=DOT_PREC)
+        b_Makt += tl.dot(b_k, tl.trans(b_a), input_precision=DOT_PREC)
+        b_dT += tl.dot(b_dw, tl.trans(b_a), input_precision=DOT_PREC)
+        b_dTt += tl.dot(b_a, tl.trans(b_dw), input_precision=DOT_PREC)
+    b_Mak = tl.where(m_L, b_Mak, 0.0)
+    b_Makt = tl.where(m_U, b_Makt, 0.0)
+    b_dXV = tl.zeros([BT, BT], dtype=tl.float32)  # dX Vᵀ
+    b_VdX = tl.zeros([BT, BT], dtype=tl.float32)  # V dXᵀ
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = m_t[:, None] & (o_v < V)[None, :]
+        p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
+        b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
+        b_dx = tl.load(dx + p_v, mask=m_v, other=0.0)
+        b_dXV += tl.dot(b_dx, tl.trans(b_v), input_precision=DOT_PREC)
+        b_VdX += tl.dot(b_v, tl.trans(b_dx), input_precision=DOT_PREC)
+        b_dY = tl.dot(tl.trans(b_T), b_dx, input_precision=DOT_PREC)  # ∂L/∂(strict(A Kᵀ) V)
+        b_dv = tl.load(dv + p_v, mask=m_v, other=0.0) + tl.dot(b_Makt, b_dY, input_precision=DOT_PREC)
+        tl.store(dv + p_v, b_dv, mask=m_v)
+    b_dT += tl.dot(b_dXV, b_Makt, input_precision=DOT_PREC)
+    b_dTt += tl.dot(b_Mak, b_VdX, input_precision=DOT_PREC)
+    b_dMab = tl.dot(tl.dot(tl.trans(b_T), b_dT, input_precision=DOT_PREC), tl.trans(b_T), input_precision=DOT_PREC)
+    b_dMab = tl.where(m_L, b_dMab, 0.0)
+    b_dMabt = tl.where(m_U, tl.dot(tl.dot(b_T, b_dTt, input_precision=DOT_PREC), b_T, input_precision=DOT_PREC), 0.0)
+    b_dMak = tl.where(m_L, tl.dot(tl.trans(b_T), b_dXV, input_precision=DOT_PREC), 0.0)
+    b_dMakt = tl.where(m_U, tl.dot(b_VdX, b_T, input_precision=DOT_PREC), 0.0)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = m_t[:, None] & (o_k < K)[None, :]
+        p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
+        b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_dw = tl.load(dw + p_k, mask=m_k, other=0.0)
+        b_b = tl.load(b + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_da = tl.dot(tl.trans(b_T), b_dw, input_precision=DOT_PREC) + tl.dot(b_dMak, b_k, input_precision=DOT_PREC)
+        b_da += tl.dot(b_dMab, b_b, input_precision=DOT_PREC)
+        tl.store(da + p_k, b_da, mask=m_k)
+        b_db = tl.load(db + p_k, mask=m_k, other=0.0) + tl.dot(b_dMabt, b_a, input_precision=DOT_PREC)
+        tl.store(db + p_k, b_db, mask=m_k)
+        b_dk = tl.load(dk + p_k, mask=m_k, other=0.0) + tl.dot(b_dMakt, b_a, input_precision=DOT_PREC)
+        tl.store(dk + p_k, b_dk, mask=m_k)
+
+
+def iplr_wy_bwd(k, v, a, b, Ai, dw, dx, dk, db, dv, layout: ChunkLayout) -> torch.Tensor:
+    """Adds the WY backward into dk, db [tokens, H, K] and dv [tokens, H, V] (fp32, in place); returns da fp32."""
+    TT, H, K = k.shape
+    V = v.shape[-1]
+    da = torch.empty(TT, H, K, dtype=torch.float32, device=k.device)
+    if layout.num_chunks:
+        iplr_wy_bwd_kernel[(layout.num_chunks, H)](
+            k, v, a, b, Ai, dw, dx, dk, db, dv, da, layout.cu_seqlens, layout.chunk_indices, H=H, K=K, V=V,
+            BT=layout.chunk_size, BK=min(64, triton.next_power_of_2(K)), BV=min(64, triton.next_power_of_2(V)),
+            DOT_PREC=dot_precision(k.dtype),
+            num_warps=8)  # eight [64, 64] fp32 tiles live at once (T, dT, dTᵀ, M_ak, M_akᵀ, ...); untimed
+    return da
+
+
+def chunk_iplr_delta_rule_bwd(q, k, v, a, b, scale: float, initial_state, Ai, do, dht, layout: ChunkLayout):
+    """Flattened contiguous inputs (as chunk_iplr_delta_rule_fwd), the saved T matrices Ai, do [tokens, H, V] and
+    dht (or None) → (dq, dk, dv, da, db [tokens, H, *] fp32, dh0 [N, H, K, V] fp32 or None)."""
+    _, w, u = iplr_wy_fwd(k, v, a, b, layout, Ai=Ai)
+    h, x, _ = iplr_state_pass_fwd(k, v, b, w, u, initial_state, False, layout)
+    # The shared reverse state pass: X plays δ, b plays k, and w = −T A keeps its δ = u − w S convention.
+    dh, dx, dh0 = state_pass_bwd(q, b, w, None, do, dht, scale, initial_state is not None, layout)
+    dq, dk, db, dv, dw = iplr_output_bwd(q, k, v, b, x, h, dh, do, dx, scale, layout)
+    da = iplr_wy_bwd(k, v, a, b, Ai, dw, dx, dk, db, dv, layout)
+    return dq, dk, dv, da, db, dh0

@@ -1,0 +1,213 @@
+"""Chunked IPLR delta rule, forward: WY (A, T = (I + A)⁻¹, w, u) → state pass → output pass.
+
+Per chunk (local rows i, j; Q, K, A, B the chunk's q, k, a, b rows; S the chunk-start state; strict = i > j):
+    T = (I − strict(A Bᵀ))⁻¹,   w = −T A,   u = T strict(A Kᵀ) V
+    X = u − w S                                    (the a-reads x_i = S_{i−1}ᵀ a_i, all at once)
+    S ← S + Bᵀ X + Kᵀ V                            (state pass, sequential over chunks)
+    O = scale (Q S + (Q Bᵀ ⊙ M) X + (Q Kᵀ ⊙ M) V),   M_ij = [j ≤ i]   (output pass)
+w is stored with a minus sign so that X = u − w S is the shared state pass's δ = u − w S convention
+(common/state_pass.py), whose backward the IPLR backward reuses with b in place of k. Everything runs on the
+flattened token axis with a ChunkLayout (common/chunking.py); intermediates are fp32. No dot operand is the
+transpose of a dot result (the Hopper miscompile pattern of fla #640, see common/wy_bwd.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.chunking import ChunkLayout
+from ..common.wy import dot_precision, solve_precision, solve_unit_lower
+
+CHUNK_SIZE = 64
+
+
+@triton.jit
+def iplr_wy_fwd_kernel(
+    k, v, a, b, Ai, w, u, cu_seqlens, chunk_indices,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    LOAD_AI: tl.constexpr, DOT_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    o_i = tl.arange(0, BT)
+    o_t = bos + i_t * BT + o_i
+    m_t = o_t < eos
+    m_A = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_Mak = tl.zeros([BT, BT], dtype=tl.float32)  # a_iᵀ k_j
+    b_Mab = tl.zeros([BT, BT], dtype=tl.float32)  # a_iᵀ b_j (only without a stored T)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = m_t[:, None] & (o_k < K)[None, :]
+        p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
+        b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_Mak += tl.dot(b_a, tl.trans(b_k), input_precision=DOT_PREC)
+        if not LOAD_AI:
+            b_b = tl.load(b + p_k, mask=m_k, other=0.0).to(tl.float32)
+            b_Mab += tl.dot(b_a, tl.trans(b_b), input_precision=DOT_PREC)
+    p_Ai = Ai + (o_t[:, None] * H + i_h) * BT + o_i[None, :]
+    if LOAD_AI:
+        b_T = tl.load(p_Ai, mask=m_t[:, None], other=0.0)
+    else:
+        b_T = solve_unit_lower(tl.where(m_A, -b_Mab, 0.0), BT, SOLVE_PREC)
+        tl.store(p_Ai, b_T, mask=m_t[:, None])
+    b_TM = tl.dot(b_T, tl.where(m_A, b_Mak, 0.0), input_precision=DOT_PREC)  # T strict(A Kᵀ)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = m_t[:, None] & (o_k < K)[None, :]
+        b_a = tl.load(a + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+        b_w = -tl.dot(b_T, b_a, input_precision=DOT_PREC)
+        tl.store(w + (o_t[:, None] * H + i_h) * K + o_k[None, :], b_w, mask=m_k)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = m_t[:, None] & (o_v < V)[None, :]
+        p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
+        b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
+        tl.store(u + p_v, tl.dot(b_TM, b_v, input_precision=DOT_PREC), mask=m_v)
+
+
+def iplr_wy_fwd(k, v, a, b, layout: ChunkLayout, Ai=None):
+    """k, a, b [tokens, H, K], v [tokens, H, V] → (Ai [tokens, H, BT] fp32 = T, w [tokens, H, K] fp32 (= −T A),
+    u [tokens, H, V] fp32). With Ai given, skip the solve and only rebuild w and u (the backward's recomputation)."""
+    TT, H, K = k.shape
+    V = v.shape[-1]
+    BT = layout.chunk_size
+    load_ai = Ai is not None
+    if Ai is None:
+        Ai = torch.empty(TT, H, BT, dtype=torch.float32, device=k.device)
+    w = torch.empty(TT, H, K, dtype=torch.float32, device=k.device)
+    u = torch.empty(TT, H, V, dtype=torch.float32, device=k.device)
+    if layout.num_chunks:
+        iplr_wy_fwd_kernel[(layout.num_chunks, H)](
+            k, v, a, b, Ai, w, u, layout.cu_seqlens, layout.chunk_indices, H=H, K=K, V=V, BT=BT,
+            BK=min(64, triton.next_power_of_2(K)), BV=min(64, triton.next_power_of_2(V)), LOAD_AI=load_ai,
+            DOT_PREC=dot_precision(k.dtype), SOLVE_PREC=solve_precision(k.dtype))
+    return Ai, w, u
+
+
+@triton.jit
+def iplr_state_pass_fwd_kernel(
+    k, v, b, w, u, h, x, h0, ht, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences × heads on axis 0 (no 65535 limit)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_i, o_k = tl.arange(0, BT), tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_h = m_k[:, None] & m_v[None, :]
+    state_offset = o_k[:, None] * V + o_v[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_INITIAL_STATE:
+        b_h += tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + state_offset, mask=m_h, other=0.0)
+    for i_t in range(tl.cdiv(eos - bos, BT)):
+        tl.store(h + ((c0 + i_t) * H + i_h) * K * V + state_offset, b_h, mask=m_h)
+        o_t = bos + i_t * BT + o_i
+        m_t = o_t < eos
+        m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
+        p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
+        p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
+        b_w = tl.load(w + p_k, mask=m_tk, other=0.0)
+        b_x = tl.load(u + p_v, mask=m_tv, other=0.0) - tl.dot(b_w, b_h, input_precision=DOT_PREC)
+        tl.store(x + p_v, b_x, mask=m_tv)
+        b_b = tl.load(b + p_k, mask=m_tk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_h += tl.dot(tl.trans(b_b), b_x, input_precision=DOT_PREC)
+        b_h += tl.dot(tl.trans(b_k), b_v, input_precision=DOT_PREC)
+    if STORE_FINAL_STATE:
+        tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + state_offset, b_h, mask=m_h)
+
+
+def iplr_state_pass_fwd(k, v, b, w, u, initial_state, output_final_state: bool, layout: ChunkLayout):
+    """→ (h [chunks, H, K, V] fp32 chunk-start states, x [tokens, H, V] fp32 a-reads, final state or None)."""
+    TT, H, K = k.shape
+    V = v.shape[-1]
+    N = layout.num_seqs
+    if K > 256:
+        raise ValueError(f"the chunked state pass keeps the whole key dim in registers: K={K} must be <= 256")
+    # BV=32 as in common/state_pass.py: a [128, 32] fp32 state tile plus [64, 128] operands fit 4 warps (K=128).
+    BK, BV = triton.next_power_of_2(K), min(32, triton.next_power_of_2(V))
+    h = torch.empty(layout.num_chunks, H, K, V, dtype=torch.float32, device=k.device)
+    x = torch.empty(TT, H, V, dtype=torch.float32, device=k.device)
+    ht = torch.empty(N, H, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
+    if N * H:
+        iplr_state_pass_fwd_kernel[(N * H, triton.cdiv(V, BV))](
+            k, v, b, w, u, h, x, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, K=K, V=V,
+            BT=layout.chunk_size, BK=BK, BV=BV, USE_INITIAL_STATE=initial_state is not None,
+            STORE_FINAL_STATE=output_final_state, DOT_PREC=dot_precision(k.dtype), num_warps=4)
+    return h, x, ht
+
+
+@triton.jit
+def iplr_output_fwd_kernel(
+    q, k, v, b, x, h, o, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    i_c, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # chunks on axis 0 (no 65535 limit)
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t  # this chunk's row in h
+    o_i = tl.arange(0, BT)
+    o_t = bos + i_t * BT + o_i
+    m_t = o_t < eos
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_Pb = tl.zeros([BT, BT], dtype=tl.float32)
+    b_Pk = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(q + p_k, mask=m_tk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
+        b_b = tl.load(b + p_k, mask=m_tk, other=0.0).to(tl.float32)
+        b_h = tl.load(h + (i_hc * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                      mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_o += tl.dot(b_q, b_h, input_precision=DOT_PREC)
+        b_Pb += tl.dot(b_q, tl.trans(b_b), input_precision=DOT_PREC)
+        b_Pk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
+    m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_x = tl.load(x + p_v, mask=m_tv, other=0.0)
+    b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
+    b_o += tl.dot(tl.where(m_A, b_Pb, 0.0), b_x, input_precision=DOT_PREC)
+    b_o += tl.dot(tl.where(m_A, b_Pk, 0.0), b_v, input_precision=DOT_PREC)
+    tl.store(o + p_v, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
+
+
+def iplr_output_fwd(q, k, v, b, x, h, scale: float, layout: ChunkLayout, out_dtype) -> torch.Tensor:
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    o = torch.empty(TT, H, V, dtype=out_dtype, device=q.device)
+    BK, BV = min(64, triton.next_power_of_2(K)), min(64, triton.next_power_of_2(V))
+    if layout.num_chunks:
+        iplr_output_fwd_kernel[(layout.num_chunks, triton.cdiv(V, BV), H)](
+            q, k, v, b, x, h, o, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,
+            H=H, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(q.dtype))
+    return o
+
+
+def chunk_iplr_delta_rule_fwd(q, k, v, a, b, scale: float, initial_state, output_final_state: bool,
+                              layout: ChunkLayout):
+    """Flattened contiguous inputs q, k, a, b [tokens, H, K], v [tokens, H, V] → (o [tokens, H, V] in v's dtype,
+    final state or None, Ai fp32 T matrices for the backward)."""
+    Ai, w, u = iplr_wy_fwd(k, v, a, b, layout)
+    h, x, ht = iplr_state_pass_fwd(k, v, b, w, u, initial_state, output_final_state, layout)
+    o = iplr_output_fwd(q, k, v, b, x, h, scale, layout, v.dtype)
+    return o, ht, Ai
