@@ -129,13 +129,55 @@ def profile_kernels(B=8, T=2048, H=16, D=128):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
 
 
+def sweep_launch(names, B=8, T=2048, H=16, D=128):
+    """For each kernel in `names`, every (warps, stages): gradients checked against the fp32 naive recurrence (bf16
+    inputs, B1 T300 H2 K=V=128), then fwd+bwd timed at B, T. Paste the winners into ops/common/launch.py."""
+    from rltrain_kernels.ops.common.launch import LAUNCH
+
+    (q, k, v, g, beta), h0 = make_inputs(1, 300, 2, 128, 128, requires_grad=True)
+    do = torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
+
+    def grads(fn):
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+        o, ht = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+        (o.float() * do.float()).sum().add(ht.sum()).backward()
+        return [o, ht] + [t.grad for t in inputs]
+
+    reference = grads(naive_recurrent_gated_delta_rule)
+    print("| kernel | warps | stages | worst output err | worst grad err | fwd+bwd ms (B8 T2048) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |", flush=True)
+    for name in names:
+        default = dict(LAUNCH[name])
+        for warps in (2, 4, 8):
+            for stages in (1, 2, 3):
+                LAUNCH[name] = dict(num_warps=warps, num_stages=stages)
+                mark = " (default)" if LAUNCH[name] == default else ""
+                try:
+                    errs = [rel(a, b) for a, b in zip(grads(chunk_gated_delta_rule), reference)]
+                    t = time_chunk(chunk_gated_delta_rule, B, T, H, D)[1]
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: reported, sweep goes on
+                    print(f"| {name} | {warps} | {stages}{mark} | {type(exc).__name__} | | |", flush=True)
+                    continue
+                print(f"| {name} | {warps} | {stages}{mark} | {max(errs[:2]):.1e} | {max(errs[2:]):.1e} | {t:.3f} |",
+                      flush=True)
+        LAUNCH[name] = default
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one small shape, fewer columns (smoke run)")
     parser.add_argument("--profile", action="store_true",
                         help="also print our per-kernel CUDA time for one forward+backward at B8 T2048 (tuning)")
+    parser.add_argument("--sweep-launch", nargs="*", metavar="KERNEL",
+                        help="sweep warps x stages of these kernels (ops/common/launch.py names; none listed = all) "
+                             "and exit")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.sweep_launch is not None:
+        from rltrain_kernels.ops.common.launch import LAUNCH
+
+        sweep_launch(args.sweep_launch or list(LAUNCH))
+        return
     fla_chunk, fla_fused = load_fla()
     print(f"device: {torch.cuda.get_device_name()}")
     check_against_naive()

@@ -6,6 +6,7 @@
   T = (I + A)⁻¹ in registers via `solve_unit_lower`, w, u);
   `wy_bwd`: its backward.
 - `state_pass`: the sequential inter-chunk state recurrence, forward and backward.
+- `launch`: warps and pipeline stages of these kernels (and the gated delta rule's), in one table.
 
 Everything works on the flattened token axis: [1, total_tokens, heads, dim] with cu_seqlens (a non-varlen batch
 is the packed batch with equal lengths). For reuse (IPLR, gated delta product): `solve_unit_lower` is a

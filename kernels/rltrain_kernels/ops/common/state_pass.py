@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .chunking import ChunkLayout
+from .launch import launch
 from .wy import dot_precision
 
 
@@ -143,7 +144,7 @@ def state_pass_fwd(k, w, u, G, initial_state, output_final_state: bool, layout: 
     state_pass_fwd_kernel[(N * HV, triton.cdiv(V, BV))](
         k, w, u, G, h, v_new, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, HV=HV, K=K, V=V,
         BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None, USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=output_final_state, DOT_PREC=dot_precision(k.dtype), num_warps=4)
+        STORE_FINAL_STATE=output_final_state, DOT_PREC=dot_precision(k.dtype), **launch("state_pass_fwd"))
     return h, v_new, ht
 
 
@@ -160,5 +161,5 @@ def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: Ch
     state_pass_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
         q, k, w, G, do, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V,
         BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
-        STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=dot_precision(q.dtype), num_warps=4)
+        STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=dot_precision(q.dtype), **launch("state_pass_bwd"))
     return dh, dv, dh0

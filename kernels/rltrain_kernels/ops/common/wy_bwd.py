@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .chunking import ChunkLayout
+from .launch import launch
 from .wy import dot_precision
 
 
@@ -113,5 +114,5 @@ def gated_wy_bwd(k, v, beta, G, Ai, dw, du, dk, dG, layout: ChunkLayout):
             k, v, beta, G, Ai, dw, du, dk, dv, dbeta, dG, layout.cu_seqlens, layout.chunk_indices,
             H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=min(64, triton.next_power_of_2(K)),
             BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None, DOT_PREC=dot_precision(k.dtype),
-            num_warps=8)  # four [64, 64] fp32 tiles live at once (T, dT, KK, dA); untimed
+            **launch("wy_bwd"))
     return dv, dbeta

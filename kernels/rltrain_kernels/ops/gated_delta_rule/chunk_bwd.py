@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ..common.chunking import ChunkLayout
 from ..common.cumsum import chunk_local_cumsum
+from ..common.launch import launch
 from ..common.state_pass import state_pass_bwd, state_pass_fwd
 from ..common.wy import dot_precision, gated_wy_fwd
 from ..common.wy_bwd import gated_wy_bwd
@@ -106,9 +107,8 @@ def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout
             q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, layout.cu_seqlens, layout.chunk_indices,
             layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size,
             BK=triton.next_power_of_2(K), BV=min(32, triton.next_power_of_2(V)), DOT_PREC=dot_precision(q.dtype),
-            # 8 warps: three [64, K] fp32 accumulators (96 KiB at K=128) would spill at 4 warps. BV=32, 2 stages:
-            # with tf32 dots, BV=64 and 3 stages asked for 256 KiB of shared memory on H200 (limit 227 KiB).
-            num_warps=8, num_stages=2)
+            # BV=32: with tf32 dots, BV=64 asked for 256 KiB of shared memory on H200 (limit 227 KiB).
+            **launch("dqkwg"))
     return dq, dk, dw, dG
 
 

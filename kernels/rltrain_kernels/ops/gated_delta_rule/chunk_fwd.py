@@ -14,6 +14,7 @@ import triton.language as tl
 
 from ..common.chunking import ChunkLayout
 from ..common.cumsum import chunk_local_cumsum
+from ..common.launch import launch
 from ..common.state_pass import state_pass_fwd
 from ..common.wy import dot_precision, gated_wy_fwd
 
@@ -69,7 +70,8 @@ def chunk_output_fwd(q, k, v_new, h, G, scale: float, layout: ChunkLayout, out_d
     if layout.num_chunks:
         chunk_output_fwd_kernel[(layout.num_chunks, triton.cdiv(V, BV), HV)](
             q, k, v_new, h, G, o, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,
-            H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(q.dtype))
+            H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(q.dtype),
+            **launch("output_fwd"))
     return o
 
 

@@ -1,0 +1,154 @@
+"""Benchmark the gated delta product kernels against fla 0.6's chunk_gated_delta_product and against our own
+chunk_gated_delta_rule at length T·n_h (the same chunk machinery with a query at every sub-step: the product's forward
+reads only the T real queries through its strided output pass, its backward runs that op's backward with zero rows).
+
+Run on a CUDA machine (fla-core / flash-linear-attention 0.6.0 installed for the fla column):
+    python kernels/benchmarks/bench_gated_delta_product.py [--quick]
+Checks correctness first (ours vs the fp32 naive recurrence at a small size, forward and every gradient; ours vs
+fla's forward at every timed shape), then times forward and forward+backward, bf16, H=16, K=V=128, n_h=2.
+fla's gated chunk backward refuses to run on Hopper with Triton 3.4-3.7.0 (fla issue #640: wrong gradients); its
+guard is bypassed here (fla.ops.common.chunk_o.IS_NVIDIA_HOPPER = False) for timing only: its gradients are not
+trusted. A markdown table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from rltrain_kernels.ops.gated_delta_product import (
+    chunk_gated_delta_product,
+    fused_recurrent_gated_delta_product,
+    naive_recurrent_gated_delta_product,
+)
+from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
+
+
+def load_fla():
+    try:
+        import fla.ops.common.chunk_o as fla_chunk_o
+        from fla.ops.gated_delta_product import chunk_gated_delta_product as fla_chunk
+    except ImportError as err:
+        print(f"fla not importable ({err}); skipping its column")
+        return None
+    fla_chunk_o.IS_NVIDIA_HOPPER = False  # timing only, see the module docstring
+    return fla_chunk
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(B, T, H, K, V, n_h, dtype=torch.bfloat16, requires_grad=False, N=None):
+    """(q, k, v, g, beta) in the product's layout (k, v, beta with T·n_h rows) and an fp32 initial state."""
+    q = torch.randn(B, T, H, K, device="cuda", dtype=dtype)
+    k = F.normalize(torch.randn(B, T * n_h, H, K, device="cuda"), dim=-1).to(dtype)
+    v = torch.randn(B, T * n_h, H, V, device="cuda", dtype=dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, device="cuda")).to(dtype)
+    beta = torch.rand(B, T * n_h, H, device="cuda").sigmoid().to(dtype)
+    h0 = torch.randn(N or B, H, K, V, device="cuda")
+    tensors = [q, k, v, g, beta]
+    for t in tensors:
+        t.requires_grad_(requires_grad)
+    return tensors, h0
+
+
+def check_against_naive(n_h: int):
+    """Ours vs the fp32 naive recurrence (B=1, T=200, H=2, K=V=128), forward and every gradient."""
+    (q, k, v, g, beta), h0 = make_inputs(1, 200, 2, 128, 128, n_h, requires_grad=True)
+    h0.requires_grad_(True)
+    do = torch.randn(1, 200, 2, 128, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for name, fn in (("ours", chunk_gated_delta_product), ("naive", naive_recurrent_gated_delta_product)):
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+        o, ht = fn(*inputs[:5], n_h, initial_state=inputs[5], output_final_state=True)
+        (o.float() * do.float()).sum().add(ht.sum()).backward()
+        results[name] = [o, ht] + [t.grad for t in inputs]
+    names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    errs = {n: rel(a, b) for n, a, b in zip(names, results["ours"], results["naive"])}
+    print("ours vs naive fp32 (bf16 inputs):", ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+    worst_out = max(errs["o"], errs["final_state"])
+    worst_grad = max(v for n, v in errs.items() if n.startswith("d"))
+    if worst_out > 5e-3 or worst_grad > 1e-2:
+        raise SystemExit(f"correctness check failed (outputs {worst_out:.1e}, gradients {worst_grad:.1e})")
+
+
+def time_fn(call, tensors):
+    """(forward ms, forward+backward ms) of call() -> (o, final_state)."""
+    with torch.no_grad():
+        t_fwd = do_bench(call)
+    o = call()[0]
+    do = torch.randn_like(o)
+    return t_fwd, do_bench(lambda: call()[0].backward(do), grad_to_none=tensors)
+
+
+def time_product(fn, B, T, H, D, n_h):
+    (q, k, v, g, beta), h0 = make_inputs(B, T, H, D, D, n_h, requires_grad=True)
+    call = lambda: fn(q, k, v, g, beta, n_h, initial_state=h0, output_final_state=True)  # noqa: E731
+    return time_fn(call, [q, k, v, g, beta])
+
+
+def time_fla(fla_chunk, B, T, H, D, n_h):
+    (q, k, v, g, beta), h0 = make_inputs(B, T, H, D, D, n_h, requires_grad=True)
+    call = lambda: fla_chunk(q, k, v, g, beta, n_h, initial_state=h0, output_final_state=True)  # noqa: E731
+    return time_fn(call, [q, k, v, g, beta])
+
+
+def time_rule_expanded(B, T, H, D, n_h):
+    """Our chunk_gated_delta_rule on a length T·n_h sequence: the same chunk machinery with a query at every row."""
+    (q, k, v, g, beta), h0 = make_inputs(B, T * n_h, H, D, D, 1, requires_grad=True)
+    call = lambda: chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)  # noqa: E731
+    return time_fn(call, [q, k, v, g, beta])
+
+
+def forward_agreement(fla_chunk, B, T, H, D, n_h) -> float:
+    (q, k, v, g, beta), h0 = make_inputs(B, T, H, D, D, n_h)
+    o, ht = chunk_gated_delta_product(q, k, v, g, beta, n_h, initial_state=h0, output_final_state=True)
+    o_fla, ht_fla = fla_chunk(q, k, v, g, beta, n_h, initial_state=h0, output_final_state=True)
+    return max(rel(o, o_fla), rel(ht, ht_fla))
+
+
+def time_decode(B, H, D, n_h):
+    (q, k, v, g, beta), h0 = make_inputs(B, 1, H, D, D, n_h)
+    return do_bench(lambda: fused_recurrent_gated_delta_product(q, k, v, g, beta, n_h, initial_state=h0,
+                                                                output_final_state=True))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one small shape (smoke run)")
+    parser.add_argument("--num-householder", type=int, default=2)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    n_h, H, D = args.num_householder, 16, 128
+    fla_chunk = load_fla()
+    print(f"device: {torch.cuda.get_device_name()}")
+    check_against_naive(n_h)
+    shapes = [("B8 T2048", 8, 2048), ("B2 T8192", 2, 8192)] if not args.quick else [("B2 T1024", 2, 1024)]
+    rows = []
+    for label, B, T in shapes:
+        if fla_chunk is not None:
+            print(f"{label}: ours vs fla forward rel err {forward_agreement(fla_chunk, B, T, H, D, n_h):.1e}")
+        rows.append((label, "ours chunk_gated_delta_product", *time_product(chunk_gated_delta_product, B, T, H, D,
+                                                                             n_h)))
+        if fla_chunk is not None:
+            rows.append((label, "fla 0.6 chunk_gated_delta_product (bwd guard bypassed, timing only)",
+                         *time_fla(fla_chunk, B, T, H, D, n_h)))
+        rows.append((label, f"ours chunk_gated_delta_rule at T·n_h={T * n_h}", *time_rule_expanded(B, T, H, D, n_h)))
+    decode_B = 256 if not args.quick else 32
+    t_decode = time_decode(decode_B, H, D, n_h)
+
+    print(f"\n## Gated delta product, bf16, H={H}, K=V={D}, n_h={n_h} ({torch.cuda.get_device_name()})\n")
+    print("| case | implementation | forward ms | forward+backward ms |")
+    print("| --- | --- | ---: | ---: |")
+    for case, impl, t_fwd, t_all in rows:
+        print(f"| {case} | {impl} | {t_fwd:.3f} | {t_all:.3f} |")
+    print(f"\nDecode step (fused recurrent), B={decode_B}, one token, fp32 state in/out: {t_decode:.4f} ms")
+
+
+if __name__ == "__main__":
+    main()

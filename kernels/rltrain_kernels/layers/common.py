@@ -1,0 +1,86 @@
+"""Pieces shared by the linear-attention layers (GatedDeltaProduct, IPLRLinearAttention): the decoding cache, the
+short causal depthwise convolution with its rolling state, the padding-mask rules and the output head.
+
+Padding: a padded token must leave the recurrent state and the conv window as if it were absent. The layers zero
+the padded tokens' hidden states (so the conv reads zeros, exactly a fresh conv state for left padding) and make
+their state update the identity (β = 0 and no decay, or b = 0 and k = 0). That is exact for left padding and, when
+no cache is returned, for right padding; everything else is rejected with a ValueError naming the rule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from rltrain_kernels.ops.rmsnorm import gated_rms_norm
+
+
+@dataclass
+class LinearAttentionCache:
+    """What one linear-attention layer carries between decoding steps.
+
+    conv_states: per projection name, the last conv_size − 1 conv inputs [B, channels, conv_size − 1];
+    recurrent_state: [B, HV, K, V] fp32; seen_tokens: tokens consumed so far (for the padding rules)."""
+
+    conv_states: dict[str, torch.Tensor]
+    recurrent_state: torch.Tensor
+    seen_tokens: int
+
+
+class ShortConvolution(nn.Module):
+    """Causal depthwise Conv1d (no bias) followed by SiLU, over [B, T, channels], with a rolling state: the
+    previous conv_size − 1 inputs (zeros at the start of a sequence). forward(x, state) -> (y, new_state)."""
+
+    def __init__(self, channels: int, conv_size: int = 4):
+        super().__init__()
+        if conv_size < 2:
+            raise ValueError(f"conv_size must be >= 2, got {conv_size}")
+        self.channels, self.conv_size = channels, conv_size
+        self.weight = nn.Parameter(torch.empty(channels, 1, conv_size))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv1d's default
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, C = x.shape
+        if state is None:
+            state = x.new_zeros(B, C, self.conv_size - 1)
+        full = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, W − 1 + T]
+        y = F.conv1d(full, self.weight.to(x.dtype), groups=C)            # [B, C, T]: token t sees t − W + 1 .. t
+        return F.silu(y).transpose(1, 2), full[..., -(self.conv_size - 1):]
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels}, conv_size={self.conv_size}"
+
+
+def padding_mask(attention_mask: torch.Tensor | None, batch: int, length: int, cache, use_cache: bool):
+    """attention_mask [B, L ≥ T] (1 = token, 0 = padding; the last T columns are this call's tokens) → a float
+    [B, T, 1] mask, or None when nothing is padded. Rejects what the layers cannot make exact (module docstring)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] < length:
+        raise ValueError(f"attention_mask must be [B, L] with B={batch} and L >= T={length} (1 = token, "
+                         f"0 = padding), got {tuple(attention_mask.shape)}")
+    keep = attention_mask[:, -length:] != 0
+    if bool(keep.all()):
+        return None
+    # One contiguous run of tokens per row: the number of 0→1 steps (with a 0 in front) is at most one.
+    starts = (keep.int().diff(dim=1, prepend=torch.zeros_like(keep[:, :1], dtype=torch.int)) == 1).sum(1)
+    if bool((starts > 1).any()):
+        raise ValueError("attention_mask has padding between tokens; only left or right padding (one contiguous "
+                         "run of 1s per row) is supported")
+    if use_cache and bool((~keep[:, -1]).any()):
+        raise ValueError("attention_mask has right padding with use_cache=True: the conv cache would end on padding "
+                         "and the next step would read it; left-pad batches that are decoded further")
+    if cache is not None and cache.seen_tokens > 0 and bool((~keep[:, 0]).any()):
+        raise ValueError("attention_mask pads the start of a call that continues a cache: padding is only allowed "
+                         "at the start of a sequence (left) or at its end (right)")
+    return keep[..., None].to(torch.float32)
+
+
+def gated_output(o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head gated RMSNorm of the attention output: o [B, T, HV, V], gate [B, T, HV·V] → [B, T, HV·V]."""
+    B, T, HV, V = o.shape
+    return gated_rms_norm(o, gate.view(B, T, HV, V), norm_weight, eps).reshape(B, T, HV * V)

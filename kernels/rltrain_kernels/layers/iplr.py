@@ -1,0 +1,100 @@
+"""IPLRLinearAttention: an identity-plus-low-rank (IPLR) delta-rule token mixer for policy models, on rltrain's
+IPLR ops (S_t = S_{t−1} + b_t (a_tᵀ S_{t−1}) + k_t v_tᵀ, o_t = S_tᵀ (scale · q_t)).
+
+Per token: q, k, v projections → short causal depthwise conv (kernel 4) + SiLU → l2-normalised q, k; the erase
+direction from its own projection, â = l2norm(a_proj(x)), and a strength β = sigmoid(b_proj(x)) per head
+(× 2 with allow_neg_eigval), giving
+
+    a = â,   b = −β â         (b = λ a with λ = −β: the transition I + b aᵀ = I − β â âᵀ)
+
+Why this parametrisation: I − β â âᵀ is symmetric with eigenvalues 1 (K − 1 times) and 1 − β ∈ [1 − β_max, 1),
+so whatever the projections learn, no step can amplify the state (spectral norm ≤ 1 for β ≤ 2, the stable regime
+λ‖a‖² ∈ [−2, 0] of ops/iplr_delta_rule); unconstrained a, b would let a single token blow the state up
+(‖I + b aᵀ‖ unbounded), the usual source of divergence in linear-attention training. β > 1 (allow_neg_eigval)
+reflects along â (negative eigenvalue), which delta-rule models need for state tracking. Writes k vᵀ use the unit
+key k̂, so each token adds at most ‖v‖; the output's gated RMSNorm is invariant to the state's overall scale.
+Erase (â) and write (k̂) directions are separate projections: with â = k̂ and k = β k̂ this is DeltaNet.
+
+Whole sequences (training, prefill) run `chunk_iplr_delta_rule`; continuing from a cache (decoding one or more
+tokens) runs `fused_recurrent_iplr_delta_rule` from the cached conv and recurrent states.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from rltrain_kernels.ops.gated_delta_rule.inputs import l2norm
+from rltrain_kernels.ops.iplr_delta_rule import chunk_iplr_delta_rule, fused_recurrent_iplr_delta_rule
+
+from .common import LinearAttentionCache, ShortConvolution, gated_output, padding_mask
+
+
+class IPLRLinearAttention(nn.Module):
+    """forward(hidden_states [B, T, hidden_size], attention_mask [B, L ≥ T] or None, cache, use_cache) ->
+    (output [B, T, hidden_size], LinearAttentionCache or None). See the module docstring and layers/common.py for
+    the padding rules."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, head_v_dim: int | None = None,
+                 conv_size: int = 4, allow_neg_eigval: bool = True, norm_eps: float = 1e-6):
+        super().__init__()
+        if min(hidden_size, num_heads, head_dim) < 1:
+            raise ValueError("hidden_size, num_heads and head_dim must be >= 1")
+        self.hidden_size, self.num_heads = hidden_size, num_heads
+        self.head_k_dim, self.head_v_dim = head_dim, head_v_dim or head_dim
+        self.allow_neg_eigval, self.norm_eps = allow_neg_eigval, norm_eps
+        H, K, V = num_heads, self.head_k_dim, self.head_v_dim
+        # Bias-free projections: a zeroed (padded) hidden state then gives zero conv inputs and a zero output gate.
+        self.q_proj = nn.Linear(hidden_size, H * K, bias=False)
+        self.k_proj = nn.Linear(hidden_size, H * K, bias=False)
+        self.v_proj = nn.Linear(hidden_size, H * V, bias=False)
+        self.a_proj = nn.Linear(hidden_size, H * K, bias=False)  # erase direction â
+        self.b_proj = nn.Linear(hidden_size, H, bias=False)      # erase strength β per head
+        self.g_proj = nn.Linear(hidden_size, H * V, bias=False)  # output gate
+        self.q_conv = ShortConvolution(H * K, conv_size)
+        self.k_conv = ShortConvolution(H * K, conv_size)
+        self.v_conv = ShortConvolution(H * V, conv_size)
+        self.norm_weight = nn.Parameter(torch.ones(V))
+        self.o_proj = nn.Linear(H * V, hidden_size, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache: LinearAttentionCache | None = None, use_cache: bool = False):
+        B, T, _ = hidden_states.shape
+        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        mask = padding_mask(attention_mask, B, T, cache, use_cache)
+        x = hidden_states if mask is None else hidden_states * mask.to(hidden_states.dtype)
+        conv_states = cache.conv_states if cache is not None else {}
+        q, q_state = self.q_conv(self.q_proj(x), conv_states.get("q"))
+        k, k_state = self.k_conv(self.k_proj(x), conv_states.get("k"))
+        v, v_state = self.v_conv(self.v_proj(x), conv_states.get("v"))
+        q, k = l2norm(q.reshape(B, T, H, K)), l2norm(k.reshape(B, T, H, K))
+        v = v.reshape(B, T, H, V)
+        a, b = self.erase_vectors(x, mask)
+        if mask is not None:  # padded tokens: identity update (no erase above, no write here)
+            k = k * mask[..., None].to(k.dtype)
+        op = chunk_iplr_delta_rule if cache is None else fused_recurrent_iplr_delta_rule
+        o, state = op(q, k, v, a, b, initial_state=None if cache is None else cache.recurrent_state,
+                      output_final_state=use_cache)
+        out = self.o_proj(gated_output(o, self.g_proj(x), self.norm_weight, self.norm_eps))
+        if mask is not None:
+            out = out * mask.to(out.dtype)
+        if not use_cache:
+            return out, None
+        seen = (cache.seen_tokens if cache is not None else 0) + T
+        return out, LinearAttentionCache({"q": q_state, "k": k_state, "v": v_state}, state, seen)
+
+    def erase_vectors(self, x: torch.Tensor, mask: torch.Tensor | None = None):
+        """(a, b) [B, T, H, K] of the transition I + b aᵀ: a = â = l2norm(a_proj(x)), b = −β â with β = sigmoid
+        (× 2 with allow_neg_eigval), β = 0 where mask [B, T, 1] is 0."""
+        B, T, _ = x.shape
+        a = l2norm(self.a_proj(x).reshape(B, T, self.num_heads, self.head_k_dim))
+        beta = self.b_proj(x).float().sigmoid()
+        if self.allow_neg_eigval:
+            beta = beta * 2.0
+        if mask is not None:
+            beta = beta * mask
+        return a, (-beta[..., None] * a.float()).to(a.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_k_dim={self.head_k_dim}, "
+                f"head_v_dim={self.head_v_dim}, allow_neg_eigval={self.allow_neg_eigval}")

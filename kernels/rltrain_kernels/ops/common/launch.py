@@ -1,0 +1,27 @@
+"""Launch settings (warps, software-pipeline stages) of the delta-rule chunk kernels, in one table.
+
+One home so that a tuning run can sweep them (`kernels/benchmarks/bench_gated_delta_rule.py --sweep-launch` times
+every setting, checks each against the fp32 reference, and prints the table to paste here). No autotuner: on Hopper
+with Triton 3.4–3.7 some warp counts miscompile delta-rule backward kernels (fla #984: wrong dk at 4 warps), so a
+setting is only taken once a GPU run has checked its gradients, never picked by timing alone.
+"""
+
+from __future__ import annotations
+
+# Sweep on H200, triton 3.6, 2026-11-22 (bf16 B8 T2048 H16 K=V=128, fwd+bwd 8.8 ms with 4 warps / 3 stages
+# everywhere; every setting below passed the gradient check): state_pass_bwd 4w/1s −0.66 ms (2 warps: 2–4× slower),
+# output_fwd 2w/2s −0.47, state_pass_fwd 4w/2s −0.51, wy_bwd 4w/2s −0.23 vs 8w/3s; dqkwg best as it was (8w/2s;
+# 2 warps 3× slower). wy_fwd's sweep did not finish in its slot: kept at the default.
+LAUNCH: dict[str, dict[str, int]] = {
+    "wy_fwd": dict(num_warps=4, num_stages=3),        # common/wy.py: A, the solve, w and u
+    "state_pass_fwd": dict(num_warps=4, num_stages=2),
+    "state_pass_bwd": dict(num_warps=4, num_stages=1),
+    "wy_bwd": dict(num_warps=4, num_stages=2),        # common/wy_bwd.py
+    "output_fwd": dict(num_warps=2, num_stages=2),    # gated_delta_rule/chunk_fwd.py
+    "dqkwg": dict(num_warps=8, num_stages=2),         # gated_delta_rule/chunk_bwd.py; 3 stages overflowed shared memory
+}
+
+
+def launch(name: str) -> dict[str, int]:
+    """Keyword arguments (num_warps, num_stages) for launching kernel `name`."""
+    return LAUNCH[name]

@@ -1,0 +1,118 @@
+"""Chunked gated delta product for training and prefill, on the gated delta rule's chunk machinery run over the
+expanded axis of T·n_h Householder sub-steps (README.md): the log gate g_t sits at each token's first sub-step
+(0 elsewhere), the query q_t at each token's last sub-step, sequences are offset by cu_seqlens·n_h.
+
+Forward: gate cumsum → WY → state pass (ops/common, unchanged, on k, v, beta as given) → the strided output pass
+(chunk_output.py: only the query rows, q and o of length T). Backward: the gated delta rule's chunked backward on the
+expanded sequence (q and dO scattered to the last sub-steps, zeros elsewhere), then dq gathered from the last
+sub-steps and dg from the first. Saved from the forward: G and T only (as the gated delta rule).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..common.chunking import chunk_layout
+from ..common.cumsum import chunk_local_cumsum
+from ..common.state_pass import state_pass_fwd
+from ..common.wy import gated_wy_fwd
+from ..gated_delta_rule import chunk_gated_delta_rule
+from ..gated_delta_rule.chunk_bwd import chunk_gated_delta_rule_bwd
+from ..gated_delta_rule.chunk_fwd import CHUNK_SIZE
+from ..gated_delta_rule.inputs import l2norm
+from .chunk_output import strided_output_fwd
+from .inputs import check_inputs
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, ...] → [B*T, ...], contiguous."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
+
+
+def to_last_substep(x: torch.Tensor, num_householder: int) -> torch.Tensor:
+    """[B, T, ...] → [B, T·n_h, ...] with x_t at row t·n_h + n_h − 1 and zeros elsewhere."""
+    B, T = x.shape[:2]
+    zeros = x.new_zeros(B, T, num_householder - 1, *x.shape[2:])
+    return torch.cat([zeros, x[:, :, None]], dim=2).reshape(B, T * num_householder, *x.shape[2:])
+
+
+def to_first_substep(x: torch.Tensor, num_householder: int) -> torch.Tensor:
+    """[B, T, ...] → [B, T·n_h, ...] with x_t at row t·n_h and zeros elsewhere."""
+    B, T = x.shape[:2]
+    zeros = x.new_zeros(B, T, num_householder - 1, *x.shape[2:])
+    return torch.cat([x[:, :, None], zeros], dim=2).reshape(B, T * num_householder, *x.shape[2:])
+
+
+class ChunkGatedDeltaProductFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, num_householder, scale, initial_state, output_final_state, cu_seqlens):
+        B, T, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+        n_h = num_householder
+        layout = chunk_layout(B, T * n_h, None if cu_seqlens is None else cu_seqlens * n_h, CHUNK_SIZE, q.device)
+        g_sub = to_first_substep(g, n_h) if g is not None else beta.new_zeros(beta.shape, dtype=torch.float32)
+        k_f, v_f, beta_f = _flat(k), _flat(v), _flat(beta)
+        G = chunk_local_cumsum(_flat(g_sub), layout)
+        Ai, w, u = gated_wy_fwd(k_f, v_f, beta_f, G, layout)
+        h, v_new, ht = state_pass_fwd(k_f, w, u, G, initial_state, output_final_state, layout)
+        o = strided_output_fwd(_flat(q), k_f, v_new, h, G, scale, n_h, layout, v.dtype)
+        ctx.save_for_backward(q, k, v, beta, initial_state, G, Ai)
+        ctx.layout, ctx.scale, ctx.num_householder = layout, scale, n_h
+        ctx.g_dtype = None if g is None else g.dtype
+        return o.view(B, T, HV, V), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, beta, initial_state, G, Ai = ctx.saved_tensors
+        B, T, H, K = q.shape
+        n_h = ctx.num_householder
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
+            _flat(to_last_substep(q, n_h)), _flat(k), _flat(v), _flat(beta), ctx.scale, initial_state, G, Ai,
+            _flat(to_last_substep(do, n_h)), None if dht is None else dht.contiguous(), ctx.layout)
+        dq = dq.view(B, T, n_h, H, K)[:, :, -1].to(q.dtype)
+        dg = None if ctx.g_dtype is None else dg.view(B, T, n_h, -1)[:, :, 0].to(ctx.g_dtype)
+        return (dq, dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype), dg,
+                dbeta.view(beta.shape).to(beta.dtype), None, None, dh0, None, None)
+
+
+def chunk_gated_delta_product(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    beta: torch.Tensor,
+    num_householder: int,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta product, chunked, differentiable w.r.t. q, k, v, g, beta and initial_state.
+
+    q: [B, T, H, K]; k: [B, T·n_h, H, K]; v: [B, T·n_h, HV, V]; beta: [B, T·n_h, HV] (row t·n_h + j is
+    sub-step j of token t); g (log gate, ≤ 0): [B, T, HV] or None (no decay); scale: default K^-0.5;
+    initial_state: [N, HV, K, V] fp32; cu_seqlens: [N+1] token offsets of q with B = 1. 16 ≤ K ≤ 256, V ≥ 16.
+    Returns o [B, T, HV, V] in v's dtype and the final state [N, HV, K, V] fp32 (None unless output_final_state).
+    """
+    _, _, scale = check_inputs(q, k, v, g, beta, num_householder, scale, initial_state, cu_seqlens)
+    if num_householder == 1:  # no expansion: this is the gated delta rule itself
+        if g is None:
+            g = beta.new_zeros(beta.shape)
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                      use_qk_l2norm_in_kernel)
+    if not 16 <= q.shape[-1] <= 256 or v.shape[-1] < 16:
+        raise ValueError(f"the chunked kernels need 16 <= K <= 256 and V >= 16 (tl.dot tiles), got "
+                         f"K={q.shape[-1]} (q/k) and V={v.shape[-1]} (v)")
+    if q.dtype == torch.float64:
+        # float64 is reference territory (gradient checks): the naive recurrence computes exactly this function.
+        from .naive import naive_recurrent_gated_delta_product
+
+        return naive_recurrent_gated_delta_product(q, k, v, g, beta, num_householder, scale, initial_state,
+                                                   output_final_state, cu_seqlens, use_qk_l2norm_in_kernel)
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        initial_state = initial_state.float()
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    return ChunkGatedDeltaProductFunction.apply(q, k, v, g, beta, num_householder, scale, initial_state,
+                                                output_final_state, cu_seqlens)
