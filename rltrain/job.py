@@ -27,9 +27,15 @@ class TrainerConfig:
     seed: int = 0
     val_every: int = 50              # also at step 0 and at the end; 0 = only those
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    project: str = "rltrain"         # wandb project
+    run_name: str | None = None      # wandb run name; null = the output_dir's last component
     device: str = "auto"             # auto | cpu | cuda
+    nnodes: int = 1                  # nodes the model roles span (one placement group each)
+    n_gpus_per_node: int = 1         # GPUs used per node (CPU runs: processes, one CPU each); FSDP2 ranks = product
 
     def validate(self):
+        require(self.nnodes >= 1, "nnodes", "must be >= 1", self.nnodes)
+        require(self.n_gpus_per_node >= 1, "n_gpus_per_node", "must be >= 1", self.n_gpus_per_node)
         require(self.total_steps >= 1, "total_steps", "must be >= 1", self.total_steps)
         require(self.save_every >= 0, "save_every", "must be >= 0", self.save_every)
         require(self.val_every >= 0, "val_every", "must be >= 0", self.val_every)
@@ -80,6 +86,10 @@ class KernelConfig:
 class RayConfig:
     address: str | None = None       # null = start a local Ray; "auto" or host:port joins a cluster
     num_cpus: int | None = None      # for the local Ray; null = all cores
+    placement_timeout_s: float = 120.0  # wait this long for the cluster to hold the placement groups, then fail
+
+    def validate(self):
+        require(self.placement_timeout_s > 0, "placement_timeout_s", "must be > 0", self.placement_timeout_s)
 
 
 @dataclass
@@ -93,6 +103,14 @@ class JobConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     kernel_config: KernelConfig = field(default_factory=KernelConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+
+    def validate(self):
+        ranks = self.trainer.nnodes * self.trainer.n_gpus_per_node
+        require(ranks == 1 or self.actor.strategy == "fsdp2", "actor.strategy",
+                f"'single' runs one process, but trainer.nnodes × trainer.n_gpus_per_node = {ranks}: set "
+                "actor.strategy=fsdp2 to use them all, or both to 1", self.actor.strategy)
+        require(self.algorithm.rollout_is_cap is None or self.rollout.engine == "vllm", "algorithm.rollout_is_cap",
+                "needs rollout log-probs, which rollout.engine=vllm reports", self.algorithm.rollout_is_cap)
 
 
 def load_job_config(cfg) -> JobConfig:

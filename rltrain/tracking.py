@@ -15,8 +15,8 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
 
 class Tracker:
-    def __init__(self, backends: list[str], output_dir: str, total_steps: int, run_name: str = "rltrain",
-                 config: dict | None = None):
+    def __init__(self, backends: list[str], output_dir: str, total_steps: int, project: str = "rltrain",
+                 run_name: str = "rltrain", config: dict | None = None):
         unknown = [b for b in backends if b not in LOGGERS]
         if unknown:
             raise ValueError(f"trainer.logger: unknown logger {unknown[0]!r}; known: {', '.join(LOGGERS)}")
@@ -37,7 +37,7 @@ class Tracker:
                 import wandb
             except ImportError:
                 raise ImportError("trainer.logger lists wandb, but it is not installed; pip install wandb") from None
-            self._wandb = wandb.init(project="rltrain", name=run_name, config=config, dir=output_dir)
+            self._wandb = wandb.init(project=project, name=run_name, config=config, dir=output_dir)
 
     def log(self, record: dict) -> None:
         step = record["step"]

@@ -7,6 +7,7 @@ log-probs → actor update → push the new weights into the rollout engine. Val
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from tensordict import TensorDict
 
 from rltrain import checkpoint as ckpt
 from rltrain.algorithms.advantages import compute_advantages
+from rltrain.algorithms.rollout_correction import apply_rollout_correction
 from rltrain.config import ConfigError
 from rltrain.data.rows import load_rows
 from rltrain.data.sampler import PromptSampler, drop_long_prompts, encode_prompts
@@ -24,6 +26,8 @@ from rltrain.job import JobConfig
 from rltrain.tracking import Tracker
 from rltrain.workers.actor import ActorWorker
 from rltrain.workers.batch import concat_batches
+from rltrain.workers.fsdp import FSDPActorWorker, FSDPReferenceWorker
+from rltrain.workers.group import iter_weight_buckets, kill, place_model_roles, start_role
 from rltrain.workers.reference import ReferenceWorker
 from rltrain.workers.reward import RewardWorker
 from rltrain.workers.rollout import RolloutWorker
@@ -78,7 +82,9 @@ class GRPOTrainer:
         if job.data.val_max_rows:
             self.val_rows = self.val_rows[:job.data.val_max_rows]
         self._start_workers()
-        self.tracker = Tracker(job.trainer.logger, str(self.output_dir), job.trainer.total_steps)
+        self.tracker = Tracker(job.trainer.logger, str(self.output_dir), job.trainer.total_steps,
+                               project=job.trainer.project, run_name=job.trainer.run_name or self.output_dir.name,
+                               config=dataclasses.asdict(job))
         self.step, self.initial_val = 0, None
 
     def _start_workers(self) -> None:
@@ -86,19 +92,24 @@ class GRPOTrainer:
         if not ray.is_initialized():
             ray.init(address=job.ray.address, num_cpus=job.ray.num_cpus, include_dashboard=False,
                      log_to_driver=True, configure_logging=False)
-        # The model roles share one GPU (colocated): each asks for a fraction of it, since Ray hides the GPU from an
-        # actor that asks for none. CPU roles take turns (the controller waits on each), so they reserve no CPUs.
+        # The model roles are colocated: rank r of the actor and the reference (and the rollout, in bundle 0) share
+        # placement bundle r, one GPU (or CPU), each asking a fraction of it, since Ray hides the GPU from an actor
+        # that asks for none. trainer.nnodes × n_gpus_per_node bundles; actor.strategy=fsdp2 puts a rank on each.
         model_roles = 3 if job.algorithm.loss.kl_coef > 0 else 2
-        opts = dict(num_cpus=0, num_gpus=1 / model_roles if self.device == "cuda" else 0)
+        share, sharded = 1 / model_roles, job.actor.strategy == "fsdp2"
+        self.placement = place_model_roles(job.trainer.nnodes, job.trainer.n_gpus_per_node, self.device,
+                                           job.ray.placement_timeout_s)
         common = dict(model_path=self.model_dir, dtype=job.model.dtype, kernel_config=kernels, device=self.device)
         temperature = job.rollout.temperature
-        self.actor = ray.remote(ActorWorker).options(**opts).remote(
-            job.actor, job.algorithm.loss, temperature=temperature, seed=job.trainer.seed, **common)
-        self.rollout = ray.remote(RolloutWorker).options(**opts).remote(job.rollout, **common)
+        self.actor = start_role(FSDPActorWorker if sharded else ActorWorker, self.placement, share, sharded,
+                                config=job.actor, loss=job.algorithm.loss, temperature=temperature,
+                                seed=job.trainer.seed, **common)
+        self.rollout = start_role(RolloutWorker, self.placement, share, False, config=job.rollout, **common)
         self.reference = None
         if job.algorithm.loss.kl_coef > 0:
-            self.reference = ray.remote(ReferenceWorker).options(**opts).remote(
-                temperature=temperature, micro_batch_size=job.actor.micro_batch_size, **common)
+            self.reference = start_role(FSDPReferenceWorker if sharded else ReferenceWorker, self.placement, share,
+                                        sharded, temperature=temperature, micro_batch_size=job.actor.micro_batch_size,
+                                        **(dict(fsdp=job.actor.fsdp) if sharded else {}), **common)
         self.reward = ray.remote(RewardWorker).options(num_cpus=0).remote(job.reward, self.model_dir)
 
     # ---------------------------------------------------------------- one step
@@ -142,16 +153,18 @@ class GRPOTrainer:
             logger.warning("step %d: dynamic sampling kept no group (all rewards equal in every group); skipped",
                            step)
             return {"step": step, "train/groups_kept": 0.0, "reward/errors": errors}
+        ray.get(self.rollout.sleep.remote())  # colocated: the engine frees its memory until the weight push
         batch["advantages"] = compute_advantages(job.algorithm.adv_estimator, batch["rewards"],
                                                  batch["response_mask"], batch["group_ids"])
         response_len = batch["response_mask"].sum(1).float()
         if job.algorithm.overlong_filter:
             batch["response_mask"] = batch["response_mask"] * (~batch["truncated"]).unsqueeze(1).long()
         batch["old_logprobs"] = ray.get(self.actor.compute_logprobs.remote(batch))
+        metrics = apply_rollout_correction(batch, job.algorithm.rollout_is_cap)  # engines reporting log-probs
         if self.reference is not None:
             batch["ref_logprobs"] = ray.get(self.reference.compute_logprobs.remote(batch))
-        metrics = ray.get(self.actor.update.remote(batch))
-        ray.get(self.rollout.load_state_dict.remote(self.actor.state_dict.remote()))
+        metrics.update(ray.get(self.actor.update.remote(batch)))
+        self.push_weights()
         elapsed = time.monotonic() - start
         tokens = batch["prompt_mask"].sum().item() + batch["response_mask"].sum().item()
         record = {"step": step, "train/reward_mean": batch["rewards"].mean().item(),
@@ -177,6 +190,14 @@ class GRPOTrainer:
                   "val/reward_errors": errors}
         self.tracker.log(record)
         return record
+
+    def push_weights(self) -> None:
+        """The actor's new weights into the rollout engine, in place: full tensors bucket by bucket (gathered from
+        the shards on actor rank 0 under FSDP2), so the extra memory is about one bucket."""
+        ray.get(self.rollout.begin_weight_update.remote())
+        for bucket in iter_weight_buckets(self.actor, self.job.actor.weight_bucket_mb):
+            ray.get(self.rollout.load_weights.remote(bucket))
+        ray.get(self.rollout.finish_weight_update.remote())
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, step: int) -> Path:
@@ -231,5 +252,5 @@ class GRPOTrainer:
         self.tracker.close()
         ray.get(self.reward.close.remote())
         for handle in (self.actor, self.rollout, self.reference, self.reward):
-            if handle is not None:
-                ray.kill(handle)
+            kill(handle)
+        self.placement.remove()

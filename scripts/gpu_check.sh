@@ -6,6 +6,8 @@
 #   bash scripts/gpu_check.sh                  # tests, then every benchmark
 #   bash scripts/gpu_check.sh tests            # tests only
 #   bash scripts/gpu_check.sh bench [NAME...]  # benchmarks only (NAME: bench_linear_logprobs, ...), extra args none
+#   bash scripts/gpu_check.sh fsdp             # 2+ GPUs: FSDP2 over NCCL against one process (fp32 and bf16), no Ray;
+#                                              # needs the tensordict, pyvers, omegaconf, antlr4 wheels in .whl/
 #
 # Logs go to $OUT (the device tool's return folder) or /tmp/gpu_check.
 set -uo pipefail
@@ -39,6 +41,13 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || status=1
     summary+=("tests: $(tail -1 "$out/tests.log")")
+fi
+if [ "$what" = fsdp ]; then
+    python3 -m pytest -q -rs -p no:cacheprovider tests/rltrain/workers/test_fsdp.py -k nccl 2>&1 \
+        | tee "$out/fsdp.log" | tail -40
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || status=1
+    summary+=("fsdp: $(tail -1 "$out/fsdp.log")")
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
     names=("$@")

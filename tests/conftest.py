@@ -1,9 +1,11 @@
-"""Test-wide setup: run Triton kernels through the interpreter when no GPU is present, skip GPU-only tests.
+"""Test-wide setup: run Triton kernels through the interpreter when no GPU is present, skip GPU-only tests, and skip
+the @pytest.mark.vllm tests where vllm is not installed (scripts/test.sh runs them in .venv-vllm).
 
 TRITON_INTERPRET must be set before triton is first imported, which is why this happens at conftest import time
 (pytest imports conftest before any test module). `import torch` does not import triton.
 """
 
+import importlib.util
 import os
 import random
 
@@ -11,17 +13,19 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_vllm = pytest.mark.skip(reason="needs vllm: scripts/test.sh runs these in .venv-vllm")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+        if item.get_closest_marker("vllm") is not None and not HAS_VLLM:
+            item.add_marker(skip_vllm)
 
 
 @pytest.fixture

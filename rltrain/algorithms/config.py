@@ -40,9 +40,12 @@ class AlgorithmConfig:
     dynamic_sampling: bool = False        # DAPO: drop groups whose rewards are all equal, refill the batch
     dynamic_sampling_max_rounds: int = 4  # extra generation rounds allowed to refill one batch
     overlong_filter: bool = False         # DAPO: mask out truncated responses (no <eos> within max_new_tokens)
+    rollout_is_cap: float | None = None   # truncated IS: weight each token's pg term by min(π_old/π_rollout, cap)
 
     def validate(self):
         require(self.adv_estimator in ADVANTAGES, "adv_estimator",
                 f"unknown advantage estimator; known: {', '.join(ADVANTAGES.names())}", self.adv_estimator)
         require(self.dynamic_sampling_max_rounds >= 0, "dynamic_sampling_max_rounds", "must be >= 0",
                 self.dynamic_sampling_max_rounds)
+        require(self.rollout_is_cap is None or self.rollout_is_cap >= 1, "rollout_is_cap", "must be null or >= 1",
+                self.rollout_is_cap)

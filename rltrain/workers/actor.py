@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDict
@@ -11,7 +11,27 @@ from tensordict import TensorDict
 from rltrain.algorithms.config import LossConfig
 from rltrain.config import require
 from rltrain.workers.batch import response_hidden, split
-from rltrain.workers.policy import load_policy, response_logprobs, set_threads
+from rltrain.workers.policy import load_policy, plan_buckets, response_logprobs, set_threads
+
+STRATEGIES = ("single", "fsdp2")
+
+
+@dataclass
+class FSDPConfig:
+    mixed_precision: bool = True   # on GPU: bf16 params and grads in compute, fp32 reduce and master weights
+    cpu_offload: bool = False      # keep the sharded params, grads and optimizer state in CPU memory (GPU only)
+
+def weighted_advantages(batch: TensorDict) -> torch.Tensor:
+    """The advantages, times the truncated importance weights where the batch has them (algorithm.rollout_is_cap).
+
+    fused_policy_loss takes no per-token weight, and scaling A by a detached w >= 0 per token scales exactly that
+    token's policy-gradient term: w·max(−A·r, −A·clip(r)) = max(−wA·r, −wA·clip(r)), and the dual clip's
+    min(pg, −A·c) likewise; the KL and entropy terms stay unweighted. (clipfrac then skips tokens whose w is 0.)"""
+    advantages = batch["advantages"]
+    if "rollout_is_weights" not in batch.keys():
+        return advantages
+    return (advantages if advantages.dim() == 2 else advantages.unsqueeze(1)) * batch["rollout_is_weights"]
+
 
 @dataclass
 class ActorConfig:
@@ -21,8 +41,14 @@ class ActorConfig:
     mini_batch_size: int = 0     # responses per optimizer step; 0 = the whole batch (one step per RL step)
     micro_batch_size: int = 64   # responses per forward/backward (gradient accumulation inside a mini-batch)
     torch_threads: int = 0       # 0 = all cores
+    strategy: str = "single"     # single: one process | fsdp2: trainer.nnodes × n_gpus_per_node sharded ranks
+    gradient_checkpointing: bool = False
+    weight_bucket_mb: int = 256  # the weight push sends full tensors in buckets of about this size
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
     def validate(self):
+        require(self.strategy in STRATEGIES, "strategy", f"must be one of {', '.join(STRATEGIES)}", self.strategy)
+        require(self.weight_bucket_mb >= 1, "weight_bucket_mb", "must be >= 1", self.weight_bucket_mb)
         require(self.lr > 0, "lr", "must be > 0", self.lr)
         require(self.grad_clip > 0, "grad_clip", "must be > 0", self.grad_clip)
         require(self.mini_batch_size >= 0, "mini_batch_size", "must be >= 0", self.mini_batch_size)
@@ -34,8 +60,10 @@ class ActorWorker:
                  kernel_config: dict | None, temperature: float, device: str = "cpu", seed: int = 0):
         set_threads(config.torch_threads)
         torch.manual_seed(seed)
-        self.config, self.loss, self.temperature = config, loss, temperature
+        self.config, self.loss, self.temperature, self.device = config, loss, temperature, device
         self.model = load_policy(model_path, dtype, kernel_config, device)
+        if config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
@@ -58,7 +86,6 @@ class ActorWorker:
         from rltrain_kernels import fused_policy_loss
 
         loss_cfg = self.loss
-        weight = self.model.get_output_embeddings().weight
         mask = mini_batch["response_mask"]
         n_tokens = mask.sum().item()
         n_seqs = max(int((mask.sum(1) > 0).sum()), 1)
@@ -69,17 +96,17 @@ class ActorWorker:
         norm = {"token-mean": dict(norm_tokens=max(n_tokens, 1)),
                 "seq-mean-token-sum-norm": dict(norm_len=mini_batch["response_ids"].shape[1])}
         norm = norm.get(loss_cfg.loss_agg, {})
-        for micro in split(mini_batch, self.config.micro_batch_size):
+        for micro in self._micro_batches(mini_batch):
             micro_tokens = micro["response_mask"].sum().item()
             micro_seqs = int((micro["response_mask"].sum(1) > 0).sum())
-            out = fused_policy_loss(
-                response_hidden(self.model, micro), weight, micro["response_ids"], micro["response_mask"],
-                micro["advantages"], micro["old_logprobs"],
+            out = self._run_head(micro, lambda hidden, weight, micro=micro: fused_policy_loss(
+                hidden, weight, micro["response_ids"], micro["response_mask"],
+                weighted_advantages(micro), micro["old_logprobs"],
                 micro["ref_logprobs"] if "ref_logprobs" in micro.keys() else None,
                 clip_low=loss_cfg.clip_low, clip_high=loss_cfg.clip_high, dual_clip=loss_cfg.dual_clip,
                 kl_coef=loss_cfg.kl_coef, kl_type=loss_cfg.kl_type, entropy_coef=loss_cfg.entropy_coef,
                 loss_agg=loss_cfg.loss_agg, importance_level=loss_cfg.importance_level,
-                temperature=self.temperature, **norm)
+                temperature=self.temperature, **norm))
             # token-mean is normalised by the mini-batch's token count already; the sequence means are per
             # micro-batch: over its sequences with tokens (seq-mean-*) or over all its rows (Dr.GRPO's B·norm_len)
             scale = {"token-mean": 1.0, "seq-mean-token-sum-norm": micro.batch_size[0] / mini_batch.batch_size[0]
@@ -88,13 +115,39 @@ class ActorWorker:
             sums["loss"] += out.loss.item() * scale
             for key in ("entropy", "ppo_kl", "clipfrac", "ref_kl"):  # token means -> weight by tokens
                 sums[key] += out.metrics[key] * micro_tokens / max(n_tokens, 1)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        grad_norm = self._clip_grad_norm()
         self.optimizer.step()
+        sums = self._sum_over_ranks(sums)
         sums["grad_norm"] = float(grad_norm)
         return sums
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+    # the four steps FSDPActorWorker (rltrain/workers/fsdp.py) does differently: this rank's micro-batches, the
+    # model + loss head inside the sharded root's forward, the global gradient norm, metrics summed over ranks
+    def _micro_batches(self, mini_batch: TensorDict) -> list[TensorDict]:
+        return [micro.to(self.device) for micro in split(mini_batch, self.config.micro_batch_size)]
+
+    def _run_head(self, micro: TensorDict, head):
+        """head(response hidden states, LM head weight) for one micro-batch."""
+        return head(response_hidden(self.model, micro), self.model.get_output_embeddings().weight)
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+
+    def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
+        return sums
+
+    def bucket_names(self, bucket_mb: int) -> list[list[str]]:
+        """The state_dict's names in buckets of about bucket_mb MB, for the weight push (same on every rank)."""
+        return plan_buckets(self.model.state_dict(), bucket_mb)
+
+    def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        """Full CPU tensors of these state_dict entries (None on ranks other than 0 under FSDP2). The trainer's
+        weight push asks for one bucket of bucket_names at a time (rltrain.workers.group.iter_weight_buckets)."""
+        state = self.model.state_dict()
+        return {name: state[name].detach().cpu() for name in names}
+
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        return self.gather_weights(list(self.model.state_dict()))
 
     def optimizer_state(self) -> dict:
         return self.optimizer.state_dict()

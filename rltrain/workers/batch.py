@@ -3,7 +3,7 @@
 Fields (B responses; P prompt width, left-padded; R response width, right-padded):
   prompt_ids [B,P], prompt_mask [B,P], response_ids [B,R], response_mask [B,R], group_ids [B], truncated [B],
   rewards [B], advantages [B,R], old_logprobs [B,R], ref_logprobs [B,R], rollout_logprobs [B,R] (engines that
-  report them).
+  report them), rollout_is_weights [B,R] (algorithm.rollout_is_cap).
 """
 
 from __future__ import annotations
@@ -49,5 +49,7 @@ def concat_batches(batches: list[TensorDict]) -> TensorDict:
         fields["prompt_mask"] = torch.nn.functional.pad(b["prompt_mask"], (dp, 0))
         fields["response_ids"] = torch.nn.functional.pad(b["response_ids"], (0, dr))
         fields["response_mask"] = torch.nn.functional.pad(b["response_mask"], (0, dr))
+        if "rollout_logprobs" in fields:
+            fields["rollout_logprobs"] = torch.nn.functional.pad(b["rollout_logprobs"], (0, dr))
         padded.append(TensorDict(fields, batch_size=b.batch_size))
     return torch.cat(padded) if len(padded) > 1 else padded[0]

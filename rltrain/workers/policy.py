@@ -33,15 +33,30 @@ def load_policy(path: str, dtype: str, kernel_config: dict | None, device: str):
 
 
 def response_logprobs(model, batch: TensorDict, temperature: float, micro_batch_size: int) -> torch.Tensor:
-    """log p(response token) under `model` at `temperature`, [B, R] fp32 (0 where masked)."""
+    """log p(response token) under `model` at `temperature`, [B, R] fp32 on the CPU (0 where masked)."""
     from rltrain_kernels import linear_logprobs
 
     weight = model.get_output_embeddings().weight
     logps = []
     with torch.no_grad():
         for micro in split(batch, micro_batch_size):
+            micro = micro.to(weight.device)
             labels = micro["response_ids"].masked_fill(micro["response_mask"] == 0, IGNORE_INDEX)
             logp, _ = linear_logprobs(response_hidden(model, micro), weight, labels, temperature=temperature,
                                       return_entropy=False)
-            logps.append(logp)
+            logps.append(logp.cpu())
     return torch.cat(logps)
+
+
+def plan_buckets(state_dict: dict[str, torch.Tensor], bucket_mb: int) -> list[list[str]]:
+    """The names of `state_dict` in order, cut into buckets of at most bucket_mb MB (a larger tensor alone), so a
+    weight push holds one bucket of full tensors at a time. Sizes are the full (unsharded) ones for DTensors."""
+    limit, buckets, size = bucket_mb * 2**20, [[]], 0
+    for name, tensor in state_dict.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if buckets[-1] and size + nbytes > limit:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += nbytes
+    return [b for b in buckets if b]

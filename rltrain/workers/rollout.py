@@ -1,9 +1,15 @@
-"""RolloutWorker: generates response groups for a batch of prompts. Engine "hf": transformers' generate with a KV
-cache, batched over prompts × n (left-padded prompts). The vLLM engine arrives with the vLLM rollout issue."""
+"""RolloutWorker: generates response groups for a batch of prompts and takes the actor's new weights in place.
+
+Engines (rollout.engine): "hf" = transformers' generate with a KV cache, batched over prompts × n (left-padded
+prompts), below; "vllm" = a `vllm.LLM` (rltrain/workers/vllm_engine.py, imported only when chosen), which also
+reports the sampled tokens' log-probs (`rollout_logprobs`). Both take weights in buckets: begin_weight_update,
+load_weights per bucket, finish_weight_update.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib.util
+from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDict
@@ -11,7 +17,7 @@ from tensordict import TensorDict
 from rltrain.config import require
 from rltrain.workers.policy import load_policy, set_threads
 
-ENGINES = ("hf",)
+ENGINES = ("hf", "vllm")
 
 
 @dataclass
@@ -21,25 +27,73 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 8
+    stop: list[str] = field(default_factory=list)  # vllm: stop strings (the response keeps the stopping token)
     val_temperature: float = 0.0   # 0 = greedy decoding for validation
-    micro_batch_size: int = 256    # sequences per generate() call
+    micro_batch_size: int = 256    # hf: sequences per generate() call
     torch_threads: int = 0
+    gpu_memory_utilization: float = 0.5   # vllm: share of the GPU for its weights + KV cache (colocated roles)
+    kv_cache_gb: float | None = None      # vllm: KV cache size; null = from gpu_memory_utilization
+    enforce_eager: bool = False           # vllm: no CUDA graphs / torch.compile (faster start, slower decode)
+    sleep_while_training: bool = True     # vllm: free its memory while the actor trains, where it has sleep mode
 
     def validate(self):
-        require(self.engine in ENGINES, "engine", f"must be one of {', '.join(ENGINES)} "
-                "(vllm arrives with the vLLM rollout issue)", self.engine)
+        require(self.engine in ENGINES, "engine", f"must be one of {', '.join(ENGINES)}", self.engine)
+        require(self.engine != "vllm" or importlib.util.find_spec("vllm") is not None, "engine",
+                "'vllm' needs the vllm package, which is not installed: pip install rltrain[vllm]", self.engine)
         require(self.n >= 1, "n", "must be >= 1", self.n)
         require(self.temperature > 0, "temperature", "must be > 0 for sampling", self.temperature)
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)
+        require(not self.stop or self.engine == "vllm", "stop", "needs rollout.engine=vllm", self.stop)
+        require(all(self.stop), "stop", "entries must be non-empty strings", self.stop)
         require(self.val_temperature >= 0, "val_temperature", "must be >= 0", self.val_temperature)
         require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1", self.micro_batch_size)
+        require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]",
+                self.gpu_memory_utilization)
+        require(self.kv_cache_gb is None or self.kv_cache_gb > 0, "kv_cache_gb", "must be null or > 0",
+                self.kv_cache_gb)
 
 
 class RolloutWorker:
     def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: dict | None,
                  device: str = "cpu"):
         set_threads(config.torch_threads)
+        if config.engine == "vllm":
+            from rltrain.workers.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(config, model_path, dtype, device)
+        else:
+            self.engine = HFEngine(config, model_path, dtype, kernel_config, device)
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
+                 seed: int) -> TensorDict:
+        """n responses per prompt, grouped consecutively; group_ids[i] = index of the prompt."""
+        return self.engine.generate(prompt_ids, prompt_mask, n, temperature, seed)
+
+    def begin_weight_update(self) -> None:
+        self.engine.begin_weight_update()
+
+    def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        """One bucket of the actor's state_dict (full tensors, HF names)."""
+        self.engine.load_weights(named_tensors.items())
+
+    def finish_weight_update(self) -> None:
+        self.engine.finish_weight_update()
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """The whole model in one bucket (tests, resume)."""
+        self.begin_weight_update()
+        self.load_weights(state_dict)
+        self.finish_weight_update()
+
+    def sleep(self) -> None:
+        """Colocated mode: free the engine's memory while the actor trains (vLLM on GPU; a no-op otherwise)."""
+        self.engine.sleep()
+
+
+class HFEngine:
+    def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: dict | None,
+                 device: str):
         self.config = config
         self.model = load_policy(model_path, dtype, kernel_config, device)
         self.model.eval()
@@ -48,15 +102,24 @@ class RolloutWorker:
         self.eos_token_id = generation.eos_token_id if generation.eos_token_id is not None \
             else self.model.config.eos_token_id
         self.pad_token_id = generation.pad_token_id if generation.pad_token_id is not None else self.eos_token_id
+        self.state = None
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """In-place weight sync from the actor (no disk, no restart)."""
-        self.model.load_state_dict(state_dict)
+    def begin_weight_update(self) -> None:
+        self.state = self.model.state_dict()  # views of the live parameters: copy_ writes into the model
+
+    def load_weights(self, named_tensors) -> None:
+        for name, tensor in named_tensors:
+            self.state[name].copy_(tensor)
+
+    def finish_weight_update(self) -> None:
+        self.state = None
+
+    def sleep(self) -> None:
+        pass
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
                  seed: int) -> TensorDict:
-        """n responses per prompt, grouped consecutively; group_ids[i] = index of the prompt."""
         torch.manual_seed(seed)
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0).to(self.device)
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0).to(self.device)

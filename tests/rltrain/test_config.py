@@ -50,10 +50,24 @@ def test_every_algorithm_preset_validates(preset):
     ("model.dtype=fp8", "model.dtype: must be float32, bfloat16 or float16"),
     ("kernel_config.name=gpu", "kernel_config.name: must be auto, cuda, npu or cpu"),
     ("data.task.operators=/", "data.task.operators: must be a non-empty subset"),
+    ("rollout.engine=sglang", "rollout.engine: must be one of hf, vllm (got 'sglang')"),
+    ("rollout.stop=[Answer]", "rollout.stop: needs rollout.engine=vllm"),
+    ("rollout.kv_cache_gb=0", "rollout.kv_cache_gb: must be null or > 0"),
+    ("algorithm.rollout_is_cap=0.5", "algorithm.rollout_is_cap: must be null or >= 1 (got 0.5)"),
+    ("algorithm.rollout_is_cap=2", "algorithm.rollout_is_cap: needs rollout log-probs, which rollout.engine=vllm"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         load_job_config(_compose(override))
+
+
+def test_vllm_engine_without_vllm_names_the_key_and_the_install(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"rollout.engine: 'vllm' needs the vllm package.*rltrain\[vllm\]"):
+        load_job_config(_compose("rollout.engine=vllm"))
 
 
 def test_int_widens_to_float_and_lists_coerce():

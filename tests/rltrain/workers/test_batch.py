@@ -21,3 +21,13 @@ def test_concat_pads_prompts_left_and_responses_right():
     assert out["rewards"].tolist() == [10.0, 10.0, 20.0]
     _, attention_mask, position_ids = model_inputs(out)
     assert position_ids[0, 2].item() == 0 and attention_mask[0].sum().item() == 7  # positions start at real tokens
+
+
+def test_concat_pads_rollout_logprobs_like_responses():
+    a, b = _batch(2, 3, 4, 10), _batch(1, 3, 2, 20)
+    a["rollout_logprobs"], b["rollout_logprobs"] = -torch.rand(2, 4), -torch.rand(1, 2)
+    out = concat_batches([a, b])
+    assert out["rollout_logprobs"].shape == (3, 4)
+    assert torch.equal(out["rollout_logprobs"][2, :2], b["rollout_logprobs"][0])
+    assert (out["rollout_logprobs"][2, 2:] == 0).all()
+    assert torch.equal(out["rollout_logprobs"][:2], a["rollout_logprobs"])

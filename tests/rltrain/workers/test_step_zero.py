@@ -69,8 +69,11 @@ def test_weight_push_makes_rollout_match_actor(setup):
     with torch.no_grad():
         for p in actor.model.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    rollout.load_state_dict(actor.state_dict())
-    for name, value in rollout.model.state_dict().items():
+    rollout.begin_weight_update()
+    for name, tensor in actor.state_dict().items():  # one tensor per bucket
+        rollout.load_weights({name: tensor})
+    rollout.finish_weight_update()
+    for name, value in rollout.engine.model.state_dict().items():
         assert torch.equal(value, actor.model.state_dict()[name]), name
 
 

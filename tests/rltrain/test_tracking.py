@@ -1,0 +1,83 @@
+"""Metric sinks (rltrain.tracking): jsonl records, the console progress line, TensorBoard event files read back with
+TensorBoard's own reader, and the wandb calls (through a stand-in `wandb` module: the real one needs an account or
+its offline service, which CI does not run)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+
+from rltrain.tracking import Tracker
+
+TRAIN = {"step": 1, "train/reward_mean": 0.25, "actor/loss": -0.5, "actor/ppo_kl": 0.001, "time/step_s": 1.5,
+         "note": "strings are jsonl-only"}
+VAL = {"step": 1, "val/reward_mean": 0.4, "val/count": 10}
+
+
+def test_jsonl_and_console(tmp_path, capsys):
+    tracker = Tracker(["console", "jsonl"], str(tmp_path), total_steps=4)
+    tracker.log(TRAIN)
+    tracker.log(VAL)
+    tracker.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records == [TRAIN, VAL]
+    out = capsys.readouterr().out
+    assert "[train    1/4]" in out and "reward 0.250" in out and "ETA" in out
+    assert "[val  step    1] reward 0.400 (10 prompts)" in out
+
+
+def test_tensorboard_event_file(tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    tracker = Tracker(["tensorboard"], str(tmp_path), total_steps=2)
+    tracker.log(TRAIN)
+    tracker.log({**TRAIN, "step": 2, "train/reward_mean": 0.75})
+    tracker.log(VAL)
+    tracker.close()
+    assert not (tmp_path / "metrics.jsonl").exists()  # jsonl not listed
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/reward_mean", "actor/loss", "val/reward_mean", "val/count"} <= tags
+    assert "note" not in tags and "step" not in tags
+    rewards = [(e.step, e.value) for e in acc.Scalars("train/reward_mean")]
+    assert rewards == [(1, pytest.approx(0.25)), (2, pytest.approx(0.75))]
+
+
+def test_wandb_calls(tmp_path, monkeypatch):
+    calls = []
+
+    class Run:
+        def log(self, data, step):
+            calls.append(("log", data, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kwargs):
+        calls.append(("init", kwargs))
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))  # stand-in, see module docstring
+    tracker = Tracker(["wandb"], str(tmp_path), total_steps=2, project="proj", run_name="run-a",
+                      config={"actor": {"lr": 1e-3}})
+    tracker.log(TRAIN)
+    tracker.close()
+    init_call = calls[0]
+    assert init_call == ("init", {"project": "proj", "name": "run-a", "config": {"actor": {"lr": 1e-3}},
+                                  "dir": str(tmp_path)})
+    assert calls[1] == ("log", {k: v for k, v in TRAIN.items() if k != "step"}, 1)
+    assert calls[2] == ("finish",)
+
+
+def test_missing_backend_package_names_the_key(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    with pytest.raises(ImportError, match="trainer.logger lists wandb.*pip install wandb"):
+        Tracker(["wandb"], str(tmp_path), total_steps=1)
+
+
+def test_unknown_backend(tmp_path):
+    with pytest.raises(ValueError, match="trainer.logger: unknown logger 'mlflow'"):
+        Tracker(["mlflow"], str(tmp_path), total_steps=1)

