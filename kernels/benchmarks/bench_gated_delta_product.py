@@ -118,6 +118,12 @@ def time_decode(B, H, D, n_h):
                                                                 output_final_state=True))
 
 
+def add_row(rows: list, row: tuple) -> None:
+    """Keep a timing row for the final table and print it now (fla's autotuning can outlast a time limit)."""
+    rows.append(row)
+    print("  " + " | ".join(f"{x:.3f}" if isinstance(x, float) else str(x) for x in row), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one small shape (smoke run)")
@@ -133,12 +139,12 @@ def main():
     for label, B, T in shapes:
         if fla_chunk is not None:
             print(f"{label}: ours vs fla forward rel err {forward_agreement(fla_chunk, B, T, H, D, n_h):.1e}")
-        rows.append((label, "ours chunk_gated_delta_product", *time_product(chunk_gated_delta_product, B, T, H, D,
+        add_row(rows, (label, "ours chunk_gated_delta_product", *time_product(chunk_gated_delta_product, B, T, H, D,
                                                                              n_h)))
         if fla_chunk is not None:
-            rows.append((label, "fla 0.6 chunk_gated_delta_product (bwd guard bypassed, timing only)",
+            add_row(rows, (label, "fla 0.6 chunk_gated_delta_product (bwd guard bypassed, timing only)",
                          *time_fla(fla_chunk, B, T, H, D, n_h)))
-        rows.append((label, f"ours chunk_gated_delta_rule at T·n_h={T * n_h}", *time_rule_expanded(B, T, H, D, n_h)))
+        add_row(rows, (label, f"ours chunk_gated_delta_rule at T·n_h={T * n_h}", *time_rule_expanded(B, T, H, D, n_h)))
     decode_B = 256 if not args.quick else 32
     t_decode = time_decode(decode_B, H, D, n_h)
 

@@ -163,6 +163,12 @@ def sweep_launch(names, B=8, T=2048, H=16, D=128):
         LAUNCH[name] = default
 
 
+def add_row(rows: list, row: tuple) -> None:
+    """Keep a timing row for the final table and print it now (fla's autotuning can outlast a time limit)."""
+    rows.append(row)
+    print("  " + " | ".join(f"{x:.3f}" if isinstance(x, float) else str(x) for x in row), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one small shape, fewer columns (smoke run)")
@@ -191,22 +197,22 @@ def main():
     for label, B, T in shapes:
         if fla_chunk is not None:
             print(f"{label}: ours vs fla forward rel err {forward_agreement(fla_chunk, B, T, H, D):.1e}")
-        rows.append((label, "ours", *time_chunk(chunk_gated_delta_rule, B, T, H, D)))
+        add_row(rows, (label, "ours", *time_chunk(chunk_gated_delta_rule, B, T, H, D)))
         if fla_chunk is not None:
-            rows.append((label, "fla 0.6 (bwd guard bypassed)", *time_chunk(fla_chunk, B, T, H, D)))
-        rows.append((label, "torch SDPA causal", *time_sdpa(B, T, H, D)))
+            add_row(rows, (label, "fla 0.6 (bwd guard bypassed)", *time_chunk(fla_chunk, B, T, H, D)))
+        add_row(rows, (label, "torch SDPA causal", *time_sdpa(B, T, H, D)))
     cu = torch.tensor([0, *torch.tensor(varlen).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     label = f"varlen {len(varlen)} seqs, {sum(varlen)} tokens"
     if fla_chunk is not None:
         err = forward_agreement(fla_chunk, 1, sum(varlen), H, D, cu_seqlens=cu, N=len(varlen))
         print(f"{label}: ours vs fla forward rel err {err:.1e}")
-    rows.append((label, "ours", *time_chunk(chunk_gated_delta_rule, 1, sum(varlen), H, D, cu, len(varlen))))
+    add_row(rows, (label, "ours", *time_chunk(chunk_gated_delta_rule, 1, sum(varlen), H, D, cu, len(varlen))))
     if fla_chunk is not None:
-        rows.append((label, "fla 0.6 (bwd guard bypassed)",
+        add_row(rows, (label, "fla 0.6 (bwd guard bypassed)",
                      *time_chunk(fla_chunk, 1, sum(varlen), H, D, cu, len(varlen))))
     small = (1, 256, 4, 64)
-    rows.append(("B1 T256 H4 K=V=64 (small)", "naive torch", *time_chunk(naive_recurrent_gated_delta_rule, *small)))
-    rows.append(("B1 T256 H4 K=V=64 (small)", "ours", *time_chunk(chunk_gated_delta_rule, *small)))
+    add_row(rows, ("B1 T256 H4 K=V=64 (small)", "naive torch", *time_chunk(naive_recurrent_gated_delta_rule, *small)))
+    add_row(rows, ("B1 T256 H4 K=V=64 (small)", "ours", *time_chunk(chunk_gated_delta_rule, *small)))
 
     decode_B = 256 if not args.quick else 32
     decode = [("ours fused_recurrent", *time_decode(fused_recurrent_gated_delta_rule, decode_B, H, D))]

@@ -109,6 +109,12 @@ def forward_agreement(fla_chunk, B, T, H, D, cu_seqlens=None, N=None) -> float:
     return max(rel(o, o_fla), rel(ht, ht_fla))
 
 
+def add_row(rows: list, row: tuple) -> None:
+    """Keep a timing row for the final table and print it now (fla's autotuning can outlast a time limit)."""
+    rows.append(row)
+    print("  " + " | ".join(f"{x:.3f}" if isinstance(x, float) else str(x) for x in row), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one small shape (smoke run)")
@@ -130,12 +136,12 @@ def main():
         if fla_chunk is not None:
             err = forward_agreement(fla_chunk, B, T, H, D, cu_seqlens=cu_seqlens, N=N)
             print(f"{label}: ours vs fla forward rel err {err:.1e}")
-        rows.append((label, "ours chunk_iplr_delta_rule", *time_iplr(chunk_iplr_delta_rule, B, T, H, D,
+        add_row(rows, (label, "ours chunk_iplr_delta_rule", *time_iplr(chunk_iplr_delta_rule, B, T, H, D,
                                                                       cu_seqlens=cu_seqlens, N=N)))
         if fla_chunk is not None:
-            rows.append((label, "fla 0.6 chunk_iplr_delta_rule (no backward)",
+            add_row(rows, (label, "fla 0.6 chunk_iplr_delta_rule (no backward)",
                          *time_iplr(fla_chunk, B, T, H, D, backward=False, cu_seqlens=cu_seqlens, N=N)))
-        rows.append((label, "ours chunk_gated_delta_rule", *time_gated_delta_rule(B, T, H, D, cu_seqlens, N)))
+        add_row(rows, (label, "ours chunk_gated_delta_rule", *time_gated_delta_rule(B, T, H, D, cu_seqlens, N)))
 
     print(f"\n## IPLR delta rule, bf16, H={H}, K=V={D} ({torch.cuda.get_device_name()})\n")
     print("| case | implementation | forward ms | forward+backward ms |")

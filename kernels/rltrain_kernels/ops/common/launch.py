@@ -19,6 +19,9 @@ LAUNCH: dict[str, dict[str, int]] = {
     "wy_bwd": dict(num_warps=4, num_stages=2),        # common/wy_bwd.py
     "output_fwd": dict(num_warps=2, num_stages=2),    # gated_delta_rule/chunk_fwd.py
     "dqkwg": dict(num_warps=8, num_stages=2),         # gated_delta_rule/chunk_bwd.py; 3 stages overflowed shared memory
+    # iplr_delta_rule/chunk_fwd.py: with fp32 inputs, 3 stages of the w, b, k [64, 128] and u, v [64, 32] tiles
+    # asked 240 KB of shared memory (H200 has 227 KB per block); 2 stages as the gated delta rule's state pass
+    "iplr_state_pass_fwd": dict(num_warps=4, num_stages=2),
 }
 
 

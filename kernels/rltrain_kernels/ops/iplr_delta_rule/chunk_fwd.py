@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..common.chunking import ChunkLayout
+from ..common.launch import launch
 from ..common.wy import dot_precision, solve_precision, solve_unit_lower
 
 CHUNK_SIZE = 64
@@ -144,7 +145,7 @@ def iplr_state_pass_fwd(k, v, b, w, u, initial_state, output_final_state: bool, 
         iplr_state_pass_fwd_kernel[(N * H, triton.cdiv(V, BV))](
             k, v, b, w, u, h, x, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, K=K, V=V,
             BT=layout.chunk_size, BK=BK, BV=BV, USE_INITIAL_STATE=initial_state is not None,
-            STORE_FINAL_STATE=output_final_state, DOT_PREC=dot_precision(k.dtype), num_warps=4)
+            STORE_FINAL_STATE=output_final_state, DOT_PREC=dot_precision(k.dtype), **launch("iplr_state_pass_fwd"))
     return h, x, ht
 
 
