@@ -1,4 +1,4 @@
-"""Chunk bookkeeping for packed variable-length batches, computed once per call on the host.
+"""Chunk bookkeeping for packed variable-length batches, computed on the host (cached for padded batches).
 
 Every delta-rule kernel works on the flattened token axis [total_tokens, heads, dim]. A padded batch [B, T] is the
 packed batch with B equal lengths, so one code path serves both. A chunk never straddles two sequences: each
@@ -7,6 +7,7 @@ sequence is cut into ceil(len / chunk_size) chunks of its own, so no state leaks
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +32,20 @@ class ChunkLayout:
 
 
 def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: int, device) -> ChunkLayout:
-    """Build the layout from (B, T) or from cu_seqlens (one host sync to read the lengths)."""
+    """Build the layout from (B, T) or from cu_seqlens (one host sync to read the lengths). Padded batches reuse a
+    cached layout: building one copies three small tensors to the device, and each copy syncs with the host, which
+    in a training step stalls the queue of kernels behind it."""
     if cu_seqlens is None:
-        offsets = [b * T for b in range(B + 1)]
-    else:
-        offsets = [int(x) for x in cu_seqlens.tolist()]
+        return _padded_layout(B, T, chunk_size, torch.device(device))
+    return _build([int(x) for x in cu_seqlens.tolist()], chunk_size, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _padded_layout(B: int, T: int, chunk_size: int, device: torch.device) -> ChunkLayout:
+    return _build([b * T for b in range(B + 1)], chunk_size, device)
+
+
+def _build(offsets: list[int], chunk_size: int, device) -> ChunkLayout:
     lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:])]
     counts = [(n + chunk_size - 1) // chunk_size for n in lengths]
     chunk_indices = [(n, i) for n, c in enumerate(counts) for i in range(c)]

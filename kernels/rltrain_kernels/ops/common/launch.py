@@ -16,6 +16,7 @@ LAUNCH: dict[str, dict[str, int]] = {
     "wy_fwd": dict(num_warps=4, num_stages=3),        # common/wy.py: A, the solve, w and u
     "state_pass_fwd": dict(num_warps=4, num_stages=2),
     "state_pass_bwd": dict(num_warps=4, num_stages=1),
+    "local_dv": dict(num_warps=4, num_stages=2),      # common/state_pass.py: Pᵀ dO, chunk-parallel; untimed
     "wy_bwd": dict(num_warps=4, num_stages=2),        # common/wy_bwd.py
     "output_fwd": dict(num_warps=2, num_stages=2),    # gated_delta_rule/chunk_fwd.py
     "dqkwg": dict(num_warps=8, num_stages=2),         # gated_delta_rule/chunk_bwd.py; 3 stages overflowed shared memory

@@ -9,7 +9,8 @@ Backward, chunks in reverse, with dS = ∂L/∂(state at the chunk's end) (the f
     store dS (per chunk: the gradient of the state the chunk hands on)
     dδ = Pᵀ dO + diag(exp(G_last − G)) K dS,      P_ij = scale q_iᵀk_j exp(G_i − G_j) (j ≤ i)
     dS ← γ_last dS + scale (diag(γ) Q)ᵀ dO − wᵀ dδ
-and the dS left after the first chunk is the initial-state gradient.
+and the dS left after the first chunk is the initial-state gradient. The chunk-local term Pᵀ dO needs no state:
+a chunk-parallel kernel computes it first (once per chunk, not once per V block inside the sequential loop).
 See common/wy.py for the dot precision choice (DOT_PREC).
 """
 
@@ -69,6 +70,40 @@ def state_pass_fwd_kernel(
 
 
 @triton.jit
+def local_dv_kernel(
+    q, k, G, do, dv, cu_seqlens, chunk_indices, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """dv = Pᵀ dO per chunk (fp32), the part of dδ that needs no state."""
+    i_c, i_hv = tl.program_id(0), tl.program_id(1)  # chunks on axis 0 (no 65535 limit)
+    i_h = i_hv // (HV // H)
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    o_i, o_k = tl.arange(0, BT), tl.arange(0, BK)
+    o_t = bos + i_t * BT + o_i
+    m_t = o_t < eos
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    # Pᵀ[j, i] = scale k_jᵀq_i exp(G_i − G_j) for i ≥ j.
+    m_A = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_At = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * scale
+    if USE_G:
+        b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
+        b_At = b_At * tl.exp(tl.where(m_A, b_G[None, :] - b_G[:, None], 0.0))
+    b_At = tl.where(m_A, b_At, 0.0)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        tl.store(dv + p_v, tl.dot(b_At, b_do, input_precision=DOT_PREC), mask=m_tv)
+
+
+@triton.jit
 def state_pass_bwd_kernel(
     q, k, w, G, do, dv, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
@@ -100,23 +135,20 @@ def state_pass_bwd_kernel(
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
-        b_do = tl.load(do + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        # Pᵀ[j, i] = scale k_jᵀq_i exp(G_i − G_j) for i ≥ j.
-        m_A = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
-        b_At = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * scale
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(tl.float32)
         if USE_G:
             last = tl.minimum(bos + (i_t + 1) * BT, eos) - 1
             b_G_last = tl.load(G + last * HV + i_hv)
             b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
-            b_At = b_At * tl.exp(tl.where(m_A, b_G[None, :] - b_G[:, None], 0.0))
             b_kd = b_k * tl.where(m_t, tl.exp(b_G_last - b_G), 0.0)[:, None]
             b_qd = b_q * (tl.exp(b_G) * scale)[:, None]
         else:
             b_kd = b_k
             b_qd = b_q * scale
-        b_At = tl.where(m_A, b_At, 0.0)
-        b_dv = tl.dot(b_At, b_do, input_precision=DOT_PREC) + tl.dot(b_kd, b_dh, input_precision=DOT_PREC)
-        tl.store(dv + p_v, b_dv, mask=m_t[:, None] & m_v[None, :])
+        # dv holds Pᵀ dO from local_dv_kernel
+        b_dv = tl.load(dv + p_v, mask=m_tv, other=0.0) + tl.dot(b_kd, b_dh, input_precision=DOT_PREC)
+        tl.store(dv + p_v, b_dv, mask=m_tv)
         if USE_G:
             b_dh *= tl.exp(b_G_last)
         b_dh += tl.dot(tl.trans(b_qd), b_do, input_precision=DOT_PREC)
@@ -158,6 +190,11 @@ def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: Ch
     dh = torch.empty(layout.num_chunks, HV, K, V, dtype=torch.float32, device=k.device)
     dv = torch.empty(TT, HV, V, dtype=torch.float32, device=k.device)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if need_dh0 else None
+    if layout.num_chunks:
+        local_dv_kernel[(layout.num_chunks, HV)](
+            q, k, G, do, dv, layout.cu_seqlens, layout.chunk_indices, scale, H=H, HV=HV, K=K, V=V,
+            BT=layout.chunk_size, BK=BK, BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None,
+            DOT_PREC=dot_precision(q.dtype), **launch("local_dv"))
     state_pass_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
         q, k, w, G, do, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V,
         BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None, USE_FINAL_STATE_GRADIENT=dht is not None,

@@ -25,21 +25,27 @@ from .launch import launch
 def solve_unit_lower(b_A, BT: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """(I + A)⁻¹ for a strictly lower triangular [BT, BT] fp32 tile A (BT ≤ 64, a multiple of 16).
 
-    1. The four 16×16 diagonal blocks D at once by forward substitution (15 steps instead of 63: the selected
-       rows r, 16+r, 32+r, 48+r live in disjoint column blocks, so one masked reduction carries all four):
+    1. The BT/16 diagonal 16×16 blocks D, gathered into a [BT/16, 16, 16] tile, inverted together by forward
+       substitution (15 steps, each a masked reduction over that tile: a quarter of the [BT, BT] tile's work):
        row i of T_D − I is −D_i − Σ_{l<i} D_il (T_D − I)_l, rows l < i already in place.
     2. With L = A − D (strictly block-lower) and M = T_D L: I + A = (I + D)(I + M), M⁴ = 0, so
        T = (I + M)⁻¹ T_D = (I − M)(I + M²) T_D: four [BT, BT] dots.
     """
+    NB: tl.constexpr = BT // 16
     o_i = tl.arange(0, BT)
+    o_r = tl.arange(0, 16)
     same_block = (o_i // 16)[:, None] == (o_i // 16)[None, :]
-    b_T = -tl.where(same_block, b_A, 0.0)
+    # D3[b, r, c] = A[16b + r, 16b + c]: zero the off-diagonal blocks, then sum each row over the column blocks
+    b_T3 = -tl.sum(tl.reshape(tl.where(same_block, b_A, 0.0), (NB, 16, NB, 16)), 2)
     for r in range(1, 16):
-        sel = (o_i % 16) == r
-        row = tl.sum(tl.where(sel[:, None], b_T, 0.0), 0)
-        row = row + tl.sum(row[:, None] * b_T, 0)
-        b_T = tl.where(sel[:, None] & same_block, row[None, :], b_T)
-    b_TD = b_T + (o_i[:, None] == o_i[None, :]).to(tl.float32)
+        sel = (o_r == r)[None, :, None]
+        row = tl.sum(tl.where(sel, b_T3, 0.0), 1)                  # [NB, 16]: row r of every block
+        row = row + tl.sum(row[:, :, None] * b_T3, 1)
+        b_T3 = tl.where(sel, row[:, None, :], b_T3)
+    b_T3 = b_T3 + (o_r[:, None] == o_r[None, :]).to(tl.float32)[None, :, :]
+    # back to [BT, BT], block diagonal: repeat each block along the column blocks, keep the diagonal one
+    b_TD = tl.reshape(tl.broadcast_to(b_T3[:, :, None, :], (NB, 16, NB, 16)), (BT, BT))
+    b_TD = tl.where(same_block, b_TD, 0.0)
     b_M = tl.dot(b_TD, tl.where(same_block, 0.0, b_A), input_precision=SOLVE_PREC)
     b_X = b_TD + tl.dot(tl.dot(b_M, b_M, input_precision=SOLVE_PREC), b_TD, input_precision=SOLVE_PREC)
     return b_X - tl.dot(b_M, b_X, input_precision=SOLVE_PREC)
