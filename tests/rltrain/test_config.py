@@ -3,21 +3,13 @@ reports them without a stack trace and exits 2 before any work starts."""
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-
 from rltrain.config import ConfigError
 from rltrain.job import JobConfig, load_job_config
+from tests.rltrain.tiny_job import compose as _compose
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "config")
 PRESETS = ["grpo", "drgrpo", "dapo", "gspo", "rloo", "reinforce_pp"]
-
-
-def _compose(*overrides):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="grpo", overrides=list(overrides))
 
 
 def test_default_config_equals_dataclass_defaults():

@@ -3,15 +3,17 @@ reward plugins that raise or hang are scored 0 and counted; a killed run resumes
 the data an uninterrupted run sees."""
 
 import json
+import math
 import shutil
 import textwrap
 
 import pytest
 import ray
+from omegaconf import OmegaConf
 
 from rltrain.checkpoint import latest_checkpoint
 from rltrain.main_grpo import run
-from tests.rltrain.tiny_job import tiny_job
+from tests.rltrain.tiny_job import compose, tiny_job
 
 REQUIRED = {"step", "train/reward_mean", "train/response_len_mean", "actor/loss", "actor/entropy", "actor/ppo_kl",
             "actor/clipfrac", "actor/grad_norm", "reward/errors", "time/step_s", "perf/tokens_per_s"}
@@ -60,6 +62,26 @@ def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path):
         assert "actor/ref_kl" in record
     assert latest_checkpoint(str(out)).name == "step_000002"
     assert (out / "checkpoints" / "step_000001" / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("preset", ["drgrpo", "dapo", "gspo", "rloo", "reinforce_pp"])
+def test_algorithm_presets_train(tmp_path, preset):
+    """Each preset of config/algorithm/ through the real trainer: 2 steps, finite loss and gradient norm."""
+    algorithm = OmegaConf.to_container(compose(f"algorithm={preset}").algorithm, resolve=True)
+    # a reward that is 0 or 1 about evenly over random responses, so groups differ (DAPO drops all-equal ones)
+    plugin = tmp_path / "reward.py"
+    plugin.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(sum(map(ord, solution_str)) % 2)\n")
+    out = tmp_path / "run"
+    result = run(tiny_job(out, algorithm=algorithm, reward={"path": str(plugin), "name": "score"},
+                          rollout={"temperature": 1.5}))
+    assert result["step"] == 2
+    train = [r for r in _records(out) if "train/reward_mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for record in train:
+        assert math.isfinite(record["actor/loss"]) and math.isfinite(record["actor/grad_norm"]), record
+    if preset == "dapo":
+        assert all(r["train/groups_kept"] > 0 for r in train), train
 
 
 def test_resume_continues_at_the_right_step_with_identical_data(tmp_path):

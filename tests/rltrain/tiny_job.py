@@ -1,8 +1,13 @@
-"""Tiny settings for trainer tests: a 1-layer embedded model, a few warm-start steps, small batches."""
+"""Tiny settings for trainer tests: a 1-layer embedded model, a few warm-start steps, small batches; and the Hydra
+composition of config/ that the entry point does (for presets and overrides)."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 
 from rltrain.job import JobConfig, load_job_config
 
@@ -15,6 +20,15 @@ TINY = {
     "actor": {"micro_batch_size": 8, "torch_threads": 1},
     "reward": {"num_workers": 1, "timeout_s": 2.0},
 }
+
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "config")
+
+
+def compose(*overrides: str):
+    """config/grpo.yaml with Hydra overrides, as `python -m rltrain.main_grpo` composes it."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return hydra_compose(config_name="grpo", overrides=list(overrides))
 
 
 def merge(base: dict, extra: dict) -> dict:
