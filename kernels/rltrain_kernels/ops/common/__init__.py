@@ -7,6 +7,7 @@
   `wy_bwd`: its backward.
 - `state_pass`: the sequential inter-chunk state recurrence, forward and backward.
 - `launch`: warps and pipeline stages of these kernels (and the gated delta rule's), in one table.
+- `inputs`: the argument checks they share (cu_seqlens packing, the initial state's shape and device).
 
 Everything works on the flattened token axis: [1, total_tokens, heads, dim] with cu_seqlens (a non-varlen batch
 is the packed batch with equal lengths). For reuse (IPLR, gated delta product): `solve_unit_lower` is a

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..common.inputs import check_initial_state, check_packing
+
 from ..gated_delta_rule.inputs import FLOAT_DTYPES
 
 
@@ -37,24 +39,8 @@ def check_inputs(q, k, v, g, beta, num_householder, scale, initial_state, cu_seq
         raise ValueError(f"beta must be [B, T*num_householder, HV] = {(B, TN, HV)}, got {tuple(beta.shape)}")
     if g is not None and g.shape != (B, T, HV):
         raise ValueError(f"g must be [B, T, HV] = {(B, T, HV)} (one gate per token), got {tuple(g.shape)}")
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens requires B=1 (sequences packed along T), got B={B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor [0, ..., T] of length N+1 >= 2")
-        offsets = cu_seqlens.tolist()
-        if offsets[0] != 0 or offsets[-1] != T or any(b < a for a, b in zip(offsets, offsets[1:])):
-            raise ValueError(f"cu_seqlens must count tokens of q: start at 0, be non-decreasing and end at T={T}, "
-                             f"got {offsets}")
-        N = len(offsets) - 1
-    else:
-        N = B
-    if initial_state is not None:
-        if initial_state.shape != (N, HV, K, v.shape[-1]):
-            raise ValueError(f"initial_state must be [N, HV, K, V] = {(N, HV, K, v.shape[-1])}, "
-                             f"got {tuple(initial_state.shape)}")
-        if initial_state.device != q.device:
-            raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
+    N = check_packing(B, T, cu_seqlens, "tokens of q")
+    check_initial_state(initial_state, (N, HV, K, v.shape[-1]), "[N, HV, K, V]", q.device)
     if scale is None:
         scale = K ** -0.5
     return N, HV // H, float(scale)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..common.inputs import check_initial_state, check_packing
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -26,23 +28,8 @@ def check_inputs(q, k, v, a, b, scale, initial_state, cu_seqlens) -> tuple[int, 
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
     if v.dim() != 4 or v.shape[:3] != (B, T, H):
         raise ValueError(f"v must be [B, T, H, V] with B={B}, T={T}, H={H}, got {tuple(v.shape)}")
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens requires B=1 (sequences packed along T), got B={B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor [0, ..., T] of length N+1 >= 2")
-        offsets = cu_seqlens.tolist()
-        if offsets[0] != 0 or offsets[-1] != T or any(y < x for x, y in zip(offsets, offsets[1:])):
-            raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}, got {offsets}")
-        N = len(offsets) - 1
-    else:
-        N = B
-    if initial_state is not None:
-        if initial_state.shape != (N, H, K, v.shape[-1]):
-            raise ValueError(f"initial_state must be [N, H, K, V] = {(N, H, K, v.shape[-1])}, "
-                             f"got {tuple(initial_state.shape)}")
-        if initial_state.device != q.device:
-            raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
+    N = check_packing(B, T, cu_seqlens)
+    check_initial_state(initial_state, (N, H, K, v.shape[-1]), "[N, H, K, V]", q.device)
     if scale is None:
         scale = K ** -0.5
     return N, float(scale)
