@@ -20,7 +20,7 @@ from rltrain.workers.rollout import RolloutConfig
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 200
+    total_steps: int = 300
     output_dir: str = "outputs/grpo"
     save_every: int = 0              # also saved at the end; 0 = only at the end
     resume: str = "auto"             # auto | never | a checkpoint directory
@@ -60,7 +60,7 @@ class ModelConfig:
 class DataConfig:
     train_files: str | list[str] | None = None   # parquet/jsonl in verl's row format; null = the embedded task
     val_files: str | list[str] | None = None
-    batch_size: int = 16                         # prompts per step (each gets rollout.n responses)
+    batch_size: int = 32                         # prompts per step (each gets rollout.n responses)
     max_prompt_length: int = 256                 # longer prompts are dropped with a warning
     val_max_rows: int = 0                        # 0 = every validation row
     task: TaskConfig = field(default_factory=TaskConfig)

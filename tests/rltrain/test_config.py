@@ -76,7 +76,7 @@ def _cli(*args):
 def test_cli_prints_resolved_config_and_rejects_bad_input():
     shown = _cli("--cfg", "job", "algorithm=dapo")
     assert shown.returncode == 0, shown.stderr
-    assert "clip_high: 0.28" in shown.stdout and "total_steps: 200" in shown.stdout
+    assert "clip_high: 0.28" in shown.stdout and "total_steps: 300" in shown.stdout
     bad = _cli("rollout.temperature=0")
     assert bad.returncode == 2
     assert "config error: rollout.temperature: must be > 0" in bad.stderr and "Traceback" not in bad.stderr
