@@ -11,12 +11,13 @@ from __future__ import annotations
 # Sweep on H200, triton 3.6, 2026-11-22 (bf16 B8 T2048 H16 K=V=128, fwd+bwd 8.8 ms with 4 warps / 3 stages
 # everywhere; every setting below passed the gradient check): state_pass_bwd 4w/1s −0.66 ms (2 warps: 2–4× slower),
 # output_fwd 2w/2s −0.47, state_pass_fwd 4w/2s −0.51, wy_bwd 4w/2s −0.23 vs 8w/3s; dqkwg best as it was (8w/2s;
-# 2 warps 3× slower). wy_fwd's sweep did not finish in its slot: kept at the default.
+# 2 warps 3× slower). Second sweep, after the solve and backward rework (fwd+bwd 4.35 ms): wy_fwd best as it is
+# (4w/3s; 2 warps +0.94 ms, 8 warps +0.34), local_dv 2w/3s −0.05 ms vs 4w/2s; every setting's gradients 2.5e-3.
 LAUNCH: dict[str, dict[str, int]] = {
     "wy_fwd": dict(num_warps=4, num_stages=3),        # common/wy.py: A, the solve, w and u
     "state_pass_fwd": dict(num_warps=4, num_stages=2),
     "state_pass_bwd": dict(num_warps=4, num_stages=1),
-    "local_dv": dict(num_warps=4, num_stages=2),      # common/state_pass.py: Pᵀ dO, chunk-parallel; untimed
+    "local_dv": dict(num_warps=2, num_stages=3),      # common/state_pass.py: Pᵀ dO, chunk-parallel
     "wy_bwd": dict(num_warps=4, num_stages=2),        # common/wy_bwd.py
     "output_fwd": dict(num_warps=2, num_stages=2),    # gated_delta_rule/chunk_fwd.py
     "dqkwg": dict(num_warps=8, num_stages=2),         # gated_delta_rule/chunk_bwd.py; 3 stages overflowed shared memory

@@ -69,6 +69,8 @@ def _rms_norm_fwd_kernel(
     mask = row_mask[:, None] & (cols[None, :] < n_cols)
 
     x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    # the weight's load issued with x's, not after the reduction (where its latency would be exposed)
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         res = tl.load(res_ptr + rows[:, None] * res_row_stride + cols[None, :], mask=mask, other=0.0)
         # Round s to the activation dtype before normalising, exactly as the eager `residual + hidden_states`.
@@ -76,7 +78,6 @@ def _rms_norm_fwd_kernel(
         tl.store(s_ptr + rows[:, None] * s_row_stride + cols[None, :], x, mask=mask)
     x = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     y = x * rstd[:, None] * w[None, :]
     tl.store(y_ptr + rows[:, None] * y_row_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
