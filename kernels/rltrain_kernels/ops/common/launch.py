@@ -13,10 +13,17 @@ from __future__ import annotations
 # output_fwd 2w/2s −0.47, state_pass_fwd 4w/2s −0.51, wy_bwd 4w/2s −0.23 vs 8w/3s; dqkwg best as it was (8w/2s;
 # 2 warps 3× slower). Second sweep, after the solve and backward rework (fwd+bwd 4.35 ms): wy_fwd best as it is
 # (4w/3s; 2 warps +0.94 ms, 8 warps +0.34), local_dv 2w/3s −0.05 ms vs 4w/2s; every setting's gradients 2.5e-3.
+# Third, the state passes with BV=64 (the *_wide entries; from 4.30 ms): fwd 4w/1s −0.08, bwd 8w/1s −0.22 (2 warps
+# 3–8× slower; 3 stages of the backward overflow shared memory). At B2 T8192 (32 sequence-heads: 64 programs on
+# 132 SMs) BV=64 was slower, 4.65 → 5.29 ms, hence the occupancy rule.
 LAUNCH: dict[str, dict[str, int]] = {
     "wy_fwd": dict(num_warps=4, num_stages=3),        # common/wy.py: A, the solve, w and u
     "state_pass_fwd": dict(num_warps=4, num_stages=2),
     "state_pass_bwd": dict(num_warps=4, num_stages=1),
+    # the state passes with 64 value columns per program instead of 32 (common/state_pass.py takes them when
+    # sequences × heads × V/64 programs still fill every SM): half the re-reads of k and w
+    "state_pass_fwd_wide": dict(num_warps=4, num_stages=1),
+    "state_pass_bwd_wide": dict(num_warps=8, num_stages=1),
     "local_dv": dict(num_warps=2, num_stages=3),      # common/state_pass.py: Pᵀ dO, chunk-parallel
     "wy_bwd": dict(num_warps=4, num_stages=2),        # common/wy_bwd.py
     "output_fwd": dict(num_warps=2, num_stages=2),    # gated_delta_rule/chunk_fwd.py

@@ -16,6 +16,8 @@ See common/wy.py for the dot precision choice (DOT_PREC).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -157,11 +159,23 @@ def state_pass_bwd_kernel(
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, b_dh, mask=m_h)
 
 
-def _state_blocks(K: int, V: int) -> tuple[int, int]:
+def _state_launch(name: str, programs: int, K: int, V: int, device: torch.device) -> tuple[str, int, int]:
+    """(LAUNCH entry, BK, BV) for a state pass over `programs` sequence-heads: the whole key dim in registers, and
+    64 value columns per program (the entry's *_wide settings) when programs × V/64 still fill every SM, else 32 (a
+    [128, 32] fp32 state tile plus [64, 128] operand tiles fit 4 warps without spilling at K=128)."""
     if K > 256:
         raise ValueError(f"the chunked state pass keeps the whole key dim in registers: K={K} must be <= 256")
-    # BV=32: a [128, 32] fp32 state tile plus [64, 128] operand tiles fit 4 warps without spilling (K=128).
-    return triton.next_power_of_2(K), min(32, triton.next_power_of_2(V))
+    BK = triton.next_power_of_2(K)
+    if V >= 64 and programs * triton.cdiv(V, 64) >= _sm_count(device):
+        return f"{name}_wide", BK, 64
+    return name, BK, min(32, triton.next_power_of_2(V))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: exercise the wide path whenever V allows it
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def state_pass_fwd(k, w, u, G, initial_state, output_final_state: bool, layout: ChunkLayout):
@@ -169,14 +183,14 @@ def state_pass_fwd(k, w, u, G, initial_state, output_final_state: bool, layout: 
     TT, H, K = k.shape
     HV, V = u.shape[1], u.shape[2]
     N = layout.num_seqs
-    BK, BV = _state_blocks(K, V)
+    name, BK, BV = _state_launch("state_pass_fwd", N * HV, K, V, k.device)
     h = torch.empty(layout.num_chunks, HV, K, V, dtype=torch.float32, device=k.device)
     v_new = torch.empty(TT, HV, V, dtype=torch.float32, device=k.device)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
     state_pass_fwd_kernel[(N * HV, triton.cdiv(V, BV))](
         k, w, u, G, h, v_new, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, HV=HV, K=K, V=V,
         BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None, USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=output_final_state, DOT_PREC=dot_precision(k.dtype), **launch("state_pass_fwd"))
+        STORE_FINAL_STATE=output_final_state, DOT_PREC=dot_precision(k.dtype), **launch(name))
     return h, v_new, ht
 
 
@@ -186,7 +200,7 @@ def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: Ch
     TT, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     N = layout.num_seqs
-    BK, BV = _state_blocks(K, V)
+    name, BK, BV = _state_launch("state_pass_bwd", N * HV, K, V, k.device)
     dh = torch.empty(layout.num_chunks, HV, K, V, dtype=torch.float32, device=k.device)
     dv = torch.empty(TT, HV, V, dtype=torch.float32, device=k.device)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if need_dh0 else None
@@ -198,5 +212,5 @@ def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: Ch
     state_pass_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
         q, k, w, G, do, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V,
         BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
-        STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=dot_precision(q.dtype), **launch("state_pass_bwd"))
+        STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=dot_precision(q.dtype), **launch(name))
     return dh, dv, dh0
