@@ -161,12 +161,13 @@ def state_pass_bwd_kernel(
 
 def _state_launch(name: str, programs: int, K: int, V: int, device: torch.device) -> tuple[str, int, int]:
     """(LAUNCH entry, BK, BV) for a state pass over `programs` sequence-heads: the whole key dim in registers, and
-    64 value columns per program (the entry's *_wide settings) when programs × V/64 still fill every SM, else 32 (a
-    [128, 32] fp32 state tile plus [64, 128] operand tiles fit 4 warps without spilling at K=128)."""
+    64 value columns per program (the entry's *_wide settings) when K ≤ 128 and programs × V/64 still fill every
+    SM, else 32 (a [128, 32] fp32 state tile plus [64, 128] operand tiles fit 4 warps without spilling at K=128)."""
     if K > 256:
         raise ValueError(f"the chunked state pass keeps the whole key dim in registers: K={K} must be <= 256")
     BK = triton.next_power_of_2(K)
-    if V >= 64 and programs * triton.cdiv(V, 64) >= _sm_count(device):
+    # swept at K=128 only: a [256, 64] fp32 state tile would spill at the *_wide warps, so wider keys stay at 32
+    if BK <= 128 and V >= 64 and programs * triton.cdiv(V, 64) >= _sm_count(device):
         return f"{name}_wide", BK, 64
     return name, BK, min(32, triton.next_power_of_2(V))
 
