@@ -91,10 +91,10 @@ def load_liger():
     return liger_fn
 
 
-def ours(return_entropy=True, config=None, impl="auto"):
+def ours(return_entropy=True, config=None):
     def fn(hidden, weight, labels):
         logprobs, entropy = linear_logprobs(hidden, weight, labels, return_entropy=return_entropy,
-                                            chunk_config=config, impl=impl)
+                                            chunk_config=config)
         return (logprobs,) if entropy is None else (logprobs, entropy)
 
     return fn
@@ -166,12 +166,12 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def check_correctness(vocab, hidden_size, impl="auto"):
+def check_correctness(vocab, hidden_size):
     """Ours vs fp32 dense: outputs on 256 rows of the real shape, every gradient at N=512."""
     hidden, weight, labels = make_inputs(512, vocab, hidden_size)
     h = hidden.detach().requires_grad_()
     w = weight.detach().requires_grad_()
-    lp, ent = linear_logprobs(h, w, labels, impl=impl)
+    lp, ent = linear_logprobs(h, w, labels)
     g_lp, g_ent = torch.randn_like(lp), torch.randn_like(ent)
     torch.autograd.backward([lp, ent], [g_lp, g_ent])
     h32 = hidden.float().requires_grad_()
@@ -180,7 +180,7 @@ def check_correctness(vocab, hidden_size, impl="auto"):
     torch.autograd.backward([ref_lp, ref_ent], [g_lp, g_ent])
     errs = {"logprobs": rel(lp, ref_lp), "entropy": rel(ent, ref_ent), "grad_hidden": rel(h.grad, h32.grad),
             "grad_weight": rel(w.grad, w32.grad)}
-    print(f"ours ({impl}) vs fp32 dense (bf16 inputs, N=512):", ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+    print("ours vs fp32 dense (bf16 inputs, N=512):", ", ".join(f"{k} {v:.1e}" for k, v in errs.items()))
     if max(errs.values()) > 1e-2:
         raise SystemExit(f"correctness check failed: {errs}")
     return errs
@@ -218,67 +218,21 @@ def tune(n, vocab, hidden_size, rate, iters):
         torch.cuda.empty_cache()
 
 
-GEMM_SWEEP = [  # (block_m, block_n, block_k, group_m, num_warps, num_stages); the first is fused.GemmConfig()
-    (128, 256, 64, 8, 8, 3), (128, 256, 64, 16, 8, 3), (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 4),
-    (256, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 4), (64, 256, 64, 8, 4, 4), (128, 128, 128, 8, 8, 3),
-]
-
-
-def sweep_gemm(n, vocab, hidden_size, rate, iters):
-    """The fused path's GEMM launch settings: forward (stats epilogue) and forward+backward vs the floors, next to
-    cuBLAS on the same logits GEMM ([N, H] @ [H, V], bf16 out: the rate this shape reaches) and the cuBLAS path."""
-    from rltrain_kernels.ops.linear_logprobs.chunk import DEFAULT_CHUNKS, VocabShard, forward_chunks
-    from rltrain_kernels.ops.linear_logprobs.fused import FusedTiles, GemmConfig
+def profile_ours(n, vocab, hidden_size):
+    """Per-kernel time of ours (forward alone, then forward+backward) at N=n: where the time over the floor goes."""
+    from kernel_profile import print_kernel_times
 
     hidden, weight, labels = make_inputs(n, vocab, hidden_size)
-    floor1 = 2 * n * hidden_size * vocab / rate * 1e3
-    cublas_ms = median_ms(lambda: hidden @ weight.T, iters=iters)
-    print(f"\ncuBLAS logits GEMM alone [N={n}, H] @ [H, V] bf16 out: {cublas_ms:.2f} ms = "
-          f"{cublas_ms / floor1:.3f} x floor", flush=True)
-    shard = VocabShard(None, 0, vocab)
+    h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    g = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+
+    def fwd_bwd():
+        h.grad = w.grad = None
+        torch.autograd.backward(list(linear_logprobs(h, w, labels)), list(g))
+
     with torch.no_grad():
-        ref = forward_chunks(hidden, weight, labels, 1.0, -100, True, shard, FusedTiles(2048), DEFAULT_CHUNKS)[:2]
-    print("| block_m | block_n | block_k | group_m | warps | stages | fwd ms | fwd / floor | vs default |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for setting in GEMM_SWEEP:
-        tiles = FusedTiles(2048, GemmConfig(*setting))
-        try:
-            with torch.no_grad():
-                got = forward_chunks(hidden, weight, labels, 1.0, -100, True, shard, tiles, DEFAULT_CHUNKS)[:2]
-                ms = median_ms(lambda: forward_chunks(hidden, weight, labels, 1.0, -100, True, shard, tiles,
-                                                      DEFAULT_CHUNKS), iters=iters)
-        except Exception as err:  # noqa: BLE001 - a setting that does not fit (shared memory) just drops out
-            print(f"| {' | '.join(map(str, setting))} | failed: {type(err).__name__}: {str(err)[:80]} |||")
-            continue
-        diff = max(rel(got[0], ref[0]), rel(got[1], ref[1]))
-        print(f"| {' | '.join(map(str, setting))} | {ms:.2f} | {ms / floor1:.3f} | {diff:.1e} |", flush=True)
-        torch.cuda.empty_cache()
-
-
-def profile_paths(n, vocab, hidden_size):
-    """Kernel-time breakdown (torch.profiler, CUDA time summed by kernel name) of one fwd+bwd per path."""
-    from torch.profiler import ProfilerActivity, profile
-
-    hidden, weight, labels = make_inputs(n, vocab, hidden_size)
-    for impl in ("triton", "fused"):
-        h = hidden.detach().requires_grad_()
-        w = weight.detach().requires_grad_()
-        for _ in range(2):
-            lp, ent = linear_logprobs(h, w, labels, impl=impl)
-            torch.autograd.backward([lp, ent], [torch.ones_like(lp), torch.ones_like(ent)])
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            lp, ent = linear_logprobs(h, w, labels, impl=impl)
-            torch.autograd.backward([lp, ent], [torch.ones_like(lp), torch.ones_like(ent)])
-            torch.cuda.synchronize()
-        totals = {}
-        for event in prof.events():
-            if event.device_type.name == "CUDA":
-                key = event.name[:60]
-                totals[key] = totals.get(key, 0.0) + event.device_time / 1e3
-        print(f"\nprofile impl={impl} N={n}: total kernel time {sum(totals.values()):.2f} ms")
-        for key, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:8]:
-            print(f"  {ms:8.2f} ms  {key}")
+        print_kernel_times(f"forward N={n}", lambda: linear_logprobs(hidden, weight, labels))
+    print_kernel_times(f"forward+backward N={n}", fwd_bwd)
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -290,27 +244,22 @@ def main(argv=None):
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--tune", action="store_true",
                         help="instead: time ours over a few tile shapes (token_chunk, vocab_chunk, block_v)")
-    parser.add_argument("--sweep-gemm", action="store_true",
-                        help="instead: the fused path's GEMM launch settings and a per-kernel profile of both paths")
+    parser.add_argument("--profile", action="store_true", help="instead: ours' per-kernel times at the first N")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     vocab, hidden_size, tokens = (32000, 1024, [2048]) if args.quick else (151936, 4096, [8192, 32768])
     tokens = args.tokens or tokens
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    for impl in ("triton", "fused"):
-        check_correctness(vocab, hidden_size, impl)
+    check_correctness(vocab, hidden_size)
     rate = gemm_rate()
     print(f"bf16 GEMM rate: {rate / 1e12:.0f} TFLOP/s")
 
     if args.tune:
         return tune(tokens[0], vocab, hidden_size, rate, args.iters)
-    if args.sweep_gemm:
-        sweep_gemm(tokens[0], vocab, hidden_size, rate, args.iters)
-        return profile_paths(tokens[0], vocab, hidden_size)
-    impls = [("ours fused (logprob+entropy)", ours(True, impl="fused")),
-             ("ours fused (logprob only)", ours(False, impl="fused")),
-             ("ours cuBLAS+row pass (logprob+entropy)", ours(True, impl="triton")),
+    if args.profile:
+        return profile_ours(tokens[0], vocab, hidden_size)
+    impls = [("ours (logprob+entropy)", ours(True)), ("ours (logprob only)", ours(False)),
              ("torch naive (fp32 logits)", torch_naive)]
     if not args.no_peers:
         for name, loader in (("verl 0.9.1 (logprob+entropy)", load_verl), ("CCE (logprob only)", load_cce),

@@ -153,13 +153,24 @@ def rel(a, b) -> float:
 
 
 def check(name, fn, expected, inputs):
-    """Max relative error vs the fp32 naive loss over (loss, grad_hidden, grad_weight)."""
+    """Max relative error vs the fp32 naive loss over (loss, grad_hidden, grad_weight); prints each."""
     loss = fn(**inputs)
     gh, gw = grads_of(fn, inputs)
-    err = max(abs(loss.item() - expected[0]) / max(abs(expected[0]), 0.1), rel(gh, expected[1]), rel(gw, expected[2]))
-    status = "ok" if err < 2e-2 else "MISMATCH"
-    print(f"  check {name}: max rel err vs fp32 naive {err:.2e} ({status})")
-    return err
+    errs = (abs(loss.item() - expected[0]) / max(abs(expected[0]), 0.1), rel(gh, expected[1]), rel(gw, expected[2]))
+    status = "ok" if max(errs) < 2e-2 else "MISMATCH"
+    print(f"  check {name}: rel err vs fp32 naive: loss {errs[0]:.2e}, grad_hidden {errs[1]:.2e}, "
+          f"grad_weight {errs[2]:.2e} ({status})")
+    return max(errs)
+
+
+def profile_ours(B, T, H, V, config):
+    """Per-kernel time of one forward+backward of ours: where the time over the 3-GEMM floor goes."""
+    from kernel_profile import print_kernel_times
+
+    inputs = make_inputs(B, T, H, V)
+    inputs["hidden"].requires_grad_()
+    inputs["weight"].requires_grad_()
+    print_kernel_times(f"ours B={B} T={T} rows={config.token_chunk}", lambda: fwd_bwd(ours(config), inputs))
 
 
 def run_case(label, B, T, H, V, methods, rate, warmup, repeats, with_naive):
@@ -215,6 +226,7 @@ def main():
     parser.add_argument("--token-chunks", default="1024,2048,512",
                         help="rows per chunk to time for ours at the main size (first = the default config)")
     parser.add_argument("--no-liger", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="instead: ours' per-kernel times at the main size")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     torch.manual_seed(0)
@@ -226,6 +238,8 @@ def main():
     big_shape = (4, 2048, 1024, 32000) if args.quick else (16, 4096, 4096, 151936)
 
     chunks = [int(c) for c in args.token_chunks.split(",") if c]
+    if args.profile:
+        return profile_ours(*main_shape, PolicyLossChunkConfig(token_chunk=chunks[0]))
     methods = [(f"ours (rows={c})", ours(PolicyLossChunkConfig(token_chunk=c))) for c in chunks]
     methods.append((f"ours GSPO (rows={chunks[0]})", ours_gspo(PolicyLossChunkConfig(token_chunk=chunks[0]))))
     liger_fn = None if args.no_liger else liger()

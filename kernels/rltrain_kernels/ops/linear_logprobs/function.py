@@ -8,7 +8,7 @@ from rltrain_kernels.ops.linear_logprobs.chunk import (
     DEFAULT_CHUNKS, ChunkConfig, TorchTiles, VocabShard, backward_chunks, forward_chunks, vocab_shard,
 )
 
-IMPLS = ("auto", "fused", "triton", "torch")
+IMPLS = ("auto", "triton", "torch")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -20,10 +20,6 @@ def _tiles(impl: str, device: torch.device, config: ChunkConfig):
     from rltrain_kernels.ops.linear_logprobs import kernel  # lazy: triton is imported here, not at package import
 
     kernel.check_runnable(device)
-    if impl == "fused":
-        from rltrain_kernels.ops.linear_logprobs.fused import FusedTiles
-
-        return FusedTiles(config.block_v)
     return kernel.TritonTiles(config.block_v)
 
 

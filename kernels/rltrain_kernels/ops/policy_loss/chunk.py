@@ -198,7 +198,7 @@ def _sequence_bounds(n_seqs: int, seq_len: int, rows: int) -> list[tuple[int, in
 
 
 def _chunk_grads(tile, weight, hidden_c, labels_c, b: LossBuffers, inv_temp, tiles, grad_hidden_c, grad_weight,
-                 first: bool) -> None:
+                 first: bool, accumulator) -> None:
     # dlogits in the weight dtype, written over the fp32 tile (linear_logprobs' in-place layout: row r's half-width
     # output lies inside row r's fp32 input and each block is written after it is read).
     dlogits = tile if weight.dtype == torch.float32 else tile.view(weight.dtype)[:, : tile.shape[1]]
@@ -206,7 +206,13 @@ def _chunk_grads(tile, weight, hidden_c, labels_c, b: LossBuffers, inv_temp, til
     tiles.logits_grad(tile, dlogits, labels=labels_c, vocab_start=0, inv_temp=inv_temp, row_max=b.m,
                       log_sum=b.log_sum, entropy=b.entropy, g_logprob=b.g_logp, g_entropy=b.g_entropy)
     if grad_hidden_c is not None:
-        torch.mm(dlogits, weight, out=grad_hidden_c)
+        if accumulator is None:     # fp32 inputs
+            torch.mm(dlogits, weight, out=grad_hidden_c)
+        else:
+            # fp32 output, rounded once: a bf16-output GEMM with K = V lets cuBLAS reduce its split-K partials in
+            # bf16, which put grad_hidden 1.1e-2 off fp32 at B=8 T=1024 V=151936 (H200, 2026-11-22)
+            acc = accumulator[: grad_hidden_c.numel()].view(grad_hidden_c.shape)
+            grad_hidden_c.copy_(mm_fp32(dlogits, weight, out=acc))
     if grad_weight is not None:
         torch.addmm(grad_weight, dlogits.t(), hidden_c, beta=0.0 if first else 1.0, out=grad_weight)
 
@@ -232,7 +238,10 @@ def policy_loss_chunks(hidden, weight, labels, b: LossBuffers, seq_len: int, opt
                 g.zero_()
         return grad_hidden, grad_weight
     grads = need_grad_hidden or need_grad_weight
-    workspace = torch.empty(max(r1 - r0 for r0, r1 in bounds) * v, dtype=torch.float32, device=hidden.device)
+    max_rows = max(r1 - r0 for r0, r1 in bounds)
+    workspace = torch.empty(max_rows * v, dtype=torch.float32, device=hidden.device)
+    half = need_grad_hidden and hidden.dtype != torch.float32
+    accumulator = torch.empty(max_rows * hidden.shape[1], dtype=torch.float32, device=hidden.device) if half else None
 
     def logits_tile(r0, r1):
         tile = workspace[: (r1 - r0) * v].view(r1 - r0, v)
@@ -241,7 +250,8 @@ def policy_loss_chunks(hidden, weight, labels, b: LossBuffers, seq_len: int, opt
 
     def grads_of(i, r0, r1, tile):
         _chunk_grads(tile, weight, hidden[r0:r1], labels[r0:r1], b.rows(r0, r1), inv_temp, tiles,
-                     None if grad_hidden is None else grad_hidden[r0:r1], grad_weight, first=i == 0)
+                     None if grad_hidden is None else grad_hidden[r0:r1], grad_weight, first=i == 0,
+                     accumulator=accumulator)
 
     for i, (r0, r1) in enumerate(bounds):
         tile = logits_tile(r0, r1)
