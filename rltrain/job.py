@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rltrain.algorithms.config import AlgorithmConfig
-from rltrain.config import from_mapping, require
+from rltrain.config import ConfigError, from_mapping, require
 from rltrain.embedded.model import EmbeddedModelConfig
 from rltrain.embedded.task import TaskConfig
+from rltrain.rewards.plugin import load_reward_fn
 from rltrain.tracking import LOGGERS
 from rltrain.workers.actor import ActorConfig
 from rltrain.workers.reward import RewardConfig
@@ -75,11 +76,19 @@ class DataConfig:
 
 @dataclass
 class KernelConfig:
-    name: str = "auto"
-    include_kernels: str | list[str] | bool | None = "auto"
+    name: str = "auto"                                        # whose implementations: auto | cuda | npu | cpu
+    include_kernels: str | list[str] | bool | None = "auto"   # auto | none | "id1,id2" | a list of kernel ids
 
     def validate(self):
+        from rltrain_kernels.registry import known_kernel_ids, parse_include_kernels
+
         require(self.name in ("auto", "cuda", "npu", "cpu"), "name", "must be auto, cuda, npu or cpu", self.name)
+        wanted = parse_include_kernels(self.include_kernels)
+        if isinstance(wanted, list):  # named ids: check them here, not when the workers patch their models
+            known = known_kernel_ids()
+            unknown = [kernel_id for kernel_id in wanted if kernel_id not in known]
+            require(not unknown, "include_kernels", f"unknown kernel id(s) {', '.join(map(repr, unknown))}; "
+                    f"known kernel ids: {', '.join(known)}")
 
 
 @dataclass
@@ -111,6 +120,21 @@ class JobConfig:
                 "actor.strategy=fsdp2 to use them all, or both to 1", self.actor.strategy)
         require(self.algorithm.rollout_is_cap is None or self.rollout.engine == "vllm", "algorithm.rollout_is_cap",
                 "needs rollout log-probs, which rollout.engine=vllm reports", self.algorithm.rollout_is_cap)
+        if self.actor.fsdp.cpu_offload:
+            device = resolve_device(self.trainer.device)
+            require(device == "cuda", "actor.fsdp.cpu_offload", f"needs a CUDA device (trainer.device resolves to "
+                    f"{device})")
+        try:  # import the plugin once here, so a bad file or name fails before Ray starts, not in the reward worker
+            load_reward_fn(self.reward.path, self.reward.name)
+        except (OSError, ImportError, ValueError) as err:  # their messages start with reward.path: / reward.name:
+            raise ConfigError(str(err)) from None
+
+
+def resolve_device(device: str) -> str:
+    """trainer.device as the trainer resolves it: auto -> cuda when this machine shows a CUDA device, else cpu."""
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
 def load_job_config(cfg) -> JobConfig:

@@ -74,13 +74,13 @@ def parse_row(record: dict, where: str) -> PromptRow:
         raise DataError(f"{where}: field 'data_source' must be a string, got {type(data_source).__name__}")
     reward_model = record.get("reward_model")
     if isinstance(reward_model, dict) and "ground_truth" in reward_model:
-        ground_truth = reward_model["ground_truth"]
+        field, ground_truth = "reward_model.ground_truth", reward_model["ground_truth"]
     elif "ground_truth" in record:
-        ground_truth = record["ground_truth"]
+        field, ground_truth = "ground_truth", record["ground_truth"]
     else:
         raise DataError(f"{where}: field 'reward_model.ground_truth' (or 'ground_truth') is missing")
-    if ground_truth is None:
-        raise DataError(f"{where}: field 'reward_model.ground_truth' is null")
+    if ground_truth is None:  # parquet fills a column's gaps with null
+        raise DataError(f"{where}: field '{field}' is null")
     extra_info = record.get("extra_info")
     if extra_info is not None and not isinstance(extra_info, dict):
         raise DataError(f"{where}: field 'extra_info' must be a dict, got {type(extra_info).__name__}")

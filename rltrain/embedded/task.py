@@ -27,6 +27,9 @@ class TaskConfig:
         require(bool(self.operators) and set(self.operators) <= set("+-*"), "operators",
                 "must be a non-empty subset of '+-*'", self.operators)
         require(self.num_val >= 1, "num_val", "must be >= 1", self.num_val)
+        problems = len(self.operators) * (self.max_operand + 1) ** 2
+        require(self.num_val < problems, "num_val", f"leaves no training problems (the task has {problems})",
+                self.num_val)
 
 
 def _answer(a: int, op: str, b: int) -> int:

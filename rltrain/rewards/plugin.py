@@ -21,9 +21,13 @@ RewardFn = Callable[..., "float | dict"]
 
 
 def load_reward_fn(path: str | None, name: str) -> RewardFn:
-    """The function `name` from the file at `path`, or the built-in `name` when `path` is None/empty."""
+    """The function `name` from the file at `path`, or the built-in `name` when `path` is None/empty. Errors start
+    with the key to fix (`reward.path: ...`, `reward.name: ...`)."""
     if not path:
-        return BUILTIN_REWARDS.get(name)
+        try:
+            return BUILTIN_REWARDS.get(name)
+        except ValueError as exc:
+            raise ValueError(f"reward.name: {exc}") from None
     file = Path(path).expanduser()
     if not file.is_file():
         raise FileNotFoundError(f"reward.path: no such file {str(file)!r}")
@@ -35,15 +39,15 @@ def load_reward_fn(path: str | None, name: str) -> RewardFn:
         spec.loader.exec_module(module)
     except Exception as exc:
         sys.modules.pop(module_name, None)
-        raise ImportError(f"reward.path {str(file)!r} failed to import: {type(exc).__name__}: {exc}") from exc
+        raise ImportError(f"reward.path: {str(file)!r} failed to import: {type(exc).__name__}: {exc}") from exc
     fn = getattr(module, name, None)
     if not callable(fn):
         available = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
-        raise ValueError(f"reward.name {name!r} is not a function in {str(file)!r}; functions there: "
+        raise ValueError(f"reward.name: {name!r} is not a function in {str(file)!r}; functions there: "
                          f"{', '.join(available) or 'none'}")
     try:
         inspect.signature(fn).bind("source", "solution", "truth", extra_info=None)
     except TypeError as exc:
-        raise ValueError(f"reward function {name!r} in {str(file)!r} must accept (data_source, solution_str, "
+        raise ValueError(f"reward.name: {name!r} in {str(file)!r} must accept (data_source, solution_str, "
                          f"ground_truth, extra_info=None): {exc}") from None
     return fn

@@ -1,15 +1,49 @@
-"""Config: every preset composes and validates; unknown keys, wrong types and bad values name the key; the CLI
-reports them without a stack trace and exits 2 before any work starts."""
+"""Config: every key in config/ is commented; every preset composes and validates; unknown keys, wrong types and bad
+values name the key; the CLI reports them without a stack trace and exits 2 before any work starts."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from rltrain.config import ConfigError
 from rltrain.job import JobConfig, load_job_config
+from tests.rltrain.tiny_job import CONFIG_DIR
 from tests.rltrain.tiny_job import compose as _compose
 
 PRESETS = ["grpo", "drgrpo", "dapo", "gspo", "rloo", "reinforce_pp"]
+YAML_FILES = sorted(Path(CONFIG_DIR).rglob("*.yaml"))
+
+
+def uncommented_keys(text: str) -> list[str]:
+    """'line N: dotted.key' for each leaf `key: value` line with no `#` comment on it or on a comment line just above.
+    A line-based check (config/ holds block-style YAML only); quoted values may hold '#'."""
+    missing, parents, previous = [], [], ""
+    for number, line in enumerate(text.splitlines(), 1):
+        match = re.match(r"(\s*(?:- )?)([\w.]+):(.*)", line)
+        if match:
+            indent, key, rest = len(match.group(1)), match.group(2), re.sub(r"'[^']*'|\"[^\"]*\"", "v", match.group(3))
+            value, has_comment, _ = (" " + rest).partition(" #")
+            while parents and parents[-1][0] >= indent:
+                parents.pop()
+            if not value.strip():
+                parents.append((indent, key))  # a section: its leaves carry the comments
+            elif not has_comment and not previous.lstrip().startswith("#"):
+                missing.append(f"line {number}: {'.'.join([k for _, k in parents] + [key])}")
+        previous = line
+    return missing
+
+
+def test_uncommented_key_check_can_fail():
+    text = ("# header\na: 1  # ok\n# b is explained above\nb: 2\nc:\n  d: \"x # not a comment\"\n"
+            "  e: [1, 2]  # ok\n  f:\n    g: null\nh: 3\n")
+    assert uncommented_keys(text) == ["line 6: c.d", "line 9: c.f.g", "line 10: h"]
+
+
+@pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_config_key_is_commented(path):
+    assert uncommented_keys(path.read_text()) == [], f"{path}: add a comment to these keys"
 
 
 def test_default_config_equals_dataclass_defaults():
@@ -47,6 +81,10 @@ def test_every_algorithm_preset_validates(preset):
     ("rollout.kv_cache_gb=0", "rollout.kv_cache_gb: must be null or > 0"),
     ("algorithm.rollout_is_cap=0.5", "algorithm.rollout_is_cap: must be null or >= 1 (got 0.5)"),
     ("algorithm.rollout_is_cap=2", "algorithm.rollout_is_cap: needs rollout log-probs, which rollout.engine=vllm"),
+    ("data.task.max_operand=9", "data.task.num_val: leaves no training problems (the task has 100)"),
+    ("kernel_config.include_kernels=[fused_rmsnorm,fused_nope]",
+     "kernel_config.include_kernels: unknown kernel id(s) 'fused_nope'; known kernel ids: .*fused_rmsnorm"),
+    ("reward.name=nope", "reward.name: unknown built-in reward function 'nope'; known: "),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
@@ -92,3 +130,24 @@ def test_cli_reports_bad_data_and_model_paths_without_a_trace(tmp_path):
     rows = _cli(f"trainer.output_dir={tmp_path}", f"data.train_files={bad}")
     assert rows.returncode == 2 and "bad.jsonl: row 2: field 'prompt'" in rows.stderr
     assert "Traceback" not in rows.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    ("reward.path={missing}", "reward.path: no such file '{missing}'"),
+    ("reward.path={broken}", "reward.path: '{broken}' failed to import: ModuleNotFoundError"),
+    ("reward.path={plugin} reward.name=nope",
+     "reward.name: 'nope' is not a function in '{plugin}'; functions there: score"),
+    ("kernel_config.include_kernels=[fused_rope,fused_nope]",
+     "kernel_config.include_kernels: unknown kernel id(s) 'fused_nope'; known kernel ids: fused_"),
+    ("trainer.device=cpu actor.fsdp.cpu_offload=true",
+     "actor.fsdp.cpu_offload: needs a CUDA device (trainer.device resolves to cpu)"),
+], ids=["reward-path-missing", "reward-path-broken", "reward-name-not-in-file", "kernel-id-unknown",
+        "cpu-offload-without-cuda"])
+def test_cli_rejects_values_that_used_to_fail_inside_ray_actors(tmp_path, override, message):
+    paths = {"missing": tmp_path / "missing.py", "broken": tmp_path / "broken.py", "plugin": tmp_path / "plugin.py"}
+    paths["broken"].write_text("import not_a_real_module_xyz\n")
+    paths["plugin"].write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    result = _cli(f"trainer.output_dir={tmp_path / 'out'}", *override.format(**paths).split())
+    assert result.returncode == 2, result.stderr
+    assert f"config error: {message.format(**paths)}" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out" / "warmstart").exists()  # failed before any work

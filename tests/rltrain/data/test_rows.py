@@ -51,6 +51,20 @@ def test_malformed_rows_name_file_row_and_field(tmp_path, record, message):
         load_rows(path)
 
 
+@pytest.mark.parametrize("record, message", [
+    ({"prompt": None, "ground_truth": "1"}, "row 2: field 'prompt' must be a string or a list"),
+    ({"prompt": "q", "ground_truth": None}, "row 2: field 'ground_truth' is null"),
+    ({"prompt": [{"role": "user", "content": None}], "ground_truth": "1"},
+     r"row 2: field 'prompt\[0\]' must be a message"),
+], ids=["prompt-null", "ground_truth-null", "message-content-null"])
+def test_malformed_parquet_rows_name_file_row_and_field(tmp_path, record, message):
+    first = {"prompt": [{"role": "user", "content": "1+1="}] if isinstance(record["prompt"], list) else "1+1=",
+             "ground_truth": "2"}
+    pq.write_table(pa.Table.from_pylist([first, record]), tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match=f"bad.parquet: {message}"):
+        load_rows(str(tmp_path / "bad.parquet"))
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(DataError, match="no such data file"):
         load_rows(str(tmp_path / "missing.jsonl"))

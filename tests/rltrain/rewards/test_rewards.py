@@ -48,7 +48,7 @@ def test_plugin_loading_errors(tmp_path):
     with pytest.raises(ImportError, match="broken.py.*failed to import.*ModuleNotFoundError"):
         load_reward_fn(broken, "fn")
     ok = _plugin(tmp_path, "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
-    with pytest.raises(ValueError, match="reward.name 'fn' is not a function.*functions there: score"):
+    with pytest.raises(ValueError, match="reward.name: 'fn' is not a function.*functions there: score"):
         load_reward_fn(ok, "fn")
     bad_sig = _plugin(tmp_path, "def fn(a):\n    return 1.0\n", "sig.py")
     with pytest.raises(ValueError, match="must accept"):
