@@ -6,6 +6,11 @@ and JSON only).
         hf/               the policy in HF format (model.safetensors + config + tokenizer): transformers and vLLM load it
         optimizer.pt      optimizer state (tensors and numbers only)
         trainer_state.json  step, data position, RNG states
+
+RNG states are the controller's: Python's `random`, numpy's global generator, torch's CPU generator and, where this
+process has initialised CUDA, every visible GPU's generator, all as JSON lists of integers. The workers' generators
+are not saved: each sampling call seeds its own from (trainer.seed, step, round), which is what makes a resumed run
+replay an uninterrupted one; the actor's update draws no random numbers (no dropout in the supported models).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -36,13 +42,31 @@ def latest_checkpoint(output_dir: str) -> Path | None:
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state().tolist(), "python": random.getstate()[1][:625],
-            "python_version": random.getstate()[0]}
+    """This process's RNG states, JSON-safe. CUDA's only where this process has initialised CUDA already: reading it
+    would otherwise create a CUDA context (hundreds of MB on the GPU the colocated roles share) in the controller,
+    whose CUDA generators are then untouched and replay from their default seed anyway."""
+    version, python_state, _ = random.getstate()
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state = {"python": list(python_state), "python_version": version, "torch": torch.get_rng_state().tolist(),
+             "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                       "cached_gaussian": float(cached_gaussian)}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
 
 
 def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    """Restore rng_state()'s output (checkpoints from before numpy/CUDA states were saved restore what they have).
+    CUDA states go to the first min(saved, visible) GPUs, lazily: torch applies them when CUDA initialises."""
     random.setstate((state["python_version"], tuple(state["python"]), None))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "numpy" in state:
+        saved = state["numpy"]
+        np.random.set_state((saved["kind"], np.array(saved["keys"], dtype=np.uint32), saved["pos"],
+                             saved["has_gauss"], saved["cached_gaussian"]))
+    if "cuda" in state and torch.cuda.is_available():
+        for device, saved in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(torch.tensor(saved, dtype=torch.uint8), device)
 
 
 def save_checkpoint(output_dir: str, step: int, save_policy, optimizer_state: dict, tokenizer,

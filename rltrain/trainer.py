@@ -58,6 +58,42 @@ def resolve_model_and_data(job: JobConfig):
     return model_dir, train_rows, val_rows
 
 
+# ---------------------------------------------------------------- DAPO's switches (pure; tests/rltrain/test_dapo.py)
+def informative_groups(batch: TensorDict, n: int) -> TensorDict:
+    """Dynamic sampling's filter: the groups (n consecutive responses) whose rewards are not all equal. A group
+    scored alike has zero advantage on every token, so it adds no gradient and only dilutes the batch."""
+    rewards = batch["rewards"].view(-1, n)
+    informative = (rewards.max(1).values - rewards.min(1).values) > 0
+    return batch[informative.repeat_interleave(n)]
+
+
+def collect_groups(generate_round, groups: int, n: int, dynamic_sampling: bool,
+                   extra_rounds: int) -> tuple[TensorDict, int]:
+    """(a batch of `groups` prompt groups of n responses, the rounds generated). generate_round(round_index) returns
+    a scored batch of `groups` fresh groups. Without dynamic sampling one round is the batch. With it, each round's
+    all-equal groups are dropped (informative_groups) and up to extra_rounds more rounds refill the batch, which is
+    cut to `groups` groups, or ends short (possibly empty) when the rounds run out. group_ids are renumbered 0..."""
+    kept, total, rounds = [], 0, 0
+    for round_ in range(1 + (extra_rounds if dynamic_sampling else 0)):
+        batch = generate_round(round_)
+        rounds += 1
+        if dynamic_sampling:
+            batch = informative_groups(batch, n)
+        kept.append(batch)
+        total += batch.batch_size[0]
+        if total >= groups * n:
+            break
+    batch = concat_batches(kept)[: groups * n]
+    batch["group_ids"] = torch.arange(batch.batch_size[0]) // n
+    return batch, rounds
+
+
+def mask_truncated(response_mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+    """Overlong filtering: truncated responses (no <eos> within rollout.max_new_tokens) keep no token in the loss,
+    so a reward cut off by the length limit does not teach the policy as if the response were complete."""
+    return response_mask * (~truncated).unsqueeze(1).to(response_mask.dtype)
+
+
 class GRPOTrainer:
     def __init__(self, job: JobConfig):
         import transformers
@@ -123,28 +159,24 @@ class GRPOTrainer:
         return batch, extras, errors
 
     def _collect(self, step: int):
-        """A batch of data.batch_size prompt groups; with dynamic sampling, groups whose rewards are all equal are
-        dropped and refilled with new prompts (up to algorithm.dynamic_sampling_max_rounds extra rounds)."""
+        """A batch of data.batch_size prompt groups (collect_groups), with the reward extras and error count of
+        every round generated and the number of prompts sampled."""
         job = self.job
         want, n = job.data.batch_size, job.rollout.n
-        kept, extras, errors, seen = [], [], 0, 0
-        for round_ in range(1 + (job.algorithm.dynamic_sampling_max_rounds if job.algorithm.dynamic_sampling else 0)):
-            rows = self.sampler.next(want)
+        extras, errors = [], 0
+
+        def generate_round(round_: int) -> TensorDict:
+            nonlocal errors
             batch, round_extras, round_errors = self._generate_and_score(
-                rows, n, job.rollout.temperature, seed=job.trainer.seed * 1_000_003 + step * 101 + round_)
-            extras += round_extras
+                self.sampler.next(want), n, job.rollout.temperature,
+                seed=job.trainer.seed * 1_000_003 + step * 101 + round_)
+            extras.extend(round_extras)
             errors += round_errors
-            seen += want
-            if job.algorithm.dynamic_sampling:
-                rewards = batch["rewards"].view(want, n)
-                informative = (rewards.max(1).values - rewards.min(1).values) > 0
-                batch = batch[informative.repeat_interleave(n)]
-            kept.append(batch)
-            if sum(b.batch_size[0] for b in kept) >= want * n:
-                break
-        batch = concat_batches(kept)[: want * n]
-        batch["group_ids"] = torch.arange(batch.batch_size[0]) // n
-        return batch, extras, errors, seen
+            return batch
+
+        batch, rounds = collect_groups(generate_round, want, n, job.algorithm.dynamic_sampling,
+                                       job.algorithm.dynamic_sampling_max_rounds)
+        return batch, extras, errors, rounds * want
 
     def train_step(self, step: int) -> dict:
         job, start = self.job, time.monotonic()
@@ -158,7 +190,7 @@ class GRPOTrainer:
                                                  batch["response_mask"], batch["group_ids"])
         response_len = batch["response_mask"].sum(1).float()
         if job.algorithm.overlong_filter:
-            batch["response_mask"] = batch["response_mask"] * (~batch["truncated"]).unsqueeze(1).long()
+            batch["response_mask"] = mask_truncated(batch["response_mask"], batch["truncated"])
         batch["old_logprobs"] = ray.get(self.actor.compute_logprobs.remote(batch))
         metrics = apply_rollout_correction(batch, job.algorithm.rollout_is_cap)  # engines reporting log-probs
         if self.reference is not None:

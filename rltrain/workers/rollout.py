@@ -135,14 +135,16 @@ class HFEngine:
         width = max(o.shape[1] for o in outputs)
         response_ids = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=self.pad_token_id)
                                   for o in outputs])
-        response_mask, truncated = self._response_mask(response_ids)
+        response_mask, truncated = response_mask_and_truncation(response_ids, self.eos_token_id)
         groups = torch.arange(prompt_ids.shape[0] // n).repeat_interleave(n)
         return TensorDict({"prompt_ids": prompt_ids.cpu(), "prompt_mask": prompt_mask.cpu(),
                            "response_ids": response_ids.cpu(), "response_mask": response_mask.cpu(),
                            "group_ids": groups, "truncated": truncated.cpu()}, batch_size=[prompt_ids.shape[0]])
 
-    def _response_mask(self, response_ids: torch.Tensor):
-        """1 up to and including the first <eos>; a response with no <eos> is truncated and fully kept."""
-        is_eos = response_ids == self.eos_token_id
-        before_eos = (is_eos.long().cumsum(1) - is_eos.long()) == 0
-        return before_eos.long(), ~is_eos.any(1)
+
+def response_mask_and_truncation(response_ids: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(response_mask [B,R]: 1 up to and including the first <eos>; truncated [B]: no <eos> at all, i.e. the
+    response hit max_new_tokens and is kept whole in the mask; algorithm.overlong_filter masks those out)."""
+    is_eos = response_ids == eos_token_id
+    before_eos = (is_eos.long().cumsum(1) - is_eos.long()) == 0
+    return before_eos.long(), ~is_eos.any(1)

@@ -1,19 +1,35 @@
 """End to end through real Ray actors on CPU: the embedded default runs and writes its metrics and checkpoints;
-reward plugins that raise or hang are scored 0 and counted; a killed run resumes at the right step and sees exactly
-the data an uninterrupted run sees."""
+reward plugins that raise or hang are scored 0 and counted; a run SIGKILLed mid-save resumes at the right step and
+sees exactly the data an uninterrupted run sees (trainer.resume auto, a path, never); TensorBoard events, the HF
+export of a checkpoint and the roles started (no reference without KL) are checked along the way.
+
+    .venv/bin/python -m pytest tests/rltrain/test_trainer_e2e.py -x -q -k killed   # about a minute on 2 cores
+"""
 
 import json
 import math
-import shutil
+import os
+import signal
+import subprocess
+import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import ray
+import torch
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from rltrain import trainer as trainer_module
 from rltrain.checkpoint import latest_checkpoint
+from rltrain.job import load_job_config
 from rltrain.main_grpo import run
-from tests.rltrain.tiny_job import compose, tiny_job
+from tests.rltrain.tiny_job import TINY, compose, merge, tiny_job
+
+ROOT = Path(__file__).resolve().parents[2]
 
 REQUIRED = {"step", "train/reward_mean", "train/response_len_mean", "actor/loss", "actor/entropy", "actor/ppo_kl",
             "actor/clipfrac", "actor/grad_norm", "reward/errors", "time/step_s", "perf/tokens_per_s"}
@@ -30,7 +46,15 @@ def _records(output_dir):
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path):
+def _record_started_roles(monkeypatch) -> list[str]:
+    """The class names the trainer starts roles with (rltrain.trainer.start_role; the reward worker aside)."""
+    started, start_role = [], trainer_module.start_role
+    monkeypatch.setattr(trainer_module, "start_role", lambda cls, *args, **kwargs: (
+        started.append(cls.__name__), start_role(cls, *args, **kwargs))[1])
+    return started
+
+
+def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path, monkeypatch):
     plugin = tmp_path / "reward.py"
     plugin.write_text(textwrap.dedent("""
         import time
@@ -46,8 +70,10 @@ def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path):
     job = tiny_job(out, trainer={"save_every": 1, "val_every": 1, "logger": ["jsonl", "console"]},
                    reward={"path": str(plugin), "name": "score", "timeout_s": 0.5},
                    algorithm={"loss": {"kl_coef": 0.05}})
+    started = _record_started_roles(monkeypatch)
     result = run(job)
     assert result["step"] == 2
+    assert started == ["ActorWorker", "RolloutWorker", "ReferenceWorker"]  # kl_coef > 0 starts the reference
     records = _records(out)
     train = [r for r in records if "train/reward_mean" in r]
     val = [r for r in records if "val/reward_mean" in r]
@@ -84,21 +110,148 @@ def test_algorithm_presets_train(tmp_path, preset):
         assert all(r["train/groups_kept"] > 0 for r in train), train
 
 
-def test_resume_continues_at_the_right_step_with_identical_data(tmp_path):
-    straight = tmp_path / "straight"
-    run(tiny_job(straight, trainer={"total_steps": 3}))
-    killed = tmp_path / "killed"
-    run(tiny_job(killed, trainer={"total_steps": 2, "save_every": 1}))
-    shutil.rmtree(killed / "checkpoints" / "step_000002")  # as if killed between the step-1 and step-2 saves
-    (killed / "checkpoints" / ".tmp_step_000002").mkdir()  # a half-written save is ignored
-    result = run(tiny_job(killed, trainer={"total_steps": 3}))
-    assert result["step"] == 3
-    resumed = [r for r in _records(killed) if "train/reward_mean" in r]
-    assert [r["step"] for r in resumed] == [1, 2, 2, 3]  # step 2 ran again after the resume from step 1
-    reference = {r["step"]: r for r in _records(straight) if "train/reward_mean" in r}
-    for record in resumed[2:]:
-        for key in ("train/reward_mean", "train/response_len_mean", "actor/loss", "actor/grad_norm"):
+def _overrides(output_dir, **sections) -> list[str]:
+    """tiny_job's settings (and `sections` on top) as `python -m rltrain.main_grpo` command-line overrides."""
+    def flatten(prefix, value):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                yield from flatten(f"{prefix}.{key}" if prefix else key, item)
+        elif isinstance(value, list):
+            yield f"{prefix}=[{','.join(map(str, value))}]"
+        elif isinstance(value, str):
+            yield f"{prefix}='{value}'"
+        else:
+            yield f"{prefix}={'null' if value is None else str(value).lower() if isinstance(value, bool) else value}"
+
+    config = merge(TINY, sections)
+    config["trainer"]["output_dir"] = str(output_dir)
+    return list(flatten("", config))
+
+
+def _run_cli_config(output_dir, **sections) -> dict:
+    """run() in this process, on the config the entry point composes from the same overrides."""
+    return run(load_job_config(compose(*_overrides(output_dir, **sections))))
+
+
+def _kill_during_a_later_save(proc, checkpoints: Path, timeout_s: float = 300) -> None:
+    """SIGKILL proc's process group once step 1's checkpoint is complete and a later save has begun (its temp
+    directory exists; in a test run it was caught so, mid-save, looking every 2 ms; a save that completed between
+    two looks also counts)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the job exited ({proc.returncode}) before it was killed; see killed.log"
+        if (checkpoints / "step_000001" / "trainer_state.json").is_file():
+            if len(list(checkpoints.iterdir())) > 1:
+                os.killpg(proc.pid, signal.SIGKILL)
+                return
+        time.sleep(0.002)
+    pytest.fail(f"no checkpoint after step 1 within {timeout_s} s; see killed.log")
+
+
+def _train(records) -> dict[int, dict]:
+    return {r["step"]: r for r in records if "train/reward_mean" in r}
+
+
+def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkeypatch):
+    """A real kill: `python -m rltrain.main_grpo` in its own process group, SIGKILLed (Ray's processes with it) while
+    it writes a checkpoint. Then, in one output dir: resume=auto continues after the newest complete checkpoint,
+    past the half-written one; resume=<step_000001> continues from that one; resume=never starts over from step 0
+    and, being an uninterrupted run, is the reference the resumed steps must equal (same data, same updates). The
+    last run also checks the TensorBoard events, the HF export and that kl_coef=0 starts no ReferenceWorker."""
+    out = tmp_path / "run"
+    checkpoints = out / "checkpoints"
+    # a reward that is 0 or 1 about evenly over responses: the tiny model's answers all score 0 on the embedded task,
+    # which would leave every gradient 0, the weights unchanged and a resume that lost them unnoticed
+    plugin = tmp_path / "reward.py"
+    plugin.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(sum(map(ord, solution_str)) % 2)\n")
+    reward = {"path": str(plugin), "name": "score"}
+    command = [sys.executable, "-m", "rltrain.main_grpo",
+               *_overrides(out, trainer={"total_steps": 50, "save_every": 1}, reward=reward,
+                           ray={"address": "local", "num_cpus": 2}),
+               f"hydra.run.dir={tmp_path / 'hydra'}"]
+    with (tmp_path / "killed.log").open("w") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _kill_during_a_later_save(proc, checkpoints)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    for _ in range(100):  # the whole group goes: no process of it survives to write into the output dir
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("processes of the killed job's group are still alive")
+    newest = latest_checkpoint(str(out))
+    last = int(newest.name.removeprefix("step_"))  # 1, or 2 when that save finished between two looks
+    leftover = checkpoints / f".tmp_step_{last + 1:06d}"
+    leftover.mkdir(exist_ok=True)  # the half-written save (made here in the rare case the kill came after it)
+    (leftover / "optimizer.pt").write_bytes(b"truncated")
+    logged = len(_records(out))
+
+    result = _run_cli_config(out, trainer={"total_steps": last + 1}, reward=reward)  # resume=auto: the default
+    assert result["step"] == last + 1
+    after_auto = _records(out)[logged:]
+    assert [r["step"] for r in after_auto] == [last + 1, last + 1]  # a train step and the final validation only
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step_{s:06d}" for s in range(1, last + 2)]
+    auto_weights = load_file(checkpoints / f"step_{last + 1:06d}" / "hf" / "model.safetensors")
+
+    logged = len(_records(out))
+    result = _run_cli_config(out, trainer={"total_steps": 2, "resume": str(checkpoints / "step_000001")},
+                             reward=reward)
+    assert result["step"] == 2
+    after_explicit = _train(_records(out)[logged:])
+    assert list(after_explicit) == [2]
+
+    started = _record_started_roles(monkeypatch)
+    result = _run_cli_config(out, trainer={"total_steps": last + 1, "resume": "never",
+                                           "logger": ["jsonl", "tensorboard"]}, reward=reward)
+    assert result["step"] == last + 1
+    assert started == ["ActorWorker", "RolloutWorker"]  # kl_coef=0: no ReferenceWorker
+    fresh = _records(out)  # resume=never starts metrics.jsonl over
+    assert [r["step"] for r in fresh if "val/reward_mean" in r] == [0, last + 1]
+    reference = _train(fresh)
+    assert list(reference) == list(range(1, last + 2))
+    assert all(r["actor/grad_norm"] > 0 for r in reference.values())  # the weights move every step
+    for record in (after_auto[0], after_explicit[2]):
+        for key in ("train/reward_mean", "train/response_len_mean", "actor/loss", "actor/entropy", "actor/grad_norm"):
             assert record[key] == pytest.approx(reference[record["step"]][key], rel=1e-6, abs=1e-7), key
+    final = checkpoints / f"step_{last + 1:06d}" / "hf"
+    fresh_weights = load_file(final / "model.safetensors")
+    assert auto_weights.keys() == fresh_weights.keys()
+    for name, tensor in fresh_weights.items():
+        torch.testing.assert_close(auto_weights[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/reward_mean")] == list(range(1, last + 2))
+    assert [e.step for e in events.Scalars("val/reward_mean")] == [0, last + 1]
+    _check_hf_export(final, out, fresh_weights)
+
+
+def _check_hf_export(hf_dir: Path, out: Path, weights: dict):
+    """transformers loads the checkpoint's HF export as it was trained: every weight present and equal to the
+    safetensors file, a forward gives finite logits, which differ from the warm-started model's (RL moved them)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, info = AutoModelForCausalLM.from_pretrained(hf_dir, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    state = model.state_dict()
+    for name, tensor in weights.items():
+        assert torch.equal(state[name], tensor), name
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    ids = torch.tensor([tokenizer("12+7=").input_ids])
+    (warmstart,) = (out / "warmstart").iterdir()
+    with torch.no_grad():
+        logits = model(ids).logits
+        initial = AutoModelForCausalLM.from_pretrained(warmstart)(ids).logits
+    assert logits.shape == (1, ids.shape[1], len(tokenizer)) and torch.isfinite(logits).all()
+    assert (logits - initial).abs().max() > 1e-4
 
 
 def test_embedded_default_learns(tmp_path):

