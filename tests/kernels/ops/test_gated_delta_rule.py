@@ -72,8 +72,11 @@ def loop_reference(q, k, v, g, beta, scale, h0):
 # 1. The naive reference
 # ---------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("B,T,H,HV,K,V", [(2, 7, 1, 1, 4, 4), (1, 5, 2, 4, 3, 5), (2, 1, 1, 2, 4, 2)],
-                         ids=lambda *a: None)
+NAIVE_SHAPES = [(2, 7, 1, 1, 4, 4), (1, 5, 2, 4, 3, 5), (2, 1, 1, 2, 4, 2)]
+
+
+@pytest.mark.parametrize("B,T,H,HV,K,V", NAIVE_SHAPES,
+                         ids=[case_id(B=B, T=T, H=H, HV=HV, K=K, V=V) for B, T, H, HV, K, V in NAIVE_SHAPES])
 @pytest.mark.parametrize("gate", ["normal", "near_zero", "strong"])
 def test_naive_matches_float64_loop(B, T, H, HV, K, V, gate):
     q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, HV=HV, dtype=torch.float64, gate=gate, initial_state=True)

@@ -73,6 +73,9 @@ def reference(q, k, v, a, b, h0, cu_seqlens=None, scale=None):
         cu_seqlens=None if cu_seqlens is None else cu_seqlens.cpu())
 
 
+NAIVE_SHAPES = [(2, 7, 1, 4, 4), (1, 5, 2, 3, 5), (2, 1, 2, 4, 2)]
+
+
 def cu_seqlens_of(lengths, device):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
@@ -82,7 +85,8 @@ def cu_seqlens_of(lengths, device):
 # ---------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("regime", REGIMES)
-@pytest.mark.parametrize("B,T,H,K,V", [(2, 7, 1, 4, 4), (1, 5, 2, 3, 5), (2, 1, 2, 4, 2)], ids=lambda *a: None)
+@pytest.mark.parametrize("B,T,H,K,V", NAIVE_SHAPES,
+                         ids=[case_id(B=B, T=T, H=H, K=K, V=V) for B, T, H, K, V in NAIVE_SHAPES])
 def test_naive_matches_float64_loop(B, T, H, K, V, regime):
     q, k, v, a, b, h0 = make_inputs(B, T, H, K, V, dtype=torch.float64, regime=regime, initial_state=True)
     o, ht = naive_recurrent_iplr_delta_rule(q, k, v, a, b, scale=0.7, initial_state=h0, output_final_state=True)
