@@ -6,10 +6,11 @@
 #   bash scripts/gpu_check.sh                  # tests, then every benchmark
 #   bash scripts/gpu_check.sh tests            # tests only
 #   bash scripts/gpu_check.sh bench [NAME...]  # benchmarks only (NAME: bench_linear_logprobs, ...), extra args none
-#   bash scripts/gpu_check.sh fsdp             # 2+ GPUs: FSDP2 over NCCL against one process (fp32 and bf16), no Ray;
-#                                              # needs the tensordict, pyvers, omegaconf, antlr4 wheels in .whl/
-#                                              # (antlr4-python3-runtime 4.9.3 is an sdist only: `pip wheel` it here);
-#                                              # passed on 2 H200 (fp32 and bf16) on 2026-11-22
+#   bash scripts/gpu_check.sh fsdp             # 2+ GPUs: FSDP2 over NCCL against one process (fp32, bf16, bf16 with
+#                                              # CPU offload), no Ray; needs the tensordict, pyvers, omegaconf,
+#                                              # hydra-core and antlr4 wheels in .whl/ (antlr4-python3-runtime 4.9.3
+#                                              # is an sdist only: `pip wheel` it here); all three passed on 2 H200 on
+#                                              # 2026-11-23
 #
 # Logs go to $OUT (the device tool's return folder) or /tmp/gpu_check.
 set -uo pipefail

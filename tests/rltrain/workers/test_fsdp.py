@@ -3,7 +3,8 @@ gradients after an update, metrics, sharded old/reference log-probs, the gathere
 the step, and loading a single-process checkpoint into the shards. Cases cover uneven micro-batches (a rank with
 fewer micro-batches than rank 0 runs padding ones), a rank with no rows, two mini-batches, each loss aggregation,
 the KL term and gradient checkpointing. One spawn runs every case (~30 s in all on 2 cores, mostly process start and
-imports). With 2 GPUs (@pytest.mark.gpu) the same cases run over NCCL, fp32 and bf16 mixed precision."""
+imports). With 2 GPUs (@pytest.mark.gpu) the same cases run over NCCL, fp32 and bf16 mixed precision, the latter
+also with the shards, gradients and optimizer state offloaded to the CPU (actor.fsdp.cpu_offload)."""
 
 import copy
 import socket
@@ -47,13 +48,13 @@ def _configs(case, sharded: bool):
     return rows, actor, LossConfig(loss_agg=loss_agg, kl_coef=kl)
 
 
-def _rank_main(rank, port, device, mixed_precision, model_dir, batches, single_states, out_dir):
+def _rank_main(rank, port, device, mixed_precision, cpu_offload, model_dir, batches, single_states, out_dir):
     import os
 
     os.environ["LOCAL_RANK"] = str(rank)  # this rank's GPU (under Ray each rank sees only its own)
     from rltrain.workers.fsdp import FSDPActorWorker, FSDPReferenceWorker
 
-    fsdp = FSDPConfig(mixed_precision=mixed_precision)
+    fsdp = FSDPConfig(mixed_precision=mixed_precision, cpu_offload=cpu_offload)
     reference = FSDPReferenceWorker(rank, WORLD, "127.0.0.1", port, model_dir, "float32", None, 1.0,
                                     micro_batch_size=3, fsdp=fsdp, device=device, torch_threads=1)
     for case, batch in batches.items():
@@ -63,7 +64,8 @@ def _rank_main(rank, port, device, mixed_precision, model_dir, batches, single_s
                                 device=device)
         result = {"old": actor.compute_logprobs(batch), "ref": reference.compute_logprobs(batch),
                   "metrics": actor.update(batch)}
-        grads = {n: p.grad.full_tensor().cpu() for n, p in actor.model.named_parameters()}
+        # offloaded shards live on the CPU: to the GPU for NCCL's all-gather (a no-op otherwise)
+        grads = {n: p.grad.to(actor.device).full_tensor().cpu() for n, p in actor.model.named_parameters()}
         result.update(grads=grads, weights=actor.state_dict(), optimizer=actor.optimizer_state())
         model_state, optimizer_state = single_states[case]
         actor.load_checkpoint(model_state, optimizer_state)
@@ -72,7 +74,7 @@ def _rank_main(rank, port, device, mixed_precision, model_dir, batches, single_s
             torch.save(result, f"{out_dir}/{case}.pt")
 
 
-def run_cases(root, device: str, mixed_precision: bool) -> dict:
+def run_cases(root, device: str, mixed_precision: bool, cpu_offload: bool = False) -> dict:
     """Per case: (the single process's results, the 2-rank FSDP2 ones, the checkpoint the ranks loaded)."""
     job = tiny_job(root)
     model_dir = str(embedded_policy_dir(job.trainer.output_dir, job.model.embedded, job.data.task, 0))
@@ -107,8 +109,8 @@ def run_cases(root, device: str, mixed_precision: bool) -> dict:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_rank_main, args=(port, device, mixed_precision, model_dir, batches, states, str(root)), nprocs=WORLD,
-             join=True)
+    mp.spawn(_rank_main, args=(port, device, mixed_precision, cpu_offload, model_dir, batches, states, str(root)),
+             nprocs=WORLD, join=True)
     return {case: (single[case], torch.load(root / f"{case}.pt", weights_only=False), states[case])
             for case in CASES}
 
@@ -166,11 +168,11 @@ def test_fsdp2_over_gloo_matches_single_process(cpu_results, case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-cpu-offload"])
 def test_fsdp2_over_nccl_matches_single_process(tmp_path, precision):
-    results = run_cases(tmp_path, "cuda", mixed_precision=precision == "bf16")
+    results = run_cases(tmp_path, "cuda", mixed_precision=precision != "fp32", cpu_offload="offload" in precision)
     for case in CASES:
-        check_case(*results[case], TOLERANCES[f"cuda-{precision}"])
+        check_case(*results[case], TOLERANCES["cuda-fp32" if precision == "fp32" else "cuda-bf16"])
 
 
 def test_rank_micro_batches_pad_to_rank_zeros_count():
