@@ -254,16 +254,16 @@ def _check_hf_export(hf_dir: Path, out: Path, weights: dict):
     assert (logits - initial).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 def test_embedded_default_learns(tmp_path):
-    """RL raises held-out accuracy: the embedded task with the default model and algorithm, 100 steps (about a
-    minute on 2 cores). Seed 1 measured +21 points at this length; the bar is +8."""
-    job = tiny_job(tmp_path, trainer={"total_steps": 100, "val_every": 50, "seed": 1},
-                   model={"embedded": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "head_dim": 32,
-                                       "warmstart_steps": 600, "warmstart_batch_size": 64}},
-                   data={"batch_size": 16, "task": {"max_operand": 49, "num_val": 200}},
-                   rollout={"n": 16, "max_new_tokens": 8, "torch_threads": 0},
-                   actor={"micro_batch_size": 64, "torch_threads": 0}, reward={"num_workers": 2})
+    """The product's promise, on the job Quick start runs (`python -m rltrain.main_grpo`, config/grpo.yaml as is):
+    RL raises held-out accuracy by >= 20 points over the warm-started model within 10 minutes on a 2-core CPU.
+    Measured (2026-11-22, seeds 0-4): +61.0 / +36.0 / +30.5 / +29.0 / +32.0 points in about 3 minutes."""
+    job = load_job_config(compose(f"trainer.output_dir={tmp_path}"))
+    started = time.monotonic()
     result = run(job)
+    minutes = (time.monotonic() - started) / 60
     val = [r["val/reward_mean"] for r in _records(tmp_path) if "val/reward_mean" in r]
-    assert len(val) == 3
-    assert result["final_val"] >= result["initial_val"] + 0.08, val
+    assert len(val) >= 3 and val[0] == result["initial_val"] and val[-1] == result["final_val"]
+    assert result["final_val"] >= result["initial_val"] + 0.20, val
+    assert minutes <= 10, f"the embedded default took {minutes:.1f} min"
