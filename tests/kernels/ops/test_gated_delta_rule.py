@@ -177,7 +177,7 @@ def reference(q, k, v, g, beta, h0, cu_seqlens=None, l2norm=False, scale=None):
 
 @pytest.mark.parametrize("impl", ["fused_recurrent", "chunk"])
 @pytest.mark.parametrize("B,T,H,HV,K,V,gate", GATED_CASES, ids=GATED_IDS)
-def test_forward_matches_naive(B, T, H, HV, K, V, gate, impl, device):
+def test_forward_matches_naive(B, T, H, HV, K, V, gate, impl, device, poison_allocations):
     """The fused-recurrent (section 2) and chunked (section 3b) forwards against the naive recurrence."""
     fn = fused_recurrent_gated_delta_rule if impl == "fused_recurrent" else chunk_gated_delta_rule
     q, k, v, g, beta, h0 = make_inputs(B, T, H, K, V, HV=HV, gate=gate, device=device, initial_state=True)
@@ -320,7 +320,7 @@ def check_gradients(fn, q, k, v, g, beta, h0, *, cu_seqlens=None, l2norm=False, 
 
 
 @pytest.mark.parametrize("B,T,H,HV,K,V", CPU_CASES, ids=CPU_IDS)
-def test_chunk_gradients_match_naive_float64(B, T, H, HV, K, V, device):
+def test_chunk_gradients_match_naive_float64(B, T, H, HV, K, V, device, poison_allocations):
     inputs = make_inputs(B, T, H, K, V, HV=HV, device=device, initial_state=True, requires_grad=True)
     check_gradients(chunk_gated_delta_rule, *inputs, threshold=(1e-5, 2e-5))
 
@@ -335,7 +335,7 @@ def test_chunk_gradients_extreme_gates(gate, device):
 
 
 @pytest.mark.parametrize("l2norm", [False, True], ids=["l2norm-off", "l2norm-on"])
-def test_chunk_varlen_gradients(l2norm, device):
+def test_chunk_varlen_gradients(l2norm, device, poison_allocations):
     T = sum(VARLEN)
     cu = torch.tensor([0, *torch.tensor(VARLEN).cumsum(0).tolist()], dtype=torch.int32, device=device)
     q, k, v, g, beta, h0 = make_inputs(1, T, 1, 16, 32, HV=2, device=device, N=len(VARLEN), initial_state=True)
