@@ -190,6 +190,8 @@ def check_against_ours(name, fn, hidden, weight, labels, our_lp, our_ent) -> str
     """A peer's forward against ours on the same inputs (ours is checked against fp32 separately)."""
     with torch.no_grad():
         outs = fn(hidden, weight, labels)
+    if name.startswith("4 bare"):
+        return "—"
     if name.startswith("CCE"):
         return f"logprob vs ours {rel(-outs[0], our_lp):.1e}"
     if name.startswith("Liger"):
@@ -259,7 +261,11 @@ def main(argv=None):
         return tune(tokens[0], vocab, hidden_size, rate, args.iters)
     if args.profile:
         return profile_ours(tokens[0], vocab, hidden_size)
+    from gemm_floor import bare_gemms
+
+    gemms = bare_gemms(recompute=True)
     impls = [("ours (logprob+entropy)", ours(True)), ("ours (logprob only)", ours(False)),
+             ("4 bare cuBLAS GEMMs (measured floor)", lambda hidden, weight, labels: (gemms(hidden, weight),)),
              ("torch naive (fp32 logits)", torch_naive)]
     if not args.no_peers:
         for name, loader in (("verl 0.9.1 (logprob+entropy)", load_verl), ("CCE (logprob only)", load_cce),

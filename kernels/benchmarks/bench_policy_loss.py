@@ -163,6 +163,18 @@ def check(name, fn, expected, inputs):
     return max(errs)
 
 
+def bare():
+    """The 3 GEMMs alone (gemm_floor.py): the measured floor under the same loop as ours."""
+    from gemm_floor import bare_gemms
+
+    gemms = bare_gemms(recompute=False)
+
+    def run(hidden, weight, labels, mask, advantages, old, ref):
+        return gemms(hidden.reshape(-1, hidden.shape[-1]), weight).sum()
+
+    return run
+
+
 def profile_ours(B, T, H, V, config):
     """Per-kernel time of one forward+backward of ours: where the time over the 3-GEMM floor goes."""
     from kernel_profile import print_kernel_times
@@ -197,7 +209,7 @@ def run_case(label, B, T, H, V, methods, rate, warmup, repeats, with_naive):
             gc.collect()
             torch.cuda.empty_cache()
     for name, fn in methods:
-        comparable = expected is not None and "GSPO" not in name   # the naive loss is token-level
+        comparable = expected is not None and "GSPO" not in name and "bare" not in name   # naive is token-level
         err = check(name, fn, expected, inputs) if comparable else None
         try:
             ms, peak = measure(fn, inputs, warmup, repeats)
@@ -242,6 +254,7 @@ def main():
         return profile_ours(*main_shape, PolicyLossChunkConfig(token_chunk=chunks[0]))
     methods = [(f"ours (rows={c})", ours(PolicyLossChunkConfig(token_chunk=c))) for c in chunks]
     methods.append((f"ours GSPO (rows={chunks[0]})", ours_gspo(PolicyLossChunkConfig(token_chunk=chunks[0]))))
+    methods.append(("3 bare cuBLAS GEMMs (measured floor)", bare()))
     liger_fn = None if args.no_liger else liger()
     if liger_fn is not None:
         methods.append(("Liger GRPO (chunk_size=1)", liger_fn))

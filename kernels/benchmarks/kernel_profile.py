@@ -11,24 +11,33 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def kernel_times(step, warmup: int = 2) -> dict[str, float]:
-    """{kernel name (first 70 chars): milliseconds} for one call of `step`, after `warmup` calls."""
+def kernel_times(step, warmup: int = 2) -> tuple[dict[str, float], list[tuple[float, str, str]]]:
+    """({kernel name (first 70 chars): milliseconds}, the idle gaps between consecutive GPU activities as
+    (ms, activity before, activity after), largest first) for one call of `step`, after `warmup` calls."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         step()
         torch.cuda.synchronize()
     totals: dict[str, float] = {}
+    spans, slow_host = [], []
     for event in prof.events():
         if event.device_type.name == "CUDA":
             key = event.name[:70]
             totals[key] = totals.get(key, 0.0) + event.device_time / 1e3
-    return totals
+            spans.append((event.time_range.start, event.time_range.end, key))
+        elif event.cpu_time_total > 300 and not event.cpu_children:   # leaf host calls over 0.3 ms
+            slow_host.append((event.cpu_time_total / 1e3, event.name[:70]))
+    spans.sort()
+    gaps = [((b[0] - a[1]) / 1e3, a[2], b[2]) for a, b in zip(spans, spans[1:]) if b[0] > a[1]]
+    for ms, name in sorted(slow_host, reverse=True)[:5]:
+        print(f"  host call {ms:.3f} ms: {name}")
+    return totals, sorted(gaps, reverse=True)
 
 
 def print_kernel_times(label: str, step, top: int = 10) -> None:
-    totals = kernel_times(step)
+    totals, gaps = kernel_times(step)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     step()
@@ -37,3 +46,6 @@ def print_kernel_times(label: str, step, top: int = 10) -> None:
     print(f"\nprofile {label}: wall {start.elapsed_time(end):.2f} ms, kernels {sum(totals.values()):.2f} ms")
     for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {ms:8.2f} ms  {name}")
+    print(f"  idle between GPU activities: {sum(g[0] for g in gaps):.2f} ms in {len(gaps)} gaps; largest:")
+    for ms, before, after in gaps[:6]:
+        print(f"  {ms:8.3f} ms  after {before[:40]} | before {after[:40]}")
