@@ -163,6 +163,56 @@ def sweep_launch(names, B=8, T=2048, H=16, D=128):
         LAUNCH[name] = default
 
 
+def sweep_precision(fla_chunk, H=16, D=128):
+    """Every (dot operands, intermediate storage) of ops/common/precision.py: gradients against the fp32 naive
+    recurrence (bf16 inputs; B1 T300 H2 and B2 T1024 H4, K=V=128), then forward and fwd+bwd at both timed shapes,
+    fla side by side. The first row is the shipped default."""
+    from rltrain_kernels.ops.common import precision
+
+    names = ("LOW_PRECISION_DOT", "RAW_OPERANDS_NATIVE", "LOW_PRECISION_STORE")
+    default = tuple(getattr(precision, n) for n in names)
+    variants = [default] + [v for v in [("tf32", False, False), ("tf32", True, False), ("tf32", True, True),
+                                        ("bf16", True, False), ("bf16", True, True)] if v != default]
+    checks = []
+    for B, T, Hc in ((1, 300, 2), (2, 1024, 4)):
+        (q, k, v, g, beta), h0 = make_inputs(B, T, Hc, 128, 128, requires_grad=True)
+        checks.append(((q, k, v, g, beta, h0), torch.randn_like(v)))
+
+    def grads(fn, inputs, do):
+        inputs = [t.detach().clone().requires_grad_() for t in inputs]
+        o, ht = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+        (o.float() * do.float()).sum().add(ht.sum()).backward()
+        return [o, ht] + [t.grad for t in inputs]
+
+    references = [grads(naive_recurrent_gated_delta_rule, inputs, do) for inputs, do in checks]
+    rows = []
+    for variant in variants:
+        for n, value in zip(names, variant):
+            setattr(precision, n, value)
+        dot, raw, store = variant
+        errs = [[rel(a, b) for a, b in zip(grads(chunk_gated_delta_rule, inputs, do), ref)]
+                for (inputs, do), ref in zip(checks, references)]
+        out_err = max(max(e[:2]) for e in errs)
+        grad_err = max(max(e[2:]) for e in errs)
+        times = [t for B, T in ((8, 2048), (2, 8192)) for t in time_chunk(chunk_gated_delta_rule, B, T, H, D)]
+        rows.append((f"dots {dot}, raw q/k dots {'bf16' if raw else dot}, store {'bf16' if store else 'fp32'}"
+                     + (" (default)" if variant == default else ""), out_err, grad_err, *times))
+        print("  " + " | ".join(f"{x:.3g}" if isinstance(x, float) else str(x) for x in rows[-1]), flush=True)
+    for n, value in zip(names, default):
+        setattr(precision, n, value)
+    if fla_chunk is not None:  # its errors by the same measure (its gradients on Hopper: see the module docstring)
+        errs = [[rel(a, b) for a, b in zip(grads(fla_chunk, inputs, do), ref)]
+                for (inputs, do), ref in zip(checks, references)]
+        times = [t for B, T in ((8, 2048), (2, 8192)) for t in time_chunk(fla_chunk, B, T, H, D)]
+        rows.append(("fla 0.6 (bwd guard bypassed)", max(max(e[:2]) for e in errs), max(max(e[2:]) for e in errs),
+                     *times))
+    print("\n| variant | worst output err | worst grad err | B8 T2048 fwd ms | fwd+bwd ms | B2 T8192 fwd ms "
+          "| fwd+bwd ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, eo, eg, *t in rows:
+        print(f"| {name} | {eo:.1e} | {eg:.1e} | " + " | ".join(f"{x:.3f}" for x in t) + " |")
+
+
 def add_row(rows: list, row: tuple) -> None:
     """Keep a timing row for the final table and print it now (fla's autotuning can outlast a time limit)."""
     rows.append(row)
@@ -177,6 +227,8 @@ def main():
     parser.add_argument("--sweep-launch", nargs="*", metavar="KERNEL",
                         help="sweep warps x stages of these kernels (ops/common/launch.py names; none listed = all) "
                              "and exit")
+    parser.add_argument("--precision", action="store_true",
+                        help="sweep the dot / storage precision variants (ops/common/precision.py) and exit")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.sweep_launch is not None:
@@ -186,6 +238,9 @@ def main():
         return
     fla_chunk, fla_fused = load_fla()
     print(f"device: {torch.cuda.get_device_name()}")
+    if args.precision:
+        sweep_precision(fla_chunk)
+        return
     check_against_naive()
     if args.profile:
         profile_kernels()

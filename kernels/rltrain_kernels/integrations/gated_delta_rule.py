@@ -1,5 +1,5 @@
-"""`fused_gated_delta_rule`: runs the gated delta rule of linear-attention layers (Qwen3-Next's Gated DeltaNet) on
-rltrain's kernels — chunked for prefill and training, fused-recurrent for one-token decoding steps.
+"""The registry kernel `gated_delta_rule`: runs the gated delta rule of linear-attention layers (Qwen3-Next's Gated
+DeltaNet) on rltrain's kernels — chunked for prefill and training, fused-recurrent for one-token decoding steps.
 
 transformers' GatedDeltaNet forward calls its modeling module's `torch_chunk_gated_delta_rule` and
 `torch_recurrent_gated_delta_rule` with fla's argument names plus keywords ours do not take (chunk_size, ...). As for
@@ -34,8 +34,8 @@ def recurrent_adapter(query, key, value, g, beta, initial_state=None, output_fin
 ADAPTERS = (chunk_adapter, recurrent_adapter)
 
 
-class _FusedGatedDeltaRule(BaseKernel):
-    kernel_id = "fused_gated_delta_rule"
+class _GatedDeltaRule(BaseKernel):
+    kernel_id = "gated_delta_rule"
 
     @classmethod
     def apply(cls, model, **kwargs) -> int:
@@ -50,4 +50,4 @@ class _FusedGatedDeltaRule(BaseKernel):
         return changed
 
 
-register_per_device(_FusedGatedDeltaRule, {"cuda": "rltrain_kernels.integrations.gated_delta_rule:ADAPTERS"})
+register_per_device(_GatedDeltaRule, {"cuda": "rltrain_kernels.integrations.gated_delta_rule:ADAPTERS"})

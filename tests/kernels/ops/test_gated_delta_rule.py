@@ -365,6 +365,32 @@ def test_chunk_low_precision_inputs(dtype, device):
     check_gradients(chunk_gated_delta_rule, *inputs, threshold=(5e-3, 1e-2))
 
 
+@pytest.mark.parametrize("dot,store", [("tf32", False), ("tf32", True), ("bf16", False)],
+                         ids=["tf32", "tf32-store-bf16", "bf16-store-fp32"])
+def test_chunk_precision_variants(dot, store, device, monkeypatch):
+    """The other precisions of ops/common/precision.py (the benchmark's --precision sweep times them; the default
+    is bf16 dots and bf16 chunk states) stay within the issue's bf16 bar, and LOW_PRECISION_STORE decides the dtype
+    the chunk states are stored in."""
+    from rltrain_kernels.ops.common import precision
+    from rltrain_kernels.ops.gated_delta_rule import chunk_fwd
+
+    monkeypatch.setattr(precision, "LOW_PRECISION_DOT", dot)
+    monkeypatch.setattr(precision, "LOW_PRECISION_STORE", store)
+    dtypes = []
+    real_state_pass = chunk_fwd.state_pass_fwd
+
+    def spy(*args, **kwargs):
+        h, v_new, ht = real_state_pass(*args, **kwargs)
+        dtypes.append((h.dtype, v_new.dtype))
+        return h, v_new, ht
+
+    monkeypatch.setattr(chunk_fwd, "state_pass_fwd", spy)
+    inputs = make_inputs(1, 80, 1, 16, 16, HV=2, dtype=torch.bfloat16, device=device, initial_state=True,
+                         requires_grad=True)
+    check_gradients(chunk_gated_delta_rule, *inputs, threshold=(5e-3, 1e-2))
+    assert set(dtypes) == {(torch.bfloat16,) * 2 if store else (torch.float32,) * 2}
+
+
 def test_fused_recurrent_gradients_via_chunk_backward(device):
     inputs = make_inputs(1, 30, 1, 16, 16, HV=2, device=device, initial_state=True, requires_grad=True)
     check_gradients(fused_recurrent_gated_delta_rule, *inputs, l2norm=True, threshold=(1e-5, 2e-5))
@@ -375,7 +401,7 @@ def test_fused_recurrent_gradients_via_chunk_backward(device):
 # ---------------------------------------------------------------------------------------------------------------
 
 def test_qwen3_next_logits_gradients_and_generate(device):
-    """The registry's fused_gated_delta_rule kernel in a tiny Qwen3-Next: logits and every gradient match
+    """The registry's gated_delta_rule kernel in a tiny Qwen3-Next: logits and every gradient match
     transformers' float64 torch path, and greedy generation (decode steps on the fused-recurrent kernel) agrees."""
     import rltrain_kernels.ops.gated_delta_rule as gdr
     from rltrain_kernels.registry import apply_kernel
@@ -404,7 +430,7 @@ def test_qwen3_next_logits_gradients_and_generate(device):
 
     ref_logits, ref_grads = logits_and_grads(reference_model)
     ref_tokens = model.generate(ids[:, :6], max_new_tokens=4, do_sample=False)  # fp32 torch path
-    assert apply_kernel("fused_gated_delta_rule", model, device="cuda") == 1  # the one linear-attention layer
+    assert apply_kernel("gated_delta_rule", model, device="cuda") == 1  # the one linear-attention layer
     calls = []
     with pytest.MonkeyPatch.context() as mp:  # record which kernel each call reaches (adapters import at call time)
         for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"):

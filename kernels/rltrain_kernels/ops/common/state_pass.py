@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .chunking import ChunkLayout
 from .launch import launch
-from .wy import dot_precision
+from .precision import cast_for_store, dot_precision, mm, raw_precision, work_dtype
 
 
 @triton.jit
@@ -49,15 +49,15 @@ def state_pass_fwd_kernel(
     if USE_INITIAL_STATE:
         b_h += tl.load(h0 + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, mask=m_h, other=0.0)
     for i_t in range(tl.cdiv(eos - bos, BT)):
-        tl.store(h + ((c0 + i_t) * HV + i_hv) * K * V + state_offset, b_h, mask=m_h)
+        tl.store(h + ((c0 + i_t) * HV + i_hv) * K * V + state_offset, cast_for_store(b_h, h, DOT_PREC), mask=m_h)
         o_t = bos + i_t * BT + o_i
         m_t = o_t < eos
         b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                       other=0.0).to(tl.float32)
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
         b_u = tl.load(u + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_v = b_u - tl.dot(b_w, b_h, input_precision=DOT_PREC)
-        tl.store(v_new + p_v, b_v, mask=m_t[:, None] & m_v[None, :])
+        b_v = b_u - mm(b_w, b_h, DOT_PREC)
+        tl.store(v_new + p_v, cast_for_store(b_v, v_new, DOT_PREC), mask=m_t[:, None] & m_v[None, :])
         if USE_G:
             last = tl.minimum(bos + (i_t + 1) * BT, eos) - 1
             b_G_last = tl.load(G + last * HV + i_hv)
@@ -66,7 +66,7 @@ def state_pass_fwd_kernel(
             b_h *= tl.exp(b_G_last)
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                       other=0.0).to(tl.float32)
-        b_h += tl.dot(tl.trans(b_k), b_v, input_precision=DOT_PREC)
+        b_h += mm(tl.trans(b_k), b_v, DOT_PREC)
     if STORE_FINAL_STATE:
         tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, b_h, mask=m_h)
 
@@ -75,7 +75,7 @@ def state_pass_fwd_kernel(
 def local_dv_kernel(
     q, k, G, do, dv, cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
     """dv = Pᵀ dO per chunk (fp32), the part of dδ that needs no state."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)  # chunks on axis 0 (no 65535 limit)
@@ -92,7 +92,7 @@ def local_dv_kernel(
     b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     # Pᵀ[j, i] = scale k_jᵀq_i exp(G_i − G_j) for i ≥ j.
     m_A = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
-    b_At = tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC) * scale
+    b_At = mm(b_k, tl.trans(b_q), RAW_PREC) * scale
     if USE_G:
         b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
         b_At = b_At * tl.exp(tl.where(m_A, b_G[None, :] - b_G[:, None], 0.0))
@@ -102,7 +102,7 @@ def local_dv_kernel(
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        tl.store(dv + p_v, tl.dot(b_At, b_do, input_precision=DOT_PREC), mask=m_tv)
+        tl.store(dv + p_v, mm(b_At, b_do, DOT_PREC), mask=m_tv)
 
 
 @triton.jit
@@ -129,7 +129,8 @@ def state_pass_bwd_kernel(
     NT = tl.cdiv(eos - bos, BT)
     for i_r in range(NT):
         i_t = NT - 1 - i_r
-        tl.store(dh + ((c0 + i_t) * HV + i_hv) * K * V + state_offset, b_dh, mask=m_h)
+        tl.store(dh + ((c0 + i_t) * HV + i_hv) * K * V + state_offset, cast_for_store(b_dh, dh, DOT_PREC),
+                 mask=m_h)
         o_t = bos + i_t * BT + o_i
         m_t = o_t < eos
         m_tk = m_t[:, None] & m_k[None, :]
@@ -149,12 +150,12 @@ def state_pass_bwd_kernel(
             b_kd = b_k
             b_qd = b_q * scale
         # dv holds Pᵀ dO from local_dv_kernel
-        b_dv = tl.load(dv + p_v, mask=m_tv, other=0.0) + tl.dot(b_kd, b_dh, input_precision=DOT_PREC)
+        b_dv = tl.load(dv + p_v, mask=m_tv, other=0.0) + mm(b_kd, b_dh, DOT_PREC)
         tl.store(dv + p_v, b_dv, mask=m_tv)
         if USE_G:
             b_dh *= tl.exp(b_G_last)
-        b_dh += tl.dot(tl.trans(b_qd), b_do, input_precision=DOT_PREC)
-        b_dh -= tl.dot(tl.trans(b_w), b_dv, input_precision=DOT_PREC)
+        b_dh += mm(tl.trans(b_qd), b_do, DOT_PREC)
+        b_dh -= mm(tl.trans(b_w), b_dv, DOT_PREC)
     if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, b_dh, mask=m_h)
 
@@ -180,13 +181,14 @@ def _sm_count(device: torch.device) -> int:
 
 
 def state_pass_fwd(k, w, u, G, initial_state, output_final_state: bool, layout: ChunkLayout):
-    """→ (h [chunks, HV, K, V] fp32 chunk-start states, v_new [tokens, HV, V] fp32, final state or None)."""
+    """→ (h [chunks, HV, K, V] chunk-start states, v_new [tokens, HV, V] (both in work_dtype(k.dtype)), final state
+    (fp32) or None)."""
     TT, H, K = k.shape
     HV, V = u.shape[1], u.shape[2]
     N = layout.num_seqs
     name, BK, BV = _state_launch("state_pass_fwd", N * HV, K, V, k.device)
-    h = torch.empty(layout.num_chunks, HV, K, V, dtype=torch.float32, device=k.device)
-    v_new = torch.empty(TT, HV, V, dtype=torch.float32, device=k.device)
+    h = torch.empty(layout.num_chunks, HV, K, V, dtype=work_dtype(k.dtype), device=k.device)
+    v_new = torch.empty(TT, HV, V, dtype=work_dtype(k.dtype), device=k.device)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
     state_pass_fwd_kernel[(N * HV, triton.cdiv(V, BV))](
         k, w, u, G, h, v_new, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, HV=HV, K=K, V=V,
@@ -195,23 +197,25 @@ def state_pass_fwd(k, w, u, G, initial_state, output_final_state: bool, layout: 
     return h, v_new, ht
 
 
-def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: ChunkLayout):
-    """→ (dh [chunks, HV, K, V] fp32: gradient of each chunk's end state, dv [tokens, HV, V] fp32: ∂L/∂δ,
-    dh0 [N, HV, K, V] fp32 or None)."""
+def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: ChunkLayout,
+                   dot_prec: str | None = None, dh_dtype: torch.dtype | None = None):
+    """→ (dh [chunks, HV, K, V] in dh_dtype (default work_dtype(k.dtype)): gradient of each chunk's end state,
+    dv [tokens, HV, V] fp32: ∂L/∂δ, dh0 [N, HV, K, V] fp32 or None). dot_prec: default dot_precision(q.dtype)."""
+    dot_prec = dot_prec or dot_precision(q.dtype)
     TT, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     N = layout.num_seqs
     name, BK, BV = _state_launch("state_pass_bwd", N * HV, K, V, k.device)
-    dh = torch.empty(layout.num_chunks, HV, K, V, dtype=torch.float32, device=k.device)
+    dh = torch.empty(layout.num_chunks, HV, K, V, dtype=dh_dtype or work_dtype(k.dtype), device=k.device)
     dv = torch.empty(TT, HV, V, dtype=torch.float32, device=k.device)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if need_dh0 else None
     if layout.num_chunks:
         local_dv_kernel[(layout.num_chunks, HV)](
             q, k, G, do, dv, layout.cu_seqlens, layout.chunk_indices, scale, H=H, HV=HV, K=K, V=V,
             BT=layout.chunk_size, BK=BK, BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None,
-            DOT_PREC=dot_precision(q.dtype), **launch("local_dv"))
+            DOT_PREC=dot_prec, RAW_PREC=raw_precision(q.dtype), **launch("local_dv"))
     state_pass_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
         q, k, w, G, do, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V,
         BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
-        STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=dot_precision(q.dtype), **launch(name))
+        STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=dot_prec, **launch(name))
     return dh, dv, dh0

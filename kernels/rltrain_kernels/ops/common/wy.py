@@ -7,8 +7,8 @@ with  A_ij = β_i exp(G_i − G_j) k_iᵀk_j (i > j, else 0),  T = (I + A)⁻¹ 
 This module builds A, solves for T in registers (forward substitution, one row per step) and forms w and u.
 T is stored (fp32, [tokens, heads, chunk]) so the backward can rebuild w and u without the solve.
 
-Dot precision: operands stay fp32; `DOT_PREC` is "tf32" (tensor cores) for bf16/fp16 inputs and "ieee" (exact
-fp32) for fp32 inputs; see LOW_PRECISION_DOT below for why no kernel transposes a dot result.
+Dot precision: common/precision.py. w and u stay fp32 (δ = u − w S cancels: rounding them to bf16 showed up
+as 3e-3 in the final state, against 1e-7 with fp32).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .chunking import ChunkLayout
 from .launch import launch
+from .precision import dot_precision, mm, raw_precision, solve_precision
 
 
 @triton.jit
@@ -56,6 +57,7 @@ def gated_wy_fwd_kernel(
     k, v, beta, G, Ai, w, u, cu_seqlens, chunk_indices,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, LOAD_AI: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr,
+    RAW_PREC: tl.constexpr,
     SOLVE_PREC: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
@@ -81,7 +83,7 @@ def gated_wy_fwd_kernel(
             o_k = i_k * BK + tl.arange(0, BK)
             b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :],
                           mask=m_t[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
-            b_A += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)
+            b_A += mm(b_k, tl.trans(b_k), RAW_PREC)
         m_A = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
         b_A = tl.where(m_A, b_A * b_beta[:, None] * tl.exp(tl.where(m_A, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
         b_T = solve_unit_lower(b_A, BT, SOLVE_PREC)
@@ -91,37 +93,14 @@ def gated_wy_fwd_kernel(
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
-        b_w = tl.dot(b_T, b_k * b_kscale[:, None], input_precision=DOT_PREC)
+        b_w = mm(b_T, b_k * b_kscale[:, None], DOT_PREC)
         tl.store(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_k)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = m_t[:, None] & (o_v < V)[None, :]
         b_v = tl.load(v + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_v, other=0.0).to(tl.float32)
-        b_u = tl.dot(b_T, b_v * b_beta[:, None], input_precision=DOT_PREC)
+        b_u = mm(b_T, b_v * b_beta[:, None], DOT_PREC)
         tl.store(u + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v)
-
-
-# tl.dot input precision for bf16/fp16 inputs, for the chunk products and for the solve's block merges (fp32
-# inputs always use "ieee"). The interpreter ignores input_precision, so only a GPU run can validate a choice.
-# Triton 3.4–3.7.0 miscompiles, on Hopper, a tensor-core dot whose operand is tl.trans of another tensor-core dot's
-# result (fla #640): that gave dk off by 10–15% here with "tf32". No kernel of the delta-rule family does that any
-# more (the transposed product is computed as its own dot from loaded tiles), and with "tf32" every gradient is
-# within 2.6e-3 of the fp32 reference on H200 / triton 3.6 (2026-11-22, bf16, T=1024, K=V=128, GVA, varlen).
-LOW_PRECISION_DOT = "tf32"
-# The solve's merges in "tf32x3" (three tf32 products: ≈ fp32 accuracy on tensor cores) instead of "ieee": forward
-# 3.80 → 2.30 ms, fwd+bwd 8.82 → 7.40 ms (H200, bf16 B8 T2048 H16 K=V=128), gradients unchanged (2.6e-3).
-LOW_PRECISION_SOLVE = "tf32x3"
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """'ieee' for fp32 inputs (fp32 results), LOW_PRECISION_DOT when the inputs are bf16/fp16."""
-    return "ieee" if dtype in (torch.float32, torch.float64) else LOW_PRECISION_DOT
-
-
-def solve_precision(dtype: torch.dtype) -> str:
-    """The solve's block merges: T feeds every later stage, so its error is kept below tf32's 2⁻¹¹
-    (LOW_PRECISION_SOLVE for bf16/fp16 inputs); 'ieee' for fp32 inputs."""
-    return "ieee" if dtype in (torch.float32, torch.float64) else LOW_PRECISION_SOLVE
 
 
 def gated_wy_fwd(k, v, beta, G, layout: ChunkLayout, Ai=None):
@@ -143,5 +122,6 @@ def gated_wy_fwd(k, v, beta, G, layout: ChunkLayout, Ai=None):
             k, v, beta, G, Ai, w, u, layout.cu_seqlens, layout.chunk_indices, H=H, HV=HV, K=K, V=V, BT=BT,
             BK=min(64, triton.next_power_of_2(K)), BV=min(64, triton.next_power_of_2(V)), LOAD_AI=load_ai,
             USE_G=G is not None, DOT_PREC=dot_precision(k.dtype),
+            RAW_PREC=raw_precision(k.dtype),
             SOLVE_PREC=solve_precision(k.dtype), **launch("wy_fwd"))
     return Ai, w, u

@@ -18,14 +18,14 @@ import triton.language as tl
 
 from .chunking import ChunkLayout
 from .launch import launch
-from .wy import dot_precision
+from .precision import dot_precision, mm, raw_precision
 
 
 @triton.jit
 def gated_wy_bwd_kernel(
     k, v, beta, G, Ai, dw, du, dk, dv, dbeta, dG, cu_seqlens, chunk_indices,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -51,9 +51,9 @@ def gated_wy_bwd_kernel(
         m_k = m_t[:, None] & (o_k < K)[None, :]
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
         b_dw = tl.load(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_k, other=0.0)
-        b_dT += tl.dot(b_dw, tl.trans(b_k * (b_beta * b_gamma)[:, None]), input_precision=DOT_PREC)
-        b_dTt += tl.dot(b_k * (b_beta * b_gamma)[:, None], tl.trans(b_dw), input_precision=DOT_PREC)
-        b_KK += tl.dot(b_k, tl.trans(b_k), input_precision=DOT_PREC)
+        b_dT += mm(b_dw, tl.trans(b_k * (b_beta * b_gamma)[:, None]), DOT_PREC)
+        b_dTt += mm(b_k * (b_beta * b_gamma)[:, None], tl.trans(b_dw), DOT_PREC)
+        b_KK += mm(b_k, tl.trans(b_k), RAW_PREC)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -61,14 +61,14 @@ def gated_wy_bwd_kernel(
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
         b_du = tl.load(du + p_v, mask=m_v, other=0.0)
-        b_dT += tl.dot(b_du, tl.trans(b_v * b_beta[:, None]), input_precision=DOT_PREC)
-        b_dTt += tl.dot(b_v * b_beta[:, None], tl.trans(b_du), input_precision=DOT_PREC)
-        b_dvt = tl.dot(tl.trans(b_T), b_du, input_precision=DOT_PREC)
+        b_dT += mm(b_du, tl.trans(b_v * b_beta[:, None]), DOT_PREC)
+        b_dTt += mm(b_v * b_beta[:, None], tl.trans(b_du), DOT_PREC)
+        b_dvt = mm(tl.trans(b_T), b_du, DOT_PREC)
         b_dbeta += tl.sum(b_dvt * b_v, 1)
         tl.store(dv + p_v, b_dvt * b_beta[:, None], mask=m_v)
     # dA = −Tᵀ dT Tᵀ on the strict lower triangle.
     m_A = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
-    b_dA = tl.dot(tl.dot(tl.trans(b_T), b_dT, input_precision=DOT_PREC), tl.trans(b_T), input_precision=DOT_PREC)
+    b_dA = mm(mm(tl.trans(b_T), b_dT, DOT_PREC), tl.trans(b_T), DOT_PREC)
     b_E = tl.where(m_A, tl.exp(tl.where(m_A, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
     b_dA = tl.where(m_A, -b_dA, 0.0)
     b_dAE = b_dA * b_E  # ∂L/∂(β_i k_iᵀk_j) without β
@@ -79,7 +79,7 @@ def gated_wy_bwd_kernel(
     # Bᵀ rebuilt from dTᵀ (dAᵀ = −T dTᵀ T) instead of tl.trans(b_B): transposing a tensor-core dot result as a dot
     # operand is miscompiled on Hopper by Triton 3.4–3.7.0 (fla #640: wrong dk); two extra dots per chunk.
     m_At = (o_i[:, None] < o_i[None, :]) & m_t[:, None] & m_t[None, :]
-    b_dAt = tl.dot(tl.dot(b_T, b_dTt, input_precision=DOT_PREC), b_T, input_precision=DOT_PREC)
+    b_dAt = mm(mm(b_T, b_dTt, DOT_PREC), b_T, DOT_PREC)
     b_Et = tl.where(m_At, tl.exp(tl.where(m_At, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
     b_Bt = tl.where(m_At, -b_dAt, 0.0) * b_Et * b_beta[None, :]
     for i_k in range(tl.cdiv(K, BK)):
@@ -88,13 +88,13 @@ def gated_wy_bwd_kernel(
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
         p_k = (o_t[:, None] * HV + i_hv) * K + o_k[None, :]
         b_dw = tl.load(dw + p_k, mask=m_k, other=0.0)
-        b_dkt = tl.dot(tl.trans(b_T), b_dw, input_precision=DOT_PREC)
+        b_dkt = mm(tl.trans(b_T), b_dw, DOT_PREC)
         b_dkt_k = tl.sum(b_dkt * b_k, 1)
         b_dbeta += b_dkt_k * b_gamma
         b_dG += b_dkt_k * b_gamma * b_beta
         b_dk = tl.load(dk + p_k, mask=m_k, other=0.0)
         b_dk += b_dkt * (b_beta * b_gamma)[:, None]
-        b_dk += tl.dot(b_B, b_k, input_precision=DOT_PREC) + tl.dot(b_Bt, b_k, input_precision=DOT_PREC)
+        b_dk += mm(b_B, b_k, DOT_PREC) + mm(b_Bt, b_k, DOT_PREC)
         tl.store(dk + p_k, b_dk, mask=m_k)
     tl.store(dbeta + o_t * HV + i_hv, b_dbeta, mask=m_t)
     if USE_G:
@@ -114,5 +114,6 @@ def gated_wy_bwd(k, v, beta, G, Ai, dw, du, dk, dG, layout: ChunkLayout):
             k, v, beta, G, Ai, dw, du, dk, dv, dbeta, dG, layout.cu_seqlens, layout.chunk_indices,
             H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=min(64, triton.next_power_of_2(K)),
             BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None, DOT_PREC=dot_precision(k.dtype),
+            RAW_PREC=raw_precision(k.dtype),
             **launch("wy_bwd"))
     return dv, dbeta

@@ -19,14 +19,14 @@ import triton
 import triton.language as tl
 
 from ..common.chunking import ChunkLayout
-from ..common.wy import dot_precision
+from ..common.precision import dot_precision, mm, raw_precision
 
 
 @triton.jit
 def strided_output_fwd_kernel(
     q, k, v_new, h, G, o, cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr,
-    BQ: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+    BQ: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
     i_c, i_v, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
@@ -56,17 +56,17 @@ def strided_output_fwd_kernel(
         b_k = tl.load(k + (o_s[:, None] * H + i_h) * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :],
                       other=0.0).to(tl.float32)
         b_h = tl.load(h + (i_hc * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
-                      mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_o += tl.dot(b_q, b_h, input_precision=DOT_PREC)
-        b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
+                      mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_o += mm(b_q, b_h, DOT_PREC)
+        b_A += mm(b_q, tl.trans(b_k), RAW_PREC)
     m_A = (o_c[:, None] >= o_i[None, :]) & m_q[:, None] & m_s[None, :]
     b_Gq = tl.load(G + (bos + s0 + o_c) * HV + i_hv, mask=m_q, other=0.0)
     b_Gs = tl.load(G + o_s * HV + i_hv, mask=m_s, other=0.0)
     b_o = b_o * tl.exp(b_Gq)[:, None]
     b_A = tl.where(m_A, b_A * tl.exp(tl.where(m_A, b_Gq[:, None] - b_Gs[None, :], 0.0)), 0.0)
     b_v = tl.load(v_new + (o_s[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :],
-                  other=0.0)
-    b_o = (b_o + tl.dot(b_A, b_v, input_precision=DOT_PREC)) * scale
+                  other=0.0).to(tl.float32)
+    b_o = (b_o + mm(b_A, b_v, DOT_PREC)) * scale
     tl.store(o + (o_tok[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
              mask=m_q[:, None] & m_v[None, :])
 
@@ -84,5 +84,6 @@ def strided_output_fwd(q, k, v_new, h, G, scale: float, num_householder: int, la
     if layout.num_chunks:
         strided_output_fwd_kernel[(layout.num_chunks, triton.cdiv(V, BV), HV)](
             q, k, v_new, h, G, o, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,
-            H=H, HV=HV, K=K, V=V, NH=num_householder, BT=BT, BQ=BQ, BK=BK, BV=BV, DOT_PREC=dot_precision(q.dtype))
+            H=H, HV=HV, K=K, V=V, NH=num_householder, BT=BT, BQ=BQ, BK=BK, BV=BV, DOT_PREC=dot_precision(q.dtype),
+            RAW_PREC=raw_precision(q.dtype))
     return o

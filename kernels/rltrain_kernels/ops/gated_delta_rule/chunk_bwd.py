@@ -20,7 +20,8 @@ from ..common.chunking import ChunkLayout
 from ..common.cumsum import chunk_local_cumsum
 from ..common.launch import launch
 from ..common.state_pass import state_pass_bwd, state_pass_fwd
-from ..common.wy import dot_precision, gated_wy_fwd
+from ..common.precision import dot_precision, mm, raw_precision
+from ..common.wy import gated_wy_fwd
 from ..common.wy_bwd import gated_wy_bwd
 
 
@@ -28,7 +29,7 @@ from ..common.wy_bwd import gated_wy_bwd
 def chunk_dqkwg_kernel(
     q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -54,16 +55,16 @@ def chunk_dqkwg_kernel(
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
-        b_h = tl.load(h + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_vn = tl.load(v_new + p_v, mask=m_tv, other=0.0)
+        b_h = tl.load(h + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_vn = tl.load(v_new + p_v, mask=m_tv, other=0.0).to(tl.float32)
         b_dv = tl.load(dv + p_v, mask=m_tv, other=0.0)
         b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_dq += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)
-        b_dk += tl.dot(b_vn, tl.trans(b_dh), input_precision=DOT_PREC)
-        b_dw -= tl.dot(b_dv, tl.trans(b_h), input_precision=DOT_PREC)
-        b_dP += tl.dot(b_do, tl.trans(b_vn), input_precision=DOT_PREC)
-        b_dPt += tl.dot(b_vn, tl.trans(b_do), input_precision=DOT_PREC)
+        b_dq += mm(b_do, tl.trans(b_h), DOT_PREC)
+        b_dk += mm(b_vn, tl.trans(b_dh), DOT_PREC)
+        b_dw -= mm(b_dv, tl.trans(b_h), DOT_PREC)
+        b_dP += mm(b_do, tl.trans(b_vn), DOT_PREC)
+        b_dPt += mm(b_vn, tl.trans(b_do), DOT_PREC)
         b_hdh += tl.sum(b_h * b_dh, 1)
     tl.store(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_dw, mask=m_tk)
     b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -76,8 +77,8 @@ def chunk_dqkwg_kernel(
     b_dS = b_dP * b_E * scale  # ∂L/∂(q_iᵀk_j)
     b_dq = b_dq * (tl.exp(b_G) * scale)[:, None]
     b_dG = tl.sum(b_dq * b_q, 1)
-    b_dq += tl.dot(b_dS, b_k, input_precision=DOT_PREC)
-    b_dPP = b_dS * tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)  # dP ⊙ P
+    b_dq += mm(b_dS, b_k, DOT_PREC)
+    b_dPP = b_dS * mm(b_q, tl.trans(b_k), RAW_PREC)  # dP ⊙ P
     b_dG += tl.sum(b_dPP, 1) - tl.sum(b_dPP, 0)
     b_dk = b_dk * tl.where(m_t, tl.exp(b_G_last - b_G), 0.0)[:, None]
     b_term = tl.sum(b_dk * b_k, 1)
@@ -87,7 +88,7 @@ def chunk_dqkwg_kernel(
     # operand is miscompiled on Hopper by Triton 3.4–3.7.0 (fla #640: wrong dk); one extra [BT, BV] dot per V block.
     m_At = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_Et = tl.where(m_At, tl.exp(tl.where(m_At, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
-    b_dk += tl.dot(b_dPt * b_Et * scale, b_q, input_precision=DOT_PREC)
+    b_dk += mm(b_dPt * b_Et * scale, b_q, DOT_PREC)
     tl.store(dq + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_dq, mask=m_tk)
     tl.store(dk + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_dk, mask=m_tk)
     tl.store(dG + o_t * HV + i_hv, b_dG, mask=m_t)
@@ -107,6 +108,7 @@ def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout
             q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, layout.cu_seqlens, layout.chunk_indices,
             layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size,
             BK=triton.next_power_of_2(K), BV=min(32, triton.next_power_of_2(V)), DOT_PREC=dot_precision(q.dtype),
+            RAW_PREC=raw_precision(q.dtype),
             # BV=32: with tf32 dots, BV=64 asked for 256 KiB of shared memory on H200 (limit 227 KiB).
             **launch("dqkwg"))
     return dq, dk, dw, dG

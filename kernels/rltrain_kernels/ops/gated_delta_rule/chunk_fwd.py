@@ -3,7 +3,7 @@
 Output pass, per (V block, chunk, value head), with S the chunk-start state and δ the corrected values:
     O = scale · (diag(γ) Q S + (Q Kᵀ ⊙ exp(G_i − G_j) [j ≤ i]) δ)
 Everything runs on the flattened token axis with a ChunkLayout (common/chunking.py), so padded and packed batches
-share one path. Intermediates are fp32.
+share one path. Precision of the dots and of the stored h and δ: common/precision.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from ..common.chunking import ChunkLayout
 from ..common.cumsum import chunk_local_cumsum
 from ..common.launch import launch
 from ..common.state_pass import state_pass_fwd
-from ..common.wy import dot_precision, gated_wy_fwd
+from ..common.precision import dot_precision, mm, raw_precision
+from ..common.wy import gated_wy_fwd
 
 CHUNK_SIZE = 64
 
@@ -25,7 +26,7 @@ CHUNK_SIZE = 64
 def chunk_output_fwd_kernel(
     q, k, v_new, h, G, o, cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
     i_c, i_v, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # chunks on axis 0 (no 65535 limit)
     i_h = i_hv // (HV // H)
@@ -49,16 +50,16 @@ def chunk_output_fwd_kernel(
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                       other=0.0).to(tl.float32)
         b_h = tl.load(h + (i_hc * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
-                      mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_o += tl.dot(b_q, b_h, input_precision=DOT_PREC)
-        b_A += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
+                      mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_o += mm(b_q, b_h, DOT_PREC)
+        b_A += mm(b_q, tl.trans(b_k), RAW_PREC)
     m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
     b_o = b_o * tl.exp(b_G)[:, None]
     b_A = tl.where(m_A, b_A * tl.exp(tl.where(m_A, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
     p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
-    b_v = tl.load(v_new + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
-    b_o = (b_o + tl.dot(b_A, b_v, input_precision=DOT_PREC)) * scale
+    b_v = tl.load(v_new + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    b_o = (b_o + mm(b_A, b_v, DOT_PREC)) * scale
     tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
@@ -71,6 +72,7 @@ def chunk_output_fwd(q, k, v_new, h, G, scale: float, layout: ChunkLayout, out_d
         chunk_output_fwd_kernel[(layout.num_chunks, triton.cdiv(V, BV), HV)](
             q, k, v_new, h, G, o, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,
             H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(q.dtype),
+            RAW_PREC=raw_precision(q.dtype),
             **launch("output_fwd"))
     return o
 

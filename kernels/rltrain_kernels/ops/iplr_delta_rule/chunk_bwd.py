@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..common.chunking import ChunkLayout
 from ..common.state_pass import state_pass_bwd
-from ..common.wy import dot_precision
+from ..common.precision import iplr_dot_precision, mm
 from .chunk_fwd import iplr_state_pass_fwd, iplr_wy_fwd
 
 
@@ -49,7 +49,7 @@ def iplr_output_bwd_dqwv_kernel(
     b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
     m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     m_At = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
-    b_Pkt = tl.where(m_At, tl.dot(b_k, tl.trans(b_q), input_precision=DOT_PREC), 0.0) * scale  # [j, i]
+    b_Pkt = tl.where(m_At, mm(b_k, tl.trans(b_q), DOT_PREC), 0.0) * scale  # [j, i]
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)   # dO Sᵀ
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)   # dX Sᵀ
     b_dPb = tl.zeros([BT, BT], dtype=tl.float32)  # dO Xᵀ
@@ -61,20 +61,20 @@ def iplr_output_bwd_dqwv_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
         b_h = tl.load(h + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         b_x = tl.load(x + p_v, mask=m_tv, other=0.0)
         b_dx = tl.load(dx + p_v, mask=m_tv, other=0.0)
         b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(tl.float32)
         b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_dq += tl.dot(b_do, tl.trans(b_h), input_precision=DOT_PREC)
-        b_dw += tl.dot(b_dx, tl.trans(b_h), input_precision=DOT_PREC)
-        b_dPb += tl.dot(b_do, tl.trans(b_x), input_precision=DOT_PREC)
-        b_dPk += tl.dot(b_do, tl.trans(b_v), input_precision=DOT_PREC)
-        b_dv = tl.dot(b_Pkt, b_do, input_precision=DOT_PREC) + tl.dot(b_k, b_dh, input_precision=DOT_PREC)
+        b_dq += mm(b_do, tl.trans(b_h), DOT_PREC)
+        b_dw += mm(b_dx, tl.trans(b_h), DOT_PREC)
+        b_dPb += mm(b_do, tl.trans(b_x), DOT_PREC)
+        b_dPk += mm(b_do, tl.trans(b_v), DOT_PREC)
+        b_dv = mm(b_Pkt, b_do, DOT_PREC) + mm(b_k, b_dh, DOT_PREC)
         tl.store(dv + p_v, b_dv, mask=m_tv)
     b_b = tl.load(b + p_k, mask=m_tk, other=0.0).to(tl.float32)
-    b_dq += tl.dot(tl.where(m_A, b_dPb, 0.0), b_b, input_precision=DOT_PREC)
-    b_dq += tl.dot(tl.where(m_A, b_dPk, 0.0), b_k, input_precision=DOT_PREC)
+    b_dq += mm(tl.where(m_A, b_dPb, 0.0), b_b, DOT_PREC)
+    b_dq += mm(tl.where(m_A, b_dPk, 0.0), b_k, DOT_PREC)
     tl.store(dq + p_k, b_dq * scale, mask=m_tk)
     tl.store(dw + p_k, b_dw, mask=m_tk)
 
@@ -107,19 +107,19 @@ def iplr_output_bwd_dkb_kernel(
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
-        b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         b_x = tl.load(x + p_v, mask=m_tv, other=0.0)
         b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(tl.float32)
         b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_db += tl.dot(b_x, tl.trans(b_dh), input_precision=DOT_PREC)
-        b_dk += tl.dot(b_v, tl.trans(b_dh), input_precision=DOT_PREC)
-        b_dPbt += tl.dot(b_x, tl.trans(b_do), input_precision=DOT_PREC)
-        b_dPkt += tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PREC)
+        b_db += mm(b_x, tl.trans(b_dh), DOT_PREC)
+        b_dk += mm(b_v, tl.trans(b_dh), DOT_PREC)
+        b_dPbt += mm(b_x, tl.trans(b_do), DOT_PREC)
+        b_dPkt += mm(b_v, tl.trans(b_do), DOT_PREC)
     m_At = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
     b_q = tl.load(q + p_k, mask=m_tk, other=0.0).to(tl.float32)
-    b_db += tl.dot(tl.where(m_At, b_dPbt, 0.0) * scale, b_q, input_precision=DOT_PREC)
-    b_dk += tl.dot(tl.where(m_At, b_dPkt, 0.0) * scale, b_q, input_precision=DOT_PREC)
+    b_db += mm(tl.where(m_At, b_dPbt, 0.0) * scale, b_q, DOT_PREC)
+    b_dk += mm(tl.where(m_At, b_dPkt, 0.0) * scale, b_q, DOT_PREC)
     tl.store(dk + p_k, b_dk, mask=m_tk)
     tl.store(db + p_k, b_db, mask=m_tk)
 
@@ -137,7 +137,7 @@ def iplr_output_bwd(q, k, v, b, x, h, dh, do, dx, scale: float, layout: ChunkLay
         # Two kernels rather than one: together they keep four [64, K] and four [64, 64] fp32 accumulators live
         # across the V loop (~270 registers/thread at K=128, 8 warps: spills); split, each holds half of them.
         common = dict(H=H, K=K, V=V, BT=layout.chunk_size, BK=triton.next_power_of_2(K),
-                      BV=min(32, triton.next_power_of_2(V)), DOT_PREC=dot_precision(q.dtype), num_warps=8)
+                      BV=min(32, triton.next_power_of_2(V)), DOT_PREC=iplr_dot_precision(q.dtype), num_warps=8)
         iplr_output_bwd_dqwv_kernel[(layout.num_chunks, H)](
             q, k, v, b, x, h, dh, do, dx, dq, dv, dw, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets,
             scale, **common)
@@ -174,10 +174,10 @@ def iplr_wy_bwd_kernel(
         b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_dw = tl.load(dw + p_k, mask=m_k, other=0.0)
-        b_Mak += tl.dot(b_a, tl.trans(b_k), input_precision=DOT_PREC)
-        b_Makt += tl.dot(b_k, tl.trans(b_a), input_precision=DOT_PREC)
-        b_dT += tl.dot(b_dw, tl.trans(b_a), input_precision=DOT_PREC)
-        b_dTt += tl.dot(b_a, tl.trans(b_dw), input_precision=DOT_PREC)
+        b_Mak += mm(b_a, tl.trans(b_k), DOT_PREC)
+        b_Makt += mm(b_k, tl.trans(b_a), DOT_PREC)
+        b_dT += mm(b_dw, tl.trans(b_a), DOT_PREC)
+        b_dTt += mm(b_a, tl.trans(b_dw), DOT_PREC)
     b_Mak = tl.where(m_L, b_Mak, 0.0)
     b_Makt = tl.where(m_U, b_Makt, 0.0)
     b_dXV = tl.zeros([BT, BT], dtype=tl.float32)  # dX Vᵀ
@@ -188,18 +188,18 @@ def iplr_wy_bwd_kernel(
         p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
         b_dx = tl.load(dx + p_v, mask=m_v, other=0.0)
-        b_dXV += tl.dot(b_dx, tl.trans(b_v), input_precision=DOT_PREC)
-        b_VdX += tl.dot(b_v, tl.trans(b_dx), input_precision=DOT_PREC)
-        b_dY = tl.dot(tl.trans(b_T), b_dx, input_precision=DOT_PREC)  # ∂L/∂(strict(A Kᵀ) V)
-        b_dv = tl.load(dv + p_v, mask=m_v, other=0.0) + tl.dot(b_Makt, b_dY, input_precision=DOT_PREC)
+        b_dXV += mm(b_dx, tl.trans(b_v), DOT_PREC)
+        b_VdX += mm(b_v, tl.trans(b_dx), DOT_PREC)
+        b_dY = mm(tl.trans(b_T), b_dx, DOT_PREC)  # ∂L/∂(strict(A Kᵀ) V)
+        b_dv = tl.load(dv + p_v, mask=m_v, other=0.0) + mm(b_Makt, b_dY, DOT_PREC)
         tl.store(dv + p_v, b_dv, mask=m_v)
-    b_dT += tl.dot(b_dXV, b_Makt, input_precision=DOT_PREC)
-    b_dTt += tl.dot(b_Mak, b_VdX, input_precision=DOT_PREC)
-    b_dMab = tl.dot(tl.dot(tl.trans(b_T), b_dT, input_precision=DOT_PREC), tl.trans(b_T), input_precision=DOT_PREC)
+    b_dT += mm(b_dXV, b_Makt, DOT_PREC)
+    b_dTt += mm(b_Mak, b_VdX, DOT_PREC)
+    b_dMab = mm(mm(tl.trans(b_T), b_dT, DOT_PREC), tl.trans(b_T), DOT_PREC)
     b_dMab = tl.where(m_L, b_dMab, 0.0)
-    b_dMabt = tl.where(m_U, tl.dot(tl.dot(b_T, b_dTt, input_precision=DOT_PREC), b_T, input_precision=DOT_PREC), 0.0)
-    b_dMak = tl.where(m_L, tl.dot(tl.trans(b_T), b_dXV, input_precision=DOT_PREC), 0.0)
-    b_dMakt = tl.where(m_U, tl.dot(b_VdX, b_T, input_precision=DOT_PREC), 0.0)
+    b_dMabt = tl.where(m_U, mm(mm(b_T, b_dTt, DOT_PREC), b_T, DOT_PREC), 0.0)
+    b_dMak = tl.where(m_L, mm(tl.trans(b_T), b_dXV, DOT_PREC), 0.0)
+    b_dMakt = tl.where(m_U, mm(b_VdX, b_T, DOT_PREC), 0.0)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
@@ -208,12 +208,12 @@ def iplr_wy_bwd_kernel(
         b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_dw = tl.load(dw + p_k, mask=m_k, other=0.0)
         b_b = tl.load(b + p_k, mask=m_k, other=0.0).to(tl.float32)
-        b_da = tl.dot(tl.trans(b_T), b_dw, input_precision=DOT_PREC) + tl.dot(b_dMak, b_k, input_precision=DOT_PREC)
-        b_da += tl.dot(b_dMab, b_b, input_precision=DOT_PREC)
+        b_da = mm(tl.trans(b_T), b_dw, DOT_PREC) + mm(b_dMak, b_k, DOT_PREC)
+        b_da += mm(b_dMab, b_b, DOT_PREC)
         tl.store(da + p_k, b_da, mask=m_k)
-        b_db = tl.load(db + p_k, mask=m_k, other=0.0) + tl.dot(b_dMabt, b_a, input_precision=DOT_PREC)
+        b_db = tl.load(db + p_k, mask=m_k, other=0.0) + mm(b_dMabt, b_a, DOT_PREC)
         tl.store(db + p_k, b_db, mask=m_k)
-        b_dk = tl.load(dk + p_k, mask=m_k, other=0.0) + tl.dot(b_dMakt, b_a, input_precision=DOT_PREC)
+        b_dk = tl.load(dk + p_k, mask=m_k, other=0.0) + mm(b_dMakt, b_a, DOT_PREC)
         tl.store(dk + p_k, b_dk, mask=m_k)
 
 
@@ -226,7 +226,7 @@ def iplr_wy_bwd(k, v, a, b, Ai, dw, dx, dk, db, dv, layout: ChunkLayout) -> torc
         iplr_wy_bwd_kernel[(layout.num_chunks, H)](
             k, v, a, b, Ai, dw, dx, dk, db, dv, da, layout.cu_seqlens, layout.chunk_indices, H=H, K=K, V=V,
             BT=layout.chunk_size, BK=min(64, triton.next_power_of_2(K)), BV=min(64, triton.next_power_of_2(V)),
-            DOT_PREC=dot_precision(k.dtype),
+            DOT_PREC=iplr_dot_precision(k.dtype),
             num_warps=8)  # eight [64, 64] fp32 tiles live at once (T, dT, dTᵀ, M_ak, M_akᵀ, ...); untimed
     return da
 
@@ -237,7 +237,8 @@ def chunk_iplr_delta_rule_bwd(q, k, v, a, b, scale: float, initial_state, Ai, do
     _, w, u = iplr_wy_fwd(k, v, a, b, layout, Ai=Ai)
     h, x, _ = iplr_state_pass_fwd(k, v, b, w, u, initial_state, False, layout)
     # The shared reverse state pass: X plays δ, b plays k, and w = −T A keeps its δ = u − w S convention.
-    dh, dx, dh0 = state_pass_bwd(q, b, w, None, do, dht, scale, initial_state is not None, layout)
+    dh, dx, dh0 = state_pass_bwd(q, b, w, None, do, dht, scale, initial_state is not None, layout,
+                                 dot_prec=iplr_dot_precision(q.dtype), dh_dtype=torch.float32)
     dq, dk, db, dv, dw = iplr_output_bwd(q, k, v, b, x, h, dh, do, dx, scale, layout)
     da = iplr_wy_bwd(k, v, a, b, Ai, dw, dx, dk, db, dv, layout)
     return dq, dk, dv, da, db, dh0

@@ -19,7 +19,8 @@ import triton.language as tl
 
 from ..common.chunking import ChunkLayout
 from ..common.launch import launch
-from ..common.wy import dot_precision, solve_precision, solve_unit_lower
+from ..common.precision import iplr_dot_precision, mm, raw_precision, solve_precision
+from ..common.wy import solve_unit_lower
 
 CHUNK_SIZE = 64
 
@@ -47,29 +48,29 @@ def iplr_wy_fwd_kernel(
         p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
         b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
-        b_Mak += tl.dot(b_a, tl.trans(b_k), input_precision=DOT_PREC)
+        b_Mak += mm(b_a, tl.trans(b_k), DOT_PREC)
         if not LOAD_AI:
             b_b = tl.load(b + p_k, mask=m_k, other=0.0).to(tl.float32)
-            b_Mab += tl.dot(b_a, tl.trans(b_b), input_precision=DOT_PREC)
+            b_Mab += mm(b_a, tl.trans(b_b), DOT_PREC)
     p_Ai = Ai + (o_t[:, None] * H + i_h) * BT + o_i[None, :]
     if LOAD_AI:
         b_T = tl.load(p_Ai, mask=m_t[:, None], other=0.0)
     else:
         b_T = solve_unit_lower(tl.where(m_A, -b_Mab, 0.0), BT, SOLVE_PREC)
         tl.store(p_Ai, b_T, mask=m_t[:, None])
-    b_TM = tl.dot(b_T, tl.where(m_A, b_Mak, 0.0), input_precision=DOT_PREC)  # T strict(A Kᵀ)
+    b_TM = mm(b_T, tl.where(m_A, b_Mak, 0.0), DOT_PREC)  # T strict(A Kᵀ)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
         b_a = tl.load(a + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
-        b_w = -tl.dot(b_T, b_a, input_precision=DOT_PREC)
+        b_w = -mm(b_T, b_a, DOT_PREC)
         tl.store(w + (o_t[:, None] * H + i_h) * K + o_k[None, :], b_w, mask=m_k)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = m_t[:, None] & (o_v < V)[None, :]
         p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
-        tl.store(u + p_v, tl.dot(b_TM, b_v, input_precision=DOT_PREC), mask=m_v)
+        tl.store(u + p_v, mm(b_TM, b_v, DOT_PREC), mask=m_v)
 
 
 def iplr_wy_fwd(k, v, a, b, layout: ChunkLayout, Ai=None):
@@ -87,7 +88,7 @@ def iplr_wy_fwd(k, v, a, b, layout: ChunkLayout, Ai=None):
         iplr_wy_fwd_kernel[(layout.num_chunks, H)](
             k, v, a, b, Ai, w, u, layout.cu_seqlens, layout.chunk_indices, H=H, K=K, V=V, BT=BT,
             BK=min(64, triton.next_power_of_2(K)), BV=min(64, triton.next_power_of_2(V)), LOAD_AI=load_ai,
-            DOT_PREC=dot_precision(k.dtype), SOLVE_PREC=solve_precision(k.dtype))
+            DOT_PREC=iplr_dot_precision(k.dtype), SOLVE_PREC=solve_precision(k.dtype))
     return Ai, w, u
 
 
@@ -118,13 +119,13 @@ def iplr_state_pass_fwd_kernel(
         p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
         p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
         b_w = tl.load(w + p_k, mask=m_tk, other=0.0)
-        b_x = tl.load(u + p_v, mask=m_tv, other=0.0) - tl.dot(b_w, b_h, input_precision=DOT_PREC)
+        b_x = tl.load(u + p_v, mask=m_tv, other=0.0) - mm(b_w, b_h, DOT_PREC)
         tl.store(x + p_v, b_x, mask=m_tv)
         b_b = tl.load(b + p_k, mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
         b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_h += tl.dot(tl.trans(b_b), b_x, input_precision=DOT_PREC)
-        b_h += tl.dot(tl.trans(b_k), b_v, input_precision=DOT_PREC)
+        b_h += mm(tl.trans(b_b), b_x, DOT_PREC)
+        b_h += mm(tl.trans(b_k), b_v, DOT_PREC)
     if STORE_FINAL_STATE:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + state_offset, b_h, mask=m_h)
 
@@ -145,7 +146,8 @@ def iplr_state_pass_fwd(k, v, b, w, u, initial_state, output_final_state: bool, 
         iplr_state_pass_fwd_kernel[(N * H, triton.cdiv(V, BV))](
             k, v, b, w, u, h, x, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, K=K, V=V,
             BT=layout.chunk_size, BK=BK, BV=BV, USE_INITIAL_STATE=initial_state is not None,
-            STORE_FINAL_STATE=output_final_state, DOT_PREC=dot_precision(k.dtype), **launch("iplr_state_pass_fwd"))
+            STORE_FINAL_STATE=output_final_state, DOT_PREC=iplr_dot_precision(k.dtype),
+            **launch("iplr_state_pass_fwd"))
     return h, x, ht
 
 
@@ -153,7 +155,7 @@ def iplr_state_pass_fwd(k, v, b, w, u, initial_state, output_final_state: bool, 
 def iplr_output_fwd_kernel(
     q, k, v, b, x, h, o, cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
     i_c, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # chunks on axis 0 (no 65535 limit)
     i_n = tl.load(chunk_indices + i_c * 2)
@@ -179,16 +181,16 @@ def iplr_output_fwd_kernel(
         b_b = tl.load(b + p_k, mask=m_tk, other=0.0).to(tl.float32)
         b_h = tl.load(h + (i_hc * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                       mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_o += tl.dot(b_q, b_h, input_precision=DOT_PREC)
-        b_Pb += tl.dot(b_q, tl.trans(b_b), input_precision=DOT_PREC)
-        b_Pk += tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PREC)
+        b_o += mm(b_q, b_h, DOT_PREC)
+        b_Pb += mm(b_q, tl.trans(b_b), DOT_PREC)
+        b_Pk += mm(b_q, tl.trans(b_k), RAW_PREC)
     m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
     b_x = tl.load(x + p_v, mask=m_tv, other=0.0)
     b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
-    b_o += tl.dot(tl.where(m_A, b_Pb, 0.0), b_x, input_precision=DOT_PREC)
-    b_o += tl.dot(tl.where(m_A, b_Pk, 0.0), b_v, input_precision=DOT_PREC)
+    b_o += mm(tl.where(m_A, b_Pb, 0.0), b_x, DOT_PREC)
+    b_o += mm(tl.where(m_A, b_Pk, 0.0), b_v, DOT_PREC)
     tl.store(o + p_v, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
 
 
@@ -200,7 +202,8 @@ def iplr_output_fwd(q, k, v, b, x, h, scale: float, layout: ChunkLayout, out_dty
     if layout.num_chunks:
         iplr_output_fwd_kernel[(layout.num_chunks, triton.cdiv(V, BV), H)](
             q, k, v, b, x, h, o, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,
-            H=H, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(q.dtype))
+            H=H, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, DOT_PREC=iplr_dot_precision(q.dtype),
+            RAW_PREC=raw_precision(q.dtype))
     return o
 
 

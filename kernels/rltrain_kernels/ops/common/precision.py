@@ -1,0 +1,124 @@
+"""Precision of the delta-rule chunk kernels: what the tensor-core dots take as operands, and the dtype in which
+the chunk intermediates (the chunk states h, δ = v_new and the state gradients dh) are stored.
+
+Kernels call `mm(a, b, DOT_PREC)` instead of `tl.dot`, with `DOT_PREC = dot_precision(input dtype)`, and
+`mm(a, b, RAW_PREC)` (`raw_precision`) for a product of two raw inputs (q kᵀ, k kᵀ): in bf16 or fp16 there, since
+the products of two such numbers are exact in fp32 (that dot loses nothing, at twice tf32's rate). The modes:
+- "ieee": exact fp32 products (fp32 inputs: the CPU interpreter's and the fp32 GPU path);
+- "tf32": fp32 operands rounded to tf32 (10-bit mantissa) on the tensor cores;
+- "bf16" / "fp16": operands cast to bf16 (7-bit mantissa) / fp16 in registers, twice tf32's tensor-core rate and
+  half the operand registers and shared memory. Computed operands (T, w, u, h, δ) are rounded to bf16 there, as
+  fla does throughout.
+Accumulation is fp32 in every mode, and the state recurrences keep their running state in fp32 registers.
+
+Triton 3.4–3.7.0 miscompiles, on Hopper, a tensor-core dot whose operand is tl.trans of another tensor-core dot's
+result (fla #640): that gave dk off by 10–15% here with "tf32". No kernel of the delta-rule family does that (the
+transposed product is computed as its own dot from loaded tiles). The interpreter ignores input_precision, so only
+a GPU run can validate a choice (kernels/benchmarks/bench_gated_delta_rule.py --precision sweeps them).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Measured together on H100 (2026-11-23, bench_gated_delta_rule.py --precision; bf16 H16 K=V=128; errors: worst
+# relative error vs the fp32 naive recurrence over B1 T300 H2 and B2 T1024 H4; issue bar 5e-3 outputs, 1e-2 grads):
+#   dots / raw q,k dots / stored h, δ, dh    out err  grad err   B8 T2048 fwd, fwd+bwd ms   B2 T8192 fwd, fwd+bwd
+#   tf32 / tf32 / fp32  (before)             2.3e-3   2.5e-3     1.000  4.34                1.09  4.82
+#   tf32 / bf16 / fp32                       2.3e-3   2.5e-3     0.967  4.18                1.07  4.72
+#   tf32 / bf16 / bf16                       2.9e-3   2.9e-3     0.856  3.97                1.02  4.64
+#   bf16 / bf16 / fp32                       3.6e-3   4.5e-3     0.876  3.76                0.99  4.09
+#   bf16 / bf16 / bf16  (default)            3.6e-3   4.5e-3     0.752  3.41                0.90  3.90
+# The chunk products' dots for bf16 inputs: "bf16" or "tf32" (fp16 inputs always use "tf32": fp16's range would
+# overflow computed operands such as the chunk states; fp32 inputs always "ieee").
+LOW_PRECISION_DOT = "bf16"
+# Products of two raw bf16/fp16 inputs in their own dtype (exact) rather than as fp32 in DOT_PREC.
+RAW_OPERANDS_NATIVE = True
+# Store h, δ and dh in bf16 for bf16 inputs (fp32 otherwise): half the bytes of the passes between kernels.
+LOW_PRECISION_STORE = True
+# IPLR keeps tf32 dots and fp32 chunk states: with bf16 ones its real-size GPU test failed on H100 (2026-11-23:
+# gradients off at B2 T1024 K=V=128, then an illegal memory access); not investigated yet.
+IPLR_LOW_PRECISION_DOT = "tf32"
+# The solve's merges in "tf32x3" (three tf32 products: ≈ fp32 accuracy on tensor cores) instead of "ieee": forward
+# 3.80 → 2.30 ms, fwd+bwd 8.82 → 7.40 ms (H200, bf16 B8 T2048 H16 K=V=128), gradients unchanged (2.6e-3).
+LOW_PRECISION_SOLVE = "tf32x3"
+
+
+def dot_precision(dtype: torch.dtype, low: str | None = None) -> str:
+    """DOT_PREC for inputs of `dtype`: 'ieee' for fp32, `low` (default LOW_PRECISION_DOT) for bf16, 'tf32' for fp16.
+    Under the interpreter bf16's mode gets an '_interpreted' suffix (mm and cast_for_store round to nearest then)."""
+    if dtype in (torch.float32, torch.float64):
+        return "ieee"
+    if dtype != torch.bfloat16:
+        return "tf32"
+    return (low or LOW_PRECISION_DOT) + ("_interpreted" if _interpreted() else "")
+
+
+def iplr_dot_precision(dtype: torch.dtype) -> str:
+    """DOT_PREC of the IPLR kernels (IPLR_LOW_PRECISION_DOT for bf16 inputs)."""
+    return dot_precision(dtype, IPLR_LOW_PRECISION_DOT)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def raw_precision(dtype: torch.dtype) -> str:
+    """RAW_PREC: the dot precision of a product of two raw inputs of `dtype` (exact in bf16/fp16)."""
+    if not RAW_OPERANDS_NATIVE or dtype not in (torch.bfloat16, torch.float16):
+        return dot_precision(dtype)
+    native = "bf16" if dtype == torch.bfloat16 else "fp16"
+    return native + ("_interpreted" if _interpreted() else "")
+
+
+def solve_precision(dtype: torch.dtype) -> str:
+    """The solve's block merges: T feeds every later stage, so its error is kept below tf32's 2⁻¹¹
+    (LOW_PRECISION_SOLVE for bf16/fp16 inputs); 'ieee' for fp32 inputs."""
+    return "ieee" if dtype in (torch.float32, torch.float64) else LOW_PRECISION_SOLVE
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Storage dtype of the chunk intermediates for inputs of `dtype` (see LOW_PRECISION_STORE)."""
+    return torch.bfloat16 if LOW_PRECISION_STORE and dtype == torch.bfloat16 else torch.float32
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 x rounded to the nearest bf16 value (ties to even), kept in fp32. Triton 3.6's interpreter truncates in
+    its own fp32 → bf16 casts (and returns garbage for bf16 x bf16 dots), so the interpreted modes round here."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mm(a, b, DOT_PREC: tl.constexpr):
+    """a @ b with fp32 accumulation; the operands cast to bf16 / fp16 when DOT_PREC is "bf16" / "fp16", else fp32
+    operands with tl.dot's input_precision=DOT_PREC. The "_interpreted" modes compute the same numbers on the CPU
+    interpreter (bf16 and fp16 products are exact in fp32)."""
+    if DOT_PREC == "bf16":
+        c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif DOT_PREC == "fp16":
+        c = tl.dot(a.to(tl.float16), b.to(tl.float16))
+    elif DOT_PREC == "bf16_interpreted":
+        c = tl.dot(round_to_bf16(a), round_to_bf16(b), input_precision="ieee")
+    elif DOT_PREC == "fp16_interpreted":  # only raw fp16 operands come here: the casts are exact
+        c = tl.dot(a.to(tl.float16).to(tl.float32), b.to(tl.float16).to(tl.float32), input_precision="ieee")
+    elif DOT_PREC == "tf32_interpreted":
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b, input_precision=DOT_PREC)
+    return c
+
+
+@triton.jit
+def cast_for_store(x, ptr, DOT_PREC: tl.constexpr):
+    """x in ptr's element type, rounded to nearest also under the interpreter (see round_to_bf16)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        if DOT_PREC == "bf16_interpreted" or DOT_PREC == "tf32_interpreted":
+            x = round_to_bf16(x)
+    return x.to(ptr.dtype.element_ty)
