@@ -18,12 +18,12 @@ import triton.language as tl
 
 from .chunking import ChunkLayout
 from .launch import launch
-from .precision import dot_precision, mm, raw_precision
+from .precision import cast_for_store, dot_precision, mm, raw_precision
 
 
 @triton.jit
 def gated_wy_bwd_kernel(
-    k, v, beta, G, Ai, dw, du, dk, dv, dbeta, dG, cu_seqlens, chunk_indices,
+    k, v, beta, G, Ai, dw, du, dk, dk_out, dv, dbeta, dG, cu_seqlens, chunk_indices,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
@@ -65,7 +65,7 @@ def gated_wy_bwd_kernel(
         b_dTt += mm(b_v * b_beta[:, None], tl.trans(b_du), DOT_PREC)
         b_dvt = mm(tl.trans(b_T), b_du, DOT_PREC)
         b_dbeta += tl.sum(b_dvt * b_v, 1)
-        tl.store(dv + p_v, b_dvt * b_beta[:, None], mask=m_v)
+        tl.store(dv + p_v, cast_for_store(b_dvt * b_beta[:, None], dv, DOT_PREC), mask=m_v)
     # dA = −Tᵀ dT Tᵀ on the strict lower triangle.
     m_A = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_dA = mm(mm(tl.trans(b_T), b_dT, DOT_PREC), tl.trans(b_T), DOT_PREC)
@@ -95,25 +95,28 @@ def gated_wy_bwd_kernel(
         b_dk = tl.load(dk + p_k, mask=m_k, other=0.0)
         b_dk += b_dkt * (b_beta * b_gamma)[:, None]
         b_dk += mm(b_B, b_k, DOT_PREC) + mm(b_Bt, b_k, DOT_PREC)
-        tl.store(dk + p_k, b_dk, mask=m_k)
-    tl.store(dbeta + o_t * HV + i_hv, b_dbeta, mask=m_t)
+        tl.store(dk_out + p_k, cast_for_store(b_dk, dk_out, DOT_PREC), mask=m_k)
+    tl.store(dbeta + o_t * HV + i_hv, cast_for_store(b_dbeta, dbeta, DOT_PREC), mask=m_t)
     if USE_G:
         b_dG += tl.load(dG + o_t * HV + i_hv, mask=m_t, other=0.0)
         tl.store(dG + o_t * HV + i_hv, b_dG, mask=m_t)
 
 
-def gated_wy_bwd(k, v, beta, G, Ai, dw, du, dk, dG, layout: ChunkLayout):
-    """Adds the WY backward into dk [tokens, HV, K] fp32 and dG [tokens, HV] fp32 (in place);
-    returns (dv [tokens, HV, V] fp32, dbeta [tokens, HV] fp32)."""
+def gated_wy_bwd(k, v, beta, G, Ai, dw, du, dk, dG, layout: ChunkLayout, out_dtypes: bool = False,
+                 dk_final: bool = False):
+    """Adds the WY backward into dk [tokens, HV, K] fp32 and dG [tokens, HV] fp32; returns (dk, dv [tokens, HV, V],
+    dbeta [tokens, HV]). fp32, or with out_dtypes dv and dbeta in v's and beta's dtypes and, with dk_final too, dk
+    in k's (a new tensor): final gradients written once, with no cast kernels after."""
     TT, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
-    dv = torch.empty(TT, HV, V, dtype=torch.float32, device=k.device)
-    dbeta = torch.empty(TT, HV, dtype=torch.float32, device=k.device)
+    dv = torch.empty(TT, HV, V, dtype=v.dtype if out_dtypes else torch.float32, device=k.device)
+    dbeta = torch.empty(TT, HV, dtype=beta.dtype if out_dtypes else torch.float32, device=k.device)
+    dk_out = torch.empty_like(dk, dtype=k.dtype) if out_dtypes and dk_final and k.dtype != dk.dtype else dk
     if layout.num_chunks:
         gated_wy_bwd_kernel[(layout.num_chunks, HV)](
-            k, v, beta, G, Ai, dw, du, dk, dv, dbeta, dG, layout.cu_seqlens, layout.chunk_indices,
+            k, v, beta, G, Ai, dw, du, dk, dk_out, dv, dbeta, dG, layout.cu_seqlens, layout.chunk_indices,
             H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=min(64, triton.next_power_of_2(K)),
             BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None, DOT_PREC=dot_precision(k.dtype),
             RAW_PREC=raw_precision(k.dtype),
             **launch("wy_bwd"))
-    return dv, dbeta
+    return dk_out, dv, dbeta

@@ -20,7 +20,7 @@ from ..common.chunking import ChunkLayout
 from ..common.cumsum import chunk_local_cumsum
 from ..common.launch import launch
 from ..common.state_pass import state_pass_bwd, state_pass_fwd
-from ..common.precision import dot_precision, mm, raw_precision
+from ..common.precision import cast_for_store, dot_precision, mm, raw_precision
 from ..common.wy import gated_wy_fwd
 from ..common.wy_bwd import gated_wy_bwd
 
@@ -89,17 +89,18 @@ def chunk_dqkwg_kernel(
     m_At = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_Et = tl.where(m_At, tl.exp(tl.where(m_At, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
     b_dk += mm(b_dPt * b_Et * scale, b_q, DOT_PREC)
-    tl.store(dq + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_dq, mask=m_tk)
+    tl.store(dq + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(b_dq, dq, DOT_PREC),
+             mask=m_tk)
     tl.store(dk + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_dk, mask=m_tk)
     tl.store(dG + o_t * HV + i_hv, b_dG, mask=m_t)
 
 
-def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout):
-    """→ dq, dk (per value head, fp32 [tokens, HV, K]; dk still lacks the WY part), dw, dG (partial)."""
+def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout, dq_dtype=torch.float32):
+    """→ dq (per value head [tokens, HV, K] in dq_dtype), dk (fp32, still lacking the WY part), dw, dG (partial)."""
     TT, H, K = q.shape
     HV, V = do.shape[1], do.shape[2]
-    dq = torch.empty(TT, HV, K, dtype=torch.float32, device=q.device)
-    dk, dw = torch.empty_like(dq), torch.empty_like(dq)
+    dq = torch.empty(TT, HV, K, dtype=dq_dtype, device=q.device)
+    dk, dw = torch.empty_like(dq, dtype=torch.float32), torch.empty_like(dq, dtype=torch.float32)
     dG = torch.empty(TT, HV, dtype=torch.float32, device=q.device)
     if K > 256:
         raise ValueError(f"K={K} > 256 is not supported by the chunked backward")
@@ -116,16 +117,21 @@ def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout
 
 def chunk_gated_delta_rule_bwd(q, k, v, beta, scale: float, initial_state, G, Ai, do, dht, layout: ChunkLayout):
     """Flattened inputs (as chunk_gated_delta_rule_fwd) and the saved G, Ai → (dq [tokens, H, K], dk, dv
-    [tokens, HV, V], dg [tokens, HV], dbeta [tokens, HV], dh0 or None), all fp32."""
+    [tokens, HV, V], dg [tokens, HV], dbeta [tokens, HV], dh0 or None). dv and dbeta come in v's and beta's dtype,
+    dq and dk in q's and k's unless value heads share them (GVA: summed in fp32, returned fp32), written so by the
+    kernels (no cast afterwards); dg and dh0 fp32."""
     TT, H, K = q.shape
     HV = v.shape[1]
+    gva = HV != H
     _, w, u = gated_wy_fwd(k, v, beta, G, layout, Ai=Ai)
     h, v_new, _ = state_pass_fwd(k, w, u, G, initial_state, False, layout)
     dh, dv_new, dh0 = state_pass_bwd(q, k, w, G, do, dht, scale, initial_state is not None, layout)
-    dq, dk, dw, dG = chunk_dqkwg(q, k, v_new, h, dh, do, dv_new, G, scale, layout)
-    dv, dbeta = gated_wy_bwd(k, v, beta, G, Ai, dw, dv_new, dk, dG, layout)
+    dq, dk, dw, dG = chunk_dqkwg(q, k, v_new, h, dh, do, dv_new, G, scale, layout,
+                                 dq_dtype=torch.float32 if gva else q.dtype)
+    dk, dv, dbeta = gated_wy_bwd(k, v, beta, G, Ai, dw, dv_new, dk, dG, layout, out_dtypes=True,
+                                 dk_final=not gva)
     dg = chunk_local_cumsum(dG, layout, reverse=True)
-    if HV != H:  # value heads hv = h·(HV/H) + j share q/k head h
+    if gva:  # value heads hv = h·(HV/H) + j share q/k head h
         dq = dq.view(TT, H, HV // H, K).sum(2)
         dk = dk.view(TT, H, HV // H, K).sum(2)
     return dq, dk, dv, dg, dbeta, dh0
