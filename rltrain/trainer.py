@@ -22,7 +22,7 @@ from rltrain.algorithms.rollout_correction import apply_rollout_correction
 from rltrain.config import ConfigError
 from rltrain.data.rows import load_rows
 from rltrain.data.sampler import PromptSampler, drop_long_prompts, encode_prompts
-from rltrain.job import JobConfig
+from rltrain.job import JobConfig, resolve_device
 from rltrain.tracking import Tracker
 from rltrain.workers.actor import ActorWorker
 from rltrain.workers.batch import concat_batches
@@ -106,7 +106,7 @@ class GRPOTrainer:
         device = job.trainer.device
         if device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("trainer.device: 'cuda' was asked for but this machine shows no CUDA device")
-        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        self.device = resolve_device(device)
         self.model_dir, train_rows, val_rows = resolve_model_and_data(job)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, padding_side="left")
         if self.tokenizer.pad_token_id is None:

@@ -57,17 +57,22 @@ def make_inputs(B, T, H, K, V, dtype=torch.bfloat16, requires_grad=False, N=None
     return tensors, h0
 
 
+def outputs_and_grads(fn, inputs, do) -> list:
+    """[o, final state, dq, dk, dv, dg, dβ, dh0] of fn on fresh leaf copies of inputs (q, k, v, g, beta, h0), for the
+    loss ⟨o, do⟩ + Σ final state."""
+    inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    o, ht = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+    (o.float() * do.float()).sum().add(ht.sum()).backward()
+    return [o, ht] + [t.grad for t in inputs]
+
+
 def check_against_naive():
     """Ours vs the fp32 naive recurrence (B=1, T=300, H=2, K=V=128), forward and every gradient."""
     (q, k, v, g, beta), h0 = make_inputs(1, 300, 2, 128, 128, dtype=torch.bfloat16, requires_grad=True)
     h0.requires_grad_(True)
     do = torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
-    results = {}
-    for name, fn in (("ours", chunk_gated_delta_rule), ("naive", naive_recurrent_gated_delta_rule)):
-        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
-        o, ht = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True)
-        (o.float() * do.float()).sum().add(ht.sum()).backward()
-        results[name] = [o, ht] + [t.grad for t in inputs]
+    results = {name: outputs_and_grads(fn, (q, k, v, g, beta, h0), do)
+               for name, fn in (("ours", chunk_gated_delta_rule), ("naive", naive_recurrent_gated_delta_rule))}
     names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
     errs = {n: rel(a, b) for n, a, b in zip(names, results["ours"], results["naive"])}
     print("ours vs naive fp32 (bf16 inputs):", ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
@@ -138,10 +143,7 @@ def sweep_launch(names, B=8, T=2048, H=16, D=128):
     do = torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
 
     def grads(fn):
-        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
-        o, ht = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True)
-        (o.float() * do.float()).sum().add(ht.sum()).backward()
-        return [o, ht] + [t.grad for t in inputs]
+        return outputs_and_grads(fn, (q, k, v, g, beta, h0), do)
 
     reference = grads(naive_recurrent_gated_delta_rule)
     print("| kernel | warps | stages | worst output err | worst grad err | fwd+bwd ms (B8 T2048) |")
@@ -178,19 +180,13 @@ def sweep_precision(fla_chunk, H=16, D=128):
         (q, k, v, g, beta), h0 = make_inputs(B, T, Hc, 128, 128, requires_grad=True)
         checks.append(((q, k, v, g, beta, h0), torch.randn_like(v)))
 
-    def grads(fn, inputs, do):
-        inputs = [t.detach().clone().requires_grad_() for t in inputs]
-        o, ht = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True)
-        (o.float() * do.float()).sum().add(ht.sum()).backward()
-        return [o, ht] + [t.grad for t in inputs]
-
-    references = [grads(naive_recurrent_gated_delta_rule, inputs, do) for inputs, do in checks]
+    references = [outputs_and_grads(naive_recurrent_gated_delta_rule, inputs, do) for inputs, do in checks]
     rows = []
     for variant in variants:
         for n, value in zip(names, variant):
             setattr(precision, n, value)
         dot, raw, store = variant
-        errs = [[rel(a, b) for a, b in zip(grads(chunk_gated_delta_rule, inputs, do), ref)]
+        errs = [[rel(a, b) for a, b in zip(outputs_and_grads(chunk_gated_delta_rule, inputs, do), ref)]
                 for (inputs, do), ref in zip(checks, references)]
         out_err = max(max(e[:2]) for e in errs)
         grad_err = max(max(e[2:]) for e in errs)
@@ -201,7 +197,7 @@ def sweep_precision(fla_chunk, H=16, D=128):
     for n, value in zip(names, default):
         setattr(precision, n, value)
     if fla_chunk is not None:  # its errors by the same measure (its gradients on Hopper: see the module docstring)
-        errs = [[rel(a, b) for a, b in zip(grads(fla_chunk, inputs, do), ref)]
+        errs = [[rel(a, b) for a, b in zip(outputs_and_grads(fla_chunk, inputs, do), ref)]
                 for (inputs, do), ref in zip(checks, references)]
         times = [t for B, T in ((8, 2048), (2, 8192)) for t in time_chunk(fla_chunk, B, T, H, D)]
         rows.append(("fla 0.6 (bwd guard bypassed)", max(max(e[:2]) for e in errs), max(max(e[2:]) for e in errs),

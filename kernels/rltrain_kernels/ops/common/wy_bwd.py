@@ -102,16 +102,15 @@ def gated_wy_bwd_kernel(
         tl.store(dG + o_t * HV + i_hv, b_dG, mask=m_t)
 
 
-def gated_wy_bwd(k, v, beta, G, Ai, dw, du, dk, dG, layout: ChunkLayout, out_dtypes: bool = False,
-                 dk_final: bool = False):
-    """Adds the WY backward into dk [tokens, HV, K] fp32 and dG [tokens, HV] fp32; returns (dk, dv [tokens, HV, V],
-    dbeta [tokens, HV]). fp32, or with out_dtypes dv and dbeta in v's and beta's dtypes and, with dk_final too, dk
-    in k's (a new tensor): final gradients written once, with no cast kernels after."""
+def gated_wy_bwd(k, v, beta, G, Ai, dw, du, dk, dG, layout: ChunkLayout, dk_final: bool = False):
+    """Adds the WY backward into dk [tokens, HV, K] fp32 and dG [tokens, HV] fp32; returns (dk, dv [tokens, HV, V]
+    in v's dtype, dbeta [tokens, HV] in beta's): final gradients written once, no cast kernels after. With dk_final
+    dk comes back in k's dtype (a new tensor); else the fp32 dk, summed further by the caller (GVA)."""
     TT, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
-    dv = torch.empty(TT, HV, V, dtype=v.dtype if out_dtypes else torch.float32, device=k.device)
-    dbeta = torch.empty(TT, HV, dtype=beta.dtype if out_dtypes else torch.float32, device=k.device)
-    dk_out = torch.empty_like(dk, dtype=k.dtype) if out_dtypes and dk_final and k.dtype != dk.dtype else dk
+    dv = torch.empty(TT, HV, V, dtype=v.dtype, device=k.device)
+    dbeta = torch.empty(TT, HV, dtype=beta.dtype, device=k.device)
+    dk_out = torch.empty_like(dk, dtype=k.dtype) if dk_final and k.dtype != dk.dtype else dk
     if layout.num_chunks:
         gated_wy_bwd_kernel[(layout.num_chunks, HV)](
             k, v, beta, G, Ai, dw, du, dk, dk_out, dv, dbeta, dG, layout.cu_seqlens, layout.chunk_indices,

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..common.chunking import ChunkLayout
-from ..common.precision import dot_precision, mm, raw_precision
+from ..common.precision import cast_for_store, dot_precision, mm, raw_precision
 
 
 @triton.jit
@@ -67,7 +67,7 @@ def strided_output_fwd_kernel(
     b_v = tl.load(v_new + (o_s[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :],
                   other=0.0).to(tl.float32)
     b_o = (b_o + mm(b_A, b_v, DOT_PREC)) * scale
-    tl.store(o + (o_tok[:, None] * HV + i_hv) * V + o_v[None, :], b_o.to(o.dtype.element_ty),
+    tl.store(o + (o_tok[:, None] * HV + i_hv) * V + o_v[None, :], cast_for_store(b_o, o, DOT_PREC),
              mask=m_q[:, None] & m_v[None, :])
 
 

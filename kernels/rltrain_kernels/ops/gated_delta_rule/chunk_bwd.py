@@ -128,8 +128,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, beta, scale: float, initial_state, G, Ai
     dh, dv_new, dh0 = state_pass_bwd(q, k, w, G, do, dht, scale, initial_state is not None, layout)
     dq, dk, dw, dG = chunk_dqkwg(q, k, v_new, h, dh, do, dv_new, G, scale, layout,
                                  dq_dtype=torch.float32 if gva else q.dtype)
-    dk, dv, dbeta = gated_wy_bwd(k, v, beta, G, Ai, dw, dv_new, dk, dG, layout, out_dtypes=True,
-                                 dk_final=not gva)
+    dk, dv, dbeta = gated_wy_bwd(k, v, beta, G, Ai, dw, dv_new, dk, dG, layout, dk_final=not gva)
     dg = chunk_local_cumsum(dG, layout, reverse=True)
     if gva:  # value heads hv = h·(HV/H) + j share q/k head h
         dq = dq.view(TT, H, HV // H, K).sum(2)

@@ -16,7 +16,7 @@ from ..common.chunking import ChunkLayout
 from ..common.cumsum import chunk_local_cumsum
 from ..common.launch import launch
 from ..common.state_pass import state_pass_fwd
-from ..common.precision import dot_precision, mm, raw_precision
+from ..common.precision import cast_for_store, dot_precision, mm, raw_precision
 from ..common.wy import gated_wy_fwd
 
 CHUNK_SIZE = 64
@@ -60,7 +60,7 @@ def chunk_output_fwd_kernel(
     p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
     b_v = tl.load(v_new + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     b_o = (b_o + mm(b_A, b_v, DOT_PREC)) * scale
-    tl.store(o + p_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+    tl.store(o + p_v, cast_for_store(b_o, o, DOT_PREC), mask=m_t[:, None] & m_v[None, :])
 
 
 def chunk_output_fwd(q, k, v_new, h, G, scale: float, layout: ChunkLayout, out_dtype) -> torch.Tensor:
