@@ -390,6 +390,36 @@ def test_chunk_precision_variants(dot, store, device, monkeypatch):
     assert set(dtypes) == {(torch.bfloat16,) * 2 if store else (torch.float32,) * 2}
 
 
+def test_operand_storage_changes_no_number(device, monkeypatch):
+    """T, w, dδ and dw feed only the chunk kernels' dots, which round their operands to bf16 anyway: storing them in
+    bf16 (precision.LOW_PRECISION_OPERANDS) must give the very same outputs and gradients, bit for bit."""
+    from rltrain_kernels.ops.common import precision
+    from rltrain_kernels.ops.gated_delta_rule import chunk_fwd
+
+    stored = []
+    real_wy = chunk_fwd.gated_wy_fwd
+
+    def spy(*args, **kwargs):
+        Ai, w, u = real_wy(*args, **kwargs)
+        stored.append((Ai.dtype, w.dtype, u.dtype))
+        return Ai, w, u
+
+    monkeypatch.setattr(chunk_fwd, "gated_wy_fwd", spy)
+    inputs = make_inputs(1, 100, 1, 32, 16, HV=2, dtype=torch.bfloat16, device=device, initial_state=True)
+    do = torch.randn(1, 100, 2, 16, device=device, dtype=torch.bfloat16)
+    results = {}
+    for low in (True, False):
+        monkeypatch.setattr(precision, "LOW_PRECISION_OPERANDS", low)
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        o, ht = chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True)
+        ((o.float() * do.float()).sum() + ht.square().sum()).backward()
+        results[low] = [o, ht] + [t.grad for t in leaves]
+    assert stored == [(torch.bfloat16, torch.bfloat16, torch.float32), (torch.float32,) * 3]
+    for name, a, b in zip(["o", "final_state"] + [f"d{n}" for n in GRAD_NAMES], results[True],
+                          results[False]):
+        assert torch.equal(a, b), f"{name} changed with bf16 operand storage: {(a.float() - b.float()).abs().max()}"
+
+
 def test_fused_recurrent_gradients_via_chunk_backward(device):
     inputs = make_inputs(1, 30, 1, 16, 16, HV=2, device=device, initial_state=True, requires_grad=True)
     check_gradients(fused_recurrent_gated_delta_rule, *inputs, l2norm=True, threshold=(1e-5, 2e-5))

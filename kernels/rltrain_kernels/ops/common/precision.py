@@ -40,6 +40,10 @@ LOW_PRECISION_DOT = "bf16"
 RAW_OPERANDS_NATIVE = True
 # Store h, δ and dh in bf16 for bf16 inputs (fp32 otherwise): half the bytes of the passes between kernels.
 LOW_PRECISION_STORE = True
+# Store T, w, dδ and dw, the intermediates that only ever feed DOT_PREC dots, in the dots' operand dtype (bf16 with
+# bf16 dots): rounded once on the store instead of in every dot that reads them, the same numbers at half the bytes
+# (tests/kernels/ops/test_gated_delta_rule.py::test_operand_storage_changes_no_number checks it bit for bit).
+LOW_PRECISION_OPERANDS = True
 # IPLR keeps tf32 dots and fp32 chunk states: with bf16 ones its real-size GPU test failed on H100 (2026-11-23:
 # gradients off at B2 T1024 K=V=128, then an illegal memory access); not investigated yet.
 IPLR_LOW_PRECISION_DOT = "tf32"
@@ -79,6 +83,14 @@ def solve_precision(dtype: torch.dtype) -> str:
     """The solve's block merges: T feeds every later stage, so its error is kept below tf32's 2⁻¹¹
     (LOW_PRECISION_SOLVE for bf16/fp16 inputs); 'ieee' for fp32 inputs."""
     return "ieee" if dtype in (torch.float32, torch.float64) else LOW_PRECISION_SOLVE
+
+
+def operand_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Storage dtype of the intermediates that only ever feed DOT_PREC dots (T, w, dδ, dw) for inputs of `dtype`:
+    the dots' own operand dtype, bf16 when dot_precision(dtype) is "bf16" and LOW_PRECISION_OPERANDS is on (stored
+    through cast_for_store, they round exactly as the dot's own cast would), else fp32."""
+    low = LOW_PRECISION_OPERANDS and dtype == torch.bfloat16 and LOW_PRECISION_DOT == "bf16"
+    return torch.bfloat16 if low else torch.float32
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:

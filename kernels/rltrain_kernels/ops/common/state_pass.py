@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .chunking import ChunkLayout
 from .launch import launch
-from .precision import cast_for_store, dot_precision, mm, raw_precision, work_dtype
+from .precision import cast_for_store, dot_precision, mm, operand_dtype, raw_precision, work_dtype
 
 
 @triton.jit
@@ -107,7 +107,7 @@ def local_dv_kernel(
 
 @triton.jit
 def state_pass_bwd_kernel(
-    q, k, w, G, do, dv, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
+    q, k, w, G, do, dv_local, dv, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
     STORE_INITIAL_STATE_GRADIENT: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -149,9 +149,9 @@ def state_pass_bwd_kernel(
         else:
             b_kd = b_k
             b_qd = b_q * scale
-        # dv holds Pᵀ dO from local_dv_kernel
-        b_dv = tl.load(dv + p_v, mask=m_tv, other=0.0) + mm(b_kd, b_dh, DOT_PREC)
-        tl.store(dv + p_v, b_dv, mask=m_tv)
+        # dv_local holds Pᵀ dO (fp32) from local_dv_kernel; dv may be the same buffer
+        b_dv = tl.load(dv_local + p_v, mask=m_tv, other=0.0) + mm(b_kd, b_dh, DOT_PREC)
+        tl.store(dv + p_v, cast_for_store(b_dv, dv, DOT_PREC), mask=m_tv)
         if USE_G:
             b_dh *= tl.exp(b_G_last)
         b_dh += mm(tl.trans(b_qd), b_do, DOT_PREC)
@@ -198,24 +198,28 @@ def state_pass_fwd(k, w, u, G, initial_state, output_final_state: bool, layout: 
 
 
 def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: ChunkLayout,
-                   dot_prec: str | None = None, dh_dtype: torch.dtype | None = None):
+                   dot_prec: str | None = None, dh_dtype: torch.dtype | None = None,
+                   dv_dtype: torch.dtype | None = None):
     """→ (dh [chunks, HV, K, V] in dh_dtype (default work_dtype(k.dtype)): gradient of each chunk's end state,
-    dv [tokens, HV, V] fp32: ∂L/∂δ, dh0 [N, HV, K, V] fp32 or None). dot_prec: default dot_precision(q.dtype)."""
+    dv [tokens, HV, V] in dv_dtype (default operand_dtype(k.dtype)): ∂L/∂δ, dh0 [N, HV, K, V] fp32 or None).
+    dot_prec: default dot_precision(q.dtype). dv feeds only dots downstream, so storing it in their operand dtype
+    changes no number; its chunk-local part Pᵀ dO goes through an fp32 buffer first (dv itself when dv is fp32)."""
     dot_prec = dot_prec or dot_precision(q.dtype)
     TT, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     N = layout.num_seqs
     name, BK, BV = _state_launch("state_pass_bwd", N * HV, K, V, k.device)
     dh = torch.empty(layout.num_chunks, HV, K, V, dtype=dh_dtype or work_dtype(k.dtype), device=k.device)
-    dv = torch.empty(TT, HV, V, dtype=torch.float32, device=k.device)
+    dv = torch.empty(TT, HV, V, dtype=dv_dtype or operand_dtype(k.dtype), device=k.device)
+    dv_local = dv if dv.dtype == torch.float32 else torch.empty_like(dv, dtype=torch.float32)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if need_dh0 else None
     if layout.num_chunks:
         local_dv_kernel[(layout.num_chunks, HV)](
-            q, k, G, do, dv, layout.cu_seqlens, layout.chunk_indices, scale, H=H, HV=HV, K=K, V=V,
+            q, k, G, do, dv_local, layout.cu_seqlens, layout.chunk_indices, scale, H=H, HV=HV, K=K, V=V,
             BT=layout.chunk_size, BK=BK, BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None,
             DOT_PREC=dot_prec, RAW_PREC=raw_precision(q.dtype), **launch("local_dv"))
     state_pass_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
-        q, k, w, G, do, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V,
-        BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
+        q, k, w, G, do, dv_local, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H, HV=HV,
+        K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
         STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=dot_prec, **launch(name))
     return dh, dv, dh0

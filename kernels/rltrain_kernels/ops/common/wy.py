@@ -5,10 +5,11 @@ Within a chunk (local index i, chunk-local cumulative gate G_i, γ_i = exp(G_i))
 with  A_ij = β_i exp(G_i − G_j) k_iᵀk_j (i > j, else 0),  T = (I + A)⁻¹  (unit lower triangular),
       w = T diag(β γ) K,   u = T diag(β) V.
 This module builds A, solves for T in registers (forward substitution, one row per step) and forms w and u.
-T is stored (fp32, [tokens, heads, chunk]) so the backward can rebuild w and u without the solve.
+T is stored ([tokens, heads, chunk]) so the backward can rebuild w and u without the solve.
 
-Dot precision: common/precision.py. w and u stay fp32 (δ = u − w S cancels: rounding them to bf16 showed up
-as 3e-3 in the final state, against 1e-7 with fp32).
+Dot precision: common/precision.py. T and w feed only dots, so they are stored in the dots' operand dtype
+(operand_dtype: bf16 with bf16 dots, which round them so anyway). u stays fp32: δ = u − w S cancels, and rounding
+u to bf16 showed up as 3e-3 in the final state, against 1e-7 with fp32.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import triton.language as tl
 
 from .chunking import ChunkLayout
 from .launch import launch
-from .precision import dot_precision, mm, raw_precision, solve_precision
+from .precision import cast_for_store, dot_precision, mm, operand_dtype, raw_precision, solve_precision
 
 
 @triton.jit
@@ -76,7 +77,7 @@ def gated_wy_fwd_kernel(
         b_G = tl.zeros([BT], dtype=tl.float32)
     p_Ai = Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :]
     if LOAD_AI:
-        b_T = tl.load(p_Ai, mask=m_t[:, None], other=0.0)
+        b_T = tl.load(p_Ai, mask=m_t[:, None], other=0.0).to(tl.float32)
     else:
         b_A = tl.zeros([BT, BT], dtype=tl.float32)
         for i_k in range(tl.cdiv(K, BK)):
@@ -87,26 +88,26 @@ def gated_wy_fwd_kernel(
         m_A = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
         b_A = tl.where(m_A, b_A * b_beta[:, None] * tl.exp(tl.where(m_A, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
         b_T = solve_unit_lower(b_A, BT, SOLVE_PREC)
-        tl.store(p_Ai, b_T, mask=m_t[:, None])
+        tl.store(p_Ai, cast_for_store(b_T, Ai, DOT_PREC), mask=m_t[:, None])
     b_kscale = b_beta * tl.exp(b_G)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
         b_w = mm(b_T, b_k * b_kscale[:, None], DOT_PREC)
-        tl.store(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_k)
+        tl.store(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(b_w, w, DOT_PREC), mask=m_k)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = m_t[:, None] & (o_v < V)[None, :]
         b_v = tl.load(v + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_v, other=0.0).to(tl.float32)
         b_u = mm(b_T, b_v * b_beta[:, None], DOT_PREC)
-        tl.store(u + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_v)
+        tl.store(u + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_u, mask=m_v)
 
 
 def gated_wy_fwd(k, v, beta, G, layout: ChunkLayout, Ai=None):
     """k [tokens, H, K], v [tokens, HV, V], beta/G [tokens, HV] (G fp32 chunk-local cumsum or None) →
-    (Ai [tokens, HV, BT] fp32 = T, w [tokens, HV, K] fp32, u [tokens, HV, V] fp32). With Ai given, skip the
-    solve and only rebuild w and u (the backward's recomputation)."""
+    (Ai [tokens, HV, BT] = T and w [tokens, HV, K] in operand_dtype(k.dtype), u [tokens, HV, V] fp32). With Ai
+    given, skip the solve and only rebuild w and u (the backward's recomputation)."""
     TT, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     BT = layout.chunk_size
@@ -114,8 +115,8 @@ def gated_wy_fwd(k, v, beta, G, layout: ChunkLayout, Ai=None):
         raise ValueError(f"chunk_size must be 16, 32, 48 or 64 (the solve works in 16-row blocks), got {BT}")
     load_ai = Ai is not None
     if Ai is None:
-        Ai = torch.empty(TT, HV, BT, dtype=torch.float32, device=k.device)
-    w = torch.empty(TT, HV, K, dtype=torch.float32, device=k.device)
+        Ai = torch.empty(TT, HV, BT, dtype=operand_dtype(k.dtype), device=k.device)
+    w = torch.empty(TT, HV, K, dtype=operand_dtype(k.dtype), device=k.device)
     u = torch.empty(TT, HV, V, dtype=torch.float32, device=k.device)
     if layout.num_chunks:
         gated_wy_fwd_kernel[(layout.num_chunks, HV)](

@@ -42,7 +42,7 @@ def gated_wy_bwd_kernel(
     else:
         b_G = tl.zeros([BT], dtype=tl.float32)
     b_gamma = tl.exp(b_G)
-    b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+    b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
     b_dTt = tl.zeros([BT, BT], dtype=tl.float32)  # dTᵀ, see the note at its use
     b_KK = tl.zeros([BT, BT], dtype=tl.float32)
@@ -50,7 +50,7 @@ def gated_wy_bwd_kernel(
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
-        b_dw = tl.load(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_k, other=0.0)
+        b_dw = tl.load(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
         b_dT += mm(b_dw, tl.trans(b_k * (b_beta * b_gamma)[:, None]), DOT_PREC)
         b_dTt += mm(b_k * (b_beta * b_gamma)[:, None], tl.trans(b_dw), DOT_PREC)
         b_KK += mm(b_k, tl.trans(b_k), RAW_PREC)
@@ -60,7 +60,7 @@ def gated_wy_bwd_kernel(
         m_v = m_t[:, None] & (o_v < V)[None, :]
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
-        b_du = tl.load(du + p_v, mask=m_v, other=0.0)
+        b_du = tl.load(du + p_v, mask=m_v, other=0.0).to(tl.float32)
         b_dT += mm(b_du, tl.trans(b_v * b_beta[:, None]), DOT_PREC)
         b_dTt += mm(b_v * b_beta[:, None], tl.trans(b_du), DOT_PREC)
         b_dvt = mm(tl.trans(b_T), b_du, DOT_PREC)
@@ -81,20 +81,21 @@ def gated_wy_bwd_kernel(
     m_At = (o_i[:, None] < o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_dAt = mm(mm(b_T, b_dTt, DOT_PREC), b_T, DOT_PREC)
     b_Et = tl.where(m_At, tl.exp(tl.where(m_At, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
-    b_Bt = tl.where(m_At, -b_dAt, 0.0) * b_Et * b_beta[None, :]
+    # B (strictly lower) and Bᵀ (strictly upper) never overlap: their sum is exact, and one dot per K block takes it
+    b_BBt = b_B + tl.where(m_At, -b_dAt, 0.0) * b_Et * b_beta[None, :]
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
         p_k = (o_t[:, None] * HV + i_hv) * K + o_k[None, :]
-        b_dw = tl.load(dw + p_k, mask=m_k, other=0.0)
+        b_dw = tl.load(dw + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_dkt = mm(tl.trans(b_T), b_dw, DOT_PREC)
         b_dkt_k = tl.sum(b_dkt * b_k, 1)
         b_dbeta += b_dkt_k * b_gamma
         b_dG += b_dkt_k * b_gamma * b_beta
         b_dk = tl.load(dk + p_k, mask=m_k, other=0.0)
         b_dk += b_dkt * (b_beta * b_gamma)[:, None]
-        b_dk += mm(b_B, b_k, DOT_PREC) + mm(b_Bt, b_k, DOT_PREC)
+        b_dk += mm(b_BBt, b_k, DOT_PREC)
         tl.store(dk_out + p_k, cast_for_store(b_dk, dk_out, DOT_PREC), mask=m_k)
     tl.store(dbeta + o_t * HV + i_hv, cast_for_store(b_dbeta, dbeta, DOT_PREC), mask=m_t)
     if USE_G:

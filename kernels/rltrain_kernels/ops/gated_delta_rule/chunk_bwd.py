@@ -20,7 +20,7 @@ from ..common.chunking import ChunkLayout
 from ..common.cumsum import chunk_local_cumsum
 from ..common.launch import launch
 from ..common.state_pass import state_pass_bwd, state_pass_fwd
-from ..common.precision import cast_for_store, dot_precision, mm, raw_precision
+from ..common.precision import cast_for_store, dot_precision, mm, operand_dtype, raw_precision
 from ..common.wy import gated_wy_fwd
 from ..common.wy_bwd import gated_wy_bwd
 
@@ -58,7 +58,7 @@ def chunk_dqkwg_kernel(
         b_h = tl.load(h + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         b_vn = tl.load(v_new + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_dv = tl.load(dv + p_v, mask=m_tv, other=0.0)
+        b_dv = tl.load(dv + p_v, mask=m_tv, other=0.0).to(tl.float32)
         b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(tl.float32)
         b_dq += mm(b_do, tl.trans(b_h), DOT_PREC)
         b_dk += mm(b_vn, tl.trans(b_dh), DOT_PREC)
@@ -66,7 +66,7 @@ def chunk_dqkwg_kernel(
         b_dP += mm(b_do, tl.trans(b_vn), DOT_PREC)
         b_dPt += mm(b_vn, tl.trans(b_do), DOT_PREC)
         b_hdh += tl.sum(b_h * b_dh, 1)
-    tl.store(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_dw, mask=m_tk)
+    tl.store(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(b_dw, dw, DOT_PREC), mask=m_tk)
     b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
@@ -96,11 +96,12 @@ def chunk_dqkwg_kernel(
 
 
 def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout, dq_dtype=torch.float32):
-    """→ dq (per value head [tokens, HV, K] in dq_dtype), dk (fp32, still lacking the WY part), dw, dG (partial)."""
+    """→ dq (per value head [tokens, HV, K] in dq_dtype), dk (fp32, still lacking the WY part), dw (in
+    operand_dtype(q.dtype): it feeds only the WY backward's dots), dG (partial, fp32)."""
     TT, H, K = q.shape
     HV, V = do.shape[1], do.shape[2]
     dq = torch.empty(TT, HV, K, dtype=dq_dtype, device=q.device)
-    dk, dw = torch.empty_like(dq, dtype=torch.float32), torch.empty_like(dq, dtype=torch.float32)
+    dk, dw = torch.empty_like(dq, dtype=torch.float32), torch.empty_like(dq, dtype=operand_dtype(q.dtype))
     dG = torch.empty(TT, HV, dtype=torch.float32, device=q.device)
     if K > 256:
         raise ValueError(f"K={K} > 256 is not supported by the chunked backward")

@@ -80,7 +80,8 @@ def chunk_output_fwd(q, k, v_new, h, G, scale: float, layout: ChunkLayout, out_d
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool,
                                layout: ChunkLayout):
     """Flattened inputs q, k [tokens, H, K], v [tokens, HV, V], g, beta [tokens, HV] (contiguous) →
-    (o [tokens, HV, V] in v's dtype, final state or None, G fp32 chunk-local gate cumsum, Ai fp32 T matrices)."""
+    (o [tokens, HV, V] in v's dtype, final state or None, G fp32 chunk-local gate cumsum, Ai: the T matrices in
+    operand_dtype(k.dtype))."""
     G = chunk_local_cumsum(g, layout)
     Ai, w, u = gated_wy_fwd(k, v, beta, G, layout)
     h, v_new, ht = state_pass_fwd(k, w, u, G, initial_state, output_final_state, layout)

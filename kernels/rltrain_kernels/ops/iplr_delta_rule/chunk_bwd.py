@@ -238,7 +238,8 @@ def chunk_iplr_delta_rule_bwd(q, k, v, a, b, scale: float, initial_state, Ai, do
     h, x, _ = iplr_state_pass_fwd(k, v, b, w, u, initial_state, False, layout)
     # The shared reverse state pass: X plays δ, b plays k, and w = −T A keeps its δ = u − w S convention.
     dh, dx, dh0 = state_pass_bwd(q, b, w, None, do, dht, scale, initial_state is not None, layout,
-                                 dot_prec=iplr_dot_precision(q.dtype), dh_dtype=torch.float32)
+                                 dot_prec=iplr_dot_precision(q.dtype), dh_dtype=torch.float32,
+                                 dv_dtype=torch.float32)
     dq, dk, db, dv, dw = iplr_output_bwd(q, k, v, b, x, h, dh, do, dx, scale, layout)
     da = iplr_wy_bwd(k, v, a, b, Ai, dw, dx, dk, db, dv, layout)
     return dq, dk, dv, da, db, dh0
