@@ -154,6 +154,19 @@ def test_forward_matches_naive(B, T, H, HV, K, V, n_h, gated, impl, device, pois
 
 
 @pytest.mark.parametrize("impl", ["fused_recurrent", "chunk"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_inputs_keep_fp32_states(impl, dtype, device):
+    """bf16 / fp16 inputs: o in v's dtype, the final state fp32, both against the float64 recurrence."""
+    fn = fused_recurrent_gated_delta_product if impl == "fused_recurrent" else chunk_gated_delta_product
+    q, k, v, g, beta, h0 = make_inputs(1, 30, 1, 16, 32, 3, HV=2, dtype=dtype, device=device, initial_state=True)
+    o, ht = fn(q, k, v, g, beta, 3, initial_state=h0, output_final_state=True)
+    assert (o.dtype, ht.dtype, tuple(o.shape), ht.shape) == (dtype, torch.float32, (1, 30, 2, 32), h0.shape)
+    o_ref, ht_ref = reference(q, k, v, g, beta, 3, h0)
+    assert_rel_close(o, o_ref, threshold=5e-3, name="o")
+    assert_rel_close(ht, ht_ref, threshold=1e-5 if impl == "fused_recurrent" else 5e-3, name="final_state")
+
+
+@pytest.mark.parametrize("impl", ["fused_recurrent", "chunk"])
 def test_varlen_l2norm_forward(impl, device):
     fn = fused_recurrent_gated_delta_product if impl == "fused_recurrent" else chunk_gated_delta_product
     cu = cu_seqlens_of(VARLEN, device)
@@ -301,11 +314,11 @@ def check_against_fp32_naive(fn, q, k, v, g, beta, h0, n_h, cu_seqlens=None, l2n
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("l2norm", [False, True], ids=["l2norm-off", "l2norm-on"])
-def test_chunk_bf16_real_size(l2norm, device):
-    inputs = make_inputs(2, 1024, 4, 128, 128, 2, dtype=torch.bfloat16, device=device, initial_state=True,
+@pytest.mark.parametrize("n_h,l2norm", [(2, False), (2, True), (3, False)], ids=["nh2", "nh2-l2norm", "nh3"])
+def test_chunk_bf16_real_size(n_h, l2norm, device):
+    inputs = make_inputs(2, 1024, 4, 128, 128, n_h, dtype=torch.bfloat16, device=device, initial_state=True,
                          requires_grad=True)
-    check_against_fp32_naive(chunk_gated_delta_product, *inputs, 2, l2norm=l2norm)
+    check_against_fp32_naive(chunk_gated_delta_product, *inputs, n_h, l2norm=l2norm)
 
 
 @pytest.mark.gpu
@@ -317,10 +330,12 @@ def test_chunk_bf16_varlen_real_size(device):
 
 
 @pytest.mark.gpu
-def test_fused_recurrent_bf16_decode_real_size(device):
-    q, k, v, g, beta, h0 = make_inputs(64, 1, 16, 128, 128, 2, dtype=torch.bfloat16, device=device,
+@pytest.mark.parametrize("n_h", [2, 3])
+def test_fused_recurrent_bf16_decode_real_size(n_h, device):
+    q, k, v, g, beta, h0 = make_inputs(64, 1, 16, 128, 128, n_h, dtype=torch.bfloat16, device=device,
                                        initial_state=True)
-    o, ht = fused_recurrent_gated_delta_product(q, k, v, g, beta, 2, initial_state=h0, output_final_state=True)
-    o_ref, ht_ref = reference(q, k, v, g, beta, 2, h0)
+    o, ht = fused_recurrent_gated_delta_product(q, k, v, g, beta, n_h, initial_state=h0, output_final_state=True)
+    assert (o.dtype, ht.dtype) == (torch.bfloat16, torch.float32)
+    o_ref, ht_ref = reference(q, k, v, g, beta, n_h, h0)
     assert_rel_close(o, o_ref, threshold=5e-3, name="o")
     assert_rel_close(ht, ht_ref, threshold=1e-5, name="final_state")

@@ -173,6 +173,19 @@ def test_forward_matches_naive(B, T, H, K, V, regime, impl, device, poison_alloc
     assert_rel_close(ht, ht_ref, threshold=1e-5, name="final_state")
 
 
+@pytest.mark.parametrize("impl", ["fused_recurrent", "chunk"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_inputs_keep_fp32_states(impl, dtype, device):
+    """bf16 / fp16 inputs: o in v's dtype, the final state fp32, both against the float64 recurrence."""
+    fn = fused_recurrent_iplr_delta_rule if impl == "fused_recurrent" else chunk_iplr_delta_rule
+    q, k, v, a, b, h0 = make_inputs(2, 70, 2, 16, 32, dtype=dtype, device=device, initial_state=True)
+    o, ht = fn(q, k, v, a, b, initial_state=h0, output_final_state=True)
+    assert (o.dtype, ht.dtype, o.shape, ht.shape) == (dtype, torch.float32, v.shape, h0.shape)
+    o_ref, ht_ref = reference(q, k, v, a, b, h0)
+    assert_rel_close(o, o_ref, threshold=5e-3, name="o")
+    assert_rel_close(ht, ht_ref, threshold=1e-5 if impl == "fused_recurrent" else 5e-3, name="final_state")
+
+
 @pytest.mark.parametrize("with_h0", [False, True], ids=["no-h0", "h0"])
 def test_varlen_forward_chunk_vs_fused_vs_naive(with_h0, device, poison_allocations):
     """Packed sequences [15, 70, 1]: no state leaks between them; chunk, fused recurrent and naive agree."""
@@ -343,6 +356,7 @@ def test_fused_recurrent_real_sizes(dtype, device):
     for B, T in ((64, 1), (2, 300)):
         q, k, v, a, b, h0 = make_inputs(B, T, 8, 128, 128, dtype=dtype, device=device, initial_state=True)
         o, ht = fused_recurrent_iplr_delta_rule(q, k, v, a, b, initial_state=h0, output_final_state=True)
+        assert (o.dtype, ht.dtype) == (dtype, torch.float32)
         o_ref, ht_ref = reference(q, k, v, a, b, h0)
         assert_rel_close(o, o_ref, threshold=5e-3 if dtype == torch.bfloat16 else 1e-5, name=f"o (T={T})")
         assert_rel_close(ht, ht_ref, threshold=1e-4, name=f"final_state (T={T})")
