@@ -209,6 +209,40 @@ def sweep_precision(fla_chunk, H=16, D=128):
         print(f"| {name} | {eo:.1e} | {eg:.1e} | " + " | ".join(f"{x:.3f}" for x in t) + " |")
 
 
+def compare_scratch_transpose(H=16, D=128):
+    """common/scratch.py's TRANSPOSE_VIA_SCRATCH off (the default: transposed products as their own dots) and on
+    (a round trip through a scratch tile): gradients against the fp32 naive recurrence, run three times each (a
+    missing barrier would show as a changing error), then forward and fwd+bwd at both timed shapes."""
+    from rltrain_kernels.ops.common import scratch
+
+    default = scratch.TRANSPOSE_VIA_SCRATCH
+    checks = []
+    for B, T, Hc in ((1, 300, 2), (2, 1024, 4)):
+        (q, k, v, g, beta), h0 = make_inputs(B, T, Hc, 128, 128, requires_grad=True)
+        checks.append(((q, k, v, g, beta, h0), torch.randn_like(v)))
+    references = [outputs_and_grads(naive_recurrent_gated_delta_rule, inputs, do) for inputs, do in checks]
+    rows = []
+    for value in (False, True):
+        scratch.TRANSPOSE_VIA_SCRATCH = value
+        grad_errs = []
+        for _ in range(3):
+            errs = [[rel(a, b) for a, b in zip(outputs_and_grads(chunk_gated_delta_rule, inputs, do), ref)]
+                    for (inputs, do), ref in zip(checks, references)]
+            grad_errs.append(max(max(e[2:]) for e in errs))
+        out_err = max(max(e[:2]) for e in errs)
+        times = [t for B, T in ((8, 2048), (2, 8192)) for t in time_chunk(chunk_gated_delta_rule, B, T, H, D)]
+        rows.append((f"TRANSPOSE_VIA_SCRATCH={value}" + (" (default)" if value == default else ""), out_err,
+                     grad_errs, *times))
+        print("  " + " | ".join(str(x) for x in rows[-1]), flush=True)
+    scratch.TRANSPOSE_VIA_SCRATCH = default
+    print("\n| variant | worst output err | worst grad err (3 runs) | B8 T2048 fwd ms | fwd+bwd ms | B2 T8192 fwd ms "
+          "| fwd+bwd ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, eo, eg, *t in rows:
+        print(f"| {name} | {eo:.1e} | " + " / ".join(f"{e:.2e}" for e in eg) + " | "
+              + " | ".join(f"{x:.3f}" for x in t) + " |")
+
+
 def add_row(rows: list, row: tuple) -> None:
     """Keep a timing row for the final table and print it now (fla's autotuning can outlast a time limit)."""
     rows.append(row)
@@ -225,6 +259,8 @@ def main():
                              "and exit")
     parser.add_argument("--precision", action="store_true",
                         help="sweep the dot / storage precision variants (ops/common/precision.py) and exit")
+    parser.add_argument("--compare-scratch-transpose", action="store_true",
+                        help="time and check ops/common/scratch.py's TRANSPOSE_VIA_SCRATCH off and on, and exit")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.sweep_launch is not None:
@@ -236,6 +272,9 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}")
     if args.precision:
         sweep_precision(fla_chunk)
+        return
+    if args.compare_scratch_transpose:
+        compare_scratch_transpose()
         return
     check_against_naive()
     if args.profile:

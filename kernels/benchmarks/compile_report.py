@@ -110,14 +110,17 @@ def main():
     parser.add_argument("--sms", type=int, default=132, help="SM count the host code plans for (H100/H200: 132)")
     parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
                         help="override ops/common/launch.py entries, e.g. wy_bwd=8,2")
+    parser.add_argument("--transpose-via-scratch", action="store_true",
+                        help="compile with ops/common/scratch.py's TRANSPOSE_VIA_SCRATCH on")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("compile_report compiles for a GPU: unset TRITON_INTERPRET")
 
-    from rltrain_kernels.ops.common import state_pass
+    from rltrain_kernels.ops.common import scratch, state_pass
     from rltrain_kernels.ops.common.launch import LAUNCH
 
     state_pass._sm_count = lambda device: args.sms  # the host code's occupancy rule, as on the GPU
+    scratch.TRANSPOSE_VIA_SCRATCH = args.transpose_via_scratch or scratch.TRANSPOSE_VIA_SCRATCH
     for override in args.launch:
         name, _, setting = override.partition("=")
         if name not in LAUNCH or len(setting.split(",")) != 2:

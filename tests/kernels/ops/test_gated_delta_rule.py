@@ -340,6 +340,21 @@ def test_chunk_gradients_match_naive_float64(B, T, H, HV, K, V, device, poison_a
     check_gradients(chunk_gated_delta_rule, *inputs, threshold=(1e-5, 2e-5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunk_gradients_with_transposes_via_scratch(dtype, device, monkeypatch):
+    """common/scratch.py's path (Bᵀ and dSᵀ through a scratch tile, not as their own dots) computes the same
+    gradients: varlen with a partial chunk, GVA, K != V."""
+    from rltrain_kernels.ops.common import scratch
+
+    monkeypatch.setattr(scratch, "TRANSPOSE_VIA_SCRATCH", True)
+    lengths = [70, 15, 64]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    inputs = make_inputs(1, sum(lengths), 1, 32, 16, HV=2, dtype=dtype, device=device, N=len(lengths),
+                         initial_state=True, requires_grad=True)
+    check_gradients(chunk_gated_delta_rule, *inputs, cu_seqlens=cu,
+                    threshold=(1e-5, 2e-5) if dtype == torch.float32 else (5e-3, 1e-2))
+
+
 @pytest.mark.parametrize("gate", ["near_zero", "strong"])
 def test_chunk_gradients_extreme_gates(gate, device):
     inputs = make_inputs(2, 100, 1, 16, 16, HV=2, gate=gate, device=device, initial_state=True, requires_grad=True)
@@ -504,6 +519,26 @@ def test_chunk_bf16_real_sizes(B, T, H, HV, K, V, l2norm, device):
     inputs = make_inputs(B, T, H, K, V, HV=HV, dtype=torch.bfloat16, device=device, initial_state=True,
                          requires_grad=True)
     check_gradients(chunk_gated_delta_rule, *inputs, l2norm=l2norm, threshold=(5e-3, 1e-2))
+
+
+@pytest.mark.gpu
+def test_chunk_bf16_transposes_via_scratch_real_size(device, monkeypatch):
+    """common/scratch.py's path at a real size on the GPU: within the bars, and the same gradients on a rerun (a
+    barrier that fails to order the scratch store before its transposed load would show as a moving result)."""
+    from rltrain_kernels.ops.common import scratch
+
+    monkeypatch.setattr(scratch, "TRANSPOSE_VIA_SCRATCH", True)
+    inputs = make_inputs(2, 1000, 4, 128, 128, HV=8, dtype=torch.bfloat16, device=device, initial_state=True,
+                         requires_grad=True)
+    grads = []
+    for _ in range(2):  # the same upstream gradients twice: no atomics anywhere, so bit-identical results
+        torch.manual_seed(1)
+        check_gradients(chunk_gated_delta_rule, *inputs, threshold=(5e-3, 1e-2))
+        grads.append([t.grad.clone() for t in inputs])
+        for t in inputs:
+            t.grad = None
+    for name, a, b in zip(GRAD_NAMES, *grads):
+        assert torch.equal(a, b), f"d{name} changed between two identical runs"
 
 
 @pytest.mark.gpu

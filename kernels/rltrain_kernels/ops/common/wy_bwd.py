@@ -18,14 +18,16 @@ import triton.language as tl
 
 from .chunking import ChunkLayout
 from .launch import launch
-from .precision import cast_for_store, dot_precision, mm, raw_precision
+from .precision import cast_for_store, dot_precision, mm, operand_dtype, raw_precision
+from .scratch import scratch_tiles, transpose_via_scratch
 
 
 @triton.jit
 def gated_wy_bwd_kernel(
-    k, v, beta, G, Ai, dw, du, dk, dk_out, dv, dbeta, dG, cu_seqlens, chunk_indices,
+    k, v, beta, G, Ai, dw, du, dk, dk_out, dv, dbeta, dG, scratch, cu_seqlens, chunk_indices,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
+    SCRATCH_T: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -44,7 +46,7 @@ def gated_wy_bwd_kernel(
     b_gamma = tl.exp(b_G)
     b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dTt = tl.zeros([BT, BT], dtype=tl.float32)  # dTᵀ, see the note at its use
+    b_dTt = tl.zeros([BT, BT], dtype=tl.float32)  # dTᵀ, see the note at its use (unused with SCRATCH_T)
     b_KK = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -52,7 +54,8 @@ def gated_wy_bwd_kernel(
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
         b_dw = tl.load(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
         b_dT += mm(b_dw, tl.trans(b_k * (b_beta * b_gamma)[:, None]), DOT_PREC)
-        b_dTt += mm(b_k * (b_beta * b_gamma)[:, None], tl.trans(b_dw), DOT_PREC)
+        if not SCRATCH_T:
+            b_dTt += mm(b_k * (b_beta * b_gamma)[:, None], tl.trans(b_dw), DOT_PREC)
         b_KK += mm(b_k, tl.trans(b_k), RAW_PREC)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
@@ -62,7 +65,8 @@ def gated_wy_bwd_kernel(
         b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
         b_du = tl.load(du + p_v, mask=m_v, other=0.0).to(tl.float32)
         b_dT += mm(b_du, tl.trans(b_v * b_beta[:, None]), DOT_PREC)
-        b_dTt += mm(b_v * b_beta[:, None], tl.trans(b_du), DOT_PREC)
+        if not SCRATCH_T:
+            b_dTt += mm(b_v * b_beta[:, None], tl.trans(b_du), DOT_PREC)
         b_dvt = mm(tl.trans(b_T), b_du, DOT_PREC)
         b_dbeta += tl.sum(b_dvt * b_v, 1)
         tl.store(dv + p_v, cast_for_store(b_dvt * b_beta[:, None], dv, DOT_PREC), mask=m_v)
@@ -76,13 +80,17 @@ def gated_wy_bwd_kernel(
     b_dAA = b_dAE * b_KK * b_beta[:, None]  # dA ⊙ A
     b_dG = tl.sum(b_dAA, 1) - tl.sum(b_dAA, 0)
     b_B = b_dAE * b_beta[:, None]
-    # Bᵀ rebuilt from dTᵀ (dAᵀ = −T dTᵀ T) instead of tl.trans(b_B): transposing a tensor-core dot result as a dot
-    # operand is miscompiled on Hopper by Triton 3.4–3.7.0 (fla #640: wrong dk); two extra dots per chunk.
-    m_At = (o_i[:, None] < o_i[None, :]) & m_t[:, None] & m_t[None, :]
-    b_dAt = mm(mm(b_T, b_dTt, DOT_PREC), b_T, DOT_PREC)
-    b_Et = tl.where(m_At, tl.exp(tl.where(m_At, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
-    # B (strictly lower) and Bᵀ (strictly upper) never overlap: their sum is exact, and one dot per K block takes it
-    b_BBt = b_B + tl.where(m_At, -b_dAt, 0.0) * b_Et * b_beta[None, :]
+    # B (strictly lower) and Bᵀ (strictly upper) never overlap: their sum is exact, and one dot per K block takes it.
+    # Bᵀ is not tl.trans(b_B): transposing a tensor-core dot result is miscompiled on Hopper by Triton 3.4–3.7.0
+    # (fla #640: wrong dk). Either a round trip through a scratch tile (common/scratch.py) or, by default, rebuilt
+    # from dTᵀ (dAᵀ = −T dTᵀ T; dTᵀ accumulated as its own dots above): two more dots per chunk.
+    if SCRATCH_T:
+        b_BBt = b_B + transpose_via_scratch(b_B, scratch, i_c, i_hv, HV, BT, DOT_PREC)
+    else:
+        m_At = (o_i[:, None] < o_i[None, :]) & m_t[:, None] & m_t[None, :]
+        b_dAt = mm(mm(b_T, b_dTt, DOT_PREC), b_T, DOT_PREC)
+        b_Et = tl.where(m_At, tl.exp(tl.where(m_At, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
+        b_BBt = b_B + tl.where(m_At, -b_dAt, 0.0) * b_Et * b_beta[None, :]
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
@@ -113,10 +121,10 @@ def gated_wy_bwd(k, v, beta, G, Ai, dw, du, dk, dG, layout: ChunkLayout, dk_fina
     dbeta = torch.empty(TT, HV, dtype=beta.dtype, device=k.device)
     dk_out = torch.empty_like(dk, dtype=k.dtype) if dk_final and k.dtype != dk.dtype else dk
     if layout.num_chunks:
+        scratch = scratch_tiles(layout, HV, operand_dtype(k.dtype), dk)
         gated_wy_bwd_kernel[(layout.num_chunks, HV)](
-            k, v, beta, G, Ai, dw, du, dk, dk_out, dv, dbeta, dG, layout.cu_seqlens, layout.chunk_indices,
+            k, v, beta, G, Ai, dw, du, dk, dk_out, dv, dbeta, dG, scratch, layout.cu_seqlens, layout.chunk_indices,
             H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=min(64, triton.next_power_of_2(K)),
             BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None, DOT_PREC=dot_precision(k.dtype),
-            RAW_PREC=raw_precision(k.dtype),
-            **launch("wy_bwd"))
+            RAW_PREC=raw_precision(k.dtype), SCRATCH_T=scratch is not dk, **launch("wy_bwd"))
     return dk_out, dv, dbeta

@@ -22,14 +22,15 @@ from ..common.launch import launch
 from ..common.state_pass import state_pass_bwd, state_pass_fwd
 from ..common.precision import cast_for_store, dot_precision, mm, operand_dtype, raw_precision
 from ..common.wy import gated_wy_fwd
+from ..common.scratch import scratch_tiles, transpose_via_scratch
 from ..common.wy_bwd import gated_wy_bwd
 
 
 @triton.jit
 def chunk_dqkwg_kernel(
-    q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, scratch, cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr, SCRATCH_T: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -47,7 +48,7 @@ def chunk_dqkwg_kernel(
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)   # δ dS'ᵀ
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dPt = tl.zeros([BT, BT], dtype=tl.float32)  # dPᵀ, see the note at its use
+    b_dPt = tl.zeros([BT, BT], dtype=tl.float32)  # dPᵀ, see the note at its use (unused with SCRATCH_T)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
     p_state = (i_hc * HV + i_hv) * K * V + o_k[:, None] * V
     for i_v in range(tl.cdiv(V, BV)):
@@ -64,7 +65,8 @@ def chunk_dqkwg_kernel(
         b_dk += mm(b_vn, tl.trans(b_dh), DOT_PREC)
         b_dw -= mm(b_dv, tl.trans(b_h), DOT_PREC)
         b_dP += mm(b_do, tl.trans(b_vn), DOT_PREC)
-        b_dPt += mm(b_vn, tl.trans(b_do), DOT_PREC)
+        if not SCRATCH_T:
+            b_dPt += mm(b_vn, tl.trans(b_do), DOT_PREC)
         b_hdh += tl.sum(b_h * b_dh, 1)
     tl.store(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(b_dw, dw, DOT_PREC), mask=m_tk)
     b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
@@ -84,11 +86,15 @@ def chunk_dqkwg_kernel(
     b_term = tl.sum(b_dk * b_k, 1)
     b_dG -= b_term
     b_dG += tl.where(o_t == last, tl.sum(b_term, 0) + tl.exp(b_G_last) * tl.sum(b_hdh, 0), 0.0)
-    # dSᵀ from dPᵀ (accumulated above) rather than tl.trans(b_dS): transposing a tensor-core dot result as a dot
-    # operand is miscompiled on Hopper by Triton 3.4–3.7.0 (fla #640: wrong dk); one extra [BT, BV] dot per V block.
-    m_At = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
-    b_Et = tl.where(m_At, tl.exp(tl.where(m_At, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
-    b_dk += mm(b_dPt * b_Et * scale, b_q, DOT_PREC)
+    # dSᵀ is not tl.trans(b_dS): transposing a tensor-core dot result is miscompiled on Hopper by Triton 3.4–3.7.0
+    # (fla #640: wrong dk). Either a round trip through a scratch tile (common/scratch.py) or, by default, rebuilt
+    # from dPᵀ (accumulated above as its own dots: one more [BT, BV] dot per V block).
+    if SCRATCH_T:
+        b_dk += mm(transpose_via_scratch(b_dS, scratch, i_c, i_hv, HV, BT, DOT_PREC), b_q, DOT_PREC)
+    else:
+        m_At = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+        b_Et = tl.where(m_At, tl.exp(tl.where(m_At, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
+        b_dk += mm(b_dPt * b_Et * scale, b_q, DOT_PREC)
     tl.store(dq + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(b_dq, dq, DOT_PREC),
              mask=m_tk)
     tl.store(dk + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_dk, mask=m_tk)
@@ -106,11 +112,12 @@ def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout
     if K > 256:
         raise ValueError(f"K={K} > 256 is not supported by the chunked backward")
     if layout.num_chunks:
+        scratch = scratch_tiles(layout, HV, operand_dtype(q.dtype), dk)
         chunk_dqkwg_kernel[(layout.num_chunks, HV)](
-            q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, layout.cu_seqlens, layout.chunk_indices,
+            q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, scratch, layout.cu_seqlens, layout.chunk_indices,
             layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size,
             BK=triton.next_power_of_2(K), BV=min(32, triton.next_power_of_2(V)), DOT_PREC=dot_precision(q.dtype),
-            RAW_PREC=raw_precision(q.dtype),
+            RAW_PREC=raw_precision(q.dtype), SCRATCH_T=scratch is not dk,
             # BV=32: with tf32 dots, BV=64 asked for 256 KiB of shared memory on H200 (limit 227 KiB).
             **launch("dqkwg"))
     return dq, dk, dw, dG

@@ -1,0 +1,43 @@
+"""Transposing a [BT, BT] tile that a tensor-core dot produced, through a scratch tile in global memory.
+
+Triton 3.4–3.7.0 miscompiles tl.trans of a dot result on Hopper (fla #640: its layout conversion gave wrong dk), so
+the backward kernels build such transposes (the WY backward's Bᵀ, the dq/dk/dw/dG pass's dSᵀ) as dots of their own
+from loaded tiles: 4–6 more 64×64 products and one more [64, 64] fp32 accumulator per program. The alternative here
+(fla #826's fix of #640) stores the tile, synchronises the program's threads, and loads it back with transposed
+addressing: 8 KiB (bf16) per program through L2, no dot, no extra accumulator.
+
+TRANSPOSE_VIA_SCRATCH picks the alternative. Both paths compute the same function and the CPU tests run both; only a
+GPU run can say which is faster and whether the barrier holds there (bench_gated_delta_rule.py
+--compare-scratch-transpose times both and checks their gradients), so the default stays with the dots until one has.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunking import ChunkLayout
+from .precision import cast_for_store
+
+TRANSPOSE_VIA_SCRATCH = False
+
+
+def scratch_tiles(layout: ChunkLayout, heads: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """One [BT, BT] tile per (chunk, head) program in `dtype` when TRANSPOSE_VIA_SCRATCH is on, else `like`
+    (a placeholder pointer that the kernels never touch)."""
+    if not TRANSPOSE_VIA_SCRATCH:
+        return like
+    BT = layout.chunk_size
+    return torch.empty(layout.num_chunks, heads, BT, BT, dtype=dtype, device=like.device)
+
+
+@triton.jit
+def transpose_via_scratch(x, scratch, i_c, i_hv, HV: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """xᵀ for this program's [BT, BT] fp32 tile x (rounded to the scratch's dtype, as a DOT_PREC dot would round it),
+    through its own scratch tile."""
+    o_i = tl.arange(0, BT)
+    p_tile = scratch + (i_c * HV + i_hv).to(tl.int64) * BT * BT
+    tl.store(p_tile + o_i[:, None] * BT + o_i[None, :], cast_for_store(x, scratch, DOT_PREC))
+    tl.debug_barrier()  # every thread's part of the tile is written before any thread reads another's
+    return tl.load(p_tile + o_i[None, :] * BT + o_i[:, None]).to(tl.float32)
