@@ -16,6 +16,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from launch_sweep import apply_launch_overrides, rel, sweep_launch
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_rule import (
@@ -37,11 +38,6 @@ def load_fla():
         return None, None
     fla_chunk_o.IS_NVIDIA_HOPPER = False  # timing only, see the module docstring
     return fla_chunk, fla_fused
-
-
-def rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def make_inputs(B, T, H, K, V, dtype=torch.bfloat16, requires_grad=False, N=None):
@@ -134,35 +130,15 @@ def profile_kernels(B=8, T=2048, H=16, D=128):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
 
 
-def sweep_launch(names, B=8, T=2048, H=16, D=128):
-    """For each kernel in `names`, every (warps, stages): gradients checked against the fp32 naive recurrence (bf16
-    inputs, B1 T300 H2 K=V=128), then fwd+bwd timed at B, T. Paste the winners into ops/common/launch.py."""
-    from rltrain_kernels.ops.common.launch import LAUNCH
-
+def sweep_gated_delta_rule_launch(names, B=8, T=2048, H=16, D=128):
+    """launch_sweep.sweep_launch over the gated delta rule: gradients checked against the fp32 naive recurrence
+    (bf16 inputs, B1 T300 H2 K=V=128), fwd+bwd timed at B, T. Paste the winners into ops/common/launch.py."""
     (q, k, v, g, beta), h0 = make_inputs(1, 300, 2, 128, 128, requires_grad=True)
     do = torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
-
-    def grads(fn):
-        return outputs_and_grads(fn, (q, k, v, g, beta, h0), do)
-
-    reference = grads(naive_recurrent_gated_delta_rule)
-    print("| kernel | warps | stages | worst output err | worst grad err | fwd+bwd ms (B8 T2048) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |", flush=True)
-    for name in names:
-        default = dict(LAUNCH[name])
-        for warps in (2, 4, 8):
-            for stages in (1, 2, 3):
-                LAUNCH[name] = dict(num_warps=warps, num_stages=stages)
-                mark = " (default)" if LAUNCH[name] == default else ""
-                try:
-                    errs = [rel(a, b) for a, b in zip(grads(chunk_gated_delta_rule), reference)]
-                    t = time_chunk(chunk_gated_delta_rule, B, T, H, D)[1]
-                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: reported, sweep goes on
-                    print(f"| {name} | {warps} | {stages}{mark} | {type(exc).__name__} | | |", flush=True)
-                    continue
-                print(f"| {name} | {warps} | {stages}{mark} | {max(errs[:2]):.1e} | {max(errs[2:]):.1e} | {t:.3f} |",
-                      flush=True)
-        LAUNCH[name] = default
+    inputs = (q, k, v, g, beta, h0)
+    sweep_launch(names, lambda: outputs_and_grads(chunk_gated_delta_rule, inputs, do),
+                 outputs_and_grads(naive_recurrent_gated_delta_rule, inputs, do),
+                 lambda: time_chunk(chunk_gated_delta_rule, B, T, H, D)[1], f"B{B} T{T}")
 
 
 def sweep_precision(fla_chunk, H=16, D=128):
@@ -259,14 +235,17 @@ def main():
                              "and exit")
     parser.add_argument("--precision", action="store_true",
                         help="sweep the dot / storage precision variants (ops/common/precision.py) and exit")
+    parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
+                        help="override ops/common/launch.py entries for this run, e.g. wy_bwd=8,2")
     parser.add_argument("--compare-scratch-transpose", action="store_true",
                         help="time and check ops/common/scratch.py's TRANSPOSE_VIA_SCRATCH off and on, and exit")
     args = parser.parse_args()
     torch.manual_seed(0)
+    apply_launch_overrides(args.launch)
     if args.sweep_launch is not None:
         from rltrain_kernels.ops.common.launch import LAUNCH
 
-        sweep_launch(args.sweep_launch or list(LAUNCH))
+        sweep_gated_delta_rule_launch(args.sweep_launch or [n for n in LAUNCH if not n.startswith("iplr_")])
         return
     fla_chunk, fla_fused = load_fla()
     print(f"device: {torch.cuda.get_device_name()}")

@@ -2,7 +2,10 @@
 IPLR backward) and our chunk_gated_delta_rule (the closest op with a backward, same sizes).
 
 Run on a CUDA machine (flash-linear-attention 0.6.0 installed for the fla column):
-    python kernels/benchmarks/bench_iplr_delta_rule.py [--quick]
+    python kernels/benchmarks/bench_iplr_delta_rule.py [--quick] [--dot bf16] [--launch iplr_wy_bwd=2,3 ...]
+    python kernels/benchmarks/bench_iplr_delta_rule.py --dot bf16 --sweep-launch iplr_wy_bwd iplr_output_bwd
+(--dot bf16 tries the bf16 dot operands that failed the real-size GPU test on H100; a sweep that hits an illegal
+memory access loses the process's CUDA context, so suspected settings go one process each with --launch.)
 Checks correctness first (ours vs the fp32 naive recurrence at a small size, forward and every gradient; ours vs
 fla's forward at every timed shape), then times forward and forward+backward in bf16, H=16, K=V=128, inputs in the
 stable regime a = −β k̂, b = k̂ (k̂ l2-normalised, β ∈ (0, 1)), with an fp32 initial state and the final state out.
@@ -15,6 +18,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from launch_sweep import apply_launch_overrides, rel, sweep_launch
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -28,11 +32,6 @@ def load_fla():
         print(f"fla not importable ({err}); skipping its column")
         return None
     return fla_chunk
-
-
-def rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def make_inputs(B, T, H, K, V, dtype=torch.bfloat16, requires_grad=False, N=None):
@@ -50,19 +49,24 @@ def make_inputs(B, T, H, K, V, dtype=torch.bfloat16, requires_grad=False, N=None
     return tensors, h0
 
 
-def check_against_naive():
-    """Ours vs the fp32 naive recurrence (B=1, T=300, H=2, K=V=128, bf16 inputs), forward and every gradient."""
-    (q, k, v, a, b), h0 = make_inputs(1, 300, 2, 128, 128)
-    do = torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
-    results = {}
-    for name, fn in (("ours", chunk_iplr_delta_rule), ("naive", naive_recurrent_iplr_delta_rule)):
-        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, a, b, h0)]
-        o, ht = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True)
-        (o.float() * do.float()).sum().add(ht.sum()).backward()
-        results[name] = [o, ht] + [t.grad for t in inputs]
+def outputs_and_grads(fn, inputs, do) -> list:
+    """[o, final state, dq, dk, dv, da, db, dh0] of fn on fresh leaf copies of inputs (q, k, v, a, b, h0), for the
+    loss ⟨o, do⟩ + Σ final state."""
+    inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    o, ht = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+    (o.float() * do.float()).sum().add(ht.sum()).backward()
+    return [o, ht] + [t.grad for t in inputs]
+
+
+def check_against_naive(B=1, T=300, H=2):
+    """Ours vs the fp32 naive recurrence (K=V=128, bf16 inputs), forward and every gradient."""
+    (q, k, v, a, b), h0 = make_inputs(B, T, H, 128, 128)
+    do = torch.randn(B, T, H, 128, device="cuda", dtype=torch.bfloat16)
+    results = {name: outputs_and_grads(fn, (q, k, v, a, b, h0), do)
+               for name, fn in (("ours", chunk_iplr_delta_rule), ("naive", naive_recurrent_iplr_delta_rule))}
     names = ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"]
     errs = {n: rel(x, y) for n, x, y in zip(names, results["ours"], results["naive"])}
-    print("ours vs naive fp32 (bf16 inputs):", ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+    print(f"ours vs naive fp32 (bf16 inputs, B{B} T{T} H{H}):", ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
     worst_out = max(errs["o"], errs["final_state"])
     worst_grad = max(e for n, e in errs.items() if n.startswith("d"))
     if worst_out > 5e-3 or worst_grad > 1e-2:
@@ -118,11 +122,34 @@ def add_row(rows: list, row: tuple) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one small shape (smoke run)")
+    parser.add_argument("--dot", choices=["tf32", "bf16"],
+                        help="the IPLR kernels' dot precision for bf16 inputs (precision.IPLR_LOW_PRECISION_DOT)")
+    parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
+                        help="override ops/common/launch.py entries for this run, e.g. iplr_wy_bwd=2,3")
+    parser.add_argument("--sweep-launch", nargs="*", metavar="KERNEL",
+                        help="sweep warps x stages of these launch.py entries (none listed = the iplr_* ones), "
+                             "each checked against the naive recurrence at B2 T1024 H4, and exit")
     args = parser.parse_args()
     torch.manual_seed(0)
-    fla_chunk = load_fla()
+    if args.dot:
+        from rltrain_kernels.ops.common import precision
+
+        precision.IPLR_LOW_PRECISION_DOT = args.dot
+    apply_launch_overrides(args.launch)
     print(f"device: {torch.cuda.get_device_name()}")
+    if args.sweep_launch is not None:
+        from rltrain_kernels.ops.common.launch import LAUNCH
+
+        (q, k, v, a, b), h0 = make_inputs(2, 1024, 4, 128, 128)  # the shape the bf16 GPU test failed at
+        inputs, do = (q, k, v, a, b, h0), torch.randn_like(v)
+        sweep_launch(args.sweep_launch or [n for n in LAUNCH if n.startswith("iplr_")],
+                     lambda: outputs_and_grads(chunk_iplr_delta_rule, inputs, do),
+                     outputs_and_grads(naive_recurrent_iplr_delta_rule, inputs, do),
+                     lambda: time_iplr(chunk_iplr_delta_rule, 8, 2048, 16, 128)[1], "B8 T2048")
+        return
+    fla_chunk = load_fla()
     check_against_naive()
+    check_against_naive(2, 1024, 4)
 
     H, D = 16, 128
     shapes = [("B8 T2048", 8, 2048, None), ("B2 T8192", 2, 8192, None)] if not args.quick else \

@@ -116,17 +116,12 @@ def main():
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("compile_report compiles for a GPU: unset TRITON_INTERPRET")
 
+    from launch_sweep import apply_launch_overrides
     from rltrain_kernels.ops.common import scratch, state_pass
-    from rltrain_kernels.ops.common.launch import LAUNCH
 
     state_pass._sm_count = lambda device: args.sms  # the host code's occupancy rule, as on the GPU
     scratch.TRANSPOSE_VIA_SCRATCH = args.transpose_via_scratch or scratch.TRANSPOSE_VIA_SCRATCH
-    for override in args.launch:
-        name, _, setting = override.partition("=")
-        if name not in LAUNCH or len(setting.split(",")) != 2:
-            raise SystemExit(f"--launch {override!r}: expected NAME=WARPS,STAGES with NAME one of {sorted(LAUNCH)}")
-        warps, stages = (int(x) for x in setting.split(","))
-        LAUNCH[name] = dict(num_warps=warps, num_stages=stages)
+    apply_launch_overrides(args.launch)
     launches = record_launches(GPUTarget("cuda", args.arch, 128))
     run_op(args.op, args.B, args.T, args.H, args.D, getattr(torch, args.dtype), args.num_householder)
 

@@ -31,6 +31,14 @@ LAUNCH: dict[str, dict[str, int]] = {
     # iplr_delta_rule/chunk_fwd.py: with fp32 inputs, 3 stages of the w, b, k [64, 128] and u, v [64, 32] tiles
     # asked 240 KB of shared memory (H200 has 227 KB per block); 2 stages as the gated delta rule's state pass
     "iplr_state_pass_fwd": dict(num_warps=4, num_stages=2),
+    # the other IPLR kernels, untimed (Triton's defaults and 8 warps where eight [64, 64] fp32 tiles live at once);
+    # bench_iplr_delta_rule.py --sweep-launch times them. With bf16 dots the IPLR backward failed on H100 (wrong
+    # gradients, then an illegal memory access): fla #984 saw that from a 4-warp WY backward on Hopper (2 warps
+    # right), so these are the first suspects (`--dot bf16 --sweep-launch iplr_wy_bwd iplr_output_bwd`)
+    "iplr_wy_fwd": dict(num_warps=4, num_stages=3),
+    "iplr_output_fwd": dict(num_warps=4, num_stages=3),
+    "iplr_output_bwd": dict(num_warps=8, num_stages=3),  # both of iplr_delta_rule/chunk_bwd.py's output kernels
+    "iplr_wy_bwd": dict(num_warps=8, num_stages=3),
 }
 
 

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ..common.chunking import ChunkLayout
+from ..common.launch import launch
 from ..common.state_pass import state_pass_bwd
 from ..common.precision import iplr_dot_precision, mm
 from .chunk_fwd import iplr_state_pass_fwd, iplr_wy_fwd
@@ -137,7 +138,8 @@ def iplr_output_bwd(q, k, v, b, x, h, dh, do, dx, scale: float, layout: ChunkLay
         # Two kernels rather than one: together they keep four [64, K] and four [64, 64] fp32 accumulators live
         # across the V loop (~270 registers/thread at K=128, 8 warps: spills); split, each holds half of them.
         common = dict(H=H, K=K, V=V, BT=layout.chunk_size, BK=triton.next_power_of_2(K),
-                      BV=min(32, triton.next_power_of_2(V)), DOT_PREC=iplr_dot_precision(q.dtype), num_warps=8)
+                      BV=min(32, triton.next_power_of_2(V)), DOT_PREC=iplr_dot_precision(q.dtype),
+                      **launch("iplr_output_bwd"))
         iplr_output_bwd_dqwv_kernel[(layout.num_chunks, H)](
             q, k, v, b, x, h, dh, do, dx, dq, dv, dw, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets,
             scale, **common)
@@ -226,8 +228,7 @@ def iplr_wy_bwd(k, v, a, b, Ai, dw, dx, dk, db, dv, layout: ChunkLayout) -> torc
         iplr_wy_bwd_kernel[(layout.num_chunks, H)](
             k, v, a, b, Ai, dw, dx, dk, db, dv, da, layout.cu_seqlens, layout.chunk_indices, H=H, K=K, V=V,
             BT=layout.chunk_size, BK=min(64, triton.next_power_of_2(K)), BV=min(64, triton.next_power_of_2(V)),
-            DOT_PREC=iplr_dot_precision(k.dtype),
-            num_warps=8)  # eight [64, 64] fp32 tiles live at once (T, dT, dTᵀ, M_ak, M_akᵀ, ...); untimed
+            DOT_PREC=iplr_dot_precision(k.dtype), **launch("iplr_wy_bwd"))
     return da
 
 

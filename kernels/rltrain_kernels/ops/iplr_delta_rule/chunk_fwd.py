@@ -88,7 +88,7 @@ def iplr_wy_fwd(k, v, a, b, layout: ChunkLayout, Ai=None):
         iplr_wy_fwd_kernel[(layout.num_chunks, H)](
             k, v, a, b, Ai, w, u, layout.cu_seqlens, layout.chunk_indices, H=H, K=K, V=V, BT=BT,
             BK=min(64, triton.next_power_of_2(K)), BV=min(64, triton.next_power_of_2(V)), LOAD_AI=load_ai,
-            DOT_PREC=iplr_dot_precision(k.dtype), SOLVE_PREC=solve_precision(k.dtype))
+            DOT_PREC=iplr_dot_precision(k.dtype), SOLVE_PREC=solve_precision(k.dtype), **launch("iplr_wy_fwd"))
     return Ai, w, u
 
 
@@ -203,7 +203,7 @@ def iplr_output_fwd(q, k, v, b, x, h, scale: float, layout: ChunkLayout, out_dty
         iplr_output_fwd_kernel[(layout.num_chunks, triton.cdiv(V, BV), H)](
             q, k, v, b, x, h, o, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,
             H=H, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, DOT_PREC=iplr_dot_precision(q.dtype),
-            RAW_PREC=raw_precision(q.dtype))
+            RAW_PREC=raw_precision(q.dtype), **launch("iplr_output_fwd"))
     return o
 
 
