@@ -16,7 +16,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from launch_sweep import apply_launch_overrides, rel, sweep_launch
+from delta_rule_bench_common import apply_launch_overrides, outputs_and_grads, rel, sweep_launch, worst_errors
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_rule import (
@@ -51,15 +51,6 @@ def make_inputs(B, T, H, K, V, dtype=torch.bfloat16, requires_grad=False, N=None
     for t in tensors:
         t.requires_grad_(requires_grad)
     return tensors, h0
-
-
-def outputs_and_grads(fn, inputs, do) -> list:
-    """[o, final state, dq, dk, dv, dg, dβ, dh0] of fn on fresh leaf copies of inputs (q, k, v, g, beta, h0), for the
-    loss ⟨o, do⟩ + Σ final state."""
-    inputs = [t.detach().clone().requires_grad_() for t in inputs]
-    o, ht = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True)
-    (o.float() * do.float()).sum().add(ht.sum()).backward()
-    return [o, ht] + [t.grad for t in inputs]
 
 
 def check_against_naive():
@@ -131,7 +122,7 @@ def profile_kernels(B=8, T=2048, H=16, D=128):
 
 
 def sweep_gated_delta_rule_launch(names, B=8, T=2048, H=16, D=128):
-    """launch_sweep.sweep_launch over the gated delta rule: gradients checked against the fp32 naive recurrence
+    """delta_rule_bench_common.sweep_launch over the gated delta rule: gradients checked against the fp32 naive recurrence
     (bf16 inputs, B1 T300 H2 K=V=128), fwd+bwd timed at B, T. Paste the winners into ops/common/launch.py."""
     (q, k, v, g, beta), h0 = make_inputs(1, 300, 2, 128, 128, requires_grad=True)
     do = torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
@@ -139,6 +130,16 @@ def sweep_gated_delta_rule_launch(names, B=8, T=2048, H=16, D=128):
     sweep_launch(names, lambda: outputs_and_grads(chunk_gated_delta_rule, inputs, do),
                  outputs_and_grads(naive_recurrent_gated_delta_rule, inputs, do),
                  lambda: time_chunk(chunk_gated_delta_rule, B, T, H, D)[1], f"B{B} T{T}")
+
+
+def precision_checks():
+    """Inputs (bf16; B1 T300 H2 and B2 T1024 H4, K=V=128) with their upstream gradients, and the fp32 naive
+    recurrence's outputs and gradients on them: what the variant sweeps measure errors against."""
+    checks = []
+    for B, T, Hc in ((1, 300, 2), (2, 1024, 4)):
+        (q, k, v, g, beta), h0 = make_inputs(B, T, Hc, 128, 128, requires_grad=True)
+        checks.append(((q, k, v, g, beta, h0), torch.randn_like(v)))
+    return checks, [outputs_and_grads(naive_recurrent_gated_delta_rule, inputs, do) for inputs, do in checks]
 
 
 def sweep_precision(fla_chunk, H=16, D=128):
@@ -151,21 +152,13 @@ def sweep_precision(fla_chunk, H=16, D=128):
     default = tuple(getattr(precision, n) for n in names)
     variants = [default] + [v for v in [("tf32", False, False), ("tf32", True, False), ("tf32", True, True),
                                         ("bf16", True, False), ("bf16", True, True)] if v != default]
-    checks = []
-    for B, T, Hc in ((1, 300, 2), (2, 1024, 4)):
-        (q, k, v, g, beta), h0 = make_inputs(B, T, Hc, 128, 128, requires_grad=True)
-        checks.append(((q, k, v, g, beta, h0), torch.randn_like(v)))
-
-    references = [outputs_and_grads(naive_recurrent_gated_delta_rule, inputs, do) for inputs, do in checks]
+    checks, references = precision_checks()
     rows = []
     for variant in variants:
         for n, value in zip(names, variant):
             setattr(precision, n, value)
         dot, raw, store = variant
-        errs = [[rel(a, b) for a, b in zip(outputs_and_grads(chunk_gated_delta_rule, inputs, do), ref)]
-                for (inputs, do), ref in zip(checks, references)]
-        out_err = max(max(e[:2]) for e in errs)
-        grad_err = max(max(e[2:]) for e in errs)
+        out_err, grad_err = worst_errors(chunk_gated_delta_rule, checks, references)
         times = [t for B, T in ((8, 2048), (2, 8192)) for t in time_chunk(chunk_gated_delta_rule, B, T, H, D)]
         rows.append((f"dots {dot}, raw q/k dots {'bf16' if raw else dot}, store {'bf16' if store else 'fp32'}"
                      + (" (default)" if variant == default else ""), out_err, grad_err, *times))
@@ -173,11 +166,8 @@ def sweep_precision(fla_chunk, H=16, D=128):
     for n, value in zip(names, default):
         setattr(precision, n, value)
     if fla_chunk is not None:  # its errors by the same measure (its gradients on Hopper: see the module docstring)
-        errs = [[rel(a, b) for a, b in zip(outputs_and_grads(fla_chunk, inputs, do), ref)]
-                for (inputs, do), ref in zip(checks, references)]
         times = [t for B, T in ((8, 2048), (2, 8192)) for t in time_chunk(fla_chunk, B, T, H, D)]
-        rows.append(("fla 0.6 (bwd guard bypassed)", max(max(e[:2]) for e in errs), max(max(e[2:]) for e in errs),
-                     *times))
+        rows.append(("fla 0.6 (bwd guard bypassed)", *worst_errors(fla_chunk, checks, references), *times))
     print("\n| variant | worst output err | worst grad err | B8 T2048 fwd ms | fwd+bwd ms | B2 T8192 fwd ms "
           "| fwd+bwd ms |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -192,20 +182,12 @@ def compare_scratch_transpose(H=16, D=128):
     from rltrain_kernels.ops.common import scratch
 
     default = scratch.TRANSPOSE_VIA_SCRATCH
-    checks = []
-    for B, T, Hc in ((1, 300, 2), (2, 1024, 4)):
-        (q, k, v, g, beta), h0 = make_inputs(B, T, Hc, 128, 128, requires_grad=True)
-        checks.append(((q, k, v, g, beta, h0), torch.randn_like(v)))
-    references = [outputs_and_grads(naive_recurrent_gated_delta_rule, inputs, do) for inputs, do in checks]
+    checks, references = precision_checks()
     rows = []
     for value in (False, True):
         scratch.TRANSPOSE_VIA_SCRATCH = value
-        grad_errs = []
-        for _ in range(3):
-            errs = [[rel(a, b) for a, b in zip(outputs_and_grads(chunk_gated_delta_rule, inputs, do), ref)]
-                    for (inputs, do), ref in zip(checks, references)]
-            grad_errs.append(max(max(e[2:]) for e in errs))
-        out_err = max(max(e[:2]) for e in errs)
+        runs = [worst_errors(chunk_gated_delta_rule, checks, references) for _ in range(3)]
+        out_err, grad_errs = max(r[0] for r in runs), [r[1] for r in runs]
         times = [t for B, T in ((8, 2048), (2, 8192)) for t in time_chunk(chunk_gated_delta_rule, B, T, H, D)]
         rows.append((f"TRANSPOSE_VIA_SCRATCH={value}" + (" (default)" if value == default else ""), out_err,
                      grad_errs, *times))

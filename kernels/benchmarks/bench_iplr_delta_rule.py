@@ -18,7 +18,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from launch_sweep import apply_launch_overrides, rel, sweep_launch
+from delta_rule_bench_common import apply_launch_overrides, outputs_and_grads, rel, sweep_launch
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -47,15 +47,6 @@ def make_inputs(B, T, H, K, V, dtype=torch.bfloat16, requires_grad=False, N=None
     for t in tensors:
         t.requires_grad_(requires_grad)
     return tensors, h0
-
-
-def outputs_and_grads(fn, inputs, do) -> list:
-    """[o, final state, dq, dk, dv, da, db, dh0] of fn on fresh leaf copies of inputs (q, k, v, a, b, h0), for the
-    loss ⟨o, do⟩ + Σ final state."""
-    inputs = [t.detach().clone().requires_grad_() for t in inputs]
-    o, ht = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True)
-    (o.float() * do.float()).sum().add(ht.sum()).backward()
-    return [o, ht] + [t.grad for t in inputs]
 
 
 def check_against_naive(B=1, T=300, H=2):

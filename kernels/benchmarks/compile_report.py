@@ -116,7 +116,7 @@ def main():
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("compile_report compiles for a GPU: unset TRITON_INTERPRET")
 
-    from launch_sweep import apply_launch_overrides
+    from delta_rule_bench_common import apply_launch_overrides
     from rltrain_kernels.ops.common import scratch, state_pass
 
     state_pass._sm_count = lambda device: args.sms  # the host code's occupancy rule, as on the GPU

@@ -1,6 +1,7 @@
-"""Launch settings of the delta-rule kernels (ops/common/launch.py's LAUNCH table) from the benchmarks' command lines:
-`--launch NAME=WARPS,STAGES` overrides and the `--sweep-launch` loop (every warps × stages of the named entries, each
-checked against a reference before it is timed). Imported by the bench scripts and compile_report.py beside it.
+"""What the delta-rule benchmarks share: the error measure, outputs and gradients of an op for a check, and the
+launch settings (ops/common/launch.py's LAUNCH table) from the command line: `--launch NAME=WARPS,STAGES` overrides
+and the `--sweep-launch` loop (every warps × stages of the named entries, each checked against a reference before it
+is timed). Imported by the bench scripts and compile_report.py beside it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,23 @@ def rel(a, b) -> float:
     """‖a − b‖ / ‖b‖ in float64."""
     a, b = a.detach().double(), b.detach().double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def outputs_and_grads(fn, inputs, do) -> list:
+    """[o, final state, then the gradient of every input] of fn on fresh leaf copies of `inputs` (the op's five
+    tensors, then the initial state), for the loss ⟨o, do⟩ + Σ final state."""
+    inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    o, ht = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+    (o.float() * do.float()).sum().add(ht.sum()).backward()
+    return [o, ht] + [t.grad for t in inputs]
+
+
+def worst_errors(fn, checks: list, references: list) -> tuple[float, float]:
+    """(worst output error, worst gradient error) of fn over `checks` [(inputs, do)] against `references`
+    (outputs_and_grads of the reference op on the same checks)."""
+    errs = [[rel(a, b) for a, b in zip(outputs_and_grads(fn, inputs, do), ref)]
+            for (inputs, do), ref in zip(checks, references)]
+    return max(max(e[:2]) for e in errs), max(max(e[2:]) for e in errs)
 
 
 def apply_launch_overrides(overrides: list[str]) -> None:
