@@ -314,6 +314,30 @@ def test_chunk_low_precision_inputs(dtype, device):
     check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(5e-3, 1e-2))
 
 
+@pytest.mark.parametrize("regime", REGIMES)
+def test_bf16_dots_within_the_bars_and_their_operand_storage_changes_no_number(regime, device, monkeypatch):
+    """IPLR with bf16 dots (precision.IPLR_LOW_PRECISION_DOT; tf32 by default until a GPU run clears them): within
+    the bf16 bars, and storing T, w, h, X, dh, dX, dw in bf16 (precision.LOW_PRECISION_OPERANDS) gives the same
+    outputs and gradients bit for bit, as those tensors feed nothing but dots that round to bf16 anyway."""
+    from rltrain_kernels.ops.common import precision
+
+    monkeypatch.setattr(precision, "IPLR_LOW_PRECISION_DOT", "bf16")
+    inputs = make_inputs(1, 100, 2, 32, 16, dtype=torch.bfloat16, regime=regime, device=device,
+                         initial_state=True, requires_grad=True)
+    check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(5e-3, 1e-2))
+    do = torch.randn(1, 100, 2, 16, device=device, dtype=torch.bfloat16)
+    results = {}
+    for low in (True, False):
+        monkeypatch.setattr(precision, "LOW_PRECISION_OPERANDS", low)
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        o, ht = chunk_iplr_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True)
+        ((o.float() * do.float()).sum() + ht.square().sum()).backward()
+        results[low] = [o, ht] + [t.grad for t in leaves]
+        assert precision.iplr_operand_dtype(torch.bfloat16) == (torch.bfloat16 if low else torch.float32)
+    for name, a, b in zip(["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"], results[True], results[False]):
+        assert torch.equal(a, b), f"{name} changed with bf16 operand storage: {(a.float() - b.float()).abs().max()}"
+
+
 def test_fused_recurrent_gradients_via_chunk_backward(device):
     inputs = make_inputs(1, 30, 2, 16, 16, regime="generic", device=device, initial_state=True, requires_grad=True)
     check_gradients(fused_recurrent_iplr_delta_rule, *inputs, threshold=(1e-5, 2e-5))

@@ -85,12 +85,19 @@ def solve_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else LOW_PRECISION_SOLVE
 
 
-def operand_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Storage dtype of the intermediates that only ever feed DOT_PREC dots (T, w, dδ, dw) for inputs of `dtype`:
-    the dots' own operand dtype, bf16 when dot_precision(dtype) is "bf16" and LOW_PRECISION_OPERANDS is on (stored
-    through cast_for_store, they round exactly as the dot's own cast would), else fp32."""
-    low = LOW_PRECISION_OPERANDS and dtype == torch.bfloat16 and LOW_PRECISION_DOT == "bf16"
+def operand_dtype(dtype: torch.dtype, dot_prec: str | None = None) -> torch.dtype:
+    """Storage dtype of the intermediates that only ever feed DOT_PREC dots (T, w, dδ, dw; in IPLR also h, X, dh)
+    for inputs of `dtype` and dots in `dot_prec` (default dot_precision(dtype)): the dots' own operand dtype, bf16
+    when the dots are bf16 and LOW_PRECISION_OPERANDS is on (stored through cast_for_store, they round exactly as the
+    dot's own cast would), else fp32."""
+    dot_prec = dot_prec or dot_precision(dtype)
+    low = LOW_PRECISION_OPERANDS and dtype == torch.bfloat16 and dot_prec.startswith("bf16")
     return torch.bfloat16 if low else torch.float32
+
+
+def iplr_operand_dtype(dtype: torch.dtype) -> torch.dtype:
+    """operand_dtype for the IPLR kernels' dots (iplr_dot_precision)."""
+    return operand_dtype(dtype, iplr_dot_precision(dtype))
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -23,7 +23,7 @@ import triton.language as tl
 from ..common.chunking import ChunkLayout
 from ..common.launch import launch
 from ..common.state_pass import state_pass_bwd
-from ..common.precision import iplr_dot_precision, mm
+from ..common.precision import cast_for_store, iplr_dot_precision, iplr_operand_dtype, mm
 from .chunk_fwd import iplr_state_pass_fwd, iplr_wy_fwd
 
 
@@ -61,10 +61,10 @@ def iplr_output_bwd_dqwv_kernel(
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
-        b_h = tl.load(h + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_h = tl.load(h + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_x = tl.load(x + p_v, mask=m_tv, other=0.0)
-        b_dx = tl.load(dx + p_v, mask=m_tv, other=0.0)
+        b_x = tl.load(x + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_dx = tl.load(dx + p_v, mask=m_tv, other=0.0).to(tl.float32)
         b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(tl.float32)
         b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
         b_dq += mm(b_do, tl.trans(b_h), DOT_PREC)
@@ -77,7 +77,7 @@ def iplr_output_bwd_dqwv_kernel(
     b_dq += mm(tl.where(m_A, b_dPb, 0.0), b_b, DOT_PREC)
     b_dq += mm(tl.where(m_A, b_dPk, 0.0), b_k, DOT_PREC)
     tl.store(dq + p_k, b_dq * scale, mask=m_tk)
-    tl.store(dw + p_k, b_dw, mask=m_tk)
+    tl.store(dw + p_k, cast_for_store(b_dw, dw, DOT_PREC), mask=m_tk)
 
 
 @triton.jit
@@ -109,7 +109,7 @@ def iplr_output_bwd_dkb_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
         b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_x = tl.load(x + p_v, mask=m_tv, other=0.0)
+        b_x = tl.load(x + p_v, mask=m_tv, other=0.0).to(tl.float32)
         b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(tl.float32)
         b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
         b_db += mm(b_x, tl.trans(b_dh), DOT_PREC)
@@ -126,13 +126,15 @@ def iplr_output_bwd_dkb_kernel(
 
 
 def iplr_output_bwd(q, k, v, b, x, h, dh, do, dx, scale: float, layout: ChunkLayout):
-    """→ dq, dk, db, dw [tokens, H, K] fp32 and dv [tokens, H, V] fp32 (dk, db, dv still lack the WY part)."""
+    """→ dq, dk, db [tokens, H, K] fp32, dw (in iplr_operand_dtype(q.dtype)) and dv [tokens, H, V] fp32 (dk, db, dv
+    still lack the WY part)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     if K > 256:
         raise ValueError(f"K={K} > 256 is not supported by the chunked backward")
     dq = torch.empty(TT, H, K, dtype=torch.float32, device=q.device)
-    dk, db, dw = torch.empty_like(dq), torch.empty_like(dq), torch.empty_like(dq)
+    dk, db = torch.empty_like(dq), torch.empty_like(dq)
+    dw = torch.empty_like(dq, dtype=iplr_operand_dtype(q.dtype))  # feeds only the WY backward's dots
     dv = torch.empty(TT, H, V, dtype=torch.float32, device=q.device)
     if layout.num_chunks:
         # Two kernels rather than one: together they keep four [64, K] and four [64, 64] fp32 accumulators live
@@ -164,7 +166,7 @@ def iplr_wy_bwd_kernel(
     m_t = o_t < eos
     m_L = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
     m_U = (o_i[:, None] < o_i[None, :]) & m_t[:, None] & m_t[None, :]
-    b_T = tl.load(Ai + (o_t[:, None] * H + i_h) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+    b_T = tl.load(Ai + (o_t[:, None] * H + i_h) * BT + o_i[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
     b_Mak = tl.zeros([BT, BT], dtype=tl.float32)   # a_iᵀ k_j
     b_Makt = tl.zeros([BT, BT], dtype=tl.float32)  # k_iᵀ a_j
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
@@ -175,7 +177,7 @@ def iplr_wy_bwd_kernel(
         p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
         b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
-        b_dw = tl.load(dw + p_k, mask=m_k, other=0.0)
+        b_dw = tl.load(dw + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_Mak += mm(b_a, tl.trans(b_k), DOT_PREC)
         b_Makt += mm(b_k, tl.trans(b_a), DOT_PREC)
         b_dT += mm(b_dw, tl.trans(b_a), DOT_PREC)
@@ -189,7 +191,7 @@ def iplr_wy_bwd_kernel(
         m_v = m_t[:, None] & (o_v < V)[None, :]
         p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
-        b_dx = tl.load(dx + p_v, mask=m_v, other=0.0)
+        b_dx = tl.load(dx + p_v, mask=m_v, other=0.0).to(tl.float32)
         b_dXV += mm(b_dx, tl.trans(b_v), DOT_PREC)
         b_VdX += mm(b_v, tl.trans(b_dx), DOT_PREC)
         b_dY = mm(tl.trans(b_T), b_dx, DOT_PREC)  # ∂L/∂(strict(A Kᵀ) V)
@@ -208,7 +210,7 @@ def iplr_wy_bwd_kernel(
         p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
         b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
-        b_dw = tl.load(dw + p_k, mask=m_k, other=0.0)
+        b_dw = tl.load(dw + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_b = tl.load(b + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_da = mm(tl.trans(b_T), b_dw, DOT_PREC) + mm(b_dMak, b_k, DOT_PREC)
         b_da += mm(b_dMab, b_b, DOT_PREC)
@@ -239,8 +241,8 @@ def chunk_iplr_delta_rule_bwd(q, k, v, a, b, scale: float, initial_state, Ai, do
     h, x, _ = iplr_state_pass_fwd(k, v, b, w, u, initial_state, False, layout)
     # The shared reverse state pass: X plays δ, b plays k, and w = −T A keeps its δ = u − w S convention.
     dh, dx, dh0 = state_pass_bwd(q, b, w, None, do, dht, scale, initial_state is not None, layout,
-                                 dot_prec=iplr_dot_precision(q.dtype), dh_dtype=torch.float32,
-                                 dv_dtype=torch.float32)
+                                 dot_prec=iplr_dot_precision(q.dtype), dh_dtype=iplr_operand_dtype(q.dtype),
+                                 dv_dtype=iplr_operand_dtype(q.dtype))
     dq, dk, db, dv, dw = iplr_output_bwd(q, k, v, b, x, h, dh, do, dx, scale, layout)
     da = iplr_wy_bwd(k, v, a, b, Ai, dw, dx, dk, db, dv, layout)
     return dq, dk, dv, da, db, dh0

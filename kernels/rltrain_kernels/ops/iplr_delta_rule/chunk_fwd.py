@@ -7,8 +7,10 @@ Per chunk (local rows i, j; Q, K, A, B the chunk's q, k, a, b rows; S the chunk-
     O = scale (Q S + (Q Bᵀ ⊙ M) X + (Q Kᵀ ⊙ M) V),   M_ij = [j ≤ i]   (output pass)
 w is stored with a minus sign so that X = u − w S is the shared state pass's δ = u − w S convention
 (common/state_pass.py), whose backward the IPLR backward reuses with b in place of k. Everything runs on the
-flattened token axis with a ChunkLayout (common/chunking.py); intermediates are fp32. No dot operand is the
-transpose of a dot result (the Hopper miscompile pattern of fla #640, see common/wy_bwd.py).
+flattened token axis with a ChunkLayout (common/chunking.py). u is fp32; T, w, the states h and X, which feed
+nothing but dots, are stored in those dots' operand dtype (precision.iplr_operand_dtype: fp32 unless the IPLR dots
+run in bf16, when storing them in bf16 changes no number). No dot operand is the transpose of a dot result (the
+Hopper miscompile pattern of fla #640, see common/wy_bwd.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import triton.language as tl
 
 from ..common.chunking import ChunkLayout
 from ..common.launch import launch
-from ..common.precision import iplr_dot_precision, mm, raw_precision, solve_precision
+from ..common.precision import cast_for_store, iplr_dot_precision, iplr_operand_dtype, mm, raw_precision, solve_precision
 from ..common.wy import solve_unit_lower
 
 CHUNK_SIZE = 64
@@ -54,17 +56,17 @@ def iplr_wy_fwd_kernel(
             b_Mab += mm(b_a, tl.trans(b_b), DOT_PREC)
     p_Ai = Ai + (o_t[:, None] * H + i_h) * BT + o_i[None, :]
     if LOAD_AI:
-        b_T = tl.load(p_Ai, mask=m_t[:, None], other=0.0)
+        b_T = tl.load(p_Ai, mask=m_t[:, None], other=0.0).to(tl.float32)
     else:
         b_T = solve_unit_lower(tl.where(m_A, -b_Mab, 0.0), BT, SOLVE_PREC)
-        tl.store(p_Ai, b_T, mask=m_t[:, None])
+        tl.store(p_Ai, cast_for_store(b_T, Ai, DOT_PREC), mask=m_t[:, None])
     b_TM = mm(b_T, tl.where(m_A, b_Mak, 0.0), DOT_PREC)  # T strict(A Kᵀ)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
         b_a = tl.load(a + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
         b_w = -mm(b_T, b_a, DOT_PREC)
-        tl.store(w + (o_t[:, None] * H + i_h) * K + o_k[None, :], b_w, mask=m_k)
+        tl.store(w + (o_t[:, None] * H + i_h) * K + o_k[None, :], cast_for_store(b_w, w, DOT_PREC), mask=m_k)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = m_t[:, None] & (o_v < V)[None, :]
@@ -74,15 +76,15 @@ def iplr_wy_fwd_kernel(
 
 
 def iplr_wy_fwd(k, v, a, b, layout: ChunkLayout, Ai=None):
-    """k, a, b [tokens, H, K], v [tokens, H, V] → (Ai [tokens, H, BT] fp32 = T, w [tokens, H, K] fp32 (= −T A),
-    u [tokens, H, V] fp32). With Ai given, skip the solve and only rebuild w and u (the backward's recomputation)."""
+    """k, a, b [tokens, H, K], v [tokens, H, V] → (Ai [tokens, H, BT] = T, w [tokens, H, K] (= −T A), both in
+    iplr_operand_dtype(k.dtype), u [tokens, H, V] fp32). With Ai given, skip the solve and only rebuild w and u (the backward's recomputation)."""
     TT, H, K = k.shape
     V = v.shape[-1]
     BT = layout.chunk_size
     load_ai = Ai is not None
     if Ai is None:
-        Ai = torch.empty(TT, H, BT, dtype=torch.float32, device=k.device)
-    w = torch.empty(TT, H, K, dtype=torch.float32, device=k.device)
+        Ai = torch.empty(TT, H, BT, dtype=iplr_operand_dtype(k.dtype), device=k.device)
+    w = torch.empty(TT, H, K, dtype=iplr_operand_dtype(k.dtype), device=k.device)
     u = torch.empty(TT, H, V, dtype=torch.float32, device=k.device)
     if layout.num_chunks:
         iplr_wy_fwd_kernel[(layout.num_chunks, H)](
@@ -112,15 +114,15 @@ def iplr_state_pass_fwd_kernel(
     if USE_INITIAL_STATE:
         b_h += tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + state_offset, mask=m_h, other=0.0)
     for i_t in range(tl.cdiv(eos - bos, BT)):
-        tl.store(h + ((c0 + i_t) * H + i_h) * K * V + state_offset, b_h, mask=m_h)
+        tl.store(h + ((c0 + i_t) * H + i_h) * K * V + state_offset, cast_for_store(b_h, h, DOT_PREC), mask=m_h)
         o_t = bos + i_t * BT + o_i
         m_t = o_t < eos
         m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
         p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
         p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
-        b_w = tl.load(w + p_k, mask=m_tk, other=0.0)
+        b_w = tl.load(w + p_k, mask=m_tk, other=0.0).to(tl.float32)
         b_x = tl.load(u + p_v, mask=m_tv, other=0.0) - mm(b_w, b_h, DOT_PREC)
-        tl.store(x + p_v, b_x, mask=m_tv)
+        tl.store(x + p_v, cast_for_store(b_x, x, DOT_PREC), mask=m_tv)
         b_b = tl.load(b + p_k, mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
         b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
@@ -131,7 +133,8 @@ def iplr_state_pass_fwd_kernel(
 
 
 def iplr_state_pass_fwd(k, v, b, w, u, initial_state, output_final_state: bool, layout: ChunkLayout):
-    """→ (h [chunks, H, K, V] fp32 chunk-start states, x [tokens, H, V] fp32 a-reads, final state or None)."""
+    """→ (h [chunks, H, K, V] chunk-start states, x [tokens, H, V] a-reads, both in iplr_operand_dtype(k.dtype),
+    final state (fp32) or None)."""
     TT, H, K = k.shape
     V = v.shape[-1]
     N = layout.num_seqs
@@ -139,8 +142,8 @@ def iplr_state_pass_fwd(k, v, b, w, u, initial_state, output_final_state: bool, 
         raise ValueError(f"the chunked state pass keeps the whole key dim in registers: K={K} must be <= 256")
     # BV=32 as in common/state_pass.py: a [128, 32] fp32 state tile plus [64, 128] operands fit 4 warps (K=128).
     BK, BV = triton.next_power_of_2(K), min(32, triton.next_power_of_2(V))
-    h = torch.empty(layout.num_chunks, H, K, V, dtype=torch.float32, device=k.device)
-    x = torch.empty(TT, H, V, dtype=torch.float32, device=k.device)
+    h = torch.empty(layout.num_chunks, H, K, V, dtype=iplr_operand_dtype(k.dtype), device=k.device)
+    x = torch.empty(TT, H, V, dtype=iplr_operand_dtype(k.dtype), device=k.device)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
     if N * H:
         iplr_state_pass_fwd_kernel[(N * H, triton.cdiv(V, BV))](
@@ -180,14 +183,14 @@ def iplr_output_fwd_kernel(
         b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
         b_b = tl.load(b + p_k, mask=m_tk, other=0.0).to(tl.float32)
         b_h = tl.load(h + (i_hc * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
-                      mask=m_k[:, None] & m_v[None, :], other=0.0)
+                      mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         b_o += mm(b_q, b_h, DOT_PREC)
         b_Pb += mm(b_q, tl.trans(b_b), DOT_PREC)
         b_Pk += mm(b_q, tl.trans(b_k), RAW_PREC)
     m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
-    b_x = tl.load(x + p_v, mask=m_tv, other=0.0)
+    b_x = tl.load(x + p_v, mask=m_tv, other=0.0).to(tl.float32)
     b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
     b_o += mm(tl.where(m_A, b_Pb, 0.0), b_x, DOT_PREC)
     b_o += mm(tl.where(m_A, b_Pk, 0.0), b_v, DOT_PREC)
@@ -210,7 +213,7 @@ def iplr_output_fwd(q, k, v, b, x, h, scale: float, layout: ChunkLayout, out_dty
 def chunk_iplr_delta_rule_fwd(q, k, v, a, b, scale: float, initial_state, output_final_state: bool,
                               layout: ChunkLayout):
     """Flattened contiguous inputs q, k, a, b [tokens, H, K], v [tokens, H, V] → (o [tokens, H, V] in v's dtype,
-    final state or None, Ai fp32 T matrices for the backward)."""
+    final state or None, Ai: the T matrices for the backward)."""
     Ai, w, u = iplr_wy_fwd(k, v, a, b, layout)
     h, x, ht = iplr_state_pass_fwd(k, v, b, w, u, initial_state, output_final_state, layout)
     o = iplr_output_fwd(q, k, v, b, x, h, scale, layout, v.dtype)
