@@ -175,24 +175,30 @@ def sweep_precision(fla_chunk, H=16, D=128):
         print(f"| {name} | {eo:.1e} | {eg:.1e} | " + " | ".join(f"{x:.3f}" for x in t) + " |")
 
 
-def compare_scratch_transpose(H=16, D=128):
-    """common/scratch.py's TRANSPOSE_VIA_SCRATCH off (the default: transposed products as their own dots) and on
-    (a round trip through a scratch tile): gradients against the fp32 naive recurrence, run three times each (a
-    missing barrier would show as a changing error), then forward and fwd+bwd at both timed shapes."""
-    from rltrain_kernels.ops.common import scratch
+def compare_variants(H=16, D=128):
+    """The structural variants that are built and CPU-tested but off until timed, one at a time and together:
+    common/scratch.py's TRANSPOSE_VIA_SCRATCH (dSᵀ, Bᵀ through a scratch tile instead of their own dots) and
+    common/state_pass.py's U_FROM_T (u formed in the state pass, never stored). Each: gradients against the fp32
+    naive recurrence, three runs (a missing barrier would show as a changing error), then forward and fwd+bwd at
+    both timed shapes. The first row is the shipped default."""
+    from rltrain_kernels.ops.common import scratch, state_pass
 
-    default = scratch.TRANSPOSE_VIA_SCRATCH
+    switches = ((scratch, "TRANSPOSE_VIA_SCRATCH"), (state_pass, "U_FROM_T"))
+    default = tuple(getattr(module, name) for module, name in switches)
+    variants = [default] + [v for v in ((True, False), (False, True), (True, True), (False, False)) if v != default]
     checks, references = precision_checks()
     rows = []
-    for value in (False, True):
-        scratch.TRANSPOSE_VIA_SCRATCH = value
+    for variant in variants:
+        for (module, name), value in zip(switches, variant):
+            setattr(module, name, value)
         runs = [worst_errors(chunk_gated_delta_rule, checks, references) for _ in range(3)]
         out_err, grad_errs = max(r[0] for r in runs), [r[1] for r in runs]
         times = [t for B, T in ((8, 2048), (2, 8192)) for t in time_chunk(chunk_gated_delta_rule, B, T, H, D)]
-        rows.append((f"TRANSPOSE_VIA_SCRATCH={value}" + (" (default)" if value == default else ""), out_err,
-                     grad_errs, *times))
+        label = ", ".join(f"{name}={value}" for (_, name), value in zip(switches, variant))
+        rows.append((label + (" (default)" if variant == default else ""), out_err, grad_errs, *times))
         print("  " + " | ".join(str(x) for x in rows[-1]), flush=True)
-    scratch.TRANSPOSE_VIA_SCRATCH = default
+    for (module, name), value in zip(switches, default):
+        setattr(module, name, value)
     print("\n| variant | worst output err | worst grad err (3 runs) | B8 T2048 fwd ms | fwd+bwd ms | B2 T8192 fwd ms "
           "| fwd+bwd ms |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -219,8 +225,9 @@ def main():
                         help="sweep the dot / storage precision variants (ops/common/precision.py) and exit")
     parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
                         help="override ops/common/launch.py entries for this run, e.g. wy_bwd=8,2")
-    parser.add_argument("--compare-scratch-transpose", action="store_true",
-                        help="time and check ops/common/scratch.py's TRANSPOSE_VIA_SCRATCH off and on, and exit")
+    parser.add_argument("--compare-variants", action="store_true",
+                        help="time and check the untimed structural variants (TRANSPOSE_VIA_SCRATCH, U_FROM_T) "
+                             "off and on, and exit")
     args = parser.parse_args()
     torch.manual_seed(0)
     apply_launch_overrides(args.launch)
@@ -234,8 +241,8 @@ def main():
     if args.precision:
         sweep_precision(fla_chunk)
         return
-    if args.compare_scratch_transpose:
-        compare_scratch_transpose()
+    if args.compare_variants:
+        compare_variants()
         return
     check_against_naive()
     if args.profile:

@@ -112,6 +112,7 @@ def main():
                         help="override ops/common/launch.py entries, e.g. wy_bwd=8,2")
     parser.add_argument("--transpose-via-scratch", action="store_true",
                         help="compile with ops/common/scratch.py's TRANSPOSE_VIA_SCRATCH on")
+    parser.add_argument("--u-from-t", action="store_true", help="compile with ops/common/state_pass.py's U_FROM_T on")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("compile_report compiles for a GPU: unset TRITON_INTERPRET")
@@ -121,6 +122,7 @@ def main():
 
     state_pass._sm_count = lambda device: args.sms  # the host code's occupancy rule, as on the GPU
     scratch.TRANSPOSE_VIA_SCRATCH = args.transpose_via_scratch or scratch.TRANSPOSE_VIA_SCRATCH
+    state_pass.U_FROM_T = args.u_from_t or state_pass.U_FROM_T
     apply_launch_overrides(args.launch)
     launches = record_launches(GPUTarget("cuda", args.arch, 128))
     run_op(args.op, args.B, args.T, args.H, args.D, getattr(torch, args.dtype), args.num_householder)

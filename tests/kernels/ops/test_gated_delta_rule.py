@@ -355,6 +355,31 @@ def test_chunk_gradients_with_transposes_via_scratch(dtype, device, monkeypatch)
                     threshold=(1e-5, 2e-5) if dtype == torch.float32 else (5e-3, 1e-2))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunk_gradients_with_u_formed_in_the_state_pass(dtype, device, monkeypatch):
+    """common/state_pass.py's U_FROM_T (u = T diag(β) V formed in the state pass, never stored): the same outputs and
+    gradients as with u stored, against float64 too; varlen with a partial chunk, GVA, K != V, both state-pass
+    widths (V = 16 and 64)."""
+    from rltrain_kernels.ops.common import state_pass
+
+    lengths = [70, 15, 64]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    for V in (16, 64):
+        inputs = make_inputs(1, sum(lengths), 1, 32, V, HV=2, dtype=dtype, device=device, N=len(lengths),
+                             initial_state=True, requires_grad=True)
+        results = {}
+        for fused in (False, True):
+            monkeypatch.setattr(state_pass, "U_FROM_T", fused)
+            for t in inputs:
+                t.grad = None
+            torch.manual_seed(1)  # the same upstream gradients in both runs
+            check_gradients(chunk_gated_delta_rule, *inputs, cu_seqlens=cu,
+                            threshold=(1e-5, 2e-5) if dtype == torch.float32 else (5e-3, 1e-2))
+            results[fused] = [t.grad.clone() for t in inputs]
+        for name, a, b in zip(GRAD_NAMES, results[True], results[False]):
+            assert_rel_close(a, b, threshold=1e-6 if dtype == torch.float32 else 1e-3, name=f"d{name} (V={V})")
+
+
 @pytest.mark.parametrize("gate", ["near_zero", "strong"])
 def test_chunk_gradients_extreme_gates(gate, device):
     inputs = make_inputs(2, 100, 1, 16, 16, HV=2, gate=gate, device=device, initial_state=True, requires_grad=True)
@@ -406,14 +431,14 @@ def test_chunk_precision_variants(dot, store, device, monkeypatch):
     monkeypatch.setattr(precision, "LOW_PRECISION_DOT", dot)
     monkeypatch.setattr(precision, "LOW_PRECISION_STORE", store)
     dtypes = []
-    real_state_pass = chunk_fwd.state_pass_fwd
+    real_states = chunk_fwd.chunk_states_fwd
 
     def spy(*args, **kwargs):
-        h, v_new, ht = real_state_pass(*args, **kwargs)
+        Ai, w, h, v_new, ht = real_states(*args, **kwargs)
         dtypes.append((h.dtype, v_new.dtype))
-        return h, v_new, ht
+        return Ai, w, h, v_new, ht
 
-    monkeypatch.setattr(chunk_fwd, "state_pass_fwd", spy)
+    monkeypatch.setattr(chunk_fwd, "chunk_states_fwd", spy)
     inputs = make_inputs(1, 80, 1, 16, 16, HV=2, dtype=torch.bfloat16, device=device, initial_state=True,
                          requires_grad=True)
     check_gradients(chunk_gated_delta_rule, *inputs, threshold=(5e-3, 1e-2))
@@ -423,18 +448,17 @@ def test_chunk_precision_variants(dot, store, device, monkeypatch):
 def test_operand_storage_changes_no_number(device, monkeypatch):
     """T, w, dδ and dw feed only the chunk kernels' dots, which round their operands to bf16 anyway: storing them in
     bf16 (precision.LOW_PRECISION_OPERANDS) must give the very same outputs and gradients, bit for bit."""
-    from rltrain_kernels.ops.common import precision
-    from rltrain_kernels.ops.gated_delta_rule import chunk_fwd
+    from rltrain_kernels.ops.common import precision, state_pass
 
     stored = []
-    real_wy = chunk_fwd.gated_wy_fwd
+    real_wy = state_pass.gated_wy_fwd
 
     def spy(*args, **kwargs):
         Ai, w, u = real_wy(*args, **kwargs)
         stored.append((Ai.dtype, w.dtype, u.dtype))
         return Ai, w, u
 
-    monkeypatch.setattr(chunk_fwd, "gated_wy_fwd", spy)
+    monkeypatch.setattr(state_pass, "gated_wy_fwd", spy)  # the forward's and the backward's WY kernel
     inputs = make_inputs(1, 100, 1, 32, 16, HV=2, dtype=torch.bfloat16, device=device, initial_state=True)
     do = torch.randn(1, 100, 2, 16, device=device, dtype=torch.bfloat16)
     results = {}
@@ -444,7 +468,7 @@ def test_operand_storage_changes_no_number(device, monkeypatch):
         o, ht = chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True)
         ((o.float() * do.float()).sum() + ht.square().sum()).backward()
         results[low] = [o, ht] + [t.grad for t in leaves]
-    assert stored == [(torch.bfloat16, torch.bfloat16, torch.float32), (torch.float32,) * 3]
+    assert stored == [(torch.bfloat16, torch.bfloat16, torch.float32)] * 2 + [(torch.float32,) * 3] * 2
     for name, a, b in zip(["o", "final_state"] + [f"d{n}" for n in GRAD_NAMES], results[True],
                           results[False]):
         assert torch.equal(a, b), f"{name} changed with bf16 operand storage: {(a.float() - b.float()).abs().max()}"
@@ -522,12 +546,15 @@ def test_chunk_bf16_real_sizes(B, T, H, HV, K, V, l2norm, device):
 
 
 @pytest.mark.gpu
-def test_chunk_bf16_transposes_via_scratch_real_size(device, monkeypatch):
-    """common/scratch.py's path at a real size on the GPU: within the bars, and the same gradients on a rerun (a
-    barrier that fails to order the scratch store before its transposed load would show as a moving result)."""
-    from rltrain_kernels.ops.common import scratch
+@pytest.mark.parametrize("switch", ["scratch.TRANSPOSE_VIA_SCRATCH", "state_pass.U_FROM_T"])
+def test_chunk_bf16_untimed_variants_real_size(switch, device, monkeypatch):
+    """The structural variants that are off until timed, at a real size on the GPU: within the bars, and the same
+    gradients on a rerun (for the scratch tile: a barrier that fails to order its store before the transposed load
+    would show as a moving result)."""
+    import importlib
 
-    monkeypatch.setattr(scratch, "TRANSPOSE_VIA_SCRATCH", True)
+    module, name = switch.split(".")
+    monkeypatch.setattr(importlib.import_module(f"rltrain_kernels.ops.common.{module}"), name, True)
     inputs = make_inputs(2, 1000, 4, 128, 128, HV=8, dtype=torch.bfloat16, device=device, initial_state=True,
                          requires_grad=True)
     grads = []

@@ -8,7 +8,7 @@ addressing: 8 KiB (bf16) per program through L2, no dot, no extra accumulator.
 
 TRANSPOSE_VIA_SCRATCH picks the alternative. Both paths compute the same function and the CPU tests run both; only a
 GPU run can say which is faster and whether the barrier holds there (bench_gated_delta_rule.py
---compare-scratch-transpose times both and checks their gradients), so the default stays with the dots until one has.
+--compare-variants times both and checks their gradients), so the default stays with the dots until one has.
 """
 
 from __future__ import annotations

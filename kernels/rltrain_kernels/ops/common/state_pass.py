@@ -2,7 +2,8 @@
 
 Forward, per (sequence, value head, V block), chunk by chunk with the [K, BV] fp32 state S in registers:
     store S (the state at the chunk's start, for the output pass and the backward)
-    δ = u − w S                                  (the chunk's corrected values, "v_new")
+    δ = u − w S                                  (the chunk's corrected values, "v_new"; u = T diag(β) V is read,
+                                                  or formed here from T when U_FROM_T is on)
     S ← γ_last S + (diag(exp(G_last − G)) K)ᵀ δ   (γ_last = exp(G_last), the chunk's total decay)
 
 Backward, chunks in reverse, with dS = ∂L/∂(state at the chunk's end) (the final-state gradient to start):
@@ -25,14 +26,21 @@ import triton.language as tl
 from .chunking import ChunkLayout
 from .launch import launch
 from .precision import cast_for_store, dot_precision, mm, operand_dtype, raw_precision, work_dtype
+from .wy import gated_wy_fwd
+
+# The forward state pass forms u = T diag(β) V per chunk itself (T, v and β loaded: a 64×64 dot per chunk and V
+# block, off the loop's dependence on S) instead of reading the fp32 u that the WY kernel wrote: 3 of the ~14 passes
+# over a [tokens, heads, 128] bf16 tensor that the forward makes (and again in the backward's recomputation). The
+# same numbers; off until a GPU run times it (bench_gated_delta_rule.py --compare-variants).
+U_FROM_T = False
 
 
 @triton.jit
 def state_pass_fwd_kernel(
-    k, w, u, G, h, v_new, h0, ht, cu_seqlens, chunk_offsets,
+    k, w, u, v, beta, Ai, G, h, v_new, h0, ht, cu_seqlens, chunk_offsets,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-    STORE_FINAL_STATE: tl.constexpr, DOT_PREC: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr, DOT_PREC: tl.constexpr, U_FROM_T: tl.constexpr,
 ):
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences × heads on axis 0 (no 65535 limit)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -55,7 +63,14 @@ def state_pass_fwd_kernel(
         b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                       other=0.0).to(tl.float32)
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
-        b_u = tl.load(u + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        if U_FROM_T:  # u = T diag(β) V, as the WY kernel would have written it
+            b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None],
+                          other=0.0).to(tl.float32)
+            b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+            b_vin = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+            b_u = mm(b_T, b_vin * b_beta[:, None], DOT_PREC)
+        else:
+            b_u = tl.load(u + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         b_v = b_u - mm(b_w, b_h, DOT_PREC)
         tl.store(v_new + p_v, cast_for_store(b_v, v_new, DOT_PREC), mask=m_t[:, None] & m_v[None, :])
         if USE_G:
@@ -180,21 +195,33 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def state_pass_fwd(k, w, u, G, initial_state, output_final_state: bool, layout: ChunkLayout):
+def state_pass_fwd(k, w, u, G, initial_state, output_final_state: bool, layout: ChunkLayout, v=None, beta=None,
+                   Ai=None):
     """→ (h [chunks, HV, K, V] chunk-start states, v_new [tokens, HV, V] (both in work_dtype(k.dtype)), final state
-    (fp32) or None)."""
+    (fp32) or None). u [tokens, HV, V], or None with v, beta and the T matrices Ai given: u formed in the pass."""
+    if u is None and (v is None or beta is None or Ai is None):
+        raise ValueError("state_pass_fwd: without u it needs v, beta and Ai to form u = T diag(beta) V")
     TT, H, K = k.shape
-    HV, V = u.shape[1], u.shape[2]
+    HV, V = (u if u is not None else v).shape[1:]
     N = layout.num_seqs
     name, BK, BV = _state_launch("state_pass_fwd", N * HV, K, V, k.device)
     h = torch.empty(layout.num_chunks, HV, K, V, dtype=work_dtype(k.dtype), device=k.device)
     v_new = torch.empty(TT, HV, V, dtype=work_dtype(k.dtype), device=k.device)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
     state_pass_fwd_kernel[(N * HV, triton.cdiv(V, BV))](
-        k, w, u, G, h, v_new, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, HV=HV, K=K, V=V,
-        BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None, USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=output_final_state, DOT_PREC=dot_precision(k.dtype), **launch(name))
+        k, w, u, v, beta, Ai, G, h, v_new, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, HV=HV,
+        K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None,
+        USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
+        DOT_PREC=dot_precision(k.dtype), U_FROM_T=u is None, **launch(name))
     return h, v_new, ht
+
+
+def chunk_states_fwd(k, v, beta, G, initial_state, output_final_state: bool, layout: ChunkLayout, Ai=None):
+    """The WY kernel then the forward state pass (u formed in the pass when U_FROM_T is on) → (Ai, w, h, v_new,
+    final state or None). With Ai given (the backward's recomputation) the WY kernel skips the solve."""
+    Ai, w, u = gated_wy_fwd(k, v, beta, G, layout, Ai=Ai, store_u=not U_FROM_T)
+    h, v_new, ht = state_pass_fwd(k, w, u, G, initial_state, output_final_state, layout, v=v, beta=beta, Ai=Ai)
+    return Ai, w, h, v_new, ht
 
 
 def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: ChunkLayout,

@@ -58,8 +58,7 @@ def gated_wy_fwd_kernel(
     k, v, beta, G, Ai, w, u, cu_seqlens, chunk_indices,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, LOAD_AI: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr,
-    RAW_PREC: tl.constexpr,
-    SOLVE_PREC: tl.constexpr,
+    RAW_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr, STORE_U: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -96,18 +95,19 @@ def gated_wy_fwd_kernel(
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
         b_w = mm(b_T, b_k * b_kscale[:, None], DOT_PREC)
         tl.store(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(b_w, w, DOT_PREC), mask=m_k)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = m_t[:, None] & (o_v < V)[None, :]
-        b_v = tl.load(v + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_v, other=0.0).to(tl.float32)
-        b_u = mm(b_T, b_v * b_beta[:, None], DOT_PREC)
-        tl.store(u + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_u, mask=m_v)
+    if STORE_U:  # else the state pass forms u from T itself (common/state_pass.py: U_FROM_T)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = m_t[:, None] & (o_v < V)[None, :]
+            b_v = tl.load(v + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_v, other=0.0).to(tl.float32)
+            b_u = mm(b_T, b_v * b_beta[:, None], DOT_PREC)
+            tl.store(u + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_u, mask=m_v)
 
 
-def gated_wy_fwd(k, v, beta, G, layout: ChunkLayout, Ai=None):
+def gated_wy_fwd(k, v, beta, G, layout: ChunkLayout, Ai=None, store_u: bool = True):
     """k [tokens, H, K], v [tokens, HV, V], beta/G [tokens, HV] (G fp32 chunk-local cumsum or None) →
-    (Ai [tokens, HV, BT] = T and w [tokens, HV, K] in operand_dtype(k.dtype), u [tokens, HV, V] fp32). With Ai
-    given, skip the solve and only rebuild w and u (the backward's recomputation)."""
+    (Ai [tokens, HV, BT] = T and w [tokens, HV, K] in operand_dtype(k.dtype), u [tokens, HV, V] fp32, or None
+    without store_u). With Ai given, skip the solve and only rebuild w (and u): the backward's recomputation."""
     TT, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     BT = layout.chunk_size
@@ -117,12 +117,12 @@ def gated_wy_fwd(k, v, beta, G, layout: ChunkLayout, Ai=None):
     if Ai is None:
         Ai = torch.empty(TT, HV, BT, dtype=operand_dtype(k.dtype), device=k.device)
     w = torch.empty(TT, HV, K, dtype=operand_dtype(k.dtype), device=k.device)
-    u = torch.empty(TT, HV, V, dtype=torch.float32, device=k.device)
+    u = torch.empty(TT, HV, V, dtype=torch.float32, device=k.device) if store_u else None
     if layout.num_chunks:
         gated_wy_fwd_kernel[(layout.num_chunks, HV)](
             k, v, beta, G, Ai, w, u, layout.cu_seqlens, layout.chunk_indices, H=H, HV=HV, K=K, V=V, BT=BT,
             BK=min(64, triton.next_power_of_2(K)), BV=min(64, triton.next_power_of_2(V)), LOAD_AI=load_ai,
             USE_G=G is not None, DOT_PREC=dot_precision(k.dtype),
             RAW_PREC=raw_precision(k.dtype),
-            SOLVE_PREC=solve_precision(k.dtype), **launch("wy_fwd"))
+            SOLVE_PREC=solve_precision(k.dtype), STORE_U=store_u, **launch("wy_fwd"))
     return Ai, w, u

@@ -14,8 +14,7 @@ import torch
 
 from ..common.chunking import chunk_layout
 from ..common.cumsum import chunk_local_cumsum
-from ..common.state_pass import state_pass_fwd
-from ..common.wy import gated_wy_fwd
+from ..common.state_pass import chunk_states_fwd
 from ..gated_delta_rule import chunk_gated_delta_rule
 from ..gated_delta_rule.chunk_bwd import chunk_gated_delta_rule_bwd
 from ..gated_delta_rule.chunk_fwd import CHUNK_SIZE
@@ -53,8 +52,7 @@ class ChunkGatedDeltaProductFunction(torch.autograd.Function):
         g_sub = to_first_substep(g, n_h) if g is not None else beta.new_zeros(beta.shape, dtype=torch.float32)
         k_f, v_f, beta_f = _flat(k), _flat(v), _flat(beta)
         G = chunk_local_cumsum(_flat(g_sub), layout)
-        Ai, w, u = gated_wy_fwd(k_f, v_f, beta_f, G, layout)
-        h, v_new, ht = state_pass_fwd(k_f, w, u, G, initial_state, output_final_state, layout)
+        Ai, _, h, v_new, ht = chunk_states_fwd(k_f, v_f, beta_f, G, initial_state, output_final_state, layout)
         o = strided_output_fwd(_flat(q), k_f, v_new, h, G, scale, n_h, layout, v.dtype)
         ctx.save_for_backward(q, k, v, beta, initial_state, G, Ai)
         ctx.layout, ctx.scale, ctx.num_householder = layout, scale, n_h

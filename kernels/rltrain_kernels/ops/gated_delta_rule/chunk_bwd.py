@@ -19,9 +19,8 @@ import triton.language as tl
 from ..common.chunking import ChunkLayout
 from ..common.cumsum import chunk_local_cumsum
 from ..common.launch import launch
-from ..common.state_pass import state_pass_bwd, state_pass_fwd
+from ..common.state_pass import chunk_states_fwd, state_pass_bwd
 from ..common.precision import cast_for_store, dot_precision, mm, operand_dtype, raw_precision
-from ..common.wy import gated_wy_fwd
 from ..common.scratch import scratch_tiles, transpose_via_scratch
 from ..common.wy_bwd import gated_wy_bwd
 
@@ -131,8 +130,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, beta, scale: float, initial_state, G, Ai
     TT, H, K = q.shape
     HV = v.shape[1]
     gva = HV != H
-    _, w, u = gated_wy_fwd(k, v, beta, G, layout, Ai=Ai)
-    h, v_new, _ = state_pass_fwd(k, w, u, G, initial_state, False, layout)
+    _, w, h, v_new, _ = chunk_states_fwd(k, v, beta, G, initial_state, False, layout, Ai=Ai)
     dh, dv_new, dh0 = state_pass_bwd(q, k, w, G, do, dht, scale, initial_state is not None, layout)
     dq, dk, dw, dG = chunk_dqkwg(q, k, v_new, h, dh, do, dv_new, G, scale, layout,
                                  dq_dtype=torch.float32 if gva else q.dtype)

@@ -15,9 +15,8 @@ import triton.language as tl
 from ..common.chunking import ChunkLayout
 from ..common.cumsum import chunk_local_cumsum
 from ..common.launch import launch
-from ..common.state_pass import state_pass_fwd
+from ..common.state_pass import chunk_states_fwd
 from ..common.precision import cast_for_store, dot_precision, mm, raw_precision
-from ..common.wy import gated_wy_fwd
 
 CHUNK_SIZE = 64
 
@@ -83,7 +82,6 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale: float, initial_state, ou
     (o [tokens, HV, V] in v's dtype, final state or None, G fp32 chunk-local gate cumsum, Ai: the T matrices in
     operand_dtype(k.dtype))."""
     G = chunk_local_cumsum(g, layout)
-    Ai, w, u = gated_wy_fwd(k, v, beta, G, layout)
-    h, v_new, ht = state_pass_fwd(k, w, u, G, initial_state, output_final_state, layout)
+    Ai, _, h, v_new, ht = chunk_states_fwd(k, v, beta, G, initial_state, output_final_state, layout)
     o = chunk_output_fwd(q, k, v_new, h, G, scale, layout, v.dtype)
     return o, ht, G, Ai
