@@ -17,6 +17,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from delta_rule_bench_common import rel
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_product import (
@@ -36,11 +37,6 @@ def load_fla():
         return None
     fla_chunk_o.IS_NVIDIA_HOPPER = False  # timing only, see the module docstring
     return fla_chunk
-
-
-def rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def make_inputs(B, T, H, K, V, n_h, dtype=torch.bfloat16, requires_grad=False, N=None):
