@@ -6,6 +6,10 @@
 #   bash scripts/gpu_check.sh                  # tests, then every benchmark
 #   bash scripts/gpu_check.sh tests            # tests only
 #   bash scripts/gpu_check.sh bench [NAME...]  # benchmarks only (NAME: bench_linear_logprobs, ...), extra args none
+#   bash scripts/gpu_check.sh delta            # the delta-rule GPU tests, then bench_gated_delta_rule.py
+#                                              # --compare-variants (the structural variants that are off until timed)
+#   bash scripts/gpu_check.sh iplr-bf16        # IPLR with bf16 dots, checked under several launch settings, one
+#                                              # process each (an illegal memory access ends only its own process)
 #   bash scripts/gpu_check.sh fsdp             # 2+ GPUs: FSDP2 over NCCL against one process (fp32, bf16, bf16 with
 #                                              # CPU offload), no Ray; needs the tensordict, pyvers, omegaconf,
 #                                              # hydra-core and antlr4 wheels in .whl/ (antlr4-python3-runtime 4.9.3
@@ -44,6 +48,27 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || status=1
     summary+=("tests: $(tail -1 "$out/tests.log")")
+fi
+if [ "$what" = delta ]; then
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/ops/test_gated_delta_rule.py \
+        tests/kernels/ops/test_gated_delta_product.py tests/kernels/ops/test_delta_rule_common.py tests/kernels/layers \
+        2>&1 | tee "$out/delta_tests.log" | tail -30
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || status=1
+    summary+=("delta tests: $(tail -1 "$out/delta_tests.log")")
+    python3 kernels/benchmarks/bench_gated_delta_rule.py --compare-variants 2>&1 | tee "$out/delta_variants.log" \
+        | tail -12
+    summary+=("delta variants: exit ${PIPESTATUS[0]}")
+fi
+if [ "$what" = iplr-bf16 ]; then
+    # the shipped launch settings first, then the suspects (fla #984: a WY backward's warp count on Hopper)
+    for setting in "" "iplr_wy_bwd=2,3" "iplr_wy_bwd=4,3" "iplr_output_bwd=4,3" "iplr_wy_bwd=2,3 iplr_output_bwd=4,3"; do
+        echo "=== --dot bf16 --launch ${setting:-(shipped)}"
+        # shellcheck disable=SC2086  # the setting is a list of NAME=WARPS,STAGES words
+        timeout 300 python3 kernels/benchmarks/bench_iplr_delta_rule.py --dot bf16 --check-only --launch $setting 2>&1 \
+            | tail -4
+        summary+=("iplr bf16 ${setting:-(shipped)}: exit ${PIPESTATUS[0]}")
+    done
 fi
 if [ "$what" = fsdp ]; then
     python3 -m pytest -q -rs -p no:cacheprovider tests/rltrain/workers/test_fsdp.py -k nccl 2>&1 \

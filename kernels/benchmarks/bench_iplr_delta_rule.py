@@ -113,6 +113,8 @@ def add_row(rows: list, row: tuple) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one small shape (smoke run)")
+    parser.add_argument("--check-only", action="store_true",
+                        help="only the checks against the naive recurrence (B1 T300 H2 and B2 T1024 H4), no timing")
     parser.add_argument("--dot", choices=["tf32", "bf16"],
                         help="the IPLR kernels' dot precision for bf16 inputs (precision.IPLR_LOW_PRECISION_DOT)")
     parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
@@ -138,9 +140,11 @@ def main():
                      outputs_and_grads(naive_recurrent_iplr_delta_rule, inputs, do),
                      lambda: time_iplr(chunk_iplr_delta_rule, 8, 2048, 16, 128)[1], "B8 T2048")
         return
-    fla_chunk = load_fla()
     check_against_naive()
     check_against_naive(2, 1024, 4)
+    if args.check_only:
+        return
+    fla_chunk = load_fla()
 
     H, D = 16, 128
     shapes = [("B8 T2048", 8, 2048, None), ("B2 T8192", 2, 8192, None)] if not args.quick else \
