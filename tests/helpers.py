@@ -62,3 +62,24 @@ def case_id(**dims) -> str:
 
 def dtype_id(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def outputs_and_grads_per_setting(fn, inputs, do, settings, apply) -> dict:
+    """{setting: [o, final state, every input's gradient]} of fn on fresh leaf copies of `inputs` (the op's five
+    tensors, then the initial state) for the loss ⟨o, do⟩ + Σ final state², after apply(setting) for each setting:
+    the same call under switches that must not change a number."""
+    results = {}
+    for setting in settings:
+        apply(setting)
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        o, ht = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True)
+        ((o.float() * do.float()).sum() + ht.square().sum()).backward()
+        results[setting] = [o, ht] + [t.grad for t in leaves]
+    return results
+
+
+def assert_bitwise_equal(first: list, second: list, names: list[str], what: str) -> None:
+    """Each pair of tensors identical to the bit; the message names the first that differs and by how much."""
+    for name, a, b in zip(names, first, second, strict=True):
+        assert torch.equal(a, b), f"{name} changed with {what}: {(a.float() - b.float()).abs().max()}"
+

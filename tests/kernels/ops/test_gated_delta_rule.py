@@ -18,7 +18,7 @@ from rltrain_kernels.ops.gated_delta_rule import (
     fused_recurrent_gated_delta_rule,
     naive_recurrent_gated_delta_rule,
 )
-from tests.helpers import assert_rel_close, case_id
+from tests.helpers import assert_bitwise_equal, assert_rel_close, case_id, outputs_and_grads_per_setting
 
 
 def make_inputs(B, T, H, K, V, HV=None, dtype=torch.float32, device="cpu", gate="normal", N=None,
@@ -461,17 +461,12 @@ def test_operand_storage_changes_no_number(device, monkeypatch):
     monkeypatch.setattr(state_pass, "gated_wy_fwd", spy)  # the forward's and the backward's WY kernel
     inputs = make_inputs(1, 100, 1, 32, 16, HV=2, dtype=torch.bfloat16, device=device, initial_state=True)
     do = torch.randn(1, 100, 2, 16, device=device, dtype=torch.bfloat16)
-    results = {}
-    for low in (True, False):
-        monkeypatch.setattr(precision, "LOW_PRECISION_OPERANDS", low)
-        leaves = [t.detach().clone().requires_grad_() for t in inputs]
-        o, ht = chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True)
-        ((o.float() * do.float()).sum() + ht.square().sum()).backward()
-        results[low] = [o, ht] + [t.grad for t in leaves]
+    results = outputs_and_grads_per_setting(
+        chunk_gated_delta_rule, inputs, do, (True, False),
+        lambda low: monkeypatch.setattr(precision, "LOW_PRECISION_OPERANDS", low))
     assert stored == [(torch.bfloat16, torch.bfloat16, torch.float32)] * 2 + [(torch.float32,) * 3] * 2
-    for name, a, b in zip(["o", "final_state"] + [f"d{n}" for n in GRAD_NAMES], results[True],
-                          results[False]):
-        assert torch.equal(a, b), f"{name} changed with bf16 operand storage: {(a.float() - b.float()).abs().max()}"
+    assert_bitwise_equal(results[True], results[False], ["o", "final_state"] + [f"d{n}" for n in GRAD_NAMES],
+                         "bf16 operand storage")
 
 
 def test_fused_recurrent_gradients_via_chunk_backward(device):

@@ -18,7 +18,7 @@ from rltrain_kernels.ops.iplr_delta_rule import (
     fused_recurrent_iplr_delta_rule,
     naive_recurrent_iplr_delta_rule,
 )
-from tests.helpers import assert_rel_close, case_id
+from tests.helpers import assert_bitwise_equal, assert_rel_close, case_id, outputs_and_grads_per_setting
 
 REGIMES = ("delta", "generic")
 
@@ -326,16 +326,16 @@ def test_bf16_dots_within_the_bars_and_their_operand_storage_changes_no_number(r
                          initial_state=True, requires_grad=True)
     check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(5e-3, 1e-2))
     do = torch.randn(1, 100, 2, 16, device=device, dtype=torch.bfloat16)
-    results = {}
-    for low in (True, False):
+    dtypes = []
+
+    def store_low(low):
         monkeypatch.setattr(precision, "LOW_PRECISION_OPERANDS", low)
-        leaves = [t.detach().clone().requires_grad_() for t in inputs]
-        o, ht = chunk_iplr_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True)
-        ((o.float() * do.float()).sum() + ht.square().sum()).backward()
-        results[low] = [o, ht] + [t.grad for t in leaves]
-        assert precision.iplr_operand_dtype(torch.bfloat16) == (torch.bfloat16 if low else torch.float32)
-    for name, a, b in zip(["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"], results[True], results[False]):
-        assert torch.equal(a, b), f"{name} changed with bf16 operand storage: {(a.float() - b.float()).abs().max()}"
+        dtypes.append(precision.iplr_operand_dtype(torch.bfloat16))
+
+    results = outputs_and_grads_per_setting(chunk_iplr_delta_rule, inputs, do, (True, False), store_low)
+    assert dtypes == [torch.bfloat16, torch.float32]
+    assert_bitwise_equal(results[True], results[False], ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"],
+                         "bf16 operand storage")
 
 
 def test_fused_recurrent_gradients_via_chunk_backward(device):

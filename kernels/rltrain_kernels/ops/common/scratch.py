@@ -23,13 +23,13 @@ from .precision import cast_for_store
 TRANSPOSE_VIA_SCRATCH = False
 
 
-def scratch_tiles(layout: ChunkLayout, heads: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
-    """One [BT, BT] tile per (chunk, head) program in `dtype` when TRANSPOSE_VIA_SCRATCH is on, else `like`
-    (a placeholder pointer that the kernels never touch)."""
+def scratch_tiles(layout: ChunkLayout, heads: int, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """One [BT, BT] tile per (chunk, head) program in `dtype` when TRANSPOSE_VIA_SCRATCH is on, else None (the
+    kernels' SCRATCH_T is then off and they never touch the pointer)."""
     if not TRANSPOSE_VIA_SCRATCH:
-        return like
+        return None
     BT = layout.chunk_size
-    return torch.empty(layout.num_chunks, heads, BT, BT, dtype=dtype, device=like.device)
+    return torch.empty(layout.num_chunks, heads, BT, BT, dtype=dtype, device=device)
 
 
 @triton.jit

@@ -111,12 +111,12 @@ def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout
     if K > 256:
         raise ValueError(f"K={K} > 256 is not supported by the chunked backward")
     if layout.num_chunks:
-        scratch = scratch_tiles(layout, HV, operand_dtype(q.dtype), dk)
+        scratch = scratch_tiles(layout, HV, operand_dtype(q.dtype), q.device)
         chunk_dqkwg_kernel[(layout.num_chunks, HV)](
             q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, scratch, layout.cu_seqlens, layout.chunk_indices,
             layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size,
             BK=triton.next_power_of_2(K), BV=min(32, triton.next_power_of_2(V)), DOT_PREC=dot_precision(q.dtype),
-            RAW_PREC=raw_precision(q.dtype), SCRATCH_T=scratch is not dk,
+            RAW_PREC=raw_precision(q.dtype), SCRATCH_T=scratch is not None,
             # BV=32: with tf32 dots, BV=64 asked for 256 KiB of shared memory on H200 (limit 227 KiB).
             **launch("dqkwg"))
     return dq, dk, dw, dG
