@@ -8,8 +8,10 @@
 #   bash scripts/gpu_check.sh bench [NAME...]  # benchmarks only (NAME: bench_linear_logprobs, ...), extra args none
 #   bash scripts/gpu_check.sh delta            # the delta-rule GPU tests, then bench_gated_delta_rule.py
 #                                              # --compare-variants (the structural variants that are off until timed)
-#   bash scripts/gpu_check.sh iplr-bf16        # IPLR with bf16 dots, checked under several launch settings, one
-#                                              # process each (an illegal memory access ends only its own process)
+#   bash scripts/gpu_check.sh iplr-bf16        # IPLR with bf16 dots: everywhere; then in one kernel at a time (the
+#                                              # rest tf32) to find the kernel that fails; then under suspect launch
+#                                              # settings; one process each (an illegal memory access ends only its
+#                                              # own process)
 #   bash scripts/gpu_check.sh fsdp             # 2+ GPUs: FSDP2 over NCCL against one process (fp32, bf16, bf16 with
 #                                              # CPU offload), no Ray; needs the tensordict, pyvers, omegaconf,
 #                                              # hydra-core and antlr4 wheels in .whl/ (antlr4-python3-runtime 4.9.3
@@ -61,13 +63,22 @@ if [ "$what" = delta ]; then
     summary+=("delta variants: exit ${PIPESTATUS[0]}")
 fi
 if [ "$what" = iplr-bf16 ]; then
-    # the shipped launch settings first, then the suspects (fla #984: a WY backward's warp count on Hopper)
-    for setting in "" "iplr_wy_bwd=2,3" "iplr_wy_bwd=4,3" "iplr_output_bwd=4,3" "iplr_wy_bwd=2,3 iplr_output_bwd=4,3"; do
-        echo "=== --dot bf16 --launch ${setting:-(shipped)}"
-        # shellcheck disable=SC2086  # the setting is a list of NAME=WARPS,STAGES words
-        timeout 300 python3 kernels/benchmarks/bench_iplr_delta_rule.py --dot bf16 --check-only --launch $setting 2>&1 \
-            | tail -4
-        summary+=("iplr bf16 ${setting:-(shipped)}: exit ${PIPESTATUS[0]}")
+    iplr_check() {  # a label, then bench_iplr_delta_rule.py arguments
+        local label=$1
+        shift
+        echo "=== $label"
+        timeout 150 python3 kernels/benchmarks/bench_iplr_delta_rule.py --check-only "$@" 2>&1 | tail -4
+        summary+=("iplr $label: exit ${PIPESTATUS[0]}")
+    }
+    iplr_check "bf16 dots everywhere (shipped launch settings)" --dot bf16
+    # one kernel at a time in bf16, the others tf32 and every intermediate fp32 (the failing run's storage)
+    for kernel in iplr_wy_fwd_kernel iplr_state_pass_fwd_kernel iplr_output_fwd_kernel local_dv_kernel \
+                  state_pass_bwd_kernel iplr_output_bwd_dqwv_kernel iplr_output_bwd_dkb_kernel iplr_wy_bwd_kernel; do
+        iplr_check "bf16 only in $kernel" --dot-per-kernel "$kernel=bf16"
+    done
+    # the suspects of fla #984 (a WY backward's warp count on Hopper)
+    for setting in "iplr_wy_bwd=2,3" "iplr_wy_bwd=4,3" "iplr_output_bwd=4,3"; do
+        iplr_check "bf16 dots everywhere, --launch $setting" --dot bf16 --launch "$setting"
     done
 fi
 if [ "$what" = fsdp ]; then

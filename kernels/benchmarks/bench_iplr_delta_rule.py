@@ -4,8 +4,11 @@ IPLR backward) and our chunk_gated_delta_rule (the closest op with a backward, s
 Run on a CUDA machine (flash-linear-attention 0.6.0 installed for the fla column):
     python kernels/benchmarks/bench_iplr_delta_rule.py [--quick] [--dot bf16] [--launch iplr_wy_bwd=2,3 ...]
     python kernels/benchmarks/bench_iplr_delta_rule.py --dot bf16 --sweep-launch iplr_wy_bwd iplr_output_bwd
+    python kernels/benchmarks/bench_iplr_delta_rule.py --check-only --dot-per-kernel iplr_wy_bwd_kernel=bf16
 (--dot bf16 tries the bf16 dot operands that failed the real-size GPU test on H100; a sweep that hits an illegal
-memory access loses the process's CUDA context, so suspected settings go one process each with --launch.)
+memory access loses the process's CUDA context, so suspected settings go one process each with --launch.
+--dot-per-kernel gives single kernels another dot precision, the intermediates keeping their dtype: bf16 in one
+kernel at a time, the rest tf32, says which kernel the bf16 failure lives in.)
 Checks correctness first (ours vs the fp32 naive recurrence at a small size, forward and every gradient; ours vs
 fla's forward at every timed shape), then times forward and forward+backward in bf16, H=16, K=V=128, inputs in the
 stable regime a = −β k̂, b = k̂ (k̂ l2-normalised, β ∈ (0, 1)), with an fp32 initial state and the final state out.
@@ -18,7 +21,8 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from delta_rule_bench_common import apply_launch_overrides, outputs_and_grads, rel, sweep_launch
+from delta_rule_bench_common import (apply_launch_overrides, check_overrides_applied, outputs_and_grads,
+                                     override_dot_precision, rel, sweep_launch)
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -122,6 +126,9 @@ def main():
     parser.add_argument("--sweep-launch", nargs="*", metavar="KERNEL",
                         help="sweep warps x stages of these launch.py entries (none listed = the iplr_* ones), "
                              "each checked against the naive recurrence at B2 T1024 H4, and exit")
+    parser.add_argument("--dot-per-kernel", nargs="*", default=[], metavar="KERNEL=PREC",
+                        help="this Triton kernel's dot precision (ieee, tf32, bf16) whatever --dot says, e.g. "
+                             "iplr_wy_bwd_kernel=bf16; the stored intermediates keep their dtype")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.dot:
@@ -129,6 +136,7 @@ def main():
 
         precision.IPLR_LOW_PRECISION_DOT = args.dot
     apply_launch_overrides(args.launch)
+    overridden = override_dot_precision(args.dot_per_kernel)
     print(f"device: {torch.cuda.get_device_name()}")
     if args.sweep_launch is not None:
         from rltrain_kernels.ops.common.launch import LAUNCH
@@ -139,9 +147,11 @@ def main():
                      lambda: outputs_and_grads(chunk_iplr_delta_rule, inputs, do),
                      outputs_and_grads(naive_recurrent_iplr_delta_rule, inputs, do),
                      lambda: time_iplr(chunk_iplr_delta_rule, 8, 2048, 16, 128)[1], "B8 T2048")
+        check_overrides_applied(args.dot_per_kernel, overridden)
         return
     check_against_naive()
     check_against_naive(2, 1024, 4)
+    check_overrides_applied(args.dot_per_kernel, overridden)
     if args.check_only:
         return
     fla_chunk = load_fla()

@@ -1,7 +1,8 @@
 """What the delta-rule benchmarks share: the error measure, outputs and gradients of an op for a check, and the
 launch settings (ops/common/launch.py's LAUNCH table) from the command line: `--launch NAME=WARPS,STAGES` overrides
 and the `--sweep-launch` loop (every warps × stages of the named entries, each checked against a reference before it
-is timed). Imported by the bench scripts and compile_report.py beside it.
+is timed), and `--dot-per-kernel KERNEL=PREC` (one kernel's dot precision, to find which kernel a precision breaks).
+Imported by the bench scripts and compile_report.py beside it.
 """
 
 from __future__ import annotations
@@ -71,3 +72,49 @@ def sweep_launch(names: list[str], grads: Callable[[], list], reference: list, t
                 print(f"| {name} | {warps} | {stages}{mark} | {max(errs[:2]):.1e} | {max(errs[2:]):.1e} | {t:.3f} |",
                       flush=True)
         LAUNCH[name] = default
+
+
+DOT_PRECISIONS = ("ieee", "tf32", "bf16")
+
+
+def override_dot_precision(overrides: list[str]) -> set[str]:
+    """From "KERNEL=PREC" strings (KERNEL a Triton kernel's function name such as iplr_wy_bwd_kernel, PREC one of
+    DOT_PRECISIONS): every later launch of KERNEL gets DOT_PREC=PREC whatever its host code chose, the other kernels
+    keep theirs. Only DOT_PREC changes: the intermediates keep the dtype the host allocated (kernels load them into
+    fp32 and store through cast_for_store, so any mix computes). Returns the set, growing as launches happen, of the
+    kernels overridden so far; compare it with the requested names after a run to catch a misspelt one."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from rltrain_kernels.ops.common.precision import _interpreted
+
+    wanted = {}
+    for override in overrides:
+        name, _, prec = override.partition("=")
+        if not name or prec not in DOT_PRECISIONS:
+            raise SystemExit(f"--dot-per-kernel {override!r}: expected KERNEL=PREC with PREC one of {DOT_PRECISIONS}")
+        wanted[name] = prec + ("_interpreted" if _interpreted() and prec != "ieee" else "")
+    applied: set[str] = set()
+    if not wanted:
+        return applied
+    for cls in (JITFunction, InterpretedFunction):
+        cls.run = _with_dot_override(cls.run, wanted, applied)
+    return applied
+
+
+def _with_dot_override(run, wanted: dict[str, str], applied: set[str]):
+    def patched(self, *args, **kwargs):
+        name = self.fn.__name__
+        if name in wanted and "DOT_PREC" in kwargs:
+            kwargs["DOT_PREC"] = wanted[name]
+            applied.add(name)
+        return run(self, *args, **kwargs)
+
+    return patched
+
+
+def check_overrides_applied(requested: list[str], applied: set[str]) -> None:
+    """SystemExit naming the --dot-per-kernel kernels that never launched with a DOT_PREC argument."""
+    missing = sorted({o.partition("=")[0] for o in requested} - applied)
+    if missing:
+        raise SystemExit(f"--dot-per-kernel: no launch of {missing} took a DOT_PREC argument (misspelt kernel name?)")

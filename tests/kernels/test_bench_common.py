@@ -1,0 +1,63 @@
+"""kernels/benchmarks/delta_rule_bench_common.py: the per-kernel dot-precision override the GPU bisection of IPLR's
+bf16 failure relies on (scripts/gpu_check.sh iplr-bf16) must change exactly the kernel it names.
+
+Runs on the CPU through the Triton interpreter (native on a GPU), at a small IPLR shape in bf16.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "kernels" / "benchmarks"))
+from delta_rule_bench_common import check_overrides_applied, outputs_and_grads, override_dot_precision  # noqa: E402
+
+from rltrain_kernels.ops.iplr_delta_rule import chunk_iplr_delta_rule  # noqa: E402
+
+
+def iplr_inputs(device):
+    torch.manual_seed(0)
+    B, T, H, D = 1, 100, 1, 32
+    q, v = torch.randn(B, T, H, D), torch.randn(B, T, H, D)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, D), dim=-1)
+    a = -0.5 * torch.nn.functional.normalize(torch.randn(B, T, H, D), dim=-1)
+    b = -2 * a
+    inputs = [x.to(device, torch.bfloat16) for x in (q, k, v, a, b)] + [torch.randn(B, H, D, D, device=device)]
+    return inputs, torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def restore_launchers(monkeypatch):
+    """The override patches the launchers' run; put them back after the test."""
+    for cls in (JITFunction, InterpretedFunction):
+        monkeypatch.setattr(cls, "run", cls.run)
+
+
+def test_override_changes_only_the_named_kernel(device, restore_launchers):
+    inputs, do = iplr_inputs(device)
+    names = ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"]
+    base = dict(zip(names, outputs_and_grads(chunk_iplr_delta_rule, inputs, do)))
+    applied = override_dot_precision(["iplr_wy_bwd_kernel=bf16"])
+    assert applied == set()
+    mixed = dict(zip(names, outputs_and_grads(chunk_iplr_delta_rule, inputs, do)))
+    assert applied == {"iplr_wy_bwd_kernel"}
+    check_overrides_applied(["iplr_wy_bwd_kernel=bf16"], applied)
+    # The forward and the kernels before the WY backward are untouched, bit for bit; da comes only from the WY
+    # backward, whose dots now round their operands to bf16.
+    for name in ("o", "final_state", "dq", "dh0"):
+        assert torch.equal(mixed[name], base[name]), name
+    assert not torch.equal(mixed["da"], base["da"])
+    rel = ((mixed["da"].float() - base["da"].float()).norm() / base["da"].float().norm()).item()
+    assert rel < 2e-2  # bf16 operand rounding, not garbage
+
+
+def test_bad_overrides_are_named(restore_launchers):
+    with pytest.raises(SystemExit, match="'iplr_wy_bwd_kernel=fp8'"):
+        override_dot_precision(["iplr_wy_bwd_kernel=fp8"])
+    with pytest.raises(SystemExit, match="no_such_kernel"):
+        check_overrides_applied(["no_such_kernel=bf16"], set())
