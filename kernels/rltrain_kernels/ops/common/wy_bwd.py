@@ -47,7 +47,6 @@ def gated_wy_bwd_kernel(
     b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
     b_dTt = tl.zeros([BT, BT], dtype=tl.float32)  # dTᵀ, see the note at its use (unused with SCRATCH_T)
-    b_KK = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
@@ -56,7 +55,6 @@ def gated_wy_bwd_kernel(
         b_dT += mm(b_dw, tl.trans(b_k * (b_beta * b_gamma)[:, None]), DOT_PREC)
         if not SCRATCH_T:
             b_dTt += mm(b_k * (b_beta * b_gamma)[:, None], tl.trans(b_dw), DOT_PREC)
-        b_KK += mm(b_k, tl.trans(b_k), RAW_PREC)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -76,10 +74,8 @@ def gated_wy_bwd_kernel(
     b_E = tl.where(m_A, tl.exp(tl.where(m_A, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
     b_dA = tl.where(m_A, -b_dA, 0.0)
     b_dAE = b_dA * b_E  # ∂L/∂(β_i k_iᵀk_j) without β
-    b_dbeta += tl.sum(b_dAE * b_KK, 1)
-    b_dAA = b_dAE * b_KK * b_beta[:, None]  # dA ⊙ A
-    b_dG = tl.sum(b_dAA, 1) - tl.sum(b_dAA, 0)
     b_B = b_dAE * b_beta[:, None]
+    b_dG = tl.zeros([BT], dtype=tl.float32)
     # B (strictly lower) and Bᵀ (strictly upper) never overlap: their sum is exact, and one dot per K block takes it.
     # Bᵀ is not tl.trans(b_B): transposing a tensor-core dot result is miscompiled on Hopper by Triton 3.4–3.7.0
     # (fla #640: wrong dk). Either a round trip through a scratch tile (common/scratch.py) or, by default, rebuilt
@@ -97,6 +93,11 @@ def gated_wy_bwd_kernel(
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
         p_k = (o_t[:, None] * HV + i_hv) * K + o_k[None, :]
         b_dw = tl.load(dw + p_k, mask=m_k, other=0.0).to(tl.float32)
+        # dA ⊙ A's terms of dβ and dG, summed per K block (k kᵀ = Σ over K blocks is never held whole)
+        b_dAA = b_dAE * mm(b_k, tl.trans(b_k), RAW_PREC)
+        b_dbeta += tl.sum(b_dAA, 1)
+        b_dAA *= b_beta[:, None]
+        b_dG += tl.sum(b_dAA, 1) - tl.sum(b_dAA, 0)
         b_dkt = mm(tl.trans(b_T), b_dw, DOT_PREC)
         b_dkt_k = tl.sum(b_dkt * b_k, 1)
         b_dbeta += b_dkt_k * b_gamma
