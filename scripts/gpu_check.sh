@@ -6,7 +6,7 @@
 #   bash scripts/gpu_check.sh                  # tests, then every benchmark
 #   bash scripts/gpu_check.sh tests            # tests only
 #   bash scripts/gpu_check.sh bench [NAME...]  # benchmarks only (NAME: bench_linear_logprobs, ...), extra args none
-#   bash scripts/gpu_check.sh delta            # the delta-rule GPU tests, then bench_gated_delta_rule.py
+#   bash scripts/gpu_check.sh delta            # the delta-rule GPU tests (all three ops), then bench_gated_delta_rule.py
 #                                              # --compare-variants (the structural variants that are off until timed)
 #   bash scripts/gpu_check.sh iplr-bf16        # IPLR with bf16 dots: everywhere; then in one kernel at a time (the
 #                                              # rest tf32) to find the kernel that fails; then under suspect launch
@@ -53,7 +53,8 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
 fi
 if [ "$what" = delta ]; then
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/ops/test_gated_delta_rule.py \
-        tests/kernels/ops/test_gated_delta_product.py tests/kernels/ops/test_delta_rule_common.py tests/kernels/layers \
+        tests/kernels/ops/test_gated_delta_product.py tests/kernels/ops/test_iplr_delta_rule.py \
+        tests/kernels/ops/test_delta_rule_common.py tests/kernels/layers \
         2>&1 | tee "$out/delta_tests.log" | tail -30
     rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || status=1

@@ -338,6 +338,26 @@ def test_bf16_dots_within_the_bars_and_their_operand_storage_changes_no_number(r
                          "bf16 operand storage")
 
 
+@pytest.mark.parametrize("regime", REGIMES)
+def test_raw_input_products_in_their_own_dtype_change_no_number(regime, device, monkeypatch):
+    """The products of two bf16 inputs (a kᵀ, a bᵀ, q bᵀ, k qᵀ, kᵀ v) run as bf16 dots (precision.RAW_OPERANDS_NATIVE)
+    beside the tf32 ones: exact products either way, so the same numbers (bit for bit on the interpreter; on a GPU
+    the tensor cores may sum a dot's products in another order)."""
+    from rltrain_kernels.ops.common import precision
+
+    inputs = make_inputs(1, 100, 2, 32, 16, dtype=torch.bfloat16, regime=regime, device=device,
+                         initial_state=True, requires_grad=True)
+    do = torch.randn(1, 100, 2, 16, device=device, dtype=torch.bfloat16)
+    results = outputs_and_grads_per_setting(chunk_iplr_delta_rule, inputs, do, (True, False),
+                                            lambda native: monkeypatch.setattr(precision, "RAW_OPERANDS_NATIVE", native))
+    names = ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"]
+    if device == "cpu":
+        assert_bitwise_equal(results[True], results[False], names, "raw products in bf16")
+    else:
+        for name, x, y in zip(names, results[True], results[False]):
+            assert_rel_close(x, y, threshold=1e-5, name=name)
+
+
 def test_fused_recurrent_gradients_via_chunk_backward(device):
     inputs = make_inputs(1, 30, 2, 16, 16, regime="generic", device=device, initial_state=True, requires_grad=True)
     check_gradients(fused_recurrent_iplr_delta_rule, *inputs, threshold=(1e-5, 2e-5))

@@ -28,9 +28,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     "wy_bwd": dict(num_warps=4, num_stages=2),        # common/wy_bwd.py
     "output_fwd": dict(num_warps=2, num_stages=2),    # gated_delta_rule/chunk_fwd.py
     "dqkwg": dict(num_warps=8, num_stages=2),         # gated_delta_rule/chunk_bwd.py; 3 stages overflowed shared memory
-    # iplr_delta_rule/chunk_fwd.py: with fp32 inputs, 3 stages of the w, b, k [64, 128] and u, v [64, 32] tiles
-    # asked 240 KB of shared memory (H200 has 227 KB per block); 2 stages as the gated delta rule's state pass
-    "iplr_state_pass_fwd": dict(num_warps=4, num_stages=2),
+    # iplr_delta_rule/chunk_fwd.py (untimed): 2 stages of its w, b, k, u, v tiles take 121 KiB of shared memory at
+    # bf16 B8 T2048 H16 K=V=128 (compile_report.py, sm_90), so one block per SM runs the 512 sequence-long programs
+    # in 4 waves over 132 SMs; 1 stage takes 53 KiB without spilling, 2 blocks per SM, 2 waves
+    "iplr_state_pass_fwd": dict(num_warps=4, num_stages=1),
     # the other IPLR kernels, untimed (Triton's defaults and 8 warps where eight [64, 64] fp32 tiles live at once);
     # bench_iplr_delta_rule.py --sweep-launch times them. With bf16 dots the IPLR backward failed on H100 (wrong
     # gradients, then an illegal memory access): fla #984 saw that from a 4-warp WY backward on Hopper (2 warps

@@ -23,7 +23,7 @@ import triton.language as tl
 from ..common.chunking import ChunkLayout
 from ..common.launch import launch
 from ..common.state_pass import state_pass_bwd
-from ..common.precision import cast_for_store, iplr_dot_precision, iplr_operand_dtype, mm
+from ..common.precision import cast_for_store, iplr_dot_precision, iplr_operand_dtype, mm, raw_precision
 from .chunk_fwd import iplr_state_pass_fwd, iplr_wy_fwd
 
 
@@ -31,7 +31,7 @@ from .chunk_fwd import iplr_state_pass_fwd, iplr_wy_fwd
 def iplr_output_bwd_dqwv_kernel(
     q, k, v, b, x, h, dh, do, dx, dq, dv, dw, cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
     """dq = scale (dO Sᵀ + (dO Xᵀ ⊙ M) B + (dO Vᵀ ⊙ M) K), dW = dX Sᵀ, dv = scale (Q Kᵀ ⊙ M)ᵀ dO + K dS'."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -50,7 +50,7 @@ def iplr_output_bwd_dqwv_kernel(
     b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
     m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     m_At = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
-    b_Pkt = tl.where(m_At, mm(b_k, tl.trans(b_q), DOT_PREC), 0.0) * scale  # [j, i]
+    b_Pkt = tl.where(m_At, mm(b_k, tl.trans(b_q), RAW_PREC), 0.0) * scale  # [j, i]
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)   # dO Sᵀ
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)   # dX Sᵀ
     b_dPb = tl.zeros([BT, BT], dtype=tl.float32)  # dO Xᵀ
@@ -84,7 +84,7 @@ def iplr_output_bwd_dqwv_kernel(
 def iplr_output_bwd_dkb_kernel(
     q, v, x, dh, do, dk, db, cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
     """db = scale (dO Xᵀ ⊙ M)ᵀ Q + X dS'ᵀ,  dk = scale (dO Vᵀ ⊙ M)ᵀ Q + V dS'ᵀ (the WY parts come later)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -141,7 +141,7 @@ def iplr_output_bwd(q, k, v, b, x, h, dh, do, dx, scale: float, layout: ChunkLay
         # across the V loop (~270 registers/thread at K=128, 8 warps: spills); split, each holds half of them.
         common = dict(H=H, K=K, V=V, BT=layout.chunk_size, BK=triton.next_power_of_2(K),
                       BV=min(32, triton.next_power_of_2(V)), DOT_PREC=iplr_dot_precision(q.dtype),
-                      **launch("iplr_output_bwd"))
+                      RAW_PREC=raw_precision(q.dtype), **launch("iplr_output_bwd"))
         iplr_output_bwd_dqwv_kernel[(layout.num_chunks, H)](
             q, k, v, b, x, h, dh, do, dx, dq, dv, dw, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets,
             scale, **common)
@@ -154,7 +154,7 @@ def iplr_output_bwd(q, k, v, b, x, h, dh, do, dx, scale: float, layout: ChunkLay
 def iplr_wy_bwd_kernel(
     k, v, a, b, Ai, dw, dx, dk, db, dv, da, cu_seqlens, chunk_indices,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + i_c * 2)
@@ -178,8 +178,8 @@ def iplr_wy_bwd_kernel(
         b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_dw = tl.load(dw + p_k, mask=m_k, other=0.0).to(tl.float32)
-        b_Mak += mm(b_a, tl.trans(b_k), DOT_PREC)
-        b_Makt += mm(b_k, tl.trans(b_a), DOT_PREC)
+        b_Mak += mm(b_a, tl.trans(b_k), RAW_PREC)
+        b_Makt += mm(b_k, tl.trans(b_a), RAW_PREC)
         b_dT += mm(b_dw, tl.trans(b_a), DOT_PREC)
         b_dTt += mm(b_a, tl.trans(b_dw), DOT_PREC)
     b_Mak = tl.where(m_L, b_Mak, 0.0)
@@ -230,7 +230,7 @@ def iplr_wy_bwd(k, v, a, b, Ai, dw, dx, dk, db, dv, layout: ChunkLayout) -> torc
         iplr_wy_bwd_kernel[(layout.num_chunks, H)](
             k, v, a, b, Ai, dw, dx, dk, db, dv, da, layout.cu_seqlens, layout.chunk_indices, H=H, K=K, V=V,
             BT=layout.chunk_size, BK=min(64, triton.next_power_of_2(K)), BV=min(64, triton.next_power_of_2(V)),
-            DOT_PREC=iplr_dot_precision(k.dtype), **launch("iplr_wy_bwd"))
+            DOT_PREC=iplr_dot_precision(k.dtype), RAW_PREC=raw_precision(k.dtype), **launch("iplr_wy_bwd"))
     return da
 
 

@@ -31,7 +31,7 @@ CHUNK_SIZE = 64
 def iplr_wy_fwd_kernel(
     k, v, a, b, Ai, w, u, cu_seqlens, chunk_indices,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    LOAD_AI: tl.constexpr, DOT_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+    LOAD_AI: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + i_c * 2)
@@ -50,10 +50,10 @@ def iplr_wy_fwd_kernel(
         p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
         b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
-        b_Mak += mm(b_a, tl.trans(b_k), DOT_PREC)
+        b_Mak += mm(b_a, tl.trans(b_k), RAW_PREC)
         if not LOAD_AI:
             b_b = tl.load(b + p_k, mask=m_k, other=0.0).to(tl.float32)
-            b_Mab += mm(b_a, tl.trans(b_b), DOT_PREC)
+            b_Mab += mm(b_a, tl.trans(b_b), RAW_PREC)
     p_Ai = Ai + (o_t[:, None] * H + i_h) * BT + o_i[None, :]
     if LOAD_AI:
         b_T = tl.load(p_Ai, mask=m_t[:, None], other=0.0).to(tl.float32)
@@ -90,7 +90,8 @@ def iplr_wy_fwd(k, v, a, b, layout: ChunkLayout, Ai=None):
         iplr_wy_fwd_kernel[(layout.num_chunks, H)](
             k, v, a, b, Ai, w, u, layout.cu_seqlens, layout.chunk_indices, H=H, K=K, V=V, BT=BT,
             BK=min(64, triton.next_power_of_2(K)), BV=min(64, triton.next_power_of_2(V)), LOAD_AI=load_ai,
-            DOT_PREC=iplr_dot_precision(k.dtype), SOLVE_PREC=solve_precision(k.dtype), **launch("iplr_wy_fwd"))
+            DOT_PREC=iplr_dot_precision(k.dtype), RAW_PREC=raw_precision(k.dtype), SOLVE_PREC=solve_precision(k.dtype),
+            **launch("iplr_wy_fwd"))
     return Ai, w, u
 
 
@@ -98,7 +99,7 @@ def iplr_wy_fwd(k, v, a, b, layout: ChunkLayout, Ai=None):
 def iplr_state_pass_fwd_kernel(
     k, v, b, w, u, h, x, h0, ht, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences × heads on axis 0 (no 65535 limit)
     i_n, i_h = i_nh // H, i_nh % H
@@ -127,7 +128,7 @@ def iplr_state_pass_fwd_kernel(
         b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
         b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
         b_h += mm(tl.trans(b_b), b_x, DOT_PREC)
-        b_h += mm(tl.trans(b_k), b_v, DOT_PREC)
+        b_h += mm(tl.trans(b_k), b_v, RAW_PREC)
     if STORE_FINAL_STATE:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + state_offset, b_h, mask=m_h)
 
@@ -150,7 +151,7 @@ def iplr_state_pass_fwd(k, v, b, w, u, initial_state, output_final_state: bool, 
             k, v, b, w, u, h, x, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, K=K, V=V,
             BT=layout.chunk_size, BK=BK, BV=BV, USE_INITIAL_STATE=initial_state is not None,
             STORE_FINAL_STATE=output_final_state, DOT_PREC=iplr_dot_precision(k.dtype),
-            **launch("iplr_state_pass_fwd"))
+            RAW_PREC=raw_precision(k.dtype), **launch("iplr_state_pass_fwd"))
     return h, x, ht
 
 
@@ -185,7 +186,7 @@ def iplr_output_fwd_kernel(
         b_h = tl.load(h + (i_hc * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                       mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         b_o += mm(b_q, b_h, DOT_PREC)
-        b_Pb += mm(b_q, tl.trans(b_b), DOT_PREC)
+        b_Pb += mm(b_q, tl.trans(b_b), RAW_PREC)
         b_Pk += mm(b_q, tl.trans(b_k), RAW_PREC)
     m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
