@@ -108,17 +108,45 @@ def time_decode(fn, B, H, D):
     return t, state_bytes / (t * 1e-3) / 1e12
 
 
-def profile_kernels(B=8, T=2048, H=16, D=128):
-    """Per-kernel CUDA time of one forward+backward of ours (after a warm-up), to see where the time goes."""
+def profile_kernels(fla_chunk, B=8, T=2048, H=16, D=128):
+    """Per-kernel CUDA time of one forward+backward, ours and fla's on the same inputs (after warm-ups, so fla's
+    autotuner has picked), then the config fla's autotuner picked per kernel: which kernel carries the gap."""
+    from kernel_profile import print_kernel_times
+
     (q, k, v, g, beta), h0 = make_inputs(B, T, H, D, D, requires_grad=True)
     do = torch.randn_like(v)
-    for _ in range(2):
-        chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)[0].backward(do)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)[0].backward(do)
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    for name, fn in (("ours", chunk_gated_delta_rule), ("fla 0.6", fla_chunk)):
+        if fn is None:
+            continue
+
+        def step(fn=fn):
+            for t in (q, k, v, g, beta):
+                t.grad = None
+            fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)[0].backward(do)
+
+        print_kernel_times(f"{name} fwd+bwd B{B} T{T} H{H} K=V={D}", step, top=14)
+    if fla_chunk is not None:
+        print_autotune_picks("fla.")
+
+
+def print_autotune_picks(prefix: str) -> None:
+    """The config each autotuned kernel of the modules under `prefix` picked in this process, per tuning key."""
+    import sys
+
+    from triton.runtime.autotuner import Autotuner
+
+    seen = set()
+    print(f"\nautotune picks ({prefix}*):")
+    for module in [m for name, m in sys.modules.items() if name.startswith(prefix) and m is not None]:
+        for attr, tuner in vars(module).items():
+            for _ in range(3):  # under triton.heuristics the Autotuner is the wrapper's .fn
+                if isinstance(tuner, Autotuner) or not hasattr(tuner, "fn"):
+                    break
+                tuner = tuner.fn
+            if isinstance(tuner, Autotuner) and id(tuner) not in seen and tuner.cache:
+                seen.add(id(tuner))
+                for key, config in tuner.cache.items():
+                    print(f"  {attr}: {config} (key {key})")
 
 
 def sweep_gated_delta_rule_launch(names, B=8, T=2048, H=16, D=128):
@@ -217,7 +245,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one small shape, fewer columns (smoke run)")
     parser.add_argument("--profile", action="store_true",
-                        help="also print our per-kernel CUDA time for one forward+backward at B8 T2048 (tuning)")
+                        help="also print ours and fla's per-kernel CUDA time for one forward+backward at B8 T2048, "
+                             "and the configs fla's autotuner picked (tuning)")
     parser.add_argument("--sweep-launch", nargs="*", metavar="KERNEL",
                         help="sweep warps x stages of these kernels (ops/common/launch.py names; none listed = all) "
                              "and exit")
@@ -246,7 +275,7 @@ def main():
         return
     check_against_naive()
     if args.profile:
-        profile_kernels()
+        profile_kernels(fla_chunk)
 
     H, D = 16, 128
     shapes = [("B8 T2048", 8, 2048), ("B2 T8192", 2, 8192)] if not args.quick else [("B2 T1024", 2, 1024)]

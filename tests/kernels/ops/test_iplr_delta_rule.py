@@ -348,8 +348,10 @@ def test_raw_input_products_in_their_own_dtype_change_no_number(regime, device, 
     inputs = make_inputs(1, 100, 2, 32, 16, dtype=torch.bfloat16, regime=regime, device=device,
                          initial_state=True, requires_grad=True)
     do = torch.randn(1, 100, 2, 16, device=device, dtype=torch.bfloat16)
-    results = outputs_and_grads_per_setting(chunk_iplr_delta_rule, inputs, do, (True, False),
-                                            lambda native: monkeypatch.setattr(precision, "RAW_OPERANDS_NATIVE", native))
+    def raw_native(native):
+        monkeypatch.setattr(precision, "RAW_OPERANDS_NATIVE", native)
+
+    results = outputs_and_grads_per_setting(chunk_iplr_delta_rule, inputs, do, (True, False), raw_native)
     names = ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"]
     if device == "cpu":
         assert_bitwise_equal(results[True], results[False], names, "raw products in bf16")
