@@ -311,7 +311,7 @@ def check_against_fp32_naive(fn, q, k, v, g, beta, h0, n_h, cu_seqlens=None, l2n
     do, dht = torch.randn_like(o), torch.randn_like(ht)
     (o.float() * do.float()).sum().add((ht * dht).sum()).backward()
     inputs = [q, k, v, g, beta, h0]
-    ref_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    ref_inputs = [None if t is None else t.detach().float().requires_grad_() for t in inputs]
     o_ref, ht_ref = naive_recurrent_gated_delta_product(
         *ref_inputs[:5], n_h, initial_state=ref_inputs[5], output_final_state=True, cu_seqlens=cu_seqlens,
         use_qk_l2norm_in_kernel=l2norm)
@@ -319,7 +319,8 @@ def check_against_fp32_naive(fn, q, k, v, g, beta, h0, n_h, cu_seqlens=None, l2n
     assert_rel_close(o, o_ref, threshold=5e-3, name="o")
     assert_rel_close(ht, ht_ref, threshold=5e-3, name="final_state")
     for name, t, r in zip(GRAD_NAMES, inputs, ref_inputs):
-        assert_rel_close(t.grad, r.grad, threshold=1e-2, name=f"d{name}")
+        if t is not None:
+            assert_rel_close(t.grad, r.grad, threshold=1e-2, name=f"d{name}")
 
 
 @pytest.mark.gpu
@@ -328,6 +329,19 @@ def test_chunk_bf16_real_size(n_h, l2norm, device):
     inputs = make_inputs(2, 1024, 4, 128, 128, n_h, dtype=torch.bfloat16, device=device, initial_state=True,
                          requires_grad=True)
     check_against_fp32_naive(chunk_gated_delta_product, *inputs, n_h, l2norm=l2norm)
+
+
+@pytest.mark.gpu
+def test_chunk_bf16_real_size_without_gate(device):
+    """g=None: the shared WY and state-pass kernels without their gate (USE_G off, as the IPLR backward runs the
+    reverse state pass), in bf16 dots at a real size. β ∈ (0, 1): with β up to 2 and nothing forgetting, bf16 dots
+    put the outputs at ~5.5e-3 (README.md, "Accuracy"), over the 5e-3 bar this test holds the code path to."""
+    q, k, v, _, beta, h0 = make_inputs(2, 1024, 4, 128, 128, 2, dtype=torch.bfloat16, device=device,
+                                       initial_state=True)
+    beta = (beta / 2).requires_grad_()
+    for t in (q, k, v, h0):
+        t.requires_grad_()
+    check_against_fp32_naive(chunk_gated_delta_product, q, k, v, None, beta, h0, 2)
 
 
 @pytest.mark.gpu
