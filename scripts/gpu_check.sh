@@ -12,6 +12,8 @@
 #                                              # rest tf32) to find the kernel that fails; then under suspect launch
 #                                              # settings; one process each (an illegal memory access ends only its
 #                                              # own process)
+#   bash scripts/gpu_check.sh gdp-accuracy     # gated delta product: bf16 error by gate/β regime under the shipped,
+#                                              # "tf32 WY + state passes" and all-tf32 precision, with each one's time
 #   bash scripts/gpu_check.sh fsdp             # 2+ GPUs: FSDP2 over NCCL against one process (fp32, bf16, bf16 with
 #                                              # CPU offload), no Ray; needs the tensordict, pyvers, omegaconf,
 #                                              # hydra-core and antlr4 wheels in .whl/ (antlr4-python3-runtime 4.9.3
@@ -81,6 +83,10 @@ if [ "$what" = iplr-bf16 ]; then
     for setting in "iplr_wy_bwd=2,3" "iplr_wy_bwd=4,3" "iplr_output_bwd=4,3"; do
         iplr_check "bf16 dots everywhere, --launch $setting" --dot bf16 --launch "$setting"
     done
+fi
+if [ "$what" = gdp-accuracy ]; then
+    python3 kernels/benchmarks/bench_gated_delta_product.py --accuracy 2>&1 | tee "$out/gdp_accuracy.log" | tail -8
+    summary+=("gdp accuracy: exit ${PIPESTATUS[0]}")
 fi
 if [ "$what" = fsdp ]; then
     python3 -m pytest -q -rs -p no:cacheprovider tests/rltrain/workers/test_fsdp.py -k nccl 2>&1 \

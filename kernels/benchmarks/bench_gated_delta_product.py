@@ -4,6 +4,7 @@ reads only the T real queries through its strided output pass, its backward runs
 
 Run on a CUDA machine (fla-core / flash-linear-attention 0.6.0 installed for the fla column):
     python kernels/benchmarks/bench_gated_delta_product.py [--quick]
+    python kernels/benchmarks/bench_gated_delta_product.py --accuracy   # bf16 error by regime and precision setting
 Checks correctness first (ours vs the fp32 naive recurrence at a small size, forward and every gradient; ours vs
 fla's forward at every timed shape), then times forward and forward+backward, bf16, H=16, K=V=128, n_h=2.
 fla's gated chunk backward refuses to run on Hopper with Triton 3.4-3.7.0 (fla issue #640: wrong gradients); its
@@ -17,7 +18,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from delta_rule_bench_common import rel
+from delta_rule_bench_common import outputs_and_grads, override_dot_precision, rel, restore_dot_precision
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_product import (
@@ -114,6 +115,69 @@ def time_decode(B, H, D, n_h):
                                                                 output_final_state=True))
 
 
+# Regimes of the accuracy sweep: (gate, β) makers from (B, T, H) on a device. β up to 2 is DeltaProduct's
+# negative-eigenvalue range; with no gate (or g near 0) nothing forgets, and the bf16 rounding of each chunk stays.
+ACCURACY_REGIMES = {
+    "g ~ logsigmoid(N(0,1)), β ∈ (0, 2)": (lambda s, d: F.logsigmoid(torch.randn(*s, device=d)), 2.0),
+    "g ~ −10⁻³·U(0,1), β ∈ (0, 2)": (lambda s, d: -1e-3 * torch.rand(*s, device=d), 2.0),
+    "g = None, β ∈ (0, 1)": (None, 1.0),
+    "g = None, β ∈ (0, 2)": (None, 2.0),
+}
+# Precision settings: (--dot-per-kernel overrides, ops/common/precision.py globals).
+ACCURACY_SETTINGS = {
+    "shipped": ([], {}),
+    "tf32 WY + state passes": ([f"{name}=tf32" for name in ("gated_wy_fwd_kernel", "state_pass_fwd_kernel",
+                                                            "state_pass_bwd_kernel", "gated_wy_bwd_kernel")],
+                               {"LOW_PRECISION_OPERANDS": False}),  # T, w, dδ, dw unrounded for those dots
+    "all tf32": ([], {"LOW_PRECISION_DOT": "tf32"}),
+}
+
+
+def accuracy_errors(regime: str, n_h: int, device: str = "cuda", B=1, T=512, H=2, D=128) -> tuple[float, float]:
+    """(worst of o and the final state, worst gradient) relative errors of ours (bf16) vs the fp32 naive recurrence
+    in one of ACCURACY_REGIMES."""
+    gate, beta_max = ACCURACY_REGIMES[regime]
+    q = torch.randn(B, T, H, D, device=device)
+    k = F.normalize(torch.randn(B, T * n_h, H, D, device=device), dim=-1)
+    v = torch.randn(B, T * n_h, H, D, device=device)
+    g = None if gate is None else gate((B, T, H), device)
+    beta = beta_max * torch.rand(B, T * n_h, H, device=device)
+    inputs = [None if t is None else t.to(torch.bfloat16) for t in (q, k, v, g, beta)]
+    h0 = torch.randn(B, H, D, D, device=device)
+    do = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
+
+    def op(fn):
+        return lambda q, k, v, g, beta, **kw: fn(q, k, v, g, beta, n_h, **kw)
+
+    ours = outputs_and_grads(op(chunk_gated_delta_product), inputs + [h0], do)
+    ref = outputs_and_grads(op(naive_recurrent_gated_delta_product),
+                            [None if t is None else t.float() for t in inputs] + [h0], do)
+    errs = [rel(a, b) for a, b in zip(ours, ref) if a is not None]
+    return max(errs[:2]), max(errs[2:])
+
+
+def accuracy_sweep(n_h: int) -> None:
+    """Every ACCURACY_SETTINGS × ACCURACY_REGIMES: errors (B1 T512 H2 K=V=128) and fwd+bwd time at B8 T2048."""
+    from rltrain_kernels.ops.common import precision
+
+    print("| setting | " + " | ".join(ACCURACY_REGIMES) + " | fwd+bwd ms (B8 T2048) |")
+    print("| --- |" + " ---: |" * (len(ACCURACY_REGIMES) + 1))
+    for setting, (overrides, switches) in ACCURACY_SETTINGS.items():
+        saved = {name: getattr(precision, name) for name in switches}
+        for name, value in switches.items():
+            setattr(precision, name, value)
+        override_dot_precision(overrides)
+        try:
+            cells = [accuracy_errors(regime, n_h) for regime in ACCURACY_REGIMES]
+            t = time_product(chunk_gated_delta_product, 8, 2048, 16, 128, n_h)[1]
+        finally:
+            restore_dot_precision()
+            for name, value in saved.items():
+                setattr(precision, name, value)
+        print(f"| {setting} | " + " | ".join(f"{o:.1e} / {g:.1e}" for o, g in cells) + f" | {t:.3f} |", flush=True)
+    print("(cells: worst output error / worst gradient error vs the fp32 naive recurrence; bars 5e-3 / 1e-2)")
+
+
 def add_row(rows: list, row: tuple) -> None:
     """Keep a timing row for the final table and print it now (fla's autotuning can outlast a time limit)."""
     rows.append(row)
@@ -124,11 +188,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one small shape (smoke run)")
     parser.add_argument("--num-householder", type=int, default=2)
+    parser.add_argument("--accuracy", action="store_true",
+                        help="bf16 error by gate/β regime and precision setting, with each setting's time, and exit")
     args = parser.parse_args()
     torch.manual_seed(0)
     n_h, H, D = args.num_householder, 16, 128
     fla_chunk = load_fla()
     print(f"device: {torch.cuda.get_device_name()}")
+    if args.accuracy:
+        accuracy_sweep(n_h)
+        return
     check_against_naive(n_h)
     shapes = [("B8 T2048", 8, 2048), ("B2 T8192", 2, 8192)] if not args.quick else [("B2 T1024", 2, 1024)]
     rows = []

@@ -18,11 +18,12 @@ def rel(a, b) -> float:
 
 def outputs_and_grads(fn, inputs, do) -> list:
     """[o, final state, then the gradient of every input] of fn on fresh leaf copies of `inputs` (the op's five
-    tensors, then the initial state), for the loss ⟨o, do⟩ + Σ final state."""
-    inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    tensors, then the initial state; None for an absent one, whose gradient is then None), for the loss ⟨o, do⟩ +
+    Σ final state."""
+    inputs = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
     o, ht = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True)
     (o.float() * do.float()).sum().add(ht.sum()).backward()
-    return [o, ht] + [t.grad for t in inputs]
+    return [o, ht] + [None if t is None else t.grad for t in inputs]
 
 
 def worst_errors(fn, checks: list, references: list) -> tuple[float, float]:
@@ -98,8 +99,19 @@ def override_dot_precision(overrides: list[str]) -> set[str]:
     if not wanted:
         return applied
     for cls in (JITFunction, InterpretedFunction):
+        _UNPATCHED_RUN.setdefault(cls, cls.run)
         cls.run = _with_dot_override(cls.run, wanted, applied)
     return applied
+
+
+_UNPATCHED_RUN: dict = {}
+
+
+def restore_dot_precision() -> None:
+    """Undo every override_dot_precision so far: each kernel takes its host code's DOT_PREC again."""
+    for cls, run in _UNPATCHED_RUN.items():
+        cls.run = run
+    _UNPATCHED_RUN.clear()
 
 
 def _with_dot_override(run, wanted: dict[str, str], applied: set[str]):

@@ -1,7 +1,9 @@
-"""kernels/benchmarks/delta_rule_bench_common.py: the per-kernel dot-precision override the GPU bisection of IPLR's
-bf16 failure relies on (scripts/gpu_check.sh iplr-bf16) must change exactly the kernel it names.
+"""kernels/benchmarks' measuring tools that GPU decisions rest on: the per-kernel dot-precision override (the
+bisection of IPLR's bf16 failure, scripts/gpu_check.sh iplr-bf16; the precision settings of the gated delta
+product's --accuracy sweep) must change exactly the kernel it names and undo cleanly, and the accuracy measurement
+must run.
 
-Runs on the CPU through the Triton interpreter (native on a GPU), at a small IPLR shape in bf16.
+On the CPU through the Triton interpreter (native on a GPU), at small shapes in bf16.
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "kernels" / "benchmarks"))
-from delta_rule_bench_common import check_overrides_applied, outputs_and_grads, override_dot_precision  # noqa: E402
+from delta_rule_bench_common import (  # noqa: E402
+    check_overrides_applied,
+    outputs_and_grads,
+    override_dot_precision,
+    restore_dot_precision,
+)
 
 from rltrain_kernels.ops.iplr_delta_rule import chunk_iplr_delta_rule  # noqa: E402
 
@@ -54,6 +61,9 @@ def test_override_changes_only_the_named_kernel(device, restore_launchers):
     assert not torch.equal(mixed["da"], base["da"])
     rel = ((mixed["da"].float() - base["da"].float()).norm() / base["da"].float().norm()).item()
     assert rel < 2e-2  # bf16 operand rounding, not garbage
+    restore_dot_precision()
+    again = outputs_and_grads(chunk_iplr_delta_rule, inputs, do)
+    assert all(torch.equal(x, y) for x, y in zip(again, base.values()))  # the host's DOT_PREC again
 
 
 def test_bad_overrides_are_named(restore_launchers):
@@ -61,3 +71,13 @@ def test_bad_overrides_are_named(restore_launchers):
         override_dot_precision(["iplr_wy_bwd_kernel=fp8"])
     with pytest.raises(SystemExit, match="no_such_kernel"):
         check_overrides_applied(["no_such_kernel=bf16"], set())
+
+
+@pytest.mark.parametrize("regime", ["g = None, β ∈ (0, 2)", "g ~ logsigmoid(N(0,1)), β ∈ (0, 2)"])
+def test_gated_delta_product_accuracy_regimes(regime, device):
+    """bench_gated_delta_product.py --accuracy's measurement, at a small size: bf16 errors, finite and non-zero."""
+    from bench_gated_delta_product import accuracy_errors
+
+    torch.manual_seed(0)
+    out_err, grad_err = accuracy_errors(regime, 2, device=device, B=1, T=40, H=1, D=32)
+    assert 1e-5 < out_err < 2e-2 and 1e-5 < grad_err < 5e-2
