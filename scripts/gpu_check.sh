@@ -79,9 +79,13 @@ if [ "$what" = iplr-bf16 ]; then
                   state_pass_bwd_kernel iplr_output_bwd_dqwv_kernel iplr_output_bwd_dkb_kernel iplr_wy_bwd_kernel; do
         iplr_check "bf16 only in $kernel" --dot-per-kernel "$kernel=bf16"
     done
-    # the suspects of fla #984 (a WY backward's warp count on Hopper)
-    for setting in "iplr_wy_bwd=2,3" "iplr_wy_bwd=4,3" "iplr_output_bwd=4,3"; do
-        iplr_check "bf16 dots everywhere, --launch $setting" --dot bf16 --launch "$setting"
+    # the suspects: a WY backward's warp count on Hopper (fla #984), and software pipelining, behind several
+    # Hopper illegal-memory-access reports on Triton 3.6-3.7 (triton #10573, #11366); the IPLR backward kernels
+    # run 3 stages where the gated delta rule's, which pass, run 1 or 2
+    for setting in "iplr_wy_bwd=2,3" "iplr_wy_bwd=4,3" "iplr_output_bwd=4,3" "iplr_wy_bwd=8,1 iplr_output_bwd=8,1" \
+                   "iplr_wy_fwd=4,1 iplr_output_fwd=4,1 iplr_wy_bwd=8,1 iplr_output_bwd=8,1"; do
+        # shellcheck disable=SC2086  # the setting is a list of NAME=WARPS,STAGES words
+        iplr_check "bf16 dots everywhere, --launch $setting" --dot bf16 --launch $setting
     done
 fi
 if [ "$what" = gdp-accuracy ]; then
