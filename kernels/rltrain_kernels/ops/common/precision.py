@@ -13,8 +13,9 @@ Accumulation is fp32 in every mode, and the state recurrences keep their running
 
 Triton 3.4–3.7.0 miscompiles, on Hopper, a tensor-core dot whose operand is tl.trans of another tensor-core dot's
 result (fla #640): that gave dk off by 10–15% here with "tf32". No kernel of ours does that (the transposed product
-is computed as its own dot from loaded tiles; tests/kernels/test_transposed_dot_operands.py checks every kernel). The interpreter ignores input_precision, so only
-a GPU run can validate a choice (kernels/benchmarks/bench_gated_delta_rule.py --precision sweeps them).
+is computed as its own dot from loaded tiles; tests/kernels/test_transposed_dot_operands.py checks every kernel).
+The interpreter ignores input_precision, so only a GPU run can validate a choice
+(kernels/benchmarks/bench_gated_delta_rule.py --precision sweeps them).
 """
 
 from __future__ import annotations

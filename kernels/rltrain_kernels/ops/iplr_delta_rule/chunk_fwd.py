@@ -9,8 +9,9 @@ w is stored with a minus sign so that X = u − w S is the shared state pass's �
 (common/state_pass.py), whose backward the IPLR backward reuses with b in place of k. Everything runs on the
 flattened token axis with a ChunkLayout (common/chunking.py). u is fp32; T, w, the states h and X, which feed
 nothing but dots, are stored in those dots' operand dtype (precision.iplr_operand_dtype: fp32 unless the IPLR dots
-run in bf16, when storing them in bf16 changes no number). No dot operand is the transpose of a dot result (the
-Hopper miscompile pattern of fla #640, see common/wy_bwd.py).
+run in bf16, when storing them in bf16 changes no number). Products of two raw inputs (a kᵀ, a bᵀ, q kᵀ, q bᵀ,
+kᵀ v; also k qᵀ in the backward) take RAW_PREC, the inputs' own dtype on the tensor cores, where they are exact. No
+dot operand is the transpose of a dot result (the Hopper miscompile pattern of fla #640, see common/wy_bwd.py).
 """
 
 from __future__ import annotations
