@@ -18,7 +18,8 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from delta_rule_bench_common import outputs_and_grads, override_dot_precision, rel, restore_dot_precision
+from delta_rule_bench_common import (check_against_reference, outputs_and_grads, override_dot_precision, rel,
+                                     restore_dot_precision, switched)
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_product import (
@@ -54,24 +55,20 @@ def make_inputs(B, T, H, K, V, n_h, dtype=torch.bfloat16, requires_grad=False, N
     return tensors, h0
 
 
+def with_householder(fn, n_h: int):
+    """fn with its num_householder argument bound, in the five-tensors-then-keywords form outputs_and_grads calls."""
+    return lambda q, k, v, g, beta, **kwargs: fn(q, k, v, g, beta, n_h, **kwargs)
+
+
 def check_against_naive(n_h: int):
     """Ours vs the fp32 naive recurrence (B=1, T=200, H=2, K=V=128), forward and every gradient."""
     (q, k, v, g, beta), h0 = make_inputs(1, 200, 2, 128, 128, n_h, requires_grad=True)
     h0.requires_grad_(True)
     do = torch.randn(1, 200, 2, 128, device="cuda", dtype=torch.bfloat16)
-    results = {}
-    for name, fn in (("ours", chunk_gated_delta_product), ("naive", naive_recurrent_gated_delta_product)):
-        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
-        o, ht = fn(*inputs[:5], n_h, initial_state=inputs[5], output_final_state=True)
-        (o.float() * do.float()).sum().add(ht.sum()).backward()
-        results[name] = [o, ht] + [t.grad for t in inputs]
-    names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
-    errs = {n: rel(a, b) for n, a, b in zip(names, results["ours"], results["naive"])}
-    print("ours vs naive fp32 (bf16 inputs):", ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
-    worst_out = max(errs["o"], errs["final_state"])
-    worst_grad = max(v for n, v in errs.items() if n.startswith("d"))
-    if worst_out > 5e-3 or worst_grad > 1e-2:
-        raise SystemExit(f"correctness check failed (outputs {worst_out:.1e}, gradients {worst_grad:.1e})")
+    inputs = (q, k, v, g, beta, h0)
+    check_against_reference("ours vs naive fp32 (bf16 inputs)", ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta",
+                            "dh0"], outputs_and_grads(with_householder(chunk_gated_delta_product, n_h), inputs, do),
+                            outputs_and_grads(with_householder(naive_recurrent_gated_delta_product, n_h), inputs, do))
 
 
 def time_fn(call, tensors):
@@ -146,11 +143,8 @@ def accuracy_errors(regime: str, n_h: int, device: str = "cuda", B=1, T=512, H=2
     h0 = torch.randn(B, H, D, D, device=device)
     do = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
 
-    def op(fn):
-        return lambda q, k, v, g, beta, **kw: fn(q, k, v, g, beta, n_h, **kw)
-
-    ours = outputs_and_grads(op(chunk_gated_delta_product), inputs + [h0], do)
-    ref = outputs_and_grads(op(naive_recurrent_gated_delta_product),
+    ours = outputs_and_grads(with_householder(chunk_gated_delta_product, n_h), inputs + [h0], do)
+    ref = outputs_and_grads(with_householder(naive_recurrent_gated_delta_product, n_h),
                             [None if t is None else t.float() for t in inputs] + [h0], do)
     errs = [rel(a, b) for a, b in zip(ours, ref) if a is not None]
     return max(errs[:2]), max(errs[2:])
@@ -163,17 +157,13 @@ def accuracy_sweep(n_h: int) -> None:
     print("| setting | " + " | ".join(ACCURACY_REGIMES) + " | fwd+bwd ms (B8 T2048) |")
     print("| --- |" + " ---: |" * (len(ACCURACY_REGIMES) + 1))
     for setting, (overrides, switches) in ACCURACY_SETTINGS.items():
-        saved = {name: getattr(precision, name) for name in switches}
-        for name, value in switches.items():
-            setattr(precision, name, value)
-        override_dot_precision(overrides)
-        try:
-            cells = [accuracy_errors(regime, n_h) for regime in ACCURACY_REGIMES]
-            t = time_product(chunk_gated_delta_product, 8, 2048, 16, 128, n_h)[1]
-        finally:
-            restore_dot_precision()
-            for name, value in saved.items():
-                setattr(precision, name, value)
+        with switched([(precision, name, value) for name, value in switches.items()]):
+            override_dot_precision(overrides)
+            try:
+                cells = [accuracy_errors(regime, n_h) for regime in ACCURACY_REGIMES]
+                t = time_product(chunk_gated_delta_product, 8, 2048, 16, 128, n_h)[1]
+            finally:
+                restore_dot_precision()
         print(f"| {setting} | " + " | ".join(f"{o:.1e} / {g:.1e}" for o, g in cells) + f" | {t:.3f} |", flush=True)
     print("(cells: worst output error / worst gradient error vs the fp32 naive recurrence; bars 5e-3 / 1e-2)")
 

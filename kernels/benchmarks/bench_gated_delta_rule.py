@@ -16,7 +16,8 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from delta_rule_bench_common import apply_launch_overrides, outputs_and_grads, rel, sweep_launch, worst_errors
+from delta_rule_bench_common import (apply_launch_overrides, check_against_reference, outputs_and_grads, rel,
+                                     sweep_launch, switched, worst_errors)
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_rule import (
@@ -58,15 +59,10 @@ def check_against_naive():
     (q, k, v, g, beta), h0 = make_inputs(1, 300, 2, 128, 128, dtype=torch.bfloat16, requires_grad=True)
     h0.requires_grad_(True)
     do = torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
-    results = {name: outputs_and_grads(fn, (q, k, v, g, beta, h0), do)
-               for name, fn in (("ours", chunk_gated_delta_rule), ("naive", naive_recurrent_gated_delta_rule))}
-    names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
-    errs = {n: rel(a, b) for n, a, b in zip(names, results["ours"], results["naive"])}
-    print("ours vs naive fp32 (bf16 inputs):", ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
-    worst_out = max(errs["o"], errs["final_state"])
-    worst_grad = max(v for n, v in errs.items() if n.startswith("d"))
-    if worst_out > 5e-3 or worst_grad > 1e-2:
-        raise SystemExit(f"correctness check failed (outputs {worst_out:.1e}, gradients {worst_grad:.1e})")
+    inputs = (q, k, v, g, beta, h0)
+    check_against_reference("ours vs naive fp32 (bf16 inputs)", ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta",
+                            "dh0"], outputs_and_grads(chunk_gated_delta_rule, inputs, do),
+                            outputs_and_grads(naive_recurrent_gated_delta_rule, inputs, do))
 
 
 def time_chunk(fn, B, T, H, D, cu_seqlens=None, N=None):
@@ -217,16 +213,13 @@ def compare_variants(H=16, D=128):
     checks, references = precision_checks()
     rows = []
     for variant in variants:
-        for (module, name), value in zip(switches, variant):
-            setattr(module, name, value)
-        runs = [worst_errors(chunk_gated_delta_rule, checks, references) for _ in range(3)]
+        with switched([(module, name, value) for (module, name), value in zip(switches, variant)]):
+            runs = [worst_errors(chunk_gated_delta_rule, checks, references) for _ in range(3)]
+            times = [t for B, T in ((8, 2048), (2, 8192)) for t in time_chunk(chunk_gated_delta_rule, B, T, H, D)]
         out_err, grad_errs = max(r[0] for r in runs), [r[1] for r in runs]
-        times = [t for B, T in ((8, 2048), (2, 8192)) for t in time_chunk(chunk_gated_delta_rule, B, T, H, D)]
         label = ", ".join(f"{name}={value}" for (_, name), value in zip(switches, variant))
         rows.append((label + (" (default)" if variant == default else ""), out_err, grad_errs, *times))
         print("  " + " | ".join(str(x) for x in rows[-1]), flush=True)
-    for (module, name), value in zip(switches, default):
-        setattr(module, name, value)
     print("\n| variant | worst output err | worst grad err (3 runs) | B8 T2048 fwd ms | fwd+bwd ms | B2 T8192 fwd ms "
           "| fwd+bwd ms |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

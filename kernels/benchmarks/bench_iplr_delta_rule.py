@@ -21,8 +21,8 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from delta_rule_bench_common import (apply_launch_overrides, check_overrides_applied, outputs_and_grads,
-                                     override_dot_precision, rel, sweep_launch)
+from delta_rule_bench_common import (apply_launch_overrides, check_against_reference, check_overrides_applied,
+                                     outputs_and_grads, override_dot_precision, rel, sweep_launch)
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -57,15 +57,11 @@ def check_against_naive(B=1, T=300, H=2):
     """Ours vs the fp32 naive recurrence (K=V=128, bf16 inputs), forward and every gradient."""
     (q, k, v, a, b), h0 = make_inputs(B, T, H, 128, 128)
     do = torch.randn(B, T, H, 128, device="cuda", dtype=torch.bfloat16)
-    results = {name: outputs_and_grads(fn, (q, k, v, a, b, h0), do)
-               for name, fn in (("ours", chunk_iplr_delta_rule), ("naive", naive_recurrent_iplr_delta_rule))}
-    names = ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"]
-    errs = {n: rel(x, y) for n, x, y in zip(names, results["ours"], results["naive"])}
-    print(f"ours vs naive fp32 (bf16 inputs, B{B} T{T} H{H}):", ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
-    worst_out = max(errs["o"], errs["final_state"])
-    worst_grad = max(e for n, e in errs.items() if n.startswith("d"))
-    if worst_out > 5e-3 or worst_grad > 1e-2:
-        raise SystemExit(f"correctness check failed (outputs {worst_out:.1e}, gradients {worst_grad:.1e})")
+    inputs = (q, k, v, a, b, h0)
+    check_against_reference(f"ours vs naive fp32 (bf16 inputs, B{B} T{T} H{H})",
+                            ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"],
+                            outputs_and_grads(chunk_iplr_delta_rule, inputs, do),
+                            outputs_and_grads(naive_recurrent_iplr_delta_rule, inputs, do))
 
 
 def time_iplr(fn, B, T, H, D, backward=True, cu_seqlens=None, N=None):

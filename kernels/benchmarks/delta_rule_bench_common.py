@@ -7,6 +7,7 @@ Imported by the bench scripts and compile_report.py beside it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 
@@ -24,6 +25,32 @@ def outputs_and_grads(fn, inputs, do) -> list:
     o, ht = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True)
     (o.float() * do.float()).sum().add(ht.sum()).backward()
     return [o, ht] + [None if t is None else t.grad for t in inputs]
+
+
+def check_against_reference(label: str, names: list[str], ours: list, reference: list) -> None:
+    """Print each relative error of `ours` (outputs_and_grads: the two outputs, then the gradients named in `names`
+    after them) against `reference`, and SystemExit when the outputs pass 5e-3 or a gradient 1e-2 (the issues' bf16
+    bars). An absent input's None gradient is skipped."""
+    errs = {n: rel(a, b) for n, a, b in zip(names, ours, reference) if a is not None}
+    print(f"{label}:", ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+    worst_out = max(errs[n] for n in names[:2])
+    worst_grad = max(e for n, e in errs.items() if n not in names[:2])
+    if worst_out > 5e-3 or worst_grad > 1e-2:
+        raise SystemExit(f"correctness check failed (outputs {worst_out:.1e}, gradients {worst_grad:.1e})")
+
+
+@contextlib.contextmanager
+def switched(assignments: list[tuple]):
+    """Set each (module, attribute, value) for the block, then put every old value back (the precision and structural
+    switches of ops/common are module globals)."""
+    saved = [(module, name, getattr(module, name)) for module, name, _ in assignments]
+    for module, name, value in assignments:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 def worst_errors(fn, checks: list, references: list) -> tuple[float, float]:
@@ -76,6 +103,7 @@ def sweep_launch(names: list[str], grads: Callable[[], list], reference: list, t
 
 
 DOT_PRECISIONS = ("ieee", "tf32", "bf16")
+_UNPATCHED_RUN: dict = {}  # launcher class -> its run before override_dot_precision patched it
 
 
 def override_dot_precision(overrides: list[str]) -> set[str]:
@@ -102,9 +130,6 @@ def override_dot_precision(overrides: list[str]) -> set[str]:
         _UNPATCHED_RUN.setdefault(cls, cls.run)
         cls.run = _with_dot_override(cls.run, wanted, applied)
     return applied
-
-
-_UNPATCHED_RUN: dict = {}
 
 
 def restore_dot_precision() -> None:

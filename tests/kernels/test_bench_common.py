@@ -81,3 +81,22 @@ def test_gated_delta_product_accuracy_regimes(regime, device):
     torch.manual_seed(0)
     out_err, grad_err = accuracy_errors(regime, 2, device=device, B=1, T=40, H=1, D=32)
     assert 1e-5 < out_err < 2e-2 and 1e-5 < grad_err < 5e-2
+
+
+def test_reference_check_and_switches():
+    from types import SimpleNamespace
+
+    from delta_rule_bench_common import check_against_reference, switched
+
+    names = ["o", "final_state", "dq", "dh0"]
+    ref = [torch.ones(4) for _ in names]
+    check_against_reference("within the bars", names, [r * (1 + 1e-3) for r in ref], ref)
+    with pytest.raises(SystemExit, match="outputs 6.0e-03"):
+        check_against_reference("output over", names, [ref[0] * 1.006] + ref[1:], ref)
+    with pytest.raises(SystemExit, match="gradients 2.0e-02"):
+        check_against_reference("gradient over", names, ref[:3] + [ref[3] * 1.02], ref)
+    module = SimpleNamespace(SWITCH=False)
+    with pytest.raises(RuntimeError), switched([(module, "SWITCH", True)]):
+        assert module.SWITCH
+        raise RuntimeError  # the old value comes back even when the block fails
+    assert module.SWITCH is False

@@ -84,7 +84,7 @@ def iplr_output_bwd_dqwv_kernel(
 def iplr_output_bwd_dkb_kernel(
     q, v, x, dh, do, dk, db, cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """db = scale (dO Xᵀ ⊙ M)ᵀ Q + X dS'ᵀ,  dk = scale (dO Vᵀ ⊙ M)ᵀ Q + V dS'ᵀ (the WY parts come later)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -141,10 +141,10 @@ def iplr_output_bwd(q, k, v, b, x, h, dh, do, dx, scale: float, layout: ChunkLay
         # across the V loop (~270 registers/thread at K=128, 8 warps: spills); split, each holds half of them.
         common = dict(H=H, K=K, V=V, BT=layout.chunk_size, BK=triton.next_power_of_2(K),
                       BV=min(32, triton.next_power_of_2(V)), DOT_PREC=iplr_dot_precision(q.dtype),
-                      RAW_PREC=raw_precision(q.dtype), **launch("iplr_output_bwd"))
+                      **launch("iplr_output_bwd"))
         iplr_output_bwd_dqwv_kernel[(layout.num_chunks, H)](
             q, k, v, b, x, h, dh, do, dx, dq, dv, dw, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets,
-            scale, **common)
+            scale, RAW_PREC=raw_precision(q.dtype), **common)
         iplr_output_bwd_dkb_kernel[(layout.num_chunks, H)](
             q, v, x, dh, do, dk, db, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale, **common)
     return dq, dk, db, dv, dw
