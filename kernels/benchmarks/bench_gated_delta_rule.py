@@ -200,7 +200,7 @@ def sweep_precision(fla_chunk, H=16, D=128):
 
 
 def compare_variants(H=16, D=128):
-    """The structural variants that are built and CPU-tested but off until timed, one at a time and together:
+    """The structural variants (on by default since the 2026-11-23 H100 run; RESULTS.md), each way and together:
     common/scratch.py's TRANSPOSE_VIA_SCRATCH (dSᵀ, Bᵀ through a scratch tile instead of their own dots) and
     common/state_pass.py's U_FROM_T (u formed in the state pass, never stored). Each: gradients against the fp32
     naive recurrence, three runs (a missing barrier would show as a changing error), then forward and fwd+bwd at
@@ -248,8 +248,8 @@ def main():
     parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
                         help="override ops/common/launch.py entries for this run, e.g. wy_bwd=8,2")
     parser.add_argument("--compare-variants", action="store_true",
-                        help="time and check the untimed structural variants (TRANSPOSE_VIA_SCRATCH, U_FROM_T) "
-                             "off and on, and exit")
+                        help="time and check the structural variants (TRANSPOSE_VIA_SCRATCH, U_FROM_T) off and on, "
+                             "and exit")
     args = parser.parse_args()
     torch.manual_seed(0)
     apply_launch_overrides(args.launch)

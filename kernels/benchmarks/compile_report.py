@@ -268,12 +268,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sms", type=int, default=132, help="SM count the host code plans for (H100/H200: 132)")
     parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
                         help="override ops/common/launch.py entries, e.g. wy_bwd=8,2")
-    parser.add_argument("--transpose-via-scratch", action="store_true",
-                        help="compile with ops/common/scratch.py's TRANSPOSE_VIA_SCRATCH on")
-    parser.add_argument("--u-from-t", action="store_true", help="compile with ops/common/state_pass.py's U_FROM_T on")
+    parser.add_argument("--no-transpose-via-scratch", action="store_true",
+                        help="compile with ops/common/scratch.py's TRANSPOSE_VIA_SCRATCH off (transposes as dots)")
+    parser.add_argument("--no-u-from-t", action="store_true",
+                        help="compile with ops/common/state_pass.py's U_FROM_T off (u stored by the WY kernel)")
     args = parser.parse_args()
-    if args.peer and (args.launch or args.transpose_via_scratch or args.u_from_t):
-        parser.error("--launch, --transpose-via-scratch and --u-from-t set our kernels: not with --peer")
+    if args.peer and (args.launch or args.no_transpose_via_scratch or args.no_u_from_t):
+        parser.error("--launch, --no-transpose-via-scratch and --no-u-from-t set our kernels: not with --peer")
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("compile_report compiles for a GPU: unset TRITON_INTERPRET")
     return args
@@ -284,8 +285,8 @@ def configure_ours(args: argparse.Namespace) -> None:
     from rltrain_kernels.ops.common import scratch, state_pass
 
     state_pass._sm_count = lambda device: args.sms  # the host code's occupancy rule, as on the GPU
-    scratch.TRANSPOSE_VIA_SCRATCH = args.transpose_via_scratch or scratch.TRANSPOSE_VIA_SCRATCH
-    state_pass.U_FROM_T = args.u_from_t or state_pass.U_FROM_T
+    scratch.TRANSPOSE_VIA_SCRATCH = scratch.TRANSPOSE_VIA_SCRATCH and not args.no_transpose_via_scratch
+    state_pass.U_FROM_T = state_pass.U_FROM_T and not args.no_u_from_t
     apply_launch_overrides(args.launch)
 
 

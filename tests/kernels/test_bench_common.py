@@ -45,7 +45,10 @@ def restore_launchers(monkeypatch):
         monkeypatch.setattr(cls, "run", cls.run)
 
 
-def test_override_changes_only_the_named_kernel(device, restore_launchers):
+def test_override_changes_only_the_named_kernel(device, restore_launchers, monkeypatch):
+    from rltrain_kernels.ops.common import precision
+
+    monkeypatch.setattr(precision, "IPLR_LOW_PRECISION_DOT", "tf32")  # the host's choice, which the override undercuts
     inputs, do = iplr_inputs(device)
     names = ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"]
     base = dict(zip(names, outputs_and_grads(chunk_iplr_delta_rule, inputs, do)))

@@ -25,7 +25,7 @@ def run_report(*args: str) -> subprocess.CompletedProcess:
 
 def test_report_lists_every_launch_of_a_forward_and_backward():
     result = run_report("--B", "1", "--T", "100", "--H", "2", "--D", "32", "--launch", "wy_bwd=8,1",
-                        "--transpose-via-scratch", "--u-from-t")
+                        "--no-transpose-via-scratch", "--no-u-from-t")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines()
             if line.startswith("| ") and "_kernel" in line]

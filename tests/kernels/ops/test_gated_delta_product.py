@@ -18,7 +18,7 @@ from rltrain_kernels.ops.gated_delta_product import (
     naive_recurrent_gated_delta_product,
 )
 from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
-from tests.helpers import assert_rel_close, case_id
+from tests.helpers import assert_rel_close, case_id, force_state_pass_value_block
 
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
@@ -166,11 +166,12 @@ def test_low_precision_inputs_keep_fp32_states(impl, dtype, device):
     assert_rel_close(ht, ht_ref, threshold=1e-5 if impl == "fused_recurrent" else 5e-3, name="final_state")
 
 
-def test_chunk_with_u_formed_in_the_state_pass(device, monkeypatch):
-    """common/state_pass.py's U_FROM_T on the expanded sequence: outputs and gradients against float64."""
+def test_chunk_with_u_stored_by_the_wy_kernel(device, monkeypatch):
+    """common/state_pass.py's U_FROM_T off (u written by the WY kernel and read back, not formed in the state pass)
+    on the expanded sequence: outputs and gradients against float64."""
     from rltrain_kernels.ops.common import state_pass
 
-    monkeypatch.setattr(state_pass, "U_FROM_T", True)
+    monkeypatch.setattr(state_pass, "U_FROM_T", False)
     inputs = make_inputs(1, 40, 1, 16, 32, 3, HV=2, device=device, initial_state=True, requires_grad=True)
     check_gradients(chunk_gated_delta_product, *inputs, 3, threshold=(1e-5, 2e-5))
 
@@ -342,6 +343,23 @@ def test_chunk_bf16_real_size_without_gate(device):
     for t in (q, k, v, h0):
         t.requires_grad_()
     check_against_fp32_naive(chunk_gated_delta_product, q, k, v, None, beta, h0, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value_block", ["wide", "narrow"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+def test_chunk_bf16_both_state_pass_launches(value_block, gated, device, monkeypatch):
+    """The state passes' wide and narrow launches (tests/helpers.py: force_state_pass_value_block) at a real K = V =
+    128, with and without a gate."""
+    force_state_pass_value_block(monkeypatch, value_block, device)
+    q, k, v, g, beta, h0 = make_inputs(2, 1024, 4, 128, 128, 2, dtype=torch.bfloat16, device=device, gated=gated,
+                                       initial_state=True)
+    if not gated:
+        beta = beta / 2  # β ∈ (0, 1): see test_chunk_bf16_real_size_without_gate
+    for t in (q, k, v, g, beta, h0):
+        if t is not None:
+            t.requires_grad_()
+    check_against_fp32_naive(chunk_gated_delta_product, q, k, v, g, beta, h0, 2)
 
 
 @pytest.mark.gpu

@@ -18,7 +18,13 @@ from rltrain_kernels.ops.gated_delta_rule import (
     fused_recurrent_gated_delta_rule,
     naive_recurrent_gated_delta_rule,
 )
-from tests.helpers import assert_bitwise_equal, assert_rel_close, case_id, outputs_and_grads_per_setting
+from tests.helpers import (
+    assert_bitwise_equal,
+    assert_rel_close,
+    case_id,
+    force_state_pass_value_block,
+    outputs_and_grads_per_setting,
+)
 
 
 def make_inputs(B, T, H, K, V, HV=None, dtype=torch.float32, device="cpu", gate="normal", N=None,
@@ -341,12 +347,12 @@ def test_chunk_gradients_match_naive_float64(B, T, H, HV, K, V, device, poison_a
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_chunk_gradients_with_transposes_via_scratch(dtype, device, monkeypatch):
-    """common/scratch.py's path (Bᵀ and dSᵀ through a scratch tile, not as their own dots) computes the same
-    gradients: varlen with a partial chunk, GVA, K != V."""
+def test_chunk_gradients_with_transposes_as_dots(dtype, device, monkeypatch):
+    """The path common/scratch.py's TRANSPOSE_VIA_SCRATCH (on by default) replaces, Bᵀ and dSᵀ as dots of their own
+    rather than through a scratch tile, computes the same gradients: varlen with a partial chunk, GVA, K != V."""
     from rltrain_kernels.ops.common import scratch
 
-    monkeypatch.setattr(scratch, "TRANSPOSE_VIA_SCRATCH", True)
+    monkeypatch.setattr(scratch, "TRANSPOSE_VIA_SCRATCH", False)
     lengths = [70, 15, 64]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     inputs = make_inputs(1, sum(lengths), 1, 32, 16, HV=2, dtype=dtype, device=device, N=len(lengths),
@@ -459,6 +465,7 @@ def test_operand_storage_changes_no_number(device, monkeypatch):
         return Ai, w, u
 
     monkeypatch.setattr(state_pass, "gated_wy_fwd", spy)  # the forward's and the backward's WY kernel
+    monkeypatch.setattr(state_pass, "U_FROM_T", False)  # u stored too (fp32), so its dtype is checked
     inputs = make_inputs(1, 100, 1, 32, 16, HV=2, dtype=torch.bfloat16, device=device, initial_state=True)
     do = torch.randn(1, 100, 2, 16, device=device, dtype=torch.bfloat16)
     results = outputs_and_grads_per_setting(
@@ -541,15 +548,27 @@ def test_chunk_bf16_real_sizes(B, T, H, HV, K, V, l2norm, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("value_block", ["wide", "narrow"])
+def test_chunk_bf16_both_state_pass_launches(value_block, device, monkeypatch):
+    """The state passes' wide and narrow launches (tests/helpers.py: force_state_pass_value_block) at a real K = V =
+    128."""
+    force_state_pass_value_block(monkeypatch, value_block, device)
+    inputs = make_inputs(2, 1000, 4, 128, 128, dtype=torch.bfloat16, device=device, initial_state=True,
+                         requires_grad=True)
+    check_gradients(chunk_gated_delta_rule, *inputs, threshold=(5e-3, 1e-2))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("switch", ["scratch.TRANSPOSE_VIA_SCRATCH", "state_pass.U_FROM_T"])
-def test_chunk_bf16_untimed_variants_real_size(switch, device, monkeypatch):
-    """The structural variants that are off until timed, at a real size on the GPU: within the bars, and the same
-    gradients on a rerun (for the scratch tile: a barrier that fails to order its store before the transposed load
-    would show as a moving result)."""
+@pytest.mark.parametrize("on", [True, False], ids=["on", "off"])
+def test_chunk_bf16_structural_variants_real_size(switch, on, device, monkeypatch):
+    """Both sides of each structural switch (on by default since a GPU run timed them) at a real size on the GPU:
+    within the bars, and the same gradients on a rerun (for the scratch tile: a barrier that fails to order its
+    store before the transposed load would show as a moving result)."""
     import importlib
 
     module, name = switch.split(".")
-    monkeypatch.setattr(importlib.import_module(f"rltrain_kernels.ops.common.{module}"), name, True)
+    monkeypatch.setattr(importlib.import_module(f"rltrain_kernels.ops.common.{module}"), name, on)
     inputs = make_inputs(2, 1000, 4, 128, 128, HV=8, dtype=torch.bfloat16, device=device, initial_state=True,
                          requires_grad=True)
     grads = []

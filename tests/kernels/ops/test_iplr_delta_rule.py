@@ -18,7 +18,13 @@ from rltrain_kernels.ops.iplr_delta_rule import (
     fused_recurrent_iplr_delta_rule,
     naive_recurrent_iplr_delta_rule,
 )
-from tests.helpers import assert_bitwise_equal, assert_rel_close, case_id, outputs_and_grads_per_setting
+from tests.helpers import (
+    assert_bitwise_equal,
+    assert_rel_close,
+    case_id,
+    force_state_pass_value_block,
+    outputs_and_grads_per_setting,
+)
 
 REGIMES = ("delta", "generic")
 
@@ -316,9 +322,9 @@ def test_chunk_low_precision_inputs(dtype, device):
 
 @pytest.mark.parametrize("regime", REGIMES)
 def test_bf16_dots_within_the_bars_and_their_operand_storage_changes_no_number(regime, device, monkeypatch):
-    """IPLR with bf16 dots (precision.IPLR_LOW_PRECISION_DOT; tf32 by default until a GPU run clears them): within
-    the bf16 bars, and storing T, w, h, X, dh, dX, dw in bf16 (precision.LOW_PRECISION_OPERANDS) gives the same
-    outputs and gradients bit for bit, as those tensors feed nothing but dots that round to bf16 anyway."""
+    """IPLR with bf16 dots (precision.IPLR_LOW_PRECISION_DOT, the default for bf16 inputs): within the bf16 bars,
+    and storing T, w, h, X, dh, dX, dw in bf16 (precision.LOW_PRECISION_OPERANDS) gives the same outputs and
+    gradients bit for bit, as those tensors feed nothing but dots that round to bf16 anyway."""
     from rltrain_kernels.ops.common import precision
 
     monkeypatch.setattr(precision, "IPLR_LOW_PRECISION_DOT", "bf16")
@@ -336,6 +342,18 @@ def test_bf16_dots_within_the_bars_and_their_operand_storage_changes_no_number(r
     assert dtypes == [torch.bfloat16, torch.float32]
     assert_bitwise_equal(results[True], results[False], ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"],
                          "bf16 operand storage")
+
+
+def test_tf32_dots_setting_for_bf16_inputs(device, monkeypatch):
+    """IPLR_LOW_PRECISION_DOT = "tf32" (the default before 2026-11-23, still a setting): fp32 intermediates, within
+    the bf16 bars."""
+    from rltrain_kernels.ops.common import precision
+
+    monkeypatch.setattr(precision, "IPLR_LOW_PRECISION_DOT", "tf32")
+    assert precision.iplr_operand_dtype(torch.bfloat16) == torch.float32
+    inputs = make_inputs(1, 100, 2, 32, 16, dtype=torch.bfloat16, device=device, initial_state=True,
+                         requires_grad=True)
+    check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(5e-3, 1e-2))
 
 
 @pytest.mark.parametrize("regime", REGIMES)
@@ -375,6 +393,17 @@ def test_fused_recurrent_gradients_via_chunk_backward(device):
                          ids=[case_id(B=2, T=1024, H=4, K=128, V=128), case_id(B=1, T=1100, H=2, K=128, V=64)])
 def test_chunk_bf16_real_sizes(B, T, H, K, V, regime, device):
     inputs = make_inputs(B, T, H, K, V, dtype=torch.bfloat16, regime=regime, device=device, initial_state=True,
+                         requires_grad=True)
+    check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(5e-3, 1e-2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value_block", ["wide", "narrow"])
+def test_chunk_bf16_both_state_pass_launches(value_block, device, monkeypatch):
+    """The shared reverse state pass's wide and narrow launches (tests/helpers.py: force_state_pass_value_block) at
+    a real K = V = 128."""
+    force_state_pass_value_block(monkeypatch, value_block, device)
+    inputs = make_inputs(2, 1024, 4, 128, 128, dtype=torch.bfloat16, device=device, initial_state=True,
                          requires_grad=True)
     check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(5e-3, 1e-2))
 

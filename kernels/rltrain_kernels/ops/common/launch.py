@@ -19,7 +19,10 @@ from __future__ import annotations
 LAUNCH: dict[str, dict[str, int]] = {
     "wy_fwd": dict(num_warps=4, num_stages=3),        # common/wy.py: A, the solve, w and u
     "state_pass_fwd": dict(num_warps=4, num_stages=2),
-    "state_pass_bwd": dict(num_warps=4, num_stages=1),
+    # 8 warps: at 4 warps / 1 stage Triton 3.6 miscompiles it on Hopper with bf16 dots and no gate (the IPLR backward;
+    # compute-sanitizer: a 1024-byte shared-memory read out of bounds at a dot); 8w/1s, 4w/2s passed, and 8w/1s
+    # timed best at B2 T8192 and B1 T8192 (H100, 2026-11-23: 2.90 / 1.90 ms vs 2.93 / 1.95 at 4w/1s)
+    "state_pass_bwd": dict(num_warps=8, num_stages=1),
     # the state passes with 64 value columns per program instead of 32 (common/state_pass.py takes them when
     # sequences × heads × V/64 programs still fill every SM): half the re-reads of k and w
     "state_pass_fwd_wide": dict(num_warps=4, num_stages=1),
@@ -28,14 +31,12 @@ LAUNCH: dict[str, dict[str, int]] = {
     "wy_bwd": dict(num_warps=4, num_stages=2),        # common/wy_bwd.py
     "output_fwd": dict(num_warps=2, num_stages=2),    # gated_delta_rule/chunk_fwd.py
     "dqkwg": dict(num_warps=8, num_stages=2),         # gated_delta_rule/chunk_bwd.py; 3 stages overflowed shared memory
-    # iplr_delta_rule/chunk_fwd.py (untimed): 2 stages of its w, b, k, u, v tiles take 121 KiB of shared memory at
-    # bf16 B8 T2048 H16 K=V=128 (compile_report.py, sm_90), so one block per SM runs the 512 sequence-long programs
-    # in 4 waves over 132 SMs; 1 stage takes 53 KiB without spilling, 2 blocks per SM, 2 waves
-    "iplr_state_pass_fwd": dict(num_warps=4, num_stages=1),
+    # iplr_delta_rule/chunk_fwd.py: 1 stage, which took its shared memory from 121 to 53 KiB with fp32 tiles, reads
+    # shared memory out of bounds on Hopper with bf16 dots (Triton 3.6, at 4 and 8 warps, compute-sanitizer; H100,
+    # 2026-11-23), as state_pass_bwd did at 4 warps; 2 stages pass every IPLR GPU test
+    "iplr_state_pass_fwd": dict(num_warps=4, num_stages=2),
     # the other IPLR kernels, untimed (Triton's defaults and 8 warps where eight [64, 64] fp32 tiles live at once);
-    # bench_iplr_delta_rule.py --sweep-launch times them. With bf16 dots the IPLR backward failed on H100 (wrong
-    # gradients, then an illegal memory access): fla #984 saw that from a 4-warp WY backward on Hopper (2 warps
-    # right), so these are the first suspects (`--dot bf16 --sweep-launch iplr_wy_bwd iplr_output_bwd`)
+    # bench_iplr_delta_rule.py --sweep-launch times them and checks each setting's gradients
     "iplr_wy_fwd": dict(num_warps=4, num_stages=3),
     "iplr_output_fwd": dict(num_warps=4, num_stages=3),
     "iplr_output_bwd": dict(num_warps=8, num_stages=3),  # both of iplr_delta_rule/chunk_bwd.py's output kernels

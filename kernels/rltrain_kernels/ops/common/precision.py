@@ -45,9 +45,11 @@ LOW_PRECISION_STORE = True
 # bf16 dots): rounded once on the store instead of in every dot that reads them, the same numbers at half the bytes
 # (tests/kernels/ops/test_gated_delta_rule.py::test_operand_storage_changes_no_number checks it bit for bit).
 LOW_PRECISION_OPERANDS = True
-# IPLR keeps tf32 dots and fp32 chunk states: with bf16 ones its real-size GPU test failed on H100 (2026-11-23:
-# gradients off at B2 T1024 K=V=128, then an illegal memory access); not investigated yet.
-IPLR_LOW_PRECISION_DOT = "tf32"
+# The IPLR kernels' dots for bf16 inputs. bf16 since 2026-11-23 (H100): its earlier failure was Triton 3.6
+# miscompiling two state-pass kernels at 1 stage (an out-of-bounds shared read, common/launch.py); with 2 stages every
+# IPLR GPU test passes (worst B2 T1024 errors 3.4e-3 outputs, 5.3e-3 gradients) and bf16 H16 K=V=128 fwd+bwd runs
+# 3.94 ms at B8 T2048, 4.20 at B2 T8192, against 6.35 and 7.10 with "tf32".
+IPLR_LOW_PRECISION_DOT = "bf16"
 # The solve's merges in "tf32x3" (three tf32 products: ≈ fp32 accuracy on tensor cores) instead of "ieee": forward
 # 3.80 → 2.30 ms, fwd+bwd 8.82 → 7.40 ms (H200, bf16 B8 T2048 H16 K=V=128), gradients unchanged (2.6e-3).
 LOW_PRECISION_SOLVE = "tf32x3"

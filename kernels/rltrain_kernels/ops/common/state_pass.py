@@ -31,8 +31,10 @@ from .wy import gated_wy_fwd
 # The forward state pass forms u = T diag(β) V per chunk itself (T, v and β loaded: a 64×64 dot per chunk and V
 # block, off the loop's dependence on S) instead of reading the fp32 u that the WY kernel wrote: 3 of the ~14 passes
 # over a [tokens, heads, 128] bf16 tensor that the forward makes (and again in the backward's recomputation). The
-# same numbers; off until a GPU run times it (bench_gated_delta_rule.py --compare-variants).
-U_FROM_T = False
+# same numbers. On since 2026-11-23 (H100, bench_gated_delta_rule.py --compare-variants, bf16 H16 K=V=128): with
+# TRANSPOSE_VIA_SCRATCH on too, fwd 0.695 → 0.640 ms and fwd+bwd 2.55 → 2.43 at B8 T2048; at B2 T8192 within noise
+# (fwd 0.774 → 0.797, fwd+bwd 2.808 → 2.818).
+U_FROM_T = True
 
 
 @triton.jit
