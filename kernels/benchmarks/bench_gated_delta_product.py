@@ -18,8 +18,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from delta_rule_bench_common import (check_against_reference, outputs_and_grads, override_dot_precision, rel,
-                                     restore_dot_precision, switched)
+from delta_rule_bench_common import check_against_reference, outputs_and_grads, rel, switched
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_product import (
@@ -120,13 +119,11 @@ ACCURACY_REGIMES = {
     "g = None, β ∈ (0, 1)": (None, 1.0),
     "g = None, β ∈ (0, 2)": (None, 2.0),
 }
-# Precision settings: (--dot-per-kernel overrides, ops/common/precision.py globals).
+# Precision settings: ops/common/precision.py globals.
 ACCURACY_SETTINGS = {
-    "shipped": ([], {}),
-    "tf32 WY + state passes": ([f"{name}=tf32" for name in ("gated_wy_fwd_kernel", "state_pass_fwd_kernel",
-                                                            "state_pass_bwd_kernel", "gated_wy_bwd_kernel")],
-                               {"LOW_PRECISION_OPERANDS": False}),  # T, w, dδ, dw unrounded for those dots
-    "all tf32": ([], {"LOW_PRECISION_DOT": "tf32"}),
+    "shipped": {},
+    "tf32 WY + state passes (RECURRENCE_DOT)": {"RECURRENCE_DOT": "tf32"},
+    "all tf32 (LOW_PRECISION_DOT)": {"LOW_PRECISION_DOT": "tf32"},
 }
 
 
@@ -156,14 +153,10 @@ def accuracy_sweep(n_h: int) -> None:
 
     print("| setting | " + " | ".join(ACCURACY_REGIMES) + " | fwd+bwd ms (B8 T2048) |")
     print("| --- |" + " ---: |" * (len(ACCURACY_REGIMES) + 1))
-    for setting, (overrides, switches) in ACCURACY_SETTINGS.items():
+    for setting, switches in ACCURACY_SETTINGS.items():
         with switched([(precision, name, value) for name, value in switches.items()]):
-            override_dot_precision(overrides)
-            try:
-                cells = [accuracy_errors(regime, n_h) for regime in ACCURACY_REGIMES]
-                t = time_product(chunk_gated_delta_product, 8, 2048, 16, 128, n_h)[1]
-            finally:
-                restore_dot_precision()
+            cells = [accuracy_errors(regime, n_h) for regime in ACCURACY_REGIMES]
+            t = time_product(chunk_gated_delta_product, 8, 2048, 16, 128, n_h)[1]
         print(f"| {setting} | " + " | ".join(f"{o:.1e} / {g:.1e}" for o, g in cells) + f" | {t:.3f} |", flush=True)
     print("(cells: worst output error / worst gradient error vs the fp32 naive recurrence; bars 5e-3 / 1e-2)")
 

@@ -1,7 +1,8 @@
 """kernels/benchmarks' measuring tools that GPU decisions rest on: the per-kernel dot-precision override (the
 bisection of IPLR's bf16 failure, scripts/gpu_check.sh iplr-bf16; the precision settings of the gated delta
 product's --accuracy sweep) must change exactly the kernel it names and undo cleanly, and the accuracy measurement
-must run.
+must run. Through the override, a check that ops/common/precision.py's RECURRENCE_DOT reaches exactly the WY and
+state-pass kernels.
 
 On the CPU through the Triton interpreter (native on a GPU), at small shapes in bf16.
 """
@@ -67,6 +68,43 @@ def test_override_changes_only_the_named_kernel(device, restore_launchers, monke
     restore_dot_precision()
     again = outputs_and_grads(chunk_iplr_delta_rule, inputs, do)
     assert all(torch.equal(x, y) for x, y in zip(again, base.values()))  # the host's DOT_PREC again
+
+
+RECURRENCE_KERNELS = ("gated_wy_fwd_kernel", "state_pass_fwd_kernel", "state_pass_bwd_kernel", "gated_wy_bwd_kernel")
+
+
+def test_recurrence_dot_is_the_override_of_the_wy_and_state_pass_kernels(device, restore_launchers, monkeypatch):
+    """precision.RECURRENCE_DOT = "tf32" gives the gated delta product the same numbers, bit for bit, as overriding
+    the four WY and state-pass kernels' DOT_PREC to tf32 with every dot operand stored fp32: the switch reaches those
+    kernels and no other, and stores what feeds them unrounded. And it changes the numbers (it does something)."""
+    from rltrain_kernels.ops.common import precision
+    from rltrain_kernels.ops.gated_delta_product import chunk_gated_delta_product
+
+    torch.manual_seed(0)
+    B, T, H, D, n_h = 1, 50, 1, 32, 2
+    q, v = torch.randn(B, T, H, D), torch.randn(B, T * n_h, H, D)
+    k = torch.nn.functional.normalize(torch.randn(B, T * n_h, H, D), dim=-1)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H))
+    beta = 2 * torch.rand(B, T * n_h, H)
+    inputs = [x.to(device, torch.bfloat16) for x in (q, k, v, g, beta)] + [torch.randn(B, H, D, D, device=device)]
+    do = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
+    fn = lambda q, k, v, g, beta, **kw: chunk_gated_delta_product(q, k, v, g, beta, n_h, **kw)  # noqa: E731
+
+    shipped = outputs_and_grads(fn, inputs, do)
+    monkeypatch.setattr(precision, "RECURRENCE_DOT", "tf32")
+    assert precision.recurrence_operand_dtype(torch.bfloat16) == torch.float32
+    switched = outputs_and_grads(fn, inputs, do)
+    monkeypatch.setattr(precision, "RECURRENCE_DOT", None)
+    monkeypatch.setattr(precision, "LOW_PRECISION_OPERANDS", False)
+    overrides = [f"{name}=tf32" for name in RECURRENCE_KERNELS]
+    applied = override_dot_precision(overrides)
+    overridden = outputs_and_grads(fn, inputs, do)
+    check_overrides_applied(overrides, applied)
+    restore_dot_precision()
+    names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    for name, x, y in zip(names, switched, overridden):
+        assert torch.equal(x, y), name
+    assert not torch.equal(switched[1], shipped[1])
 
 
 def test_bad_overrides_are_named(restore_launchers):

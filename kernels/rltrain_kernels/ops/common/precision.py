@@ -9,7 +9,9 @@ the products of two such numbers are exact in fp32 (that dot loses nothing, at t
 - "bf16" / "fp16": operands cast to bf16 (7-bit mantissa) / fp16 in registers, twice tf32's tensor-core rate and
   half the operand registers and shared memory. Computed operands (T, w, u, h, δ) are rounded to bf16 there, as
   fla does throughout.
-Accumulation is fp32 in every mode, and the state recurrences keep their running state in fp32 registers.
+Accumulation is fp32 in every mode, and the state recurrences keep their running state in fp32 registers. The
+gated delta rule's and product's WY and state-pass kernels take `recurrence_dot_precision` (RECURRENCE_DOT), which
+can keep them in tf32 while the rest runs bf16; the IPLR kernels take `iplr_dot_precision`.
 
 Triton 3.4–3.7.0 miscompiles, on Hopper, a tensor-core dot whose operand is tl.trans of another tensor-core dot's
 result (fla #640): that gave dk off by 10–15% here with "tf32". No kernel of ours does that (the transposed product
@@ -50,6 +52,12 @@ LOW_PRECISION_OPERANDS = True
 # IPLR GPU test passes (worst B2 T1024 errors 3.4e-3 outputs, 5.3e-3 gradients) and bf16 H16 K=V=128 fwd+bwd runs
 # 3.94 ms at B8 T2048, 4.20 at B2 T8192, against 6.35 and 7.10 with "tf32".
 IPLR_LOW_PRECISION_DOT = "bf16"
+# The dots of the kernels that carry the recurrence (the WY forward and backward, both state passes) of the gated
+# delta rule and product, for bf16 inputs: None follows LOW_PRECISION_DOT; "tf32" keeps bf16 rounding out of what
+# the state accumulates chunk after chunk (T, w, dδ and dw, which feed those dots, are then stored fp32). For the
+# gated delta product with β up to 2 and nothing forgetting it takes the outputs' error from 5.6e-3 to 3.5e-3 at
+# +28% forward+backward time, where all-tf32 dots (LOW_PRECISION_DOT) cost +36% (H100, 2026-11-23; RESULTS.md).
+RECURRENCE_DOT: str | None = None
 # The solve's merges in "tf32x3" (three tf32 products: ≈ fp32 accuracy on tensor cores) instead of "ieee": forward
 # 3.80 → 2.30 ms, fwd+bwd 8.82 → 7.40 ms (H200, bf16 B8 T2048 H16 K=V=128), gradients unchanged (2.6e-3).
 LOW_PRECISION_SOLVE = "tf32x3"
@@ -68,6 +76,11 @@ def dot_precision(dtype: torch.dtype, low: str | None = None) -> str:
 def iplr_dot_precision(dtype: torch.dtype) -> str:
     """DOT_PREC of the IPLR kernels (IPLR_LOW_PRECISION_DOT for bf16 inputs)."""
     return dot_precision(dtype, IPLR_LOW_PRECISION_DOT)
+
+
+def recurrence_dot_precision(dtype: torch.dtype) -> str:
+    """DOT_PREC of the WY and state-pass kernels (RECURRENCE_DOT, else LOW_PRECISION_DOT, for bf16 inputs)."""
+    return dot_precision(dtype, RECURRENCE_DOT)
 
 
 def _interpreted() -> bool:
@@ -101,6 +114,11 @@ def operand_dtype(dtype: torch.dtype, dot_prec: str | None = None) -> torch.dtyp
 def iplr_operand_dtype(dtype: torch.dtype) -> torch.dtype:
     """operand_dtype for the IPLR kernels' dots (iplr_dot_precision)."""
     return operand_dtype(dtype, iplr_dot_precision(dtype))
+
+
+def recurrence_operand_dtype(dtype: torch.dtype) -> torch.dtype:
+    """operand_dtype for the WY and state-pass kernels' dots (T, w, dδ, dw: recurrence_dot_precision)."""
+    return operand_dtype(dtype, recurrence_dot_precision(dtype))
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -25,7 +25,15 @@ import triton.language as tl
 
 from .chunking import ChunkLayout
 from .launch import launch
-from .precision import cast_for_store, dot_precision, mm, operand_dtype, raw_precision, work_dtype
+from .precision import (
+    cast_for_store,
+    dot_precision,
+    mm,
+    raw_precision,
+    recurrence_dot_precision,
+    recurrence_operand_dtype,
+    work_dtype,
+)
 from .wy import gated_wy_fwd
 
 # The forward state pass forms u = T diag(β) V per chunk itself (T, v and β loaded: a 64×64 dot per chunk and V
@@ -214,7 +222,7 @@ def state_pass_fwd(k, w, u, G, initial_state, output_final_state: bool, layout: 
         k, w, u, v, beta, Ai, G, h, v_new, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, HV=HV,
         K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
-        DOT_PREC=dot_precision(k.dtype), U_FROM_T=u is None, **launch(name))
+        DOT_PREC=recurrence_dot_precision(k.dtype), U_FROM_T=u is None, **launch(name))
     return h, v_new, ht
 
 
@@ -230,25 +238,27 @@ def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: Ch
                    dot_prec: str | None = None, dh_dtype: torch.dtype | None = None,
                    dv_dtype: torch.dtype | None = None):
     """→ (dh [chunks, HV, K, V] in dh_dtype (default work_dtype(k.dtype)): gradient of each chunk's end state,
-    dv [tokens, HV, V] in dv_dtype (default operand_dtype(k.dtype)): ∂L/∂δ, dh0 [N, HV, K, V] fp32 or None).
-    dot_prec: default dot_precision(q.dtype). dv feeds only dots downstream, so storing it in their operand dtype
-    changes no number; its chunk-local part Pᵀ dO goes through an fp32 buffer first (dv itself when dv is fp32)."""
-    dot_prec = dot_prec or dot_precision(q.dtype)
+    dv [tokens, HV, V] in dv_dtype (default recurrence_operand_dtype(k.dtype)): ∂L/∂δ, dh0 [N, HV, K, V] fp32 or
+    None). dot_prec: both kernels' DOT_PREC, by default dot_precision for the chunk-local Pᵀ dO and
+    recurrence_dot_precision for the reverse pass. dv feeds only dots downstream, so storing it in their operand
+    dtype changes no number; its chunk-local part goes through an fp32 buffer first (dv itself when dv is fp32)."""
+    local_prec = dot_prec or dot_precision(q.dtype)
+    state_prec = dot_prec or recurrence_dot_precision(q.dtype)
     TT, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     N = layout.num_seqs
     name, BK, BV = _state_launch("state_pass_bwd", N * HV, K, V, k.device)
     dh = torch.empty(layout.num_chunks, HV, K, V, dtype=dh_dtype or work_dtype(k.dtype), device=k.device)
-    dv = torch.empty(TT, HV, V, dtype=dv_dtype or operand_dtype(k.dtype), device=k.device)
+    dv = torch.empty(TT, HV, V, dtype=dv_dtype or recurrence_operand_dtype(k.dtype), device=k.device)
     dv_local = dv if dv.dtype == torch.float32 else torch.empty_like(dv, dtype=torch.float32)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if need_dh0 else None
     if layout.num_chunks:
         local_dv_kernel[(layout.num_chunks, HV)](
             q, k, G, do, dv_local, layout.cu_seqlens, layout.chunk_indices, scale, H=H, HV=HV, K=K, V=V,
             BT=layout.chunk_size, BK=BK, BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None,
-            DOT_PREC=dot_prec, RAW_PREC=raw_precision(q.dtype), **launch("local_dv"))
+            DOT_PREC=local_prec, RAW_PREC=raw_precision(q.dtype), **launch("local_dv"))
     state_pass_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
         q, k, w, G, do, dv_local, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H, HV=HV,
         K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
-        STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=dot_prec, **launch(name))
+        STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=state_prec, **launch(name))
     return dh, dv, dh0

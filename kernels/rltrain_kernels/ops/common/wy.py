@@ -7,9 +7,10 @@ with  A_ij = β_i exp(G_i − G_j) k_iᵀk_j (i > j, else 0),  T = (I + A)⁻¹ 
 This module builds A, solves for T in registers (forward substitution, one row per step) and forms w and u.
 T is stored ([tokens, heads, chunk]) so the backward can rebuild w and u without the solve.
 
-Dot precision: common/precision.py. T and w feed only dots, so they are stored in the dots' operand dtype
-(operand_dtype: bf16 with bf16 dots, which round them so anyway). u stays fp32: δ = u − w S cancels, and rounding
-u to bf16 showed up as 3e-3 in the final state, against 1e-7 with fp32.
+Dot precision: common/precision.py (recurrence_dot_precision: this kernel, its backward and the state passes may
+run tf32 dots where the rest runs bf16). T and w feed only those dots, so they are stored in the dots' operand
+dtype (recurrence_operand_dtype: bf16 with bf16 dots, which round them so anyway). u stays fp32: δ = u − w S
+cancels, and rounding u to bf16 showed up as 3e-3 in the final state, against 1e-7 with fp32.
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ import triton.language as tl
 
 from .chunking import ChunkLayout
 from .launch import launch
-from .precision import cast_for_store, dot_precision, mm, operand_dtype, raw_precision, solve_precision
+from .precision import (
+    cast_for_store,
+    mm,
+    raw_precision,
+    recurrence_dot_precision,
+    recurrence_operand_dtype,
+    solve_precision,
+)
 
 
 @triton.jit
@@ -106,8 +114,8 @@ def gated_wy_fwd_kernel(
 
 def gated_wy_fwd(k, v, beta, G, layout: ChunkLayout, Ai=None, store_u: bool = True):
     """k [tokens, H, K], v [tokens, HV, V], beta/G [tokens, HV] (G fp32 chunk-local cumsum or None) →
-    (Ai [tokens, HV, BT] = T and w [tokens, HV, K] in operand_dtype(k.dtype), u [tokens, HV, V] fp32, or None
-    without store_u). With Ai given, skip the solve and only rebuild w (and u): the backward's recomputation."""
+    (Ai [tokens, HV, BT] = T and w [tokens, HV, K] in recurrence_operand_dtype(k.dtype), u [tokens, HV, V] fp32, or
+    None without store_u). With Ai given, skip the solve and only rebuild w (and u): the backward's recomputation."""
     TT, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     BT = layout.chunk_size
@@ -115,14 +123,13 @@ def gated_wy_fwd(k, v, beta, G, layout: ChunkLayout, Ai=None, store_u: bool = Tr
         raise ValueError(f"chunk_size must be 16, 32, 48 or 64 (the solve works in 16-row blocks), got {BT}")
     load_ai = Ai is not None
     if Ai is None:
-        Ai = torch.empty(TT, HV, BT, dtype=operand_dtype(k.dtype), device=k.device)
-    w = torch.empty(TT, HV, K, dtype=operand_dtype(k.dtype), device=k.device)
+        Ai = torch.empty(TT, HV, BT, dtype=recurrence_operand_dtype(k.dtype), device=k.device)
+    w = torch.empty(TT, HV, K, dtype=recurrence_operand_dtype(k.dtype), device=k.device)
     u = torch.empty(TT, HV, V, dtype=torch.float32, device=k.device) if store_u else None
     if layout.num_chunks:
         gated_wy_fwd_kernel[(layout.num_chunks, HV)](
             k, v, beta, G, Ai, w, u, layout.cu_seqlens, layout.chunk_indices, H=H, HV=HV, K=K, V=V, BT=BT,
             BK=min(64, triton.next_power_of_2(K)), BV=min(64, triton.next_power_of_2(V)), LOAD_AI=load_ai,
-            USE_G=G is not None, DOT_PREC=dot_precision(k.dtype),
-            RAW_PREC=raw_precision(k.dtype),
+            USE_G=G is not None, DOT_PREC=recurrence_dot_precision(k.dtype), RAW_PREC=raw_precision(k.dtype),
             SOLVE_PREC=solve_precision(k.dtype), STORE_U=store_u, **launch("wy_fwd"))
     return Ai, w, u

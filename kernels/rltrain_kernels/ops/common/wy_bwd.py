@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .chunking import ChunkLayout
 from .launch import launch
-from .precision import cast_for_store, dot_precision, mm, operand_dtype, raw_precision
+from .precision import cast_for_store, mm, raw_precision, recurrence_dot_precision, recurrence_operand_dtype
 from .scratch import scratch_tiles, transpose_via_scratch
 
 
@@ -122,10 +122,11 @@ def gated_wy_bwd(k, v, beta, G, Ai, dw, du, dk, dG, layout: ChunkLayout, dk_fina
     dbeta = torch.empty(TT, HV, dtype=beta.dtype, device=k.device)
     dk_out = torch.empty_like(dk, dtype=k.dtype) if dk_final and k.dtype != dk.dtype else dk
     if layout.num_chunks:
-        scratch = scratch_tiles(layout, HV, operand_dtype(k.dtype), k.device)
+        scratch = scratch_tiles(layout, HV, recurrence_operand_dtype(k.dtype), k.device)
         gated_wy_bwd_kernel[(layout.num_chunks, HV)](
             k, v, beta, G, Ai, dw, du, dk, dk_out, dv, dbeta, dG, scratch, layout.cu_seqlens, layout.chunk_indices,
             H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=min(64, triton.next_power_of_2(K)),
-            BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None, DOT_PREC=dot_precision(k.dtype),
-            RAW_PREC=raw_precision(k.dtype), SCRATCH_T=scratch is not None, **launch("wy_bwd"))
+            BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None,
+            DOT_PREC=recurrence_dot_precision(k.dtype), RAW_PREC=raw_precision(k.dtype),
+            SCRATCH_T=scratch is not None, **launch("wy_bwd"))
     return dk_out, dv, dbeta

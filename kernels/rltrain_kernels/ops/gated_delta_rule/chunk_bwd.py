@@ -20,7 +20,14 @@ from ..common.chunking import ChunkLayout
 from ..common.cumsum import chunk_local_cumsum
 from ..common.launch import launch
 from ..common.state_pass import chunk_states_fwd, state_pass_bwd
-from ..common.precision import cast_for_store, dot_precision, mm, operand_dtype, raw_precision
+from ..common.precision import (
+    cast_for_store,
+    dot_precision,
+    mm,
+    operand_dtype,
+    raw_precision,
+    recurrence_operand_dtype,
+)
 from ..common.scratch import scratch_tiles, transpose_via_scratch
 from ..common.wy_bwd import gated_wy_bwd
 
@@ -102,11 +109,12 @@ def chunk_dqkwg_kernel(
 
 def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout, dq_dtype=torch.float32):
     """→ dq (per value head [tokens, HV, K] in dq_dtype), dk (fp32, still lacking the WY part), dw (in
-    operand_dtype(q.dtype): it feeds only the WY backward's dots), dG (partial, fp32)."""
+    recurrence_operand_dtype(q.dtype): it feeds only the WY backward's dots), dG (partial, fp32)."""
     TT, H, K = q.shape
     HV, V = do.shape[1], do.shape[2]
     dq = torch.empty(TT, HV, K, dtype=dq_dtype, device=q.device)
-    dk, dw = torch.empty_like(dq, dtype=torch.float32), torch.empty_like(dq, dtype=operand_dtype(q.dtype))
+    dk = torch.empty_like(dq, dtype=torch.float32)
+    dw = torch.empty_like(dq, dtype=recurrence_operand_dtype(q.dtype))
     dG = torch.empty(TT, HV, dtype=torch.float32, device=q.device)
     if K > 256:
         raise ValueError(f"K={K} > 256 is not supported by the chunked backward")

@@ -80,7 +80,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale: float, initial_state, ou
                                layout: ChunkLayout):
     """Flattened inputs q, k [tokens, H, K], v [tokens, HV, V], g, beta [tokens, HV] (contiguous) →
     (o [tokens, HV, V] in v's dtype, final state or None, G fp32 chunk-local gate cumsum, Ai: the T matrices in
-    operand_dtype(k.dtype))."""
+    recurrence_operand_dtype(k.dtype))."""
     G = chunk_local_cumsum(g, layout)
     Ai, _, h, v_new, ht = chunk_states_fwd(k, v, beta, G, initial_state, output_final_state, layout)
     o = chunk_output_fwd(q, k, v_new, h, G, scale, layout, v.dtype)
