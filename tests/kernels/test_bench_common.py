@@ -77,6 +77,8 @@ def test_recurrence_dot_is_the_override_of_the_wy_and_state_pass_kernels(device,
     """precision.RECURRENCE_DOT = "tf32" gives the gated delta product the same numbers, bit for bit, as overriding
     the four WY and state-pass kernels' DOT_PREC to tf32 with every dot operand stored fp32: the switch reaches those
     kernels and no other, and stores what feeds them unrounded. And it changes the numbers (it does something)."""
+    from bench_gated_delta_product import with_householder
+
     from rltrain_kernels.ops.common import precision
     from rltrain_kernels.ops.gated_delta_product import chunk_gated_delta_product
 
@@ -88,7 +90,7 @@ def test_recurrence_dot_is_the_override_of_the_wy_and_state_pass_kernels(device,
     beta = 2 * torch.rand(B, T * n_h, H)
     inputs = [x.to(device, torch.bfloat16) for x in (q, k, v, g, beta)] + [torch.randn(B, H, D, D, device=device)]
     do = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
-    fn = lambda q, k, v, g, beta, **kw: chunk_gated_delta_product(q, k, v, g, beta, n_h, **kw)  # noqa: E731
+    fn = with_householder(chunk_gated_delta_product, n_h)
 
     shipped = outputs_and_grads(fn, inputs, do)
     monkeypatch.setattr(precision, "RECURRENCE_DOT", "tf32")
