@@ -6,8 +6,7 @@
 #   bash scripts/gpu_check.sh                  # tests, then every benchmark
 #   bash scripts/gpu_check.sh tests            # tests only
 #   bash scripts/gpu_check.sh bench [NAME...]  # benchmarks only (NAME: bench_linear_logprobs, ...), extra args none
-#   bash scripts/gpu_check.sh delta            # the delta-rule GPU tests (all three ops), then bench_gated_delta_rule.py
-#                                              # --compare-variants (the structural switches, off and on)
+#   bash scripts/gpu_check.sh delta            # the delta-rule GPU tests (all three ops) only
 #   bash scripts/gpu_check.sh iplr-bf16        # IPLR's bf16 dots (the default) bisected: everywhere; in one kernel
 #                                              # at a time (the rest tf32); the state passes at 1 stage (which
 #                                              # Triton 3.6 miscompiled); one process each (an illegal memory access
@@ -62,9 +61,6 @@ if [ "$what" = delta ]; then
     rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || status=1
     summary+=("delta tests: $(tail -1 "$out/delta_tests.log")")
-    python3 kernels/benchmarks/bench_gated_delta_rule.py --compare-variants 2>&1 | tee "$out/delta_variants.log" \
-        | tail -12
-    summary+=("delta variants: exit ${PIPESTATUS[0]}")
 fi
 if [ "$what" = iplr-bf16 ]; then
     iplr_check() {  # a label, then bench_iplr_delta_rule.py arguments

@@ -16,8 +16,8 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from delta_rule_bench_common import (apply_launch_overrides, check_against_reference, outputs_and_grads, rel,
-                                     sweep_launch, switched, worst_errors)
+from delta_rule_bench_common import (VALUE_BLOCKS, apply_launch_overrides, check_against_reference, force_value_block,
+                                     outputs_and_grads, rel, sweep_launch, switched, worst_errors)
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_rule import (
@@ -145,7 +145,7 @@ def print_autotune_picks(prefix: str) -> None:
                     print(f"  {attr}: {config} (key {key})")
 
 
-def sweep_gated_delta_rule_launch(names, B=8, T=2048, H=16, D=128):
+def sweep_gated_delta_rule_launch(names, warps_options=(2, 4, 8), B=8, T=2048, H=16, D=128):
     """delta_rule_bench_common.sweep_launch over the gated delta rule: gradients checked against the fp32 naive recurrence
     (bf16 inputs, B1 T300 H2 K=V=128), fwd+bwd timed at B, T. Paste the winners into ops/common/launch.py."""
     (q, k, v, g, beta), h0 = make_inputs(1, 300, 2, 128, 128, requires_grad=True)
@@ -153,7 +153,7 @@ def sweep_gated_delta_rule_launch(names, B=8, T=2048, H=16, D=128):
     inputs = (q, k, v, g, beta, h0)
     sweep_launch(names, lambda: outputs_and_grads(chunk_gated_delta_rule, inputs, do),
                  outputs_and_grads(naive_recurrent_gated_delta_rule, inputs, do),
-                 lambda: time_chunk(chunk_gated_delta_rule, B, T, H, D)[1], f"B{B} T{T}")
+                 lambda: time_chunk(chunk_gated_delta_rule, B, T, H, D), f"B{B} T{T}", warps_options)
 
 
 def precision_checks():
@@ -247,16 +247,23 @@ def main():
                         help="sweep the dot / storage precision variants (ops/common/precision.py) and exit")
     parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
                         help="override ops/common/launch.py entries for this run, e.g. wy_bwd=8,2")
+    parser.add_argument("--sweep-warps", nargs="+", type=int, default=[2, 4, 8], metavar="WARPS",
+                        help="the warp counts --sweep-launch tries (default 2 4 8)")
+    parser.add_argument("--value-block", default="auto", choices=VALUE_BLOCKS,
+                        help="the state passes' value columns per program: 64 (wide), 32 (narrow), or auto (64 when "
+                             "the programs still fill every SM)")
     parser.add_argument("--compare-variants", action="store_true",
                         help="time and check the structural variants (TRANSPOSE_VIA_SCRATCH, U_FROM_T) off and on, "
                              "and exit")
     args = parser.parse_args()
     torch.manual_seed(0)
     apply_launch_overrides(args.launch)
+    force_value_block(args.value_block)
     if args.sweep_launch is not None:
         from rltrain_kernels.ops.common.launch import LAUNCH
 
-        sweep_gated_delta_rule_launch(args.sweep_launch or [n for n in LAUNCH if not n.startswith("iplr_")])
+        sweep_gated_delta_rule_launch(args.sweep_launch or [n for n in LAUNCH if not n.startswith("iplr_")],
+                                      args.sweep_warps)
         return
     fla_chunk, fla_fused = load_fla()
     print(f"device: {torch.cuda.get_device_name()}")

@@ -21,8 +21,9 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from delta_rule_bench_common import (apply_launch_overrides, check_against_reference, check_overrides_applied,
-                                     outputs_and_grads, override_dot_precision, rel, sweep_launch)
+from delta_rule_bench_common import (VALUE_BLOCKS, apply_launch_overrides, check_against_reference,
+                                     check_overrides_applied, force_value_block, outputs_and_grads,
+                                     override_dot_precision, rel, sweep_launch)
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -104,6 +105,31 @@ def forward_agreement(fla_chunk, B, T, H, D, cu_seqlens=None, N=None) -> float:
     return max(rel(o, o_fla), rel(ht, ht_fla))
 
 
+def profile_kernels(fla_chunk, B=8, T=2048, H=16, D=128):
+    """Per-kernel CUDA time of one call on the same inputs: our forward and forward+backward, fla's forward (it has
+    no chunked IPLR backward), after warm-ups, then the configs fla's autotuner picked."""
+    from bench_gated_delta_rule import print_autotune_picks
+    from kernel_profile import print_kernel_times
+
+    (q, k, v, a, b), h0 = make_inputs(B, T, H, D, D, requires_grad=True)
+    do = torch.randn_like(v)
+    kwargs = dict(initial_state=h0, output_final_state=True)
+    shape = f"B{B} T{T} H{H} K=V={D}"
+
+    def fwd_bwd():
+        for t in (q, k, v, a, b):
+            t.grad = None
+        chunk_iplr_delta_rule(q, k, v, a, b, **kwargs)[0].backward(do)
+
+    with torch.no_grad():
+        print_kernel_times(f"ours forward {shape}", lambda: chunk_iplr_delta_rule(q, k, v, a, b, **kwargs))
+        if fla_chunk is not None:
+            print_kernel_times(f"fla 0.6 forward {shape}", lambda: fla_chunk(q, k, v, a, b, **kwargs))
+    print_kernel_times(f"ours forward+backward {shape}", fwd_bwd, top=14)
+    if fla_chunk is not None:
+        print_autotune_picks("fla.")
+
+
 def add_row(rows: list, row: tuple) -> None:
     """Keep a timing row for the final table and print it now (fla's autotuning can outlast a time limit)."""
     rows.append(row)
@@ -119,9 +145,17 @@ def main():
                         help="the IPLR kernels' dot precision for bf16 inputs (precision.IPLR_LOW_PRECISION_DOT)")
     parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
                         help="override ops/common/launch.py entries for this run, e.g. iplr_wy_bwd=2,3")
+    parser.add_argument("--sweep-warps", nargs="+", type=int, default=[2, 4, 8], metavar="WARPS",
+                        help="the warp counts --sweep-launch tries (default 2 4 8)")
+    parser.add_argument("--value-block", default="auto", choices=VALUE_BLOCKS,
+                        help="the reverse state pass's value columns per program (common/state_pass.py): 64 (wide), "
+                             "32 (narrow), or auto")
     parser.add_argument("--sweep-launch", nargs="*", metavar="KERNEL",
                         help="sweep warps x stages of these launch.py entries (none listed = the iplr_* ones), "
                              "each checked against the naive recurrence at B2 T1024 H4, and exit")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the per-kernel CUDA time of ours (forward, forward+backward) and fla's "
+                             "forward at B8 T2048")
     parser.add_argument("--dot-per-kernel", nargs="*", default=[], metavar="KERNEL=PREC",
                         help="this Triton kernel's dot precision (ieee, tf32, bf16) whatever --dot says, e.g. "
                              "iplr_wy_bwd_kernel=bf16; the stored intermediates keep their dtype")
@@ -132,6 +166,7 @@ def main():
 
         precision.IPLR_LOW_PRECISION_DOT = args.dot
     apply_launch_overrides(args.launch)
+    force_value_block(args.value_block)
     overridden = override_dot_precision(args.dot_per_kernel)
     print(f"device: {torch.cuda.get_device_name()}")
     if args.sweep_launch is not None:
@@ -142,7 +177,7 @@ def main():
         sweep_launch(args.sweep_launch or [n for n in LAUNCH if n.startswith("iplr_")],
                      lambda: outputs_and_grads(chunk_iplr_delta_rule, inputs, do),
                      outputs_and_grads(naive_recurrent_iplr_delta_rule, inputs, do),
-                     lambda: time_iplr(chunk_iplr_delta_rule, 8, 2048, 16, 128)[1], "B8 T2048")
+                     lambda: time_iplr(chunk_iplr_delta_rule, 8, 2048, 16, 128), "B8 T2048", args.sweep_warps)
         check_overrides_applied(args.dot_per_kernel, overridden)
         return
     check_against_naive()
@@ -151,6 +186,8 @@ def main():
     if args.check_only:
         return
     fla_chunk = load_fla()
+    if args.profile:
+        profile_kernels(fla_chunk)
 
     H, D = 16, 128
     shapes = [("B8 T2048", 8, 2048, None), ("B2 T8192", 2, 8192, None)] if not args.quick else \

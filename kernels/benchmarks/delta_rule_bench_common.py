@@ -1,7 +1,8 @@
 """What the delta-rule benchmarks share: the error measure, outputs and gradients of an op for a check, and the
 launch settings (ops/common/launch.py's LAUNCH table) from the command line: `--launch NAME=WARPS,STAGES` overrides
 and the `--sweep-launch` loop (every warps × stages of the named entries, each checked against a reference before it
-is timed), and `--dot-per-kernel KERNEL=PREC` (one kernel's dot precision, to find which kernel a precision breaks).
+is timed), `--dot-per-kernel KERNEL=PREC` (one kernel's dot precision, to find which kernel a precision breaks) and
+`--value-block` (the state passes' value columns per program, whatever the batch).
 Imported by the bench scripts and compile_report.py beside it.
 """
 
@@ -73,21 +74,36 @@ def apply_launch_overrides(overrides: list[str]) -> None:
         LAUNCH[name] = dict(num_warps=int(parts[0]), num_stages=int(parts[1]))
 
 
-def sweep_launch(names: list[str], grads: Callable[[], list], reference: list, time_fwd_bwd: Callable[[], float],
-                 label: str) -> None:
-    """For each LAUNCH entry in `names`, every (warps, stages) in {2, 4, 8} × {1, 2, 3}: the worst relative error of
-    grads() (outputs first two, then gradients) against `reference`, then time_fwd_bwd() in ms, one table row each.
+VALUE_BLOCKS = ("auto", "wide", "narrow")
+
+
+def force_value_block(mode: str) -> None:
+    """Make ops/common/state_pass.py launch its state passes with 64 value columns per program ("wide", the *_wide
+    LAUNCH entries) or 32 ("narrow") whatever the batch; "auto" leaves its occupancy rule alone."""
+    if mode not in VALUE_BLOCKS:
+        raise SystemExit(f"--value-block {mode!r}: expected one of {VALUE_BLOCKS}")
+    if mode != "auto":
+        from rltrain_kernels.ops.common import state_pass
+
+        state_pass._sm_count = lambda device: 1 if mode == "wide" else 1 << 20
+
+
+def sweep_launch(names: list[str], grads: Callable[[], list], reference: list,
+                 time_fwd_bwd: Callable[[], tuple[float, float]], label: str, warps_options=(2, 4, 8)) -> None:
+    """For each LAUNCH entry in `names`, every (warps, stages) in `warps_options` × {1, 2, 3}: the worst relative error of
+    grads() (outputs first two, then gradients) against `reference`, then time_fwd_bwd() → (forward ms,
+    forward+backward ms), one table row each.
     A setting that raises (out of shared memory, say) gets its exception's name and the sweep goes on; an illegal
     memory access ends the process's CUDA context, so sweep suspected settings one process at a time (--launch)."""
     from rltrain_kernels.ops.common.launch import LAUNCH
 
-    print(f"| kernel | warps | stages | worst output err | worst grad err | fwd+bwd ms ({label}) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |", flush=True)
+    print(f"| kernel | warps | stages | worst output err | worst grad err | fwd ms ({label}) | fwd+bwd ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
     for name in names:
         if name not in LAUNCH:
             raise SystemExit(f"--sweep-launch {name!r}: not an entry of ops/common/launch.py ({sorted(LAUNCH)})")
         default = dict(LAUNCH[name])
-        for warps in (2, 4, 8):
+        for warps in warps_options:
             for stages in (1, 2, 3):
                 LAUNCH[name] = dict(num_warps=warps, num_stages=stages)
                 mark = " (default)" if LAUNCH[name] == default else ""
@@ -95,10 +111,10 @@ def sweep_launch(names: list[str], grads: Callable[[], list], reference: list, t
                     errs = [rel(a, b) for a, b in zip(grads(), reference)]
                     t = time_fwd_bwd()
                 except Exception as exc:  # noqa: BLE001 - reported in the table, the sweep goes on
-                    print(f"| {name} | {warps} | {stages}{mark} | {type(exc).__name__} | | |", flush=True)
+                    print(f"| {name} | {warps} | {stages}{mark} | {type(exc).__name__} | | | |", flush=True)
                     continue
-                print(f"| {name} | {warps} | {stages}{mark} | {max(errs[:2]):.1e} | {max(errs[2:]):.1e} | {t:.3f} |",
-                      flush=True)
+                print(f"| {name} | {warps} | {stages}{mark} | {max(errs[:2]):.1e} | {max(errs[2:]):.1e} | {t[0]:.3f} "
+                      f"| {t[1]:.3f} |", flush=True)
         LAUNCH[name] = default
 
 

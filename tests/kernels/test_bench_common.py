@@ -2,7 +2,7 @@
 bisection of IPLR's bf16 failure, scripts/gpu_check.sh iplr-bf16; the precision settings of the gated delta
 product's --accuracy sweep) must change exactly the kernel it names and undo cleanly, and the accuracy measurement
 must run. Through the override, a check that ops/common/precision.py's RECURRENCE_DOT reaches exactly the WY and
-state-pass kernels.
+state-pass kernels. And --value-block must force the state passes' launch it names.
 
 On the CPU through the Triton interpreter (native on a GPU), at small shapes in bf16.
 """
@@ -20,6 +20,7 @@ from triton.runtime.jit import JITFunction
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "kernels" / "benchmarks"))
 from delta_rule_bench_common import (  # noqa: E402
     check_overrides_applied,
+    force_value_block,
     outputs_and_grads,
     override_dot_precision,
     restore_dot_precision,
@@ -143,3 +144,22 @@ def test_reference_check_and_switches():
         assert module.SWITCH
         raise RuntimeError  # the old value comes back even when the block fails
     assert module.SWITCH is False
+
+
+@pytest.mark.parametrize("mode", ["wide", "narrow"])
+def test_force_value_block(mode, monkeypatch):
+    """--value-block wide/narrow: the state passes take the *_wide LAUNCH entries (BV=64) or the narrow ones (BV=32)
+    whatever the program count; auto leaves the host's occupancy rule; a bad mode is named."""
+    from rltrain_kernels.ops.common import state_pass
+
+    host_rule = state_pass._sm_count
+    monkeypatch.setattr(state_pass, "_sm_count", host_rule)  # restored after the test
+    cuda = torch.device("cuda")  # only the occupancy rule reads it, through the patched SM count
+    force_value_block("auto")
+    assert state_pass._sm_count is host_rule
+    force_value_block(mode)
+    for programs in (1, 4096):
+        name, BK, BV = state_pass._state_launch("state_pass_bwd", programs, 128, 128, cuda)
+        assert (name, BK, BV) == (("state_pass_bwd_wide", 128, 64) if mode == "wide" else ("state_pass_bwd", 128, 32))
+    with pytest.raises(SystemExit, match="--value-block 'half'"):
+        force_value_block("half")

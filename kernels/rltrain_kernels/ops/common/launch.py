@@ -18,15 +18,21 @@ from __future__ import annotations
 # 132 SMs) BV=64 was slower, 4.65 → 5.29 ms, hence the occupancy rule.
 LAUNCH: dict[str, dict[str, int]] = {
     "wy_fwd": dict(num_warps=4, num_stages=3),        # common/wy.py: A, the solve, w and u
+    # narrow (BV=32) forward: 4w/1s gave wrong outputs (1.3 relative error) and 8 warps an illegal memory access
+    # (H100, Triton 3.6, --value-block narrow sweep); 4w/3s equal at B2 T8192 (2.820 vs 2.818 ms)
     "state_pass_fwd": dict(num_warps=4, num_stages=2),
     # 8 warps: at 4 warps / 1 stage Triton 3.6 miscompiles it on Hopper with bf16 dots and no gate (the IPLR backward;
     # compute-sanitizer: a 1024-byte shared-memory read out of bounds at a dot); 8w/1s, 4w/2s passed, and 8w/1s
-    # timed best at B2 T8192 and B1 T8192 (H100, 2026-11-23: 2.90 / 1.90 ms vs 2.93 / 1.95 at 4w/1s)
+    # timed best at B2 T8192 and B1 T8192 (H100, 2026-11-23: 2.90 / 1.90 ms vs 2.93 / 1.95 at 4w/1s; 4w/2s 2.872 vs
+    # 2.818 at B2 T8192 in a later run)
     "state_pass_bwd": dict(num_warps=8, num_stages=1),
     # the state passes with 64 value columns per program instead of 32 (common/state_pass.py takes them when
-    # sequences × heads × V/64 programs still fill every SM): half the re-reads of k and w
-    "state_pass_fwd_wide": dict(num_warps=4, num_stages=1),
-    "state_pass_bwd_wide": dict(num_warps=8, num_stages=1),
+    # sequences × heads × V/64 programs still fill every SM): half the re-reads of k and w. Both 4w/2s since
+    # 2026-11-23 (H100, bench_gated_delta_rule.py --value-block wide --sweep-launch, B8 T2048 fwd+bwd): bwd 8w/1s
+    # 2.423 → 2.339 ms (8 warps at 234 registers held one block per SM, two waves for 256 programs; 4w/1s 2.309 but
+    # 1 stage is the miscompiling pattern above), fwd 4w/1s → 4w/2s 2.433 → 2.375; 8 warps 0.1–0.2 ms slower
+    "state_pass_fwd_wide": dict(num_warps=4, num_stages=2),
+    "state_pass_bwd_wide": dict(num_warps=4, num_stages=2),
     "local_dv": dict(num_warps=2, num_stages=3),      # common/state_pass.py: Pᵀ dO, chunk-parallel
     "wy_bwd": dict(num_warps=4, num_stages=2),        # common/wy_bwd.py
     "output_fwd": dict(num_warps=2, num_stages=2),    # gated_delta_rule/chunk_fwd.py
@@ -35,8 +41,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     # shared memory out of bounds on Hopper with bf16 dots (Triton 3.6, at 4 and 8 warps, compute-sanitizer; H100,
     # 2026-11-23), as state_pass_bwd did at 4 warps; 2 stages pass every IPLR GPU test
     "iplr_state_pass_fwd": dict(num_warps=4, num_stages=2),
-    # the other IPLR kernels, untimed (Triton's defaults and 8 warps where eight [64, 64] fp32 tiles live at once);
-    # bench_iplr_delta_rule.py --sweep-launch times them and checks each setting's gradients
+    # the other IPLR kernels: swept at 4 and 8 warps × 1–3 stages on H100 (2026-11-23, B8 T2048, every setting that
+    # ran within the bars); each entry below was already the fastest. The output backward at 4 warps / 1 stage
+    # raises and leaves an illegal memory access behind, which ended that sweep process (the forward state pass's
+    # sweep, after it, never ran): sweep one kernel per process.
     "iplr_wy_fwd": dict(num_warps=4, num_stages=3),
     "iplr_output_fwd": dict(num_warps=4, num_stages=3),
     "iplr_output_bwd": dict(num_warps=8, num_stages=3),  # both of iplr_delta_rule/chunk_bwd.py's output kernels
