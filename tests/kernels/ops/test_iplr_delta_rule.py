@@ -320,6 +320,22 @@ def test_chunk_low_precision_inputs(dtype, device):
     check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(5e-3, 1e-2))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_chunk_backward_writes_gradients_in_the_inputs_dtypes(dtype, device):
+    """The backward kernels write dq, dk, dv, da, db in q's, k's, v's, a's, b's dtype themselves (autograd would
+    cast a mismatched one silently, costing a pass over each), and those equal the fp32 result rounded once."""
+    from rltrain_kernels.ops.iplr_delta_rule.chunk import chunk_iplr_delta_rule_bwd_recompute
+
+    q, k, v, a, b, h0 = make_inputs(1, 80, 2, 16, 16, dtype=dtype, device=device, initial_state=True)
+    do = torch.randn_like(v)
+    grads = chunk_iplr_delta_rule_bwd_recompute(q, k, v, a, b, 0.25, h0, None, do, None)
+    assert [g.dtype for g in grads] == [dtype] * 5 + [torch.float32]
+    full = chunk_iplr_delta_rule_bwd_recompute(*(t.float() for t in (q, k, v, a, b)), 0.25, h0, None, do.float(),
+                                               None)
+    for name, g, ref in zip(("dq", "dk", "dv", "da", "db"), grads, full):
+        assert_rel_close(g.float(), ref, threshold=2e-2, name=name)  # the dots' precision differs, not the values
+
+
 @pytest.mark.parametrize("regime", REGIMES)
 def test_bf16_dots_within_the_bars_and_their_operand_storage_changes_no_number(regime, device, monkeypatch):
     """IPLR with bf16 dots (precision.IPLR_LOW_PRECISION_DOT, the default for bf16 inputs): within the bf16 bars,

@@ -38,7 +38,7 @@ class ChunkIPLRDeltaRuleFunction(torch.autograd.Function):
         grads = chunk_iplr_delta_rule_bwd(_flat(q), _flat(k), _flat(v), _flat(a), _flat(b), ctx.scale,
                                           initial_state, Ai, _flat(do), None if dht is None else dht.contiguous(),
                                           ctx.layout)
-        dq, dk, dv, da, db = (g.view(x.shape).to(x.dtype) for g, x in zip(grads[:5], (q, k, v, a, b)))
+        dq, dk, dv, da, db = (g.view(x.shape) for g, x in zip(grads[:5], (q, k, v, a, b)))  # in their dtypes
         return dq, dk, dv, da, db, None, grads[5], None, None
 
 
@@ -52,7 +52,7 @@ def chunk_iplr_delta_rule_bwd_recompute(q, k, v, a, b, scale, initial_state, cu_
     _, _, Ai = chunk_iplr_delta_rule_fwd(*flat, scale, initial_state, False, layout)
     grads = chunk_iplr_delta_rule_bwd(*flat, scale, initial_state, Ai, _flat(do),
                                       None if dht is None else dht.contiguous(), layout)
-    return (*(g.view(x.shape).to(x.dtype) for g, x in zip(grads[:5], (q, k, v, a, b))), grads[5])
+    return (*(g.view(x.shape) for g, x in zip(grads[:5], (q, k, v, a, b))), grads[5])
 
 
 def _check_chunk_dims(q, v):

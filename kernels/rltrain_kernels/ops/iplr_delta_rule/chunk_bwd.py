@@ -1,7 +1,7 @@
 """Chunked IPLR delta rule, backward: recompute w, u (from the stored T), the chunk-start states S and the a-reads
 X; run the shared reverse state pass (common/state_pass.py, with b in the role of k and our w = −T A: it yields
 dS' per chunk, dX and dh0); then the output/state pass below (dq, dk, db, dv, dw) and the WY backward (da, and
-the WY parts of dk, db, dv).
+the WY parts of dk, db, dv). The kernels that finish a gradient write it in its input's dtype (no cast pass after).
 
 Per chunk (M = [j ≤ i], strict = i > j, S the chunk-start state, dS' the gradient of the chunk-end state, dX the
 total gradient of X from the state pass; W = T A = −w so that X = W S + u):
@@ -76,7 +76,7 @@ def iplr_output_bwd_dqwv_kernel(
     b_b = tl.load(b + p_k, mask=m_tk, other=0.0).to(tl.float32)
     b_dq += mm(tl.where(m_A, b_dPb, 0.0), b_b, DOT_PREC)
     b_dq += mm(tl.where(m_A, b_dPk, 0.0), b_k, DOT_PREC)
-    tl.store(dq + p_k, b_dq * scale, mask=m_tk)
+    tl.store(dq + p_k, (b_dq * scale).to(dq.dtype.element_ty), mask=m_tk)
     tl.store(dw + p_k, cast_for_store(b_dw, dw, DOT_PREC), mask=m_tk)
 
 
@@ -126,15 +126,15 @@ def iplr_output_bwd_dkb_kernel(
 
 
 def iplr_output_bwd(q, k, v, b, x, h, dh, do, dx, scale: float, layout: ChunkLayout):
-    """→ dq, dk, db [tokens, H, K] fp32, dw (in iplr_operand_dtype(q.dtype)) and dv [tokens, H, V] fp32 (dk, db, dv
-    still lack the WY part)."""
+    """→ dq [tokens, H, K] in q's dtype (final), dk, db [tokens, H, K] fp32, dw (in iplr_operand_dtype(q.dtype)) and
+    dv [tokens, H, V] fp32 (dk, db, dv still lack the WY part, which iplr_wy_bwd adds)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     if K > 256:
         raise ValueError(f"K={K} > 256 is not supported by the chunked backward")
-    dq = torch.empty(TT, H, K, dtype=torch.float32, device=q.device)
-    dk, db = torch.empty_like(dq), torch.empty_like(dq)
-    dw = torch.empty_like(dq, dtype=iplr_operand_dtype(q.dtype))  # feeds only the WY backward's dots
+    dq = torch.empty(TT, H, K, dtype=q.dtype, device=q.device)
+    dk, db = (torch.empty(TT, H, K, dtype=torch.float32, device=q.device) for _ in range(2))
+    dw = torch.empty_like(dk, dtype=iplr_operand_dtype(q.dtype))  # feeds only the WY backward's dots
     dv = torch.empty(TT, H, V, dtype=torch.float32, device=q.device)
     if layout.num_chunks:
         # Two kernels rather than one: together they keep four [64, K] and four [64, 64] fp32 accumulators live
@@ -152,7 +152,7 @@ def iplr_output_bwd(q, k, v, b, x, h, dh, do, dx, scale: float, layout: ChunkLay
 
 @triton.jit
 def iplr_wy_bwd_kernel(
-    k, v, a, b, Ai, dw, dx, dk, db, dv, da, cu_seqlens, chunk_indices,
+    k, v, a, b, Ai, dw, dx, dk, db, dv, da, dk_out, db_out, dv_out, cu_seqlens, chunk_indices,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
@@ -196,7 +196,7 @@ def iplr_wy_bwd_kernel(
         b_VdX += mm(b_v, tl.trans(b_dx), DOT_PREC)
         b_dY = mm(tl.trans(b_T), b_dx, DOT_PREC)  # ∂L/∂(strict(A Kᵀ) V)
         b_dv = tl.load(dv + p_v, mask=m_v, other=0.0) + mm(b_Makt, b_dY, DOT_PREC)
-        tl.store(dv + p_v, b_dv, mask=m_v)
+        tl.store(dv_out + p_v, b_dv.to(dv_out.dtype.element_ty), mask=m_v)
     b_dT += mm(b_dXV, b_Makt, DOT_PREC)
     b_dTt += mm(b_Mak, b_VdX, DOT_PREC)
     b_dMab = mm(mm(tl.trans(b_T), b_dT, DOT_PREC), tl.trans(b_T), DOT_PREC)
@@ -214,29 +214,34 @@ def iplr_wy_bwd_kernel(
         b_b = tl.load(b + p_k, mask=m_k, other=0.0).to(tl.float32)
         b_da = mm(tl.trans(b_T), b_dw, DOT_PREC) + mm(b_dMak, b_k, DOT_PREC)
         b_da += mm(b_dMab, b_b, DOT_PREC)
-        tl.store(da + p_k, b_da, mask=m_k)
+        tl.store(da + p_k, b_da.to(da.dtype.element_ty), mask=m_k)
         b_db = tl.load(db + p_k, mask=m_k, other=0.0) + mm(b_dMabt, b_a, DOT_PREC)
-        tl.store(db + p_k, b_db, mask=m_k)
+        tl.store(db_out + p_k, b_db.to(db_out.dtype.element_ty), mask=m_k)
         b_dk = tl.load(dk + p_k, mask=m_k, other=0.0) + mm(b_dMakt, b_a, DOT_PREC)
-        tl.store(dk + p_k, b_dk, mask=m_k)
+        tl.store(dk_out + p_k, b_dk.to(dk_out.dtype.element_ty), mask=m_k)
 
 
-def iplr_wy_bwd(k, v, a, b, Ai, dw, dx, dk, db, dv, layout: ChunkLayout) -> torch.Tensor:
-    """Adds the WY backward into dk, db [tokens, H, K] and dv [tokens, H, V] (fp32, in place); returns da fp32."""
+def iplr_wy_bwd(k, v, a, b, Ai, dw, dx, dk, db, dv, layout: ChunkLayout):
+    """The WY backward added to the fp32 partial gradients dk, db [tokens, H, K] and dv [tokens, H, V] → the final
+    (dk, db, dv, da), each in its input's dtype (k's, b's, v's, a's), rounded once: written by the kernel, no cast
+    pass after it (for fp32 inputs dk, db and dv are updated in place)."""
     TT, H, K = k.shape
     V = v.shape[-1]
-    da = torch.empty(TT, H, K, dtype=torch.float32, device=k.device)
+    da = torch.empty(TT, H, K, dtype=a.dtype, device=k.device)
+    dk_out, db_out, dv_out = (g if g.dtype == x.dtype else torch.empty_like(g, dtype=x.dtype)
+                              for g, x in ((dk, k), (db, b), (dv, v)))
     if layout.num_chunks:
         iplr_wy_bwd_kernel[(layout.num_chunks, H)](
-            k, v, a, b, Ai, dw, dx, dk, db, dv, da, layout.cu_seqlens, layout.chunk_indices, H=H, K=K, V=V,
+            k, v, a, b, Ai, dw, dx, dk, db, dv, da, dk_out, db_out, dv_out, layout.cu_seqlens, layout.chunk_indices,
+            H=H, K=K, V=V,
             BT=layout.chunk_size, BK=min(64, triton.next_power_of_2(K)), BV=min(64, triton.next_power_of_2(V)),
             DOT_PREC=iplr_dot_precision(k.dtype), RAW_PREC=raw_precision(k.dtype), **launch("iplr_wy_bwd"))
-    return da
+    return dk_out, db_out, dv_out, da
 
 
 def chunk_iplr_delta_rule_bwd(q, k, v, a, b, scale: float, initial_state, Ai, do, dht, layout: ChunkLayout):
     """Flattened contiguous inputs (as chunk_iplr_delta_rule_fwd), the saved T matrices Ai, do [tokens, H, V] and
-    dht (or None) → (dq, dk, dv, da, db [tokens, H, *] fp32, dh0 [N, H, K, V] fp32 or None)."""
+    dht (or None) → (dq, dk, dv, da, db [tokens, H, *] in the inputs' dtypes, dh0 [N, H, K, V] fp32 or None)."""
     _, w, u = iplr_wy_fwd(k, v, a, b, layout, Ai=Ai)
     h, x, _ = iplr_state_pass_fwd(k, v, b, w, u, initial_state, False, layout)
     # The shared reverse state pass: X plays δ, b plays k, and w = −T A keeps its δ = u − w S convention.
@@ -244,5 +249,5 @@ def chunk_iplr_delta_rule_bwd(q, k, v, a, b, scale: float, initial_state, Ai, do
                                  dot_prec=iplr_dot_precision(q.dtype), dh_dtype=iplr_operand_dtype(q.dtype),
                                  dv_dtype=iplr_operand_dtype(q.dtype))
     dq, dk, db, dv, dw = iplr_output_bwd(q, k, v, b, x, h, dh, do, dx, scale, layout)
-    da = iplr_wy_bwd(k, v, a, b, Ai, dw, dx, dk, db, dv, layout)
+    dk, db, dv, da = iplr_wy_bwd(k, v, a, b, Ai, dw, dx, dk, db, dv, layout)
     return dq, dk, dv, da, db, dh0
