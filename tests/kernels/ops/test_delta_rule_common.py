@@ -1,5 +1,7 @@
-"""The delta-rule family's shared bookkeeping (ops/common): chunk layouts (padded batches cached, packed ones built
-from cu_seqlens every call) and the state passes' choice of value block."""
+"""The delta-rule family's shared bookkeeping (ops/common): chunk layouts (padded batches cached by shape, packed ones
+by their cu_seqlens tensor) and the state passes' choice of value block."""
+
+import gc
 
 import torch
 
@@ -7,15 +9,42 @@ from rltrain_kernels.ops.common import state_pass
 from rltrain_kernels.ops.common.chunking import chunk_layout
 
 
-def test_padded_layouts_are_cached_and_packed_ones_are_not():
+def test_padded_layouts_are_cached_by_shape():
     a = chunk_layout(2, 130, None, 64, torch.device("cpu"))
     assert chunk_layout(2, 130, None, 64, torch.device("cpu")) is a
     assert a.num_chunks == 6 and a.cu_seqlens.tolist() == [0, 130, 260]
     assert a.chunk_indices.tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]
+
+
+def test_packed_layouts_are_cached_by_their_cu_seqlens_tensor(monkeypatch):
+    """Every layer of a forward gets the same cu_seqlens tensor: its layout is read (a host sync on a GPU) once. An
+    in-place change, another tensor with other lengths, another chunk size, an inference-mode tensor and a freed
+    tensor whose memory comes back each get a layout of their own lengths."""
+    cpu = torch.device("cpu")
     cu = torch.tensor([0, 1, 65, 200])
-    packed = chunk_layout(1, 200, cu, 64, torch.device("cpu"))
-    assert chunk_layout(1, 200, cu, 64, torch.device("cpu")) is not packed
+    packed = chunk_layout(1, 200, cu, 64, cpu)
     assert packed.chunk_offsets.tolist() == [0, 1, 2, 5] and packed.max_len == 135
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real_tolist(t))
+    for _ in range(3):
+        assert chunk_layout(1, 200, cu, 64, cpu) is packed
+    assert reads == []
+    assert chunk_layout(1, 200, cu, 32, cpu).chunk_offsets.tolist() == [0, 1, 3, 8]
+    steps = chunk_layout(1, 200, cu, 64, cpu, steps=2)  # the gated delta product's n_h rows per token
+    assert steps.cu_seqlens.tolist() == [0, 2, 130, 400] and steps.chunk_offsets.tolist() == [0, 1, 3, 8]
+    assert chunk_layout(2, 100, None, 64, cpu, steps=3).cu_seqlens.tolist() == [0, 300, 600]
+    cu[2] = 100  # in place: the version counter moves
+    moved = chunk_layout(1, 200, cu, 64, cpu)
+    assert moved.chunk_offsets.tolist() == [0, 1, 3, 5] and moved.max_len == 100
+    assert chunk_layout(1, 200, torch.tensor([0, 200]), 64, cpu).num_chunks == 4
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 7, 200])
+        assert chunk_layout(1, 200, frozen, 64, cpu) is not chunk_layout(1, 200, frozen, 64, cpu)
+    del cu, moved
+    gc.collect()
+    again = torch.tensor([0, 150, 200])  # may reuse the freed tensor's id and memory
+    assert chunk_layout(1, 200, again, 64, cpu).chunk_offsets.tolist() == [0, 3, 4]
 
 
 def test_state_pass_value_block(monkeypatch):

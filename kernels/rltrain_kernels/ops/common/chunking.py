@@ -1,4 +1,4 @@
-"""Chunk bookkeeping for packed variable-length batches, computed on the host (cached for padded batches).
+"""Chunk bookkeeping for packed variable-length batches, computed on the host and cached.
 
 Every delta-rule kernel works on the flattened token axis [total_tokens, heads, dim]. A padded batch [B, T] is the
 packed batch with B equal lengths, so one code path serves both. A chunk never straddles two sequences: each
@@ -8,6 +8,7 @@ sequence is cut into ceil(len / chunk_size) chunks of its own, so no state leaks
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -31,13 +32,35 @@ class ChunkLayout:
     chunk_size: int
 
 
-def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: int, device) -> ChunkLayout:
-    """Build the layout from (B, T) or from cu_seqlens (one host sync to read the lengths). Padded batches reuse a
-    cached layout: building one copies three small tensors to the device, and each copy syncs with the host, which
-    in a training step stalls the queue of kernels behind it."""
+def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: int, device,
+                 steps: int = 1) -> ChunkLayout:
+    """The layout of B sequences of T tokens, or of the packed sequences cu_seqlens delimits, each token spanning
+    `steps` rows of the flattened axis (the gated delta product's n_h sub-steps). Built, or reused from a cache. Building reads the lengths on the host
+    (for cu_seqlens on a GPU, a sync that drains the queue of kernels before it) and copies three small tensors to
+    the device, so a training step would stall at every linear-attention layer. Padded batches are cached by shape;
+    packed ones by the cu_seqlens tensor itself (as long as it lives and is not modified in place), which a model
+    computes once per forward and hands to every layer: one sync per forward, not one per layer and pass. (An
+    inference-mode cu_seqlens has no version counter and is read every call.)"""
+    device = torch.device(device)
     if cu_seqlens is None:
-        return _padded_layout(B, T, chunk_size, torch.device(device))
-    return _build([int(x) for x in cu_seqlens.tolist()], chunk_size, device)
+        return _padded_layout(B, T * steps, chunk_size, device)
+    if cu_seqlens.is_inference():  # no version counter to tell an in-place change: built every call
+        return _build([int(x) * steps for x in cu_seqlens.tolist()], chunk_size, device)
+    key = (cu_seqlens._version, chunk_size, steps, device)
+    for i, (ref, cached_key, layout) in enumerate(_packed_cache):
+        if ref() is cu_seqlens and cached_key == key:
+            _packed_cache.insert(0, _packed_cache.pop(i))
+            return layout
+    layout = _build([int(x) * steps for x in cu_seqlens.tolist()], chunk_size, device)
+    _packed_cache.insert(0, (weakref.ref(cu_seqlens), key, layout))
+    del _packed_cache[PACKED_CACHE_SIZE:]
+    return layout
+
+
+# The most recently used packed layouts, newest first: (weak reference to cu_seqlens, (its version counter when read,
+# chunk size, steps, device), layout). A weak reference, so a freed tensor whose id or memory is reused never matches.
+PACKED_CACHE_SIZE = 8
+_packed_cache: list[tuple[weakref.ref, tuple, ChunkLayout]] = []
 
 
 @functools.lru_cache(maxsize=64)

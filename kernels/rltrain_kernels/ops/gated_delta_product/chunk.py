@@ -48,7 +48,7 @@ class ChunkGatedDeltaProductFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         n_h = num_householder
-        layout = chunk_layout(B, T * n_h, None if cu_seqlens is None else cu_seqlens * n_h, CHUNK_SIZE, q.device)
+        layout = chunk_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device, steps=n_h)
         g_sub = to_first_substep(g, n_h) if g is not None else beta.new_zeros(beta.shape, dtype=torch.float32)
         k_f, v_f, beta_f = _flat(k), _flat(v), _flat(beta)
         G = chunk_local_cumsum(_flat(g_sub), layout)
