@@ -12,6 +12,9 @@ Backward, chunks in reverse, with dS = ∂L/∂(state at the chunk's end) (the f
     dS ← γ_last dS + scale (diag(γ) Q)ᵀ dO − wᵀ dδ
 and the dS left after the first chunk is the initial-state gradient. The chunk-local term Pᵀ dO needs no state:
 a chunk-parallel kernel computes it first (once per chunk, not once per V block inside the sequential loop).
+With a query stride NH > 1 (the gated delta product's n_h sub-steps per token) q and dO hold one row per token,
+the query of row t·NH + NH − 1 of the expanded axis, and the other rows' queries are zero: the backward kernels
+read them in place (query_rows) instead of from zero-scattered expanded copies.
 See common/wy.py for the dot precision choice (DOT_PREC).
 """
 
@@ -97,10 +100,20 @@ def state_pass_fwd_kernel(
 
 
 @triton.jit
+def query_rows(o_t, m_t, NH: tl.constexpr):
+    """(rows of q / dO, mask) for the expanded-axis rows o_t: every row when NH == 1, else row o_t // NH where
+    o_t % NH == NH − 1 (sequence offsets are multiples of NH) and nothing elsewhere."""
+    if NH == 1:
+        return o_t, m_t
+    return o_t // NH, m_t & (o_t % NH == NH - 1)
+
+
+@triton.jit
 def local_dv_kernel(
     q, k, G, do, dv, cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
+    NH: tl.constexpr,
 ):
     """dv = Pᵀ dO per chunk (fp32), the part of dδ that needs no state."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)  # chunks on axis 0 (no 65535 limit)
@@ -112,8 +125,10 @@ def local_dv_kernel(
     o_i, o_k = tl.arange(0, BT), tl.arange(0, BK)
     o_t = bos + i_t * BT + o_i
     m_t = o_t < eos
+    o_q, m_q = query_rows(o_t, m_t, NH)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
-    b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_q = tl.load(q + (o_q[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & (o_k < K)[None, :],
+                  other=0.0).to(tl.float32)
     b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     # Pᵀ[j, i] = scale k_jᵀq_i exp(G_i − G_j) for i ≥ j.
     m_A = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
@@ -126,7 +141,8 @@ def local_dv_kernel(
         o_v = i_v * BV + tl.arange(0, BV)
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
         m_tv = m_t[:, None] & (o_v < V)[None, :]
-        b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_do = tl.load(do + (o_q[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_q[:, None] & (o_v < V)[None, :],
+                       other=0.0).to(tl.float32)
         tl.store(dv + p_v, mm(b_At, b_do, DOT_PREC), mask=m_tv)
 
 
@@ -135,7 +151,7 @@ def state_pass_bwd_kernel(
     q, k, w, G, do, dv_local, dv, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
-    STORE_INITIAL_STATE_GRADIENT: tl.constexpr, DOT_PREC: tl.constexpr,
+    STORE_INITIAL_STATE_GRADIENT: tl.constexpr, DOT_PREC: tl.constexpr, NH: tl.constexpr,
 ):
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences × heads on axis 0 (no 65535 limit)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -158,13 +174,16 @@ def state_pass_bwd_kernel(
                  mask=m_h)
         o_t = bos + i_t * BT + o_i
         m_t = o_t < eos
+        o_q, m_q = query_rows(o_t, m_t, NH)
         m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_q = tl.load(q + (o_q[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & m_k[None, :],
+                      other=0.0).to(tl.float32)
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_do = tl.load(do + (o_q[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_q[:, None] & m_v[None, :],
+                       other=0.0).to(tl.float32)
         if USE_G:
             last = tl.minimum(bos + (i_t + 1) * BT, eos) - 1
             b_G_last = tl.load(G + last * HV + i_hv)
@@ -236,17 +255,22 @@ def chunk_states_fwd(k, v, beta, G, initial_state, output_final_state: bool, lay
 
 def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: ChunkLayout,
                    dot_prec: str | None = None, dh_dtype: torch.dtype | None = None,
-                   dv_dtype: torch.dtype | None = None):
+                   dv_dtype: torch.dtype | None = None, query_stride: int = 1):
     """→ (dh [chunks, HV, K, V] in dh_dtype (default work_dtype(k.dtype)): gradient of each chunk's end state,
     dv [tokens, HV, V] in dv_dtype (default recurrence_operand_dtype(k.dtype)): ∂L/∂δ, dh0 [N, HV, K, V] fp32 or
     None). dot_prec: both kernels' DOT_PREC, by default dot_precision for the chunk-local Pᵀ dO and
     recurrence_dot_precision for the reverse pass. dv feeds only dots downstream, so storing it in their operand
-    dtype changes no number; its chunk-local part goes through an fp32 buffer first (dv itself when dv is fp32)."""
+    dtype changes no number; its chunk-local part goes through an fp32 buffer first (dv itself when dv is fp32).
+    query_stride NH: q [tokens / NH, H, K] and do [tokens / NH, HV, V] hold the queries of every NH-th row (see the
+    module docstring); k, w, G and the outputs span every row."""
     local_prec = dot_prec or dot_precision(q.dtype)
     state_prec = dot_prec or recurrence_dot_precision(q.dtype)
     TT, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     N = layout.num_seqs
+    if q.shape[0] * query_stride != TT or do.shape[0] * query_stride != TT:
+        raise ValueError(f"state_pass_bwd: q and do need k's {TT} rows / query_stride {query_stride}, got "
+                         f"{q.shape[0]} and {do.shape[0]}")
     name, BK, BV = _state_launch("state_pass_bwd", N * HV, K, V, k.device)
     dh = torch.empty(layout.num_chunks, HV, K, V, dtype=dh_dtype or work_dtype(k.dtype), device=k.device)
     dv = torch.empty(TT, HV, V, dtype=dv_dtype or recurrence_operand_dtype(k.dtype), device=k.device)
@@ -256,9 +280,9 @@ def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: Ch
         local_dv_kernel[(layout.num_chunks, HV)](
             q, k, G, do, dv_local, layout.cu_seqlens, layout.chunk_indices, scale, H=H, HV=HV, K=K, V=V,
             BT=layout.chunk_size, BK=BK, BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None,
-            DOT_PREC=local_prec, RAW_PREC=raw_precision(q.dtype), **launch("local_dv"))
+            DOT_PREC=local_prec, RAW_PREC=raw_precision(q.dtype), NH=query_stride, **launch("local_dv"))
     state_pass_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
         q, k, w, G, do, dv_local, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H, HV=HV,
         K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
-        STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=state_prec, **launch(name))
+        STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=state_prec, NH=query_stride, **launch(name))
     return dh, dv, dh0

@@ -4,8 +4,9 @@ expanded axis of T·n_h Householder sub-steps (README.md): the log gate g_t sits
 
 Forward: gate cumsum → WY → state pass (ops/common, unchanged, on k, v, beta as given) → the strided output pass
 (chunk_output.py: only the query rows, q and o of length T). Backward: the gated delta rule's chunked backward on the
-expanded sequence (q and dO scattered to the last sub-steps, zeros elsewhere), then dq gathered from the last
-sub-steps and dg from the first. Saved from the forward: G and T only (as the gated delta rule).
+expanded sequence with a query stride of n_h (its kernels read q and dO of length T as the last sub-steps' rows,
+zero elsewhere, and write dq of length T), then dg gathered from the first sub-steps. Saved from the forward: G and
+T only (as the gated delta rule).
 """
 
 from __future__ import annotations
@@ -26,13 +27,6 @@ from .inputs import check_inputs
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """[B, T, ...] → [B*T, ...], contiguous."""
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
-
-
-def to_last_substep(x: torch.Tensor, num_householder: int) -> torch.Tensor:
-    """[B, T, ...] → [B, T·n_h, ...] with x_t at row t·n_h + n_h − 1 and zeros elsewhere."""
-    B, T = x.shape[:2]
-    zeros = x.new_zeros(B, T, num_householder - 1, *x.shape[2:])
-    return torch.cat([zeros, x[:, :, None]], dim=2).reshape(B, T * num_householder, *x.shape[2:])
 
 
 def to_first_substep(x: torch.Tensor, num_householder: int) -> torch.Tensor:
@@ -65,9 +59,9 @@ class ChunkGatedDeltaProductFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         n_h = ctx.num_householder
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
-            _flat(to_last_substep(q, n_h)), _flat(k), _flat(v), _flat(beta), ctx.scale, initial_state, G, Ai,
-            _flat(to_last_substep(do, n_h)), None if dht is None else dht.contiguous(), ctx.layout)
-        dq = dq.view(B, T, n_h, H, K)[:, :, -1].to(q.dtype)
+            _flat(q), _flat(k), _flat(v), _flat(beta), ctx.scale, initial_state, G, Ai, _flat(do),
+            None if dht is None else dht.contiguous(), ctx.layout, query_stride=n_h)
+        dq = dq.view(B, T, H, K).to(q.dtype)
         dg = None if ctx.g_dtype is None else dg.view(B, T, n_h, -1)[:, :, 0].to(ctx.g_dtype)
         return (dq, dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype), dg,
                 dbeta.view(beta.shape).to(beta.dtype), None, None, dh0, None, None)

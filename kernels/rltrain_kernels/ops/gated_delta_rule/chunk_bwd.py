@@ -19,7 +19,7 @@ import triton.language as tl
 from ..common.chunking import ChunkLayout
 from ..common.cumsum import chunk_local_cumsum
 from ..common.launch import launch
-from ..common.state_pass import chunk_states_fwd, state_pass_bwd
+from ..common.state_pass import chunk_states_fwd, query_rows, state_pass_bwd
 from ..common.precision import (
     cast_for_store,
     dot_precision,
@@ -37,6 +37,7 @@ def chunk_dqkwg_kernel(
     q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, scratch, cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr, SCRATCH_T: tl.constexpr,
+    NH: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -48,8 +49,10 @@ def chunk_dqkwg_kernel(
     o_i, o_k = tl.arange(0, BT), tl.arange(0, BK)
     o_t = bos + i_t * BT + o_i
     m_t = o_t < eos
+    o_q, m_q = query_rows(o_t, m_t, NH)  # q, dO and dq: every row, or the query rows of a query stride NH
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
+    m_qk = m_q[:, None] & m_k[None, :]
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)   # dO Sᵀ
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)   # δ dS'ᵀ
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)
@@ -66,7 +69,8 @@ def chunk_dqkwg_kernel(
         b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         b_vn = tl.load(v_new + p_v, mask=m_tv, other=0.0).to(tl.float32)
         b_dv = tl.load(dv + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_do = tl.load(do + (o_q[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_q[:, None] & m_v[None, :],
+                       other=0.0).to(tl.float32)
         b_dq += mm(b_do, tl.trans(b_h), DOT_PREC)
         b_dk += mm(b_vn, tl.trans(b_dh), DOT_PREC)
         b_dw -= mm(b_dv, tl.trans(b_h), DOT_PREC)
@@ -75,7 +79,7 @@ def chunk_dqkwg_kernel(
             b_dPt += mm(b_vn, tl.trans(b_do), DOT_PREC)
         b_hdh += tl.sum(b_h * b_dh, 1)
     tl.store(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(b_dw, dw, DOT_PREC), mask=m_tk)
-    b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_q = tl.load(q + (o_q[:, None] * H + i_h) * K + o_k[None, :], mask=m_qk, other=0.0).to(tl.float32)
     b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
     last = tl.minimum(bos + (i_t + 1) * BT, eos) - 1
@@ -101,20 +105,22 @@ def chunk_dqkwg_kernel(
         m_At = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
         b_Et = tl.where(m_At, tl.exp(tl.where(m_At, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
         b_dk += mm(b_dPt * b_Et * scale, b_q, DOT_PREC)
-    tl.store(dq + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(b_dq, dq, DOT_PREC),
-             mask=m_tk)
+    tl.store(dq + (o_q[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(b_dq, dq, DOT_PREC),
+             mask=m_qk)
     tl.store(dk + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_dk, mask=m_tk)
     tl.store(dG + o_t * HV + i_hv, b_dG, mask=m_t)
 
 
-def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout, dq_dtype=torch.float32):
-    """→ dq (per value head [tokens, HV, K] in dq_dtype), dk (fp32, still lacking the WY part), dw (in
-    recurrence_operand_dtype(q.dtype): it feeds only the WY backward's dots), dG (partial, fp32)."""
-    TT, H, K = q.shape
+def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout, dq_dtype=torch.float32,
+                query_stride: int = 1):
+    """→ dq (per value head [tokens / query_stride, HV, K] in dq_dtype: the query rows, common/state_pass.py), dk
+    (fp32, still lacking the WY part), dw (in recurrence_operand_dtype(q.dtype): it feeds only the WY backward's
+    dots), dG (partial, fp32)."""
+    TT, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
-    dq = torch.empty(TT, HV, K, dtype=dq_dtype, device=q.device)
-    dk = torch.empty_like(dq, dtype=torch.float32)
-    dw = torch.empty_like(dq, dtype=recurrence_operand_dtype(q.dtype))
+    dq = torch.empty(q.shape[0], HV, K, dtype=dq_dtype, device=q.device)
+    dk = torch.empty(TT, HV, K, dtype=torch.float32, device=q.device)
+    dw = torch.empty_like(dk, dtype=recurrence_operand_dtype(q.dtype))
     dG = torch.empty(TT, HV, dtype=torch.float32, device=q.device)
     if K > 256:
         raise ValueError(f"K={K} > 256 is not supported by the chunked backward")
@@ -124,27 +130,30 @@ def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout
             q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, scratch, layout.cu_seqlens, layout.chunk_indices,
             layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size,
             BK=triton.next_power_of_2(K), BV=min(32, triton.next_power_of_2(V)), DOT_PREC=dot_precision(q.dtype),
-            RAW_PREC=raw_precision(q.dtype), SCRATCH_T=scratch is not None,
+            RAW_PREC=raw_precision(q.dtype), SCRATCH_T=scratch is not None, NH=query_stride,
             # BV=32: with tf32 dots, BV=64 asked for 256 KiB of shared memory on H200 (limit 227 KiB).
             **launch("dqkwg"))
     return dq, dk, dw, dG
 
 
-def chunk_gated_delta_rule_bwd(q, k, v, beta, scale: float, initial_state, G, Ai, do, dht, layout: ChunkLayout):
+def chunk_gated_delta_rule_bwd(q, k, v, beta, scale: float, initial_state, G, Ai, do, dht, layout: ChunkLayout,
+                               query_stride: int = 1):
     """Flattened inputs (as chunk_gated_delta_rule_fwd) and the saved G, Ai → (dq [tokens, H, K], dk, dv
     [tokens, HV, V], dg [tokens, HV], dbeta [tokens, HV], dh0 or None). dv and dbeta come in v's and beta's dtype,
     dq and dk in q's and k's unless value heads share them (GVA: summed in fp32, returned fp32), written so by the
-    kernels (no cast afterwards); dg and dh0 fp32."""
-    TT, H, K = q.shape
+    kernels (no cast afterwards); dg and dh0 fp32. query_stride NH > 1 (the gated delta product): q, do and dq hold
+    only the query of every NH-th row, the others being zero (common/state_pass.py)."""
+    TT, H, K = k.shape
     HV = v.shape[1]
     gva = HV != H
     _, w, h, v_new, _ = chunk_states_fwd(k, v, beta, G, initial_state, False, layout, Ai=Ai)
-    dh, dv_new, dh0 = state_pass_bwd(q, k, w, G, do, dht, scale, initial_state is not None, layout)
+    dh, dv_new, dh0 = state_pass_bwd(q, k, w, G, do, dht, scale, initial_state is not None, layout,
+                                     query_stride=query_stride)
     dq, dk, dw, dG = chunk_dqkwg(q, k, v_new, h, dh, do, dv_new, G, scale, layout,
-                                 dq_dtype=torch.float32 if gva else q.dtype)
+                                 dq_dtype=torch.float32 if gva else q.dtype, query_stride=query_stride)
     dk, dv, dbeta = gated_wy_bwd(k, v, beta, G, Ai, dw, dv_new, dk, dG, layout, dk_final=not gva)
     dg = chunk_local_cumsum(dG, layout, reverse=True)
     if gva:  # value heads hv = h·(HV/H) + j share q/k head h
-        dq = dq.view(TT, H, HV // H, K).sum(2)
+        dq = dq.view(dq.shape[0], H, HV // H, K).sum(2)
         dk = dk.view(TT, H, HV // H, K).sum(2)
     return dq, dk, dv, dg, dbeta, dh0
