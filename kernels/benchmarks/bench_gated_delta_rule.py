@@ -146,8 +146,9 @@ def print_autotune_picks(prefix: str) -> None:
 
 
 def sweep_gated_delta_rule_launch(names, warps_options=(2, 4, 8), B=8, T=2048, H=16, D=128):
-    """delta_rule_bench_common.sweep_launch over the gated delta rule: gradients checked against the fp32 naive recurrence
-    (bf16 inputs, B1 T300 H2 K=V=128), fwd+bwd timed at B, T. Paste the winners into ops/common/launch.py."""
+    """delta_rule_bench_common.sweep_launch over the gated delta rule: gradients checked against the fp32 naive
+    recurrence (bf16 inputs, B1 T300 H2 K=V=128), forward and fwd+bwd timed at B, T. Paste the winners into
+    ops/common/launch.py."""
     (q, k, v, g, beta), h0 = make_inputs(1, 300, 2, 128, 128, requires_grad=True)
     do = torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
     inputs = (q, k, v, g, beta, h0)

@@ -90,8 +90,8 @@ def force_value_block(mode: str) -> None:
 
 def sweep_launch(names: list[str], grads: Callable[[], list], reference: list,
                  time_fwd_bwd: Callable[[], tuple[float, float]], label: str, warps_options=(2, 4, 8)) -> None:
-    """For each LAUNCH entry in `names`, every (warps, stages) in `warps_options` × {1, 2, 3}: the worst relative error of
-    grads() (outputs first two, then gradients) against `reference`, then time_fwd_bwd() → (forward ms,
+    """For each LAUNCH entry in `names`, every (warps, stages) in `warps_options` × {1, 2, 3}: the worst relative
+    error of grads() (outputs first two, then gradients) against `reference`, then time_fwd_bwd() → (forward ms,
     forward+backward ms), one table row each.
     A setting that raises (out of shared memory, say) gets its exception's name and the sweep goes on; an illegal
     memory access ends the process's CUDA context, so sweep suspected settings one process at a time (--launch)."""

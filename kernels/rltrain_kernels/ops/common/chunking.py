@@ -35,12 +35,13 @@ class ChunkLayout:
 def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: int, device,
                  steps: int = 1) -> ChunkLayout:
     """The layout of B sequences of T tokens, or of the packed sequences cu_seqlens delimits, each token spanning
-    `steps` rows of the flattened axis (the gated delta product's n_h sub-steps). Built, or reused from a cache. Building reads the lengths on the host
-    (for cu_seqlens on a GPU, a sync that drains the queue of kernels before it) and copies three small tensors to
-    the device, so a training step would stall at every linear-attention layer. Padded batches are cached by shape;
-    packed ones by the cu_seqlens tensor itself (as long as it lives and is not modified in place), which a model
-    computes once per forward and hands to every layer: one sync per forward, not one per layer and pass. (An
-    inference-mode cu_seqlens has no version counter and is read every call.)"""
+    `steps` rows of the flattened axis (the gated delta product's n_h sub-steps). Built, or reused from a cache.
+    Building reads the lengths on the host (for cu_seqlens on a GPU, a sync that drains the queue of kernels before
+    it) and copies three small tensors to the device, so a training step would stall at every linear-attention
+    layer. Padded batches are cached by shape; packed ones by the cu_seqlens tensor itself (as long as it lives and
+    is not modified in place), which a model computes once per forward and hands to every layer: one sync per
+    forward, not one per layer and pass. (An inference-mode cu_seqlens has no version counter and is read every
+    call.)"""
     device = torch.device(device)
     if cu_seqlens is None:
         return _padded_layout(B, T * steps, chunk_size, device)
