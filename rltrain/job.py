@@ -78,11 +78,15 @@ class DataConfig:
 class KernelConfig:
     name: str = "auto"                                        # whose implementations: auto | cuda | npu | cpu
     include_kernels: str | list[str] | bool | None = "auto"   # auto | none | "id1,id2" | a list of kernel ids
+    delta_rule_recurrence_dot: str = "auto"                   # auto | bf16 | tf32 (gated delta rule / product)
 
     def validate(self):
+        from rltrain_kernels.ops.common.precision import RECURRENCE_DOT_CHOICES
         from rltrain_kernels.registry import known_kernel_ids, parse_include_kernels
 
         require(self.name in ("auto", "cuda", "npu", "cpu"), "name", "must be auto, cuda, npu or cpu", self.name)
+        require(self.delta_rule_recurrence_dot in RECURRENCE_DOT_CHOICES, "delta_rule_recurrence_dot",
+                f"must be {', '.join(RECURRENCE_DOT_CHOICES)}", self.delta_rule_recurrence_dot)
         wanted = parse_include_kernels(self.include_kernels)
         if isinstance(wanted, list):  # named ids: check them here, not when the workers patch their models
             known = known_kernel_ids()

@@ -192,11 +192,13 @@ def apply_default_kernels(model: nn.Module, include_kernels="auto", device: str 
 
 
 def apply_kernel_config(model: nn.Module, kernel_config: Mapping | None) -> dict[str, int]:
-    """The config form: `{name: auto | cuda | npu | cpu, include_kernels: auto | none | "a,b" | [a, b]}`.
-    `name` picks the device whose implementations are used (auto = detected)."""
+    """The config form: `{name: auto | cuda | npu | cpu, include_kernels: auto | none | "a,b" | [a, b],
+    delta_rule_recurrence_dot: auto | bf16 | tf32}`. `name` picks the device whose implementations are used (auto =
+    detected); `delta_rule_recurrence_dot` the dots of the gated delta rule / product's recurrence kernels for bf16
+    inputs (ops/common/precision.py's RECURRENCE_DOT; process-wide, set before any model is patched)."""
     if kernel_config is None:
         return {}
-    allowed = {"name", "include_kernels"}
+    allowed = {"name", "include_kernels", "delta_rule_recurrence_dot"}
     extra = set(kernel_config) - allowed
     if extra:
         raise ValueError(f"kernel_config: unknown key(s) {', '.join(sorted(map(str, extra)))}; "
@@ -204,4 +206,8 @@ def apply_kernel_config(model: nn.Module, kernel_config: Mapping | None) -> dict
     name = kernel_config.get("name", "auto")
     if name != "auto" and name not in DEVICES:
         raise ValueError(f"kernel_config.name must be 'auto' or one of {', '.join(DEVICES)}; got {name!r}")
+    if "delta_rule_recurrence_dot" in kernel_config:
+        from .ops.common.precision import set_recurrence_dot
+
+        set_recurrence_dot(kernel_config["delta_rule_recurrence_dot"])
     return apply_default_kernels(model, kernel_config.get("include_kernels", "auto"), device=name)

@@ -12,7 +12,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "config" / "kernel_config" / "def
 
 def test_default_kernel_config_applies_every_default_kernel():
     config = yaml.safe_load(CONFIG.read_text())
-    assert config == {"name": "auto", "include_kernels": "auto"}
+    assert config == {"name": "auto", "include_kernels": "auto", "delta_rule_recurrence_dot": "auto"}
     model = tiny_causal_lm("qwen3")
     applied = apply_kernel_config(model, config)
     assert set(applied) == {"fused_rmsnorm", "fused_swiglu", "fused_rope"}

@@ -5,6 +5,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 import torch.nn as nn
 
 from rltrain_kernels import registry
@@ -144,6 +145,27 @@ def test_kernel_config_form(scratch_registry):
         apply_kernel_config(model, {"name": "auto", "include": "auto"})
     with pytest.raises(ValueError, match="kernel_config.name.*'gpu'"):
         apply_kernel_config(model, {"name": "gpu"})
+
+
+def test_kernel_config_sets_the_delta_rule_recurrence_dot(scratch_registry, monkeypatch):
+    """delta_rule_recurrence_dot reaches ops/common/precision.py's RECURRENCE_DOT (process-wide), which the gated
+    delta rule's and product's recurrence kernels read at every call; a bad value is named before anything changes;
+    without the key the setting is left alone."""
+    from rltrain_kernels.ops.common import precision
+
+    monkeypatch.setattr(precision, "RECURRENCE_DOT", None)  # restored after the test
+    model = Counter()
+    apply_kernel_config(model, {"include_kernels": "none", "delta_rule_recurrence_dot": "tf32"})
+    assert precision.RECURRENCE_DOT == "tf32"
+    assert precision.recurrence_dot_precision(torch.bfloat16).startswith("tf32")
+    apply_kernel_config(model, {"include_kernels": "none"})
+    assert precision.RECURRENCE_DOT == "tf32"
+    with pytest.raises(ValueError, match="delta_rule_recurrence_dot must be one of auto, bf16, tf32; got 'fp8'"):
+        apply_kernel_config(model, {"delta_rule_recurrence_dot": "fp8"})
+    assert precision.RECURRENCE_DOT == "tf32"
+    apply_kernel_config(model, {"include_kernels": "none", "delta_rule_recurrence_dot": "auto"})
+    assert precision.RECURRENCE_DOT is None
+    assert precision.recurrence_dot_precision(torch.bfloat16) == precision.dot_precision(torch.bfloat16)
 
 
 def test_discovery_survives_a_broken_module(tmp_path, monkeypatch, scratch_registry, caplog):

@@ -75,6 +75,8 @@ def test_every_algorithm_preset_validates(preset):
     ("trainer.logger=[console,mlflow]", "trainer.logger: entries must be among console, jsonl"),
     ("model.dtype=fp8", "model.dtype: must be float32, bfloat16 or float16"),
     ("kernel_config.name=gpu", "kernel_config.name: must be auto, cuda, npu or cpu"),
+    ("kernel_config.delta_rule_recurrence_dot=fp8",
+     "kernel_config.delta_rule_recurrence_dot: must be auto, bf16, tf32 (got 'fp8')"),
     ("data.task.operators=/", "data.task.operators: must be a non-empty subset"),
     ("rollout.engine=sglang", "rollout.engine: must be one of hf, vllm (got 'sglang')"),
     ("rollout.stop=[Answer]", "rollout.stop: needs rollout.engine=vllm"),

@@ -58,6 +58,8 @@ IPLR_LOW_PRECISION_DOT = "bf16"
 # gated delta product with β up to 2 and nothing forgetting it takes the outputs' error from 5.6e-3 to 3.5e-3 at
 # +28% forward+backward time, where all-tf32 dots (LOW_PRECISION_DOT) cost +36% (H100, 2026-11-23; RESULTS.md).
 RECURRENCE_DOT: str | None = None
+# The config form of RECURRENCE_DOT (kernel_config.delta_rule_recurrence_dot; set_recurrence_dot).
+RECURRENCE_DOT_CHOICES = ("auto", "bf16", "tf32")
 # The solve's merges in "tf32x3" (three tf32 products: ≈ fp32 accuracy on tensor cores) instead of "ieee": forward
 # 3.80 → 2.30 ms, fwd+bwd 8.82 → 7.40 ms (H200, bf16 B8 T2048 H16 K=V=128), gradients unchanged (2.6e-3).
 LOW_PRECISION_SOLVE = "tf32x3"
@@ -76,6 +78,16 @@ def dot_precision(dtype: torch.dtype, low: str | None = None) -> str:
 def iplr_dot_precision(dtype: torch.dtype) -> str:
     """DOT_PREC of the IPLR kernels (IPLR_LOW_PRECISION_DOT for bf16 inputs)."""
     return dot_precision(dtype, IPLR_LOW_PRECISION_DOT)
+
+
+def set_recurrence_dot(mode: str) -> None:
+    """RECURRENCE_DOT from its config form: "auto" (None: follow LOW_PRECISION_DOT), "bf16" or "tf32". Process-wide:
+    every gated delta rule / product call after it, in this process, runs its recurrence kernels so."""
+    if mode not in RECURRENCE_DOT_CHOICES:
+        raise ValueError(f"kernel_config.delta_rule_recurrence_dot must be one of {', '.join(RECURRENCE_DOT_CHOICES)}; "
+                         f"got {mode!r}")
+    global RECURRENCE_DOT
+    RECURRENCE_DOT = None if mode == "auto" else mode
 
 
 def recurrence_dot_precision(dtype: torch.dtype) -> str:
