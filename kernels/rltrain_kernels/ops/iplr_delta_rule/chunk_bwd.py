@@ -233,9 +233,9 @@ def iplr_wy_bwd(k, v, a, b, Ai, dw, dx, dk, db, dv, layout: ChunkLayout):
     if layout.num_chunks:
         iplr_wy_bwd_kernel[(layout.num_chunks, H)](
             k, v, a, b, Ai, dw, dx, dk, db, dv, da, dk_out, db_out, dv_out, layout.cu_seqlens, layout.chunk_indices,
-            H=H, K=K, V=V,
-            BT=layout.chunk_size, BK=min(64, triton.next_power_of_2(K)), BV=min(64, triton.next_power_of_2(V)),
-            DOT_PREC=iplr_dot_precision(k.dtype), RAW_PREC=raw_precision(k.dtype), **launch("iplr_wy_bwd"))
+            H=H, K=K, V=V, BT=layout.chunk_size, BK=min(64, triton.next_power_of_2(K)),
+            BV=min(64, triton.next_power_of_2(V)), DOT_PREC=iplr_dot_precision(k.dtype),
+            RAW_PREC=raw_precision(k.dtype), **launch("iplr_wy_bwd"))
     return dk_out, db_out, dv_out, da
 
 
