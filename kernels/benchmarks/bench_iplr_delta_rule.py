@@ -105,6 +105,16 @@ def forward_agreement(fla_chunk, B, T, H, D, cu_seqlens=None, N=None) -> float:
     return max(rel(o, o_fla), rel(ht, ht_fla))
 
 
+def set_output_blocks(spec: str) -> None:
+    """--output-blocks "BK,BV": chunk_fwd.OUTPUT_BLOCKS for this run; SystemExit naming a bad one."""
+    from rltrain_kernels.ops.iplr_delta_rule import chunk_fwd
+
+    parts = spec.split(",")
+    if len(parts) != 2 or not all(p.strip() in ("16", "32", "64", "128", "256") for p in parts):
+        raise SystemExit(f"--output-blocks {spec!r}: expected BK,BV, each a power of two from 16 to 256")
+    chunk_fwd.OUTPUT_BLOCKS = tuple(int(p) for p in parts)
+
+
 def profile_kernels(fla_chunk, B=8, T=2048, H=16, D=128):
     """Per-kernel CUDA time of one call on the same inputs: our forward and forward+backward, fla's forward (it has
     no chunked IPLR backward), after warm-ups, then the configs fla's autotuner picked."""
@@ -153,6 +163,9 @@ def main():
     parser.add_argument("--sweep-launch", nargs="*", metavar="KERNEL",
                         help="sweep warps x stages of these launch.py entries (none listed = the iplr_* ones), "
                              "each checked against the naive recurrence at B2 T1024 H4, and exit")
+    parser.add_argument("--output-blocks", metavar="BK,BV",
+                        help="the output pass's key and value blocks (iplr_delta_rule/chunk_fwd.py OUTPUT_BLOCKS), "
+                             "e.g. 128,128")
     parser.add_argument("--profile", action="store_true",
                         help="also print the per-kernel CUDA time of ours (forward, forward+backward) and fla's "
                              "forward at B8 T2048")
@@ -167,6 +180,8 @@ def main():
         precision.IPLR_LOW_PRECISION_DOT = args.dot
     apply_launch_overrides(args.launch)
     force_value_block(args.value_block)
+    if args.output_blocks:
+        set_output_blocks(args.output_blocks)
     overridden = override_dot_precision(args.dot_per_kernel)
     print(f"device: {torch.cuda.get_device_name()}")
     if args.sweep_launch is not None:

@@ -337,6 +337,30 @@ def test_chunk_backward_writes_gradients_in_the_inputs_dtypes(dtype, device):
         assert_rel_close(g.float(), ref, threshold=2e-2, name=name)  # the dots' precision differs, not the values
 
 
+@pytest.mark.parametrize("blocks", [(128, 64), (128, 128), (32, 32)])
+def test_output_pass_blocks_change_no_result(blocks, device, monkeypatch):
+    """chunk_fwd.OUTPUT_BLOCKS (the output pass's key / value blocks, a tuning knob) reaches the launch and gives
+    the same outputs as the shipped blocks, up to fp32 summation order."""
+    from rltrain_kernels.ops.iplr_delta_rule import chunk_fwd
+
+    launched = []
+    kernel = chunk_fwd.iplr_output_fwd_kernel
+
+    class Spy:  # records each launch's (BK, BV), then launches
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launched.append((kwargs["BK"], kwargs["BV"]))
+                return kernel[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(chunk_fwd, "iplr_output_fwd_kernel", Spy())
+    q, k, v, a, b, h0 = make_inputs(1, 70, 1, 128, 128, device=device, initial_state=True)
+    base = chunk_iplr_delta_rule(q, k, v, a, b, initial_state=h0)[0]
+    monkeypatch.setattr(chunk_fwd, "OUTPUT_BLOCKS", blocks)
+    assert_rel_close(chunk_iplr_delta_rule(q, k, v, a, b, initial_state=h0)[0], base, threshold=1e-6, name="o")
+    assert launched == [(64, 64), blocks]
+
+
 @pytest.mark.parametrize("regime", REGIMES)
 def test_bf16_dots_within_the_bars_and_their_operand_storage_changes_no_number(regime, device, monkeypatch):
     """IPLR with bf16 dots (precision.IPLR_LOW_PRECISION_DOT, the default for bf16 inputs): within the bf16 bars,

@@ -26,6 +26,12 @@ from ..common.precision import cast_for_store, iplr_dot_precision, iplr_operand_
 from ..common.wy import solve_unit_lower
 
 CHUNK_SIZE = 64
+# (BK, BV) of the output pass, capped at K's and V's powers of two. Untimed against the alternatives: fla's autotuner
+# picks 128 × 128 for its IPLR output kernel on H100 (0.20 ms against our 0.23 at bf16 B8 T2048 H16 K=V=128). Compile
+# report there (4 warps / 3 stages; regs, shared KiB, blocks per SM): 64 × 64 178 / 89 / 2; 128 × 64 178 / 33 / 2;
+# 128 × 128 246 / 49 / 2 with half the programs, each reading its q, k, b tiles once instead of per V block.
+# `bench_iplr_delta_rule.py --output-blocks BK,BV` times another.
+OUTPUT_BLOCKS = (64, 64)
 
 
 @triton.jit
@@ -203,7 +209,7 @@ def iplr_output_fwd(q, k, v, b, x, h, scale: float, layout: ChunkLayout, out_dty
     TT, H, K = q.shape
     V = v.shape[-1]
     o = torch.empty(TT, H, V, dtype=out_dtype, device=q.device)
-    BK, BV = min(64, triton.next_power_of_2(K)), min(64, triton.next_power_of_2(V))
+    BK, BV = min(OUTPUT_BLOCKS[0], triton.next_power_of_2(K)), min(OUTPUT_BLOCKS[1], triton.next_power_of_2(V))
     if layout.num_chunks:
         iplr_output_fwd_kernel[(layout.num_chunks, triton.cdiv(V, BV), H)](
             q, k, v, b, x, h, o, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,
