@@ -91,6 +91,6 @@ def force_state_pass_value_block(monkeypatch, value_block: str, device) -> None:
     Hopper (1 stage, bf16 dots, no gate: ops/common/launch.py), so the tests hold every launch the host can pick."""
     from rltrain_kernels.ops.common import state_pass
 
-    monkeypatch.setattr(state_pass, "_sm_count", lambda device: 1 if value_block == "wide" else 1 << 20)
+    monkeypatch.setattr(state_pass, "VALUE_BLOCK", value_block)
     name = state_pass._state_launch("state_pass_bwd", 8, 128, 128, torch.device(device))[0]
     assert name.endswith("_wide") == (value_block == "wide"), name

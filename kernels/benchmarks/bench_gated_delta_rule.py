@@ -107,7 +107,7 @@ def time_decode(fn, B, H, D):
 def profile_kernels(fla_chunk, B=8, T=2048, H=16, D=128):
     """Per-kernel CUDA time of one forward+backward, ours and fla's on the same inputs (after warm-ups, so fla's
     autotuner has picked), then the config fla's autotuner picked per kernel: which kernel carries the gap."""
-    from kernel_profile import print_kernel_times
+    from kernel_profile import print_autotune_picks, print_kernel_times
 
     (q, k, v, g, beta), h0 = make_inputs(B, T, H, D, D, requires_grad=True)
     do = torch.randn_like(v)
@@ -123,26 +123,6 @@ def profile_kernels(fla_chunk, B=8, T=2048, H=16, D=128):
         print_kernel_times(f"{name} fwd+bwd B{B} T{T} H{H} K=V={D}", step, top=14)
     if fla_chunk is not None:
         print_autotune_picks("fla.")
-
-
-def print_autotune_picks(prefix: str) -> None:
-    """The config each autotuned kernel of the modules under `prefix` picked in this process, per tuning key."""
-    import sys
-
-    from triton.runtime.autotuner import Autotuner
-
-    seen = set()
-    print(f"\nautotune picks ({prefix}*):")
-    for module in [m for name, m in sys.modules.items() if name.startswith(prefix) and m is not None]:
-        for attr, tuner in vars(module).items():
-            for _ in range(3):  # under triton.heuristics the Autotuner is the wrapper's .fn
-                if isinstance(tuner, Autotuner) or not hasattr(tuner, "fn"):
-                    break
-                tuner = tuner.fn
-            if isinstance(tuner, Autotuner) and id(tuner) not in seen and tuner.cache:
-                seen.add(id(tuner))
-                for key, config in tuner.cache.items():
-                    print(f"  {attr}: {config} (key {key})")
 
 
 def sweep_gated_delta_rule_launch(names, warps_options=(2, 4, 8), B=8, T=2048, H=16, D=128):

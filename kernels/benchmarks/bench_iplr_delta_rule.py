@@ -118,8 +118,7 @@ def set_output_blocks(spec: str) -> None:
 def profile_kernels(fla_chunk, B=8, T=2048, H=16, D=128):
     """Per-kernel CUDA time of one call on the same inputs: our forward and forward+backward, fla's forward (it has
     no chunked IPLR backward), after warm-ups, then the configs fla's autotuner picked."""
-    from bench_gated_delta_rule import print_autotune_picks
-    from kernel_profile import print_kernel_times
+    from kernel_profile import print_autotune_picks, print_kernel_times
 
     (q, k, v, a, b), h0 = make_inputs(B, T, H, D, D, requires_grad=True)
     do = torch.randn_like(v)

@@ -78,20 +78,19 @@ VALUE_BLOCKS = ("auto", "wide", "narrow")
 
 
 def force_value_block(mode: str) -> None:
-    """Make ops/common/state_pass.py launch its state passes with 64 value columns per program ("wide", the *_wide
-    LAUNCH entries) or 32 ("narrow") whatever the batch; "auto" leaves its occupancy rule alone."""
+    """--value-block: ops/common/state_pass.py's VALUE_BLOCK, the state passes launched with 64 value columns per
+    program ("wide", the *_wide LAUNCH entries) or 32 ("narrow") whatever the batch, or by its occupancy rule."""
     if mode not in VALUE_BLOCKS:
         raise SystemExit(f"--value-block {mode!r}: expected one of {VALUE_BLOCKS}")
-    if mode != "auto":
-        from rltrain_kernels.ops.common import state_pass
+    from rltrain_kernels.ops.common import state_pass
 
-        state_pass._sm_count = lambda device: 1 if mode == "wide" else 1 << 20
+    state_pass.VALUE_BLOCK = mode
 
 
 def sweep_launch(names: list[str], grads: Callable[[], list], reference: list,
-                 time_fwd_bwd: Callable[[], tuple[float, float]], label: str, warps_options=(2, 4, 8)) -> None:
+                 timings: Callable[[], tuple[float, float]], label: str, warps_options=(2, 4, 8)) -> None:
     """For each LAUNCH entry in `names`, every (warps, stages) in `warps_options` × {1, 2, 3}: the worst relative
-    error of grads() (outputs first two, then gradients) against `reference`, then time_fwd_bwd() → (forward ms,
+    error of grads() (outputs first two, then gradients) against `reference`, then timings() → (forward ms,
     forward+backward ms), one table row each.
     A setting that raises (out of shared memory, say) gets its exception's name and the sweep goes on; an illegal
     memory access ends the process's CUDA context, so sweep suspected settings one process at a time (--launch)."""
@@ -109,7 +108,7 @@ def sweep_launch(names: list[str], grads: Callable[[], list], reference: list,
                 mark = " (default)" if LAUNCH[name] == default else ""
                 try:
                     errs = [rel(a, b) for a, b in zip(grads(), reference)]
-                    t = time_fwd_bwd()
+                    t = timings()
                 except Exception as exc:  # noqa: BLE001 - reported in the table, the sweep goes on
                     print(f"| {name} | {warps} | {stages}{mark} | {type(exc).__name__} | | | |", flush=True)
                     continue

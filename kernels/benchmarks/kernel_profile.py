@@ -3,6 +3,7 @@
 
     from kernel_profile import print_kernel_times
     print_kernel_times("ours fwd+bwd", lambda: step())   # warms up twice, profiles the third call
+    print_autotune_picks("fla.")                         # the configs a peer's autotuner picked meanwhile
 """
 
 from __future__ import annotations
@@ -49,3 +50,23 @@ def print_kernel_times(label: str, step, top: int = 10) -> None:
     print(f"  idle between GPU activities: {sum(g[0] for g in gaps):.2f} ms in {len(gaps)} gaps; largest:")
     for ms, before, after in gaps[:6]:
         print(f"  {ms:8.3f} ms  after {before[:40]} | before {after[:40]}")
+
+
+def print_autotune_picks(prefix: str) -> None:
+    """The config each autotuned kernel of the modules under `prefix` picked in this process, per tuning key."""
+    import sys
+
+    from triton.runtime.autotuner import Autotuner
+
+    seen = set()
+    print(f"\nautotune picks ({prefix}*):")
+    for module in [m for name, m in sys.modules.items() if name.startswith(prefix) and m is not None]:
+        for attr, tuner in vars(module).items():
+            for _ in range(3):  # under triton.heuristics the Autotuner is the wrapper's .fn
+                if isinstance(tuner, Autotuner) or not hasattr(tuner, "fn"):
+                    break
+                tuner = tuner.fn
+            if isinstance(tuner, Autotuner) and id(tuner) not in seen and tuner.cache:
+                seen.add(id(tuner))
+                for key, config in tuner.cache.items():
+                    print(f"  {attr}: {config} (key {key})")

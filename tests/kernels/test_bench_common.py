@@ -152,11 +152,12 @@ def test_force_value_block(mode, monkeypatch):
     whatever the program count; auto leaves the host's occupancy rule; a bad mode is named."""
     from rltrain_kernels.ops.common import state_pass
 
-    host_rule = state_pass._sm_count
-    monkeypatch.setattr(state_pass, "_sm_count", host_rule)  # restored after the test
-    cuda = torch.device("cuda")  # only the occupancy rule reads it, through the patched SM count
+    monkeypatch.setattr(state_pass, "VALUE_BLOCK", "auto")  # restored after the test
+    monkeypatch.setattr(state_pass, "_sm_count", lambda device: 132)  # the occupancy rule as on an H100
+    cuda = torch.device("cuda")
     force_value_block("auto")
-    assert state_pass._sm_count is host_rule
+    assert state_pass._state_launch("state_pass_bwd", 1, 128, 128, cuda)[2] == 32   # too few programs: narrow
+    assert state_pass._state_launch("state_pass_bwd", 4096, 128, 128, cuda)[2] == 64
     force_value_block(mode)
     for programs in (1, 4096):
         name, BK, BV = state_pass._state_launch("state_pass_bwd", programs, 128, 128, cuda)

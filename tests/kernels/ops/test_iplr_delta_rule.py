@@ -324,7 +324,7 @@ def test_chunk_low_precision_inputs(dtype, device):
 def test_chunk_backward_writes_gradients_in_the_inputs_dtypes(dtype, device):
     """The backward kernels write dq, dk, dv, da, db in q's, k's, v's, a's, b's dtype themselves (autograd would
     cast a mismatched one silently, costing a pass over each), and those agree with the backward of the same inputs
-    in fp32 (whose dots run at full precision: hence the bf16-level bar, not bit equality)."""
+    in fp32 (whose dots run at full precision: hence a bar at the dtype's level, not bit equality)."""
     from rltrain_kernels.ops.iplr_delta_rule.chunk import chunk_iplr_delta_rule_bwd_recompute
 
     q, k, v, a, b, h0 = make_inputs(1, 80, 2, 16, 16, dtype=dtype, device=device, initial_state=True)
@@ -333,8 +333,9 @@ def test_chunk_backward_writes_gradients_in_the_inputs_dtypes(dtype, device):
     assert [g.dtype for g in grads] == [dtype] * 5 + [torch.float32]
     full = chunk_iplr_delta_rule_bwd_recompute(*(t.float() for t in (q, k, v, a, b)), 0.25, h0, None, do.float(),
                                                None)
+    bar = 1e-2 if dtype == torch.bfloat16 else 1e-3  # bf16: the issue's gradient bar (seen 7e-3); fp16: seen 2e-4
     for name, g, ref in zip(("dq", "dk", "dv", "da", "db"), grads, full):
-        assert_rel_close(g.float(), ref, threshold=2e-2, name=name)  # the dots' precision differs, not the values
+        assert_rel_close(g.float(), ref, threshold=bar, name=name)
 
 
 @pytest.mark.parametrize("blocks", [(128, 64), (128, 128), (32, 32)])

@@ -204,15 +204,22 @@ def state_pass_bwd_kernel(
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, b_dh, mask=m_h)
 
 
+# The state passes' value columns per program: "auto" (the occupancy rule of _state_launch), or "wide" / "narrow"
+# whatever the batch, for the tests and benchmarks that must reach both launches (`--value-block`).
+VALUE_BLOCK = "auto"
+
+
 def _state_launch(name: str, programs: int, K: int, V: int, device: torch.device) -> tuple[str, int, int]:
     """(LAUNCH entry, BK, BV) for a state pass over `programs` sequence-heads: the whole key dim in registers, and
     64 value columns per program (the entry's *_wide settings) when K ≤ 128 and programs × V/64 still fill every
-    SM, else 32 (a [128, 32] fp32 state tile plus [64, 128] operand tiles fit 4 warps without spilling at K=128)."""
+    SM (or VALUE_BLOCK says "wide"), else 32 (a [128, 32] fp32 state tile plus [64, 128] operand tiles fit 4 warps
+    without spilling at K=128)."""
     if K > 256:
         raise ValueError(f"the chunked state pass keeps the whole key dim in registers: K={K} must be <= 256")
     BK = triton.next_power_of_2(K)
     # swept at K=128 only: a [256, 64] fp32 state tile would spill at the *_wide warps, so wider keys stay at 32
-    if BK <= 128 and V >= 64 and programs * triton.cdiv(V, 64) >= _sm_count(device):
+    fills = VALUE_BLOCK == "wide" or (VALUE_BLOCK == "auto" and programs * triton.cdiv(V, 64) >= _sm_count(device))
+    if BK <= 128 and V >= 64 and fills:
         return f"{name}_wide", BK, 64
     return name, BK, min(32, triton.next_power_of_2(V))
 
