@@ -39,6 +39,9 @@ from triton.runtime.jit import JITFunction
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024  # H100/H200: 228 KiB per SM, up to 227 KiB per block
 SHARED_PER_BLOCK = 227 * 1024
+# CUDA reserves 1 KiB of shared memory per resident block (cudaDevAttrReservedSharedMemoryPerBlock, sm_80 on):
+# two blocks of 113.3 KiB do not fit one SM's 228 KiB.
+SHARED_RESERVED_PER_BLOCK = 1024
 
 
 @dataclasses.dataclass
@@ -202,14 +205,16 @@ def run_op(op: str, peer: str | None, inputs: dict, num_householder: int) -> Non
 
 def usage(kernel) -> dict:
     """warps, stages, regs (per thread), spilled (bytes per thread), shared (bytes) and blocks/SM by regs and by
-    shared memory (0 when over the per-block limit, which the device would refuse) of a compiled kernel."""
+    shared memory (each block's 1 KiB reservation counted; 0 when over the per-block limit, which the device would
+    refuse) of a compiled kernel."""
     use = resource_usage(kernel.asm["cubin"])
     warps = kernel.metadata.num_warps
     shared = kernel.metadata.shared + use.get("SHARED", 0)
     return dict(warps=warps, stages=kernel.metadata.num_stages, regs=use["REG"],
                 spilled=use.get("LOCAL", 0) + use.get("STACK", 0), shared=shared,
                 by_regs=REGISTERS_PER_SM // max(1, use["REG"] * 32 * warps),
-                by_shared=(SHARED_PER_SM // shared if shared <= SHARED_PER_BLOCK else 0) if shared else "-")
+                by_shared=(SHARED_PER_SM // (shared + SHARED_RESERVED_PER_BLOCK) if shared <= SHARED_PER_BLOCK else 0)
+                if shared else "-")
 
 
 def usage_cells(use: dict) -> list:

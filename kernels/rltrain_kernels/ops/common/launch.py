@@ -19,18 +19,22 @@ from __future__ import annotations
 LAUNCH: dict[str, dict[str, int]] = {
     "wy_fwd": dict(num_warps=4, num_stages=3),        # common/wy.py: A, the solve, w and u
     # narrow (BV=32) forward: 4w/1s gave wrong outputs (1.3 relative error) and 8 warps an illegal memory access
-    # (H100, Triton 3.6, --value-block narrow sweep); 4w/3s equal at B2 T8192 (2.820 vs 2.818 ms)
-    "state_pass_fwd": dict(num_warps=4, num_stages=2),
-    # 8 warps: at 4 warps / 1 stage Triton 3.6 miscompiles it on Hopper with bf16 dots and no gate (the IPLR backward;
-    # compute-sanitizer: a 1024-byte shared-memory read out of bounds at a dot); 8w/1s, 4w/2s passed, and 8w/1s
-    # timed best at B2 T8192 and B1 T8192 (H100, 2026-11-23: 2.90 / 1.90 ms vs 2.93 / 1.95 at 4w/1s; 4w/2s 2.872 vs
-    # 2.818 at B2 T8192 in a later run)
-    "state_pass_bwd": dict(num_warps=8, num_stages=1),
+    # (H100, Triton 3.6, --value-block narrow sweep). Since the state passes read k, w, q as stored (2026-11-23,
+    # fourth H100 session, B2 T8192 fwd / fwd+bwd, each setting in its own process): fwd 4w/3s 0.769 / 2.568 ms,
+    # 4w/2s 0.790 / 2.605, 4w/1s 0.843, 2w/2s 1.326
+    "state_pass_fwd": dict(num_warps=4, num_stages=3),
+    # narrow backward, since the state passes read q, k, w as stored: 8w/1s (the setting before) now faults (illegal
+    # memory access) and 4w/1s gives gradients off by 1.9e2 (Triton 3.6 on Hopper again miscompiling one stage);
+    # 4w/2s 2.605 ms and 8w/2s 2.656 pass. Before that change: at 4 warps / 1 stage Triton 3.6 miscompiled it with
+    # bf16 dots and no gate (the IPLR backward; compute-sanitizer: a 1024-byte shared-memory read out of bounds)
+    "state_pass_bwd": dict(num_warps=4, num_stages=2),
     # the state passes with 64 value columns per program instead of 32 (common/state_pass.py takes them when
     # sequences × heads × V/64 programs still fill every SM): half the re-reads of k and w. Both 4w/2s since
     # 2026-11-23 (H100, bench_gated_delta_rule.py --value-block wide --sweep-launch, B8 T2048 fwd+bwd): bwd 8w/1s
     # 2.423 → 2.339 ms (8 warps at 234 registers held one block per SM, two waves for 256 programs; 4w/1s 2.309 but
-    # 1 stage is the miscompiling pattern above), fwd 4w/1s → 4w/2s 2.433 → 2.375; 8 warps 0.1–0.2 ms slower
+    # 1 stage is the miscompiling pattern above), fwd 4w/1s → 4w/2s 2.433 → 2.375; 8 warps 0.1–0.2 ms slower.
+    # Re-swept after the state passes read k, w, q as stored (--value-block wide, fwd / fwd+bwd ms): fwd 4w/2s
+    # 0.610 / 2.219 (1s 2.270, 3s 2.334), bwd 4w/1s 2.204, 2s 2.206, 3s 2.219: both stay 4w/2s
     "state_pass_fwd_wide": dict(num_warps=4, num_stages=2),
     "state_pass_bwd_wide": dict(num_warps=4, num_stages=2),
     "local_dv": dict(num_warps=2, num_stages=3),      # common/state_pass.py: Pᵀ dO, chunk-parallel

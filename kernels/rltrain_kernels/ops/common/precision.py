@@ -3,7 +3,8 @@ the chunk intermediates (the chunk states h, δ = v_new and the state gradients 
 
 Kernels call `mm(a, b, DOT_PREC)` instead of `tl.dot`, with `DOT_PREC = dot_precision(input dtype)`, and
 `mm(a, b, RAW_PREC)` (`raw_precision`) for a product of two raw inputs (q kᵀ, k kᵀ): in bf16 or fp16 there, since
-the products of two such numbers are exact in fp32 (that dot loses nothing, at twice tf32's rate). The modes:
+the products of two such numbers are exact in fp32 (that dot loses nothing, at twice tf32's rate); `mma(a, b, acc,
+DOT_PREC)` accumulates into acc in the dot itself. The modes:
 - "ieee": exact fp32 products (fp32 inputs: the CPU interpreter's and the fp32 GPU path);
 - "tf32": fp32 operands rounded to tf32 (10-bit mantissa) on the tensor cores;
 - "bf16" / "fp16": operands cast to bf16 (7-bit mantissa) / fp16 in registers, twice tf32's tensor-core rate and
@@ -149,21 +150,31 @@ def round_to_bf16(x):
 
 @triton.jit
 def mm(a, b, DOT_PREC: tl.constexpr):
-    """a @ b with fp32 accumulation; the operands cast to bf16 / fp16 when DOT_PREC is "bf16" / "fp16", else fp32
-    operands with tl.dot's input_precision=DOT_PREC. The "_interpreted" modes compute the same numbers on the CPU
-    interpreter (bf16 and fp16 products are exact in fp32)."""
+    """a @ b with fp32 accumulation; the operands cast to bf16 / fp16 when DOT_PREC is "bf16" / "fp16", else to fp32
+    with tl.dot's input_precision=DOT_PREC. The "_interpreted" modes compute the same numbers on the CPU interpreter
+    (bf16 and fp16 products are exact in fp32). Operands may come in their stored dtype: a tile loaded without a
+    cast reaches the tensor cores from shared memory as it was copied there (a tl.trans of it too), where an fp32
+    copy would make a round trip through registers, and a bf16 → fp32 → bf16 trip is exact."""
+    return mma(a, b, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32), DOT_PREC)
+
+
+@triton.jit
+def mma(a, b, acc, DOT_PREC: tl.constexpr):
+    """acc + a @ b (fp32 acc; operands as in mm), accumulated in the dot itself: a chain of them into one
+    accumulator waits once, where a dot then a separate add or subtract waits for each product and holds both
+    tiles (Triton folds `acc + dot` but not `acc - dot`: negate an operand instead)."""
     if DOT_PREC == "bf16":
-        c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     elif DOT_PREC == "fp16":
-        c = tl.dot(a.to(tl.float16), b.to(tl.float16))
+        c = tl.dot(a.to(tl.float16), b.to(tl.float16), acc)
     elif DOT_PREC == "bf16_interpreted":
-        c = tl.dot(round_to_bf16(a), round_to_bf16(b), input_precision="ieee")
+        c = acc + tl.dot(round_to_bf16(a.to(tl.float32)), round_to_bf16(b.to(tl.float32)), input_precision="ieee")
     elif DOT_PREC == "fp16_interpreted":  # only raw fp16 operands come here: the casts are exact
-        c = tl.dot(a.to(tl.float16).to(tl.float32), b.to(tl.float16).to(tl.float32), input_precision="ieee")
+        c = acc + tl.dot(a.to(tl.float16).to(tl.float32), b.to(tl.float16).to(tl.float32), input_precision="ieee")
     elif DOT_PREC == "tf32_interpreted":
-        c = tl.dot(a, b, input_precision="ieee")
+        c = acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
-        c = tl.dot(a, b, input_precision=DOT_PREC)
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_PREC)
     return c
 
 

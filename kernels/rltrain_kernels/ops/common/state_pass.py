@@ -32,6 +32,7 @@ from .precision import (
     cast_for_store,
     dot_precision,
     mm,
+    mma,
     raw_precision,
     recurrence_dot_precision,
     recurrence_operand_dtype,
@@ -73,18 +74,18 @@ def state_pass_fwd_kernel(
         tl.store(h + ((c0 + i_t) * HV + i_hv) * K * V + state_offset, cast_for_store(b_h, h, DOT_PREC), mask=m_h)
         o_t = bos + i_t * BT + o_i
         m_t = o_t < eos
+        # w, T and k feed only dots: loaded as stored, they reach the tensor cores from shared memory (mm)
         b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                      other=0.0).to(tl.float32)
+                      other=0.0)
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
-        if U_FROM_T:  # u = T diag(β) V, as the WY kernel would have written it
-            b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None],
-                          other=0.0).to(tl.float32)
+        if U_FROM_T:  # −u = T diag(−β) V (u as the WY kernel would have written it)
+            b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
             b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
             b_vin = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-            b_u = mm(b_T, b_vin * b_beta[:, None], DOT_PREC)
+            b_nu = mm(b_T, b_vin * -b_beta[:, None], DOT_PREC)
         else:
-            b_u = tl.load(u + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_v = b_u - mm(b_w, b_h, DOT_PREC)
+            b_nu = -tl.load(u + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_v = -mma(b_w, b_h, b_nu, DOT_PREC)  # δ = u − w S, w S accumulated onto −u in the dot
         tl.store(v_new + p_v, cast_for_store(b_v, v_new, DOT_PREC), mask=m_t[:, None] & m_v[None, :])
         if USE_G:
             last = tl.minimum(bos + (i_t + 1) * BT, eos) - 1
@@ -92,9 +93,8 @@ def state_pass_fwd_kernel(
             b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
             b_v = b_v * tl.where(m_t, tl.exp(b_G_last - b_G), 0.0)[:, None]
             b_h *= tl.exp(b_G_last)
-        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                      other=0.0).to(tl.float32)
-        b_h += mm(tl.trans(b_k), b_v, DOT_PREC)
+        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_h = mma(tl.trans(b_k), b_v, b_h, DOT_PREC)
     if STORE_FINAL_STATE:
         tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, b_h, mask=m_h)
 
@@ -176,30 +176,31 @@ def state_pass_bwd_kernel(
         m_t = o_t < eos
         o_q, m_q = query_rows(o_t, m_t, NH)
         m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + (o_q[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & m_k[None, :],
-                      other=0.0).to(tl.float32)
-        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        # q, k and w feed only dots, loaded as stored (see the forward); the gates scale the dots' other operand or
+        # result rows instead: dO's rows (64 × BV rather than q's 64 × K), and k dS's rows after the dot
+        b_q = tl.load(q + (o_q[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & m_k[None, :], other=0.0)
+        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         b_do = tl.load(do + (o_q[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_q[:, None] & m_v[None, :],
                        other=0.0).to(tl.float32)
+        b_kdh = mm(b_k, b_dh, DOT_PREC)
         if USE_G:
             last = tl.minimum(bos + (i_t + 1) * BT, eos) - 1
             b_G_last = tl.load(G + last * HV + i_hv)
             b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
-            b_kd = b_k * tl.where(m_t, tl.exp(b_G_last - b_G), 0.0)[:, None]
-            b_qd = b_q * (tl.exp(b_G) * scale)[:, None]
+            b_kdh = b_kdh * tl.where(m_t, tl.exp(b_G_last - b_G), 0.0)[:, None]
+            b_dos = b_do * (tl.exp(b_G) * scale)[:, None]
         else:
-            b_kd = b_k
-            b_qd = b_q * scale
+            b_dos = b_do * scale
         # dv_local holds Pᵀ dO (fp32) from local_dv_kernel; dv may be the same buffer
-        b_dv = tl.load(dv_local + p_v, mask=m_tv, other=0.0) + mm(b_kd, b_dh, DOT_PREC)
+        b_dv = tl.load(dv_local + p_v, mask=m_tv, other=0.0) + b_kdh
         tl.store(dv + p_v, cast_for_store(b_dv, dv, DOT_PREC), mask=m_tv)
         if USE_G:
             b_dh *= tl.exp(b_G_last)
-        b_dh += mm(tl.trans(b_qd), b_do, DOT_PREC)
-        b_dh -= mm(tl.trans(b_w), b_dv, DOT_PREC)
+        b_dh = mma(tl.trans(b_q), b_dos, b_dh, DOT_PREC)
+        b_dh = mma(tl.trans(b_w), -b_dv, b_dh, DOT_PREC)
     if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, b_dh, mask=m_h)
 

@@ -24,6 +24,7 @@ from ..common.precision import (
     cast_for_store,
     dot_precision,
     mm,
+    mma,
     operand_dtype,
     raw_precision,
     recurrence_operand_dtype,
@@ -55,7 +56,7 @@ def chunk_dqkwg_kernel(
     m_qk = m_q[:, None] & m_k[None, :]
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)   # dO Sᵀ
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)   # δ dS'ᵀ
-    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_ndw = tl.zeros([BT, BK], dtype=tl.float32)  # −dw (accumulated with +, so each dot accumulates in place)
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)
     b_dPt = tl.zeros([BT, BT], dtype=tl.float32)  # dPᵀ, see the note at its use (unused with SCRATCH_T)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
@@ -65,20 +66,21 @@ def chunk_dqkwg_kernel(
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
-        b_h = tl.load(h + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_vn = tl.load(v_new + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_dv = tl.load(dv + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        # loaded as stored: the dots take them (transposed too) from shared memory (common/precision.py mm)
+        b_h = tl.load(h + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_vn = tl.load(v_new + p_v, mask=m_tv, other=0.0)
+        b_dv = tl.load(dv + p_v, mask=m_tv, other=0.0)
         b_do = tl.load(do + (o_q[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_q[:, None] & m_v[None, :],
-                       other=0.0).to(tl.float32)
-        b_dq += mm(b_do, tl.trans(b_h), DOT_PREC)
-        b_dk += mm(b_vn, tl.trans(b_dh), DOT_PREC)
-        b_dw -= mm(b_dv, tl.trans(b_h), DOT_PREC)
-        b_dP += mm(b_do, tl.trans(b_vn), DOT_PREC)
+                       other=0.0)
+        b_dq = mma(b_do, tl.trans(b_h), b_dq, DOT_PREC)
+        b_dk = mma(b_vn, tl.trans(b_dh), b_dk, DOT_PREC)
+        b_ndw = mma(b_dv, tl.trans(b_h), b_ndw, DOT_PREC)
+        b_dP = mma(b_do, tl.trans(b_vn), b_dP, DOT_PREC)
         if not SCRATCH_T:
-            b_dPt += mm(b_vn, tl.trans(b_do), DOT_PREC)
-        b_hdh += tl.sum(b_h * b_dh, 1)
-    tl.store(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(b_dw, dw, DOT_PREC), mask=m_tk)
+            b_dPt = mma(b_vn, tl.trans(b_do), b_dPt, DOT_PREC)
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+    tl.store(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(-b_ndw, dw, DOT_PREC), mask=m_tk)
     b_q = tl.load(q + (o_q[:, None] * H + i_h) * K + o_k[None, :], mask=m_qk, other=0.0).to(tl.float32)
     b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
