@@ -11,7 +11,8 @@ total gradient of X from the state pass; W = T A = −w so that X = W S + u):
     da = Tᵀ dW + dM_ab B + dM_ak K,  with  dT = dW Aᵀ + dX Vᵀ strict(A Kᵀ)ᵀ,
     dM_ab = strict(Tᵀ dT Tᵀ)  (T = (I − M_ab)⁻¹),   dM_ak = strict(Tᵀ dX Vᵀ)
 Every transposed [BT, BT] product is accumulated as its own dot from loaded tiles instead of transposing a dot result
-(the Hopper miscompile pattern of fla #640, see common/wy_bwd.py).
+(the Hopper miscompile pattern of fla #640, see common/wy_bwd.py). Tiles that feed only dots are loaded as stored
+(no fp32 copy): the dots take them, transposed too, from shared memory (common/precision.py mm).
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def iplr_output_bwd_dqwv_kernel(
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
     p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
-    b_q = tl.load(q + p_k, mask=m_tk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
+    b_q = tl.load(q + p_k, mask=m_tk, other=0.0)
+    b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
     m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     m_At = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_Pkt = tl.where(m_At, mm(b_k, tl.trans(b_q), RAW_PREC), 0.0) * scale  # [j, i]
@@ -61,19 +62,19 @@ def iplr_output_bwd_dqwv_kernel(
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
-        b_h = tl.load(h + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_x = tl.load(x + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_dx = tl.load(dx + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_h = tl.load(h + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_x = tl.load(x + p_v, mask=m_tv, other=0.0)
+        b_dx = tl.load(dx + p_v, mask=m_tv, other=0.0)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.0)
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.0)
         b_dq += mm(b_do, tl.trans(b_h), DOT_PREC)
         b_dw += mm(b_dx, tl.trans(b_h), DOT_PREC)
         b_dPb += mm(b_do, tl.trans(b_x), DOT_PREC)
         b_dPk += mm(b_do, tl.trans(b_v), DOT_PREC)
         b_dv = mm(b_Pkt, b_do, DOT_PREC) + mm(b_k, b_dh, DOT_PREC)
         tl.store(dv + p_v, b_dv, mask=m_tv)
-    b_b = tl.load(b + p_k, mask=m_tk, other=0.0).to(tl.float32)
+    b_b = tl.load(b + p_k, mask=m_tk, other=0.0)
     b_dq += mm(tl.where(m_A, b_dPb, 0.0), b_b, DOT_PREC)
     b_dq += mm(tl.where(m_A, b_dPk, 0.0), b_k, DOT_PREC)
     tl.store(dq + p_k, (b_dq * scale).to(dq.dtype.element_ty), mask=m_tk)
@@ -108,17 +109,17 @@ def iplr_output_bwd_dkb_kernel(
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
-        b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_x = tl.load(x + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_do = tl.load(do + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_x = tl.load(x + p_v, mask=m_tv, other=0.0)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.0)
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.0)
         b_db += mm(b_x, tl.trans(b_dh), DOT_PREC)
         b_dk += mm(b_v, tl.trans(b_dh), DOT_PREC)
         b_dPbt += mm(b_x, tl.trans(b_do), DOT_PREC)
         b_dPkt += mm(b_v, tl.trans(b_do), DOT_PREC)
     m_At = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
-    b_q = tl.load(q + p_k, mask=m_tk, other=0.0).to(tl.float32)
+    b_q = tl.load(q + p_k, mask=m_tk, other=0.0)
     b_db += mm(tl.where(m_At, b_dPbt, 0.0) * scale, b_q, DOT_PREC)
     b_dk += mm(tl.where(m_At, b_dPkt, 0.0) * scale, b_q, DOT_PREC)
     tl.store(dk + p_k, b_dk, mask=m_tk)
@@ -166,7 +167,7 @@ def iplr_wy_bwd_kernel(
     m_t = o_t < eos
     m_L = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
     m_U = (o_i[:, None] < o_i[None, :]) & m_t[:, None] & m_t[None, :]
-    b_T = tl.load(Ai + (o_t[:, None] * H + i_h) * BT + o_i[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+    b_T = tl.load(Ai + (o_t[:, None] * H + i_h) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
     b_Mak = tl.zeros([BT, BT], dtype=tl.float32)   # a_iᵀ k_j
     b_Makt = tl.zeros([BT, BT], dtype=tl.float32)  # k_iᵀ a_j
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
@@ -175,9 +176,9 @@ def iplr_wy_bwd_kernel(
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
         p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
-        b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
-        b_dw = tl.load(dw + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_a = tl.load(a + p_k, mask=m_k, other=0.0)
+        b_k = tl.load(k + p_k, mask=m_k, other=0.0)
+        b_dw = tl.load(dw + p_k, mask=m_k, other=0.0)
         b_Mak += mm(b_a, tl.trans(b_k), RAW_PREC)
         b_Makt += mm(b_k, tl.trans(b_a), RAW_PREC)
         b_dT += mm(b_dw, tl.trans(b_a), DOT_PREC)
@@ -190,8 +191,8 @@ def iplr_wy_bwd_kernel(
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = m_t[:, None] & (o_v < V)[None, :]
         p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
-        b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
-        b_dx = tl.load(dx + p_v, mask=m_v, other=0.0).to(tl.float32)
+        b_v = tl.load(v + p_v, mask=m_v, other=0.0)
+        b_dx = tl.load(dx + p_v, mask=m_v, other=0.0)
         b_dXV += mm(b_dx, tl.trans(b_v), DOT_PREC)
         b_VdX += mm(b_v, tl.trans(b_dx), DOT_PREC)
         b_dY = mm(tl.trans(b_T), b_dx, DOT_PREC)  # ∂L/∂(strict(A Kᵀ) V)
@@ -208,10 +209,10 @@ def iplr_wy_bwd_kernel(
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
         p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
-        b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
-        b_dw = tl.load(dw + p_k, mask=m_k, other=0.0).to(tl.float32)
-        b_b = tl.load(b + p_k, mask=m_k, other=0.0).to(tl.float32)
+        b_a = tl.load(a + p_k, mask=m_k, other=0.0)
+        b_k = tl.load(k + p_k, mask=m_k, other=0.0)
+        b_dw = tl.load(dw + p_k, mask=m_k, other=0.0)
+        b_b = tl.load(b + p_k, mask=m_k, other=0.0)
         b_da = mm(tl.trans(b_T), b_dw, DOT_PREC) + mm(b_dMak, b_k, DOT_PREC)
         b_da += mm(b_dMab, b_b, DOT_PREC)
         tl.store(da + p_k, b_da.to(da.dtype.element_ty), mask=m_k)

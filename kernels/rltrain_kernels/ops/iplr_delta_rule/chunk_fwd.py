@@ -22,7 +22,8 @@ import triton.language as tl
 
 from ..common.chunking import ChunkLayout
 from ..common.launch import launch
-from ..common.precision import cast_for_store, iplr_dot_precision, iplr_operand_dtype, mm, raw_precision, solve_precision
+from ..common.precision import (cast_for_store, iplr_dot_precision, iplr_operand_dtype, mm, mma, raw_precision,
+                                solve_precision)
 from ..common.wy import solve_unit_lower
 
 CHUNK_SIZE = 64
@@ -128,6 +129,9 @@ def iplr_state_pass_fwd_kernel(
         m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
         p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
         p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
+        # b and k go through registers as fp32 (not loaded as stored, as the other kernels do): stored, they would
+        # be copied into shared memory for the next chunk too, and at 117 KiB one block per SM fits instead of two
+        # (forward 0.35 → 0.58 ms at B8 T2048 on H100, RESULTS.md)
         b_w = tl.load(w + p_k, mask=m_tk, other=0.0).to(tl.float32)
         b_x = tl.load(u + p_v, mask=m_tv, other=0.0) - mm(b_w, b_h, DOT_PREC)
         tl.store(x + p_v, cast_for_store(b_x, x, DOT_PREC), mask=m_tv)
@@ -187,21 +191,22 @@ def iplr_output_fwd_kernel(
         m_k = o_k < K
         p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
         m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + p_k, mask=m_tk, other=0.0).to(tl.float32)
-        b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
-        b_b = tl.load(b + p_k, mask=m_tk, other=0.0).to(tl.float32)
+        # loaded as stored: they feed only dots (common/precision.py mm)
+        b_q = tl.load(q + p_k, mask=m_tk, other=0.0)
+        b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
+        b_b = tl.load(b + p_k, mask=m_tk, other=0.0)
         b_h = tl.load(h + (i_hc * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
-                      mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_o += mm(b_q, b_h, DOT_PREC)
-        b_Pb += mm(b_q, tl.trans(b_b), RAW_PREC)
-        b_Pk += mm(b_q, tl.trans(b_k), RAW_PREC)
+                      mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_o = mma(b_q, b_h, b_o, DOT_PREC)
+        b_Pb = mma(b_q, tl.trans(b_b), b_Pb, RAW_PREC)
+        b_Pk = mma(b_q, tl.trans(b_k), b_Pk, RAW_PREC)
     m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
-    b_x = tl.load(x + p_v, mask=m_tv, other=0.0).to(tl.float32)
-    b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
-    b_o += mm(tl.where(m_A, b_Pb, 0.0), b_x, DOT_PREC)
-    b_o += mm(tl.where(m_A, b_Pk, 0.0), b_v, DOT_PREC)
+    b_x = tl.load(x + p_v, mask=m_tv, other=0.0)
+    b_v = tl.load(v + p_v, mask=m_tv, other=0.0)
+    b_o = mma(tl.where(m_A, b_Pb, 0.0), b_x, b_o, DOT_PREC)
+    b_o = mma(tl.where(m_A, b_Pk, 0.0), b_v, b_o, DOT_PREC)
     tl.store(o + p_v, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
 
 
