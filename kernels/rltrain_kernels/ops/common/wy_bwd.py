@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .chunking import ChunkLayout
 from .launch import launch
-from .precision import cast_for_store, mm, raw_precision, recurrence_dot_precision, recurrence_operand_dtype
+from .precision import cast_for_store, mm, mma, raw_precision, recurrence_dot_precision, recurrence_operand_dtype
 from .scratch import scratch_tiles, transpose_via_scratch
 
 
@@ -44,30 +44,36 @@ def gated_wy_bwd_kernel(
     else:
         b_G = tl.zeros([BT], dtype=tl.float32)
     b_gamma = tl.exp(b_G)
-    b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+    b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+    # dT = (dw Kᵀ diag(γ) + du Vᵀ) diag(β): the gates scale dT's columns (dTᵀ's rows) after the dots, so k, dw, v
+    # and du reach the dots as stored (common/precision.py mm) and k is not rounded after scaling
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
     b_dTt = tl.zeros([BT, BT], dtype=tl.float32)  # dTᵀ, see the note at its use (unused with SCRATCH_T)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
-        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
-        b_dw = tl.load(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
-        b_dT += mm(b_dw, tl.trans(b_k * (b_beta * b_gamma)[:, None]), DOT_PREC)
+        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0)
+        b_dw = tl.load(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_k, other=0.0)
+        b_dT = mma(b_dw, tl.trans(b_k), b_dT, DOT_PREC)
         if not SCRATCH_T:
-            b_dTt += mm(b_k * (b_beta * b_gamma)[:, None], tl.trans(b_dw), DOT_PREC)
+            b_dTt = mma(b_k, tl.trans(b_dw), b_dTt, DOT_PREC)
+    b_dT = b_dT * b_gamma[None, :]
+    b_dTt = b_dTt * b_gamma[:, None]
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = m_t[:, None] & (o_v < V)[None, :]
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
-        b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
-        b_du = tl.load(du + p_v, mask=m_v, other=0.0).to(tl.float32)
-        b_dT += mm(b_du, tl.trans(b_v * b_beta[:, None]), DOT_PREC)
+        b_v = tl.load(v + p_v, mask=m_v, other=0.0)
+        b_du = tl.load(du + p_v, mask=m_v, other=0.0)
+        b_dT = mma(b_du, tl.trans(b_v), b_dT, DOT_PREC)
         if not SCRATCH_T:
-            b_dTt += mm(b_v * b_beta[:, None], tl.trans(b_du), DOT_PREC)
+            b_dTt = mma(b_v, tl.trans(b_du), b_dTt, DOT_PREC)
         b_dvt = mm(tl.trans(b_T), b_du, DOT_PREC)
-        b_dbeta += tl.sum(b_dvt * b_v, 1)
+        b_dbeta += tl.sum(b_dvt * b_v.to(tl.float32), 1)
         tl.store(dv + p_v, cast_for_store(b_dvt * b_beta[:, None], dv, DOT_PREC), mask=m_v)
+    b_dT = b_dT * b_beta[None, :]
+    b_dTt = b_dTt * b_beta[:, None]
     # dA = −Tᵀ dT Tᵀ on the strict lower triangle.
     m_A = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_dA = mm(mm(tl.trans(b_T), b_dT, DOT_PREC), tl.trans(b_T), DOT_PREC)
