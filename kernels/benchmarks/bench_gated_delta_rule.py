@@ -125,16 +125,16 @@ def profile_kernels(fla_chunk, B=8, T=2048, H=16, D=128):
         print_autotune_picks("fla.")
 
 
-def sweep_gated_delta_rule_launch(names, warps_options=(2, 4, 8), B=8, T=2048, H=16, D=128):
+def sweep_gated_delta_rule_launch(names, warps_options=(2, 4, 8), isolate=False, B=8, T=2048, H=16, D=128):
     """delta_rule_bench_common.sweep_launch over the gated delta rule: gradients checked against the fp32 naive
-    recurrence (bf16 inputs, B1 T300 H2 K=V=128), forward and fwd+bwd timed at B, T. Paste the winners into
-    ops/common/launch.py."""
+    recurrence (bf16 inputs, B1 T300 H2 K=V=128), forward and fwd+bwd timed at B, T; each setting in its own
+    process with `isolate`. Paste the winners into ops/common/launch.py."""
     (q, k, v, g, beta), h0 = make_inputs(1, 300, 2, 128, 128, requires_grad=True)
     do = torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
     inputs = (q, k, v, g, beta, h0)
     sweep_launch(names, lambda: outputs_and_grads(chunk_gated_delta_rule, inputs, do),
                  outputs_and_grads(naive_recurrent_gated_delta_rule, inputs, do),
-                 lambda: time_chunk(chunk_gated_delta_rule, B, T, H, D), f"B{B} T{T}", warps_options)
+                 lambda: time_chunk(chunk_gated_delta_rule, B, T, H, D), f"B{B} T{T}", warps_options, isolate)
 
 
 def precision_checks():
@@ -230,6 +230,9 @@ def main():
                         help="override ops/common/launch.py entries for this run, e.g. wy_bwd=8,2")
     parser.add_argument("--sweep-warps", nargs="+", type=int, default=[2, 4, 8], metavar="WARPS",
                         help="the warp counts --sweep-launch tries (default 2 4 8)")
+    parser.add_argument("--isolate", action="store_true",
+                        help="--sweep-launch runs each setting in its own process: an illegal memory access (Triton "
+                             "3.6 faults at some settings) costs only its row")
     parser.add_argument("--value-block", default="auto", choices=VALUE_BLOCKS,
                         help="the state passes' value columns per program: 64 (wide), 32 (narrow), or auto (64 when "
                              "the programs still fill every SM)")
@@ -244,7 +247,7 @@ def main():
         from rltrain_kernels.ops.common.launch import LAUNCH
 
         sweep_gated_delta_rule_launch(args.sweep_launch or [n for n in LAUNCH if not n.startswith("iplr_")],
-                                      args.sweep_warps)
+                                      args.sweep_warps, args.isolate)
         return
     fla_chunk, fla_fused = load_fla()
     print(f"device: {torch.cuda.get_device_name()}")

@@ -156,6 +156,9 @@ def main():
                         help="override ops/common/launch.py entries for this run, e.g. iplr_wy_bwd=2,3")
     parser.add_argument("--sweep-warps", nargs="+", type=int, default=[2, 4, 8], metavar="WARPS",
                         help="the warp counts --sweep-launch tries (default 2 4 8)")
+    parser.add_argument("--isolate", action="store_true",
+                        help="--sweep-launch runs each setting in its own process: an illegal memory access (Triton "
+                             "3.6 faults at some settings) costs only its row")
     parser.add_argument("--value-block", default="auto", choices=VALUE_BLOCKS,
                         help="the reverse state pass's value columns per program (common/state_pass.py): 64 (wide), "
                              "32 (narrow), or auto")
@@ -191,7 +194,8 @@ def main():
         sweep_launch(args.sweep_launch or [n for n in LAUNCH if n.startswith("iplr_")],
                      lambda: outputs_and_grads(chunk_iplr_delta_rule, inputs, do),
                      outputs_and_grads(naive_recurrent_iplr_delta_rule, inputs, do),
-                     lambda: time_iplr(chunk_iplr_delta_rule, 8, 2048, 16, 128), "B8 T2048", args.sweep_warps)
+                     lambda: time_iplr(chunk_iplr_delta_rule, 8, 2048, 16, 128), "B8 T2048", args.sweep_warps,
+                     args.isolate)
         check_overrides_applied(args.dot_per_kernel, overridden)
         return
     check_against_naive()

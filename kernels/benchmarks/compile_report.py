@@ -9,6 +9,9 @@ Triton, and does it spill or starve occupancy" when no GPU is at hand. Use the d
     pip install --no-deps --target /tmp/t36 /tmp/tw/triton-3.6.0-*.whl
     PYTHONPATH=/tmp/t36:kernels python kernels/benchmarks/compile_report.py [--op gated_delta_rule] [--B 8 --T 2048]
 
+--asm DIR also writes each launch's Triton GPU IR, PTX and SASS there (NN_kernel[_config].ttgir / .ptx / .sass), to
+read what a kernel does per loop iteration: which tiles go through registers, which layout conversions and waits.
+
 --peer fla does the same for fla 0.6 (flash-linear-attention) on the same inputs, to set its kernels' resources
 beside ours: chunk_gated_delta_rule and chunk_gated_delta_product forward+backward, chunk_iplr_delta_rule forward
 only (fla has no IPLR backward). fla believes it is on the target GPU (see fake_gpu_for_fla), and every launch of
@@ -75,14 +78,18 @@ class AheadOfTimeDriver:
         return 0
 
 
-def resource_usage(cubin: bytes) -> dict[str, int]:
-    """REG, STACK, LOCAL, SHARED (static) of the one function in `cubin`, read with the cuobjdump Triton ships."""
+def cuobjdump(cubin: bytes, flag: str) -> str:
+    """The output of the cuobjdump Triton ships, run with `flag` on `cubin`."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """REG, STACK, LOCAL, SHARED (static) of the one function in `cubin`."""
+    text = cuobjdump(cubin, "--dump-resource-usage")
     return {key: int(val) for key, val in re.findall(r"(REG|STACK|LOCAL|SHARED):(\d+)", text.split("Function")[-1])}
 
 
@@ -258,6 +265,21 @@ def print_ranges(launches: list[Launch], uses: list) -> None:
               f"{span['by_regs']} | {clean} |")
 
 
+def write_asm(launches: list[Launch], folder: str) -> None:
+    """Each compiled launch's TTGIR, PTX and SASS into `folder` as NN_kernel[_cK].{ttgir,ptx,sass}."""
+    os.makedirs(folder, exist_ok=True)
+    for launch in launches:
+        if isinstance(launch.kernel, str):
+            continue
+        config = f"_c{launch.config.split('/')[0]}" if launch.config else ""
+        base = os.path.join(folder, f"{launch.number:02d}_{launch.name}{config}")
+        for key in ("ttgir", "ptx"):
+            with open(f"{base}.{key}", "w") as f:
+                f.write(launch.kernel.asm[key])
+        with open(f"{base}.sass", "w") as f:
+            f.write(cuobjdump(launch.kernel.asm["cubin"], "--dump-sass"))
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", default="gated_delta_rule",
@@ -273,6 +295,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sms", type=int, default=132, help="SM count the host code plans for (H100/H200: 132)")
     parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
                         help="override ops/common/launch.py entries, e.g. wy_bwd=8,2")
+    parser.add_argument("--asm", metavar="DIR", help="also write each launch's TTGIR, PTX and SASS into DIR")
     parser.add_argument("--no-transpose-via-scratch", action="store_true",
                         help="compile with ops/common/scratch.py's TRANSPOSE_VIA_SCRATCH off (transposes as dots)")
     parser.add_argument("--no-u-from-t", action="store_true",
@@ -319,6 +342,9 @@ def main():
     print_table(launches, uses, args.peer)
     if args.peer:
         print_ranges(launches, uses)
+    if args.asm:
+        write_asm(launches, args.asm)
+        print(f"\nTTGIR, PTX and SASS per launch in {args.asm}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
 """What the delta-rule benchmarks share: the error measure, outputs and gradients of an op for a check, and the
 launch settings (ops/common/launch.py's LAUNCH table) from the command line: `--launch NAME=WARPS,STAGES` overrides
 and the `--sweep-launch` loop (every warps × stages of the named entries, each checked against a reference before it
-is timed), `--dot-per-kernel KERNEL=PREC` (one kernel's dot precision, to find which kernel a precision breaks) and
-`--value-block` (the state passes' value columns per program, whatever the batch).
+is timed; `--isolate` runs each setting in its own process), `--dot-per-kernel KERNEL=PREC` (one kernel's dot
+precision, to find which kernel a precision breaks) and `--value-block` (the state passes' value columns per
+program, whatever the batch).
 Imported by the bench scripts and compile_report.py beside it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 
 
@@ -87,34 +91,72 @@ def force_value_block(mode: str) -> None:
     state_pass.VALUE_BLOCK = mode
 
 
+# Set in the child processes of an isolated sweep: the one "NAME=WARPS,STAGES" setting that child runs.
+SWEEP_ONE_ENV = "RLTRAIN_SWEEP_ONE"
+
+
 def sweep_launch(names: list[str], grads: Callable[[], list], reference: list,
-                 timings: Callable[[], tuple[float, float]], label: str, warps_options=(2, 4, 8)) -> None:
+                 timings: Callable[[], tuple[float, float]], label: str, warps_options=(2, 4, 8),
+                 isolate: bool = False) -> None:
     """For each LAUNCH entry in `names`, every (warps, stages) in `warps_options` × {1, 2, 3}: the worst relative
     error of grads() (outputs first two, then gradients) against `reference`, then timings() → (forward ms,
     forward+backward ms), one table row each.
-    A setting that raises (out of shared memory, say) gets its exception's name and the sweep goes on; an illegal
-    memory access ends the process's CUDA context, so sweep suspected settings one process at a time (--launch)."""
+    A setting that raises (out of shared memory, say) gets its exception's name and the sweep goes on. An illegal
+    memory access ends the process's CUDA context, and Triton 3.6 on Hopper faults at some settings of these kernels
+    (ops/common/launch.py): with `isolate` each setting runs in a child process (this script again, with the same
+    arguments and SWEEP_ONE_ENV naming the setting), so a fault costs only its own row."""
     from rltrain_kernels.ops.common.launch import LAUNCH
 
-    print(f"| kernel | warps | stages | worst output err | worst grad err | fwd ms ({label}) | fwd+bwd ms |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
     for name in names:
         if name not in LAUNCH:
             raise SystemExit(f"--sweep-launch {name!r}: not an entry of ops/common/launch.py ({sorted(LAUNCH)})")
+    one = os.environ.get(SWEEP_ONE_ENV)
+    if one:  # a child of an isolated sweep: its one row
+        name, _, setting = one.partition("=")
+        warps, stages = (int(x) for x in setting.split(","))
+        print(_sweep_row(name, warps, stages, "", grads, reference, timings), flush=True)
+        return
+    print(f"| kernel | warps | stages | worst output err | worst grad err | fwd ms ({label}) | fwd+bwd ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
+    for name in names:
         default = dict(LAUNCH[name])
         for warps in warps_options:
             for stages in (1, 2, 3):
-                LAUNCH[name] = dict(num_warps=warps, num_stages=stages)
-                mark = " (default)" if LAUNCH[name] == default else ""
-                try:
-                    errs = [rel(a, b) for a, b in zip(grads(), reference)]
-                    t = timings()
-                except Exception as exc:  # noqa: BLE001 - reported in the table, the sweep goes on
-                    print(f"| {name} | {warps} | {stages}{mark} | {type(exc).__name__} | | | |", flush=True)
-                    continue
-                print(f"| {name} | {warps} | {stages}{mark} | {max(errs[:2]):.1e} | {max(errs[2:]):.1e} | {t[0]:.3f} "
-                      f"| {t[1]:.3f} |", flush=True)
+                mark = " (default)" if dict(num_warps=warps, num_stages=stages) == default else ""
+                if isolate:
+                    print(_isolated_row(name, warps, stages, mark), flush=True)
+                else:
+                    print(_sweep_row(name, warps, stages, mark, grads, reference, timings), flush=True)
         LAUNCH[name] = default
+
+
+def _sweep_row(name: str, warps: int, stages: int, mark: str, grads, reference, timings) -> str:
+    """One sweep row: LAUNCH[name] set to (warps, stages), the worst errors of grads() and the timings; an exception
+    gives its name instead."""
+    from rltrain_kernels.ops.common.launch import LAUNCH
+
+    LAUNCH[name] = dict(num_warps=warps, num_stages=stages)
+    head = f"| {name} | {warps} | {stages}{mark} |"
+    try:
+        errs = [rel(a, b) for a, b in zip(grads(), reference)]
+        t = timings()
+    except Exception as exc:  # noqa: BLE001 - reported in the table, the sweep goes on
+        return f"{head} {type(exc).__name__} | | | |"
+    return f"{head} {max(errs[:2]):.1e} | {max(errs[2:]):.1e} | {t[0]:.3f} | {t[1]:.3f} |"
+
+
+def _isolated_row(name: str, warps: int, stages: int, mark: str) -> str:
+    """Run this script again with the same arguments for one setting (SWEEP_ONE_ENV) and return its row, or one
+    saying how the child died (its last error line)."""
+    env = {**os.environ, SWEEP_ONE_ENV: f"{name}={warps},{stages}"}
+    proc = subprocess.run([sys.executable, *sys.argv], env=env, capture_output=True, text=True)
+    head = f"| {name} | {warps} | {stages}"
+    for line in proc.stdout.splitlines():
+        if line.startswith(head + " |"):
+            return line.replace(head + " |", f"{head}{mark} |", 1)
+    errors = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if "Error" in line]
+    why = errors[-1] if errors else f"exit status {proc.returncode}, no row"
+    return f"{head}{mark} | child process failed: {why[:160]} | | | |"
 
 
 DOT_PRECISIONS = ("ieee", "tf32", "bf16")

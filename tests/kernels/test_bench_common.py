@@ -2,7 +2,8 @@
 bisection of IPLR's bf16 failure, scripts/gpu_check.sh iplr-bf16; the precision settings of the gated delta
 product's --accuracy sweep) must change exactly the kernel it names and undo cleanly, and the accuracy measurement
 must run. Through the override, a check that ops/common/precision.py's RECURRENCE_DOT reaches exactly the WY and
-state-pass kernels. And --value-block must force the state passes' launch it names.
+state-pass kernels. --value-block must force the state passes' launch it names, and an isolated launch sweep must
+survive a setting that kills its process.
 
 On the CPU through the Triton interpreter (native on a GPU), at small shapes in bf16.
 """
@@ -164,3 +165,63 @@ def test_force_value_block(mode, monkeypatch):
         assert (name, BK, BV) == (("state_pass_bwd_wide", 128, 64) if mode == "wide" else ("state_pass_bwd", 128, 32))
     with pytest.raises(SystemExit, match="--value-block 'half'"):
         force_value_block("half")
+
+
+SWEEP_SCRIPT = '''
+import os, sys
+import torch
+sys.path.insert(0, {benchmarks!r})
+from delta_rule_bench_common import sweep_launch
+from rltrain_kernels.ops.common.launch import LAUNCH
+
+
+def grads():
+    setting = LAUNCH["wy_fwd"]
+    if (setting["num_warps"], setting["num_stages"]) == (8, 1):  # as a CUDA fault ends a process
+        sys.stderr.write("RuntimeError: Triton Error [CUDA]: an illegal memory access was encountered\\n")
+        os._exit(1)
+    if (setting["num_warps"], setting["num_stages"]) == (4, 2):
+        raise ValueError("out of resources")
+    return [torch.ones(2)] * 3
+
+
+def timings():
+    setting = LAUNCH["wy_fwd"]
+    return float(setting["num_warps"]), float(setting["num_stages"]) / 10
+
+
+sweep_launch(["wy_fwd"], grads, [torch.ones(2)] * 3, timings, "fake", warps_options=(4, 8), isolate={isolate})
+'''
+
+
+def fake_sweep(tmp_path, isolate: bool):
+    import subprocess
+
+    benchmarks = str(pathlib.Path(__file__).resolve().parents[2] / "kernels" / "benchmarks")
+    script = tmp_path / "sweep.py"
+    script.write_text(SWEEP_SCRIPT.format(benchmarks=benchmarks, isolate=isolate))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+
+
+def test_isolated_sweep_survives_a_fault(tmp_path):
+    """--isolate: each warps × stages setting in its own process (this script again, one setting named in the
+    environment); the setting that kills its process (as an illegal memory access does) gets a row saying so and the
+    sweep goes on; an exception stays a row; every other row carries what its child measured, the shipped setting
+    marked."""
+    proc = fake_sweep(tmp_path, isolate=True)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| wy_fwd |")]
+    assert len(rows) == 6
+    assert "| wy_fwd | 8 | 1 | child process failed: RuntimeError: Triton Error [CUDA]: an illegal memory access" in (
+        rows[3])
+    assert rows[1] == "| wy_fwd | 4 | 2 | ValueError | | | |"
+    assert rows[2] == "| wy_fwd | 4 | 3 (default) | 0.0e+00 | 0.0e+00 | 4.000 | 0.300 |"
+    assert rows[5] == "| wy_fwd | 8 | 3 | 0.0e+00 | 0.0e+00 | 8.000 | 0.300 |"
+
+
+def test_sweep_without_isolation_dies_with_its_fault(tmp_path):
+    """The in-process sweep (the default) ends at the fault: the reason --isolate exists."""
+    proc = fake_sweep(tmp_path, isolate=False)
+    assert proc.returncode == 1
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| wy_fwd |")]
+    assert len(rows) == 3 and "illegal memory access" in proc.stderr

@@ -23,9 +23,9 @@ def run_report(*args: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
-def test_report_lists_every_launch_of_a_forward_and_backward():
+def test_report_lists_every_launch_of_a_forward_and_backward(tmp_path):
     result = run_report("--B", "1", "--T", "100", "--H", "2", "--D", "32", "--launch", "wy_bwd=8,1",
-                        "--no-transpose-via-scratch", "--no-u-from-t")
+                        "--no-transpose-via-scratch", "--no-u-from-t", "--asm", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines()
             if line.startswith("| ") and "_kernel" in line]
@@ -41,6 +41,13 @@ def test_report_lists_every_launch_of_a_forward_and_backward():
     wy_bwd = rows[names.index("gated_wy_bwd_kernel")]
     assert (wy_bwd[2].strip(), wy_bwd[3].strip()) == ("8", "1")  # the --launch override took effect
     assert "sm_90" in result.stdout
+    # --asm: each launch's IR, PTX and SASS, numbered in launch order
+    state_pass = tmp_path / "03_state_pass_fwd_kernel"
+    assert "scf.for" in state_pass.with_suffix(".ttgir").read_text()
+    assert ".target sm_90a" in state_pass.with_suffix(".ptx").read_text()
+    sass = state_pass.with_suffix(".sass").read_text()
+    assert "HGMMA" in sass or "HMMA" in sass  # its dots, on the tensor cores
+    assert len(list(tmp_path.glob("*.sass"))) == len(rows)
 
 
 def test_report_rejects_an_unknown_launch_entry():
