@@ -16,8 +16,8 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from delta_rule_bench_common import (VALUE_BLOCKS, apply_launch_overrides, check_against_reference, force_value_block,
-                                     outputs_and_grads, rel, sweep_launch, switched, worst_errors)
+from delta_rule_bench_common import (add_launch_arguments, apply_launch_overrides, check_against_reference,
+                                     force_value_block, outputs_and_grads, rel, sweep_launch, switched, worst_errors)
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_rule import (
@@ -221,21 +221,13 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="also print ours and fla's per-kernel CUDA time for one forward+backward at B8 T2048, "
                              "and the configs fla's autotuner picked (tuning)")
-    parser.add_argument("--sweep-launch", nargs="*", metavar="KERNEL",
-                        help="sweep warps x stages of these kernels (ops/common/launch.py names; none listed = all) "
-                             "and exit")
     parser.add_argument("--precision", action="store_true",
                         help="sweep the dot / storage precision variants (ops/common/precision.py) and exit")
-    parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
-                        help="override ops/common/launch.py entries for this run, e.g. wy_bwd=8,2")
-    parser.add_argument("--sweep-warps", nargs="+", type=int, default=[2, 4, 8], metavar="WARPS",
-                        help="the warp counts --sweep-launch tries (default 2 4 8)")
-    parser.add_argument("--isolate", action="store_true",
-                        help="--sweep-launch runs each setting in its own process: an illegal memory access (Triton "
-                             "3.6 faults at some settings) costs only its row")
-    parser.add_argument("--value-block", default="auto", choices=VALUE_BLOCKS,
-                        help="the state passes' value columns per program: 64 (wide), 32 (narrow), or auto (64 when "
-                             "the programs still fill every SM)")
+    add_launch_arguments(parser, "wy_bwd=8,2",
+                         "sweep warps x stages of these kernels (ops/common/launch.py names; none listed = all) and "
+                         "exit",
+                         "the state passes' value columns per program: 64 (wide), 32 (narrow), or auto (64 when the "
+                         "programs still fill every SM)")
     parser.add_argument("--compare-variants", action="store_true",
                         help="time and check the structural variants (TRANSPOSE_VIA_SCRATCH, U_FROM_T) off and on, "
                              "and exit")

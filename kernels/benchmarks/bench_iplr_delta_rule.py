@@ -21,7 +21,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from delta_rule_bench_common import (VALUE_BLOCKS, apply_launch_overrides, check_against_reference,
+from delta_rule_bench_common import (add_launch_arguments, apply_launch_overrides, check_against_reference,
                                      check_overrides_applied, force_value_block, outputs_and_grads,
                                      override_dot_precision, rel, sweep_launch)
 from triton.testing import do_bench
@@ -152,19 +152,11 @@ def main():
                         help="only the checks against the naive recurrence (B1 T300 H2 and B2 T1024 H4), no timing")
     parser.add_argument("--dot", choices=["tf32", "bf16"],
                         help="the IPLR kernels' dot precision for bf16 inputs (precision.IPLR_LOW_PRECISION_DOT)")
-    parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
-                        help="override ops/common/launch.py entries for this run, e.g. iplr_wy_bwd=2,3")
-    parser.add_argument("--sweep-warps", nargs="+", type=int, default=[2, 4, 8], metavar="WARPS",
-                        help="the warp counts --sweep-launch tries (default 2 4 8)")
-    parser.add_argument("--isolate", action="store_true",
-                        help="--sweep-launch runs each setting in its own process: an illegal memory access (Triton "
-                             "3.6 faults at some settings) costs only its row")
-    parser.add_argument("--value-block", default="auto", choices=VALUE_BLOCKS,
-                        help="the reverse state pass's value columns per program (common/state_pass.py): 64 (wide), "
-                             "32 (narrow), or auto")
-    parser.add_argument("--sweep-launch", nargs="*", metavar="KERNEL",
-                        help="sweep warps x stages of these launch.py entries (none listed = the iplr_* ones), "
-                             "each checked against the naive recurrence at B2 T1024 H4, and exit")
+    add_launch_arguments(parser, "iplr_wy_bwd=2,3",
+                         "sweep warps x stages of these launch.py entries (none listed = the iplr_* ones), each "
+                         "checked against the naive recurrence at B2 T1024 H4, and exit",
+                         "the reverse state pass's value columns per program (common/state_pass.py): 64 (wide), 32 "
+                         "(narrow), or auto")
     parser.add_argument("--output-blocks", metavar="BK,BV",
                         help="the output pass's key and value blocks (iplr_delta_rule/chunk_fwd.py OUTPUT_BLOCKS), "
                              "e.g. 128,128")

@@ -81,6 +81,20 @@ def apply_launch_overrides(overrides: list[str]) -> None:
 VALUE_BLOCKS = ("auto", "wide", "narrow")
 
 
+def add_launch_arguments(parser, launch_example: str, sweep_help: str, value_block_help: str) -> None:
+    """The launch options both delta-rule benches take: --launch, --sweep-launch, --sweep-warps, --isolate and
+    --value-block (the help texts that differ per bench given)."""
+    parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
+                        help=f"override ops/common/launch.py entries for this run, e.g. {launch_example}")
+    parser.add_argument("--sweep-launch", nargs="*", metavar="KERNEL", help=sweep_help)
+    parser.add_argument("--sweep-warps", nargs="+", type=int, default=[2, 4, 8], metavar="WARPS",
+                        help="the warp counts --sweep-launch tries (default 2 4 8)")
+    parser.add_argument("--isolate", action="store_true",
+                        help="--sweep-launch runs each setting in its own process: an illegal memory access (Triton "
+                             "3.6 faults at some settings) costs only its row")
+    parser.add_argument("--value-block", default="auto", choices=VALUE_BLOCKS, help=value_block_help)
+
+
 def force_value_block(mode: str) -> None:
     """--value-block: ops/common/state_pass.py's VALUE_BLOCK, the state passes launched with 64 value columns per
     program ("wide", the *_wide LAUNCH entries) or 32 ("narrow") whatever the batch, or by its occupancy rule."""
@@ -93,6 +107,7 @@ def force_value_block(mode: str) -> None:
 
 # Set in the child processes of an isolated sweep: the one "NAME=WARPS,STAGES" setting that child runs.
 SWEEP_ONE_ENV = "RLTRAIN_SWEEP_ONE"
+ISOLATED_TIMEOUT_S = 600  # one setting's compile, check and timing; a hung kernel costs its row, not the sweep
 
 
 def sweep_launch(names: list[str], grads: Callable[[], list], reference: list,
@@ -149,8 +164,12 @@ def _isolated_row(name: str, warps: int, stages: int, mark: str) -> str:
     """Run this script again with the same arguments for one setting (SWEEP_ONE_ENV) and return its row, or one
     saying how the child died (its last error line)."""
     env = {**os.environ, SWEEP_ONE_ENV: f"{name}={warps},{stages}"}
-    proc = subprocess.run([sys.executable, *sys.argv], env=env, capture_output=True, text=True)
     head = f"| {name} | {warps} | {stages}"
+    try:
+        proc = subprocess.run([sys.executable, *sys.argv], env=env, capture_output=True, text=True,
+                              timeout=ISOLATED_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"{head}{mark} | child process hung: killed after {ISOLATED_TIMEOUT_S} s | | | |"
     for line in proc.stdout.splitlines():
         if line.startswith(head + " |"):
             return line.replace(head + " |", f"{head}{mark} |", 1)

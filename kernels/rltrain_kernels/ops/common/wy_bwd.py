@@ -58,7 +58,8 @@ def gated_wy_bwd_kernel(
         if not SCRATCH_T:
             b_dTt = mma(b_k, tl.trans(b_dw), b_dTt, DOT_PREC)
     b_dT = b_dT * b_gamma[None, :]
-    b_dTt = b_dTt * b_gamma[:, None]
+    if not SCRATCH_T:
+        b_dTt = b_dTt * b_gamma[:, None]
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -73,7 +74,8 @@ def gated_wy_bwd_kernel(
         b_dbeta += tl.sum(b_dvt * b_v.to(tl.float32), 1)
         tl.store(dv + p_v, cast_for_store(b_dvt * b_beta[:, None], dv, DOT_PREC), mask=m_v)
     b_dT = b_dT * b_beta[None, :]
-    b_dTt = b_dTt * b_beta[:, None]
+    if not SCRATCH_T:
+        b_dTt = b_dTt * b_beta[:, None]
     # dA = −Tᵀ dT Tᵀ on the strict lower triangle.
     m_A = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_dA = mm(mm(tl.trans(b_T), b_dT, DOT_PREC), tl.trans(b_T), DOT_PREC)
