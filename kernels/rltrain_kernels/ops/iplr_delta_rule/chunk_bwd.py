@@ -77,7 +77,7 @@ def iplr_output_bwd_dqwv_kernel(
     b_b = tl.load(b + p_k, mask=m_tk, other=0.0)
     b_dq += mm(tl.where(m_A, b_dPb, 0.0), b_b, DOT_PREC)
     b_dq += mm(tl.where(m_A, b_dPk, 0.0), b_k, DOT_PREC)
-    tl.store(dq + p_k, (b_dq * scale).to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dq + p_k, cast_for_store(b_dq * scale, dq, DOT_PREC), mask=m_tk)
     tl.store(dw + p_k, cast_for_store(b_dw, dw, DOT_PREC), mask=m_tk)
 
 
@@ -197,7 +197,7 @@ def iplr_wy_bwd_kernel(
         b_VdX += mm(b_v, tl.trans(b_dx), DOT_PREC)
         b_dY = mm(tl.trans(b_T), b_dx, DOT_PREC)  # ∂L/∂(strict(A Kᵀ) V)
         b_dv = tl.load(dv + p_v, mask=m_v, other=0.0) + mm(b_Makt, b_dY, DOT_PREC)
-        tl.store(dv_out + p_v, b_dv.to(dv_out.dtype.element_ty), mask=m_v)
+        tl.store(dv_out + p_v, cast_for_store(b_dv, dv_out, DOT_PREC), mask=m_v)
     b_dT += mm(b_dXV, b_Makt, DOT_PREC)
     b_dTt += mm(b_Mak, b_VdX, DOT_PREC)
     b_dMab = mm(mm(tl.trans(b_T), b_dT, DOT_PREC), tl.trans(b_T), DOT_PREC)
@@ -215,11 +215,11 @@ def iplr_wy_bwd_kernel(
         b_b = tl.load(b + p_k, mask=m_k, other=0.0)
         b_da = mm(tl.trans(b_T), b_dw, DOT_PREC) + mm(b_dMak, b_k, DOT_PREC)
         b_da += mm(b_dMab, b_b, DOT_PREC)
-        tl.store(da + p_k, b_da.to(da.dtype.element_ty), mask=m_k)
+        tl.store(da + p_k, cast_for_store(b_da, da, DOT_PREC), mask=m_k)
         b_db = tl.load(db + p_k, mask=m_k, other=0.0) + mm(b_dMabt, b_a, DOT_PREC)
-        tl.store(db_out + p_k, b_db.to(db_out.dtype.element_ty), mask=m_k)
+        tl.store(db_out + p_k, cast_for_store(b_db, db_out, DOT_PREC), mask=m_k)
         b_dk = tl.load(dk + p_k, mask=m_k, other=0.0) + mm(b_dMakt, b_a, DOT_PREC)
-        tl.store(dk_out + p_k, b_dk.to(dk_out.dtype.element_ty), mask=m_k)
+        tl.store(dk_out + p_k, cast_for_store(b_dk, dk_out, DOT_PREC), mask=m_k)
 
 
 def iplr_wy_bwd(k, v, a, b, Ai, dw, dx, dk, db, dv, layout: ChunkLayout):

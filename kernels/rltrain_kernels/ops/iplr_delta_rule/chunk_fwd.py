@@ -207,7 +207,7 @@ def iplr_output_fwd_kernel(
     b_v = tl.load(v + p_v, mask=m_tv, other=0.0)
     b_o = mma(tl.where(m_A, b_Pb, 0.0), b_x, b_o, DOT_PREC)
     b_o = mma(tl.where(m_A, b_Pk, 0.0), b_v, b_o, DOT_PREC)
-    tl.store(o + p_v, (b_o * scale).to(o.dtype.element_ty), mask=m_tv)
+    tl.store(o + p_v, cast_for_store(b_o * scale, o, DOT_PREC), mask=m_tv)
 
 
 def iplr_output_fwd(q, k, v, b, x, h, scale: float, layout: ChunkLayout, out_dtype) -> torch.Tensor:
