@@ -92,5 +92,5 @@ def force_state_pass_value_block(monkeypatch, value_block: str, device) -> None:
     from rltrain_kernels.ops.common import state_pass
 
     monkeypatch.setattr(state_pass, "VALUE_BLOCK", value_block)
-    name = state_pass._state_launch("state_pass_bwd", 8, 128, 128, torch.device(device))[0]
+    name = state_pass.state_launch("state_pass_bwd", 8, 128, 128, torch.device(device))[0]
     assert name.endswith("_wide") == (value_block == "wide"), name

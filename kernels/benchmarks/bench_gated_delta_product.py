@@ -3,7 +3,7 @@ chunk_gated_delta_rule at length T·n_h (the same chunk machinery with a query a
 reads only the T real queries through its strided output pass, its backward runs that op's backward with zero rows).
 
 Run on a CUDA machine (fla-core / flash-linear-attention 0.6.0 installed for the fla column):
-    python kernels/benchmarks/bench_gated_delta_product.py [--quick]
+    python kernels/benchmarks/bench_gated_delta_product.py [--quick] [--profile]
     python kernels/benchmarks/bench_gated_delta_product.py --accuracy   # bf16 error by regime and precision setting
 Checks correctness first (ours vs the fp32 naive recurrence at a small size, forward and every gradient; ours vs
 fla's forward at every timed shape), then times forward and forward+backward, bf16, H=16, K=V=128, n_h=2.
@@ -98,6 +98,25 @@ def time_rule_expanded(B, T, H, D, n_h):
     return time_fn(call, [q, k, v, g, beta])
 
 
+def profile_kernels(fla_chunk, n_h, B=8, T=2048, H=16, D=128):
+    """Per-kernel CUDA time of one forward+backward, ours and fla's on the same inputs (after warm-ups): kernel time
+    does not move with the host overhead that wall-clock times carry."""
+    from kernel_profile import print_kernel_times
+
+    (q, k, v, g, beta), h0 = make_inputs(B, T, H, D, D, n_h, requires_grad=True)
+    do = torch.randn_like(q)
+    for name, fn in (("ours", chunk_gated_delta_product), ("fla 0.6", fla_chunk)):
+        if fn is None:
+            continue
+
+        def step(fn=fn):
+            for t in (q, k, v, g, beta):
+                t.grad = None
+            fn(q, k, v, g, beta, n_h, initial_state=h0, output_final_state=True)[0].backward(do)
+
+        print_kernel_times(f"{name} fwd+bwd B{B} T{T} H{H} K=V={D} n_h={n_h}", step, top=14)
+
+
 def forward_agreement(fla_chunk, B, T, H, D, n_h) -> float:
     (q, k, v, g, beta), h0 = make_inputs(B, T, H, D, D, n_h)
     o, ht = chunk_gated_delta_product(q, k, v, g, beta, n_h, initial_state=h0, output_final_state=True)
@@ -171,6 +190,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one small shape (smoke run)")
     parser.add_argument("--num-householder", type=int, default=2)
+    parser.add_argument("--profile", action="store_true",
+                        help="also print ours and fla's per-kernel CUDA time for one forward+backward at B8 T2048")
     parser.add_argument("--accuracy", action="store_true",
                         help="bf16 error by gate/β regime and precision setting, with each setting's time, and exit")
     args = parser.parse_args()
@@ -182,6 +203,8 @@ def main():
         accuracy_sweep(n_h)
         return
     check_against_naive(n_h)
+    if args.profile:
+        profile_kernels(fla_chunk, n_h)
     shapes = [("B8 T2048", 8, 2048), ("B2 T8192", 2, 8192)] if not args.quick else [("B2 T1024", 2, 1024)]
     rows = []
     for label, B, T in shapes:

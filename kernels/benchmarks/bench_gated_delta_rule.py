@@ -16,8 +16,9 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from delta_rule_bench_common import (add_launch_arguments, apply_launch_overrides, check_against_reference,
-                                     force_value_block, outputs_and_grads, rel, sweep_launch, switched, worst_errors)
+from delta_rule_bench_common import (add_launch_arguments, apply_launch_overrides, apply_switches,
+                                     check_against_reference, force_value_block, outputs_and_grads, rel, sweep_launch,
+                                     switched, worst_errors)
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_rule import (
@@ -181,16 +182,18 @@ def sweep_precision(fla_chunk, H=16, D=128):
 
 
 def compare_variants(H=16, D=128):
-    """The structural variants (on by default since the 2026-11-23 H100 run; RESULTS.md), each way and together:
-    common/scratch.py's TRANSPOSE_VIA_SCRATCH (dSᵀ, Bᵀ through a scratch tile instead of their own dots) and
-    common/state_pass.py's U_FROM_T (u formed in the state pass, never stored). Each: gradients against the fp32
-    naive recurrence, three runs (a missing barrier would show as a changing error), then forward and fwd+bwd at
-    both timed shapes. The first row is the shipped default."""
+    """The structural switches, the shipped default then each one flipped alone: common/scratch.py's
+    TRANSPOSE_VIA_SCRATCH (dSᵀ, Bᵀ through a scratch tile instead of their own dots), common/state_pass.py's U_FROM_T
+    (u formed in the state pass, never stored), W_FREE (δ formed from T and K S, no w read; acts with U_FROM_T) and
+    LOCAL_DV_FP32 (the chunk-local Pᵀ dO kept in fp32). Each: gradients against the fp32 naive recurrence, three runs
+    (a missing barrier would show as a changing error), then forward and fwd+bwd at both timed shapes. The first row
+    is the shipped default."""
     from rltrain_kernels.ops.common import scratch, state_pass
 
-    switches = ((scratch, "TRANSPOSE_VIA_SCRATCH"), (state_pass, "U_FROM_T"))
+    switches = ((scratch, "TRANSPOSE_VIA_SCRATCH"), (state_pass, "U_FROM_T"), (state_pass, "W_FREE"),
+                (state_pass, "LOCAL_DV_FP32"))
     default = tuple(getattr(module, name) for module, name in switches)
-    variants = [default] + [v for v in ((True, False), (False, True), (True, True), (False, False)) if v != default]
+    variants = [default] + [tuple(not x if j == i else x for j, x in enumerate(default)) for i in range(len(default))]
     checks, references = precision_checks()
     rows = []
     for variant in variants:
@@ -229,11 +232,12 @@ def main():
                          "the state passes' value columns per program: 64 (wide), 32 (narrow), or auto (64 when the "
                          "programs still fill every SM)")
     parser.add_argument("--compare-variants", action="store_true",
-                        help="time and check the structural variants (TRANSPOSE_VIA_SCRATCH, U_FROM_T) off and on, "
-                             "and exit")
+                        help="time and check the structural switches (TRANSPOSE_VIA_SCRATCH, U_FROM_T, W_FREE, "
+                             "LOCAL_DV_FP32), each flipped alone, and exit")
     args = parser.parse_args()
     torch.manual_seed(0)
     apply_launch_overrides(args.launch)
+    apply_switches(args.set)
     force_value_block(args.value_block)
     if args.sweep_launch is not None:
         from rltrain_kernels.ops.common.launch import LAUNCH

@@ -21,9 +21,9 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from delta_rule_bench_common import (add_launch_arguments, apply_launch_overrides, check_against_reference,
-                                     check_overrides_applied, force_value_block, outputs_and_grads,
-                                     override_dot_precision, rel, sweep_launch)
+from delta_rule_bench_common import (add_launch_arguments, apply_launch_overrides, apply_switches,
+                                     check_against_reference, check_overrides_applied, force_value_block,
+                                     outputs_and_grads, override_dot_precision, rel, sweep_launch)
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -173,6 +173,7 @@ def main():
 
         precision.IPLR_LOW_PRECISION_DOT = args.dot
     apply_launch_overrides(args.launch)
+    apply_switches(args.set)
     force_value_block(args.value_block)
     if args.output_blocks:
         set_output_blocks(args.output_blocks)

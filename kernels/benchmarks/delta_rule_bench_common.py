@@ -1,9 +1,9 @@
 """What the delta-rule benchmarks share: the error measure, outputs and gradients of an op for a check, and the
-launch settings (ops/common/launch.py's LAUNCH table) from the command line: `--launch NAME=WARPS,STAGES` overrides
-and the `--sweep-launch` loop (every warps × stages of the named entries, each checked against a reference before it
-is timed; `--isolate` runs each setting in its own process), `--dot-per-kernel KERNEL=PREC` (one kernel's dot
-precision, to find which kernel a precision breaks) and `--value-block` (the state passes' value columns per
-program, whatever the batch).
+launch settings (ops/common/launch.py's LAUNCH table) from the command line: `--launch NAME=WARPS,STAGES` overrides,
+`--set MODULE.NAME=VALUE` (a kernel module's switch), the `--sweep-launch` loop (every warps × stages of the named
+entries, each checked against a reference before it is timed; `--isolate` runs each setting in its own process),
+`--dot-per-kernel KERNEL=PREC` (one kernel's dot precision, to find which kernel a precision breaks) and
+`--value-block` (the state passes' value columns per program, whatever the batch).
 Imported by the bench scripts and compile_report.py beside it.
 """
 
@@ -78,14 +78,47 @@ def apply_launch_overrides(overrides: list[str]) -> None:
         LAUNCH[name] = dict(num_warps=int(parts[0]), num_stages=int(parts[1]))
 
 
+def apply_switches(assignments: list[str]) -> None:
+    """Set module globals of the kernels (the structural and tuning switches) from "MODULE.NAME=VALUE" strings,
+    MODULE under rltrain_kernels.ops.common (state_pass) or rltrain_kernels.ops (gated_delta_rule.chunk_fwd), VALUE a
+    Python literal; SystemExit naming a bad one (no such module or global, or a value of another type)."""
+    import ast
+    import importlib
+
+    for assignment in assignments:
+        target, _, literal = assignment.partition("=")
+        module_name, _, name = target.rpartition(".")
+        module = None
+        for prefix in ("rltrain_kernels.ops.common.", "rltrain_kernels.ops."):
+            try:
+                module = importlib.import_module(prefix + module_name)
+                break
+            except ImportError:
+                continue
+        if not module_name or module is None or not hasattr(module, name) or name.startswith("_"):
+            raise SystemExit(f"--set {assignment!r}: no switch {target!r} (expected MODULE.NAME=VALUE, e.g. "
+                             "state_pass.LOCAL_DV_FP32=False)")
+        try:
+            value = ast.literal_eval(literal)
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--set {assignment!r}: {literal!r} is not a Python literal") from None
+        old = getattr(module, name)
+        if old is not None and type(value) is not type(old):
+            raise SystemExit(f"--set {assignment!r}: {target} is a {type(old).__name__}, got {type(value).__name__}")
+        setattr(module, name, value)
+
+
 VALUE_BLOCKS = ("auto", "wide", "narrow")
 
 
 def add_launch_arguments(parser, launch_example: str, sweep_help: str, value_block_help: str) -> None:
-    """The launch options both delta-rule benches take: --launch, --sweep-launch, --sweep-warps, --isolate and
+    """The launch options both delta-rule benches take: --launch, --set, --sweep-launch, --sweep-warps, --isolate and
     --value-block (the help texts that differ per bench given)."""
     parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
                         help=f"override ops/common/launch.py entries for this run, e.g. {launch_example}")
+    parser.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
+                        help="set a kernel module's switch for this run, e.g. state_pass.LOCAL_DV_FP32=False or "
+                             "gated_delta_rule.chunk_fwd.OUTPUT_BLOCKS='(64, 64)'")
     parser.add_argument("--sweep-launch", nargs="*", metavar="KERNEL", help=sweep_help)
     parser.add_argument("--sweep-warps", nargs="+", type=int, default=[2, 4, 8], metavar="WARPS",
                         help="the warp counts --sweep-launch tries (default 2 4 8)")

@@ -157,11 +157,11 @@ def test_force_value_block(mode, monkeypatch):
     monkeypatch.setattr(state_pass, "_sm_count", lambda device: 132)  # the occupancy rule as on an H100
     cuda = torch.device("cuda")
     force_value_block("auto")
-    assert state_pass._state_launch("state_pass_bwd", 1, 128, 128, cuda)[2] == 32   # too few programs: narrow
-    assert state_pass._state_launch("state_pass_bwd", 4096, 128, 128, cuda)[2] == 64
+    assert state_pass.state_launch("state_pass_bwd", 1, 128, 128, cuda)[2] == 32   # too few programs: narrow
+    assert state_pass.state_launch("state_pass_bwd", 4096, 128, 128, cuda)[2] == 64
     force_value_block(mode)
     for programs in (1, 4096):
-        name, BK, BV = state_pass._state_launch("state_pass_bwd", programs, 128, 128, cuda)
+        name, BK, BV = state_pass.state_launch("state_pass_bwd", programs, 128, 128, cuda)
         assert (name, BK, BV) == (("state_pass_bwd_wide", 128, 64) if mode == "wide" else ("state_pass_bwd", 128, 32))
     with pytest.raises(SystemExit, match="--value-block 'half'"):
         force_value_block("half")
@@ -225,3 +225,41 @@ def test_sweep_without_isolation_dies_with_its_fault(tmp_path):
     assert proc.returncode == 1
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| wy_fwd |")]
     assert len(rows) == 3 and "illegal memory access" in proc.stderr
+
+
+@pytest.mark.parametrize("op", ["gated_delta_rule", "iplr_delta_rule"])
+@pytest.mark.parametrize("blocks", [(32, 32), (16, 32)], ids=["blocks32x32", "blocks16x32"])
+def test_output_blocks_bench_reference_matches_the_kernels(op, blocks, device, monkeypatch):
+    """bench_output_blocks.py's float64 evaluation of each output pass (what it checks every tile setting against)
+    agrees with the kernels at bf16 accuracy, through the op's OUTPUT_BLOCKS at two settings (BK < K: the key loop)."""
+    import importlib
+
+    from bench_output_blocks import OPS, make_case
+
+    module_name, launcher_name, _ = OPS[op]
+    module = importlib.import_module(module_name)
+    monkeypatch.setattr(module, "OUTPUT_BLOCKS", blocks)
+    torch.manual_seed(0)
+    args, ref = make_case(op, 2, 128, 2, 32, device=device)
+    out = getattr(module, launcher_name)(*args)
+    assert out.shape == ref.shape
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < 5e-3, f"{op} output pass at {blocks}: {err:.1e} from the bench's float64 reference"
+
+
+def test_set_switches_by_name(monkeypatch):
+    """The benches' --set MODULE.NAME=VALUE: sets an ops/common or an op module's global to a Python literal, and
+    refuses an unknown module or name and a value of another type, naming the argument."""
+    from delta_rule_bench_common import apply_switches
+
+    from rltrain_kernels.ops.common import state_pass
+    from rltrain_kernels.ops.gated_delta_rule import chunk_fwd
+
+    monkeypatch.setattr(state_pass, "LOCAL_DV_FP32", state_pass.LOCAL_DV_FP32)
+    monkeypatch.setattr(chunk_fwd, "OUTPUT_BLOCKS", chunk_fwd.OUTPUT_BLOCKS)
+    apply_switches(["state_pass.LOCAL_DV_FP32=False", "gated_delta_rule.chunk_fwd.OUTPUT_BLOCKS=(32, 16)"])
+    assert state_pass.LOCAL_DV_FP32 is False and chunk_fwd.OUTPUT_BLOCKS == (32, 16)
+    for bad, words in (("nowhere.X=1", "no switch 'nowhere.X'"), ("state_pass.NOPE=1", "no switch"),
+                       ("state_pass.U_FROM_T=1", "is a bool, got int"), ("state_pass.U_FROM_T=yes", "not a Python literal")):
+        with pytest.raises(SystemExit, match=words):
+            apply_switches([bad])

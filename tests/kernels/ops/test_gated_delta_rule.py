@@ -269,29 +269,44 @@ def test_common_cumsum_and_wy_match_torch(device):
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
-def test_common_state_pass_matches_torch(gated, device):
-    """S ← γ_last S + (diag(e^{G_last − G}) K)ᵀ (u − w S) per chunk, with G=None meaning no gate (IPLR-style)."""
+@pytest.mark.parametrize("reads", ["w_u", "T_v_beta"])
+def test_common_state_pass_matches_torch(gated, reads, device):
+    """S ← γ_last S + (diag(e^{G_last − G}) K)ᵀ (u − w S) per chunk, with G=None meaning no gate (IPLR-style); the pass
+    reading w and u, or forming δ = T diag(β)(V − diag(γ) K S) from T, v and β (W_FREE, with u and w the T-products
+    the WY kernel would have written)."""
     from rltrain_kernels.ops.common.chunking import chunk_layout
     from rltrain_kernels.ops.common.state_pass import state_pass_fwd
 
     T, K, V = 100, 16, 32
+    chunks = [(0, 64), (64, 100)]
     layout = chunk_layout(1, T, None, 64, device)
     k, w = torch.randn(T, 1, K, device=device) * 0.3, torch.randn(T, 1, K, device=device) * 0.3
     u = torch.randn(T, 1, V, device=device)
     G = torch.cat([F.logsigmoid(torch.randn(n, 1, device=device)).cumsum(0) for n in (64, 36)]) if gated else None
     h0 = torch.randn(1, 1, K, V, device=device)
-    h, v_new, ht = state_pass_fwd(k, w, u, G, h0, True, layout)
+    if reads == "w_u":
+        h, v_new, ht = state_pass_fwd(k, w, u, G, h0, True, layout)
+    else:
+        v, beta = torch.randn(T, 1, V, device=device), torch.rand(T, 1, device=device)
+        Ai = torch.zeros(T, 1, 64, device=device)
+        for s, e in chunks:
+            Ai[s:e, 0, :e - s] = torch.eye(e - s, device=device) + 0.2 * torch.randn(e - s, e - s, device=device).tril(-1)
+            Tc = Ai[s:e, 0, :e - s].double()
+            gamma = G[s:e, 0].double().exp() if gated else 1.0
+            u[s:e, 0] = (Tc @ (v[s:e, 0].double() * beta[s:e].double())).float()
+            w[s:e, 0] = (Tc @ (k[s:e, 0].double() * (beta[s:e, 0].double() * gamma)[:, None])).float()
+        h, v_new, ht = state_pass_fwd(k, None, None, G, h0, True, layout, v=v, beta=beta, Ai=Ai)
     S = h0[0, 0].double()
-    for i, (s, e) in enumerate([(0, 64), (64, 100)]):
+    for i, (s, e) in enumerate(chunks):
         assert_rel_close(h[i, 0], S, threshold=1e-6, name=f"h[{i}]")
         delta = u[s:e, 0].double() - w[s:e, 0].double() @ S
-        assert_rel_close(v_new[s:e, 0], delta, threshold=1e-6, name="v_new")
+        assert_rel_close(v_new[s:e, 0], delta, threshold=1e-5, name="v_new")
         if gated:
             decay, total = (G[e - 1, 0] - G[s:e, 0]).exp().double(), G[e - 1, 0].exp().double()
         else:
             decay, total = torch.ones(e - s, dtype=torch.float64, device=device), 1.0
         S = total * S + (k[s:e, 0].double() * decay[:, None]).T @ delta
-    assert_rel_close(ht[0, 0], S, threshold=1e-6, name="final state")
+    assert_rel_close(ht[0, 0], S, threshold=1e-5, name="final state")
 
 # ---------------------------------------------------------------------------------------------------------------
 # 3b. The chunked forward
@@ -365,9 +380,10 @@ def test_chunk_gradients_with_transposes_as_dots(dtype, device, monkeypatch):
 def test_chunk_gradients_with_u_formed_in_the_state_pass(dtype, device, monkeypatch):
     """common/state_pass.py's U_FROM_T (u = T diag(β) V formed in the state pass, never stored): the same outputs and
     gradients as with u stored, against float64 too; varlen with a partial chunk, GVA, K != V, both state-pass
-    widths (V = 16 and 64)."""
+    widths (V = 16 and 64). With w read (W_FREE off) on both sides, so that u's path is all that differs."""
     from rltrain_kernels.ops.common import state_pass
 
+    monkeypatch.setattr(state_pass, "W_FREE", False)
     lengths = [70, 15, 64]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     for V in (16, 64):
@@ -384,6 +400,67 @@ def test_chunk_gradients_with_u_formed_in_the_state_pass(dtype, device, monkeypa
             results[fused] = [t.grad.clone() for t in inputs]
         for name, a, b in zip(GRAD_NAMES, results[True], results[False]):
             assert_rel_close(a, b, threshold=1e-6 if dtype == torch.float32 else 1e-3, name=f"d{name} (V={V})")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunk_forward_state_pass_without_w(dtype, device, monkeypatch):
+    """common/state_pass.py's W_FREE (δ = T diag(β)(V − diag(γ) K S) formed in the forward state pass; the forward's
+    WY kernel writes no w): outputs, final state and gradients as with w read, against float64 too; varlen with a
+    partial chunk, GVA, K != V, both state-pass widths (V = 16 and 64), with the gate near and far from 1 (g = 0: no
+    decay)."""
+    from rltrain_kernels.ops.common import state_pass, wy
+
+    stores = []
+    real_wy_fwd = wy.gated_wy_fwd
+
+    def spy(*args, **kwargs):
+        Ai, w, u = real_wy_fwd(*args, **kwargs)
+        stores.append(w is not None)
+        return Ai, w, u
+
+    monkeypatch.setattr(state_pass, "gated_wy_fwd", spy)
+    lengths = [70, 15, 64]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    for V, gate in ((16, "normal"), (64, "normal"), (64, "none")):
+        inputs = make_inputs(1, sum(lengths), 1, 32, V, HV=2, dtype=dtype, device=device, N=len(lengths),
+                             initial_state=True, requires_grad=True)
+        if gate == "none":
+            inputs[3].data.zero_()  # g = 0: no decay (the op still takes the gated kernels)
+        results = {}
+        for w_free in (False, True):
+            monkeypatch.setattr(state_pass, "W_FREE", w_free)
+            stores.clear()
+            for t in inputs:
+                t.grad = None
+            torch.manual_seed(1)  # the same upstream gradients in both runs
+            check_gradients(chunk_gated_delta_rule, *inputs, cu_seqlens=cu,
+                            threshold=(1e-5, 2e-5) if dtype == torch.float32 else (5e-3, 1e-2))
+            results[w_free] = [t.grad.clone() for t in inputs]
+            assert stores == [not w_free, True], stores  # forward: w only when read; backward's recompute: always
+        for name, a, b in zip(GRAD_NAMES, results[True], results[False]):
+            assert_rel_close(a, b, threshold=1e-5 if dtype == torch.float32 else 1e-2, name=f"d{name} (V={V})")
+
+
+def test_chunk_gradients_with_local_dv_in_operand_dtype(device, monkeypatch):
+    """common/state_pass.py's LOCAL_DV_FP32 off (the chunk-local Pᵀ dO stored in bf16, in dδ's own buffer): bf16
+    gradients still within the bars against float64, near the fp32-buffer path's; varlen with a partial chunk, GVA,
+    K != V."""
+    from rltrain_kernels.ops.common import state_pass
+
+    lengths = [70, 15, 64]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    inputs = make_inputs(1, sum(lengths), 1, 32, 64, HV=2, dtype=torch.bfloat16, device=device, N=len(lengths),
+                         initial_state=True, requires_grad=True)
+    results = {}
+    for fp32 in (True, False):
+        monkeypatch.setattr(state_pass, "LOCAL_DV_FP32", fp32)
+        for t in inputs:
+            t.grad = None
+        torch.manual_seed(1)  # the same upstream gradients in both runs
+        check_gradients(chunk_gated_delta_rule, *inputs, cu_seqlens=cu, threshold=(5e-3, 1e-2))
+        results[fp32] = [t.grad.clone() for t in inputs]
+    for name, a, b in zip(GRAD_NAMES, results[True], results[False]):
+        assert_rel_close(b, a, threshold=1e-2, name=f"d{name}")
 
 
 @pytest.mark.parametrize("gate", ["near_zero", "strong"])
@@ -466,6 +543,8 @@ def test_operand_storage_changes_no_number(device, monkeypatch):
 
     monkeypatch.setattr(state_pass, "gated_wy_fwd", spy)  # the forward's and the backward's WY kernel
     monkeypatch.setattr(state_pass, "U_FROM_T", False)  # u stored too (fp32), so its dtype is checked
+    # dδ's chunk-local part in fp32 on both sides: off, it is rounded to dδ's storage dtype by design (LOCAL_DV_FP32)
+    monkeypatch.setattr(state_pass, "LOCAL_DV_FP32", True)
     inputs = make_inputs(1, 100, 1, 32, 16, HV=2, dtype=torch.bfloat16, device=device, initial_state=True)
     do = torch.randn(1, 100, 2, 16, device=device, dtype=torch.bfloat16)
     results = outputs_and_grads_per_setting(
@@ -559,7 +638,8 @@ def test_chunk_bf16_both_state_pass_launches(value_block, device, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["scratch.TRANSPOSE_VIA_SCRATCH", "state_pass.U_FROM_T"])
+@pytest.mark.parametrize("switch", ["scratch.TRANSPOSE_VIA_SCRATCH", "state_pass.U_FROM_T", "state_pass.W_FREE",
+                                    "state_pass.LOCAL_DV_FP32"])
 @pytest.mark.parametrize("on", [True, False], ids=["on", "off"])
 def test_chunk_bf16_structural_variants_real_size(switch, on, device, monkeypatch):
     """Both sides of each structural switch (on by default since a GPU run timed them) at a real size on the GPU:

@@ -355,11 +355,12 @@ def test_output_pass_blocks_change_no_result(blocks, device, monkeypatch):
             return run
 
     monkeypatch.setattr(chunk_fwd, "iplr_output_fwd_kernel", Spy())
+    shipped = chunk_fwd.OUTPUT_BLOCKS  # K = V = 128: no cap below
     q, k, v, a, b, h0 = make_inputs(1, 70, 1, 128, 128, device=device, initial_state=True)
     base = chunk_iplr_delta_rule(q, k, v, a, b, initial_state=h0)[0]
     monkeypatch.setattr(chunk_fwd, "OUTPUT_BLOCKS", blocks)
     assert_rel_close(chunk_iplr_delta_rule(q, k, v, a, b, initial_state=h0)[0], base, threshold=1e-6, name="o")
-    assert launched == [(64, 64), blocks]
+    assert launched == [tuple(shipped), blocks]
 
 
 @pytest.mark.parametrize("regime", REGIMES)
@@ -367,9 +368,11 @@ def test_bf16_dots_within_the_bars_and_their_operand_storage_changes_no_number(r
     """IPLR with bf16 dots (precision.IPLR_LOW_PRECISION_DOT, the default for bf16 inputs): within the bf16 bars,
     and storing T, w, h, X, dh, dX, dw in bf16 (precision.LOW_PRECISION_OPERANDS) gives the same outputs and
     gradients bit for bit, as those tensors feed nothing but dots that round to bf16 anyway."""
-    from rltrain_kernels.ops.common import precision
+    from rltrain_kernels.ops.common import precision, state_pass
 
     monkeypatch.setattr(precision, "IPLR_LOW_PRECISION_DOT", "bf16")
+    # dX's chunk-local part in fp32 on both sides: off, it is rounded to dX's storage dtype by design (LOCAL_DV_FP32)
+    monkeypatch.setattr(state_pass, "LOCAL_DV_FP32", True)
     inputs = make_inputs(1, 100, 2, 32, 16, dtype=torch.bfloat16, regime=regime, device=device,
                          initial_state=True, requires_grad=True)
     check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(5e-3, 1e-2))
@@ -442,8 +445,8 @@ def test_chunk_bf16_real_sizes(B, T, H, K, V, regime, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("value_block", ["wide", "narrow"])
 def test_chunk_bf16_both_state_pass_launches(value_block, device, monkeypatch):
-    """The shared reverse state pass's wide and narrow launches (tests/helpers.py: force_state_pass_value_block) at
-    a real K = V = 128."""
+    """The state passes' wide and narrow launches (the forward one and the shared reverse one; tests/helpers.py:
+    force_state_pass_value_block) at a real K = V = 128."""
     force_state_pass_value_block(monkeypatch, value_block, device)
     inputs = make_inputs(2, 1024, 4, 128, 128, dtype=torch.bfloat16, device=device, initial_state=True,
                          requires_grad=True)

@@ -39,18 +39,21 @@ LAUNCH: dict[str, dict[str, int]] = {
     "state_pass_bwd_wide": dict(num_warps=4, num_stages=2),
     "local_dv": dict(num_warps=2, num_stages=3),      # common/state_pass.py: Pᵀ dO, chunk-parallel
     "wy_bwd": dict(num_warps=4, num_stages=2),        # common/wy_bwd.py
-    "output_fwd": dict(num_warps=2, num_stages=2),    # gated_delta_rule/chunk_fwd.py
+    "output_fwd": dict(num_warps=8, num_stages=3),    # gated_delta_rule/chunk_fwd.py (with its OUTPUT_BLOCKS)
     "dqkwg": dict(num_warps=8, num_stages=2),         # gated_delta_rule/chunk_bwd.py; 3 stages overflowed shared memory
     # iplr_delta_rule/chunk_fwd.py: 1 stage, which took its shared memory from 121 to 53 KiB with fp32 tiles, reads
     # shared memory out of bounds on Hopper with bf16 dots (Triton 3.6, at 4 and 8 warps, compute-sanitizer; H100,
     # 2026-11-23), as state_pass_bwd did at 4 warps; 2 stages pass every IPLR GPU test
     "iplr_state_pass_fwd": dict(num_warps=4, num_stages=2),
+    # 64 value columns per program (common/state_pass.py's occupancy rule): 250 registers, 73 KiB, two blocks per SM;
+    # 0.37 → 0.25 ms against the narrow launch at B8 T2048 (H100, 2026-11-23). Not swept: the narrow one's setting
+    "iplr_state_pass_fwd_wide": dict(num_warps=4, num_stages=2),
     # the other IPLR kernels: swept at 4 and 8 warps × 1–3 stages on H100 (2026-11-23, B8 T2048, every setting that
     # ran within the bars); each entry below was already the fastest. The output backward at 4 warps / 1 stage
     # raises and leaves an illegal memory access behind, which ended that sweep process (the forward state pass's
     # sweep, after it, never ran): sweep one kernel per process.
     "iplr_wy_fwd": dict(num_warps=4, num_stages=3),
-    "iplr_output_fwd": dict(num_warps=4, num_stages=3),
+    "iplr_output_fwd": dict(num_warps=4, num_stages=2),  # with chunk_fwd.py's OUTPUT_BLOCKS (bench_output_blocks.py)
     "iplr_output_bwd": dict(num_warps=8, num_stages=3),  # both of iplr_delta_rule/chunk_bwd.py's output kernels
     "iplr_wy_bwd": dict(num_warps=8, num_stages=3),
 }

@@ -3,7 +3,8 @@
 Forward, per (sequence, value head, V block), chunk by chunk with the [K, BV] fp32 state S in registers:
     store S (the state at the chunk's start, for the output pass and the backward)
     δ = u − w S                                  (the chunk's corrected values, "v_new"; u = T diag(β) V is read,
-                                                  or formed here from T when U_FROM_T is on)
+                                                  or formed here from T when U_FROM_T is on, and with W_FREE too
+                                                  δ = T diag(β)(V − diag(γ) K S), no w read)
     S ← γ_last S + (diag(exp(G_last − G)) K)ᵀ δ   (γ_last = exp(G_last), the chunk's total decay)
 
 Backward, chunks in reverse, with dS = ∂L/∂(state at the chunk's end) (the final-state gradient to start):
@@ -47,6 +48,18 @@ from .wy import gated_wy_fwd
 # TRANSPOSE_VIA_SCRATCH on too, fwd 0.695 → 0.640 ms and fwd+bwd 2.55 → 2.43 at B8 T2048; at B2 T8192 within noise
 # (fwd 0.774 → 0.797, fwd+bwd 2.808 → 2.818).
 U_FROM_T = True
+# The forward state pass forms δ = u − w S = T diag(β) (V − diag(γ) K S) from T, k, v and β (K S a [64, K] × [K, BV]
+# dot on the k tile that the state update reads anyway, then one [64, 64] × [64, BV] dot with T) instead of reading
+# w: the forward's WY kernel then writes no w, and the pass holds no w tiles (shared memory 113 → 81 KiB: two blocks
+# per SM). V − diag(γ) K S cancels in fp32 before anything is rounded. The backward still has the WY kernel write w
+# for its reverse pass. Needs U_FROM_T. On since 2026-11-23 (H100, bf16 B8 T2048 H16 K=V=128, --profile): forward
+# state pass kernels 0.34 → 0.32 ms, WY forward 0.31 → 0.27, all kernels of a forward+backward 2.05 → 2.00 ms.
+W_FREE = True
+# The chunk-local Pᵀ dO (local_dv_kernel) kept in fp32 until the reverse pass adds diag(e^{G_L−G}) K dS to it and
+# rounds the sum once to dδ's operand dtype (True), or stored in dδ's dtype, in dδ's own buffer (False, as fla does):
+# bf16 with bf16 dots, rounded twice at half the bytes. Off since 2026-11-23 (H100, bf16 B8 T2048 H16 K=V=128,
+# --profile): local_dv 0.13 → 0.10 ms, reverse pass 0.29 → 0.27; worst gradient error 4.4616e-3 → 4.4615e-3.
+LOCAL_DV_FP32 = False
 
 
 @triton.jit
@@ -54,7 +67,7 @@ def state_pass_fwd_kernel(
     k, w, u, v, beta, Ai, G, h, v_new, h0, ht, cu_seqlens, chunk_offsets,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-    STORE_FINAL_STATE: tl.constexpr, DOT_PREC: tl.constexpr, U_FROM_T: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr, DOT_PREC: tl.constexpr, U_FROM_T: tl.constexpr, W_FREE: tl.constexpr,
 ):
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences × heads on axis 0 (no 65535 limit)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -74,26 +87,36 @@ def state_pass_fwd_kernel(
         tl.store(h + ((c0 + i_t) * HV + i_hv) * K * V + state_offset, cast_for_store(b_h, h, DOT_PREC), mask=m_h)
         o_t = bos + i_t * BT + o_i
         m_t = o_t < eos
-        # w, T and k feed only dots: loaded as stored, they reach the tensor cores from shared memory (mm)
-        b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                      other=0.0)
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
-        if U_FROM_T:  # −u = T diag(−β) V (u as the WY kernel would have written it)
-            b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
-            b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-            b_vin = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-            b_nu = mm(b_T, b_vin * -b_beta[:, None], DOT_PREC)
-        else:
-            b_nu = -tl.load(u + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_v = -mma(b_w, b_h, b_nu, DOT_PREC)  # δ = u − w S, w S accumulated onto −u in the dot
-        tl.store(v_new + p_v, cast_for_store(b_v, v_new, DOT_PREC), mask=m_t[:, None] & m_v[None, :])
         if USE_G:
             last = tl.minimum(bos + (i_t + 1) * BT, eos) - 1
             b_G_last = tl.load(G + last * HV + i_hv)
             b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
+        # w, T and k feed only dots: loaded as stored, they reach the tensor cores from shared memory (mm)
+        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        if W_FREE:  # δ = T diag(β) (V − diag(γ) K S)
+            b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+            b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+            b_vin = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+            b_ks = mm(b_k, b_h, DOT_PREC)
+            if USE_G:
+                b_ks = b_ks * tl.exp(b_G)[:, None]
+            b_v = mm(b_T, (b_vin - b_ks) * b_beta[:, None], DOT_PREC)
+        else:
+            b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                          other=0.0)
+            if U_FROM_T:  # −u = T diag(−β) V (u as the WY kernel would have written it)
+                b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+                b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+                b_vin = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+                b_nu = mm(b_T, b_vin * -b_beta[:, None], DOT_PREC)
+            else:
+                b_nu = -tl.load(u + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+            b_v = -mma(b_w, b_h, b_nu, DOT_PREC)  # δ = u − w S, w S accumulated onto −u in the dot
+        tl.store(v_new + p_v, cast_for_store(b_v, v_new, DOT_PREC), mask=m_t[:, None] & m_v[None, :])
+        if USE_G:
             b_v = b_v * tl.where(m_t, tl.exp(b_G_last - b_G), 0.0)[:, None]
             b_h *= tl.exp(b_G_last)
-        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_h = mma(tl.trans(b_k), b_v, b_h, DOT_PREC)
     if STORE_FINAL_STATE:
         tl.store(ht + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, b_h, mask=m_h)
@@ -115,7 +138,7 @@ def local_dv_kernel(
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
     NH: tl.constexpr,
 ):
-    """dv = Pᵀ dO per chunk (fp32), the part of dδ that needs no state."""
+    """dv = Pᵀ dO per chunk (in dv's dtype), the part of dδ that needs no state."""
     i_c, i_hv = tl.program_id(0), tl.program_id(1)  # chunks on axis 0 (no 65535 limit)
     i_h = i_hv // (HV // H)
     i_n = tl.load(chunk_indices + i_c * 2)
@@ -127,9 +150,10 @@ def local_dv_kernel(
     m_t = o_t < eos
     o_q, m_q = query_rows(o_t, m_t, NH)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
+    # q, k and dO feed only dots: loaded as stored (mm)
     b_q = tl.load(q + (o_q[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & (o_k < K)[None, :],
-                  other=0.0).to(tl.float32)
-    b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+                  other=0.0)
+    b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
     # Pᵀ[j, i] = scale k_jᵀq_i exp(G_i − G_j) for i ≥ j.
     m_A = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_At = mm(b_k, tl.trans(b_q), RAW_PREC) * scale
@@ -142,8 +166,8 @@ def local_dv_kernel(
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         b_do = tl.load(do + (o_q[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_q[:, None] & (o_v < V)[None, :],
-                       other=0.0).to(tl.float32)
-        tl.store(dv + p_v, mm(b_At, b_do, DOT_PREC), mask=m_tv)
+                       other=0.0)
+        tl.store(dv + p_v, cast_for_store(mm(b_At, b_do, DOT_PREC), dv, DOT_PREC), mask=m_tv)
 
 
 @triton.jit
@@ -194,7 +218,7 @@ def state_pass_bwd_kernel(
             b_dos = b_do * (tl.exp(b_G) * scale)[:, None]
         else:
             b_dos = b_do * scale
-        # dv_local holds Pᵀ dO (fp32) from local_dv_kernel; dv may be the same buffer
+        # dv_local holds Pᵀ dO from local_dv_kernel (see LOCAL_DV_FP32); dv may be the same buffer
         b_dv = tl.load(dv_local + p_v, mask=m_tv, other=0.0) + b_kdh
         tl.store(dv + p_v, cast_for_store(b_dv, dv, DOT_PREC), mask=m_tv)
         if USE_G:
@@ -205,12 +229,12 @@ def state_pass_bwd_kernel(
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, b_dh, mask=m_h)
 
 
-# The state passes' value columns per program: "auto" (the occupancy rule of _state_launch), or "wide" / "narrow"
+# The state passes' value columns per program: "auto" (the occupancy rule of state_launch), or "wide" / "narrow"
 # whatever the batch, for the tests and benchmarks that must reach both launches (`--value-block`).
 VALUE_BLOCK = "auto"
 
 
-def _state_launch(name: str, programs: int, K: int, V: int, device: torch.device) -> tuple[str, int, int]:
+def state_launch(name: str, programs: int, K: int, V: int, device: torch.device) -> tuple[str, int, int]:
     """(LAUNCH entry, BK, BV) for a state pass over `programs` sequence-heads: the whole key dim in registers, and
     64 value columns per program (the entry's *_wide settings) when K ≤ 128 and programs × V/64 still fill every
     SM (or VALUE_BLOCK says "wide"), else 32 (a [128, 32] fp32 state tile plus [64, 128] operand tiles fit 4 warps
@@ -235,13 +259,16 @@ def _sm_count(device: torch.device) -> int:
 def state_pass_fwd(k, w, u, G, initial_state, output_final_state: bool, layout: ChunkLayout, v=None, beta=None,
                    Ai=None):
     """→ (h [chunks, HV, K, V] chunk-start states, v_new [tokens, HV, V] (both in work_dtype(k.dtype)), final state
-    (fp32) or None). u [tokens, HV, V], or None with v, beta and the T matrices Ai given: u formed in the pass."""
+    (fp32) or None). u [tokens, HV, V], or None with v, beta and the T matrices Ai given: u formed in the pass; w
+    [tokens, HV, K], or None (with u None too): δ formed from T and K S (W_FREE)."""
     if u is None and (v is None or beta is None or Ai is None):
         raise ValueError("state_pass_fwd: without u it needs v, beta and Ai to form u = T diag(beta) V")
+    if w is None and u is not None:
+        raise ValueError("state_pass_fwd: without w it forms δ from T, v and beta: pass u=None with them")
     TT, H, K = k.shape
     HV, V = (u if u is not None else v).shape[1:]
     N = layout.num_seqs
-    name, BK, BV = _state_launch("state_pass_fwd", N * HV, K, V, k.device)
+    name, BK, BV = state_launch("state_pass_fwd", N * HV, K, V, k.device)
     h = torch.empty(layout.num_chunks, HV, K, V, dtype=work_dtype(k.dtype), device=k.device)
     v_new = torch.empty(TT, HV, V, dtype=work_dtype(k.dtype), device=k.device)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
@@ -249,15 +276,19 @@ def state_pass_fwd(k, w, u, G, initial_state, output_final_state: bool, layout: 
         k, w, u, v, beta, Ai, G, h, v_new, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, HV=HV,
         K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
-        DOT_PREC=recurrence_dot_precision(k.dtype), U_FROM_T=u is None, **launch(name))
+        DOT_PREC=recurrence_dot_precision(k.dtype), U_FROM_T=u is None, W_FREE=w is None, **launch(name))
     return h, v_new, ht
 
 
-def chunk_states_fwd(k, v, beta, G, initial_state, output_final_state: bool, layout: ChunkLayout, Ai=None):
-    """The WY kernel then the forward state pass (u formed in the pass when U_FROM_T is on) → (Ai, w, h, v_new,
-    final state or None). With Ai given (the backward's recomputation) the WY kernel skips the solve."""
-    Ai, w, u = gated_wy_fwd(k, v, beta, G, layout, Ai=Ai, store_u=not U_FROM_T)
-    h, v_new, ht = state_pass_fwd(k, w, u, G, initial_state, output_final_state, layout, v=v, beta=beta, Ai=Ai)
+def chunk_states_fwd(k, v, beta, G, initial_state, output_final_state: bool, layout: ChunkLayout, Ai=None,
+                     need_w: bool = False):
+    """The WY kernel then the forward state pass (u formed in the pass when U_FROM_T is on, δ without w when W_FREE
+    is on too) → (Ai, w (None unless need_w or the pass reads it), h, v_new, final state or None). With Ai given (the
+    backward's recomputation) the WY kernel skips the solve."""
+    w_free = W_FREE and U_FROM_T
+    Ai, w, u = gated_wy_fwd(k, v, beta, G, layout, Ai=Ai, store_u=not U_FROM_T, store_w=need_w or not w_free)
+    h, v_new, ht = state_pass_fwd(k, None if w_free else w, u, G, initial_state, output_final_state, layout, v=v,
+                                  beta=beta, Ai=Ai)
     return Ai, w, h, v_new, ht
 
 
@@ -268,7 +299,8 @@ def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: Ch
     dv [tokens, HV, V] in dv_dtype (default recurrence_operand_dtype(k.dtype)): ∂L/∂δ, dh0 [N, HV, K, V] fp32 or
     None). dot_prec: both kernels' DOT_PREC, by default dot_precision for the chunk-local Pᵀ dO and
     recurrence_dot_precision for the reverse pass. dv feeds only dots downstream, so storing it in their operand
-    dtype changes no number; its chunk-local part goes through an fp32 buffer first (dv itself when dv is fp32).
+    dtype changes no number; its chunk-local part goes through an fp32 buffer first (dv itself when dv is fp32 or
+    LOCAL_DV_FP32 is off).
     query_stride NH: q [tokens / NH, H, K] and do [tokens / NH, HV, V] hold the queries of every NH-th row (see the
     module docstring); k, w, G and the outputs span every row."""
     local_prec = dot_prec or dot_precision(q.dtype)
@@ -279,10 +311,10 @@ def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: Ch
     if q.shape[0] * query_stride != TT or do.shape[0] * query_stride != TT:
         raise ValueError(f"state_pass_bwd: q and do need k's {TT} rows / query_stride {query_stride}, got "
                          f"{q.shape[0]} and {do.shape[0]}")
-    name, BK, BV = _state_launch("state_pass_bwd", N * HV, K, V, k.device)
+    name, BK, BV = state_launch("state_pass_bwd", N * HV, K, V, k.device)
     dh = torch.empty(layout.num_chunks, HV, K, V, dtype=dh_dtype or work_dtype(k.dtype), device=k.device)
     dv = torch.empty(TT, HV, V, dtype=dv_dtype or recurrence_operand_dtype(k.dtype), device=k.device)
-    dv_local = dv if dv.dtype == torch.float32 else torch.empty_like(dv, dtype=torch.float32)
+    dv_local = dv if dv.dtype == torch.float32 or not LOCAL_DV_FP32 else torch.empty_like(dv, dtype=torch.float32)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if need_dh0 else None
     if layout.num_chunks:
         local_dv_kernel[(layout.num_chunks, HV)](

@@ -66,7 +66,7 @@ def gated_wy_fwd_kernel(
     k, v, beta, G, Ai, w, u, cu_seqlens, chunk_indices,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, LOAD_AI: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr,
-    RAW_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr, STORE_U: tl.constexpr,
+    RAW_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr, STORE_W: tl.constexpr, STORE_U: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -96,13 +96,14 @@ def gated_wy_fwd_kernel(
         b_A = tl.where(m_A, b_A * b_beta[:, None] * tl.exp(tl.where(m_A, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
         b_T = solve_unit_lower(b_A, BT, SOLVE_PREC)
         tl.store(p_Ai, cast_for_store(b_T, Ai, DOT_PREC), mask=m_t[:, None])
-    b_kscale = b_beta * tl.exp(b_G)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = m_t[:, None] & (o_k < K)[None, :]
-        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
-        b_w = mm(b_T, b_k * b_kscale[:, None], DOT_PREC)
-        tl.store(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(b_w, w, DOT_PREC), mask=m_k)
+    if STORE_W:  # else the state pass forms w S from T and K S itself (common/state_pass.py: W_FREE)
+        b_kscale = b_beta * tl.exp(b_G)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = m_t[:, None] & (o_k < K)[None, :]
+            b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+            b_w = mm(b_T, b_k * b_kscale[:, None], DOT_PREC)
+            tl.store(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(b_w, w, DOT_PREC), mask=m_k)
     if STORE_U:  # else the state pass forms u from T itself (common/state_pass.py: U_FROM_T)
         for i_v in range(tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
@@ -112,10 +113,10 @@ def gated_wy_fwd_kernel(
             tl.store(u + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_u, mask=m_v)
 
 
-def gated_wy_fwd(k, v, beta, G, layout: ChunkLayout, Ai=None, store_u: bool = True):
+def gated_wy_fwd(k, v, beta, G, layout: ChunkLayout, Ai=None, store_u: bool = True, store_w: bool = True):
     """k [tokens, H, K], v [tokens, HV, V], beta/G [tokens, HV] (G fp32 chunk-local cumsum or None) →
-    (Ai [tokens, HV, BT] = T and w [tokens, HV, K] in recurrence_operand_dtype(k.dtype), u [tokens, HV, V] fp32, or
-    None without store_u). With Ai given, skip the solve and only rebuild w (and u): the backward's recomputation."""
+    (Ai [tokens, HV, BT] = T and w [tokens, HV, K] (None without store_w) in recurrence_operand_dtype(k.dtype),
+    u [tokens, HV, V] fp32, or None without store_u). With Ai given, skip the solve and only rebuild w (and u): the backward's recomputation."""
     TT, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     BT = layout.chunk_size
@@ -124,12 +125,12 @@ def gated_wy_fwd(k, v, beta, G, layout: ChunkLayout, Ai=None, store_u: bool = Tr
     load_ai = Ai is not None
     if Ai is None:
         Ai = torch.empty(TT, HV, BT, dtype=recurrence_operand_dtype(k.dtype), device=k.device)
-    w = torch.empty(TT, HV, K, dtype=recurrence_operand_dtype(k.dtype), device=k.device)
+    w = torch.empty(TT, HV, K, dtype=recurrence_operand_dtype(k.dtype), device=k.device) if store_w else None
     u = torch.empty(TT, HV, V, dtype=torch.float32, device=k.device) if store_u else None
     if layout.num_chunks:
         gated_wy_fwd_kernel[(layout.num_chunks, HV)](
             k, v, beta, G, Ai, w, u, layout.cu_seqlens, layout.chunk_indices, H=H, HV=HV, K=K, V=V, BT=BT,
             BK=min(64, triton.next_power_of_2(K)), BV=min(64, triton.next_power_of_2(V)), LOAD_AI=load_ai,
             USE_G=G is not None, DOT_PREC=recurrence_dot_precision(k.dtype), RAW_PREC=raw_precision(k.dtype),
-            SOLVE_PREC=solve_precision(k.dtype), STORE_U=store_u, **launch("wy_fwd"))
+            SOLVE_PREC=solve_precision(k.dtype), STORE_W=store_w, STORE_U=store_u, **launch("wy_fwd"))
     return Ai, w, u

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..common.chunking import ChunkLayout
-from ..common.precision import cast_for_store, dot_precision, mm, raw_precision
+from ..common.precision import cast_for_store, dot_precision, mma, raw_precision
 
 
 @triton.jit
@@ -51,22 +51,22 @@ def strided_output_fwd_kernel(
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
+        # loaded as stored: they feed only dots (common/precision.py mm)
         b_q = tl.load(q + (o_tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & m_k[None, :],
-                      other=0.0).to(tl.float32)
-        b_k = tl.load(k + (o_s[:, None] * H + i_h) * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :],
-                      other=0.0).to(tl.float32)
+                      other=0.0)
+        b_k = tl.load(k + (o_s[:, None] * H + i_h) * K + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0)
         b_h = tl.load(h + (i_hc * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
-                      mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_o += mm(b_q, b_h, DOT_PREC)
-        b_A += mm(b_q, tl.trans(b_k), RAW_PREC)
+                      mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_o = mma(b_q, b_h, b_o, DOT_PREC)
+        b_A = mma(b_q, tl.trans(b_k), b_A, RAW_PREC)
     m_A = (o_c[:, None] >= o_i[None, :]) & m_q[:, None] & m_s[None, :]
     b_Gq = tl.load(G + (bos + s0 + o_c) * HV + i_hv, mask=m_q, other=0.0)
     b_Gs = tl.load(G + o_s * HV + i_hv, mask=m_s, other=0.0)
     b_o = b_o * tl.exp(b_Gq)[:, None]
     b_A = tl.where(m_A, b_A * tl.exp(tl.where(m_A, b_Gq[:, None] - b_Gs[None, :], 0.0)), 0.0)
     b_v = tl.load(v_new + (o_s[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_s[:, None] & m_v[None, :],
-                  other=0.0).to(tl.float32)
-    b_o = (b_o + mm(b_A, b_v, DOT_PREC)) * scale
+                  other=0.0)
+    b_o = mma(b_A, b_v, b_o, DOT_PREC) * scale
     tl.store(o + (o_tok[:, None] * HV + i_hv) * V + o_v[None, :], cast_for_store(b_o, o, DOT_PREC),
              mask=m_q[:, None] & m_v[None, :])
 

@@ -81,8 +81,9 @@ def chunk_dqkwg_kernel(
             b_dPt = mma(b_vn, tl.trans(b_do), b_dPt, DOT_PREC)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
     tl.store(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(-b_ndw, dw, DOT_PREC), mask=m_tk)
-    b_q = tl.load(q + (o_q[:, None] * H + i_h) * K + o_k[None, :], mask=m_qk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    # q and k as stored for the dots, widened for the row sums
+    b_q = tl.load(q + (o_q[:, None] * H + i_h) * K + o_k[None, :], mask=m_qk, other=0.0)
+    b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
     b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
     last = tl.minimum(bos + (i_t + 1) * BT, eos) - 1
     b_G_last = tl.load(G + last * HV + i_hv)
@@ -90,23 +91,23 @@ def chunk_dqkwg_kernel(
     b_E = tl.where(m_A, tl.exp(tl.where(m_A, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
     b_dS = b_dP * b_E * scale  # ∂L/∂(q_iᵀk_j)
     b_dq = b_dq * (tl.exp(b_G) * scale)[:, None]
-    b_dG = tl.sum(b_dq * b_q, 1)
-    b_dq += mm(b_dS, b_k, DOT_PREC)
+    b_dG = tl.sum(b_dq * b_q.to(tl.float32), 1)
+    b_dq = mma(b_dS, b_k, b_dq, DOT_PREC)
     b_dPP = b_dS * mm(b_q, tl.trans(b_k), RAW_PREC)  # dP ⊙ P
     b_dG += tl.sum(b_dPP, 1) - tl.sum(b_dPP, 0)
     b_dk = b_dk * tl.where(m_t, tl.exp(b_G_last - b_G), 0.0)[:, None]
-    b_term = tl.sum(b_dk * b_k, 1)
+    b_term = tl.sum(b_dk * b_k.to(tl.float32), 1)
     b_dG -= b_term
     b_dG += tl.where(o_t == last, tl.sum(b_term, 0) + tl.exp(b_G_last) * tl.sum(b_hdh, 0), 0.0)
     # dSᵀ is not tl.trans(b_dS): transposing a tensor-core dot result is miscompiled on Hopper by Triton 3.4–3.7.0
     # (fla #640: wrong dk). Either a round trip through a scratch tile (common/scratch.py) or, by default, rebuilt
     # from dPᵀ (accumulated above as its own dots: one more [BT, BV] dot per V block).
     if SCRATCH_T:
-        b_dk += mm(transpose_via_scratch(b_dS, scratch, i_c, i_hv, HV, BT, DOT_PREC), b_q, DOT_PREC)
+        b_dk = mma(transpose_via_scratch(b_dS, scratch, i_c, i_hv, HV, BT, DOT_PREC), b_q, b_dk, DOT_PREC)
     else:
         m_At = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
         b_Et = tl.where(m_At, tl.exp(tl.where(m_At, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
-        b_dk += mm(b_dPt * b_Et * scale, b_q, DOT_PREC)
+        b_dk = mma(b_dPt * b_Et * scale, b_q, b_dk, DOT_PREC)
     tl.store(dq + (o_q[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(b_dq, dq, DOT_PREC),
              mask=m_qk)
     tl.store(dk + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_dk, mask=m_tk)
@@ -148,7 +149,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, beta, scale: float, initial_state, G, Ai
     TT, H, K = k.shape
     HV = v.shape[1]
     gva = HV != H
-    _, w, h, v_new, _ = chunk_states_fwd(k, v, beta, G, initial_state, False, layout, Ai=Ai)
+    _, w, h, v_new, _ = chunk_states_fwd(k, v, beta, G, initial_state, False, layout, Ai=Ai, need_w=True)
     dh, dv_new, dh0 = state_pass_bwd(q, k, w, G, do, dht, scale, initial_state is not None, layout,
                                      query_stride=query_stride)
     dq, dk, dw, dG = chunk_dqkwg(q, k, v_new, h, dh, do, dv_new, G, scale, layout,

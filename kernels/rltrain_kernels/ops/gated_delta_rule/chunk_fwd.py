@@ -16,9 +16,14 @@ from ..common.chunking import ChunkLayout
 from ..common.cumsum import chunk_local_cumsum
 from ..common.launch import launch
 from ..common.state_pass import chunk_states_fwd
-from ..common.precision import cast_for_store, dot_precision, mm, raw_precision
+from ..common.precision import cast_for_store, dot_precision, mma, raw_precision
 
 CHUNK_SIZE = 64
+# (BK, BV) of the output pass, capped at K's and V's powers of two. bench_output_blocks.py (every BK, BV in 64, 128
+# × 2, 4, 8 warps × 1–3 stages; H100, bf16 B8 T2048 H16 K=V=128, 2026-11-23): 64 × 128 at 8 warps / 3 stages
+# 0.156 ms (4w/3s 0.158), 64 × 64 at 2w/2s (before) 0.188, 128 × 128 0.177 at best; fla's 0.15. With BV = V each
+# program forms its Q Kᵀ once instead of once per value block.
+OUTPUT_BLOCKS = (64, 128)
 
 
 @triton.jit
@@ -44,21 +49,20 @@ def chunk_output_fwd_kernel(
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                      other=0.0).to(tl.float32)
-        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                      other=0.0).to(tl.float32)
+        # q, k, h and δ feed only dots: loaded as stored, they reach the tensor cores from shared memory (mm)
+        b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_h = tl.load(h + (i_hc * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
-                      mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_o += mm(b_q, b_h, DOT_PREC)
-        b_A += mm(b_q, tl.trans(b_k), RAW_PREC)
+                      mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_o = mma(b_q, b_h, b_o, DOT_PREC)
+        b_A = mma(b_q, tl.trans(b_k), b_A, RAW_PREC)
     m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
     b_o = b_o * tl.exp(b_G)[:, None]
     b_A = tl.where(m_A, b_A * tl.exp(tl.where(m_A, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
     p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
-    b_v = tl.load(v_new + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-    b_o = (b_o + mm(b_A, b_v, DOT_PREC)) * scale
+    b_v = tl.load(v_new + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+    b_o = mma(b_A, b_v, b_o, DOT_PREC) * scale
     tl.store(o + p_v, cast_for_store(b_o, o, DOT_PREC), mask=m_t[:, None] & m_v[None, :])
 
 
@@ -66,7 +70,7 @@ def chunk_output_fwd(q, k, v_new, h, G, scale: float, layout: ChunkLayout, out_d
     TT, H, K = q.shape
     HV, V = v_new.shape[1], v_new.shape[2]
     o = torch.empty(TT, HV, V, dtype=out_dtype, device=q.device)
-    BK, BV = min(64, triton.next_power_of_2(K)), min(64, triton.next_power_of_2(V))
+    BK, BV = min(OUTPUT_BLOCKS[0], triton.next_power_of_2(K)), min(OUTPUT_BLOCKS[1], triton.next_power_of_2(V))
     if layout.num_chunks:
         chunk_output_fwd_kernel[(layout.num_chunks, triton.cdiv(V, BV), HV)](
             q, k, v_new, h, G, o, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,

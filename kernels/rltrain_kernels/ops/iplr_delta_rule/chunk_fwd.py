@@ -24,15 +24,15 @@ from ..common.chunking import ChunkLayout
 from ..common.launch import launch
 from ..common.precision import (cast_for_store, iplr_dot_precision, iplr_operand_dtype, mm, mma, raw_precision,
                                 solve_precision)
+from ..common.state_pass import state_launch
 from ..common.wy import solve_unit_lower
 
 CHUNK_SIZE = 64
-# (BK, BV) of the output pass, capped at K's and V's powers of two. Untimed against the alternatives: fla's autotuner
-# picks 128 × 128 for its IPLR output kernel on H100 (0.20 ms against our 0.23 at bf16 B8 T2048 H16 K=V=128). Compile
-# report there (4 warps / 3 stages; regs, shared KiB, blocks per SM): 64 × 64 178 / 89 / 2; 128 × 64 178 / 33 / 2;
-# 128 × 128 246 / 49 / 2 with half the programs, each reading its q, k, b tiles once instead of per V block.
-# `bench_iplr_delta_rule.py --output-blocks BK,BV` times another.
-OUTPUT_BLOCKS = (64, 64)
+# (BK, BV) of the output pass, capped at K's and V's powers of two. kernels/benchmarks/bench_output_blocks.py (H100,
+# bf16 B8 T2048 H16 K=V=128, 2026-11-23; each BK, BV in 64, 128 × 2, 4, 8 warps × 1–3 stages): 64 × 128 at 4 warps /
+# 2 stages 0.205 ms (1 stage 0.202: the stage count Triton 3.6 has miscompiled elsewhere), 128 × 128 0.210, 64 × 64
+# (before) 0.238; fla's autotuned 128 × 128 ran 0.20.
+OUTPUT_BLOCKS = (64, 128)
 
 
 @triton.jit
@@ -133,13 +133,13 @@ def iplr_state_pass_fwd_kernel(
         # be copied into shared memory for the next chunk too, and at 117 KiB one block per SM fits instead of two
         # (forward 0.35 → 0.58 ms at B8 T2048 on H100, RESULTS.md)
         b_w = tl.load(w + p_k, mask=m_tk, other=0.0).to(tl.float32)
-        b_x = tl.load(u + p_v, mask=m_tv, other=0.0) - mm(b_w, b_h, DOT_PREC)
+        b_x = -mma(b_w, b_h, -tl.load(u + p_v, mask=m_tv, other=0.0), DOT_PREC)  # u − w S, w S accumulated on −u
         tl.store(x + p_v, cast_for_store(b_x, x, DOT_PREC), mask=m_tv)
         b_b = tl.load(b + p_k, mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
         b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_h += mm(tl.trans(b_b), b_x, DOT_PREC)
-        b_h += mm(tl.trans(b_k), b_v, RAW_PREC)
+        b_h = mma(tl.trans(b_b), b_x, b_h, DOT_PREC)
+        b_h = mma(tl.trans(b_k), b_v, b_h, RAW_PREC)
     if STORE_FINAL_STATE:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + state_offset, b_h, mask=m_h)
 
@@ -152,8 +152,9 @@ def iplr_state_pass_fwd(k, v, b, w, u, initial_state, output_final_state: bool, 
     N = layout.num_seqs
     if K > 256:
         raise ValueError(f"the chunked state pass keeps the whole key dim in registers: K={K} must be <= 256")
-    # BV=32 as in common/state_pass.py: a [128, 32] fp32 state tile plus [64, 128] operands fit 4 warps (K=128).
-    BK, BV = triton.next_power_of_2(K), min(32, triton.next_power_of_2(V))
+    # BV by common/state_pass.py's occupancy rule: 64 value columns per program (iplr_state_pass_fwd_wide) when the
+    # programs still fill every SM, else 32 (a [128, 32] fp32 state tile plus [64, 128] operands fit 4 warps).
+    name, BK, BV = state_launch("iplr_state_pass_fwd", N * H, K, V, k.device)
     h = torch.empty(layout.num_chunks, H, K, V, dtype=iplr_operand_dtype(k.dtype), device=k.device)
     x = torch.empty(TT, H, V, dtype=iplr_operand_dtype(k.dtype), device=k.device)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
@@ -162,7 +163,7 @@ def iplr_state_pass_fwd(k, v, b, w, u, initial_state, output_final_state: bool, 
             k, v, b, w, u, h, x, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, K=K, V=V,
             BT=layout.chunk_size, BK=BK, BV=BV, USE_INITIAL_STATE=initial_state is not None,
             STORE_FINAL_STATE=output_final_state, DOT_PREC=iplr_dot_precision(k.dtype),
-            RAW_PREC=raw_precision(k.dtype), **launch("iplr_state_pass_fwd"))
+            RAW_PREC=raw_precision(k.dtype), **launch(name))
     return h, x, ht
 
 
