@@ -55,7 +55,9 @@ LAUNCH: dict[str, dict[str, int]] = {
     "iplr_wy_fwd": dict(num_warps=4, num_stages=3),
     "iplr_output_fwd": dict(num_warps=4, num_stages=2),  # with chunk_fwd.py's OUTPUT_BLOCKS (bench_output_blocks.py)
     "iplr_output_bwd": dict(num_warps=8, num_stages=3),  # both of iplr_delta_rule/chunk_bwd.py's output kernels
-    "iplr_wy_bwd": dict(num_warps=8, num_stages=3),
+    # the WY backward with its transposes through a scratch tile (TRANSPOSE_VIA_SCRATCH): 4w/2s 0.54 ms (233 registers,
+    # 97 KiB, two blocks per SM), 4w/3s 0.65, 8w/3s 0.69 (H100, bf16 B8 T2048, 2026-11-23; 0.72 as dots at 8w/3s)
+    "iplr_wy_bwd": dict(num_warps=4, num_stages=2),
 }
 
 

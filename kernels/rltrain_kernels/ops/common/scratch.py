@@ -39,6 +39,7 @@ def transpose_via_scratch(x, scratch, i_c, i_hv, HV: tl.constexpr, BT: tl.conste
     through its own scratch tile."""
     o_i = tl.arange(0, BT)
     p_tile = scratch + (i_c * HV + i_hv).to(tl.int64) * BT * BT
+    tl.debug_barrier()  # a kernel transposing twice: every thread has read the tile's last contents before the store
     tl.store(p_tile + o_i[:, None] * BT + o_i[None, :], cast_for_store(x, scratch, DOT_PREC))
     tl.debug_barrier()  # every thread's part of the tile is written before any thread reads another's
     return tl.load(p_tile + o_i[None, :] * BT + o_i[:, None]).to(tl.float32)

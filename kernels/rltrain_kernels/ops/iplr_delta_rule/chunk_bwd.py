@@ -10,8 +10,9 @@ total gradient of X from the state pass; W = T A = −w so that X = W S + u):
     dv = scale (Q Kᵀ ⊙ M)ᵀ dO + K dS' + strict(A Kᵀ)ᵀ Tᵀ dX,     dW = dX Sᵀ
     da = Tᵀ dW + dM_ab B + dM_ak K,  with  dT = dW Aᵀ + dX Vᵀ strict(A Kᵀ)ᵀ,
     dM_ab = strict(Tᵀ dT Tᵀ)  (T = (I − M_ab)⁻¹),   dM_ak = strict(Tᵀ dX Vᵀ)
-Every transposed [BT, BT] product is accumulated as its own dot from loaded tiles instead of transposing a dot result
-(the Hopper miscompile pattern of fla #640, see common/wy_bwd.py). Tiles that feed only dots are loaded as stored
+No transposed [BT, BT] product is a tl.trans of a dot result (the Hopper miscompile pattern of fla #640, see
+common/wy_bwd.py): each is accumulated as its own dot from loaded tiles, or in the WY backward, with
+common/scratch.py's TRANSPOSE_VIA_SCRATCH, goes through a scratch tile. Tiles that feed only dots are loaded as stored
 (no fp32 copy): the dots take them, transposed too, from shared memory (common/precision.py mm).
 """
 
@@ -24,7 +25,8 @@ import triton.language as tl
 from ..common.chunking import ChunkLayout
 from ..common.launch import launch
 from ..common.state_pass import state_pass_bwd
-from ..common.precision import cast_for_store, iplr_dot_precision, iplr_operand_dtype, mm, raw_precision
+from ..common.precision import cast_for_store, iplr_dot_precision, iplr_operand_dtype, mm, mma, raw_precision
+from ..common.scratch import scratch_tiles, transpose_via_scratch
 from .chunk_fwd import iplr_state_pass_fwd, iplr_wy_fwd
 
 
@@ -153,9 +155,9 @@ def iplr_output_bwd(q, k, v, b, x, h, dh, do, dx, scale: float, layout: ChunkLay
 
 @triton.jit
 def iplr_wy_bwd_kernel(
-    k, v, a, b, Ai, dw, dx, dk, db, dv, da, dk_out, db_out, dv_out, cu_seqlens, chunk_indices,
+    k, v, a, b, Ai, dw, dx, dk, db, dv, da, dk_out, db_out, dv_out, scratch, cu_seqlens, chunk_indices,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr, SCRATCH_T: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + i_c * 2)
@@ -168,6 +170,9 @@ def iplr_wy_bwd_kernel(
     m_L = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
     m_U = (o_i[:, None] < o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_T = tl.load(Ai + (o_t[:, None] * H + i_h) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+    # Each transposed product below (k_iᵀ a_j, dTᵀ, V dXᵀ and the two T-sandwiches built from them) is either a dot of
+    # its own, or with SCRATCH_T the transpose of its partner through a scratch tile (common/scratch.py: a tl.trans
+    # of a dot result is what Triton 3.4–3.7.0 miscompiles on Hopper): 10 of the kernel's 36 64×64×64 products fewer.
     b_Mak = tl.zeros([BT, BT], dtype=tl.float32)   # a_iᵀ k_j
     b_Makt = tl.zeros([BT, BT], dtype=tl.float32)  # k_iᵀ a_j
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
@@ -179,12 +184,16 @@ def iplr_wy_bwd_kernel(
         b_a = tl.load(a + p_k, mask=m_k, other=0.0)
         b_k = tl.load(k + p_k, mask=m_k, other=0.0)
         b_dw = tl.load(dw + p_k, mask=m_k, other=0.0)
-        b_Mak += mm(b_a, tl.trans(b_k), RAW_PREC)
-        b_Makt += mm(b_k, tl.trans(b_a), RAW_PREC)
-        b_dT += mm(b_dw, tl.trans(b_a), DOT_PREC)
-        b_dTt += mm(b_a, tl.trans(b_dw), DOT_PREC)
+        b_Mak = mma(b_a, tl.trans(b_k), b_Mak, RAW_PREC)
+        b_dT = mma(b_dw, tl.trans(b_a), b_dT, DOT_PREC)
+        if not SCRATCH_T:
+            b_Makt = mma(b_k, tl.trans(b_a), b_Makt, RAW_PREC)
+            b_dTt = mma(b_a, tl.trans(b_dw), b_dTt, DOT_PREC)
     b_Mak = tl.where(m_L, b_Mak, 0.0)
-    b_Makt = tl.where(m_U, b_Makt, 0.0)
+    if SCRATCH_T:
+        b_Makt = transpose_via_scratch(b_Mak, scratch, i_c, i_h, H, BT, DOT_PREC)
+    else:
+        b_Makt = tl.where(m_U, b_Makt, 0.0)
     b_dXV = tl.zeros([BT, BT], dtype=tl.float32)  # dX Vᵀ
     b_VdX = tl.zeros([BT, BT], dtype=tl.float32)  # V dXᵀ
     for i_v in range(tl.cdiv(V, BV)):
@@ -193,18 +202,24 @@ def iplr_wy_bwd_kernel(
         p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_v, other=0.0)
         b_dx = tl.load(dx + p_v, mask=m_v, other=0.0)
-        b_dXV += mm(b_dx, tl.trans(b_v), DOT_PREC)
-        b_VdX += mm(b_v, tl.trans(b_dx), DOT_PREC)
+        b_dXV = mma(b_dx, tl.trans(b_v), b_dXV, DOT_PREC)
+        if not SCRATCH_T:
+            b_VdX = mma(b_v, tl.trans(b_dx), b_VdX, DOT_PREC)
         b_dY = mm(tl.trans(b_T), b_dx, DOT_PREC)  # ∂L/∂(strict(A Kᵀ) V)
         b_dv = tl.load(dv + p_v, mask=m_v, other=0.0) + mm(b_Makt, b_dY, DOT_PREC)
         tl.store(dv_out + p_v, cast_for_store(b_dv, dv_out, DOT_PREC), mask=m_v)
-    b_dT += mm(b_dXV, b_Makt, DOT_PREC)
-    b_dTt += mm(b_Mak, b_VdX, DOT_PREC)
+    b_dT = mma(b_dXV, b_Makt, b_dT, DOT_PREC)
     b_dMab = mm(mm(tl.trans(b_T), b_dT, DOT_PREC), tl.trans(b_T), DOT_PREC)
+    b_dMak = mm(tl.trans(b_T), b_dXV, DOT_PREC)
+    if SCRATCH_T:  # T dTᵀ T = (Tᵀ dT Tᵀ)ᵀ and V dXᵀ T = (Tᵀ dX Vᵀ)ᵀ
+        b_dMabt = tl.where(m_U, transpose_via_scratch(b_dMab, scratch, i_c, i_h, H, BT, DOT_PREC), 0.0)
+        b_dMakt = tl.where(m_U, transpose_via_scratch(b_dMak, scratch, i_c, i_h, H, BT, DOT_PREC), 0.0)
+    else:
+        b_dTt = mma(b_Mak, b_VdX, b_dTt, DOT_PREC)
+        b_dMabt = tl.where(m_U, mm(mm(b_T, b_dTt, DOT_PREC), b_T, DOT_PREC), 0.0)
+        b_dMakt = tl.where(m_U, mm(b_VdX, b_T, DOT_PREC), 0.0)
     b_dMab = tl.where(m_L, b_dMab, 0.0)
-    b_dMabt = tl.where(m_U, mm(mm(b_T, b_dTt, DOT_PREC), b_T, DOT_PREC), 0.0)
-    b_dMak = tl.where(m_L, mm(tl.trans(b_T), b_dXV, DOT_PREC), 0.0)
-    b_dMakt = tl.where(m_U, mm(b_VdX, b_T, DOT_PREC), 0.0)
+    b_dMak = tl.where(m_L, b_dMak, 0.0)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
@@ -232,11 +247,12 @@ def iplr_wy_bwd(k, v, a, b, Ai, dw, dx, dk, db, dv, layout: ChunkLayout):
     dk_out, db_out, dv_out = (g if g.dtype == x.dtype else torch.empty_like(g, dtype=x.dtype)
                               for g, x in ((dk, k), (db, b), (dv, v)))
     if layout.num_chunks:
+        scratch = scratch_tiles(layout, H, iplr_operand_dtype(k.dtype), k.device)
         iplr_wy_bwd_kernel[(layout.num_chunks, H)](
-            k, v, a, b, Ai, dw, dx, dk, db, dv, da, dk_out, db_out, dv_out, layout.cu_seqlens, layout.chunk_indices,
-            H=H, K=K, V=V, BT=layout.chunk_size, BK=min(64, triton.next_power_of_2(K)),
+            k, v, a, b, Ai, dw, dx, dk, db, dv, da, dk_out, db_out, dv_out, scratch, layout.cu_seqlens,
+            layout.chunk_indices, H=H, K=K, V=V, BT=layout.chunk_size, BK=min(64, triton.next_power_of_2(K)),
             BV=min(64, triton.next_power_of_2(V)), DOT_PREC=iplr_dot_precision(k.dtype),
-            RAW_PREC=raw_precision(k.dtype), **launch("iplr_wy_bwd"))
+            RAW_PREC=raw_precision(k.dtype), SCRATCH_T=scratch is not None, **launch("iplr_wy_bwd"))
     return dk_out, db_out, dv_out, da
 
 
