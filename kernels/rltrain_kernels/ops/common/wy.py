@@ -116,7 +116,8 @@ def gated_wy_fwd_kernel(
 def gated_wy_fwd(k, v, beta, G, layout: ChunkLayout, Ai=None, store_u: bool = True, store_w: bool = True):
     """k [tokens, H, K], v [tokens, HV, V], beta/G [tokens, HV] (G fp32 chunk-local cumsum or None) →
     (Ai [tokens, HV, BT] = T and w [tokens, HV, K] (None without store_w) in recurrence_operand_dtype(k.dtype),
-    u [tokens, HV, V] fp32, or None without store_u). With Ai given, skip the solve and only rebuild w (and u): the backward's recomputation."""
+    u [tokens, HV, V] fp32, or None without store_u). With Ai given, skip the solve and only rebuild w (and u): the
+    backward's recomputation."""
     TT, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     BT = layout.chunk_size
