@@ -101,20 +101,13 @@ def time_rule_expanded(B, T, H, D, n_h):
 def profile_kernels(fla_chunk, n_h, B=8, T=2048, H=16, D=128):
     """Per-kernel CUDA time of one forward+backward, ours and fla's on the same inputs (after warm-ups): kernel time
     does not move with the host overhead that wall-clock times carry."""
-    from kernel_profile import print_kernel_times
+    from kernel_profile import print_fwd_bwd_kernel_times
 
     (q, k, v, g, beta), h0 = make_inputs(B, T, H, D, D, n_h, requires_grad=True)
-    do = torch.randn_like(q)
-    for name, fn in (("ours", chunk_gated_delta_product), ("fla 0.6", fla_chunk)):
-        if fn is None:
-            continue
-
-        def step(fn=fn):
-            for t in (q, k, v, g, beta):
-                t.grad = None
-            fn(q, k, v, g, beta, n_h, initial_state=h0, output_final_state=True)[0].backward(do)
-
-        print_kernel_times(f"{name} fwd+bwd B{B} T{T} H{H} K=V={D} n_h={n_h}", step, top=14)
+    print_fwd_bwd_kernel_times(
+        f"fwd+bwd B{B} T{T} H{H} K=V={D} n_h={n_h}", (("ours", chunk_gated_delta_product), ("fla 0.6", fla_chunk)),
+        [q, k, v, g, beta], lambda fn: fn(q, k, v, g, beta, n_h, initial_state=h0, output_final_state=True),
+        torch.randn_like(q))
 
 
 def forward_agreement(fla_chunk, B, T, H, D, n_h) -> float:

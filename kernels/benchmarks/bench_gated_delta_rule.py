@@ -108,20 +108,13 @@ def time_decode(fn, B, H, D):
 def profile_kernels(fla_chunk, B=8, T=2048, H=16, D=128):
     """Per-kernel CUDA time of one forward+backward, ours and fla's on the same inputs (after warm-ups, so fla's
     autotuner has picked), then the config fla's autotuner picked per kernel: which kernel carries the gap."""
-    from kernel_profile import print_autotune_picks, print_kernel_times
+    from kernel_profile import print_autotune_picks, print_fwd_bwd_kernel_times
 
     (q, k, v, g, beta), h0 = make_inputs(B, T, H, D, D, requires_grad=True)
-    do = torch.randn_like(v)
-    for name, fn in (("ours", chunk_gated_delta_rule), ("fla 0.6", fla_chunk)):
-        if fn is None:
-            continue
-
-        def step(fn=fn):
-            for t in (q, k, v, g, beta):
-                t.grad = None
-            fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)[0].backward(do)
-
-        print_kernel_times(f"{name} fwd+bwd B{B} T{T} H{H} K=V={D}", step, top=14)
+    print_fwd_bwd_kernel_times(
+        f"fwd+bwd B{B} T{T} H{H} K=V={D}", (("ours", chunk_gated_delta_rule), ("fla 0.6", fla_chunk)),
+        [q, k, v, g, beta], lambda fn: fn(q, k, v, g, beta, initial_state=h0, output_final_state=True),
+        torch.randn_like(v))
     if fla_chunk is not None:
         print_autotune_picks("fla.")
 

@@ -52,6 +52,22 @@ def print_kernel_times(label: str, step, top: int = 10) -> None:
         print(f"  {ms:8.3f} ms  after {before[:40]} | before {after[:40]}")
 
 
+def print_fwd_bwd_kernel_times(label: str, impls, leaves: list, call, do, top: int = 14) -> None:
+    """print_kernel_times of one forward+backward for each (name, fn) of `impls` (an fn of None skipped): call(fn)
+    runs the forward, its first output takes `do` backward, the `leaves`' gradients cleared before each step. The
+    delta-rule benches' `--profile`, ours and a peer's on the same inputs."""
+    for name, fn in impls:
+        if fn is None:
+            continue
+
+        def step(fn=fn):
+            for t in leaves:
+                t.grad = None
+            call(fn)[0].backward(do)
+
+        print_kernel_times(f"{name} {label}", step, top=top)
+
+
 def print_autotune_picks(prefix: str) -> None:
     """The config each autotuned kernel of the modules under `prefix` picked in this process, per tuning key."""
     import sys

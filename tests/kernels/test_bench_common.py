@@ -263,3 +263,26 @@ def test_set_switches_by_name(monkeypatch):
                        ("state_pass.U_FROM_T=1", "is a bool, got int"), ("state_pass.U_FROM_T=yes", "not a Python literal")):
         with pytest.raises(SystemExit, match=words):
             apply_switches([bad])
+
+
+def test_profile_helper_runs_each_implementation_once_per_step(monkeypatch):
+    """kernel_profile.print_fwd_bwd_kernel_times (the delta-rule benches' --profile): one labelled profile per present
+    implementation, its step a forward+backward on the shared leaves with their gradients cleared first (a gradient
+    accumulated across the profiler's warm-up calls would show here as a multiple)."""
+    import kernel_profile
+
+    profiled = []
+
+    def fake_print(label, step, top=10):
+        for _ in range(3):  # the warm-ups and the profiled call
+            step()
+        profiled.append((label, x.grad.clone()))
+
+    monkeypatch.setattr(kernel_profile, "print_kernel_times", fake_print)
+    x = torch.randn(4, requires_grad=True)
+    do = torch.randn(4)
+    double = lambda t: (2 * t,)  # noqa: E731
+    kernel_profile.print_fwd_bwd_kernel_times("fwd+bwd", (("ours", double), ("peer", None)), [x],
+                                              lambda fn: fn(x), do)
+    assert [label for label, _ in profiled] == ["ours fwd+bwd"]
+    assert torch.equal(profiled[0][1], 2 * do)

@@ -94,10 +94,11 @@ def state_pass_fwd_kernel(
             b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
         # w, T and k feed only dots: loaded as stored, they reach the tensor cores from shared memory (mm)
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        if W_FREE:  # δ = T diag(β) (V − diag(γ) K S)
+        if U_FROM_T:  # T, β and v in place of the u the WY kernel would have written (W_FREE needs them too)
             b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
             b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
             b_vin = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        if W_FREE:  # δ = T diag(β) (V − diag(γ) K S)
             b_ks = mm(b_k, b_h, DOT_PREC)
             if USE_G:
                 b_ks = b_ks * tl.exp(b_G)[:, None]
@@ -105,10 +106,7 @@ def state_pass_fwd_kernel(
         else:
             b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                           other=0.0)
-            if U_FROM_T:  # −u = T diag(−β) V (u as the WY kernel would have written it)
-                b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
-                b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-                b_vin = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+            if U_FROM_T:  # −u = T diag(−β) V
                 b_nu = mm(b_T, b_vin * -b_beta[:, None], DOT_PREC)
             else:
                 b_nu = -tl.load(u + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
