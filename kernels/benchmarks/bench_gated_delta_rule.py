@@ -27,7 +27,6 @@ from rltrain_kernels.ops.gated_delta_rule import (
     naive_recurrent_gated_delta_rule,
 )
 
-COPY_CEILING_TBPS = 4.19  # H200 device copy (read + write), /work/shared/ENVIRONMENT.md
 
 
 def load_fla():
@@ -177,14 +176,15 @@ def sweep_precision(fla_chunk, H=16, D=128):
 def compare_variants(H=16, D=128):
     """The structural switches, the shipped default then each one flipped alone: common/scratch.py's
     TRANSPOSE_VIA_SCRATCH (dSᵀ, Bᵀ through a scratch tile instead of their own dots), common/state_pass.py's U_FROM_T
-    (u formed in the state pass, never stored), W_FREE (δ formed from T and K S, no w read; acts with U_FROM_T) and
-    LOCAL_DV_FP32 (the chunk-local Pᵀ dO kept in fp32). Each: gradients against the fp32 naive recurrence, three runs
+    (u formed in the state pass, never stored), W_FREE (δ formed from T and K S, no w read; acts with U_FROM_T),
+    LOCAL_DV_FP32 (the chunk-local Pᵀ dO kept in fp32), REVERSE_W_FREE (the reverse pass forms wᵀ dδ from T) and
+    LOCAL_DV_FUSED (Pᵀ dO formed in the reverse pass). Each: gradients against the fp32 naive recurrence, three runs
     (a missing barrier would show as a changing error), then forward and fwd+bwd at both timed shapes. The first row
     is the shipped default."""
     from rltrain_kernels.ops.common import scratch, state_pass
 
     switches = ((scratch, "TRANSPOSE_VIA_SCRATCH"), (state_pass, "U_FROM_T"), (state_pass, "W_FREE"),
-                (state_pass, "LOCAL_DV_FP32"))
+                (state_pass, "LOCAL_DV_FP32"), (state_pass, "REVERSE_W_FREE"), (state_pass, "LOCAL_DV_FUSED"))
     default = tuple(getattr(module, name) for module, name in switches)
     variants = [default] + [tuple(not x if j == i else x for j, x in enumerate(default)) for i in range(len(default))]
     checks, references = precision_checks()
@@ -226,7 +226,7 @@ def main():
                          "programs still fill every SM)")
     parser.add_argument("--compare-variants", action="store_true",
                         help="time and check the structural switches (TRANSPOSE_VIA_SCRATCH, U_FROM_T, W_FREE, "
-                             "LOCAL_DV_FP32), each flipped alone, and exit")
+                             "LOCAL_DV_FP32, REVERSE_W_FREE, LOCAL_DV_FUSED), each flipped alone, and exit")
     args = parser.parse_args()
     torch.manual_seed(0)
     apply_launch_overrides(args.launch)
@@ -284,11 +284,14 @@ def main():
     print("| --- | --- | ---: | ---: |")
     for case, impl, t_fwd, t_all in rows:
         print(f"| {case} | {impl} | {t_fwd:.3f} | {t_all:.3f} |")
+    from bench_norm_act_rope import copy_ceiling_gbps
+
+    ceiling = copy_ceiling_gbps() / 1e3  # measured in this run (H200 4.2 TB/s, H100 3.0)
     print(f"\n## Decode step, B={decode_B}, H={H}, K=V={D}, fp32 state in/out\n")
-    print(f"| implementation | ms | state TB/s | % of {COPY_CEILING_TBPS} TB/s copy |")
+    print(f"| implementation | ms | state TB/s | % of this device's {ceiling:.2f} TB/s copy |")
     print("| --- | ---: | ---: | ---: |")
     for impl, t, tbps in decode:
-        print(f"| {impl} | {t:.4f} | {tbps:.2f} | {100 * tbps / COPY_CEILING_TBPS:.0f}% |")
+        print(f"| {impl} | {t:.4f} | {tbps:.2f} | {100 * tbps / ceiling:.0f}% |")
 
 
 if __name__ == "__main__":

@@ -52,8 +52,12 @@ def test_state_pass_value_block(monkeypatch):
     cpu = torch.device("cpu")
     # 8 sequences × 16 heads × 128/64 = 256 programs fill 132 SMs: the 64-column settings
     assert state_pass.state_launch("state_pass_fwd", 128, 128, 128, cpu) == ("state_pass_fwd_wide", 128, 64)
-    # 2 × 16 × 2 = 64 programs would leave SMs idle: 32 columns, twice the programs
+    # 2 × 16 × 2 = 64 programs would leave SMs idle: NARROW_BV's columns (the reverse pass 32, the forward 16)
     assert state_pass.state_launch("state_pass_bwd", 32, 128, 128, cpu) == ("state_pass_bwd", 128, 32)
-    # wide keys and narrow values stay at 32 (or V)
-    assert state_pass.state_launch("state_pass_fwd", 512, 256, 128, cpu) == ("state_pass_fwd", 256, 32)
-    assert state_pass.state_launch("state_pass_fwd", 512, 64, 16, cpu) == ("state_pass_fwd", 64, 16)
+    assert state_pass.state_launch("state_pass_fwd", 32, 128, 128, cpu) == ("state_pass_fwd", 128, 16)
+    assert state_pass.state_launch("iplr_state_pass_fwd", 32, 128, 128, cpu) == ("iplr_state_pass_fwd", 128, 32)
+    # wide keys stay narrow; narrow values take V when it is below the narrow width
+    assert state_pass.state_launch("state_pass_bwd", 512, 256, 128, cpu) == ("state_pass_bwd", 256, 32)
+    assert state_pass.state_launch("state_pass_fwd", 512, 64, 8, cpu) == ("state_pass_fwd", 64, 8)
+    monkeypatch.setattr(state_pass, "NARROW_BV", {})
+    assert state_pass.state_launch("state_pass_fwd", 32, 128, 128, cpu) == ("state_pass_fwd", 128, 32)

@@ -434,11 +434,12 @@ def test_chunk_forward_state_pass_without_w(dtype, device, monkeypatch):
         stores.append(w is not None)
         return Ai, w, u
 
-    def check_stores(w_free):  # forward: w only when the pass reads it; the backward's recompute: always
-        assert stores == [not w_free, True], stores
+    def check_stores(w_free):  # forward: w only when the pass reads it; the backward's recompute: w (the reverse
+        assert stores == [not w_free, True], stores  # pass reads it here: REVERSE_W_FREE off)
         stores.clear()
 
     monkeypatch.setattr(state_pass, "gated_wy_fwd", spy)
+    monkeypatch.setattr(state_pass, "REVERSE_W_FREE", False)
     for V, gate in ((16, "normal"), (64, "normal"), (64, "none")):
         inputs, cu = packed_case(V, dtype, device)
         if gate == "none":
@@ -447,6 +448,40 @@ def test_chunk_forward_state_pass_without_w(dtype, device, monkeypatch):
         for name, a, b in zip(GRAD_NAMES, results[True], results[False]):
             # bf16: the two paths round δ's terms differently (seen up to 5.1e-3 apart); each is also held to the
             # float64 reference above, and fp32 to 1e-5 here
+            assert_rel_close(a, b, threshold=1e-5 if dtype == torch.float32 else 1e-2, name=f"d{name} (V={V})")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunk_reverse_state_pass_without_w(dtype, device, monkeypatch):
+    """common/state_pass.py's REVERSE_W_FREE (wᵀ dδ = Kᵀ diag(βγ) Tᵀ dδ formed in the reverse state pass): the
+    backward launches no WY kernel at all (the forward's one, with the solve, is the only launch), and the gradients
+    match the path that reads w, against float64 too; varlen with a partial chunk, GVA, K != V, both state-pass
+    widths (V = 16 and 64), the gate near and far from 1 (g = 0: no decay)."""
+    from rltrain_kernels.ops.common import state_pass, wy
+
+    launches = []
+    kernel = wy.gated_wy_fwd_kernel
+
+    class Spy:  # records whether each WY launch solves (Ai not loaded) or rebuilds w, then launches
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launches.append("solve" if not kwargs["LOAD_AI"] else "rebuild w")
+                return kernel[grid](*args, **kwargs)
+            return run
+
+    def check_launches(w_free):
+        assert launches == (["solve"] if w_free else ["solve", "rebuild w"]), launches
+        launches.clear()
+
+    monkeypatch.setattr(wy, "gated_wy_fwd_kernel", Spy())
+    for V, gate in ((16, "normal"), (64, "normal"), (64, "none")):
+        inputs, cu = packed_case(V, dtype, device)
+        if gate == "none":
+            inputs[3].data.zero_()
+        results = gradients_per_switch(monkeypatch, state_pass, "REVERSE_W_FREE", (False, True), inputs, cu,
+                                       check_launches)
+        for name, a, b in zip(GRAD_NAMES, results[True], results[False]):
+            # bf16: Tᵀ dδ rounded where w was (each path also held to float64 above)
             assert_rel_close(a, b, threshold=1e-5 if dtype == torch.float32 else 1e-2, name=f"d{name} (V={V})")
 
 
@@ -467,11 +502,51 @@ def test_chunk_gradients_with_local_dv_in_operand_dtype(device, monkeypatch):
             return run
 
     monkeypatch.setattr(state_pass, "local_dv_kernel", Spy())
+    monkeypatch.setattr(state_pass, "LOCAL_DV_FUSED", False)  # the switch is about the separate kernel's buffer
     inputs, cu = packed_case(64, torch.bfloat16, device)
     results = gradients_per_switch(monkeypatch, state_pass, "LOCAL_DV_FP32", (True, False), inputs, cu)
     assert buffers == [torch.float32, torch.bfloat16], buffers
     for name, a, b in zip(GRAD_NAMES, results[True], results[False]):  # seen 1.3e-3: one more bf16 rounding
         assert_rel_close(b, a, threshold=5e-3, name=f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunk_gradients_with_local_dv_fused(dtype, device, monkeypatch):
+    """common/state_pass.py's LOCAL_DV_FUSED (Pᵀ dO formed inside the reverse pass, in its wide launch): no
+    local_dv_kernel launch there, the separate kernel in the narrow launch, and the gradients of the two-kernel path,
+    against float64 too; varlen with a partial chunk, GVA, K != V, both state-pass widths (V = 16: narrow, 64: wide
+    on the interpreter), with and without the gate's decay."""
+    from rltrain_kernels.ops.common import state_pass
+
+    launches = []
+    kernel = state_pass.local_dv_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launches.append(grid)
+                return kernel[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(state_pass, "local_dv_kernel", Spy())
+    for V, gate in ((16, "normal"), (64, "normal"), (64, "none")):
+        wide = state_pass.state_launch("state_pass_bwd", len(PACKED_LENGTHS) * 2, 32, V, torch.device(device))[0]
+        wide = wide.endswith("_wide")
+        if device == "cpu":  # the interpreter counts one SM: both launches are reached here
+            assert wide == (V == 64)
+
+        def check_launches(fused):
+            assert len(launches) == (0 if fused and wide else 1), launches
+            launches.clear()
+
+        inputs, cu = packed_case(V, dtype, device)
+        if gate == "none":
+            inputs[3].data.zero_()
+        results = gradients_per_switch(monkeypatch, state_pass, "LOCAL_DV_FUSED", (False, True), inputs, cu,
+                                       check_launches)
+        for name, a, b in zip(GRAD_NAMES, results[True], results[False]):
+            # bf16: the fused path rounds dδ once where the two kernels round Pᵀ dO first
+            assert_rel_close(a, b, threshold=1e-5 if dtype == torch.float32 else 5e-3, name=f"d{name} (V={V})")
 
 
 @pytest.mark.parametrize("gate", ["near_zero", "strong"])
@@ -650,7 +725,8 @@ def test_chunk_bf16_both_state_pass_launches(value_block, device, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("switch", ["scratch.TRANSPOSE_VIA_SCRATCH", "state_pass.U_FROM_T", "state_pass.W_FREE",
-                                    "state_pass.LOCAL_DV_FP32"])
+                                    "state_pass.LOCAL_DV_FP32", "state_pass.REVERSE_W_FREE",
+                                    "state_pass.LOCAL_DV_FUSED"])
 @pytest.mark.parametrize("on", [True, False], ids=["on", "off"])
 def test_chunk_bf16_structural_variants_real_size(switch, on, device, monkeypatch):
     """Both sides of each structural switch (on by default since a GPU run timed them) at a real size on the GPU:

@@ -10,9 +10,10 @@ Forward, per (sequence, value head, V block), chunk by chunk with the [K, BV] fp
 Backward, chunks in reverse, with dS = ∂L/∂(state at the chunk's end) (the final-state gradient to start):
     store dS (per chunk: the gradient of the state the chunk hands on)
     dδ = Pᵀ dO + diag(exp(G_last − G)) K dS,      P_ij = scale q_iᵀk_j exp(G_i − G_j) (j ≤ i)
-    dS ← γ_last dS + scale (diag(γ) Q)ᵀ dO − wᵀ dδ
+    dS ← γ_last dS + scale (diag(γ) Q)ᵀ dO − wᵀ dδ   (with REVERSE_W_FREE wᵀ dδ = Kᵀ diag(βγ) Tᵀ dδ, no w read)
 and the dS left after the first chunk is the initial-state gradient. The chunk-local term Pᵀ dO needs no state:
-a chunk-parallel kernel computes it first (once per chunk, not once per V block inside the sequential loop).
+in the wide launch the reverse pass forms it itself off the chunk's chain (LOCAL_DV_FUSED); in the narrow one a
+chunk-parallel kernel computes it first (once per chunk, not once per V block inside the latency-bound loop).
 With a query stride NH > 1 (the gated delta product's n_h sub-steps per token) q and dO hold one row per token,
 the query of row t·NH + NH − 1 of the expanded axis, and the other rows' queries are zero: the backward kernels
 read them in place (query_rows) instead of from zero-scattered expanded copies.
@@ -60,6 +61,24 @@ W_FREE = True
 # bf16 with bf16 dots, rounded twice at half the bytes. Off since 2026-11-23 (H100, bf16 B8 T2048 H16 K=V=128,
 # --profile): local_dv 0.13 → 0.10 ms, reverse pass 0.29 → 0.27; worst gradient error 4.4616e-3 → 4.4615e-3.
 LOCAL_DV_FP32 = False
+# The reverse state pass forms wᵀ dδ = Kᵀ diag(β γ) (Tᵀ dδ) from T, β and the k tile it reads anyway (a [64, 64] ×
+# [64, BV] dot more on the chunk's chain) instead of reading w (w = T diag(β γ) K, common/wy.py): the backward then
+# recomputes no w at all (its WY kernel had nothing else to do: no launch), and the pass holds a [64, 64] T tile
+# where it held a [64, K] w tile. Gated delta rule and product only (IPLR's w is its own; it passes w). On since
+# 2026-11-23 (H100, bf16 B8 T2048 H16 K=V=128, --profile): the backward's WY kernel (0.07 ms) gone, the reverse pass
+# 0.26 → 0.29 ms at 4 warps / 2 stages (121.5 KiB: still one block per SM) or 0.25 at 1 stage; with LOCAL_DV_FUSED
+# 0.23 at 2 stages.
+REVERSE_W_FREE = True
+# The chunk-local Pᵀ dO computed inside the reverse pass (from the q, k and dO tiles it loads anyway; off the chunk's
+# dependence on dS, so it fills the chain's stalls) instead of by local_dv_kernel first: no launch, no fp32 or bf16
+# round trip of it through memory, dδ rounded once. Costs a [64, K] × [K, 64] and a [64, 64] × [64, BV] dot per
+# chunk and V block in the sequential pass (once per V block where the separate kernel does it once per chunk).
+# Taken in the wide launch only (programs fill every SM: the pass is throughput-bound and the extra dots fill its
+# stalls); the narrow one is latency-bound, and there the separate chunk-parallel kernel wins. On since 2026-11-23
+# (H100, bf16 H16 K=V=128, --profile, with REVERSE_W_FREE): at B8 T2048 (wide) reverse pass 0.25 → 0.23 ms and
+# local_dv_kernel's 0.10 ms gone, at 4 warps / 2 stages (96 bytes spilled; 1 stage 0.29, 8 warps 0.38–0.52); at
+# B2 T8192 (narrow) fused 0.46 ms against 0.32 + 0.10 for the two kernels.
+LOCAL_DV_FUSED = True
 
 
 @triton.jit
@@ -130,6 +149,17 @@ def query_rows(o_t, m_t, NH: tl.constexpr):
 
 
 @triton.jit
+def local_pt(b_q, b_k, b_G, m_t, scale, BT: tl.constexpr, USE_G: tl.constexpr, RAW_PREC: tl.constexpr):
+    """The chunk's Pᵀ (fp32 [BT, BT]): Pᵀ[j, i] = scale k_jᵀq_i exp(G_i − G_j) for i ≥ j, zero elsewhere."""
+    o_i = tl.arange(0, BT)
+    m_A = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_At = mm(b_k, tl.trans(b_q), RAW_PREC) * scale
+    if USE_G:
+        b_At = b_At * tl.exp(tl.where(m_A, b_G[None, :] - b_G[:, None], 0.0))
+    return tl.where(m_A, b_At, 0.0)
+
+
+@triton.jit
 def local_dv_kernel(
     q, k, G, do, dv, cu_seqlens, chunk_indices, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
@@ -152,13 +182,10 @@ def local_dv_kernel(
     b_q = tl.load(q + (o_q[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & (o_k < K)[None, :],
                   other=0.0)
     b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-    # Pᵀ[j, i] = scale k_jᵀq_i exp(G_i − G_j) for i ≥ j.
-    m_A = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
-    b_At = mm(b_k, tl.trans(b_q), RAW_PREC) * scale
+    b_G = None
     if USE_G:
         b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
-        b_At = b_At * tl.exp(tl.where(m_A, b_G[None, :] - b_G[:, None], 0.0))
-    b_At = tl.where(m_A, b_At, 0.0)
+    b_At = local_pt(b_q, b_k, b_G, m_t, scale, BT, USE_G, RAW_PREC)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
@@ -170,10 +197,11 @@ def local_dv_kernel(
 
 @triton.jit
 def state_pass_bwd_kernel(
-    q, k, w, G, do, dv_local, dv, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
+    q, k, w, Ai, beta, G, do, dv_local, dv, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
-    STORE_INITIAL_STATE_GRADIENT: tl.constexpr, DOT_PREC: tl.constexpr, NH: tl.constexpr,
+    STORE_INITIAL_STATE_GRADIENT: tl.constexpr, DOT_PREC: tl.constexpr, NH: tl.constexpr, W_FREE: tl.constexpr,
+    FUSE_LOCAL: tl.constexpr, LOCAL_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences × heads on axis 0 (no 65535 limit)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -198,31 +226,44 @@ def state_pass_bwd_kernel(
         m_t = o_t < eos
         o_q, m_q = query_rows(o_t, m_t, NH)
         m_tk = m_t[:, None] & m_k[None, :]
-        # q, k and w feed only dots, loaded as stored (see the forward); the gates scale the dots' other operand or
-        # result rows instead: dO's rows (64 × BV rather than q's 64 × K), and k dS's rows after the dot
+        # q, k, w and T feed only dots, loaded as stored (see the forward); the gates scale the dots' other operand
+        # or result rows instead: dO's rows (64 × BV rather than q's 64 × K), and k dS's rows after the dot
         b_q = tl.load(q + (o_q[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & m_k[None, :], other=0.0)
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
+        if W_FREE:  # wᵀ dδ = Kᵀ diag(β γ) Tᵀ dδ: T and β in place of w
+            b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+            b_wscale = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+        else:
+            b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         b_do = tl.load(do + (o_q[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_q[:, None] & m_v[None, :],
-                       other=0.0).to(tl.float32)
+                       other=0.0)
         b_kdh = mm(b_k, b_dh, DOT_PREC)
         if USE_G:
             last = tl.minimum(bos + (i_t + 1) * BT, eos) - 1
             b_G_last = tl.load(G + last * HV + i_hv)
             b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
             b_kdh = b_kdh * tl.where(m_t, tl.exp(b_G_last - b_G), 0.0)[:, None]
-            b_dos = b_do * (tl.exp(b_G) * scale)[:, None]
+            b_dos = b_do.to(tl.float32) * (tl.exp(b_G) * scale)[:, None]
+            if W_FREE:
+                b_wscale = b_wscale * tl.exp(b_G)
         else:
-            b_dos = b_do * scale
-        # dv_local holds Pᵀ dO from local_dv_kernel (see LOCAL_DV_FP32); dv may be the same buffer
-        b_dv = tl.load(dv_local + p_v, mask=m_tv, other=0.0) + b_kdh
+            b_G = None
+            b_dos = b_do.to(tl.float32) * scale
+        if FUSE_LOCAL:  # Pᵀ dO here, off the chunk's chain (q, k and dO are loaded anyway)
+            b_dv = mma(local_pt(b_q, b_k, b_G, m_t, scale, BT, USE_G, RAW_PREC), b_do, b_kdh, LOCAL_PREC)
+        else:  # dv_local holds Pᵀ dO from local_dv_kernel (see LOCAL_DV_FP32); dv may be the same buffer
+            b_dv = tl.load(dv_local + p_v, mask=m_tv, other=0.0) + b_kdh
         tl.store(dv + p_v, cast_for_store(b_dv, dv, DOT_PREC), mask=m_tv)
         if USE_G:
             b_dh *= tl.exp(b_G_last)
         b_dh = mma(tl.trans(b_q), b_dos, b_dh, DOT_PREC)
-        b_dh = mma(tl.trans(b_w), -b_dv, b_dh, DOT_PREC)
+        if W_FREE:
+            b_ndx = mm(tl.trans(b_T), -b_dv, DOT_PREC) * b_wscale[:, None]  # −diag(β γ) Tᵀ dδ
+            b_dh = mma(tl.trans(b_k), b_ndx, b_dh, DOT_PREC)
+        else:
+            b_dh = mma(tl.trans(b_w), -b_dv, b_dh, DOT_PREC)
     if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, b_dh, mask=m_h)
 
@@ -230,13 +271,18 @@ def state_pass_bwd_kernel(
 # The state passes' value columns per program: "auto" (the occupancy rule of state_launch), or "wide" / "narrow"
 # whatever the batch, for the tests and benchmarks that must reach both launches (`--value-block`).
 VALUE_BLOCK = "auto"
+# Value columns per program of the narrow launch, per pass (32 where not listed). The narrow launch is latency-bound
+# (fewer programs than SMs at 64 columns): more, thinner programs shorten each chunk's chain. The forward pass at 16
+# since 2026-11-23 (H100, bf16 B2 T8192 H16 K=V=128, --profile: 32 sequence-heads): 0.57 → 0.48 ms for its two
+# calls, outputs and gradients unchanged; the reverse pass stays at 32 (0.32 ms; 16: 0.35).
+NARROW_BV: dict[str, int] = {"state_pass_fwd": 16}
 
 
 def state_launch(name: str, programs: int, K: int, V: int, device: torch.device) -> tuple[str, int, int]:
     """(LAUNCH entry, BK, BV) for a state pass over `programs` sequence-heads: the whole key dim in registers, and
     64 value columns per program (the entry's *_wide settings) when K ≤ 128 and programs × V/64 still fill every
-    SM (or VALUE_BLOCK says "wide"), else 32 (a [128, 32] fp32 state tile plus [64, 128] operand tiles fit 4 warps
-    without spilling at K=128)."""
+    SM (or VALUE_BLOCK says "wide"), else NARROW_BV's (a [128, 32] fp32 state tile plus [64, 128] operand tiles fit
+    4 warps without spilling at K=128)."""
     if K > 256:
         raise ValueError(f"the chunked state pass keeps the whole key dim in registers: K={K} must be <= 256")
     BK = triton.next_power_of_2(K)
@@ -244,7 +290,7 @@ def state_launch(name: str, programs: int, K: int, V: int, device: torch.device)
     fills = VALUE_BLOCK == "wide" or (VALUE_BLOCK == "auto" and programs * triton.cdiv(V, 64) >= _sm_count(device))
     if BK <= 128 and V >= 64 and fills:
         return f"{name}_wide", BK, 64
-    return name, BK, min(32, triton.next_power_of_2(V))
+    return name, BK, min(NARROW_BV.get(name, 32), triton.next_power_of_2(V))
 
 
 @functools.lru_cache(maxsize=None)
@@ -285,6 +331,7 @@ def chunk_states_fwd(k, v, beta, G, initial_state, output_final_state: bool, lay
     backward's recomputation) the WY kernel skips the solve."""
     w_free = W_FREE and U_FROM_T
     Ai, w, u = gated_wy_fwd(k, v, beta, G, layout, Ai=Ai, store_u=not U_FROM_T, store_w=need_w or not w_free)
+    # (with Ai given and nothing to store, gated_wy_fwd launches nothing)
     h, v_new, ht = state_pass_fwd(k, None if w_free else w, u, G, initial_state, output_final_state, layout, v=v,
                                   beta=beta, Ai=Ai)
     return Ai, w, h, v_new, ht
@@ -292,20 +339,23 @@ def chunk_states_fwd(k, v, beta, G, initial_state, output_final_state: bool, lay
 
 def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: ChunkLayout,
                    dot_prec: str | None = None, dh_dtype: torch.dtype | None = None,
-                   dv_dtype: torch.dtype | None = None, query_stride: int = 1):
+                   dv_dtype: torch.dtype | None = None, query_stride: int = 1, Ai=None, beta=None):
     """→ (dh [chunks, HV, K, V] in dh_dtype (default work_dtype(k.dtype)): gradient of each chunk's end state,
     dv [tokens, HV, V] in dv_dtype (default recurrence_operand_dtype(k.dtype)): ∂L/∂δ, dh0 [N, HV, K, V] fp32 or
     None). dot_prec: both kernels' DOT_PREC, by default dot_precision for the chunk-local Pᵀ dO and
     recurrence_dot_precision for the reverse pass. dv feeds only dots downstream, so storing it in their operand
-    dtype changes no number; its chunk-local part goes through an fp32 buffer first (dv itself when dv is fp32 or
-    LOCAL_DV_FP32 is off).
+    dtype changes no number; its chunk-local part is formed in the reverse pass (LOCAL_DV_FUSED, wide launch) or
+    goes through a buffer first (fp32 with LOCAL_DV_FP32, else dv itself).
     query_stride NH: q [tokens / NH, H, K] and do [tokens / NH, HV, V] hold the queries of every NH-th row (see the
-    module docstring); k, w, G and the outputs span every row."""
+    module docstring); k, w, G and the outputs span every row.
+    w None: the gated WY's w = T diag(β γ) K formed from Ai (T) and beta instead (REVERSE_W_FREE)."""
     local_prec = dot_prec or dot_precision(q.dtype)
     state_prec = dot_prec or recurrence_dot_precision(q.dtype)
     TT, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     N = layout.num_seqs
+    if w is None and (Ai is None or beta is None):
+        raise ValueError("state_pass_bwd: without w it forms wᵀ dδ from T and beta: pass Ai and beta")
     if q.shape[0] * query_stride != TT or do.shape[0] * query_stride != TT:
         raise ValueError(f"state_pass_bwd: q and do need k's {TT} rows / query_stride {query_stride}, got "
                          f"{q.shape[0]} and {do.shape[0]}")
@@ -314,13 +364,15 @@ def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: Ch
     dv = torch.empty(TT, HV, V, dtype=dv_dtype or recurrence_operand_dtype(k.dtype), device=k.device)
     dv_local = dv if dv.dtype == torch.float32 or not LOCAL_DV_FP32 else torch.empty_like(dv, dtype=torch.float32)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if need_dh0 else None
-    if layout.num_chunks:
+    fuse_local = LOCAL_DV_FUSED and name.endswith("_wide")
+    if layout.num_chunks and not fuse_local:
         local_dv_kernel[(layout.num_chunks, HV)](
             q, k, G, do, dv_local, layout.cu_seqlens, layout.chunk_indices, scale, H=H, HV=HV, K=K, V=V,
             BT=layout.chunk_size, BK=BK, BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None,
             DOT_PREC=local_prec, RAW_PREC=raw_precision(q.dtype), NH=query_stride, **launch("local_dv"))
     state_pass_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
-        q, k, w, G, do, dv_local, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H, HV=HV,
-        K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None, USE_FINAL_STATE_GRADIENT=dht is not None,
-        STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=state_prec, NH=query_stride, **launch(name))
+        q, k, w, Ai, beta, G, do, dv_local, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H,
+        HV=HV, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None,
+        USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=state_prec, NH=query_stride, W_FREE=w is None,
+        FUSE_LOCAL=fuse_local, LOCAL_PREC=local_prec, RAW_PREC=raw_precision(q.dtype), **launch(name))
     return dh, dv, dh0

@@ -117,13 +117,15 @@ def gated_wy_fwd(k, v, beta, G, layout: ChunkLayout, Ai=None, store_u: bool = Tr
     """k [tokens, H, K], v [tokens, HV, V], beta/G [tokens, HV] (G fp32 chunk-local cumsum or None) →
     (Ai [tokens, HV, BT] = T and w [tokens, HV, K] (None without store_w) in recurrence_operand_dtype(k.dtype),
     u [tokens, HV, V] fp32, or None without store_u). With Ai given, skip the solve and only rebuild w (and u): the
-    backward's recomputation."""
+    backward's recomputation; nothing is launched when neither is wanted."""
     TT, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     BT = layout.chunk_size
     if BT % 16 or not 16 <= BT <= 64:
         raise ValueError(f"chunk_size must be 16, 32, 48 or 64 (the solve works in 16-row blocks), got {BT}")
     load_ai = Ai is not None
+    if load_ai and not (store_w or store_u):
+        return Ai, None, None  # nothing to rebuild
     if Ai is None:
         Ai = torch.empty(TT, HV, BT, dtype=recurrence_operand_dtype(k.dtype), device=k.device)
     w = torch.empty(TT, HV, K, dtype=recurrence_operand_dtype(k.dtype), device=k.device) if store_w else None

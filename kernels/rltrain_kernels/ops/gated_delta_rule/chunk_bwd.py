@@ -1,4 +1,5 @@
-"""Chunked gated delta rule, backward: recompute w, u (from the stored T), chunk states S and δ; run the reverse
+"""Chunked gated delta rule, backward: recompute the chunk states S and δ (from the stored T; and w unless the
+reverse pass forms it, common/state_pass.py: REVERSE_W_FREE); run the reverse
 state pass (dS per chunk, dδ, dh0); the per-chunk pass below (dq, dk, dw, dG); the WY backward (dk, dv, dβ, dG);
 the reverse chunk-local cumsum dG → dg; and sum dq, dk over each GVA group of value heads.
 
@@ -19,6 +20,7 @@ import triton.language as tl
 from ..common.chunking import ChunkLayout
 from ..common.cumsum import chunk_local_cumsum
 from ..common.launch import launch
+from ..common import state_pass
 from ..common.state_pass import chunk_states_fwd, query_rows, state_pass_bwd
 from ..common.precision import (
     cast_for_store,
@@ -31,6 +33,13 @@ from ..common.precision import (
 )
 from ..common.scratch import scratch_tiles, transpose_via_scratch
 from ..common.wy_bwd import gated_wy_bwd
+
+
+# Value columns per step of chunk_dqkwg_kernel's loop when its dots take 16-bit operands (bf16 inputs); 32 with fp32
+# operands (tf32 / ieee dots: 64 asked for 256 KiB of shared memory on H200, limit 227 KiB). 64 since 2026-11-23
+# (H100, bf16 B8 T2048 H16 K=V=128, --profile): half the loop steps, [64, 64]-wide dots: 0.55 → 0.47 ms, 229
+# registers and 81 KiB at 8 warps / 2 stages (8w/1s: 0.52).
+DQKWG_BV = 64
 
 
 @triton.jit
@@ -128,13 +137,14 @@ def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout
     if K > 256:
         raise ValueError(f"K={K} > 256 is not supported by the chunked backward")
     if layout.num_chunks:
+        dot_prec = dot_precision(q.dtype)
+        wide = dot_prec.startswith(("bf16", "fp16"))  # 16-bit operand tiles (see DQKWG_BV)
         scratch = scratch_tiles(layout, HV, operand_dtype(q.dtype), q.device)
         chunk_dqkwg_kernel[(layout.num_chunks, HV)](
             q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, scratch, layout.cu_seqlens, layout.chunk_indices,
             layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size,
-            BK=triton.next_power_of_2(K), BV=min(32, triton.next_power_of_2(V)), DOT_PREC=dot_precision(q.dtype),
-            RAW_PREC=raw_precision(q.dtype), SCRATCH_T=scratch is not None, NH=query_stride,
-            # BV=32: with tf32 dots, BV=64 asked for 256 KiB of shared memory on H200 (limit 227 KiB).
+            BK=triton.next_power_of_2(K), BV=min(DQKWG_BV if wide else 32, triton.next_power_of_2(V)),
+            DOT_PREC=dot_prec, RAW_PREC=raw_precision(q.dtype), SCRATCH_T=scratch is not None, NH=query_stride,
             **launch("dqkwg"))
     return dq, dk, dw, dG
 
@@ -149,9 +159,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, beta, scale: float, initial_state, G, Ai
     TT, H, K = k.shape
     HV = v.shape[1]
     gva = HV != H
-    _, w, h, v_new, _ = chunk_states_fwd(k, v, beta, G, initial_state, False, layout, Ai=Ai, need_w=True)
-    dh, dv_new, dh0 = state_pass_bwd(q, k, w, G, do, dht, scale, initial_state is not None, layout,
-                                     query_stride=query_stride)
+    w_free = state_pass.REVERSE_W_FREE  # the reverse pass forms wᵀ dδ from T and β: no w recomputed
+    _, w, h, v_new, _ = chunk_states_fwd(k, v, beta, G, initial_state, False, layout, Ai=Ai, need_w=not w_free)
+    dh, dv_new, dh0 = state_pass_bwd(q, k, None if w_free else w, G, do, dht, scale, initial_state is not None,
+                                     layout, query_stride=query_stride, Ai=Ai, beta=beta)
     dq, dk, dw, dG = chunk_dqkwg(q, k, v_new, h, dh, do, dv_new, G, scale, layout,
                                  dq_dtype=torch.float32 if gva else q.dtype, query_stride=query_stride)
     dk, dv, dbeta = gated_wy_bwd(k, v, beta, G, Ai, dw, dv_new, dk, dG, layout, dk_final=not gva)
