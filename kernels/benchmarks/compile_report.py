@@ -298,13 +298,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
                         help="set a kernel module's switch, e.g. state_pass.W_FREE=False (as the benches' --set)")
     parser.add_argument("--asm", metavar="DIR", help="also write each launch's TTGIR, PTX and SASS into DIR")
-    parser.add_argument("--no-transpose-via-scratch", action="store_true",
-                        help="compile with ops/common/scratch.py's TRANSPOSE_VIA_SCRATCH off (transposes as dots)")
-    parser.add_argument("--no-u-from-t", action="store_true",
-                        help="compile with ops/common/state_pass.py's U_FROM_T off (u stored by the WY kernel)")
     args = parser.parse_args()
-    if args.peer and (args.launch or args.set or args.no_transpose_via_scratch or args.no_u_from_t):
-        parser.error("--launch, --set, --no-transpose-via-scratch and --no-u-from-t set our kernels: not with --peer")
+    if args.peer and (args.launch or args.set):
+        parser.error("--launch and --set set our kernels: not with --peer")
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("compile_report compiles for a GPU: unset TRITON_INTERPRET")
     return args
@@ -312,11 +308,9 @@ def parse_args() -> argparse.Namespace:
 
 def configure_ours(args: argparse.Namespace) -> None:
     from delta_rule_bench_common import apply_launch_overrides, apply_switches
-    from rltrain_kernels.ops.common import scratch, state_pass
+    from rltrain_kernels.ops.common import state_pass
 
     state_pass._sm_count = lambda device: args.sms  # the host code's occupancy rule, as on the GPU
-    scratch.TRANSPOSE_VIA_SCRATCH = scratch.TRANSPOSE_VIA_SCRATCH and not args.no_transpose_via_scratch
-    state_pass.U_FROM_T = state_pass.U_FROM_T and not args.no_u_from_t
     apply_launch_overrides(args.launch)
     apply_switches(args.set)
 
