@@ -85,8 +85,8 @@ def assert_bitwise_equal(first: list, second: list, names: list[str], what: str)
 
 
 def force_state_pass_value_block(monkeypatch, value_block: str, device) -> None:
-    """Make ops/common/state_pass.py launch its state passes with 64 value columns per program ("wide") or 32
-    ("narrow") whatever the batch. The host code takes the wide launches only when the programs fill every SM (as at
+    """Make ops/common/state_pass.py launch its state passes with 64 value columns per program ("wide") or its
+    NARROW_BV ("narrow") whatever the batch. The host code takes the wide launches only when the programs fill every SM (as at
     the timed B8 H16), beyond the GPU tests' sizes; Triton 3.6 miscompiled one launch setting of a state pass on
     Hopper (1 stage, bf16 dots, no gate: ops/common/launch.py), so the tests hold every launch the host can pick."""
     from rltrain_kernels.ops.common import state_pass

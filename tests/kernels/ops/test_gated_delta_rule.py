@@ -731,11 +731,14 @@ def test_chunk_bf16_both_state_pass_launches(value_block, device, monkeypatch):
 def test_chunk_bf16_structural_variants_real_size(switch, on, device, monkeypatch):
     """Both sides of each structural switch (on by default since a GPU run timed them) at a real size on the GPU:
     within the bars, and the same gradients on a rerun (for the scratch tile: a barrier that fails to order its
-    store before the transposed load would show as a moving result)."""
+    store before the transposed load would show as a moving result). LOCAL_DV_FUSED acts in the wide launch only,
+    which 16 sequence-heads would not take by themselves: forced there."""
     import importlib
 
     module, name = switch.split(".")
     monkeypatch.setattr(importlib.import_module(f"rltrain_kernels.ops.common.{module}"), name, on)
+    if name == "LOCAL_DV_FUSED":
+        force_state_pass_value_block(monkeypatch, "wide", device)
     inputs = make_inputs(2, 1000, 4, 128, 128, HV=8, dtype=torch.bfloat16, device=device, initial_state=True,
                          requires_grad=True)
     grads = []
