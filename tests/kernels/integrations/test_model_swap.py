@@ -147,13 +147,16 @@ def test_qwen3_next_gated_norm_swap_matches_fp32(impl, device):
     assert set(grads) == set(ref_grads)
     assert any(".norm.weight" in name and "linear_attn" in name for name in grads)
     # Measured against float64: the gate parameters' gradients (dt_bias, A_log) are sums over every token with heavy
-    # cancellation, so fp32 rounding shows up at 1e-4 there in any fp32 run (transformers' own path: up to 1.1e-4
-    # over 40 seeds, ours 1.2e-4); 1e-3 for those, fp32's 1e-5 for the rest. A wrong or missing term is off by far more.
+    # cancellation, so fp32 rounding shows up there in any fp32 run (transformers' own path: up to 1.1e-4 over 40
+    # seeds, and 1.3e-3 on A_log at seed 999267403); those may be off by 1e-3 or twice transformers' own error,
+    # whichever is larger, the rest by fp32's 1e-5. A wrong or missing term is off by far more.
     exact = copy.deepcopy(model).double()
     exact.config._experts_implementation = "eager"  # torch's grouped_mm has no float64
     _, exact_grads = forward_backward(exact, ids, grad_logits.double())
     for name, g in exact_grads.items():
-        threshold = 1e-3 if name.endswith((".dt_bias", ".A_log")) else 1e-5
+        threshold = 1e-5
+        if name.endswith((".dt_bias", ".A_log")):
+            threshold = max(1e-3, 2 * rel_error(ref_grads[name].double(), g))
         assert_rel_close(grads[name].double(), g, threshold=threshold, name=f"grad {name}")
 
 
