@@ -86,11 +86,27 @@ def assert_bitwise_equal(first: list, second: list, names: list[str], what: str)
 
 def force_state_pass_value_block(monkeypatch, value_block: str, device) -> None:
     """Make ops/common/state_pass.py launch its state passes with 64 value columns per program ("wide") or its
-    NARROW_BV ("narrow") whatever the batch. The host code takes the wide launches only when the programs fill every SM (as at
-    the timed B8 H16), beyond the GPU tests' sizes; Triton 3.6 miscompiled one launch setting of a state pass on
-    Hopper (1 stage, bf16 dots, no gate: ops/common/launch.py), so the tests hold every launch the host can pick."""
+    NARROW_BV ("narrow") whatever the batch. The host code takes the wide launches only when the programs fill every
+    SM (as at the timed B8 H16), beyond the GPU tests' sizes; Triton 3.6 miscompiled one launch setting of a state
+    pass on Hopper (1 stage, bf16 dots, no gate: ops/common/launch.py), so the tests hold every launch the host can
+    pick."""
     from rltrain_kernels.ops.common import state_pass
 
     monkeypatch.setattr(state_pass, "VALUE_BLOCK", value_block)
     name = state_pass.state_launch("state_pass_bwd", 8, 128, 128, torch.device(device))[0]
     assert name.endswith("_wide") == (value_block == "wide"), name
+
+
+def spy_launches(monkeypatch, module, name: str, record) -> None:
+    """Replace the Triton kernel module.name by one that calls record(args, kwargs) before each launch, then launches:
+    a test's check that a switch reaches (or skips) a kernel."""
+    kernel = getattr(module, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                record(args, kwargs)
+                return kernel[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(module, name, Spy())

@@ -24,6 +24,7 @@ from tests.helpers import (
     case_id,
     force_state_pass_value_block,
     outputs_and_grads_per_setting,
+    spy_launches,
 )
 
 
@@ -372,6 +373,16 @@ def packed_case(V: int, dtype, device):
     return inputs, cu
 
 
+def switch_cases(dtype, device):
+    """(V, inputs, cu_seqlens) of packed_case for the structural-switch tests: V = 16 (the narrow state passes) and 64
+    (wide on the interpreter), and at V = 64 once more with g = 0 (no decay; the op still takes the gated kernels)."""
+    for V, gate in ((16, "normal"), (64, "normal"), (64, "none")):
+        inputs, cu = packed_case(V, dtype, device)
+        if gate == "none":
+            inputs[3].data.zero_()
+        yield V, inputs, cu
+
+
 def gradients_per_switch(monkeypatch, module, name: str, values, inputs, cu, after=None) -> dict:
     """{value: every input's gradient} of chunk_gated_delta_rule with module.name set to each value in turn, each run
     checked against float64 (check_gradients, the dtype's bars) with the same upstream gradients; after(value), if
@@ -440,10 +451,7 @@ def test_chunk_forward_state_pass_without_w(dtype, device, monkeypatch):
 
     monkeypatch.setattr(state_pass, "gated_wy_fwd", spy)
     monkeypatch.setattr(state_pass, "REVERSE_W_FREE", False)
-    for V, gate in ((16, "normal"), (64, "normal"), (64, "none")):
-        inputs, cu = packed_case(V, dtype, device)
-        if gate == "none":
-            inputs[3].data.zero_()  # g = 0: no decay (the op still takes the gated kernels)
+    for V, inputs, cu in switch_cases(dtype, device):
         results = gradients_per_switch(monkeypatch, state_pass, "W_FREE", (False, True), inputs, cu, check_stores)
         for name, a, b in zip(GRAD_NAMES, results[True], results[False]):
             # bf16: the two paths round δ's terms differently (seen up to 5.1e-3 apart); each is also held to the
@@ -459,25 +467,15 @@ def test_chunk_reverse_state_pass_without_w(dtype, device, monkeypatch):
     widths (V = 16 and 64), the gate near and far from 1 (g = 0: no decay)."""
     from rltrain_kernels.ops.common import state_pass, wy
 
-    launches = []
-    kernel = wy.gated_wy_fwd_kernel
-
-    class Spy:  # records whether each WY launch solves (Ai not loaded) or rebuilds w, then launches
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                launches.append("solve" if not kwargs["LOAD_AI"] else "rebuild w")
-                return kernel[grid](*args, **kwargs)
-            return run
+    launches = []  # whether each WY launch solves (Ai not loaded) or rebuilds w
+    spy_launches(monkeypatch, wy, "gated_wy_fwd_kernel",
+                 lambda args, kwargs: launches.append("rebuild w" if kwargs["LOAD_AI"] else "solve"))
 
     def check_launches(w_free):
         assert launches == (["solve"] if w_free else ["solve", "rebuild w"]), launches
         launches.clear()
 
-    monkeypatch.setattr(wy, "gated_wy_fwd_kernel", Spy())
-    for V, gate in ((16, "normal"), (64, "normal"), (64, "none")):
-        inputs, cu = packed_case(V, dtype, device)
-        if gate == "none":
-            inputs[3].data.zero_()
+    for V, inputs, cu in switch_cases(dtype, device):
         results = gradients_per_switch(monkeypatch, state_pass, "REVERSE_W_FREE", (False, True), inputs, cu,
                                        check_launches)
         for name, a, b in zip(GRAD_NAMES, results[True], results[False]):
@@ -491,17 +489,8 @@ def test_chunk_gradients_with_local_dv_in_operand_dtype(device, monkeypatch):
     K != V. The local kernel's output buffer is checked to be fp32 on one side and bf16 on the other."""
     from rltrain_kernels.ops.common import state_pass
 
-    buffers = []
-    kernel = state_pass.local_dv_kernel
-
-    class Spy:  # records the dtype of the buffer each launch writes Pᵀ dO into, then launches
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                buffers.append(args[4].dtype)
-                return kernel[grid](*args, **kwargs)
-            return run
-
-    monkeypatch.setattr(state_pass, "local_dv_kernel", Spy())
+    buffers = []  # the dtype of the buffer each launch writes Pᵀ dO into
+    spy_launches(monkeypatch, state_pass, "local_dv_kernel", lambda args, kwargs: buffers.append(args[4].dtype))
     monkeypatch.setattr(state_pass, "LOCAL_DV_FUSED", False)  # the switch is about the separate kernel's buffer
     inputs, cu = packed_case(64, torch.bfloat16, device)
     results = gradients_per_switch(monkeypatch, state_pass, "LOCAL_DV_FP32", (True, False), inputs, cu)
@@ -519,17 +508,8 @@ def test_chunk_gradients_with_local_dv_fused(dtype, device, monkeypatch):
     from rltrain_kernels.ops.common import state_pass
 
     launches = []
-    kernel = state_pass.local_dv_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                launches.append(grid)
-                return kernel[grid](*args, **kwargs)
-            return run
-
-    monkeypatch.setattr(state_pass, "local_dv_kernel", Spy())
-    for V, gate in ((16, "normal"), (64, "normal"), (64, "none")):
+    spy_launches(monkeypatch, state_pass, "local_dv_kernel", lambda args, kwargs: launches.append("local_dv"))
+    for V, inputs, cu in switch_cases(dtype, device):
         wide = state_pass.state_launch("state_pass_bwd", len(PACKED_LENGTHS) * 2, 32, V, torch.device(device))[0]
         wide = wide.endswith("_wide")
         if device == "cpu":  # the interpreter counts one SM: both launches are reached here
@@ -539,9 +519,6 @@ def test_chunk_gradients_with_local_dv_fused(dtype, device, monkeypatch):
             assert len(launches) == (0 if fused and wide else 1), launches
             launches.clear()
 
-        inputs, cu = packed_case(V, dtype, device)
-        if gate == "none":
-            inputs[3].data.zero_()
         results = gradients_per_switch(monkeypatch, state_pass, "LOCAL_DV_FUSED", (False, True), inputs, cu,
                                        check_launches)
         for name, a, b in zip(GRAD_NAMES, results[True], results[False]):

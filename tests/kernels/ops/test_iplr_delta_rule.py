@@ -24,6 +24,7 @@ from tests.helpers import (
     case_id,
     force_state_pass_value_block,
     outputs_and_grads_per_setting,
+    spy_launches,
 )
 
 REGIMES = ("delta", "generic")
@@ -369,17 +370,9 @@ def test_output_pass_blocks_change_no_result(blocks, device, monkeypatch):
     the same outputs as the shipped blocks, up to fp32 summation order."""
     from rltrain_kernels.ops.iplr_delta_rule import chunk_fwd
 
-    launched = []
-    kernel = chunk_fwd.iplr_output_fwd_kernel
-
-    class Spy:  # records each launch's (BK, BV), then launches
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                launched.append((kwargs["BK"], kwargs["BV"]))
-                return kernel[grid](*args, **kwargs)
-            return run
-
-    monkeypatch.setattr(chunk_fwd, "iplr_output_fwd_kernel", Spy())
+    launched = []  # each launch's (BK, BV)
+    spy_launches(monkeypatch, chunk_fwd, "iplr_output_fwd_kernel",
+                 lambda args, kwargs: launched.append((kwargs["BK"], kwargs["BV"])))
     shipped = chunk_fwd.OUTPUT_BLOCKS  # K = V = 128: no cap below
     q, k, v, a, b, h0 = make_inputs(1, 70, 1, 128, 128, device=device, initial_state=True)
     base = chunk_iplr_delta_rule(q, k, v, a, b, initial_state=h0)[0]

@@ -2,9 +2,10 @@
 
 Triton 3.4–3.7.0 miscompiles tl.trans of a dot result on Hopper (fla #640: its layout conversion gave wrong dk), so
 the backward kernels build such transposes (the WY backward's Bᵀ, the dq/dk/dw/dG pass's dSᵀ; in IPLR's WY backward
-k_iᵀa_j and two T-sandwiches) as dots of their own from loaded tiles: 4–10 more 64×64 products and one more [64, 64] fp32 accumulator per program. The alternative here
-(fla #826's fix of #640) stores the tile, synchronises the program's threads, and loads it back with transposed
-addressing: 8 KiB (bf16) per program through L2, no dot, no extra accumulator.
+k_iᵀa_j and two T-sandwiches) as dots of their own from loaded tiles: 4–10 more 64×64 products and one more
+[64, 64] fp32 accumulator per program. The alternative here (fla #826's fix of #640) stores the tile, synchronises
+the program's threads, and loads it back with transposed addressing: 8 KiB (bf16) per program through L2, no dot,
+no extra accumulator.
 
 TRANSPOSE_VIA_SCRATCH picks the alternative. Both paths compute the same function and the CPU tests run both
 (bench_gated_delta_rule.py --compare-variants times both on a GPU and checks their gradients). On by default since

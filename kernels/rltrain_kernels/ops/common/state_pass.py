@@ -373,6 +373,7 @@ def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: Ch
     state_pass_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
         q, k, w, Ai, beta, G, do, dv_local, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H,
         HV=HV, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None,
-        USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=state_prec, NH=query_stride, W_FREE=w is None,
+        USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=state_prec,
+        NH=query_stride, W_FREE=w is None,
         FUSE_LOCAL=fuse_local, LOCAL_PREC=local_prec, RAW_PREC=raw_precision(q.dtype), **launch(name))
     return dh, dv, dh0

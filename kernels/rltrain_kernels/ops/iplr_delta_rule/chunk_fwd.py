@@ -150,8 +150,9 @@ def iplr_state_pass_fwd(k, v, b, w, u, initial_state, output_final_state: bool, 
     TT, H, K = k.shape
     V = v.shape[-1]
     N = layout.num_seqs
-    # BV (and the K ≤ 256 check) by common/state_pass.py's occupancy rule: 64 value columns per program (iplr_state_pass_fwd_wide) when the
-    # programs still fill every SM, else 32 (a [128, 32] fp32 state tile plus [64, 128] operands fit 4 warps).
+    # BV (and the K ≤ 256 check) by common/state_pass.py's occupancy rule: 64 value columns per program
+    # (iplr_state_pass_fwd_wide) when the programs still fill every SM, else 32 (a [128, 32] fp32 state tile plus
+    # [64, 128] operands fit 4 warps).
     name, BK, BV = state_launch("iplr_state_pass_fwd", N * H, K, V, k.device)
     h = torch.empty(layout.num_chunks, H, K, V, dtype=iplr_operand_dtype(k.dtype), device=k.device)
     x = torch.empty(TT, H, V, dtype=iplr_operand_dtype(k.dtype), device=k.device)
