@@ -110,3 +110,44 @@ def spy_launches(monkeypatch, module, name: str, record) -> None:
             return run
 
     monkeypatch.setattr(module, name, Spy())
+
+
+class DeferredLane:
+    """A side-stream lane (rltrain_kernels.ops.linear_logprobs.overlap) for CPU tests that runs each submitted pass
+    as late as the driver allows: only when a wait or join needs it. A driver that forgets a wait reads a buffer
+    before its row pass wrote it, and one that overwrites a buffer too early feeds a pending row pass the wrong
+    tile; either way its results differ from the inline lane's. `late` counts passes that ran after the driver
+    had issued more work, so a test can check that the schedule was really exercised."""
+
+    buffers = 2
+
+    def __init__(self):
+        self.queue, self.done, self.late = [], 0, 0
+
+    def submit(self, fn, *args, **kwargs) -> int:
+        self.queue.append((fn, args, kwargs))
+        return self.done + len(self.queue) - 1
+
+    def wait(self, mark) -> None:
+        while mark is not None and self.done <= mark:
+            fn, args, kwargs = self.queue.pop(0)
+            self.late += len(self.queue) > 0 or self.done < mark
+            fn(*args, **kwargs)
+            self.done += 1
+
+    def join(self) -> None:
+        if self.queue:
+            self.wait(self.done + len(self.queue) - 1)
+
+
+def use_deferred_lanes(monkeypatch, *modules) -> list:
+    """Make each module's make_lane return a fresh DeferredLane; returns the list of lanes created."""
+    lanes = []
+
+    def make(device, enabled=True):
+        lanes.append(DeferredLane())
+        return lanes[-1]
+
+    for module in modules:
+        monkeypatch.setattr(module, "make_lane", make)
+    return lanes

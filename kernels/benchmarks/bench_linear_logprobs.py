@@ -4,7 +4,7 @@ Run on a CUDA machine from the repo root (peers optional: install/carry liger-ke
 cut-cross-entropy==25.1.1 and verl==0.9.1 --no-deps to get their rows):
     PYTHONPATH=kernels python kernels/benchmarks/bench_linear_logprobs.py            # N = 8192, 32768
     PYTHONPATH=kernels python kernels/benchmarks/bench_linear_logprobs.py --quick    # small smoke size
-    PYTHONPATH=kernels python kernels/benchmarks/bench_linear_logprobs.py --tune     # ours over tile shapes, N=8192
+    PYTHONPATH=kernels python kernels/benchmarks/bench_linear_logprobs.py --tune     # ours over ChunkConfigs, N=8192
 First checks ours against an fp32 reference (outputs on 256 rows at the real shape, every gradient at N=512), then
 measures the bf16 GEMM rate with a large torch.matmul, then times each implementation (median of CUDA-event
 timings, fresh random inputs, never zeros): forward (no_grad, like the reference / old-logprob passes) and
@@ -202,22 +202,44 @@ def check_against_ours(name, fn, hidden, weight, labels, our_lp, our_ent) -> str
     return ", ".join(notes)
 
 
-TUNE_CONFIGS = [(2048, 16384, 2048), (2048, 16384, 1024), (2048, 16384, 4096), (4096, 8192, 2048),
-                (1024, 32768, 2048), (4096, 16384, 2048), (1024, 16384, 2048)]
+# ChunkConfig overrides timed by --tune, the default first: the side-stream lane on and off, tile shapes
+TUNE_CONFIGS = [dict(), dict(overlap=False, vocab_chunk=16384), dict(overlap=False), dict(vocab_chunk=16384),
+                dict(vocab_chunk=4096), dict(token_chunk=4096), dict(token_chunk=1024, vocab_chunk=16384),
+                dict(block_v=1024)]
 
 
 def tune(n, vocab, hidden_size, rate, iters):
-    """Ours at several tile shapes (the default first): fwd and fwd+bwd vs the floors, extra peak memory."""
+    """Ours at several ChunkConfigs (the default first) beside the 4 bare cuBLAS GEMMs, timed before and after them
+    in the same process: fwd and fwd+bwd vs the computed floors and vs the bare GEMMs, extra peak memory."""
+    from gemm_floor import bare_gemms
+
     hidden, weight, labels = make_inputs(n, vocab, hidden_size)
     floor1 = 2 * n * hidden_size * vocab / rate * 1e3
-    print(f"\n| token_chunk | vocab_chunk | block_v | fwd / floor | fwd+bwd / floor | extra peak GiB |  (N={n})")
-    print("|---|---|---|---|---|---|")
-    for token_chunk, vocab_chunk, block_v in TUNE_CONFIGS:
-        config = ChunkConfig(token_chunk=token_chunk, vocab_chunk=vocab_chunk, block_v=block_v)
+    gemms = bare_gemms(recompute=True)
+
+    def bare_ms():
+        fwd, both, _ = measure(lambda h, w, l: (gemms(h, w),), hidden, weight, labels, iters)
+        return fwd, both
+
+    bare = [bare_ms()]
+    rows = []
+    for overrides in TUNE_CONFIGS:
+        config = ChunkConfig(**overrides)
         fwd_ms, both_ms, extra = measure(ours(True, config), hidden, weight, labels, iters)
-        print(f"| {token_chunk} | {vocab_chunk} | {block_v} | {fwd_ms / floor1:.3f} | {both_ms / (4 * floor1):.3f} "
-              f"| {extra / GiB:.3f} |", flush=True)
+        rows.append((config, fwd_ms, both_ms, extra))
+        print(f"{config}: fwd {fwd_ms:.2f} ms, fwd+bwd {both_ms:.2f} ms, extra {extra / GiB:.3f} GiB", flush=True)
         torch.cuda.empty_cache()
+    bare.append(bare_ms())
+    bare_fwd, bare_both = (statistics.mean(b[i] for b in bare) for i in (0, 1))
+    print(f"\nN={n}; bare cuBLAS: fwd {bare_fwd:.2f} ms ({bare[0][0]:.2f} before, {bare[1][0]:.2f} after), "
+          f"fwd+bwd {bare_both:.2f} ms ({bare[0][1]:.2f}, {bare[1][1]:.2f}); computed 1-GEMM floor {floor1:.2f} ms")
+    print("\n| token_chunk | vocab_chunk | block_v | overlap | fwd ms | fwd / floor | fwd / bare | fwd+bwd ms "
+          "| fwd+bwd / floor | fwd+bwd / bare | extra peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for config, fwd_ms, both_ms, extra in rows:
+        print(f"| {config.token_chunk} | {config.vocab_chunk} | {config.block_v} | {config.overlap} | {fwd_ms:.2f} "
+              f"| {fwd_ms / floor1:.3f} | {fwd_ms / bare_fwd:.3f} | {both_ms:.2f} | {both_ms / (4 * floor1):.3f} "
+              f"| {both_ms / bare_both:.3f} | {extra / GiB:.3f} |")
 
 
 def profile_ours(n, vocab, hidden_size):
@@ -245,7 +267,7 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--tune", action="store_true",
-                        help="instead: time ours over a few tile shapes (token_chunk, vocab_chunk, block_v)")
+                        help="instead: time ours over a few ChunkConfigs (tiles, side stream) beside bare GEMMs")
     parser.add_argument("--profile", action="store_true", help="instead: ours' per-kernel times at the first N")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
