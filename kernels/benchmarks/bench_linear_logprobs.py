@@ -202,10 +202,9 @@ def check_against_ours(name, fn, hidden, weight, labels, our_lp, our_ent) -> str
     return ", ".join(notes)
 
 
-# ChunkConfig overrides timed by --tune, the default first: the side-stream lane on and off, tile shapes
-TUNE_CONFIGS = [dict(), dict(overlap=False, vocab_chunk=16384), dict(overlap=False), dict(vocab_chunk=16384),
-                dict(vocab_chunk=4096), dict(token_chunk=4096), dict(token_chunk=1024, vocab_chunk=16384),
-                dict(block_v=1024)]
+# ChunkConfig overrides timed by --tune, the default first
+TUNE_CONFIGS = [dict(), dict(vocab_chunk=8192), dict(vocab_chunk=32768), dict(token_chunk=4096, vocab_chunk=8192),
+                dict(token_chunk=1024), dict(block_v=1024), dict(block_v=4096)]
 
 
 def tune(n, vocab, hidden_size, rate, iters):
@@ -233,11 +232,11 @@ def tune(n, vocab, hidden_size, rate, iters):
     bare_fwd, bare_both = (statistics.mean(b[i] for b in bare) for i in (0, 1))
     print(f"\nN={n}; bare cuBLAS: fwd {bare_fwd:.2f} ms ({bare[0][0]:.2f} before, {bare[1][0]:.2f} after), "
           f"fwd+bwd {bare_both:.2f} ms ({bare[0][1]:.2f}, {bare[1][1]:.2f}); computed 1-GEMM floor {floor1:.2f} ms")
-    print("\n| token_chunk | vocab_chunk | block_v | overlap | fwd ms | fwd / floor | fwd / bare | fwd+bwd ms "
+    print("\n| token_chunk | vocab_chunk | block_v | fwd ms | fwd / floor | fwd / bare | fwd+bwd ms "
           "| fwd+bwd / floor | fwd+bwd / bare | extra peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for config, fwd_ms, both_ms, extra in rows:
-        print(f"| {config.token_chunk} | {config.vocab_chunk} | {config.block_v} | {config.overlap} | {fwd_ms:.2f} "
+        print(f"| {config.token_chunk} | {config.vocab_chunk} | {config.block_v} | {fwd_ms:.2f} "
               f"| {fwd_ms / floor1:.3f} | {fwd_ms / bare_fwd:.3f} | {both_ms:.2f} | {both_ms / (4 * floor1):.3f} "
               f"| {both_ms / bare_both:.3f} | {extra / GiB:.3f} |")
 
@@ -267,7 +266,7 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--tune", action="store_true",
-                        help="instead: time ours over a few ChunkConfigs (tiles, side stream) beside bare GEMMs")
+                        help="instead: time ours over a few ChunkConfigs beside the bare GEMMs")
     parser.add_argument("--profile", action="store_true", help="instead: ours' per-kernel times at the first N")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

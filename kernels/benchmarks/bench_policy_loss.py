@@ -185,38 +185,6 @@ def profile_ours(B, T, H, V, config):
     print_kernel_times(f"ours B={B} T={T} rows={config.token_chunk}", lambda: fwd_bwd(ours(config), inputs))
 
 
-# PolicyLossChunkConfig overrides timed by --variants, the default first; vocab_segment=2**30 is one segment (the
-# whole vocabulary per GEMM, as before segments existed)
-VARIANTS = [dict(), dict(overlap=False, vocab_segment=2**30), dict(overlap=False), dict(vocab_segment=8192),
-            dict(vocab_segment=32768), dict(token_chunk=2048), dict(token_chunk=512)]
-
-
-def variants(shape, rate, warmup, repeats):
-    """Ours over VARIANTS with the 3 bare GEMMs timed first and last in the same process: ratios to both."""
-    B, T, H, V = shape
-    inputs = make_inputs(B, T, H, V)
-    inputs["hidden"].requires_grad_()
-    inputs["weight"].requires_grad_()
-    floor_ms = 3 * 2 * B * T * H * V / rate * 1e3
-    bare_fn = bare()
-    bare_ms = [measure(bare_fn, inputs, warmup, repeats)[0]]
-    rows = []
-    for overrides in VARIANTS:
-        config = PolicyLossChunkConfig(**overrides)
-        ms, peak = measure(ours(config), inputs, warmup, repeats)
-        rows.append((config, ms, peak))
-        print(f"  {config}: {ms:.2f} ms, extra peak {peak / 2**30:.2f} GiB", flush=True)
-    bare_ms.append(measure(bare_fn, inputs, warmup, repeats)[0])
-    bare_mean = statistics.mean(bare_ms)
-    print(f"\nB={B} T={T} H={H} V={V}: bare 3 GEMMs {bare_mean:.2f} ms ({bare_ms[0]:.2f} before, {bare_ms[1]:.2f} "
-          f"after); computed floor {floor_ms:.2f} ms\n")
-    print("| rows | vocab_segment | overlap | fwd+bwd ms | × floor | × bare | extra peak GiB |")
-    print("|---|---|---|---|---|---|---|")
-    for config, ms, peak in rows:
-        print(f"| {config.rows(V)} | {config.vocab_segment} | {config.overlap} | {ms:.2f} | {ms / floor_ms:.3f} "
-              f"| {ms / bare_mean:.3f} | {peak / 2**30:.2f} |")
-
-
 def run_case(label, B, T, H, V, methods, rate, warmup, repeats, with_naive):
     print(f"\n== {label}: B={B} T={T} H={H} V={V} bf16 ==")
     inputs = make_inputs(B, T, H, V)
@@ -271,8 +239,6 @@ def main():
                         help="rows per chunk to time for ours at the main size (first = the default config)")
     parser.add_argument("--no-liger", action="store_true")
     parser.add_argument("--profile", action="store_true", help="instead: ours' per-kernel times at the main size")
-    parser.add_argument("--variants", action="store_true",
-                        help="instead: ours over chunk configs (side stream, vocab segments) beside the bare GEMMs")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     torch.manual_seed(0)
@@ -286,8 +252,6 @@ def main():
     chunks = [int(c) for c in args.token_chunks.split(",") if c]
     if args.profile:
         return profile_ours(*main_shape, PolicyLossChunkConfig(token_chunk=chunks[0]))
-    if args.variants:
-        return variants(main_shape, rate, warmup, repeats)
     methods = [(f"ours (rows={c})", ours(PolicyLossChunkConfig(token_chunk=c))) for c in chunks]
     methods.append((f"ours GSPO (rows={chunks[0]})", ours_gspo(PolicyLossChunkConfig(token_chunk=chunks[0]))))
     methods.append(("3 bare cuBLAS GEMMs (measured floor)", bare()))

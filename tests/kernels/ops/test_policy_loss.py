@@ -17,15 +17,14 @@ import torch
 from rltrain_kernels.ops.policy_loss import (
     LOSS_AGGS, PolicyLossChunkConfig, fused_policy_loss, reference_policy_loss, workspace_bytes,
 )
-from tests.helpers import REL_THRESHOLD, assert_bitwise_equal, assert_rel_close, case_id, dtype_id, use_deferred_lanes
+from tests.helpers import REL_THRESHOLD, assert_rel_close, case_id, dtype_id
 
 IMPLS = ["torch", "triton"]
-# 8-token chunks: B·T = 15 tokens → chunks 8/7; T = 5 ≤ 8, so GSPO chunks hold whole sequences. V = 257 in
-# vocab segments of 129/128 (the statistics and grad_hidden carried across segments), each crossing a 128-wide
-# block edge inside its row pass.
-CHUNKS = PolicyLossChunkConfig(token_chunk=8, vocab_segment=130, align=1, block_v=128)
+# 8-token chunks: B·T = 15 tokens → chunks 8/7; T = 5 ≤ 8, so GSPO chunks hold whole sequences. V = 257 with
+# 128-wide blocks crosses two block edges inside each row pass.
+CHUNKS = PolicyLossChunkConfig(token_chunk=8, align=1, block_v=128)
 # T = 5 > 4: GSPO takes the two-pass route (logp of every token first, then the gradient pass).
-TWO_PASS = PolicyLossChunkConfig(token_chunk=4, vocab_segment=130, align=1, block_v=128)
+TWO_PASS = PolicyLossChunkConfig(token_chunk=4, align=1, block_v=128)
 
 
 def make_inputs(B=3, T=5, H=32, V=257, dtype=torch.float32, device="cpu", adv_shape="BT", masked_rows=(1,),
@@ -154,25 +153,6 @@ def test_sequence_level_chunking(impl, config, device):
     opts = dict(importance_level="sequence", loss_agg="seq-mean-token-mean", kl_coef=0.1, entropy_coef=0.01)
     inputs = make_inputs(device=device)
     assert_matches(run(inputs, impl, chunk_config=config, **opts), run_reference(inputs, **opts), torch.float32)
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("config", [CHUNKS, TWO_PASS], ids=["one-pass", "two-pass"])
-def test_side_stream_schedule(monkeypatch, impl, config, device):
-    """The row passes as a side-stream lane would run them (each as late as the driver's waits allow: see
-    tests.helpers.DeferredLane) give bit-identical loss, outputs and gradients to the inline order; a missing wait
-    or a segment overwritten too early would not. GSPO's two-pass route included (TWO_PASS)."""
-    from rltrain_kernels.ops.policy_loss import chunk
-
-    opts = dict(importance_level="sequence", loss_agg="seq-mean-token-mean", kl_coef=0.1, entropy_coef=0.01)
-    inputs = make_inputs(device=device)
-    inline = run(inputs, impl, chunk_config=config, **opts)
-    lanes = use_deferred_lanes(monkeypatch, chunk)
-    deferred = run(inputs, impl, chunk_config=config, **opts)
-    assert lanes and all(lane.late > 0 for lane in lanes), [lane.late for lane in lanes]
-    assert_bitwise_equal([inline[0].loss, inline[0].logprobs, inline[0].entropy, inline[1], inline[2]],
-                         [deferred[0].loss, deferred[0].logprobs, deferred[0].entropy, deferred[1], deferred[2]],
-                         ["loss", "logprobs", "entropy", "grad_hidden", "grad_weight"], "deferred row passes")
 
 
 def test_options_reach_every_branch(device):
@@ -358,10 +338,6 @@ def test_chunk_config_checks():
         PolicyLossChunkConfig(token_chunk=0)
     with pytest.raises(ValueError, match="block_v must be a power of two"):
         PolicyLossChunkConfig(block_v=100)
-    with pytest.raises(ValueError, match="PolicyLossChunkConfig.vocab_segment must be a positive int"):
-        PolicyLossChunkConfig(vocab_segment=0)
-    with pytest.raises(ValueError, match="PolicyLossChunkConfig.overlap must be a bool"):
-        PolicyLossChunkConfig(overlap="yes")
     assert PolicyLossChunkConfig().rows(151936) == 1024
     assert workspace_bytes(10**6, 151936) == 1024 * 151936 * 4 <= 640 * 2**20
 
@@ -387,12 +363,6 @@ def test_gpu_real_sizes(case, name, device):
     config = PolicyLossChunkConfig(token_chunk=case["chunk"], align=128)
     actual = run(inputs, "triton", chunk_config=config, **opts)
     assert_matches(actual, run_reference(inputs, **opts), case["dtype"], loss_tol=1e-5)
-    # the side-stream lane (config.overlap, the default) changes the order of nothing that matters: bit-identical
-    inline = run(inputs, "triton", chunk_config=PolicyLossChunkConfig(token_chunk=case["chunk"], overlap=False),
-                 **opts)
-    assert_bitwise_equal([actual[0].loss, actual[0].logprobs, actual[1], actual[2]],
-                         [inline[0].loss, inline[0].logprobs, inline[1], inline[2]],
-                         ["loss", "logprobs", "grad_hidden", "grad_weight"], "the side stream")
 
 
 @pytest.mark.gpu

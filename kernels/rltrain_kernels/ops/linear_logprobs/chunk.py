@@ -27,8 +27,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rltrain_kernels.ops.linear_logprobs.overlap import make_lane
-
 
 @dataclass(frozen=True)
 class ChunkConfig:
@@ -42,10 +40,9 @@ class ChunkConfig:
     """
 
     token_chunk: int = 2048
-    vocab_chunk: int = 8192
+    vocab_chunk: int = 16384
     block_v: int = 2048        # Triton row-pass block: 8 fp32 per thread at num_warps=8 (two 16 B loads)
     align: int = 128           # chunk sizes are rounded up to this (GEMM tile edge), capped by the limits above
-    overlap: bool = True       # CUDA: row passes on a side stream beside the GEMMs, with two tile buffers
 
     def __post_init__(self):
         for key in ("token_chunk", "vocab_chunk", "block_v", "align"):
@@ -70,12 +67,11 @@ def _balanced_bounds(total: int, limit: int, align: int) -> list[tuple[int, int]
 
 def workspace_bytes(n_tokens: int, vocab: int, hidden_size: int, dtype: torch.dtype,
                     config: ChunkConfig = DEFAULT_CHUNKS, backward: bool = True) -> int:
-    """Bytes of scratch the Triton path (CUDA) allocates beyond inputs, outputs, gradients and O(N) row statistics.
-    Bounded by config.token_chunk · (buffers · config.vocab_chunk + hidden_size) · 4 for every n_tokens, with two
-    tile buffers when config.overlap (the side-stream lane) and one otherwise."""
+    """Bytes of scratch the Triton path allocates beyond inputs, outputs, gradients and O(N) row statistics.
+    Bounded by config.token_chunk · (config.vocab_chunk + hidden_size) · 4 for every n_tokens."""
     rows = max((b - a for a, b in _balanced_bounds(n_tokens, config.token_chunk, config.align)), default=0)
     cols = max((b - a for a, b in _balanced_bounds(vocab, config.vocab_chunk, config.align)), default=0)
-    tile = rows * cols * 4 * (2 if config.overlap else 1)
+    tile = rows * cols * 4
     accumulator = rows * hidden_size * 4 if backward and dtype != torch.float32 else 0
     return tile + accumulator
 
@@ -229,9 +225,7 @@ def _combine_across_ranks(m, u, t, label_z, group) -> None:
 def forward_chunks(hidden, weight, labels, inv_temp, ignore_index, with_entropy, shard, tiles,
                    config: ChunkConfig = DEFAULT_CHUNKS):
     """hidden [N, H], weight [V_local, H], labels [N] (global ids) → (logprobs [N], entropy [N] or None,
-    row_max [N], log_sum [N]) with lse = row_max + log_sum, kept apart for the backward's precision.
-
-    With a side-stream lane (overlap.py) tile k's row pass runs while tile k+1's GEMM writes the other buffer."""
+    row_max [N], log_sum [N]) with lse = row_max + log_sum, kept apart for the backward's precision."""
     n, v = hidden.shape[0], weight.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden.device)
     m = torch.full((n,), -math.inf, **f32)
@@ -241,22 +235,15 @@ def forward_chunks(hidden, weight, labels, inv_temp, ignore_index, with_entropy,
     row_chunks = _balanced_bounds(n, config.token_chunk, config.align)
     col_chunks = _balanced_bounds(v, config.vocab_chunk, config.align)
     if row_chunks and col_chunks:
-        lane = make_lane(hidden.device, config.overlap)
-        size = max(b - a for a, b in row_chunks) * max(b - a for a, b in col_chunks)
-        workspace = torch.empty(lane.buffers, size, **f32)   # tile buffers, reused in turn
-        last_reader = [None] * lane.buffers
-        tile_index = 0
+        max_rows = max(b - a for a, b in row_chunks)
+        max_cols = max(b - a for a, b in col_chunks)
+        workspace = torch.empty(max_rows * max_cols, **f32)   # the one tile buffer, reused for every tile
         for r0, r1 in row_chunks:
             for c0, c1 in col_chunks:
-                slot = tile_index % lane.buffers
-                lane.wait(last_reader[slot])                  # the row pass still reading this buffer
-                tile = workspace[slot, : (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
+                tile = workspace[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
                 mm_fp32(hidden[r0:r1], weight[c0:c1].t(), out=tile)
-                last_reader[slot] = lane.submit(
-                    tiles.fold_stats, tile, labels[r0:r1], shard.start + c0, inv_temp, m[r0:r1], u[r0:r1],
-                    None if t is None else t[r0:r1], label_z[r0:r1])
-                tile_index += 1
-        lane.join()
+                tiles.fold_stats(tile, labels[r0:r1], shard.start + c0, inv_temp, m[r0:r1], u[r0:r1],
+                                 None if t is None else t[r0:r1], label_z[r0:r1])
         del workspace
     if shard.group is not None:
         _combine_across_ranks(m, u, t, label_z, shard.group)
@@ -273,11 +260,7 @@ def forward_chunks(hidden, weight, labels, inv_temp, ignore_index, with_entropy,
 def backward_chunks(hidden, weight, labels, row_max, log_sum, entropy, g_logprob, g_entropy, inv_temp, shard, tiles,
                     need_grad_hidden: bool, need_grad_weight: bool, config: ChunkConfig = DEFAULT_CHUNKS):
     """Gradients w.r.t. hidden [N, H] and weight [V_local, H]. g_logprob / g_entropy: [N] fp32 contiguous with
-    ignored rows already zeroed, or None. With a tp_group the grad_hidden partial sums are all-reduced.
-
-    Software-pipelined over a side-stream lane (overlap.py): the current stream issues tile k's logits GEMM, the
-    lane turns it into dlogits, and meanwhile the current stream runs tile k−1's two gradient GEMMs (which wait for
-    that tile's row pass). With an inline lane (one buffer) each tile is consumed before the next GEMM."""
+    ignored rows already zeroed, or None. With a tp_group the grad_hidden partial sums are all-reduced."""
     n, h = hidden.shape
     v = weight.shape[0]
     grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
@@ -291,50 +274,39 @@ def backward_chunks(hidden, weight, labels, row_max, log_sum, entropy, g_logprob
             grad_weight.zero_()
         return grad_hidden, grad_weight
     f32 = dict(dtype=torch.float32, device=hidden.device)
-    lane = make_lane(hidden.device, config.overlap)
     max_rows = max(b - a for a, b in row_chunks)
-    workspace = torch.empty(lane.buffers, max_rows * max(b - a for a, b in col_chunks), **f32)
+    max_cols = max(b - a for a, b in col_chunks)
+    workspace = torch.empty(max_rows * max_cols, **f32)
     # fp32 inputs accumulate straight into grad_hidden; half inputs into one fp32 [rows, H] buffer per token chunk
     # (10 bf16 roundings at V=151936 would cost ~2.5e-3 relative error; the buffer costs 32 MiB at H=4096).
     direct = hidden.dtype == torch.float32
     accumulator = None if (direct or grad_hidden is None) else torch.empty(max_rows * h, **f32)
-    tiles_in_order = [(ti, vi) for ti in range(len(row_chunks)) for vi in range(len(col_chunks))]
-    pending = []   # (tile index, dlogits, row pass mark), oldest first
-
-    def consume(k, dlogits, mark):
-        """Tile k's gradient GEMMs, once its row pass is done; the token chunk's grad_hidden after its last tile."""
-        ti, vi = tiles_in_order[k]
-        (r0, r1), (c0, c1) = row_chunks[ti], col_chunks[vi]
-        lane.wait(mark)
+    for ti, (r0, r1) in enumerate(row_chunks):
+        rows = r1 - r0
+        hidden_t = hidden[r0:r1]
         if grad_hidden is not None:
-            acc = grad_hidden[r0:r1] if direct else accumulator[: (r1 - r0) * h].view(r1 - r0, h)
-            addmm_fp32(acc, dlogits, weight[c0:c1], beta=0.0 if vi == 0 else 1.0)
-            if vi == len(col_chunks) - 1:
-                if shard.group is not None:
-                    dist.all_reduce(acc, group=shard.group)
-                if not direct:
-                    grad_hidden[r0:r1].copy_(acc)
-        if grad_weight is not None:
-            torch.addmm(grad_weight[c0:c1], dlogits.t(), hidden[r0:r1], beta=0.0 if ti == 0 else 1.0,
-                        out=grad_weight[c0:c1])
-
-    for k, (ti, vi) in enumerate(tiles_in_order):
-        (r0, r1), (c0, c1) = row_chunks[ti], col_chunks[vi]
-        rows, cols = r1 - r0, c1 - c0
-        tile = workspace[k % lane.buffers, : rows * cols].view(rows, cols)   # tile k − buffers was consumed
-        mm_fp32(hidden[r0:r1], weight[c0:c1].t(), out=tile)
-        # dlogits in the weight dtype, written in place: row r's half-width output lies inside row r's fp32
-        # input and the row pass writes block j only after reading blocks ≤ j, so no extra buffer is needed.
-        dlogits = tile if weight.dtype == torch.float32 else tile.view(weight.dtype)[:, :cols]
-        mark = lane.submit(tiles.logits_grad, tile, dlogits, labels[r0:r1], shard.start + c0, inv_temp,
-                           row_max[r0:r1], log_sum[r0:r1],
-                           None if entropy is None else entropy[r0:r1],
-                           None if g_logprob is None else g_logprob[r0:r1],
-                           None if g_entropy is None else g_entropy[r0:r1])
-        pending.append((k, dlogits, mark))
-        while pending and pending[0][0] <= k - lane.buffers + 1:   # keep buffers − 1 tiles in flight
-            consume(*pending.pop(0))
-    while pending:
-        consume(*pending.pop(0))
-    lane.join()
+            acc = grad_hidden[r0:r1] if direct else accumulator[: rows * h].view(rows, h)
+        for vi, (c0, c1) in enumerate(col_chunks):
+            cols = c1 - c0
+            weight_v = weight[c0:c1]
+            tile = workspace[: rows * cols].view(rows, cols)
+            mm_fp32(hidden_t, weight_v.t(), out=tile)
+            # dlogits in the weight dtype, written in place: row r's half-width output lies inside row r's fp32
+            # input and the row pass writes block j only after reading blocks ≤ j, so no extra buffer is needed.
+            dlogits = tile if weight.dtype == torch.float32 else tile.view(weight.dtype)[:, :cols]
+            tiles.logits_grad(tile, dlogits, labels[r0:r1], shard.start + c0, inv_temp, row_max[r0:r1],
+                              log_sum[r0:r1],
+                              None if entropy is None else entropy[r0:r1],
+                              None if g_logprob is None else g_logprob[r0:r1],
+                              None if g_entropy is None else g_entropy[r0:r1])
+            if grad_hidden is not None:
+                addmm_fp32(acc, dlogits, weight_v, beta=0.0 if vi == 0 else 1.0)
+            if grad_weight is not None:
+                torch.addmm(grad_weight[c0:c1], dlogits.t(), hidden_t, beta=0.0 if ti == 0 else 1.0,
+                            out=grad_weight[c0:c1])
+        if grad_hidden is not None:
+            if shard.group is not None:
+                dist.all_reduce(acc, group=shard.group)
+            if not direct:
+                grad_hidden[r0:r1].copy_(acc)
     return grad_hidden, grad_weight

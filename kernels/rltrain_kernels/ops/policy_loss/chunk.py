@@ -6,7 +6,7 @@ Per chunk of `rows` tokens, over the whole vocabulary at once (README.md has the
     stats = row pass over tile                       max, Σexp, Σexp·z, label logit  (linear_logprobs' kernel)
     logp, entropy, log Σ; per-token loss, ∂L/∂logp    O(rows) kernels (kernel.py / TorchLossOps below)
     tile  → dlogits in place (weight dtype)          row pass (linear_logprobs' kernel)
-    grad_hidden_c  = dlogits @ weight                GEMM 2 (fp32 accumulator, rounded once)
+    grad_hidden_c  = dlogits @ weight                GEMM 2 (one full-V reduction: one rounding)
     grad_weight   += dlogits.T @ hidden_c            GEMM 3
 
 Three GEMMs in all, because the loss is known inside the forward. Unlike linear_logprobs' 2-D tiles (which need a
@@ -14,13 +14,6 @@ Three GEMMs in all, because the loss is known inside the forward. Unlike linear_
 rows·V·4 B. The default `rows` keeps that under 640 MiB: 1024 rows at V=151936 (594 MiB), which keeps GEMM 3's
 reduction K=1024 ≥ 2× the ~400 flop/B at which a bf16 GEMM with a bf16 read-modify-write output turns
 bandwidth-bound on H100/H200 (K/2 flop per byte of grad_weight traffic).
-
-Each step walks the vocabulary in segments (`vocab_segment`, 10 of 15232 columns at V=151936), each stored
-contiguously in the workspace, so that on CUDA the row pass of segment s runs on a side stream (overlap.py in
-linear_logprobs) while the GEMM of segment s+1 runs: GEMM 1 segments beside the statistics, and dlogits of segment
-s+1 beside GEMMs 2 and 3 of segment s. Only the last segment's statistics, the O(rows) loss kernels and the first
-segment's dlogits stay on the critical path. Same workspace, same arithmetic (GEMM 2 accumulates the segments in
-fp32).
 
 GSPO (importance_level="sequence") couples every token of a sequence through its ratio, so ∂L/∂logp is known only
 after the whole sequence's logp. When a sequence fits in a chunk (T ≤ rows), chunks are cut at sequence
@@ -36,8 +29,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from rltrain_kernels.ops.linear_logprobs.chunk import _balanced_bounds, addmm_fp32, mm_fp32
-from rltrain_kernels.ops.linear_logprobs.overlap import make_lane
+from rltrain_kernels.ops.linear_logprobs.chunk import _balanced_bounds, mm_fp32
 from rltrain_kernels.ops.policy_loss.options import PolicyLossOptions
 
 
@@ -48,17 +40,11 @@ class PolicyLossChunkConfig:
 
     workspace_bytes: int = 640 * 2**20   # → rows = 1024 at V=151936 (see module docstring)
     token_chunk: int | None = None       # explicit rows per chunk (overrides workspace_bytes)
-    vocab_segment: int = 16384           # GEMMs and row passes walk a chunk's vocab in segments of ≤ this
-    align: int = 128                     # rows and segments are multiples of this (GEMM tile edge)
+    align: int = 128                     # rows are a multiple of this (GEMM tile edge)
     block_v: int = 2048                  # Triton row-pass block (linear_logprobs' choice: 8 fp32 per thread)
-    overlap: bool = True                 # CUDA: row passes on a side stream beside the GEMMs (no extra memory)
 
     def __post_init__(self):
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"PolicyLossChunkConfig.overlap must be a bool, got {self.overlap!r}")
         for f in fields(self):
-            if f.name == "overlap":
-                continue
             value = getattr(self, f.name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"PolicyLossChunkConfig.{f.name} must be a positive int, got {value!r}")
@@ -211,6 +197,26 @@ def _sequence_bounds(n_seqs: int, seq_len: int, rows: int) -> list[tuple[int, in
     return [(s * seq_len, min(s + per_chunk, n_seqs) * seq_len) for s in range(0, n_seqs, per_chunk)]
 
 
+def _chunk_grads(tile, weight, hidden_c, labels_c, b: LossBuffers, inv_temp, tiles, grad_hidden_c, grad_weight,
+                 first: bool, accumulator) -> None:
+    # dlogits in the weight dtype, written over the fp32 tile (linear_logprobs' in-place layout: row r's half-width
+    # output lies inside row r's fp32 input and each block is written after it is read).
+    dlogits = tile if weight.dtype == torch.float32 else tile.view(weight.dtype)[:, : tile.shape[1]]
+    # keyword arguments into linear_logprobs' row passes: a reordering there fails loudly instead of silently
+    tiles.logits_grad(tile, dlogits, labels=labels_c, vocab_start=0, inv_temp=inv_temp, row_max=b.m,
+                      log_sum=b.log_sum, entropy=b.entropy, g_logprob=b.g_logp, g_entropy=b.g_entropy)
+    if grad_hidden_c is not None:
+        if accumulator is None:     # fp32 inputs
+            torch.mm(dlogits, weight, out=grad_hidden_c)
+        else:
+            # fp32 output, rounded once: a bf16-output GEMM with K = V lets cuBLAS reduce its split-K partials in
+            # bf16, which put grad_hidden 1.1e-2 off fp32 at B=8 T=1024 V=151936 (H200, 2026-11-22)
+            acc = accumulator[: grad_hidden_c.numel()].view(grad_hidden_c.shape)
+            grad_hidden_c.copy_(mm_fp32(dlogits, weight, out=acc))
+    if grad_weight is not None:
+        torch.addmm(grad_weight, dlogits.t(), hidden_c, beta=0.0 if first else 1.0, out=grad_weight)
+
+
 def policy_loss_chunks(hidden, weight, labels, b: LossBuffers, seq_len: int, opts: PolicyLossOptions, tiles,
                        loss_ops, config: PolicyLossChunkConfig, need_grad_hidden: bool, need_grad_weight: bool):
     """hidden [N, H], weight [V, H], labels [N] int64, b: LossBuffers over N = n_seqs·seq_len tokens. Fills b
@@ -232,85 +238,36 @@ def policy_loss_chunks(hidden, weight, labels, b: LossBuffers, seq_len: int, opt
                 g.zero_()
         return grad_hidden, grad_weight
     grads = need_grad_hidden or need_grad_weight
-    segments = _balanced_bounds(v, config.vocab_segment, config.align)
-    lane = make_lane(hidden.device, config.overlap)
     max_rows = max(r1 - r0 for r0, r1 in bounds)
     workspace = torch.empty(max_rows * v, dtype=torch.float32, device=hidden.device)
-    # fp32 inputs accumulate straight into grad_hidden; half inputs into an fp32 buffer rounded once per chunk: a
-    # bf16-output GEMM with K = V let cuBLAS reduce its split-K partials in bf16, which put grad_hidden 1.1e-2 off
-    # fp32 at B=8 T=1024 V=151936 (H200, 2026-11-22)
-    direct = hidden.dtype == torch.float32
-    accumulator = (torch.empty(max_rows * hidden.shape[1], dtype=torch.float32, device=hidden.device)
-                   if need_grad_hidden and not direct else None)
+    half = need_grad_hidden and hidden.dtype != torch.float32
+    accumulator = torch.empty(max_rows * hidden.shape[1], dtype=torch.float32, device=hidden.device) if half else None
 
-    def logits(r0, r1, row_pass):
-        """GEMM 1 segment by segment into the workspace (segment [c0, c1) at rows·c0, contiguous), each
-        segment's row_pass(c0, tile) submitted to the lane behind it. Returns [(c0, c1, tile, mark)]."""
-        out = []
-        for c0, c1 in segments:
-            tile = workspace[(r1 - r0) * c0: (r1 - r0) * c1].view(r1 - r0, c1 - c0)
-            mm_fp32(hidden[r0:r1], weight[c0:c1].t(), out=tile)
-            out.append((c0, c1, tile, lane.submit(row_pass, c0, tile)))
-        return out
+    def logits_tile(r0, r1):
+        tile = workspace[: (r1 - r0) * v].view(r1 - r0, v)
+        mm_fp32(hidden[r0:r1], weight.t(), out=tile)
+        return tile
 
-    def fold(r0, r1):
-        c = b.rows(r0, r1)
-
-        def fold_segment(c0, tile):
-            tiles.fold_stats(tile, labels=labels[r0:r1], vocab_start=c0, inv_temp=inv_temp, m=c.m, u=c.u, t=c.t,
-                             label_z=c.label_z)
-
-        segs = logits(r0, r1, fold_segment)
-        lane.wait(segs[-1][3])
-        loss_ops.finalize(c)
-        return c, segs
-
-    def gradients(i, r0, r1, segs):
-        """dlogits segment by segment on the lane (recomputing the logits when segs is None), each followed on
-        the current stream by its GEMM 2 (into the chunk's fp32 grad_hidden) and GEMM 3 (its grad_weight rows)."""
-        c = b.rows(r0, r1)
-
-        def dlogits_of(tile):
-            # dlogits in the weight dtype, written over the fp32 tile (linear_logprobs' in-place layout: row r's
-            # half-width output lies inside row r's fp32 input and each block is written after it is read)
-            return tile if weight.dtype == torch.float32 else tile.view(weight.dtype)[:, : tile.shape[1]]
-
-        def to_dlogits(c0, tile):
-            # keyword arguments into linear_logprobs' row passes: a reordering there fails loudly, not silently
-            tiles.logits_grad(tile, dlogits_of(tile), labels=labels[r0:r1], vocab_start=c0, inv_temp=inv_temp,
-                              row_max=c.m, log_sum=c.log_sum, entropy=c.entropy, g_logprob=c.g_logp,
-                              g_entropy=c.g_entropy)
-
-        if segs is None:
-            segs = logits(r0, r1, to_dlogits)
-        else:
-            segs = [(c0, c1, tile, lane.submit(to_dlogits, c0, tile)) for c0, c1, tile, _ in segs]
-        acc = None
-        if grad_hidden is not None:
-            acc = grad_hidden[r0:r1] if direct else accumulator[: (r1 - r0) * hidden.shape[1]].view(r1 - r0, -1)
-        for s, (c0, c1, tile, mark) in enumerate(segs):
-            lane.wait(mark)
-            dlogits = dlogits_of(tile)
-            if acc is not None:
-                addmm_fp32(acc, dlogits, weight[c0:c1], beta=0.0 if s == 0 else 1.0)
-            if grad_weight is not None:
-                torch.addmm(grad_weight[c0:c1], dlogits.t(), hidden[r0:r1], beta=0.0 if i == 0 else 1.0,
-                            out=grad_weight[c0:c1])
-        if acc is not None and not direct:
-            grad_hidden[r0:r1].copy_(acc)
+    def grads_of(i, r0, r1, tile):
+        _chunk_grads(tile, weight, hidden[r0:r1], labels[r0:r1], b.rows(r0, r1), inv_temp, tiles,
+                     None if grad_hidden is None else grad_hidden[r0:r1], grad_weight, first=i == 0,
+                     accumulator=accumulator)
 
     for i, (r0, r1) in enumerate(bounds):
-        c, segs = fold(r0, r1)
+        tile = logits_tile(r0, r1)
+        c = b.rows(r0, r1)
+        tiles.fold_stats(tile, labels=labels[r0:r1], vocab_start=0, inv_temp=inv_temp, m=c.m, u=c.u, t=c.t,
+                         label_z=c.label_z)
+        loss_ops.finalize(c)
         if one_pass:
             loss_ops.loss(c, opts, seq_len if sequence else None)
             if grads:
-                gradients(i, r0, r1, segs)
+                grads_of(i, r0, r1, tile)
     if not one_pass:   # GSPO with sequences longer than a chunk: ratios need every logp first
         loss_ops.loss(b, opts, seq_len)
         if grads:
             for i, (r0, r1) in enumerate(bounds):
-                gradients(i, r0, r1, None)
-    lane.join()
+                grads_of(i, r0, r1, logits_tile(r0, r1))
     return grad_hidden, grad_weight
 
 
