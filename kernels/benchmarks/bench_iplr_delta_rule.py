@@ -3,7 +3,7 @@ IPLR backward) and our chunk_gated_delta_rule (the closest op with a backward, s
 
 Run on a CUDA machine (flash-linear-attention 0.6.0 installed for the fla column):
     python kernels/benchmarks/bench_iplr_delta_rule.py [--quick] [--dot bf16] [--launch iplr_wy_bwd=2,3 ...]
-    python kernels/benchmarks/bench_iplr_delta_rule.py --dot bf16 --sweep-launch iplr_wy_bwd iplr_output_bwd
+    python kernels/benchmarks/bench_iplr_delta_rule.py --dot bf16 --sweep-launch iplr_wy_bwd iplr_output_bwd_dkb
     python kernels/benchmarks/bench_iplr_delta_rule.py --check-only --dot-per-kernel iplr_wy_bwd_kernel=bf16
 (--dot bf16 tries the bf16 dot operands that failed the real-size GPU test on H100; a sweep that hits an illegal
 memory access loses the process's CUDA context, so suspected settings go one process each with --launch.
@@ -21,9 +21,11 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+import triton
 from delta_rule_bench_common import (add_launch_arguments, apply_launch_overrides, apply_switches,
                                      check_against_reference, check_overrides_applied, force_value_block,
-                                     outputs_and_grads, override_dot_precision, rel, sweep_launch)
+                                     outputs_and_grads, override_dot_precision, rel, sweep_launch, switched,
+                                     worst_errors)
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -139,6 +141,88 @@ def profile_kernels(fla_chunk, B=8, T=2048, H=16, D=128):
         print_autotune_picks("fla.")
 
 
+# --compare-variants: (label, [(module path under rltrain_kernels.ops, switch, value)], {launch name: (warps, stages)})
+VARIANTS = [
+    ("dq/dw/dv BV=32", [("iplr_delta_rule.chunk_bwd", "OUTPUT_BWD_BV", {"dqwv": 32, "dkb": 64})], {}),
+    ("dq/dw/dv 8w/2s", [], {"iplr_output_bwd_dqwv": (8, 2)}),
+    ("dk/db BV=32", [("iplr_delta_rule.chunk_bwd", "OUTPUT_BWD_BV", {"dqwv": 64, "dkb": 32})], {}),
+    ("dk/db 8w/3s", [], {"iplr_output_bwd_dkb": (8, 3)}),
+]
+
+
+def compare_variants(H=16, D=128):
+    """The shipped kernels, then each of VARIANTS: the worst output and gradient errors against the fp32 naive
+    recurrence (B1 T300 H2 and B2 T1024 H4; three runs), and the forward+backward kernel time (torch.profiler sums,
+    kernel_profile.py) at B8 T2048 and B2 T8192, with the kernels that moved most against the shipped run; then our
+    gated delta rule's at the same shapes and the shipped IPLR's ratio to it (issue 6's goal: ≤ 1.2×)."""
+    import importlib
+
+    from kernel_profile import kernel_times
+    from rltrain_kernels.ops.common.launch import LAUNCH
+
+    checks = []
+    for B, T, Hc in ((1, 300, 2), (2, 1024, 4)):
+        (q, k, v, a, b), h0 = make_inputs(B, T, Hc, 128, 128, requires_grad=True)
+        checks.append(((q, k, v, a, b, h0), torch.randn_like(v)))
+    references = [outputs_and_grads(naive_recurrent_iplr_delta_rule, inputs, do) for inputs, do in checks]
+    shapes = ((8, 2048), (2, 8192))
+    steps = []
+    for B, T in shapes:
+        (q, k, v, a, b), h0 = make_inputs(B, T, H, D, D, requires_grad=True)
+        do = torch.randn_like(v)
+
+        def step(q=q, k=k, v=v, a=a, b=b, h0=h0, do=do):
+            for t in (q, k, v, a, b):
+                t.grad = None
+            chunk_iplr_delta_rule(q, k, v, a, b, initial_state=h0, output_final_state=True)[0].backward(do)
+
+        steps.append(step)
+    rows, base = [], None
+    for label, switches, launches in [("shipped", [], {})] + VARIANTS:
+        assignments = [(importlib.import_module(f"rltrain_kernels.ops.{path}"), name, value)
+                       for path, name, value in switches]
+        saved = {name: LAUNCH[name] for name in launches}
+        LAUNCH.update({name: dict(num_warps=w, num_stages=s) for name, (w, s) in launches.items()})
+        try:
+            with switched(assignments):
+                errs = [worst_errors(chunk_iplr_delta_rule, checks, references) for _ in range(3)]
+                # the lower of two profiled calls per shape (one call's kernel sums vary by a few µs per kernel)
+                totals = [min((kernel_times(step)[0] for _ in range(2)), key=lambda t: sum(t.values()))
+                          for step in steps]
+        except triton.runtime.errors.OutOfResources as err:   # a setting that does not fit: its row says so
+            print(f"  {label}: {err}", flush=True)
+            continue
+        finally:
+            LAUNCH.update(saved)
+        base = base or totals
+        moved = sorted(((totals[0].get(n, 0.0) - base[0].get(n, 0.0), n) for n in set(totals[0]) | set(base[0])),
+                       key=lambda x: -abs(x[0]))[:2]
+        rows.append((label, max(e[0] for e in errs), [e[1] for e in errs], *(sum(t.values()) for t in totals),
+                     ", ".join(f"{n[:32]} {d:+.3f}" for d, n in moved if abs(d) >= 0.005)))
+        print("  " + " | ".join(str(x) for x in rows[-1]), flush=True)
+    gdr = []   # our gated delta rule's forward+backward kernels at the same shapes: issue 6's yardstick
+    for B, T in shapes:
+        (q, k, v, _, _), h0 = make_inputs(B, T, H, D, D)
+        g = F.logsigmoid(torch.randn(B, T, H, device="cuda")).to(torch.bfloat16)
+        beta = torch.rand(B, T, H, device="cuda").to(torch.bfloat16)
+        leaves = [t.requires_grad_() for t in (q, k, v, g, beta)]
+        do = torch.randn_like(v)
+
+        def gdr_step(leaves=leaves, h0=h0, do=do):
+            for t in leaves:
+                t.grad = None
+            chunk_gated_delta_rule(*leaves, initial_state=h0, output_final_state=True)[0].backward(do)
+
+        gdr.append(min(sum(kernel_times(gdr_step)[0].values()) for _ in range(2)))
+    print(f"\nour chunk_gated_delta_rule, fwd+bwd kernels: B8 T2048 {gdr[0]:.3f} ms, B2 T8192 {gdr[1]:.3f} ms; "
+          f"shipped IPLR / it: {rows[0][3] / gdr[0]:.2f}x, {rows[0][4] / gdr[1]:.2f}x")
+    print("\n| variant | worst output err | worst grad err (3 runs) | B8 T2048 fwd+bwd kernels ms | B2 T8192 ms "
+          "| B8 T2048 kernels that moved (ms) |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
+    for label, eo, eg, t1, t2, moved in rows:
+        print(f"| {label} | {eo:.1e} | " + " / ".join(f"{e:.2e}" for e in eg) + f" | {t1:.3f} | {t2:.3f} | {moved} |")
+
+
 def add_row(rows: list, row: tuple) -> None:
     """Keep a timing row for the final table and print it now (fla's autotuning can outlast a time limit)."""
     rows.append(row)
@@ -163,6 +247,9 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="also print the per-kernel CUDA time of ours (forward, forward+backward) and fla's "
                              "forward at B8 T2048")
+    parser.add_argument("--compare-variants", action="store_true",
+                        help="errors and kernel time of the shipped kernels and each of VARIANTS (switches, launch "
+                             "settings) at B8 T2048 and B2 T8192, and exit")
     parser.add_argument("--dot-per-kernel", nargs="*", default=[], metavar="KERNEL=PREC",
                         help="this Triton kernel's dot precision (ieee, tf32, bf16) whatever --dot says, e.g. "
                              "iplr_wy_bwd_kernel=bf16; the stored intermediates keep their dtype")
@@ -179,6 +266,8 @@ def main():
         set_output_blocks(args.output_blocks)
     overridden = override_dot_precision(args.dot_per_kernel)
     print(f"device: {torch.cuda.get_device_name()}")
+    if args.compare_variants:
+        return compare_variants()
     if args.sweep_launch is not None:
         from rltrain_kernels.ops.common.launch import LAUNCH
 

@@ -54,7 +54,12 @@ LAUNCH: dict[str, dict[str, int]] = {
     # sweep, after it, never ran): sweep one kernel per process.
     "iplr_wy_fwd": dict(num_warps=4, num_stages=3),
     "iplr_output_fwd": dict(num_warps=4, num_stages=2),  # with chunk_fwd.py's OUTPUT_BLOCKS (bench_output_blocks.py)
-    "iplr_output_bwd": dict(num_warps=8, num_stages=3),  # both of iplr_delta_rule/chunk_bwd.py's output kernels
+    # iplr_delta_rule/chunk_bwd.py's two output-backward kernels, at 64 value columns (its OUTPUT_BWD_BV), each with
+    # its own entry (H100, bf16 B8 T2048, 2026-11-24, bench_iplr_delta_rule.py --compare-variants, kernel ms):
+    # dq/dw/dv 8w/3s 0.50 → 0.48 against 32 columns (8w/2s the same; 4w/2s +0.12, 4w/3s +0.34; 8w/4s does not fit);
+    # dk/db 0.33 → 0.30 at 8w/3s, 0.27 at 4w/2s (4w/3s 0.31; 128 columns 0.33 at 4w/2s, 0.40 at 8w/2s)
+    "iplr_output_bwd_dqwv": dict(num_warps=8, num_stages=3),
+    "iplr_output_bwd_dkb": dict(num_warps=4, num_stages=2),
     # the WY backward with its transposes through a scratch tile (TRANSPOSE_VIA_SCRATCH): 4w/2s 0.54 ms (233 registers,
     # 97 KiB, two blocks per SM), 4w/3s 0.65, 8w/3s 0.69 (H100, bf16 B8 T2048, 2026-11-23; 0.72 as dots at 8w/3s)
     "iplr_wy_bwd": dict(num_warps=4, num_stages=2),

@@ -29,6 +29,13 @@ from ..common.precision import cast_for_store, iplr_dot_precision, iplr_operand_
 from ..common.scratch import scratch_tiles, transpose_via_scratch
 from .chunk_fwd import iplr_state_pass_fwd, iplr_wy_fwd
 
+# Value columns per step of the two output-backward kernels' V loops (capped at V's power of two) when their dots take
+# 16-bit operands: 64 for both, 0.83 → 0.75 ms at bf16 B8 T2048 H16 K=V=128 against 32 (H100, 2026-11-24, with the
+# dk/db kernel at 4w/2s; launch.py has their warps and stages). tf32 / ieee dots (fp16, fp32 inputs) and K > 128 keep 32: fp32 tiles at 64 columns, or
+# K = 256 bf16 ones, need 288 / 337 KiB of shared memory at 3 stages, over Hopper's 227 (compile_report.py); at K > 128
+# the dq/dw/dv kernel also runs at most 2 stages (fp32 tiles at K = 256: 273 KiB at 3 stages, 177 at 2).
+OUTPUT_BWD_BV = {"dqwv": 64, "dkb": 64}
+
 
 @triton.jit
 def iplr_output_bwd_dqwv_kernel(
@@ -142,14 +149,19 @@ def iplr_output_bwd(q, k, v, b, x, h, dh, do, dx, scale: float, layout: ChunkLay
     if layout.num_chunks:
         # Two kernels rather than one: together they keep four [64, K] and four [64, 64] fp32 accumulators live
         # across the V loop (~270 registers/thread at K=128, 8 warps: spills); split, each holds half of them.
-        common = dict(H=H, K=K, V=V, BT=layout.chunk_size, BK=triton.next_power_of_2(K),
-                      BV=min(32, triton.next_power_of_2(V)), DOT_PREC=iplr_dot_precision(q.dtype),
-                      **launch("iplr_output_bwd"))
+        dot_prec = iplr_dot_precision(q.dtype)
+        wide = dot_prec.startswith(("bf16", "fp16")) and K <= 128
+        bv = {kernel: min(bv if wide else 32, triton.next_power_of_2(V)) for kernel, bv in OUTPUT_BWD_BV.items()}
+        dqwv_launch = dict(launch("iplr_output_bwd_dqwv"))
+        if K > 128:
+            dqwv_launch["num_stages"] = min(2, dqwv_launch["num_stages"])
+        common = dict(H=H, K=K, V=V, BT=layout.chunk_size, BK=triton.next_power_of_2(K), DOT_PREC=dot_prec)
         iplr_output_bwd_dqwv_kernel[(layout.num_chunks, H)](
             q, k, v, b, x, h, dh, do, dx, dq, dv, dw, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets,
-            scale, RAW_PREC=raw_precision(q.dtype), **common)
+            scale, RAW_PREC=raw_precision(q.dtype), BV=bv["dqwv"], **common, **dqwv_launch)
         iplr_output_bwd_dkb_kernel[(layout.num_chunks, H)](
-            q, v, x, dh, do, dk, db, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale, **common)
+            q, v, x, dh, do, dk, db, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,
+            BV=bv["dkb"], **common, **launch("iplr_output_bwd_dkb"))
     return dq, dk, db, dv, dw
 
 
