@@ -31,9 +31,10 @@ from .chunk_fwd import iplr_state_pass_fwd, iplr_wy_fwd
 
 # Value columns per step of the two output-backward kernels' V loops (capped at V's power of two) when their dots take
 # 16-bit operands: 64 for both, 0.83 → 0.75 ms at bf16 B8 T2048 H16 K=V=128 against 32 (H100, 2026-11-24, with the
-# dk/db kernel at 4w/2s; launch.py has their warps and stages). tf32 / ieee dots (fp16, fp32 inputs) and K > 128 keep 32: fp32 tiles at 64 columns, or
-# K = 256 bf16 ones, need 288 / 337 KiB of shared memory at 3 stages, over Hopper's 227 (compile_report.py); at K > 128
-# the dq/dw/dv kernel also runs at most 2 stages (fp32 tiles at K = 256: 273 KiB at 3 stages, 177 at 2).
+# dk/db kernel at 4w/2s; launch.py has their warps and stages). tf32 / ieee dots (fp16, fp32 inputs) and K > 128 keep
+# 32: fp32 tiles at 64 columns, or K = 256 bf16 ones, need 288 / 337 KiB of shared memory at 3 stages, over Hopper's
+# 227 (compile_report.py); at K > 128 the dq/dw/dv kernel also runs at most 2 stages (fp32 tiles at K = 256: 273 KiB
+# at 3 stages, 177 at 2).
 OUTPUT_BWD_BV = {"dqwv": 64, "dkb": 64}
 
 
