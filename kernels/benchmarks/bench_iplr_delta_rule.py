@@ -84,14 +84,17 @@ def time_iplr(fn, B, T, H, D, backward=True, cu_seqlens=None, N=None):
     return t_fwd, do_bench(fwd_bwd, grad_to_none=[q, k, v, a, b])
 
 
-def time_gated_delta_rule(B, T, H, D, cu_seqlens=None, N=None):
+def gated_delta_rule_inputs(B, T, H, D, N=None):
+    """q, k, v as make_inputs draws them, a log-sigmoid gate and β ∈ (0, 1), all bf16 leaves; the fp32 h0."""
     (q, k, v, _, _), h0 = make_inputs(B, T, H, D, D, N=N)
     g = F.logsigmoid(torch.randn(B, T, H, device="cuda")).to(torch.bfloat16)
     beta = torch.rand(B, T, H, device="cuda").to(torch.bfloat16)
-    tensors = [q, k, v, g, beta]
-    for t in tensors:
-        t.requires_grad_(True)
-    do = torch.randn_like(v)
+    return [t.requires_grad_() for t in (q, k, v, g, beta)], h0
+
+
+def time_gated_delta_rule(B, T, H, D, cu_seqlens=None, N=None):
+    tensors, h0 = gated_delta_rule_inputs(B, T, H, D, N=N)
+    do = torch.randn_like(tensors[2])
     kwargs = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
     with torch.no_grad():
         t_fwd = do_bench(lambda: chunk_gated_delta_rule(*tensors, **kwargs))
@@ -200,13 +203,12 @@ def compare_variants(H=16, D=128):
         rows.append((label, max(e[0] for e in errs), [e[1] for e in errs], *(sum(t.values()) for t in totals),
                      ", ".join(f"{n[:32]} {d:+.3f}" for d, n in moved if abs(d) >= 0.005)))
         print("  " + " | ".join(str(x) for x in rows[-1]), flush=True)
+    if not rows or rows[0][0] != "shipped":
+        raise SystemExit("the shipped kernels did not run (see above): no baseline to compare the variants with")
     gdr = []   # our gated delta rule's forward+backward kernels at the same shapes: issue 6's yardstick
     for B, T in shapes:
-        (q, k, v, _, _), h0 = make_inputs(B, T, H, D, D)
-        g = F.logsigmoid(torch.randn(B, T, H, device="cuda")).to(torch.bfloat16)
-        beta = torch.rand(B, T, H, device="cuda").to(torch.bfloat16)
-        leaves = [t.requires_grad_() for t in (q, k, v, g, beta)]
-        do = torch.randn_like(v)
+        leaves, h0 = gated_delta_rule_inputs(B, T, H, D)
+        do = torch.randn_like(leaves[2])
 
         def gdr_step(leaves=leaves, h0=h0, do=do):
             for t in leaves:

@@ -207,6 +207,11 @@ TUNE_CONFIGS = [dict(), dict(vocab_chunk=8192), dict(vocab_chunk=32768), dict(to
                 dict(token_chunk=1024), dict(block_v=1024), dict(block_v=4096)]
 
 
+def bare(gemms):
+    """The bare cuBLAS GEMMs (gemm_floor.bare_gemms) called like the implementations: a measured floor row."""
+    return lambda hidden, weight, labels: (gemms(hidden, weight),)
+
+
 def tune(n, vocab, hidden_size, rate, iters):
     """Ours at several ChunkConfigs (the default first) beside the 4 bare cuBLAS GEMMs, timed before and after them
     in the same process: fwd and fwd+bwd vs the computed floors and vs the bare GEMMs, extra peak memory."""
@@ -214,10 +219,10 @@ def tune(n, vocab, hidden_size, rate, iters):
 
     hidden, weight, labels = make_inputs(n, vocab, hidden_size)
     floor1 = 2 * n * hidden_size * vocab / rate * 1e3
-    gemms = bare_gemms(recompute=True)
+    floor_fn = bare(bare_gemms(recompute=True))
 
     def bare_ms():
-        fwd, both, _ = measure(lambda h, w, l: (gemms(h, w),), hidden, weight, labels, iters)
+        fwd, both, _ = measure(floor_fn, hidden, weight, labels, iters)
         return fwd, both
 
     bare = [bare_ms()]
@@ -284,9 +289,8 @@ def main(argv=None):
         return profile_ours(tokens[0], vocab, hidden_size)
     from gemm_floor import bare_gemms
 
-    gemms = bare_gemms(recompute=True)
     impls = [("ours (logprob+entropy)", ours(True)), ("ours (logprob only)", ours(False)),
-             ("4 bare cuBLAS GEMMs (measured floor)", lambda hidden, weight, labels: (gemms(hidden, weight),)),
+             ("4 bare cuBLAS GEMMs (measured floor)", bare(bare_gemms(recompute=True))),
              ("torch naive (fp32 logits)", torch_naive)]
     if not args.no_peers:
         for name, loader in (("verl 0.9.1 (logprob+entropy)", load_verl), ("CCE (logprob only)", load_cce),

@@ -291,7 +291,8 @@ def test_common_state_pass_matches_torch(gated, reads, device):
         v, beta = torch.randn(T, 1, V, device=device), torch.rand(T, 1, device=device)
         Ai = torch.zeros(T, 1, 64, device=device)
         for s, e in chunks:
-            Ai[s:e, 0, :e - s] = torch.eye(e - s, device=device) + 0.2 * torch.randn(e - s, e - s, device=device).tril(-1)
+            Ai[s:e, 0, :e - s] = (torch.eye(e - s, device=device)
+                                  + 0.2 * torch.randn(e - s, e - s, device=device).tril(-1))
             Tc = Ai[s:e, 0, :e - s].double()
             gamma = G[s:e, 0].double().exp() if gated else 1.0
             u[s:e, 0] = (Tc @ (v[s:e, 0].double() * beta[s:e].double())).float()

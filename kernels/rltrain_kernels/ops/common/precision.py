@@ -114,6 +114,13 @@ def solve_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else LOW_PRECISION_SOLVE
 
 
+def sixteen_bit_dots(dot_prec: str) -> bool:
+    """Whether dots in `dot_prec` take 16-bit operand tiles (bf16 / fp16, interpreted or not): half the shared memory
+    of tf32 / ieee ones, which is what lets the backward kernels step 64 value columns at a time (DQKWG_BV, IPLR's
+    OUTPUT_BWD_BV)."""
+    return dot_prec.startswith(("bf16", "fp16"))
+
+
 def operand_dtype(dtype: torch.dtype, dot_prec: str | None = None) -> torch.dtype:
     """Storage dtype of the intermediates that only ever feed DOT_PREC dots (T, w, dδ, dw; in IPLR also h, X, dh)
     for inputs of `dtype` and dots in `dot_prec` (default dot_precision(dtype)): the dots' own operand dtype, bf16

@@ -30,6 +30,7 @@ from ..common.precision import (
     operand_dtype,
     raw_precision,
     recurrence_operand_dtype,
+    sixteen_bit_dots,
 )
 from ..common.scratch import scratch_tiles, transpose_via_scratch
 from ..common.wy_bwd import gated_wy_bwd
@@ -138,7 +139,7 @@ def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout
         raise ValueError(f"K={K} > 256 is not supported by the chunked backward")
     if layout.num_chunks:
         dot_prec = dot_precision(q.dtype)
-        wide = dot_prec.startswith(("bf16", "fp16"))  # 16-bit operand tiles (see DQKWG_BV)
+        wide = sixteen_bit_dots(dot_prec)  # see DQKWG_BV
         scratch = scratch_tiles(layout, HV, operand_dtype(q.dtype), q.device)
         chunk_dqkwg_kernel[(layout.num_chunks, HV)](
             q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, scratch, layout.cu_seqlens, layout.chunk_indices,

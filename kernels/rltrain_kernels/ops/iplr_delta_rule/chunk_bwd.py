@@ -25,7 +25,8 @@ import triton.language as tl
 from ..common.chunking import ChunkLayout
 from ..common.launch import launch
 from ..common.state_pass import state_pass_bwd
-from ..common.precision import cast_for_store, iplr_dot_precision, iplr_operand_dtype, mm, mma, raw_precision
+from ..common.precision import (cast_for_store, iplr_dot_precision, iplr_operand_dtype, mm, mma, raw_precision,
+                                sixteen_bit_dots)
 from ..common.scratch import scratch_tiles, transpose_via_scratch
 from .chunk_fwd import iplr_state_pass_fwd, iplr_wy_fwd
 
@@ -151,7 +152,7 @@ def iplr_output_bwd(q, k, v, b, x, h, dh, do, dx, scale: float, layout: ChunkLay
         # Two kernels rather than one: together they keep four [64, K] and four [64, 64] fp32 accumulators live
         # across the V loop (~270 registers/thread at K=128, 8 warps: spills); split, each holds half of them.
         dot_prec = iplr_dot_precision(q.dtype)
-        wide = dot_prec.startswith(("bf16", "fp16")) and K <= 128
+        wide = sixteen_bit_dots(dot_prec) and K <= 128
         bv = {kernel: min(bv if wide else 32, triton.next_power_of_2(V)) for kernel, bv in OUTPUT_BWD_BV.items()}
         dqwv_launch = dict(launch("iplr_output_bwd_dqwv"))
         if K > 128:

@@ -85,7 +85,8 @@ def iplr_wy_fwd_kernel(
 
 def iplr_wy_fwd(k, v, a, b, layout: ChunkLayout, Ai=None):
     """k, a, b [tokens, H, K], v [tokens, H, V] → (Ai [tokens, H, BT] = T, w [tokens, H, K] (= −T A), both in
-    iplr_operand_dtype(k.dtype), u [tokens, H, V] fp32). With Ai given, skip the solve and only rebuild w and u (the backward's recomputation)."""
+    iplr_operand_dtype(k.dtype), u [tokens, H, V] fp32). With Ai given, skip the solve and only rebuild w and u (the
+    backward's recomputation)."""
     TT, H, K = k.shape
     V = v.shape[-1]
     BT = layout.chunk_size
