@@ -72,8 +72,8 @@ if [ "$what" = iplr-bf16 ]; then
     }
     iplr_check "bf16 dots everywhere (shipped launch settings)" --dot bf16
     # one kernel at a time in bf16, the others tf32 and every intermediate fp32 (the failing run's storage)
-    for kernel in iplr_wy_fwd_kernel iplr_state_pass_fwd_kernel iplr_output_fwd_kernel local_dv_kernel \
-                  state_pass_bwd_kernel iplr_output_bwd_dqwv_kernel iplr_output_bwd_dkb_kernel iplr_wy_bwd_kernel; do
+    for kernel in iplr_solve_kernel iplr_state_pass_fwd_kernel iplr_output_fwd_kernel local_dv_kernel \
+                  state_pass_bwd_kernel iplr_bwd_query_kernel iplr_bwd_key_kernel; do
         iplr_check "bf16 only in $kernel" --dot tf32 --dot-per-kernel "$kernel=bf16"
     done
     # Triton 3.6 on Hopper read shared memory out of bounds in the state passes at 1 stage with bf16 dots (2026-11-23,

@@ -2,9 +2,9 @@
 IPLR backward) and our chunk_gated_delta_rule (the closest op with a backward, same sizes).
 
 Run on a CUDA machine (flash-linear-attention 0.6.0 installed for the fla column):
-    python kernels/benchmarks/bench_iplr_delta_rule.py [--quick] [--dot bf16] [--launch iplr_wy_bwd=2,3 ...]
-    python kernels/benchmarks/bench_iplr_delta_rule.py --dot bf16 --sweep-launch iplr_wy_bwd iplr_output_bwd_dkb
-    python kernels/benchmarks/bench_iplr_delta_rule.py --check-only --dot-per-kernel iplr_wy_bwd_kernel=bf16
+    python kernels/benchmarks/bench_iplr_delta_rule.py [--quick] [--dot bf16] [--launch iplr_bwd_key=8,2 ...]
+    python kernels/benchmarks/bench_iplr_delta_rule.py --dot bf16 --sweep-launch iplr_bwd_query iplr_bwd_key
+    python kernels/benchmarks/bench_iplr_delta_rule.py --check-only --dot-per-kernel iplr_bwd_key_kernel=bf16
 (--dot bf16 tries the bf16 dot operands that failed the real-size GPU test on H100; a sweep that hits an illegal
 memory access loses the process's CUDA context, so suspected settings go one process each with --launch.
 --dot-per-kernel gives single kernels another dot precision, the intermediates keeping their dtype: bf16 in one
@@ -146,10 +146,13 @@ def profile_kernels(fla_chunk, B=8, T=2048, H=16, D=128):
 
 # --compare-variants: (label, [(module path under rltrain_kernels.ops, switch, value)], {launch name: (warps, stages)})
 VARIANTS = [
-    ("dq/dw/dv BV=32", [("iplr_delta_rule.chunk_bwd", "OUTPUT_BWD_BV", {"dqwv": 32, "dkb": 64})], {}),
-    ("dq/dw/dv 8w/2s", [], {"iplr_output_bwd_dqwv": (8, 2)}),
-    ("dk/db BV=32", [("iplr_delta_rule.chunk_bwd", "OUTPUT_BWD_BV", {"dqwv": 64, "dkb": 32})], {}),
-    ("dk/db 8w/3s", [], {"iplr_output_bwd_dkb": (8, 3)}),
+    ("fwd state pass narrow: raw in registers", [("iplr_delta_rule.chunk_fwd", "STATE_PASS_RAW_IN_REGISTERS",
+                                                  {True: True, False: True})], {}),
+    ("reverse pass: a as stored", [("common.state_pass", "IPLR_A_IN_REGISTERS", {"wide": False, "narrow": False})],
+     {}),
+    ("narrow fwd state pass 4w/2s", [], {"iplr_state_pass_fwd": (4, 2)}),
+    ("query side 8w/2s", [], {"iplr_bwd_query": (8, 2)}),
+    ("key side 8w/2s", [], {"iplr_bwd_key": (8, 2)}),
 ]
 
 
@@ -197,7 +200,11 @@ def compare_variants(H=16, D=128):
             continue
         finally:
             LAUNCH.update(saved)
-        base = base or totals
+        if base is None:
+            base = totals
+            for (B, T), total in zip(shapes, totals):
+                print(f"  shipped, B{B} T{T}: " + ", ".join(f"{n[:28]} {t:.3f}" for n, t in
+                                                            sorted(total.items(), key=lambda x: -x[1])), flush=True)
         moved = sorted(((totals[0].get(n, 0.0) - base[0].get(n, 0.0), n) for n in set(totals[0]) | set(base[0])),
                        key=lambda x: -abs(x[0]))[:2]
         rows.append((label, max(e[0] for e in errs), [e[1] for e in errs], *(sum(t.values()) for t in totals),
@@ -238,7 +245,7 @@ def main():
                         help="only the checks against the naive recurrence (B1 T300 H2 and B2 T1024 H4), no timing")
     parser.add_argument("--dot", choices=["tf32", "bf16"],
                         help="the IPLR kernels' dot precision for bf16 inputs (precision.IPLR_LOW_PRECISION_DOT)")
-    add_launch_arguments(parser, "iplr_wy_bwd=2,3",
+    add_launch_arguments(parser, "iplr_bwd_key=8,2",
                          "sweep warps x stages of these launch.py entries (none listed = the iplr_* ones), each "
                          "checked against the naive recurrence at B2 T1024 H4, and exit",
                          "the reverse state pass's value columns per program (common/state_pass.py): 64 (wide), 32 "
@@ -254,7 +261,7 @@ def main():
                              "settings) at B8 T2048 and B2 T8192, and exit")
     parser.add_argument("--dot-per-kernel", nargs="*", default=[], metavar="KERNEL=PREC",
                         help="this Triton kernel's dot precision (ieee, tf32, bf16) whatever --dot says, e.g. "
-                             "iplr_wy_bwd_kernel=bf16; the stored intermediates keep their dtype")
+                             "iplr_bwd_key_kernel=bf16; the stored intermediates keep their dtype")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.dot:

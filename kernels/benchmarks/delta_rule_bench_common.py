@@ -216,7 +216,7 @@ _UNPATCHED_RUN: dict = {}  # launcher class -> its run before override_dot_preci
 
 
 def override_dot_precision(overrides: list[str]) -> set[str]:
-    """From "KERNEL=PREC" strings (KERNEL a Triton kernel's function name such as iplr_wy_bwd_kernel, PREC one of
+    """From "KERNEL=PREC" strings (KERNEL a Triton kernel's function name such as iplr_bwd_key_kernel, PREC one of
     DOT_PRECISIONS): every later launch of KERNEL gets DOT_PREC=PREC whatever its host code chose, the other kernels
     keep theirs. Only DOT_PREC changes: the intermediates keep the dtype the host allocated (kernels load them into
     fp32 and store through cast_for_store, so any mix computes). Returns the set, growing as launches happen, of the

@@ -55,14 +55,14 @@ def test_override_changes_only_the_named_kernel(device, restore_launchers, monke
     inputs, do = iplr_inputs(device)
     names = ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"]
     base = dict(zip(names, outputs_and_grads(chunk_iplr_delta_rule, inputs, do)))
-    applied = override_dot_precision(["iplr_wy_bwd_kernel=bf16"])
+    applied = override_dot_precision(["iplr_bwd_query_kernel=bf16"])
     assert applied == set()
     mixed = dict(zip(names, outputs_and_grads(chunk_iplr_delta_rule, inputs, do)))
-    assert applied == {"iplr_wy_bwd_kernel"}
-    check_overrides_applied(["iplr_wy_bwd_kernel=bf16"], applied)
-    # The forward and the kernels before the WY backward are untouched, bit for bit; da comes only from the WY
-    # backward, whose dots now round their operands to bf16.
-    for name in ("o", "final_state", "dq", "dh0"):
+    assert applied == {"iplr_bwd_query_kernel"}
+    check_overrides_applied(["iplr_bwd_query_kernel=bf16"], applied)
+    # The forward and every other backward kernel are untouched, bit for bit; da and dq come only from the query-side
+    # kernel, whose dots now round their operands to bf16.
+    for name in ("o", "final_state", "dk", "dv", "db", "dh0"):
         assert torch.equal(mixed[name], base[name]), name
     assert not torch.equal(mixed["da"], base["da"])
     rel = ((mixed["da"].float() - base["da"].float()).norm() / base["da"].float().norm()).item()
@@ -112,8 +112,8 @@ def test_recurrence_dot_is_the_override_of_the_wy_and_state_pass_kernels(device,
 
 
 def test_bad_overrides_are_named(restore_launchers):
-    with pytest.raises(SystemExit, match="'iplr_wy_bwd_kernel=fp8'"):
-        override_dot_precision(["iplr_wy_bwd_kernel=fp8"])
+    with pytest.raises(SystemExit, match="'iplr_bwd_query_kernel=fp8'"):
+        override_dot_precision(["iplr_bwd_query_kernel=fp8"])
     with pytest.raises(SystemExit, match="no_such_kernel"):
         check_overrides_applied(["no_such_kernel=bf16"], set())
 

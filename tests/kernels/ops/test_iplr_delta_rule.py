@@ -280,31 +280,6 @@ def test_chunk_varlen_gradients(regime, device, poison_allocations):
     check_gradients(chunk_iplr_delta_rule, *inputs, cu_seqlens=cu, threshold=(1e-5, 2e-5))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_wy_backward_transposes_as_dots_or_through_scratch(dtype, device, monkeypatch):
-    """The WY backward's transposed products (k_iᵀ a_j, T dTᵀ T, V dXᵀ T) as dots of their own or, with
-    common/scratch.py's TRANSPOSE_VIA_SCRATCH (the default), as transposes of their partners through a scratch tile
-    used three times per program: the same gradients, both against float64; varlen with a partial chunk."""
-    from rltrain_kernels.ops.common import scratch
-
-    cu = cu_seqlens_of(VARLEN, device)
-    inputs = make_inputs(1, sum(VARLEN), 2, 16, 32, dtype=dtype, regime="generic", device=device, N=len(VARLEN),
-                         initial_state=True, requires_grad=True)
-    do = torch.randn(1, sum(VARLEN), 2, 32, device=device, dtype=dtype)
-    results = outputs_and_grads_per_setting(
-        lambda *args, **kwargs: chunk_iplr_delta_rule(*args, cu_seqlens=cu, **kwargs), inputs, do, (True, False),
-        lambda on: monkeypatch.setattr(scratch, "TRANSPOSE_VIA_SCRATCH", on))
-    names = ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"]
-    for name, x, y in zip(names, results[True], results[False]):
-        assert_rel_close(x, y, threshold=1e-5 if dtype == torch.float32 else 2e-3, name=name)
-    for on in (True, False):
-        monkeypatch.setattr(scratch, "TRANSPOSE_VIA_SCRATCH", on)
-        for t in inputs:
-            t.grad = None
-        check_gradients(chunk_iplr_delta_rule, *inputs, cu_seqlens=cu,
-                        threshold=(1e-5, 2e-5) if dtype == torch.float32 else (5e-3, 1e-2))
-
-
 def test_chunk_gradients_without_initial_state(device):
     q, k, v, a, b, _ = make_inputs(1, 40, 2, 16, 16, regime="generic", device=device, requires_grad=True)
     o, _ = chunk_iplr_delta_rule(q, k, v, a, b)
@@ -472,11 +447,40 @@ def test_chunk_bf16_both_state_pass_launches(value_block, device, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("value_block", ["wide", "narrow"])
+def test_chunk_fp16_real_sizes(value_block, device, monkeypatch):
+    # fp16 inputs: raw products in fp16, the rest tf32 with fp32 intermediates (precision.py)
+    force_state_pass_value_block(monkeypatch, value_block, device)
+    inputs = make_inputs(2, 300, 4, 128, 128, dtype=torch.float16, device=device, initial_state=True,
+                         requires_grad=True)
+    check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(5e-3, 1e-2))
+
+
+@pytest.mark.gpu
 def test_chunk_fp32_real_sizes(device):
     # fp32 inputs double every loaded tile (ieee dots): the launch settings must still fit Hopper's shared memory
     inputs = make_inputs(2, 300, 4, 128, 128, dtype=torch.float32, device=device, initial_state=True,
                          requires_grad=True)
     check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(1e-4, 1e-3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value_block", ["wide", "narrow"])
+def test_chunk_bf16_wide_keys(value_block, device, monkeypatch):
+    """K = V = 256, the widest key dim: the register paths for K > 128 keep every kernel within Hopper's shared
+    memory."""
+    force_state_pass_value_block(monkeypatch, value_block, device)
+    inputs = make_inputs(2, 300, 4, 256, 256, dtype=torch.bfloat16, device=device, initial_state=True,
+                         requires_grad=True)
+    check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(5e-3, 1e-2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_chunk_wide_keys_in_other_dtypes_raise_a_clear_error(dtype, device):
+    q, k, v, a, b, _ = make_inputs(1, 64, 2, 256, 64, dtype=dtype, device=device)
+    with pytest.raises(ValueError, match=r"K > 128 only with bfloat16 inputs on a GPU, got K=256 \(q/k/a/b\) in"):
+        chunk_iplr_delta_rule(q, k, v, a, b)
 
 
 @pytest.mark.gpu

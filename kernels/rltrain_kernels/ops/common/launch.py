@@ -43,29 +43,36 @@ LAUNCH: dict[str, dict[str, int]] = {
     "dqkwg": dict(num_warps=8, num_stages=2),         # gated_delta_rule/chunk_bwd.py; 3 stages overflowed shared memory
     # iplr_delta_rule/chunk_fwd.py: 1 stage, which took its shared memory from 121 to 53 KiB with fp32 tiles, reads
     # shared memory out of bounds on Hopper with bf16 dots (Triton 3.6, at 4 and 8 warps, compute-sanitizer; H100,
-    # 2026-11-23), as state_pass_bwd did at 4 warps; 2 stages pass every IPLR GPU test
-    "iplr_state_pass_fwd": dict(num_warps=4, num_stages=2),
+    # 2026-11-23), as state_pass_bwd did at 4 warps. Since the pass forms X from T and strict(A Kᵀ) and loads its raw
+    # tiles as stored (2026-11-24, H100, bf16 B2 T8192 H16 K=V=128, bench_iplr_delta_rule.py --compare-variants): 4w/3s
+    # 0.45 ms for its two calls, 4w/2s 0.60. With A Kᵀ formed inside the pass from fp32 register tiles, 4 warps at 1–3
+    # stages gave wrong states and 8 warps faulted; 2 warps ran right (tmp bisect, same day).
+    "iplr_state_pass_fwd": dict(num_warps=4, num_stages=3),
     # 64 value columns per program (common/state_pass.py's occupancy rule): 250 registers, 73 KiB, two blocks per SM;
     # 0.37 → 0.25 ms against the narrow launch at B8 T2048 (H100, 2026-11-23). Not swept: the narrow one's setting
     "iplr_state_pass_fwd_wide": dict(num_warps=4, num_stages=2),
-    # the other IPLR kernels: swept at 4 and 8 warps × 1–3 stages on H100 (2026-11-23, B8 T2048, every setting that
-    # ran within the bars); each entry below was already the fastest. The output backward at 4 warps / 1 stage
-    # raises and leaves an illegal memory access behind, which ended that sweep process (the forward state pass's
-    # sweep, after it, never ran): sweep one kernel per process.
-    "iplr_wy_fwd": dict(num_warps=4, num_stages=3),
+    # the IPLR solve (T only): the setting of the WY kernel it replaced (4w/3s, swept at 4 and 8 warps × 1–3 stages on
+    # H100, 2026-11-23, when that kernel also formed w and u)
+    "iplr_solve": dict(num_warps=4, num_stages=3),
     "iplr_output_fwd": dict(num_warps=4, num_stages=2),  # with chunk_fwd.py's OUTPUT_BLOCKS (bench_output_blocks.py)
-    # iplr_delta_rule/chunk_bwd.py's two output-backward kernels, at 64 value columns (its OUTPUT_BWD_BV), each with
-    # its own entry (H100, bf16 B8 T2048, 2026-11-24, bench_iplr_delta_rule.py --compare-variants, kernel ms):
-    # dq/dw/dv 8w/3s 0.50 → 0.48 against 32 columns (8w/2s the same; 4w/2s +0.12, 4w/3s +0.34; 8w/4s does not fit);
-    # dk/db 0.33 → 0.30 at 8w/3s, 0.27 at 4w/2s (4w/3s 0.31; 128 columns 0.33 at 4w/2s, 0.40 at 8w/2s)
-    "iplr_output_bwd_dqwv": dict(num_warps=8, num_stages=3),
-    "iplr_output_bwd_dkb": dict(num_warps=4, num_stages=2),
-    # the WY backward with its transposes through a scratch tile (TRANSPOSE_VIA_SCRATCH): 4w/2s 0.54 ms (233 registers,
-    # 97 KiB, two blocks per SM), 4w/3s 0.65, 8w/3s 0.69 (H100, bf16 B8 T2048, 2026-11-23; 0.72 as dots at 8w/3s)
-    "iplr_wy_bwd": dict(num_warps=4, num_stages=2),
+    # iplr_delta_rule/chunk_bwd.py's query-side (dq, da) and key-side (dk, db, dv) kernels, at 64 value columns (its
+    # BWD_BV). H100, bf16 B8 T2048 H16 K=V=128, 2026-11-24, kernel ms: query 8w/2s 0.376, 4w/2s 0.355, 8w/3s 0.362,
+    # 4w/3s 0.457, 128 columns 0.474; key 8w/2s 0.470, 8w/3s 0.440, 8w/1s 0.552, 32 columns 0.570
+    "iplr_bwd_query": dict(num_warps=4, num_stages=2),
+    "iplr_bwd_key": dict(num_warps=8, num_stages=3),
 }
 
 
-def launch(name: str) -> dict[str, int]:
-    """Keyword arguments (num_warps, num_stages) for launching kernel `name`."""
-    return LAUNCH[name]
+# Stage caps for large tiles (K > 128, or fp32 inputs), where the [64, K] tiles double: LAUNCH's stages would overflow
+# the 227 KiB of shared memory a Hopper SM has (compile_report.py: the IPLR forward state pass at 3 stages takes 241 KiB
+# with fp16 inputs at K = 256, 289 KiB with fp32 ones at K = 128; at 2 stages 173 and 177).
+LARGE_TILE_MAX_STAGES: dict[str, int] = {"iplr_state_pass_fwd": 2}
+
+
+def launch(name: str, large_tiles: bool = False) -> dict[str, int]:
+    """Keyword arguments (num_warps, num_stages) for launching kernel `name`; large_tiles: K > 128 or fp32 inputs
+    (LARGE_TILE_MAX_STAGES)."""
+    settings = LAUNCH[name]
+    if large_tiles and name in LARGE_TILE_MAX_STAGES:
+        settings = dict(settings, num_stages=min(settings["num_stages"], LARGE_TILE_MAX_STAGES[name]))
+    return settings

@@ -117,7 +117,7 @@ def solve_precision(dtype: torch.dtype) -> str:
 def sixteen_bit_dots(dot_prec: str) -> bool:
     """Whether dots in `dot_prec` take 16-bit operand tiles (bf16 / fp16, interpreted or not): half the shared memory
     of tf32 / ieee ones, which is what lets the backward kernels step 64 value columns at a time (DQKWG_BV, IPLR's
-    OUTPUT_BWD_BV)."""
+    BWD_BV)."""
     return dot_prec.startswith(("bf16", "fp16"))
 
 

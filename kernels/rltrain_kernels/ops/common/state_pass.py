@@ -10,7 +10,8 @@ Forward, per (sequence, value head, V block), chunk by chunk with the [K, BV] fp
 Backward, chunks in reverse, with dS = ∂L/∂(state at the chunk's end) (the final-state gradient to start):
     store dS (per chunk: the gradient of the state the chunk hands on)
     dδ = Pᵀ dO + diag(exp(G_last − G)) K dS,      P_ij = scale q_iᵀk_j exp(G_i − G_j) (j ≤ i)
-    dS ← γ_last dS + scale (diag(γ) Q)ᵀ dO − wᵀ dδ   (with REVERSE_W_FREE wᵀ dδ = Kᵀ diag(βγ) Tᵀ dδ, no w read)
+    dS ← γ_last dS + scale (diag(γ) Q)ᵀ dO − wᵀ dδ   (with REVERSE_W_FREE wᵀ dδ = Kᵀ diag(βγ) Tᵀ dδ, no w read;
+                                                  IPLR: −wᵀ dδ = Aᵀ Y with Y = Tᵀ dδ stored in dδ's place)
 and the dS left after the first chunk is the initial-state gradient. The chunk-local term Pᵀ dO needs no state:
 in the wide launch the reverse pass forms it itself off the chunk's chain (LOCAL_DV_FUSED); in the narrow one a
 chunk-parallel kernel computes it first (once per chunk, not once per V block inside the latency-bound loop).
@@ -64,7 +65,8 @@ LOCAL_DV_FP32 = False
 # The reverse state pass forms wᵀ dδ = Kᵀ diag(β γ) (Tᵀ dδ) from T, β and the k tile it reads anyway (a [64, 64] ×
 # [64, BV] dot more on the chunk's chain) instead of reading w (w = T diag(β γ) K, common/wy.py): the backward then
 # recomputes no w at all (its WY kernel had nothing else to do: no launch), and the pass holds a [64, 64] T tile
-# where it held a [64, K] w tile. Gated delta rule and product only (IPLR's w is its own; it passes w). On since
+# where it held a [64, K] w tile. Gated delta rule and product (IPLR always runs its own form, w = −T A from T and a,
+# storing Y = Tᵀ dδ in dδ's place: iplr_delta_rule/chunk_bwd.py). On since
 # 2026-11-23 (H100, bf16 B8 T2048 H16 K=V=128, --profile): the backward's WY kernel (0.07 ms) gone, the reverse pass
 # 0.26 → 0.29 ms at 4 warps / 2 stages (121.5 KiB: still one block per SM) or 0.25 at 1 stage; with LOCAL_DV_FUSED
 # 0.23 at 2 stages.
@@ -197,11 +199,12 @@ def local_dv_kernel(
 
 @triton.jit
 def state_pass_bwd_kernel(
-    q, k, w, Ai, beta, G, do, dv_local, dv, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
+    q, k, w, Ai, beta, a, G, do, dv_local, dv, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
     STORE_INITIAL_STATE_GRADIENT: tl.constexpr, DOT_PREC: tl.constexpr, NH: tl.constexpr, W_FREE: tl.constexpr,
-    FUSE_LOCAL: tl.constexpr, LOCAL_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
+    FUSE_LOCAL: tl.constexpr, LOCAL_PREC: tl.constexpr, RAW_PREC: tl.constexpr, W_FROM_A: tl.constexpr,
+    A_IN_REGISTERS: tl.constexpr,
 ):
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences × heads on axis 0 (no 65535 limit)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -230,9 +233,14 @@ def state_pass_bwd_kernel(
         # or result rows instead: dO's rows (64 × BV rather than q's 64 × K), and k dS's rows after the dot
         b_q = tl.load(q + (o_q[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & m_k[None, :], other=0.0)
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        if W_FREE:  # wᵀ dδ = Kᵀ diag(β γ) Tᵀ dδ: T and β in place of w
+        if W_FREE:  # wᵀ dδ = Kᵀ diag(β γ) Tᵀ dδ: T and β in place of w (IPLR: −wᵀ dδ = Aᵀ Tᵀ dδ, T and a)
             b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
-            b_wscale = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+            if W_FROM_A:
+                b_a = tl.load(a + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+                if A_IN_REGISTERS:
+                    b_a = b_a.to(tl.float32)
+            else:
+                b_wscale = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
         else:
             b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
@@ -246,7 +254,7 @@ def state_pass_bwd_kernel(
             b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
             b_kdh = b_kdh * tl.where(m_t, tl.exp(b_G_last - b_G), 0.0)[:, None]
             b_dos = b_do.to(tl.float32) * (tl.exp(b_G) * scale)[:, None]
-            if W_FREE:
+            if W_FREE and not W_FROM_A:
                 b_wscale = b_wscale * tl.exp(b_G)
         else:
             b_G = None
@@ -255,11 +263,15 @@ def state_pass_bwd_kernel(
             b_dv = mma(local_pt(b_q, b_k, b_G, m_t, scale, BT, USE_G, RAW_PREC), b_do, b_kdh, LOCAL_PREC)
         else:  # dv_local holds Pᵀ dO from local_dv_kernel (see LOCAL_DV_FP32); dv may be the same buffer
             b_dv = tl.load(dv_local + p_v, mask=m_tv, other=0.0) + b_kdh
+        if W_FROM_A:  # IPLR: Y = Tᵀ dδ stored in dδ's place (every later consumer of dδ reads it through Tᵀ)
+            b_dv = mm(tl.trans(b_T), b_dv, DOT_PREC)
         tl.store(dv + p_v, cast_for_store(b_dv, dv, DOT_PREC), mask=m_tv)
         if USE_G:
             b_dh *= tl.exp(b_G_last)
         b_dh = mma(tl.trans(b_q), b_dos, b_dh, DOT_PREC)
-        if W_FREE:
+        if W_FROM_A:
+            b_dh = mma(tl.trans(b_a), b_dv, b_dh, DOT_PREC)
+        elif W_FREE:
             b_ndx = mm(tl.trans(b_T), -b_dv, DOT_PREC) * b_wscale[:, None]  # −diag(β γ) Tᵀ dδ
             b_dh = mma(tl.trans(b_k), b_ndx, b_dh, DOT_PREC)
         else:
@@ -268,6 +280,10 @@ def state_pass_bwd_kernel(
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, b_dh, mask=m_h)
 
 
+# IPLR's a tile in the reverse pass, per launch ("wide", "narrow"): loaded through registers as fp32 (True) or as
+# stored (False), which Triton copies into shared memory ahead, one buffer per pipeline stage. Always True for K > 128,
+# where the stored tiles take the pass to 233 KiB of shared memory at bf16 K = 256, over Hopper's 227 (185 KiB so).
+IPLR_A_IN_REGISTERS = {"wide": True, "narrow": False}
 # The state passes' value columns per program: "auto" (the occupancy rule of state_launch), or "wide" / "narrow"
 # whatever the batch, for the tests and benchmarks that must reach both launches (`--value-block`).
 VALUE_BLOCK = "auto"
@@ -339,7 +355,7 @@ def chunk_states_fwd(k, v, beta, G, initial_state, output_final_state: bool, lay
 
 def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: ChunkLayout,
                    dot_prec: str | None = None, dh_dtype: torch.dtype | None = None,
-                   dv_dtype: torch.dtype | None = None, query_stride: int = 1, Ai=None, beta=None):
+                   dv_dtype: torch.dtype | None = None, query_stride: int = 1, Ai=None, beta=None, a=None):
     """→ (dh [chunks, HV, K, V] in dh_dtype (default work_dtype(k.dtype)): gradient of each chunk's end state,
     dv [tokens, HV, V] in dv_dtype (default recurrence_operand_dtype(k.dtype)): ∂L/∂δ, dh0 [N, HV, K, V] fp32 or
     None). dot_prec: both kernels' DOT_PREC, by default dot_precision for the chunk-local Pᵀ dO and
@@ -348,14 +364,17 @@ def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: Ch
     goes through a buffer first (fp32 with LOCAL_DV_FP32, else dv itself).
     query_stride NH: q [tokens / NH, H, K] and do [tokens / NH, HV, V] hold the queries of every NH-th row (see the
     module docstring); k, w, G and the outputs span every row.
-    w None: the gated WY's w = T diag(β γ) K formed from Ai (T) and beta instead (REVERSE_W_FREE)."""
+    w None: the gated WY's w = T diag(β γ) K formed from Ai (T) and beta instead (REVERSE_W_FREE), or with `a`
+    [tokens, H, K] given (IPLR, no gate), w = −T A: then dS gets Aᵀ Y and dv holds Y = Tᵀ dδ instead of dδ."""
     local_prec = dot_prec or dot_precision(q.dtype)
     state_prec = dot_prec or recurrence_dot_precision(q.dtype)
     TT, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     N = layout.num_seqs
-    if w is None and (Ai is None or beta is None):
-        raise ValueError("state_pass_bwd: without w it forms wᵀ dδ from T and beta: pass Ai and beta")
+    if w is None and (Ai is None or (beta is None and a is None)):
+        raise ValueError("state_pass_bwd: without w it forms wᵀ dδ from T and beta (or a): pass Ai and beta (or a)")
+    if a is not None and (w is not None or G is not None):
+        raise ValueError("state_pass_bwd: a (IPLR's w = −T A) goes without w and without a gate")
     if q.shape[0] * query_stride != TT or do.shape[0] * query_stride != TT:
         raise ValueError(f"state_pass_bwd: q and do need k's {TT} rows / query_stride {query_stride}, got "
                          f"{q.shape[0]} and {do.shape[0]}")
@@ -371,9 +390,10 @@ def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: Ch
             BT=layout.chunk_size, BK=BK, BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None,
             DOT_PREC=local_prec, RAW_PREC=raw_precision(q.dtype), NH=query_stride, **launch("local_dv"))
     state_pass_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
-        q, k, w, Ai, beta, G, do, dv_local, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H,
+        q, k, w, Ai, beta, a, G, do, dv_local, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H,
         HV=HV, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None,
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=state_prec,
-        NH=query_stride, W_FREE=w is None,
+        NH=query_stride, W_FREE=w is None, W_FROM_A=a is not None,
+        A_IN_REGISTERS=K > 128 or IPLR_A_IN_REGISTERS[name.removeprefix("state_pass_bwd").lstrip("_") or "narrow"],
         FUSE_LOCAL=fuse_local, LOCAL_PREC=local_prec, RAW_PREC=raw_precision(q.dtype), **launch(name))
     return dh, dv, dh0

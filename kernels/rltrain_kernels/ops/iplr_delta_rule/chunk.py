@@ -1,8 +1,9 @@
 """Chunked IPLR delta rule for training and prefill: the autograd Function and the public function.
 
 Forward kernels in chunk_fwd.py, backward kernels in chunk_bwd.py, the shared chunk machinery in ops/common/.
-The backward stores only T = (I − strict(A Bᵀ))⁻¹ per chunk from the forward and recomputes w, u, the chunk
-states and the a-reads X (cheaper than keeping [chunks, H, K, V] states alive between forward and backward).
+The backward keeps only T = (I − strict(A Bᵀ))⁻¹ and strict(A Kᵀ) per chunk from the forward and reruns the state
+pass for the chunk states and the a-reads X (cheaper than keeping [chunks, H, K, V] states alive between forward and
+backward).
 """
 
 from __future__ import annotations
@@ -26,17 +27,17 @@ class ChunkIPLRDeltaRuleFunction(torch.autograd.Function):
         B, T, H, _ = q.shape
         V = v.shape[-1]
         layout = chunk_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
-        o, ht, Ai = chunk_iplr_delta_rule_fwd(_flat(q), _flat(k), _flat(v), _flat(a), _flat(b), scale,
+        o, ht, (Ai, Ak) = chunk_iplr_delta_rule_fwd(_flat(q), _flat(k), _flat(v), _flat(a), _flat(b), scale,
                                               initial_state, output_final_state, layout)
-        ctx.save_for_backward(q, k, v, a, b, initial_state, Ai)
+        ctx.save_for_backward(q, k, v, a, b, initial_state, Ai, Ak)
         ctx.layout, ctx.scale = layout, scale
         return o.view(B, T, H, V), ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, a, b, initial_state, Ai = ctx.saved_tensors
+        q, k, v, a, b, initial_state, Ai, Ak = ctx.saved_tensors
         grads = chunk_iplr_delta_rule_bwd(_flat(q), _flat(k), _flat(v), _flat(a), _flat(b), ctx.scale,
-                                          initial_state, Ai, _flat(do), None if dht is None else dht.contiguous(),
+                                          initial_state, Ai, Ak, _flat(do), None if dht is None else dht.contiguous(),
                                           ctx.layout)
         dq, dk, dv, da, db = (g.view(x.shape) for g, x in zip(grads[:5], (q, k, v, a, b)))  # in their dtypes
         return dq, dk, dv, da, db, None, grads[5], None, None
@@ -49,8 +50,8 @@ def chunk_iplr_delta_rule_bwd_recompute(q, k, v, a, b, scale, initial_state, cu_
     B, T = q.shape[:2]
     layout = chunk_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
     flat = [_flat(x) for x in (q, k, v, a, b)]
-    _, _, Ai = chunk_iplr_delta_rule_fwd(*flat, scale, initial_state, False, layout)
-    grads = chunk_iplr_delta_rule_bwd(*flat, scale, initial_state, Ai, _flat(do),
+    _, _, (Ai, Ak) = chunk_iplr_delta_rule_fwd(*flat, scale, initial_state, False, layout)
+    grads = chunk_iplr_delta_rule_bwd(*flat, scale, initial_state, Ai, Ak, _flat(do),
                                       None if dht is None else dht.contiguous(), layout)
     return (*(g.view(x.shape) for g, x in zip(grads[:5], (q, k, v, a, b))), grads[5])
 
@@ -59,6 +60,10 @@ def _check_chunk_dims(q, v):
     if not 16 <= q.shape[-1] <= 256 or v.shape[-1] < 16:
         raise ValueError(f"the chunked kernels need 16 <= K <= 256 and V >= 16 (tl.dot tiles), got "
                          f"K={q.shape[-1]} (q/k/a/b) and V={v.shape[-1]} (v)")
+    if q.is_cuda and q.dtype != torch.bfloat16 and q.shape[-1] > 128:
+        raise ValueError(f"the chunked kernels take K > 128 only with bfloat16 inputs on a GPU, got K={q.shape[-1]} "
+                         f"(q/k/a/b) in {q.dtype} (README.md, Limits: float32 tiles need more shared memory than an "
+                         f"SM has, float16 ones gave wrong outputs); pass bfloat16 inputs or K <= 128")
 
 
 def chunk_iplr_delta_rule(

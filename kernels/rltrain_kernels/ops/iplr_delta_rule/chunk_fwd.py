@@ -1,17 +1,16 @@
-"""Chunked IPLR delta rule, forward: WY (A, T = (I + A)⁻¹, w, u) → state pass → output pass.
+"""Chunked IPLR delta rule, forward: the solve (T = (I − strict(A Bᵀ))⁻¹ per chunk) → state pass → output pass.
 
-Per chunk (local rows i, j; Q, K, A, B the chunk's q, k, a, b rows; S the chunk-start state; strict = i > j):
-    T = (I − strict(A Bᵀ))⁻¹,   w = −T A,   u = T strict(A Kᵀ) V
-    X = u − w S                                    (the a-reads x_i = S_{i−1}ᵀ a_i, all at once)
+Per chunk (local rows i, j; Q, K, V, A, B the chunk's q, k, v, a, b rows; S the chunk-start state; strict = i > j):
+    X = T (A S + strict(A Kᵀ) V)                   (the a-reads x_i = S_{i−1}ᵀ a_i, all at once)
     S ← S + Bᵀ X + Kᵀ V                            (state pass, sequential over chunks)
     O = scale (Q S + (Q Bᵀ ⊙ M) X + (Q Kᵀ ⊙ M) V),   M_ij = [j ≤ i]   (output pass)
-w is stored with a minus sign so that X = u − w S is the shared state pass's δ = u − w S convention
-(common/state_pass.py), whose backward the IPLR backward reuses with b in place of k. Everything runs on the
-flattened token axis with a ChunkLayout (common/chunking.py). u is fp32; T, w, the states h and X, which feed
-nothing but dots, are stored in those dots' operand dtype (precision.iplr_operand_dtype: fp32 unless the IPLR dots
-run in bf16, when storing them in bf16 changes no number). Products of two raw inputs (a kᵀ, a bᵀ, q kᵀ, q bᵀ,
-kᵀ v; also k qᵀ in the backward) take RAW_PREC, the inputs' own dtype on the tensor cores, where they are exact. No
-dot operand is the transpose of a dot result (the Hopper miscompile pattern of fla #640, see common/wy_bwd.py).
+The state pass forms X from T and the raw inputs: no WY factors (w = −T A, u = T strict(A Kᵀ) V) go through memory,
+so the backward, which reruns this pass for S and X, recomputes nothing but it. Everything runs on the flattened
+token axis with a ChunkLayout (common/chunking.py). T, the states h and X, which feed nothing but dots, are stored in
+those dots' operand dtype (precision.iplr_operand_dtype: fp32 unless the IPLR dots run in bf16, when storing them in
+bf16 changes no number). Products of two raw inputs (a bᵀ, a kᵀ, q kᵀ, q bᵀ, kᵀ v; k qᵀ, k aᵀ in the backward) take
+RAW_PREC, the inputs' own dtype on the tensor cores, where they are exact. No dot operand is the transpose of a dot
+result (the Hopper miscompile pattern of fla #640, see common/scratch.py).
 """
 
 from __future__ import annotations
@@ -33,14 +32,21 @@ CHUNK_SIZE = 64
 # 2 stages 0.205 ms (1 stage 0.202: the stage count Triton 3.6 has miscompiled elsewhere), 128 × 128 0.210, 64 × 64
 # (before) 0.238; fla's autotuned 128 × 128 ran 0.20.
 OUTPUT_BLOCKS = (64, 128)
+# The forward state pass's raw input tiles (a, k, b, v), per launch (True: wide, False: narrow), loaded through
+# registers as fp32 (True) or as stored (False), which Triton copies into shared memory ahead, one buffer per pipeline
+# stage. The wide launch needs two blocks per SM: stored, the tiles held it to one (0.35 → 0.58 ms at B8 T2048 on
+# H100). Always registers for K > 128 or fp32 inputs (stored bf16 K = 256 tiles take the narrow pass to 253 KiB of
+# shared memory, fp32 K = 128 ones to 288 KiB, over Hopper's 227).
+STATE_PASS_RAW_IN_REGISTERS = {True: True, False: False}
 
 
 @triton.jit
-def iplr_wy_fwd_kernel(
-    k, v, a, b, Ai, w, u, cu_seqlens, chunk_indices,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    LOAD_AI: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+def iplr_solve_kernel(
+    k, a, b, Ai, Ak, cu_seqlens, chunk_indices,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
 ):
+    """T = (I − strict(A Bᵀ))⁻¹ and strict(A Kᵀ) per chunk, stored in Ai and Ak."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + i_c * 2)
     i_t = tl.load(chunk_indices + i_c * 2 + 1)
@@ -50,65 +56,43 @@ def iplr_wy_fwd_kernel(
     o_t = bos + i_t * BT + o_i
     m_t = o_t < eos
     m_A = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_Mab = tl.zeros([BT, BT], dtype=tl.float32)  # a_iᵀ b_j
     b_Mak = tl.zeros([BT, BT], dtype=tl.float32)  # a_iᵀ k_j
-    b_Mab = tl.zeros([BT, BT], dtype=tl.float32)  # a_iᵀ b_j (only without a stored T)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
         p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
-        b_a = tl.load(a + p_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + p_k, mask=m_k, other=0.0).to(tl.float32)
-        b_Mak += mm(b_a, tl.trans(b_k), RAW_PREC)
-        if not LOAD_AI:
-            b_b = tl.load(b + p_k, mask=m_k, other=0.0).to(tl.float32)
-            b_Mab += mm(b_a, tl.trans(b_b), RAW_PREC)
-    p_Ai = Ai + (o_t[:, None] * H + i_h) * BT + o_i[None, :]
-    if LOAD_AI:
-        b_T = tl.load(p_Ai, mask=m_t[:, None], other=0.0).to(tl.float32)
-    else:
-        b_T = solve_unit_lower(tl.where(m_A, -b_Mab, 0.0), BT, SOLVE_PREC)
-        tl.store(p_Ai, cast_for_store(b_T, Ai, DOT_PREC), mask=m_t[:, None])
-    b_TM = mm(b_T, tl.where(m_A, b_Mak, 0.0), DOT_PREC)  # T strict(A Kᵀ)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = m_t[:, None] & (o_k < K)[None, :]
-        b_a = tl.load(a + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
-        b_w = -mm(b_T, b_a, DOT_PREC)
-        tl.store(w + (o_t[:, None] * H + i_h) * K + o_k[None, :], cast_for_store(b_w, w, DOT_PREC), mask=m_k)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = m_t[:, None] & (o_v < V)[None, :]
-        p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
-        b_v = tl.load(v + p_v, mask=m_v, other=0.0).to(tl.float32)
-        tl.store(u + p_v, mm(b_TM, b_v, DOT_PREC), mask=m_v)
+        b_a = tl.load(a + p_k, mask=m_k, other=0.0)
+        b_b = tl.load(b + p_k, mask=m_k, other=0.0)
+        b_k = tl.load(k + p_k, mask=m_k, other=0.0)
+        b_Mab = mma(b_a, tl.trans(b_b), b_Mab, RAW_PREC)
+        b_Mak = mma(b_a, tl.trans(b_k), b_Mak, RAW_PREC)
+    p_A = (o_t[:, None] * H + i_h) * BT + o_i[None, :]
+    tl.store(Ak + p_A, cast_for_store(tl.where(m_A, b_Mak, 0.0), Ak, DOT_PREC), mask=m_t[:, None])
+    b_T = solve_unit_lower(tl.where(m_A, -b_Mab, 0.0), BT, SOLVE_PREC)
+    tl.store(Ai + p_A, cast_for_store(b_T, Ai, DOT_PREC), mask=m_t[:, None])
 
 
-def iplr_wy_fwd(k, v, a, b, layout: ChunkLayout, Ai=None):
-    """k, a, b [tokens, H, K], v [tokens, H, V] → (Ai [tokens, H, BT] = T, w [tokens, H, K] (= −T A), both in
-    iplr_operand_dtype(k.dtype), u [tokens, H, V] fp32). With Ai given, skip the solve and only rebuild w and u (the
-    backward's recomputation)."""
-    TT, H, K = k.shape
-    V = v.shape[-1]
+def iplr_solve(k, a, b, layout: ChunkLayout):
+    """k, a, b [tokens, H, K] → (Ai, Ak) [tokens, H, BT]: each chunk's T and strict(A Kᵀ), in
+    iplr_operand_dtype(a.dtype) (they feed only dots)."""
+    TT, H, K = a.shape
     BT = layout.chunk_size
-    load_ai = Ai is not None
-    if Ai is None:
-        Ai = torch.empty(TT, H, BT, dtype=iplr_operand_dtype(k.dtype), device=k.device)
-    w = torch.empty(TT, H, K, dtype=iplr_operand_dtype(k.dtype), device=k.device)
-    u = torch.empty(TT, H, V, dtype=torch.float32, device=k.device)
+    Ai, Ak = (torch.empty(TT, H, BT, dtype=iplr_operand_dtype(a.dtype), device=a.device) for _ in range(2))
     if layout.num_chunks:
-        iplr_wy_fwd_kernel[(layout.num_chunks, H)](
-            k, v, a, b, Ai, w, u, layout.cu_seqlens, layout.chunk_indices, H=H, K=K, V=V, BT=BT,
-            BK=min(64, triton.next_power_of_2(K)), BV=min(64, triton.next_power_of_2(V)), LOAD_AI=load_ai,
-            DOT_PREC=iplr_dot_precision(k.dtype), RAW_PREC=raw_precision(k.dtype), SOLVE_PREC=solve_precision(k.dtype),
-            **launch("iplr_wy_fwd"))
-    return Ai, w, u
+        iplr_solve_kernel[(layout.num_chunks, H)](
+            k, a, b, Ai, Ak, layout.cu_seqlens, layout.chunk_indices, H=H, K=K, BT=BT,
+            BK=min(64, triton.next_power_of_2(K)), DOT_PREC=iplr_dot_precision(a.dtype),
+            RAW_PREC=raw_precision(a.dtype), SOLVE_PREC=solve_precision(a.dtype), **launch("iplr_solve"))
+    return Ai, Ak
 
 
 @triton.jit
 def iplr_state_pass_fwd_kernel(
-    k, v, b, w, u, h, x, h0, ht, cu_seqlens, chunk_offsets,
+    k, v, a, b, Ai, Ak, h, x, h0, ht, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
+    RAW_IN_REGISTERS: tl.constexpr,
 ):
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences × heads on axis 0 (no 65535 limit)
     i_n, i_h = i_nh // H, i_nh % H
@@ -130,40 +114,46 @@ def iplr_state_pass_fwd_kernel(
         m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
         p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
         p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
-        # b and k go through registers as fp32 (not loaded as stored, as the other kernels do): stored, they would
-        # be copied into shared memory for the next chunk too, and at 117 KiB one block per SM fits instead of two
-        # (forward 0.35 → 0.58 ms at B8 T2048 on H100, RESULTS.md)
-        b_w = tl.load(w + p_k, mask=m_tk, other=0.0).to(tl.float32)
-        b_x = -mma(b_w, b_h, -tl.load(u + p_v, mask=m_tv, other=0.0), DOT_PREC)  # u − w S, w S accumulated on −u
+        b_a = tl.load(a + p_k, mask=m_tk, other=0.0)
+        b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.0)
+        if RAW_IN_REGISTERS:
+            b_a, b_k, b_v = b_a.to(tl.float32), b_k.to(tl.float32), b_v.to(tl.float32)
+        p_A = (o_t[:, None] * H + i_h) * BT + o_i[None, :]
+        b_T = tl.load(Ai + p_A, mask=m_t[:, None], other=0.0)
+        # X = T (A S + strict(A Kᵀ) V): strict(A Kᵀ) V is off the chain through S
+        b_LV = mm(tl.load(Ak + p_A, mask=m_t[:, None], other=0.0), b_v, DOT_PREC)
+        b_x = mm(b_T, mma(b_a, b_h, b_LV, DOT_PREC), DOT_PREC)
         tl.store(x + p_v, cast_for_store(b_x, x, DOT_PREC), mask=m_tv)
-        b_b = tl.load(b + p_k, mask=m_tk, other=0.0).to(tl.float32)
-        b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
-        b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_b = tl.load(b + p_k, mask=m_tk, other=0.0)
+        if RAW_IN_REGISTERS:
+            b_b = b_b.to(tl.float32)
         b_h = mma(tl.trans(b_b), b_x, b_h, DOT_PREC)
         b_h = mma(tl.trans(b_k), b_v, b_h, RAW_PREC)
     if STORE_FINAL_STATE:
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + state_offset, b_h, mask=m_h)
 
 
-def iplr_state_pass_fwd(k, v, b, w, u, initial_state, output_final_state: bool, layout: ChunkLayout):
+def iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, output_final_state: bool, layout: ChunkLayout):
     """→ (h [chunks, H, K, V] chunk-start states, x [tokens, H, V] a-reads, both in iplr_operand_dtype(k.dtype),
     final state (fp32) or None)."""
     TT, H, K = k.shape
     V = v.shape[-1]
     N = layout.num_seqs
     # BV (and the K ≤ 256 check) by common/state_pass.py's occupancy rule: 64 value columns per program
-    # (iplr_state_pass_fwd_wide) when the programs still fill every SM, else 32 (a [128, 32] fp32 state tile plus
-    # [64, 128] operands fit 4 warps).
+    # (iplr_state_pass_fwd_wide) when the programs still fill every SM, else 32.
     name, BK, BV = state_launch("iplr_state_pass_fwd", N * H, K, V, k.device)
     h = torch.empty(layout.num_chunks, H, K, V, dtype=iplr_operand_dtype(k.dtype), device=k.device)
     x = torch.empty(TT, H, V, dtype=iplr_operand_dtype(k.dtype), device=k.device)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
+    large_tiles = K > 128 or k.dtype == torch.float32
+    in_registers = large_tiles or STATE_PASS_RAW_IN_REGISTERS[name.endswith("_wide")]
     if N * H:
         iplr_state_pass_fwd_kernel[(N * H, triton.cdiv(V, BV))](
-            k, v, b, w, u, h, x, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, K=K, V=V,
+            k, v, a, b, Ai, Ak, h, x, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, K=K, V=V,
             BT=layout.chunk_size, BK=BK, BV=BV, USE_INITIAL_STATE=initial_state is not None,
             STORE_FINAL_STATE=output_final_state, DOT_PREC=iplr_dot_precision(k.dtype),
-            RAW_PREC=raw_precision(k.dtype), **launch(name))
+            RAW_PREC=raw_precision(k.dtype), RAW_IN_REGISTERS=in_registers, **launch(name, large_tiles))
     return h, x, ht
 
 
@@ -227,8 +217,8 @@ def iplr_output_fwd(q, k, v, b, x, h, scale: float, layout: ChunkLayout, out_dty
 def chunk_iplr_delta_rule_fwd(q, k, v, a, b, scale: float, initial_state, output_final_state: bool,
                               layout: ChunkLayout):
     """Flattened contiguous inputs q, k, a, b [tokens, H, K], v [tokens, H, V] → (o [tokens, H, V] in v's dtype,
-    final state or None, Ai: the T matrices for the backward)."""
-    Ai, w, u = iplr_wy_fwd(k, v, a, b, layout)
-    h, x, ht = iplr_state_pass_fwd(k, v, b, w, u, initial_state, output_final_state, layout)
+    final state or None, (Ai, Ak): each chunk's T and strict(A Kᵀ), for the backward)."""
+    Ai, Ak = iplr_solve(k, a, b, layout)
+    h, x, ht = iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, output_final_state, layout)
     o = iplr_output_fwd(q, k, v, b, x, h, scale, layout, v.dtype)
-    return o, ht, Ai
+    return o, ht, (Ai, Ak)
