@@ -1,12 +1,15 @@
 """The delta-rule family's shared bookkeeping (ops/common): chunk layouts (padded batches cached by shape, packed ones
-by their cu_seqlens tensor) and the state passes' choice of value block."""
+by their cu_seqlens tensor), the packed offsets' validation (once per cu_seqlens tensor) and the state passes' choice
+of value block."""
 
 import gc
 
+import pytest
 import torch
 
 from rltrain_kernels.ops.common import state_pass
 from rltrain_kernels.ops.common.chunking import chunk_layout
+from rltrain_kernels.ops.common.inputs import check_packing
 
 
 def test_padded_layouts_are_cached_by_shape():
@@ -45,6 +48,29 @@ def test_packed_layouts_are_cached_by_their_cu_seqlens_tensor(monkeypatch):
     gc.collect()
     again = torch.tensor([0, 150, 200])  # may reuse the freed tensor's id and memory
     assert chunk_layout(1, 200, again, 64, cpu).chunk_offsets.tolist() == [0, 3, 4]
+
+
+def test_packed_offsets_are_validated_once_per_cu_seqlens_tensor(monkeypatch):
+    """The ops' argument checks read cu_seqlens (a host sync on a GPU) once per tensor and T, not at every layer: an
+    in-place change is read, and rejected, again; a wrong T or an inference-mode tensor is read every time."""
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real_tolist(t))
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    assert [check_packing(1, 10, cu) for _ in range(3)] == [2, 2, 2]
+    assert len(reads) == 1
+    with pytest.raises(ValueError, match=r"end at T=12, got \[0, 3, 10\]"):
+        check_packing(1, 12, cu)
+    cu[1] = 11  # in place: read again, and now wrong
+    with pytest.raises(ValueError, match=r"non-decreasing and end at T=10, got \[0, 11, 10\]"):
+        check_packing(1, 10, cu)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        check_packing(1, 10, cu)
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 4, 10])
+    reads.clear()
+    assert [check_packing(1, 10, frozen) for _ in range(2)] == [2, 2]
+    assert len(reads) == 2
 
 
 def test_state_pass_value_block(monkeypatch):

@@ -484,7 +484,10 @@ def test_chunk_wide_keys_in_other_dtypes_raise_a_clear_error(dtype, device):
 
 
 @pytest.mark.gpu
-def test_chunk_bf16_varlen_real_sizes(device):
+@pytest.mark.parametrize("value_block", ["narrow", "wide"])
+def test_chunk_bf16_varlen_real_sizes(value_block, device, monkeypatch):
+    # uneven lengths: the wide forward state pass loads its raw tiles as stored there (chunk_fwd.py BALANCED)
+    force_state_pass_value_block(monkeypatch, value_block, device)
     lengths = [15, 256, 500, 1, 300]
     inputs = make_inputs(1, sum(lengths), 4, 128, 128, dtype=torch.bfloat16, device=device, N=len(lengths),
                          initial_state=True, requires_grad=True)

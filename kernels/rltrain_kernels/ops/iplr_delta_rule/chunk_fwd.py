@@ -34,10 +34,14 @@ CHUNK_SIZE = 64
 OUTPUT_BLOCKS = (64, 128)
 # The forward state pass's raw input tiles (a, k, b, v), per launch (True: wide, False: narrow), loaded through
 # registers as fp32 (True) or as stored (False), which Triton copies into shared memory ahead, one buffer per pipeline
-# stage. The wide launch needs two blocks per SM: stored, the tiles held it to one (0.35 → 0.58 ms at B8 T2048 on
-# H100). Always registers for K > 128 or fp32 inputs (stored bf16 K = 256 tiles take the narrow pass to 253 KiB of
-# shared memory, fp32 K = 128 ones to 288 KiB, over Hopper's 227).
+# stage. Registers let the wide launch hold two blocks per SM, which pays while the programs keep every SM busy (B8
+# T2048: 0.23 ms per call, 0.28 stored); stored tiles are prefetched, which pays once a chain runs alone (the narrow
+# launch, B2 T8192: 0.22 ms per call, 0.42 in registers; a varlen batch whose longest sequence is over BALANCED times
+# the mean length, where the long chains run on after the others: 6 sequences of 512–5728 tokens, H16, 0.43 → 0.35
+# ms; H100, bf16 K=V=128, 2026-11-24). Always registers for K > 128 or fp32 inputs (stored bf16 K = 256 tiles take
+# the narrow pass to 253 KiB of shared memory, fp32 K = 128 ones to 288 KiB, over Hopper's 227).
 STATE_PASS_RAW_IN_REGISTERS = {True: True, False: False}
+BALANCED = 1.5
 
 
 @triton.jit
@@ -147,7 +151,8 @@ def iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, output_final_state: b
     x = torch.empty(TT, H, V, dtype=iplr_operand_dtype(k.dtype), device=k.device)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
     large_tiles = K > 128 or k.dtype == torch.float32
-    in_registers = large_tiles or STATE_PASS_RAW_IN_REGISTERS[name.endswith("_wide")]
+    balanced = layout.max_len * N <= BALANCED * TT
+    in_registers = large_tiles or (balanced and STATE_PASS_RAW_IN_REGISTERS[name.endswith("_wide")])
     if N * H:
         iplr_state_pass_fwd_kernel[(N * H, triton.cdiv(V, BV))](
             k, v, a, b, Ai, Ak, h, x, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, K=K, V=V,
