@@ -44,9 +44,10 @@ LAUNCH: dict[str, dict[str, int]] = {
     # iplr_delta_rule/chunk_fwd.py: 1 stage, which took its shared memory from 121 to 53 KiB with fp32 tiles, reads
     # shared memory out of bounds on Hopper with bf16 dots (Triton 3.6, at 4 and 8 warps, compute-sanitizer; H100,
     # 2026-11-23), as state_pass_bwd did at 4 warps. Since the pass forms X from T and strict(A Kᵀ) and loads its raw
-    # tiles as stored (2026-11-24, H100, bf16 B2 T8192 H16 K=V=128, bench_iplr_delta_rule.py --compare-variants): 4w/3s
-    # 0.45 ms for its two calls, 4w/2s 0.60. With A Kᵀ formed inside the pass from fp32 register tiles, 4 warps at 1–3
-    # stages gave wrong states and 8 warps faulted; 2 warps ran right (tmp bisect, same day).
+    # tiles as stored (2026-11-24, H100, bf16 B2 T8192 H16 K=V=128, bench_iplr_delta_rule.py --compare-variants):
+    # 4w/3s 0.45 ms for its two calls, 4w/2s 0.60. With A Kᵀ formed inside the pass from fp32 register tiles, 4 warps
+    # at 1–3 stages gave wrong states and 8 warps faulted; 2 warps ran right (a stage-by-stage check against torch,
+    # RESULTS.md).
     "iplr_state_pass_fwd": dict(num_warps=4, num_stages=3),
     # 64 value columns per program (common/state_pass.py's occupancy rule): 250 registers, 73 KiB, two blocks per SM;
     # 0.37 → 0.25 ms against the narrow launch at B8 T2048 (H100, 2026-11-23). Not swept: the narrow one's setting

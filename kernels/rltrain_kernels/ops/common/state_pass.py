@@ -394,6 +394,6 @@ def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: Ch
         HV=HV, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None,
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=state_prec,
         NH=query_stride, W_FREE=w is None, W_FROM_A=a is not None,
-        A_IN_REGISTERS=K > 128 or IPLR_A_IN_REGISTERS[name.removeprefix("state_pass_bwd").lstrip("_") or "narrow"],
+        A_IN_REGISTERS=K > 128 or IPLR_A_IN_REGISTERS["wide" if name.endswith("_wide") else "narrow"],
         FUSE_LOCAL=fuse_local, LOCAL_PREC=local_prec, RAW_PREC=raw_precision(q.dtype), **launch(name))
     return dh, dv, dh0

@@ -28,7 +28,7 @@ class ChunkIPLRDeltaRuleFunction(torch.autograd.Function):
         V = v.shape[-1]
         layout = chunk_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
         o, ht, (Ai, Ak) = chunk_iplr_delta_rule_fwd(_flat(q), _flat(k), _flat(v), _flat(a), _flat(b), scale,
-                                              initial_state, output_final_state, layout)
+                                                    initial_state, output_final_state, layout)
         ctx.save_for_backward(q, k, v, a, b, initial_state, Ai, Ak)
         ctx.layout, ctx.scale = layout, scale
         return o.view(B, T, H, V), ht

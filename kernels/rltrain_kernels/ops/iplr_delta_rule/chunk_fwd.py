@@ -6,11 +6,11 @@ Per chunk (local rows i, j; Q, K, V, A, B the chunk's q, k, v, a, b rows; S the 
     O = scale (Q S + (Q Bᵀ ⊙ M) X + (Q Kᵀ ⊙ M) V),   M_ij = [j ≤ i]   (output pass)
 The state pass forms X from T and the raw inputs: no WY factors (w = −T A, u = T strict(A Kᵀ) V) go through memory,
 so the backward, which reruns this pass for S and X, recomputes nothing but it. Everything runs on the flattened
-token axis with a ChunkLayout (common/chunking.py). T, the states h and X, which feed nothing but dots, are stored in
-those dots' operand dtype (precision.iplr_operand_dtype: fp32 unless the IPLR dots run in bf16, when storing them in
-bf16 changes no number). Products of two raw inputs (a bᵀ, a kᵀ, q kᵀ, q bᵀ, kᵀ v; k qᵀ, k aᵀ in the backward) take
-RAW_PREC, the inputs' own dtype on the tensor cores, where they are exact. No dot operand is the transpose of a dot
-result (the Hopper miscompile pattern of fla #640, see common/scratch.py).
+token axis with a ChunkLayout (common/chunking.py). T, strict(A Kᵀ), the states h and X, which feed nothing but dots,
+are stored in those dots' operand dtype (precision.iplr_operand_dtype: fp32 unless the IPLR dots run in bf16, when
+storing them in bf16 changes no number). Products of two raw inputs (a bᵀ, a kᵀ, q kᵀ, q bᵀ, kᵀ v; k qᵀ, k aᵀ in
+the backward) take RAW_PREC, the inputs' own dtype on the tensor cores, where they are exact. No dot operand is the
+transpose of a dot result (the Hopper miscompile pattern of fla #640, see common/scratch.py).
 """
 
 from __future__ import annotations
