@@ -147,7 +147,7 @@ def profile_kernels(fla_chunk, B=8, T=2048, H=16, D=128):
 # --compare-variants: (label, [(module path under rltrain_kernels.ops, switch, value)], {launch name: (warps, stages)})
 VARIANTS = [
     ("fwd state pass narrow: raw in registers", [("iplr_delta_rule.chunk_fwd", "STATE_PASS_RAW_IN_REGISTERS",
-                                                  {True: True, False: True})], {}),
+                                                  {"wide": True, "narrow": True})], {}),
     ("reverse pass: a as stored", [("common.state_pass", "IPLR_A_IN_REGISTERS", {"wide": False, "narrow": False})],
      {}),
     ("narrow fwd state pass 4w/2s", [], {"iplr_state_pass_fwd": (4, 2)}),

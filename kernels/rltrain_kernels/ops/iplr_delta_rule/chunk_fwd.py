@@ -32,7 +32,7 @@ CHUNK_SIZE = 64
 # 2 stages 0.205 ms (1 stage 0.202: the stage count Triton 3.6 has miscompiled elsewhere), 128 × 128 0.210, 64 × 64
 # (before) 0.238; fla's autotuned 128 × 128 ran 0.20.
 OUTPUT_BLOCKS = (64, 128)
-# The forward state pass's raw input tiles (a, k, b, v), per launch (True: wide, False: narrow), loaded through
+# The forward state pass's raw input tiles (a, k, b, v), per launch ("wide", "narrow"), loaded through
 # registers as fp32 (True) or as stored (False), which Triton copies into shared memory ahead, one buffer per pipeline
 # stage. Registers let the wide launch hold two blocks per SM, which pays while the programs keep every SM busy (B8
 # T2048: 0.23 ms per call, 0.28 stored); stored tiles are prefetched, which pays once a chain runs alone (the narrow
@@ -40,7 +40,7 @@ OUTPUT_BLOCKS = (64, 128)
 # the mean length, where the long chains run on after the others: 6 sequences of 512–5728 tokens, H16, 0.43 → 0.35
 # ms; H100, bf16 K=V=128, 2026-11-24). Always registers for K > 128 or fp32 inputs (stored bf16 K = 256 tiles take
 # the narrow pass to 253 KiB of shared memory, fp32 K = 128 ones to 288 KiB, over Hopper's 227).
-STATE_PASS_RAW_IN_REGISTERS = {True: True, False: False}
+STATE_PASS_RAW_IN_REGISTERS = {"wide": True, "narrow": False}
 BALANCED = 1.5
 
 
@@ -152,7 +152,8 @@ def iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, output_final_state: b
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
     large_tiles = K > 128 or k.dtype == torch.float32
     balanced = layout.max_len * N <= BALANCED * TT
-    in_registers = large_tiles or (balanced and STATE_PASS_RAW_IN_REGISTERS[name.endswith("_wide")])
+    launch_kind = "wide" if name.endswith("_wide") else "narrow"
+    in_registers = large_tiles or (balanced and STATE_PASS_RAW_IN_REGISTERS[launch_kind])
     if N * H:
         iplr_state_pass_fwd_kernel[(N * H, triton.cdiv(V, BV))](
             k, v, a, b, Ai, Ak, h, x, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, K=K, V=V,
