@@ -5,6 +5,7 @@ cut-cross-entropy==25.1.1 and verl==0.9.1 --no-deps to get their rows):
     PYTHONPATH=kernels python kernels/benchmarks/bench_linear_logprobs.py            # N = 8192, 32768
     PYTHONPATH=kernels python kernels/benchmarks/bench_linear_logprobs.py --quick    # small smoke size
     PYTHONPATH=kernels python kernels/benchmarks/bench_linear_logprobs.py --tune     # ours over ChunkConfigs, N=8192
+    PYTHONPATH=kernels python kernels/benchmarks/bench_linear_logprobs.py --tune-fused   # impl="fused" GemmConfigs
 First checks ours against an fp32 reference (outputs on 256 rows at the real shape, every gradient at N=512), then
 measures the bf16 GEMM rate with a large torch.matmul, then times each implementation (median of CUDA-event
 timings, fresh random inputs, never zeros): forward (no_grad, like the reference / old-logprob passes) and
@@ -91,10 +92,10 @@ def load_liger():
     return liger_fn
 
 
-def ours(return_entropy=True, config=None):
+def ours(return_entropy=True, config=None, impl="auto"):
     def fn(hidden, weight, labels):
         logprobs, entropy = linear_logprobs(hidden, weight, labels, return_entropy=return_entropy,
-                                            chunk_config=config)
+                                            chunk_config=config, impl=impl)
         return (logprobs,) if entropy is None else (logprobs, entropy)
 
     return fn
@@ -246,6 +247,48 @@ def tune(n, vocab, hidden_size, rate, iters):
               f"| {both_ms / bare_both:.3f} | {extra / GiB:.3f} |")
 
 
+# fused.GemmConfig overrides timed by --tune-fused, the default first
+FUSED_CONFIGS = [dict(), dict(flatten=False), dict(subtile=False), dict(group_m=8), dict(num_stages=4)]
+
+
+def tune_fused(n, vocab, hidden_size, rate, iters):
+    """impl="fused" at several GemmConfigs (the default first), beside the 4 bare cuBLAS GEMMs timed before and after
+    them: fwd (logprob+entropy and logprob only) and fwd+bwd vs the computed floors and the bare GEMMs."""
+    from dataclasses import replace
+
+    from gemm_floor import bare_gemms
+    from rltrain_kernels.ops.linear_logprobs import fused
+
+    hidden, weight, labels = make_inputs(n, vocab, hidden_size)
+    floor1 = 2 * n * hidden_size * vocab / rate * 1e3
+    floor_fn = bare(bare_gemms(recompute=True))
+    shipped = fused.GemmConfig.default
+    bare_runs = [measure(floor_fn, hidden, weight, labels, iters)[:2]]
+    rows = []
+    try:
+        for overrides in FUSED_CONFIGS:
+            config = replace(shipped(), **overrides)
+            fused.GemmConfig.default = staticmethod(lambda config=config: config)
+            fwd_ms, both_ms, extra = measure(ours(True, impl="fused"), hidden, weight, labels, iters)
+            lp_only_ms = measure(ours(False, impl="fused"), hidden, weight, labels, iters)[0]
+            rows.append((overrides, fwd_ms, lp_only_ms, both_ms, extra))
+            print(f"{overrides or 'default'}: fwd {fwd_ms:.2f} ms (logprob only {lp_only_ms:.2f}), "
+                  f"fwd+bwd {both_ms:.2f} ms", flush=True)
+    finally:
+        fused.GemmConfig.default = shipped
+    bare_runs.append(measure(floor_fn, hidden, weight, labels, iters)[:2])
+    bare_fwd, bare_both = (statistics.mean(b[i] for b in bare_runs) for i in (0, 1))
+    print(f"\nN={n}; bare cuBLAS: fwd {bare_fwd:.2f} ms, fwd+bwd {bare_both:.2f} ms "
+          f"(before/after: {bare_runs}); computed 1-GEMM floor {floor1:.2f} ms")
+    print("\n| GemmConfig | fwd ms | fwd / floor | fwd / bare | logprob-only fwd ms | fwd+bwd ms | fwd+bwd / floor "
+          "| fwd+bwd / bare | extra peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for overrides, fwd_ms, lp_only_ms, both_ms, extra in rows:
+        print(f"| {overrides or 'default'} | {fwd_ms:.2f} | {fwd_ms / floor1:.3f} | {fwd_ms / bare_fwd:.3f} "
+              f"| {lp_only_ms:.2f} | {both_ms:.2f} | {both_ms / (4 * floor1):.3f} | {both_ms / bare_both:.3f} "
+              f"| {extra / GiB:.3f} |")
+
+
 def profile_ours(n, vocab, hidden_size):
     """Per-kernel time of ours (forward alone, then forward+backward) at N=n: where the time over the floor goes."""
     from kernel_profile import print_kernel_times
@@ -272,6 +315,8 @@ def main(argv=None):
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--tune", action="store_true",
                         help="instead: time ours over a few ChunkConfigs beside the bare GEMMs")
+    parser.add_argument("--tune-fused", action="store_true",
+                        help="instead: time impl='fused' over a few GemmConfigs beside the bare GEMMs")
     parser.add_argument("--profile", action="store_true", help="instead: ours' per-kernel times at the first N")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -285,11 +330,14 @@ def main(argv=None):
 
     if args.tune:
         return tune(tokens[0], vocab, hidden_size, rate, args.iters)
+    if args.tune_fused:
+        return tune_fused(tokens[0], vocab, hidden_size, rate, args.iters)
     if args.profile:
         return profile_ours(tokens[0], vocab, hidden_size)
     from gemm_floor import bare_gemms
 
     impls = [("ours (logprob+entropy)", ours(True)), ("ours (logprob only)", ours(False)),
+             ("ours, cuBLAS + row passes (impl=triton)", ours(True, impl="triton")),
              ("4 bare cuBLAS GEMMs (measured floor)", bare(bare_gemms(recompute=True))),
              ("torch naive (fp32 logits)", torch_naive)]
     if not args.no_peers:

@@ -67,11 +67,18 @@ def _balanced_bounds(total: int, limit: int, align: int) -> list[tuple[int, int]
 
 def workspace_bytes(n_tokens: int, vocab: int, hidden_size: int, dtype: torch.dtype,
                     config: ChunkConfig = DEFAULT_CHUNKS, backward: bool = True) -> int:
-    """Bytes of scratch the Triton path allocates beyond inputs, outputs, gradients and O(N) row statistics.
-    Bounded by config.token_chunk · (config.vocab_chunk + hidden_size) · 4 for every n_tokens."""
+    """Bytes of scratch the CUDA paths allocate beyond inputs, outputs, gradients and O(N) row statistics: the
+    larger of the cuBLAS path's fp32 tile and the fused path's half dlogits tile (≤ 2·vocab_chunk columns of whole
+    256-column blocks) or stats partials, plus the fp32 grad_hidden accumulator. Bounded by
+    config.token_chunk · (config.vocab_chunk + hidden_size) · 4 for every n_tokens."""
     rows = max((b - a for a, b in _balanced_bounds(n_tokens, config.token_chunk, config.align)), default=0)
     cols = max((b - a for a, b in _balanced_bounds(vocab, config.vocab_chunk, config.align)), default=0)
     tile = rows * cols * 4
+    if dtype != torch.float32:   # the fused path (fused.py, 256-column blocks)
+        blocks = -(-vocab // 256)
+        dlogits_cols = min(max(256, 2 * config.vocab_chunk // 256 * 256), blocks * 256)
+        partials = 3 * rows * min(blocks, max(1, config.vocab_chunk // 3)) * 4
+        tile = max(tile, rows * dlogits_cols * 2 if backward else 0, partials)
     accumulator = rows * hidden_size * 4 if backward and dtype != torch.float32 else 0
     return tile + accumulator
 
@@ -126,7 +133,41 @@ def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-class TorchTiles:
+class GemmThenRowPass:
+    """A tile backend: what the drivers below call per tile. This base runs a logits GEMM (fp32 out, into the
+    workspace) and then the subclass' row pass (`fold_stats` / `logits_grad`); fused.FusedTiles overrides the
+    four methods to do both steps in one kernel per launch."""
+
+    def vocab_bounds(self, vocab: int, rows: int, config: ChunkConfig, device, backward: bool):
+        """The vocabulary chunks a token chunk of `rows` rows is visited in."""
+        return _balanced_bounds(vocab, config.vocab_chunk, config.align)
+
+    def workspace(self, rows: int, cols: int, weight: torch.Tensor, backward: bool) -> torch.Tensor:
+        """The one scratch buffer of a pass, reused for every tile of at most rows × cols."""
+        return torch.empty(rows * cols, dtype=torch.float32, device=weight.device)
+
+    def fold_logits(self, hidden_t, weight_v, workspace, labels, vocab_start, inv_temp, m, u, t, label_z):
+        """Fold the logits hidden_t @ weight_v.T into the running row statistics (see TorchTiles.fold_stats)."""
+        tile = workspace[: hidden_t.shape[0] * weight_v.shape[0]].view(hidden_t.shape[0], weight_v.shape[0])
+        mm_fp32(hidden_t, weight_v.t(), out=tile)
+        self.fold_stats(tile, labels, vocab_start, inv_temp, m, u, t, label_z)
+
+    def logits_grad_of(self, hidden_t, weight_v, workspace, labels, vocab_start, inv_temp, row_max, log_sum,
+                       entropy, g_logprob, g_entropy) -> torch.Tensor:
+        """dlogits [rows, cols] in the weight dtype (a view into the workspace) of the logits hidden_t @ weight_v.T
+        (see TorchTiles.logits_grad)."""
+        rows, cols = hidden_t.shape[0], weight_v.shape[0]
+        tile = workspace[: rows * cols].view(rows, cols)
+        mm_fp32(hidden_t, weight_v.t(), out=tile)
+        # written in place: row r's half-width output lies inside row r's fp32 input and the row pass writes
+        # block j only after reading blocks ≤ j, so no extra buffer is needed
+        dlogits = tile if weight_v.dtype == torch.float32 else tile.view(weight_v.dtype)[:, :cols]
+        self.logits_grad(tile, dlogits, labels, vocab_start, inv_temp, row_max, log_sum, entropy, g_logprob,
+                         g_entropy)
+        return dlogits
+
+
+class TorchTiles(GemmThenRowPass):
     """Row passes in plain torch (CPU/NPU path). Same contract as kernel.TritonTiles; allocates a few tile-sized
     temporaries per call (so its workspace is ~4 tiles, still independent of N)."""
 
@@ -233,17 +274,14 @@ def forward_chunks(hidden, weight, labels, inv_temp, ignore_index, with_entropy,
     t = torch.zeros(n, **f32) if with_entropy else None
     label_z = torch.zeros(n, **f32)
     row_chunks = _balanced_bounds(n, config.token_chunk, config.align)
-    col_chunks = _balanced_bounds(v, config.vocab_chunk, config.align)
-    if row_chunks and col_chunks:
+    if row_chunks:
         max_rows = max(b - a for a, b in row_chunks)
-        max_cols = max(b - a for a, b in col_chunks)
-        workspace = torch.empty(max_rows * max_cols, **f32)   # the one tile buffer, reused for every tile
+        col_chunks = tiles.vocab_bounds(v, max_rows, config, hidden.device, backward=False)
+        workspace = tiles.workspace(max_rows, max(b - a for a, b in col_chunks), weight, backward=False)
         for r0, r1 in row_chunks:
             for c0, c1 in col_chunks:
-                tile = workspace[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
-                mm_fp32(hidden[r0:r1], weight[c0:c1].t(), out=tile)
-                tiles.fold_stats(tile, labels[r0:r1], shard.start + c0, inv_temp, m[r0:r1], u[r0:r1],
-                                 None if t is None else t[r0:r1], label_z[r0:r1])
+                tiles.fold_logits(hidden[r0:r1], weight[c0:c1], workspace, labels[r0:r1], shard.start + c0,
+                                  inv_temp, m[r0:r1], u[r0:r1], None if t is None else t[r0:r1], label_z[r0:r1])
         del workspace
     if shard.group is not None:
         _combine_across_ranks(m, u, t, label_z, shard.group)
@@ -266,8 +304,7 @@ def backward_chunks(hidden, weight, labels, row_max, log_sum, entropy, g_logprob
     grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
     grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_grad_weight else None
     row_chunks = _balanced_bounds(n, config.token_chunk, config.align)
-    col_chunks = _balanced_bounds(v, config.vocab_chunk, config.align)
-    if not row_chunks or not col_chunks:
+    if not row_chunks:
         if grad_hidden is not None:
             grad_hidden.zero_()
         if grad_weight is not None:
@@ -275,8 +312,8 @@ def backward_chunks(hidden, weight, labels, row_max, log_sum, entropy, g_logprob
         return grad_hidden, grad_weight
     f32 = dict(dtype=torch.float32, device=hidden.device)
     max_rows = max(b - a for a, b in row_chunks)
-    max_cols = max(b - a for a, b in col_chunks)
-    workspace = torch.empty(max_rows * max_cols, **f32)
+    col_chunks = tiles.vocab_bounds(v, max_rows, config, hidden.device, backward=True)
+    workspace = tiles.workspace(max_rows, max(b - a for a, b in col_chunks), weight, backward=True)
     # fp32 inputs accumulate straight into grad_hidden; half inputs into one fp32 [rows, H] buffer per token chunk
     # (10 bf16 roundings at V=151936 would cost ~2.5e-3 relative error; the buffer costs 32 MiB at H=4096).
     direct = hidden.dtype == torch.float32
@@ -287,18 +324,12 @@ def backward_chunks(hidden, weight, labels, row_max, log_sum, entropy, g_logprob
         if grad_hidden is not None:
             acc = grad_hidden[r0:r1] if direct else accumulator[: rows * h].view(rows, h)
         for vi, (c0, c1) in enumerate(col_chunks):
-            cols = c1 - c0
             weight_v = weight[c0:c1]
-            tile = workspace[: rows * cols].view(rows, cols)
-            mm_fp32(hidden_t, weight_v.t(), out=tile)
-            # dlogits in the weight dtype, written in place: row r's half-width output lies inside row r's fp32
-            # input and the row pass writes block j only after reading blocks ≤ j, so no extra buffer is needed.
-            dlogits = tile if weight.dtype == torch.float32 else tile.view(weight.dtype)[:, :cols]
-            tiles.logits_grad(tile, dlogits, labels[r0:r1], shard.start + c0, inv_temp, row_max[r0:r1],
-                              log_sum[r0:r1],
-                              None if entropy is None else entropy[r0:r1],
-                              None if g_logprob is None else g_logprob[r0:r1],
-                              None if g_entropy is None else g_entropy[r0:r1])
+            dlogits = tiles.logits_grad_of(hidden_t, weight_v, workspace, labels[r0:r1], shard.start + c0, inv_temp,
+                                           row_max[r0:r1], log_sum[r0:r1],
+                                           None if entropy is None else entropy[r0:r1],
+                                           None if g_logprob is None else g_logprob[r0:r1],
+                                           None if g_entropy is None else g_entropy[r0:r1])
             if grad_hidden is not None:
                 addmm_fp32(acc, dlogits, weight_v, beta=0.0 if vi == 0 else 1.0)
             if grad_weight is not None:

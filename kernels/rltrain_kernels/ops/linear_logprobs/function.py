@@ -1,4 +1,5 @@
-"""`linear_logprobs`: input checks, path choice (Triton on CUDA, chunked torch elsewhere) and the autograd Function."""
+"""`linear_logprobs`: input checks, path choice (fused Triton GEMMs or cuBLAS + Triton row passes on CUDA, chunked
+torch elsewhere) and the autograd Function."""
 
 from __future__ import annotations
 
@@ -8,19 +9,38 @@ from rltrain_kernels.ops.linear_logprobs.chunk import (
     DEFAULT_CHUNKS, ChunkConfig, TorchTiles, VocabShard, backward_chunks, forward_chunks, vocab_shard,
 )
 
-IMPLS = ("auto", "triton", "torch")
+IMPLS = ("auto", "fused", "triton", "torch")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _tiles(impl: str, device: torch.device, config: ChunkConfig):
+def _tiles(impl: str, hidden: torch.Tensor, weight: torch.Tensor, config: ChunkConfig):
+    """The tile backend: "fused" (Triton GEMMs carrying the row passes), "triton" (cuBLAS GEMMs, Triton row
+    passes) or "torch" (cuBLAS/CPU GEMMs, torch row passes). Triton is imported here, not at package import."""
     if impl == "auto":
-        impl = "triton" if device.type == "cuda" else "torch"
+        if hidden.device.type != "cuda":
+            impl = "torch"
+        else:
+            from rltrain_kernels.ops.linear_logprobs import fused
+
+            impl = "fused" if fused.supports(hidden, weight) else "triton"
     if impl == "torch":
         return TorchTiles()
-    from rltrain_kernels.ops.linear_logprobs import kernel  # lazy: triton is imported here, not at package import
+    from rltrain_kernels.ops.linear_logprobs import kernel
 
-    kernel.check_runnable(device)
-    return kernel.TritonTiles(config.block_v)
+    kernel.check_runnable(hidden.device)
+    if impl == "triton":
+        return kernel.TritonTiles(config.block_v)
+    from rltrain_kernels.ops.linear_logprobs import fused
+
+    if hidden.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"impl='fused' takes bfloat16 or float16 inputs (its tensor-core GEMM would run "
+                         f"{hidden.dtype} as tf32); got {hidden.dtype}: use impl='auto' or 'triton'")
+    if hidden.is_cuda and torch.cuda.get_device_capability(hidden.device)[0] < 9:
+        raise ValueError("impl='fused' needs TMA (an sm_90+ GPU such as H100/H200); use impl='auto' or 'triton'")
+    if not fused.tma_ready(hidden, weight):
+        raise ValueError(f"impl='fused' needs hidden and weight rows 16-byte aligned with unit inner stride "
+                         f"(hidden size {hidden.shape[-1]} must be a multiple of 8); use impl='auto' or 'triton'")
+    return fused.FusedTiles()
 
 
 class LinearLogprobsFunction(torch.autograd.Function):
@@ -106,8 +126,9 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         return_entropy: False skips all entropy work; entropy is then None.
         tp_group: process group splitting the vocabulary (contiguous slices in rank order); the results and
             grad_hidden equal the unsplit computation, grad_weight is this rank's slice of it.
-        impl: "auto" (Triton on CUDA, chunked torch elsewhere), "triton" (CPU tensors need TRITON_INTERPRET=1)
-            or "torch".
+        impl: "auto" (on CUDA: "fused" for bf16/fp16 on sm_90+, else "triton"; "torch" elsewhere), "fused"
+            (Triton GEMMs with the row passes in their epilogues), "triton" (cuBLAS GEMMs + Triton row passes)
+            or "torch" (chunked torch). "fused"/"triton" on CPU tensors need TRITON_INTERPRET=1.
         chunk_config: tile sizes (see ChunkConfig; they bound the workspace).
 
     Returns:
@@ -117,11 +138,11 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     config = chunk_config or DEFAULT_CHUNKS
     shard = vocab_shard(weight, tp_group) if tp_group is not None else VocabShard(None, 0, weight.shape[0])
     _check_label_range(labels, ignore_index, shard.total)
-    tiles = _tiles(impl, hidden.device, config)
     out_shape = labels.shape
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     if hidden2d.stride(-1) != 1:
         hidden2d = hidden2d.contiguous()
+    tiles = _tiles(impl, hidden2d, weight, config)
     labels1d = labels.reshape(-1)
     args = (hidden2d, weight, labels1d, float(temperature), int(ignore_index), bool(return_entropy), shard, tiles,
             config)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from rltrain_kernels.ops.linear_logprobs.chunk import GemmThenRowPass
 from rltrain_kernels.utils import triton_interpreted
 
 
@@ -131,8 +132,8 @@ def _launch_config(block_v: int, n_cols: int) -> tuple[int, int]:
     return block, num_warps
 
 
-class TritonTiles:
-    """Row passes in Triton, same contract as chunk.TorchTiles (no temporaries)."""
+class TritonTiles(GemmThenRowPass):
+    """Row passes in Triton after cuBLAS GEMMs, same contract as chunk.TorchTiles (no temporaries)."""
 
     def __init__(self, block_v: int):
         self.block_v = block_v
