@@ -83,7 +83,7 @@ def run(hidden, weight, labels, temperature, g_logprob, g_entropy, impl, config=
 def check(hidden, weight, labels, temperature, impl, config=None, g_kind="dense", return_entropy=True,
           threshold=None, forward_threshold=None):
     """Ours vs the float64 reference: outputs within forward_threshold (default: threshold, default: by dtype),
-    gradients within threshold."""
+    gradients within threshold. Returns (grad_hidden, grad_weight, their references), None without a backward."""
     g_logprob, g_entropy = upstream_grads(g_kind, labels.shape, labels.device)
     if not return_entropy:
         g_entropy = None
@@ -102,11 +102,12 @@ def check(hidden, weight, labels, temperature, impl, config=None, g_kind="dense"
     ignored = labels == IGNORE
     assert (lp[ignored] == 0).all() and (ent is None or (ent[ignored] == 0).all())
     if g_logprob is None and g_entropy is None:
-        return
+        return None
     assert gh.dtype == hidden.dtype and gw.dtype == weight.dtype
     assert_rel_close(gh, ref_gh, dtype=dtype, threshold=threshold, name="grad_hidden")
     assert_rel_close(gw, ref_gw, dtype=dtype, threshold=threshold, name="grad_weight")
     assert (gh[ignored] == 0).all(), "ignored rows must get exactly zero gradient"
+    return gh, gw, ref_gh, ref_gw
 
 
 def upstream_grads(kind, shape, device):
@@ -211,9 +212,14 @@ def check_adversarial(case, impl, dtype, device):
         # fp32 logits of half inputs: outputs at the fp32 bound. Gradients go through dlogits in the input dtype,
         # whose rows sum to 0 only up to rounding; at a common logit offset c that rounding reaches grad_hidden
         # scaled by c along the offset's direction: ~0.1 relative error at c = 200 in bf16 on every path (torch
-        # 0.11, cuBLAS + row pass 0.096, fused 0.096), so those cases only bound it at 0.2.
-        check(hidden, weight, labels, temperature, impl, TILED, threshold=0.2 if threshold else None,
-              forward_threshold=threshold or REL_THRESHOLD[torch.float32])
+        # 0.11, cuBLAS + row pass 0.096, fused 0.096; up to 0.13 over seeds). Those cases bound the whole of it at
+        # 0.2 and hold grad_weight and grad_hidden off the offset's column (hidden[..., 0]) to the dtype's bound.
+        grads = check(hidden, weight, labels, temperature, impl, TILED, threshold=0.2 if threshold else None,
+                      forward_threshold=threshold or REL_THRESHOLD[torch.float32])
+        if threshold:
+            gh, gw, ref_gh, ref_gw = grads
+            assert_rel_close(gh[..., 1:], ref_gh[..., 1:], dtype=dtype, name="grad_hidden off the offset column")
+            assert_rel_close(gw, ref_gw, dtype=dtype, name="grad_weight")
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -35,6 +35,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rltrain_kernels.ops.linear_logprobs.chunk import GemmThenRowPass, _balanced_bounds
+from rltrain_kernels.ops.linear_logprobs.kernel import merge_lanes
 from rltrain_kernels.utils import triton_interpreted
 
 
@@ -50,19 +51,20 @@ def _block_of(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _logits_block(a_desc, b_desc, off_m, off_n, k_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] = hidden[off_m:] @ weight[off_n:].T; TMA fills rows, columns and K past the end
-    with zeros."""
+def _logits_block(tile, a_desc, b_desc, n_rows, n_cols, hidden_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr):
+    """Block `tile` of the persistent loop: (acc, rows, cols, pid_n) with acc fp32 [BLOCK_M, BLOCK_N] =
+    hidden[rows] @ weight[cols].T; TMA fills rows, columns and K past the end with zeros."""
+    pid_m, pid_n = _block_of(tile, tl.cdiv(n_rows, BLOCK_M), tl.cdiv(n_cols, BLOCK_N), GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(k_tiles):
-        a = a_desc.load([off_m, ki * BLOCK_K])
-        b = b_desc.load([off_n, ki * BLOCK_K])
+    for ki in range(tl.cdiv(hidden_size, BLOCK_K)):
+        a = a_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+        b = b_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b.T, acc)
-    return acc
+    return acc, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N), pid_n
 
 
 @triton.jit
@@ -81,23 +83,18 @@ def _gemm_stats_kernel(
 ):
     """part [3, n_rows, n_blocks] for block j of row r: 0: max z, 1: Σ_{z<max} e^(z−max) + n_max − 1,
     2: Σ e^(z−max)·(z−max); label_z[r] = z[label] written by the block holding the label."""
-    num_m = tl.cdiv(n_rows, BLOCK_M)
-    num_n = tl.cdiv(n_cols, BLOCK_N)
-    k_tiles = tl.cdiv(hidden_size, BLOCK_K)
     plane = n_rows.to(tl.int64) * n_blocks
-    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
-        pid_m, pid_n = _block_of(tile, num_m, num_n, GROUP_M)
-        acc = _logits_block(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K,
-                            UPCAST)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=FLATTEN):
+        acc, rows, cols, pid_n = _logits_block(tile, a_desc, b_desc, n_rows, n_cols, hidden_size, BLOCK_M, BLOCK_N,
+                                               BLOCK_K, GROUP_M, UPCAST)
         row_ok = rows < n_rows
         local = _label_in_block(labels_ptr, rows, row_ok, vocab_start, n_cols)
         if SUBTILE:
             # the block's two column halves one after the other: half the epilogue's registers live at once
             halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             acc0, acc1 = tl.split(halves)
-            first = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+            first = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)     # cols, split as acc is
             max0, rest0, n0, t0, lab0 = _fold_block(acc0, first, n_cols, local, inv_temp)
             max1, rest1, n1, t1, lab1 = _fold_block(acc1, first + BLOCK_N // 2, n_cols, local, inv_temp)
             # merged as the lanes of the row pass: relative to the block's max, the halves at it count exactly
@@ -143,46 +140,29 @@ def _fold_block(acc, cols, n_cols, local, inv_temp):
 @triton.jit
 def _merge_partials_kernel(part_ptr, n_rows, n_blocks, m_ptr, u_ptr, t_ptr, BLOCK: tl.constexpr,
                            WITH_ENTROPY: tl.constexpr):
-    """Fold row r's partials into its running (m, u, t) (chunk.TorchTiles.fold_stats' meaning), in place:
-    Σexp = Σ_j (u_j + 1)·α_j with α_j = e^(m_j − M); partials (and a running state) at the max contribute their 1
-    as an exact count. Two sweeps over the row's partials: the max, then the sums."""
+    """Fold row r's partials into its running (m, u, t) in place, BLOCK partials at a time, as the row pass merges
+    its lanes (kernel.merge_lanes: the partials at the max contribute their 1 as an exact count)."""
     row = tl.program_id(0).to(tl.int64)
     plane = n_rows.to(tl.int64) * n_blocks
     base = part_ptr + row * n_blocks
-    m_run = tl.load(m_ptr + row)
-    new_m = m_run
-    for start in range(0, n_blocks, BLOCK):
-        j = start + tl.arange(0, BLOCK)
-        new_m = tl.maximum(new_m, tl.max(tl.load(base + j, mask=j < n_blocks, other=-float("inf")), axis=0))
-    sum_u = tl.zeros((BLOCK,), dtype=tl.float32)
-    sum_t = tl.zeros((BLOCK,), dtype=tl.float32)
-    count = tl.zeros((BLOCK,), dtype=tl.float32)
+    m = tl.load(m_ptr + row)
+    u = tl.load(u_ptr + row)
+    t = 0.0
+    if WITH_ENTROPY:
+        t = tl.load(t_ptr + row)
     for start in range(0, n_blocks, BLOCK):
         j = start + tl.arange(0, BLOCK)
         ok = j < n_blocks
-        pm = tl.load(base + j, mask=ok, other=-float("inf"))
-        pu = tl.load(base + plane + j, mask=ok, other=0.0)
-        shift = tl.where(ok, pm - new_m, -float("inf"))
-        alpha = tl.exp(shift)
-        at_max = ok & (shift == 0.0)
-        sum_u += tl.where(ok, pu * alpha + tl.where(at_max, 0.0, alpha), 0.0)
-        count += at_max.to(tl.float32)
+        part_t = tl.zeros((BLOCK,), dtype=tl.float32)
         if WITH_ENTROPY:
-            pt = tl.load(base + 2 * plane + j, mask=ok, other=0.0)
-            sum_t += tl.where(ok, alpha * (pt + shift * (pu + 1.0)), 0.0)
-    u_run = tl.load(u_ptr + row)
-    run_shift = m_run - new_m                          # −inf while the row is empty
-    run_alpha = tl.exp(run_shift)
-    run_at_max = run_shift == 0.0
-    u_new = (tl.sum(sum_u, axis=0) + u_run * run_alpha + tl.where(run_at_max, 0.0, run_alpha)
-             + (tl.sum(count, axis=0) + run_at_max.to(tl.float32) - 1.0))
+            part_t = tl.load(base + 2 * plane + j, mask=ok, other=0.0)
+        # past the end: the (−inf, −1, 0) of a lane that saw nothing
+        m, u, t = merge_lanes(tl.load(base + j, mask=ok, other=-float("inf")),
+                              tl.load(base + plane + j, mask=ok, other=-1.0), part_t, m, u, t, WITH_ENTROPY)
     if WITH_ENTROPY:
-        run_s = u_run + 1.0
-        t_run = tl.load(t_ptr + row)
-        t_new = tl.sum(sum_t, axis=0) + run_alpha * (t_run + tl.where(run_s > 0.0, run_shift, 0.0) * run_s)
-        tl.store(t_ptr + row, t_new)
-    tl.store(u_ptr + row, u_new)
-    tl.store(m_ptr + row, new_m)
+        tl.store(t_ptr + row, t)
+    tl.store(u_ptr + row, u)
+    tl.store(m_ptr + row, m)
 
 
 @triton.jit
@@ -194,15 +174,10 @@ def _gemm_logits_grad_kernel(
     UPCAST: tl.constexpr, HAS_G_LOGPROB: tl.constexpr, HAS_G_ENTROPY: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """out = ∂loss/∂logits in out's dtype (the maths: kernel._logits_grad_kernel, chunk.TorchTiles.logits_grad)."""
-    num_m = tl.cdiv(n_rows, BLOCK_M)
-    num_n = tl.cdiv(n_cols, BLOCK_N)
-    k_tiles = tl.cdiv(hidden_size, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=FLATTEN):
-        pid_m, pid_n = _block_of(tile, num_m, num_n, GROUP_M)
-        acc = _logits_block(a_desc, b_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k_tiles, BLOCK_M, BLOCK_N, BLOCK_K,
-                            UPCAST)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=FLATTEN):
+        acc, rows, cols, _ = _logits_block(tile, a_desc, b_desc, n_rows, n_cols, hidden_size, BLOCK_M, BLOCK_N,
+                                           BLOCK_K, GROUP_M, UPCAST)
         row_ok = rows < n_rows
         row_max = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
         log_sum = tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)
@@ -297,8 +272,8 @@ class FusedTiles(GemmThenRowPass):
     def vocab_bounds(self, vocab, rows, config, device, backward):
         block_n = self.gemm.block_n
         if not backward:
-            limit = max(block_n, config.vocab_chunk * block_n // 3 // block_n * block_n)
-            return _balanced_bounds(vocab, limit, block_n)
+            # ≤ vocab_chunk / 3 blocks: the 12 B-per-block partials stay within the fp32 tile's bytes
+            return _balanced_bounds(vocab, max(1, config.vocab_chunk // 3) * block_n, block_n)
         return wave_fitted_bounds(vocab, rows, 2 * config.vocab_chunk, self.gemm, _multiprocessors(device))
 
     def workspace(self, rows, cols, weight, backward):

@@ -56,8 +56,29 @@ def _fold_stats_kernel(
                               lane_t + tl.where(e > 0, e * d, 0.0))
         lane_u = tl.where(grow, s * e, lane_u + e)
         lane_m = tl.maximum(lane_m, z)
-    m_old = tl.load(m_ptr + row)
-    u_old = tl.load(u_ptr + row)
+    t_old = 0.0
+    if WITH_ENTROPY:
+        t_old = tl.load(t_ptr + row)
+    m_new, u, t = merge_lanes(lane_m, lane_u, lane_t, tl.load(m_ptr + row), tl.load(u_ptr + row), t_old,
+                              WITH_ENTROPY)
+    if WITH_ENTROPY:
+        tl.store(t_ptr + row, t)
+    tl.store(m_ptr + row, m_new)
+    tl.store(u_ptr + row, u)
+    local = tl.load(labels_ptr + row) - vocab_start
+    inside = (local >= 0) & (local < n_cols)
+    z_label = tl.load(row_ptr + tl.where(inside, local, 0), mask=inside, other=0.0) * inv_temp
+    previous = tl.load(label_z_ptr + row)
+    tl.store(label_z_ptr + row, tl.where(inside, z_label, previous))
+
+
+@triton.jit
+def merge_lanes(lane_m, lane_u, lane_t, m_old, u_old, t_old, WITH_ENTROPY: tl.constexpr):
+    """Merge per-lane statistics into a row's running ones and return the merged (m, u, t). Each lane holds
+    (m, u = Σexp − 1, t = Σexp·(z − m)) relative to its own max, (−inf, −1, 0) if it saw nothing. Σexp =
+    Σ (u + 1)·α with α = e^(m − M); the lanes (and the running state) at the max contribute their 1 as an exact
+    count, so log1p(u) keeps its precision when one logit dominates. t_old / the returned t are ignored without
+    entropy. Used by the row pass's lanes here and by fused.py's per-block partials."""
     m_new = tl.maximum(tl.max(lane_m, axis=0), m_old)
     shift = lane_m - m_new
     alpha = tl.exp(shift)                                   # 0 for lanes that saw nothing
@@ -66,22 +87,15 @@ def _fold_stats_kernel(
     old_alpha = tl.exp(old_shift)
     old_at_max = old_shift == 0.0
     count = tl.sum(at_max.to(tl.float32), axis=0) + old_at_max.to(tl.float32)
+    t = t_old
     if WITH_ENTROPY:
-        t_old = tl.load(t_ptr + row)
         s_old = u_old + 1.0
         lane_s = lane_u + 1.0
         t = tl.sum(tl.where(lane_s > 0, alpha * (lane_t + shift * lane_s), 0.0), axis=0)
         t += tl.where(s_old > 0, old_alpha * (t_old + old_shift * s_old), 0.0)
-        tl.store(t_ptr + row, t)
     u = tl.sum(lane_u * alpha + tl.where(at_max, 0.0, alpha), axis=0)
     u += u_old * old_alpha + tl.where(old_at_max, 0.0, old_alpha) + (count - 1.0)
-    tl.store(m_ptr + row, m_new)
-    tl.store(u_ptr + row, u)
-    local = tl.load(labels_ptr + row) - vocab_start
-    inside = (local >= 0) & (local < n_cols)
-    z_label = tl.load(row_ptr + tl.where(inside, local, 0), mask=inside, other=0.0) * inv_temp
-    previous = tl.load(label_z_ptr + row)
-    tl.store(label_z_ptr + row, tl.where(inside, z_label, previous))
+    return m_new, u, t
 
 
 @triton.jit
