@@ -8,8 +8,9 @@ cut-cross-entropy==25.1.1 and verl==0.9.1 --no-deps to get their rows):
     PYTHONPATH=kernels python kernels/benchmarks/bench_linear_logprobs.py --tune-fused   # impl="fused" GemmConfigs
 First checks ours against an fp32 reference (outputs on 256 rows at the real shape, every gradient at N=512), then
 measures the bf16 GEMM rate with a large torch.matmul, then times each implementation (median of CUDA-event
-timings, fresh random inputs, never zeros): forward (no_grad, like the reference / old-logprob passes) and
-forward+backward, as ratios to the floors — 1 GEMM (2·N·H·V flops) for forward, 4 GEMMs for forward+backward —
+timings queued behind GPU work as in a training step, timing.py; fwd+bwd also from an idle GPU; fresh random
+inputs, never zeros): forward (no_grad, like the reference / old-logprob passes) and forward+backward, as ratios
+to the floors — 1 GEMM (2·N·H·V flops) for forward, 4 GEMMs for forward+backward —
 and the extra peak memory: max_memory_allocated − (memory before the call + the outputs and gradients it returns).
 Peers compute different things (CCE: logprob only; Liger: mean loss only; verl and ours: logprob + entropy), each
 called the way its docs show; a peer that fails to import or run is skipped with a note. verl's kernels import
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 from rltrain_kernels.ops.linear_logprobs import ChunkConfig, linear_logprobs, naive_linear_logprobs
+from timing import median_ms
 
 GiB = 2**30
 
@@ -109,30 +111,17 @@ def make_inputs(n, vocab, hidden_size, logit_std=3.0):
     return hidden, weight, labels
 
 
-def median_ms(step, warmup=2, iters=7) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def gemm_rate(size=8192, k=8192) -> float:
     """bf16 dense GEMM flop/s measured now, on this GPU: [2·size, k] @ [k, size]."""
     a = torch.randn(2 * size, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(k, size, device="cuda", dtype=torch.bfloat16)
-    ms = median_ms(lambda: torch.matmul(a, b), warmup=5, iters=20)
+    ms = median_ms(lambda: torch.matmul(a, b), warmup=5, iters=20, queued=True)
     return 2 * (2 * size) * k * size / (ms * 1e-3)
 
 
 def measure(fn, hidden, weight, labels, iters):
-    """(forward ms, forward+backward ms, extra peak bytes of forward+backward)."""
+    """(forward ms, forward+backward ms, extra peak bytes of forward+backward, forward+backward ms from idle);
+    the times queued behind GPU work (timing.py), the last from an idle GPU."""
     with torch.no_grad():
         fwd_ms = median_ms(lambda: fn(hidden, weight, labels), iters=iters)
     h = hidden.detach().requires_grad_()
@@ -147,6 +136,7 @@ def measure(fn, hidden, weight, labels, iters):
         return outs
 
     both_ms = median_ms(fwd_bwd, iters=iters)
+    idle_ms = median_ms(fwd_bwd, warmup=0, iters=max(3, iters // 2), queued=False)
     h.grad = w.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -158,7 +148,7 @@ def measure(fn, hidden, weight, labels, iters):
     extra = torch.cuda.max_memory_allocated() - before - returned
     del outs
     h.grad = w.grad = None
-    return fwd_ms, both_ms, extra
+    return fwd_ms, both_ms, extra, idle_ms
 
 
 # ---------------------------------------------------------------------------------------------------- checks
@@ -223,21 +213,21 @@ def tune(n, vocab, hidden_size, rate, iters):
     floor_fn = bare(bare_gemms(recompute=True))
 
     def bare_ms():
-        fwd, both, _ = measure(floor_fn, hidden, weight, labels, iters)
+        fwd, both, _, _ = measure(floor_fn, hidden, weight, labels, iters)
         return fwd, both
 
-    bare = [bare_ms()]
+    bare_runs = [bare_ms()]
     rows = []
     for overrides in TUNE_CONFIGS:
         config = ChunkConfig(**overrides)
-        fwd_ms, both_ms, extra = measure(ours(True, config), hidden, weight, labels, iters)
+        fwd_ms, both_ms, extra, _ = measure(ours(True, config), hidden, weight, labels, iters)
         rows.append((config, fwd_ms, both_ms, extra))
         print(f"{config}: fwd {fwd_ms:.2f} ms, fwd+bwd {both_ms:.2f} ms, extra {extra / GiB:.3f} GiB", flush=True)
         torch.cuda.empty_cache()
-    bare.append(bare_ms())
-    bare_fwd, bare_both = (statistics.mean(b[i] for b in bare) for i in (0, 1))
-    print(f"\nN={n}; bare cuBLAS: fwd {bare_fwd:.2f} ms ({bare[0][0]:.2f} before, {bare[1][0]:.2f} after), "
-          f"fwd+bwd {bare_both:.2f} ms ({bare[0][1]:.2f}, {bare[1][1]:.2f}); computed 1-GEMM floor {floor1:.2f} ms")
+    bare_runs.append(bare_ms())
+    bare_fwd, bare_both = (statistics.mean(b[i] for b in bare_runs) for i in (0, 1))
+    print(f"\nN={n}; bare cuBLAS: fwd {bare_fwd:.2f} ms ({bare_runs[0][0]:.2f} before, {bare_runs[1][0]:.2f} after), "
+          f"fwd+bwd {bare_both:.2f} ms ({bare_runs[0][1]:.2f}, {bare_runs[1][1]:.2f}); computed 1-GEMM floor {floor1:.2f} ms")
     print("\n| token_chunk | vocab_chunk | block_v | fwd ms | fwd / floor | fwd / bare | fwd+bwd ms "
           "| fwd+bwd / floor | fwd+bwd / bare | extra peak GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -269,7 +259,7 @@ def tune_fused(n, vocab, hidden_size, rate, iters):
         for overrides in FUSED_CONFIGS:
             config = replace(shipped(), **overrides)
             fused.GemmConfig.default = staticmethod(lambda config=config: config)
-            fwd_ms, both_ms, extra = measure(ours(True, impl="fused"), hidden, weight, labels, iters)
+            fwd_ms, both_ms, extra, _ = measure(ours(True, impl="fused"), hidden, weight, labels, iters)
             lp_only_ms = measure(ours(False, impl="fused"), hidden, weight, labels, iters)[0]
             rows.append((overrides, fwd_ms, lp_only_ms, both_ms, extra))
             print(f"{overrides or 'default'}: fwd {fwd_ms:.2f} ms (logprob only {lp_only_ms:.2f}), "
@@ -364,24 +354,27 @@ def main(argv=None):
                 continue
             try:
                 note = check_against_ours(name, fn, hidden, weight, labels, our_lp, our_ent)
-                fwd_ms, both_ms, extra = measure(fn, hidden, weight, labels, args.iters)
+                fwd_ms, both_ms, extra, idle_ms = measure(fn, hidden, weight, labels, args.iters)
             except Exception as err:  # noqa: BLE001
                 print(f"{name} failed at N={n}: {type(err).__name__}: {err}")
                 torch.cuda.empty_cache()
                 continue
-            rows.append((n, name, fwd_ms, fwd_ms / floor1, both_ms, both_ms / (4 * floor1), extra / GiB, note))
+            rows.append((n, name, fwd_ms, fwd_ms / floor1, both_ms, both_ms / (4 * floor1), idle_ms, extra / GiB,
+                         note))
             print(f"N={n} {name}: fwd {fwd_ms:.1f} ms ({fwd_ms / floor1:.2f}x), fwd+bwd {both_ms:.1f} ms "
-                  f"({both_ms / (4 * floor1):.2f}x), extra peak {extra / GiB:.3f} GiB  {note}", flush=True)
+                  f"({both_ms / (4 * floor1):.2f}x; from idle {idle_ms:.1f}), extra peak {extra / GiB:.3f} GiB  "
+                  f"{note}", flush=True)
             torch.cuda.empty_cache()
         del hidden, weight, labels
 
     print(f"\nbf16, H={hidden_size}, V={vocab}; GEMM rate {rate / 1e12:.0f} TFLOP/s; floors: fwd = 1 GEMM, "
           f"fwd+bwd = 4 GEMMs (2·N·H·V flops each)\n")
     print("| N | implementation | fwd ms | fwd / 1-GEMM floor | fwd+bwd ms | fwd+bwd / 4-GEMM floor | "
-          "extra peak GiB | forward check |")
-    print("|---|---|---|---|---|---|---|---|")
-    for n, name, fwd_ms, r1, both_ms, r4, extra, note in rows:
-        print(f"| {n} | {name} | {fwd_ms:.1f} | {r1:.2f} | {both_ms:.1f} | {r4:.2f} | {extra:.3f} | {note} |")
+          "fwd+bwd from idle ms | extra peak GiB | forward check |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n, name, fwd_ms, r1, both_ms, r4, idle_ms, extra, note in rows:
+        print(f"| {n} | {name} | {fwd_ms:.1f} | {r1:.2f} | {both_ms:.1f} | {r4:.2f} | {idle_ms:.1f} | {extra:.3f} "
+              f"| {note} |")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     PYTHONPATH=kernels python kernels/benchmarks/bench_policy_loss.py          # B=8 T=1024 H=4096 V=151936 bf16,
                                                                                 # then B=16 T=4096
     PYTHONPATH=kernels python kernels/benchmarks/bench_policy_loss.py --quick  # small shapes, a smoke run
+    PYTHONPATH=kernels python kernels/benchmarks/bench_policy_loss.py --tune-fused   # impl="fused" GemmConfigs
 
 Run from the repo root on a CUDA machine (~3 min, most of it Liger and its torch.compile warm-up).
 Liger (carry/install liger-kernel==0.8.5 --no-deps) is optional: its rows are skipped when it does not import.
@@ -10,8 +11,8 @@ Same options for all three: PPO clip 0.2/0.2, k3 KL vs ref with coefficient 0.04
 advantages [B], temperature 1. Inputs are fresh random tensors (never zeros): logits with std ≈ 2, ~25% of each
 row masked as prompt/padding, old/ref logprobs = the true logp + N(0, 0.1²).
 
-Per method: forward+backward median time (CUDA events, after warm-up; the grads are reset each step), extra peak
-memory beyond the inputs (it includes grad_hidden and grad_weight, which every method produces) and the part of it
+Per method: forward+backward median time (CUDA events, after warm-up; the grads are reset each step), queued
+behind GPU work as inside a training step and from an idle GPU (timing.py), extra peak memory beyond the inputs (it includes grad_hidden and grad_weight, which every method produces) and the part of it
 beyond those two gradients; the ratio to the 3-GEMM floor, 3·2·N·H·V flops at the bf16 GEMM rate measured in the
 same run on an 8192³ matmul. Correctness vs naive is checked first (loss, grad_hidden, grad_weight). A markdown
 table is printed last.
@@ -22,11 +23,11 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import statistics
 
 import torch
 
 from rltrain_kernels.ops.policy_loss import PolicyLossChunkConfig, fused_policy_loss
+from timing import median_ms
 
 OPTIONS = dict(clip_low=0.2, clip_high=0.2, kl_coef=0.04, kl_type="k3", loss_agg="token-mean")
 
@@ -65,10 +66,10 @@ def naive_loss(hidden, weight, labels, mask, advantages, old, ref):
     return loss
 
 
-def ours(config):
+def ours(config, impl="auto"):
     def run(hidden, weight, labels, mask, advantages, old, ref):
         return fused_policy_loss(hidden, weight, labels, mask, advantages, old, ref, chunk_config=config,
-                                 **OPTIONS).loss
+                                 impl=impl, **OPTIONS).loss
     return run
 
 
@@ -78,6 +79,11 @@ def ours_gspo(config):
         return fused_policy_loss(hidden, weight, labels, mask, advantages, old, ref, chunk_config=config,
                                  **opts).loss
     return run
+
+
+def chunk_config(rows: str):
+    """"auto": the default PolicyLossChunkConfig (rows from its workspace budget); else that many rows."""
+    return None if rows == "auto" else PolicyLossChunkConfig(token_chunk=int(rows))
 
 
 def liger():
@@ -103,19 +109,14 @@ def fwd_bwd(fn, inputs):
 
 
 def measure(fn, inputs, warmup, repeats):
-    """(median ms, extra peak bytes) of one forward+backward."""
-    for _ in range(warmup):
-        fwd_bwd(fn, inputs)
-    times = []
-    for _ in range(repeats):
+    """(median ms queued behind GPU work, median ms from an idle GPU, extra peak bytes) of one forward+backward
+    (timing.py: queued is how the loss runs inside a training step, idle shows the call's host overhead too)."""
+    def step():
         inputs["hidden"].grad = inputs["weight"].grad = None
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
         fn(**inputs).backward()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+
+    queued = median_ms(step, warmup=warmup, iters=repeats, queued=True)
+    idle = median_ms(step, warmup=0, iters=repeats, queued=False)
     inputs["hidden"].grad = inputs["weight"].grad = None
     gc.collect()
     torch.cuda.synchronize()
@@ -123,7 +124,7 @@ def measure(fn, inputs, warmup, repeats):
     base = torch.cuda.memory_allocated()
     fwd_bwd(fn, inputs)
     torch.cuda.synchronize()
-    return statistics.median(times), torch.cuda.max_memory_allocated() - base
+    return queued, idle, torch.cuda.max_memory_allocated() - base
 
 
 def gemm_rate(n=8192, repeats=20) -> float:
@@ -182,7 +183,49 @@ def profile_ours(B, T, H, V, config):
     inputs = make_inputs(B, T, H, V)
     inputs["hidden"].requires_grad_()
     inputs["weight"].requires_grad_()
-    print_kernel_times(f"ours B={B} T={T} rows={config.token_chunk}", lambda: fwd_bwd(ours(config), inputs))
+    rows = "auto" if config is None else config.token_chunk
+    print_kernel_times(f"ours B={B} T={T} rows={rows}", lambda: fwd_bwd(ours(config), inputs))
+
+
+# GemmConfig overrides timed by --tune-fused (the shipped config first): how GEMM 1 stores the kept logits, and the
+# dlogits pass's program shape (rows × columns, warps)
+FUSED_CONFIGS = [dict(), dict(y_tma=False), dict(grad_rows=8, grad_warps=8), dict(grad_rows=2, grad_cols=512),
+                 dict(grad_rows=1, grad_cols=1024), dict(grad_rows=16, grad_cols=128, grad_warps=8)]
+
+
+def tune_fused(B, T, H, V, warmup, repeats):
+    """impl="fused" at the main size with each of FUSED_CONFIGS, beside the 3 bare cuBLAS GEMMs timed before and
+    after them (queued timing)."""
+    from dataclasses import replace
+
+    from rltrain_kernels.ops.linear_logprobs import fused
+
+    inputs = make_inputs(B, T, H, V)
+    inputs["hidden"].requires_grad_()
+    inputs["weight"].requires_grad_()
+    shipped = fused.GemmConfig.default
+    bare_runs = [measure(bare(), inputs, warmup, repeats)[0]]
+    rows, first = [], None
+    try:
+        for overrides in FUSED_CONFIGS:
+            config = replace(shipped(), **overrides)
+            fused.GemmConfig.default = staticmethod(lambda config=config: config)
+            grads = grads_of(ours(None, impl="fused"), inputs)
+            first = first or grads
+            err = max(rel(g, f) for g, f in zip(grads, first))   # vs the shipped config's gradients
+            del grads
+            ms, idle_ms, _ = measure(ours(None, impl="fused"), inputs, warmup, repeats)
+            rows.append((overrides, ms, idle_ms, err))
+            print(f"  {overrides or 'default'}: {ms:.2f} ms (from idle {idle_ms:.2f}), grads vs default {err:.1e}",
+                  flush=True)
+    finally:
+        fused.GemmConfig.default = shipped
+    bare_runs.append(measure(bare(), inputs, warmup, repeats)[0])
+    bare_ms = sum(bare_runs) / 2
+    print(f"\nB={B} T={T}: 3 bare cuBLAS GEMMs {bare_ms:.2f} ms (before/after {bare_runs[0]:.2f} / {bare_runs[1]:.2f})")
+    print("\n| GemmConfig | fwd+bwd ms | / bare | from idle ms | grads vs default |\n|---|---|---|---|---|")
+    for overrides, ms, idle_ms, err in rows:
+        print(f"| {overrides or 'default'} | {ms:.2f} | {ms / bare_ms:.3f} | {idle_ms:.2f} | {err:.1e} |")
 
 
 def run_case(label, B, T, H, V, methods, rate, warmup, repeats, with_naive):
@@ -204,7 +247,7 @@ def run_case(label, B, T, H, V, methods, rate, warmup, repeats, with_naive):
             methods = [("torch naive", naive_loss)] + methods
         except torch.cuda.OutOfMemoryError:
             print("  torch naive: OOM")
-            rows.append((label, "torch naive", None, None, None, None))
+            rows.append((label, "torch naive", None, None, None, None, None))
             inputs["hidden"].grad = inputs["weight"].grad = None
             gc.collect()
             torch.cuda.empty_cache()
@@ -212,17 +255,17 @@ def run_case(label, B, T, H, V, methods, rate, warmup, repeats, with_naive):
         comparable = expected is not None and "GSPO" not in name and "bare" not in name   # naive is token-level
         err = check(name, fn, expected, inputs) if comparable else None
         try:
-            ms, peak = measure(fn, inputs, warmup, repeats)
+            ms, idle_ms, peak = measure(fn, inputs, warmup, repeats)
         except torch.cuda.OutOfMemoryError:
             print(f"  {name}: OOM")
-            rows.append((label, name, None, None, None, err))
+            rows.append((label, name, None, None, None, None, err))
             inputs["hidden"].grad = inputs["weight"].grad = None
             gc.collect()
             torch.cuda.empty_cache()
             continue
-        print(f"  {name}: {ms:.1f} ms ({ms / floor_ms:.2f}x floor {floor_ms:.1f} ms), extra peak "
-              f"{peak / 2**30:.2f} GiB ({(peak - grad_bytes) / 2**30:.2f} GiB beyond the grads)")
-        rows.append((label, name, ms, ms / floor_ms, peak, err))
+        print(f"  {name}: {ms:.1f} ms ({ms / floor_ms:.2f}x floor {floor_ms:.1f} ms; from idle {idle_ms:.1f} ms), "
+              f"extra peak {peak / 2**30:.2f} GiB ({(peak - grad_bytes) / 2**30:.2f} GiB beyond the grads)")
+        rows.append((label, name, ms, ms / floor_ms, idle_ms, peak, err))
         gc.collect()
         torch.cuda.empty_cache()
     del inputs
@@ -235,10 +278,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, fewer repeats")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--token-chunks", default="1024,2048,512",
-                        help="rows per chunk to time for ours at the main size (first = the default config)")
+    parser.add_argument("--token-chunks", default="auto,1024",
+                        help="rows per chunk to time ours (impl=auto) at the main size: 'auto' = the default "
+                             "config, first = the one for GSPO, the large shape and --profile")
     parser.add_argument("--no-liger", action="store_true")
     parser.add_argument("--profile", action="store_true", help="instead: ours' per-kernel times at the main size")
+    parser.add_argument("--tune-fused", action="store_true",
+                        help="instead: impl='fused' at the main size over GemmConfig variants, beside the bare GEMMs")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     torch.manual_seed(0)
@@ -249,11 +295,16 @@ def main():
     main_shape = (2, 512, 1024, 32000) if args.quick else (8, 1024, 4096, 151936)
     big_shape = (4, 2048, 1024, 32000) if args.quick else (16, 4096, 4096, 151936)
 
-    chunks = [int(c) for c in args.token_chunks.split(",") if c]
+    chunks = [c.strip() for c in args.token_chunks.split(",") if c.strip()]
+    first = chunk_config(chunks[0])
     if args.profile:
-        return profile_ours(*main_shape, PolicyLossChunkConfig(token_chunk=chunks[0]))
-    methods = [(f"ours (rows={c})", ours(PolicyLossChunkConfig(token_chunk=c))) for c in chunks]
-    methods.append((f"ours GSPO (rows={chunks[0]})", ours_gspo(PolicyLossChunkConfig(token_chunk=chunks[0]))))
+        return profile_ours(*main_shape, first)
+    if args.tune_fused:
+        return tune_fused(*main_shape, warmup, repeats)
+    methods = [(f"ours (rows={c})", ours(chunk_config(c))) for c in chunks]
+    methods.append(("ours, cuBLAS + row passes (impl=triton, rows=1024)",
+                    ours(PolicyLossChunkConfig(token_chunk=1024), impl="triton")))
+    methods.append((f"ours GSPO (rows={chunks[0]})", ours_gspo(first)))
     methods.append(("3 bare cuBLAS GEMMs (measured floor)", bare()))
     liger_fn = None if args.no_liger else liger()
     if liger_fn is not None:
@@ -261,23 +312,25 @@ def main():
     table = []
     rows, floor_ms, grad_bytes = run_case("main", *main_shape, methods, rate, warmup, repeats, with_naive=True)
     table += [(r, floor_ms, grad_bytes) for r in rows]
-    big_methods = [(f"ours (rows={chunks[0]})", ours(PolicyLossChunkConfig(token_chunk=chunks[0]))),
-                   (f"ours GSPO (rows={chunks[0]}, two-pass)", ours_gspo(PolicyLossChunkConfig(token_chunk=chunks[0])))]
+    big_methods = [(f"ours (rows={chunks[0]})", ours(first)),
+                   (f"ours GSPO (rows={chunks[0]}, two-pass)", ours_gspo(first)),
+                   ("3 bare cuBLAS GEMMs (measured floor)", bare())]
     rows, floor_ms, grad_bytes = run_case("large", *big_shape, big_methods, rate, warmup, max(2, repeats // 2),
                                           with_naive=True)
     table += [(r, floor_ms, grad_bytes) for r in rows]
 
-    print("\n| shape | method | fwd+bwd ms | × 3-GEMM floor | extra peak GiB | beyond grads GiB | rel err vs fp32 naive |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| shape | method | fwd+bwd ms | × 3-GEMM floor | from idle ms | extra peak GiB | beyond grads GiB "
+          "| rel err vs fp32 naive |")
+    print("|---|---|---|---|---|---|---|---|")
     shapes = {"main": main_shape, "large": big_shape}
-    for (label, name, ms, ratio, peak, err), floor_ms, grad_bytes in table:
+    for (label, name, ms, ratio, idle_ms, peak, err), floor_ms, grad_bytes in table:
         B, T, H, V = shapes[label]
         shape = f"B={B} T={T} H={H} V={V} (floor {floor_ms:.1f} ms)"
         if ms is None:
-            print(f"| {shape} | {name} | OOM | | | | |")
+            print(f"| {shape} | {name} | OOM | | | | | |")
             continue
         err_s = "—" if err is None else f"{err:.1e}"
-        print(f"| {shape} | {name} | {ms:.1f} | {ratio:.2f} | {peak / 2**30:.2f} | "
+        print(f"| {shape} | {name} | {ms:.1f} | {ratio:.2f} | {idle_ms:.1f} | {peak / 2**30:.2f} | "
               f"{(peak - grad_bytes) / 2**30:.2f} | {err_s} |")
 
 

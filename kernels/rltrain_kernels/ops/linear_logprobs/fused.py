@@ -11,7 +11,10 @@ registers:
               statistics (the same exact-count form as the row pass: the blocks at the max contribute their 1 as
               an integer count, so log1p(u) stays exact when one logit dominates);
     backward: `_gemm_logits_grad_kernel` turns the block into dlogits in the weight dtype (2 B per logit written,
-              nothing read), which the grad_hidden / grad_weight GEMMs (cuBLAS, chunk.py) then take.
+              nothing read), which the grad_hidden / grad_weight GEMMs (cuBLAS, chunk.py) then take;
+    kept    : for the policy loss (policy_loss/chunk.ShiftedChunkLogits, which knows its loss in the forward and
+              so needs no recompute), the stats kernel also stores y = z − block max in fp16 (STORE_Y, through
+              TMA), and `_shifted_logits_grad_kernel` later turns y into dlogits in place.
 
 So no fp32 logit ever reaches memory: H100, N=8192, V=151936, H=4096 bf16, against cuBLAS + row passes in the
 same run: forward 18.0 → 16.1 ms, forward+backward 68.5 → 58.3 ms (kernels/benchmarks/RESULTS.md, 2026-11-24).
@@ -35,7 +38,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rltrain_kernels.ops.linear_logprobs.chunk import GemmThenRowPass, _balanced_bounds
-from rltrain_kernels.ops.linear_logprobs.kernel import merge_lanes
+from rltrain_kernels.ops.linear_logprobs.kernel import dlogits_of, merge_lanes
 from rltrain_kernels.utils import triton_interpreted
 
 
@@ -53,7 +56,7 @@ def _block_of(tile, num_m, num_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _logits_block(tile, a_desc, b_desc, n_rows, n_cols, hidden_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr):
-    """Block `tile` of the persistent loop: (acc, rows, cols, pid_n) with acc fp32 [BLOCK_M, BLOCK_N] =
+    """Block `tile` of the persistent loop: (acc, rows, cols, pid_m, pid_n) with acc fp32 [BLOCK_M, BLOCK_N] =
     hidden[rows] @ weight[cols].T; TMA fills rows, columns and K past the end with zeros."""
     pid_m, pid_n = _block_of(tile, tl.cdiv(n_rows, BLOCK_M), tl.cdiv(n_cols, BLOCK_N), GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -64,7 +67,7 @@ def _logits_block(tile, a_desc, b_desc, n_rows, n_cols, hidden_size, BLOCK_M: tl
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b.T, acc)
-    return acc, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N), pid_n
+    return acc, pid_m * BLOCK_M + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N), pid_m, pid_n
 
 
 @triton.jit
@@ -76,17 +79,21 @@ def _label_in_block(labels_ptr, rows, row_ok, vocab_start, n_cols):
 
 @triton.jit
 def _gemm_stats_kernel(
-    a_desc, b_desc, labels_ptr, part_ptr, label_z_ptr,
+    a_desc, b_desc, y_desc, y_ptr, stride_y, labels_ptr, part_ptr, label_z_ptr,
     n_rows, n_cols, hidden_size, n_blocks, vocab_start, inv_temp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, WITH_ENTROPY: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
+    STORE_Y: tl.constexpr, Y_TMA: tl.constexpr,
 ):
     """part [3, n_rows, n_blocks] for block j of row r: 0: max z, 1: Σ_{z<max} e^(z−max) + n_max − 1,
-    2: Σ e^(z−max)·(z−max); label_z[r] = z[label] written by the block holding the label."""
+    2: Σ e^(z−max)·(z−max); label_z[r] = z[label] written by the block holding the label. STORE_Y: also the
+    block-shifted logits y = z − max (fp16, `_shifted`) into y [n_rows, n_cols]: Y_TMA through y_desc (blocks
+    of [BLOCK_M, BLOCK_N / 2] with SUBTILE, else [BLOCK_M, BLOCK_N]; TMA drops what lies past the end), else
+    plain masked stores at y_ptr (row stride stride_y)."""
     plane = n_rows.to(tl.int64) * n_blocks
     n_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
     for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=FLATTEN):
-        acc, rows, cols, pid_n = _logits_block(tile, a_desc, b_desc, n_rows, n_cols, hidden_size, BLOCK_M, BLOCK_N,
+        acc, rows, cols, pid_m, pid_n = _logits_block(tile, a_desc, b_desc, n_rows, n_cols, hidden_size, BLOCK_M, BLOCK_N,
                                                BLOCK_K, GROUP_M, UPCAST)
         row_ok = rows < n_rows
         local = _label_in_block(labels_ptr, rows, row_ok, vocab_start, n_cols)
@@ -108,8 +115,16 @@ def _gemm_stats_kernel(
                     + rest1 * a1 + tl.where(max1 == block_max, 0.0, n1 * a1))
             sum_t = a0 * (t0 + d0 * (rest0 + n0)) + a1 * (t1 + d1 * (rest1 + n1))
             y_label = tl.where(local < pid_n * BLOCK_N + BLOCK_N // 2, lab0 + max0, lab1 + max1) - block_max
+            if STORE_Y:
+                _store_y(y_desc, y_ptr, stride_y, acc0, inv_temp, block_max, rows, first, row_ok, n_cols,
+                         pid_m * BLOCK_M, pid_n * BLOCK_N, Y_TMA)
+                _store_y(y_desc, y_ptr, stride_y, acc1, inv_temp, block_max, rows, first + BLOCK_N // 2, row_ok,
+                         n_cols, pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2, Y_TMA)
         else:
             block_max, rest, n_max, sum_t, y_label = _fold_block(acc, cols, n_cols, local, inv_temp)
+            if STORE_Y:
+                _store_y(y_desc, y_ptr, stride_y, acc, inv_temp, block_max, rows, cols, row_ok, n_cols,
+                         pid_m * BLOCK_M, pid_n * BLOCK_N, Y_TMA)
         out = part_ptr + rows.to(tl.int64) * n_blocks + pid_n
         tl.store(out, block_max, mask=row_ok)
         tl.store(out + plane, rest + (n_max - 1.0), mask=row_ok)
@@ -118,6 +133,20 @@ def _gemm_stats_kernel(
         inside = row_ok & (local >= pid_n * BLOCK_N) & (local < pid_n * BLOCK_N + BLOCK_N)
         # z[label] = (z − max) + max: exact when the label holds the max (a dominating label's logprob stays −u)
         tl.store(label_z_ptr + rows, y_label + block_max, mask=inside)
+
+
+@triton.jit
+def _store_y(y_desc, y_ptr, stride_y, acc, inv_temp, block_max, rows, cols, row_ok, n_cols, row0, col0,
+             Y_TMA: tl.constexpr):
+    """Store y = z − (the block's max of z) in fp16 for the block part `acc` (columns `cols`, from col0): ≤ 0,
+    exact at the max, relative rounding 2⁻¹¹ (bf16: 2⁻⁸) where p = e^y·… matters; clamped at −60000 so it stays
+    finite in fp16 (e^y is 0 there either way)."""
+    y = tl.maximum(acc * inv_temp - block_max[:, None], -60000.0).to(tl.float16)
+    if Y_TMA:
+        y_desc.store([row0, col0], y)
+    else:
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :], y,
+                 mask=row_ok[:, None] & (cols < n_cols)[None, :])
 
 
 @triton.jit
@@ -133,7 +162,7 @@ def _fold_block(acc, cols, n_cols, local, inv_temp):
     is_max = y == 0.0
     n_max = tl.sum(is_max.to(tl.float32), axis=1)
     rest = tl.sum(tl.where(is_max, 0.0, e), axis=1)
-    sum_t = tl.sum(tl.where(e > 0.0, e * y, 0.0), axis=1)
+    sum_t = tl.sum(e * tl.where(e > 0.0, y, 0.0), axis=1)   # 0·(−inf) never forms
     return block_max, rest, n_max, sum_t, y_label
 
 
@@ -176,30 +205,66 @@ def _gemm_logits_grad_kernel(
     """out = ∂loss/∂logits in out's dtype (the maths: kernel._logits_grad_kernel, chunk.TorchTiles.logits_grad)."""
     n_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
     for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=FLATTEN):
-        acc, rows, cols, _ = _logits_block(tile, a_desc, b_desc, n_rows, n_cols, hidden_size, BLOCK_M, BLOCK_N,
+        acc, rows, cols, _, _ = _logits_block(tile, a_desc, b_desc, n_rows, n_cols, hidden_size, BLOCK_M, BLOCK_N,
                                            BLOCK_K, GROUP_M, UPCAST)
         row_ok = rows < n_rows
         row_max = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
         log_sum = tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)
         # (z − max) − log Σ: exact near the max (z − lse would carry lse's rounding into every p)
         log_p = (acc * inv_temp - row_max[:, None]) - log_sum[:, None]
-        p = tl.exp(log_p)
-        if HAS_G_LOGPROB:
-            g_lp = tl.load(g_logprob_ptr + rows, mask=row_ok, other=0.0)
-        else:
-            g_lp = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        if HAS_G_ENTROPY:
-            g_ent = tl.load(g_entropy_ptr + rows, mask=row_ok, other=0.0)
-            c0 = g_lp + g_ent * tl.load(entropy_ptr + rows, mask=row_ok, other=0.0)
-            d = -p * (c0[:, None] + g_ent[:, None] * log_p)
-        else:
-            d = -p * g_lp[:, None]
-        if HAS_G_LOGPROB:
-            local = _label_in_block(labels_ptr, rows, row_ok, vocab_start, n_cols)
-            d = tl.where(cols[None, :] == local[:, None], d + g_lp[:, None], d)
-        d = d * inv_temp
+        g_lp, c0, g_ent, local = _row_grad_terms(rows, row_ok, labels_ptr, entropy_ptr, g_logprob_ptr,
+                                                 g_entropy_ptr, vocab_start, n_cols, HAS_G_LOGPROB, HAS_G_ENTROPY)
+        d = dlogits_of(log_p, cols[None, :] == local[:, None], g_lp[:, None], c0[:, None], g_ent[:, None],
+                       inv_temp, HAS_G_LOGPROB, HAS_G_ENTROPY)
         out = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
         tl.store(out, d.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < n_cols)[None, :])
+
+
+@triton.jit
+def _row_grad_terms(rows, row_ok, labels_ptr, entropy_ptr, g_logprob_ptr, g_entropy_ptr, vocab_start, n_cols,
+                    HAS_G_LOGPROB: tl.constexpr, HAS_G_ENTROPY: tl.constexpr):
+    """Per-row (g_lp, c0 = g_lp + g_ent·H, g_ent, label column or −1) for kernel.dlogits_of; 0 where unused."""
+    g_lp = tl.zeros(rows.shape, dtype=tl.float32)
+    g_ent = tl.zeros(rows.shape, dtype=tl.float32)
+    if HAS_G_LOGPROB:
+        g_lp = tl.load(g_logprob_ptr + rows, mask=row_ok, other=0.0)
+    c0 = g_lp
+    if HAS_G_ENTROPY:
+        g_ent = tl.load(g_entropy_ptr + rows, mask=row_ok, other=0.0)
+        c0 = g_lp + g_ent * tl.load(entropy_ptr + rows, mask=row_ok, other=0.0)
+    local = _label_in_block(labels_ptr, rows, row_ok, vocab_start, n_cols)
+    return g_lp, c0, g_ent, local
+
+
+@triton.jit
+def _shifted_logits_grad_kernel(
+    y_ptr, out_ptr, stride_row, block_max_ptr, n_blocks,
+    labels_ptr, row_max_ptr, log_sum_ptr, entropy_ptr, g_logprob_ptr, g_entropy_ptr,
+    n_rows, n_cols, vocab_start, inv_temp,
+    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_G_LOGPROB: tl.constexpr, HAS_G_ENTROPY: tl.constexpr,
+):
+    """out = ∂loss/∂logits from the block-shifted logits y that `_gemm_stats_kernel` kept (STORE_Y): log p =
+    (y + (block max − row max)) − log Σ, the bracket 0 in the blocks holding the row's max. Each program takes
+    BLOCK_R rows × BLOCK_V columns; out (the weight dtype) may be y's memory: each element is read, then written,
+    by the same program."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = rows < n_rows
+    ok = row_ok[:, None] & (cols < n_cols)[None, :]
+    rows64 = rows.to(tl.int64)
+    block_max = tl.load(block_max_ptr + rows64[:, None] * n_blocks + (cols // BLOCK_N)[None, :], mask=ok, other=0.0)
+    row_max = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
+    log_sum = tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)
+    offsets = rows64[:, None] * stride_row + cols[None, :]
+    y = tl.load(y_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+    # masked lanes: log p = 0, finite whatever the row (they are not stored)
+    log_p = tl.where(ok, (y + (block_max - row_max[:, None])) - log_sum[:, None], 0.0)
+    g_lp, c0, g_ent, local = _row_grad_terms(rows, row_ok, labels_ptr, entropy_ptr, g_logprob_ptr, g_entropy_ptr,
+                                             vocab_start, n_cols, HAS_G_LOGPROB, HAS_G_ENTROPY)
+    d = dlogits_of(log_p, cols[None, :] == local[:, None], g_lp[:, None], c0[:, None], g_ent[:, None], inv_temp,
+                   HAS_G_LOGPROB, HAS_G_ENTROPY)
+    tl.store(out_ptr + offsets, d.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -218,11 +283,17 @@ class GemmConfig:
     flatten: bool = True       # tl.range(flatten=): one software pipeline across a program's blocks, so the
                                # next block's loads are in flight during this block's epilogue
     subtile: bool = True       # the forward epilogue in two column halves: 0 spills where the whole block spilled
+    y_tma: bool = True         # kept logits (policy loss): stored through a TMA descriptor, else plain stores
+    grad_rows: int = 4         # `_shifted_logits_grad_kernel`: rows × columns per program, warps
+    grad_cols: int = 256
+    grad_warps: int = 4
 
     @staticmethod
     def default() -> "GemmConfig":
         # the interpreter runs a block as numpy arrays: small blocks keep CI's shapes crossing block edges
-        return GemmConfig(16, 32, 16, 2, 4, 1) if triton_interpreted() else GemmConfig()
+        if triton_interpreted():
+            return GemmConfig(16, 32, 16, 2, 4, 1, grad_cols=64)
+        return GemmConfig()
 
 
 @functools.lru_cache(maxsize=None)
@@ -283,18 +354,65 @@ class FusedTiles(GemmThenRowPass):
                            device=weight.device)
 
     def fold_logits(self, hidden_t, weight_v, workspace, labels, vocab_start, inv_temp, m, u, t, label_z):
+        n_blocks = triton.cdiv(weight_v.shape[0], self.gemm.block_n)
+        part = workspace[: 3 * hidden_t.shape[0] * n_blocks]
+        self._stats(hidden_t, weight_v, part, labels, vocab_start, inv_temp, t is not None, label_z)
+        self._merge(part, n_blocks, m, u, t)
+
+    def _stats(self, hidden_t, weight_v, part, labels, vocab_start, inv_temp, with_entropy, label_z, y=None):
         rows, cols = hidden_t.shape[0], weight_v.shape[0]
         g = self.gemm
-        n_blocks = triton.cdiv(cols, g.block_n)
-        part = workspace[: 3 * rows * n_blocks]
         a_desc, b_desc = self._descriptors(hidden_t, weight_v)
+        y_desc = None if y is None or not g.y_tma else TensorDescriptor.from_tensor(
+            y, [g.block_m, g.block_n // 2 if g.subtile else g.block_n])
         _gemm_stats_kernel[self._grid(rows, cols, hidden_t.device)](
-            a_desc, b_desc, labels, part, label_z, rows, cols, hidden_t.shape[1], n_blocks, vocab_start, inv_temp,
-            BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
-            UPCAST=triton_interpreted(), WITH_ENTROPY=t is not None, FLATTEN=g.flatten, SUBTILE=g.subtile, num_warps=g.num_warps, num_stages=g.num_stages)
+            a_desc, b_desc, y_desc, y, 0 if y is None else y.stride(0), labels, part, label_z, rows, cols,
+            hidden_t.shape[1], triton.cdiv(cols, g.block_n), vocab_start, inv_temp,
+            BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m, UPCAST=triton_interpreted(),
+            WITH_ENTROPY=with_entropy, FLATTEN=g.flatten, SUBTILE=g.subtile, STORE_Y=y is not None, Y_TMA=g.y_tma,
+            num_warps=g.num_warps, num_stages=g.num_stages)
+
+    @staticmethod
+    def _merge(part, n_blocks, m, u, t):
+        rows = m.shape[0]
         _merge_partials_kernel[(rows,)](
             part, rows, n_blocks, m, u, u if t is None else t,
             BLOCK=min(1024, triton.next_power_of_2(n_blocks)), WITH_ENTROPY=t is not None, num_warps=4)
+
+    # -- whole-vocabulary rows kept between the passes (the policy loss: policy_loss/chunk.ShiftedChunkLogits)
+    def row_bytes(self, vocab: int) -> int:
+        """Workspace bytes per row of `shifted_workspace`: fp16 y (row stride padded to 16 B) + the partials."""
+        return 2 * triton.cdiv(vocab, 8) * 8 + 12 * triton.cdiv(vocab, self.gemm.block_n)
+
+    def shifted_workspace(self, rows: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y [rows, vocab] fp16 with a 16 B row stride, TMA's requirement; partials [3·rows·n_blocks] fp32)."""
+        y = torch.empty(rows, triton.cdiv(vocab, 8) * 8, dtype=torch.float16, device=device)[:, :vocab]
+        return y, torch.empty(3 * rows * triton.cdiv(vocab, self.gemm.block_n), dtype=torch.float32, device=device)
+
+    def fold_and_keep(self, hidden_t, weight, y, part, labels, inv_temp, m, u, t, label_z, fold=True):
+        """The statistics of hidden_t @ weight.T (the whole vocabulary) folded into (m, u, t, label_z), as
+        fold_logits; also keeps y = z − block max in y (fp16) and the block maxes in part for
+        `logits_grad_from_kept`. fold=False (a recompute): y and part only."""
+        n_blocks = triton.cdiv(weight.shape[0], self.gemm.block_n)
+        part = part[: 3 * hidden_t.shape[0] * n_blocks]
+        self._stats(hidden_t, weight, part, labels, 0, inv_temp, t is not None, label_z, y=y)
+        if fold:
+            self._merge(part, n_blocks, m, u, t)
+
+    def logits_grad_from_kept(self, y, part, out, labels, inv_temp, row_max, log_sum, entropy, g_logprob,
+                              g_entropy):
+        """out [rows, vocab] (the weight dtype; may be y's memory, y.view(dtype)) = ∂loss/∂logits from what
+        fold_and_keep kept, as TorchTiles.logits_grad."""
+        rows, cols = y.shape
+        assert out.shape == y.shape and out.stride() == y.stride(), "out must share y's layout"
+        g = self.gemm
+        _shifted_logits_grad_kernel[(triton.cdiv(rows, g.grad_rows), triton.cdiv(cols, g.grad_cols))](
+            y, out, y.stride(0), part, triton.cdiv(cols, g.block_n),
+            labels, row_max, log_sum, row_max if entropy is None else entropy,
+            row_max if g_logprob is None else g_logprob, row_max if g_entropy is None else g_entropy,
+            rows, cols, 0, inv_temp, BLOCK_R=g.grad_rows, BLOCK_V=g.grad_cols, BLOCK_N=g.block_n,
+            HAS_G_LOGPROB=g_logprob is not None, HAS_G_ENTROPY=g_entropy is not None, num_warps=g.grad_warps)
+        return out
 
     # -- backward
     def logits_grad_of(self, hidden_t, weight_v, workspace, labels, vocab_start, inv_temp, row_max, log_sum,

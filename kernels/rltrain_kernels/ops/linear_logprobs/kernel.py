@@ -91,8 +91,9 @@ def merge_lanes(lane_m, lane_u, lane_t, m_old, u_old, t_old, WITH_ENTROPY: tl.co
     if WITH_ENTROPY:
         s_old = u_old + 1.0
         lane_s = lane_u + 1.0
-        t = tl.sum(tl.where(lane_s > 0, alpha * (lane_t + shift * lane_s), 0.0), axis=0)
-        t += tl.where(s_old > 0, old_alpha * (t_old + old_shift * s_old), 0.0)
+        # an empty lane (s = 0, shift = −inf) has α = 0 and t = 0: where() keeps 0·(−inf) from forming
+        t = tl.sum(alpha * (lane_t + tl.where(lane_s > 0, shift, 0.0) * lane_s), axis=0)
+        t += old_alpha * (t_old + tl.where(s_old > 0, old_shift, 0.0) * s_old)
     u = tl.sum(lane_u * alpha + tl.where(at_max, 0.0, alpha), axis=0)
     u += u_old * old_alpha + tl.where(old_at_max, 0.0, old_alpha) + (count - 1.0)
     return m_new, u, t
@@ -115,6 +116,8 @@ def _logits_grad_kernel(
         g_lp = tl.load(g_logprob_ptr + row)
     else:
         g_lp = 0.0
+    g_ent = 0.0
+    c0 = 0.0
     if HAS_G_ENTROPY:
         g_ent = tl.load(g_entropy_ptr + row)
         # coef_j = g_lp + g_ent·(log p_j + H), as c0 + g_ent·log p_j
@@ -128,15 +131,22 @@ def _logits_grad_kernel(
         # Masked lanes get log p = 0: finite whatever the row's max (they are not stored).
         z = tl.load(row_ptr + cols, mask=mask, other=0.0) * inv_temp
         log_p = tl.where(mask, (z - row_max) - log_sum, 0.0)
-        p = tl.exp(log_p)
-        if HAS_G_ENTROPY:
-            d = -p * (c0 + g_ent * log_p)
-        else:
-            d = -p * g_lp
-        if HAS_G_LOGPROB:
-            d = tl.where(cols == local, d + g_lp, d)
-        d = d * inv_temp
+        d = dlogits_of(log_p, cols == local, g_lp, c0, g_ent, inv_temp, HAS_G_LOGPROB, HAS_G_ENTROPY)
         tl.store(out_ptr + cols, d.to(dlogits_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def dlogits_of(log_p, is_label, g_lp, c0, g_ent, inv_temp, HAS_G_LOGPROB: tl.constexpr, HAS_G_ENTROPY: tl.constexpr):
+    """∂loss/∂logits from log p: (g_lp·(δ_label − p) − g_ent·p·(log p + H))·inv_temp, with c0 = g_lp + g_ent·H
+    (the per-row scalars broadcast against log_p). Shared by every dlogits kernel (this row pass and fused.py's)."""
+    p = tl.exp(log_p)
+    if HAS_G_ENTROPY:
+        d = -p * (c0 + g_ent * log_p)
+    else:
+        d = -p * g_lp
+    if HAS_G_LOGPROB:
+        d = tl.where(is_label, d + g_lp, d)
+    return d * inv_temp
 
 
 def _launch_config(block_v: int, n_cols: int) -> tuple[int, int]:

@@ -1,19 +1,20 @@
-"""Token-chunked policy loss with the gradients computed in the forward pass; shared by the Triton and torch paths.
+"""Token-chunked policy loss with the gradients computed in the forward pass; shared by every chunked path.
 
 Per chunk of `rows` tokens, over the whole vocabulary at once (README.md has the maths):
 
-    tile  = hidden_c @ weight.T                      GEMM 1 (cuBLAS, fp32 out)          [rows, V] fp32 workspace
-    stats = row pass over tile                       max, Σexp, Σexp·z, label logit  (linear_logprobs' kernel)
+    logits = hidden_c @ weight.T, kept     GEMM 1 + the row statistics  (DenseChunkLogits: cuBLAS fp32 tile, then
+                                           a row pass; ShiftedChunkLogits: the statistics in a Triton GEMM's
+                                           epilogue, which keeps y = z − block max in fp16)
     logp, entropy, log Σ; per-token loss, ∂L/∂logp    O(rows) kernels (kernel.py / TorchLossOps below)
-    tile  → dlogits in place (weight dtype)          row pass (linear_logprobs' kernel)
+    kept logits → dlogits in place (weight dtype)     a row pass
     grad_hidden_c  = dlogits @ weight                GEMM 2 (one full-V reduction: one rounding)
     grad_weight   += dlogits.T @ hidden_c            GEMM 3
 
 Three GEMMs in all, because the loss is known inside the forward. Unlike linear_logprobs' 2-D tiles (which need a
-4th GEMM to recompute logits in the backward), a chunk spans the whole vocabulary, so the workspace is
-rows·V·4 B. The default `rows` keeps that under 640 MiB: 1024 rows at V=151936 (594 MiB), which keeps GEMM 3's
-reduction K=1024 ≥ 2× the ~400 flop/B at which a bf16 GEMM with a bf16 read-modify-write output turns
-bandwidth-bound on H100/H200 (K/2 flop per byte of grad_weight traffic).
+4th GEMM to recompute logits in the backward), a chunk spans the whole vocabulary, so the workspace is rows·V·4 B
+(dense) or ~rows·V·2 B (fused). The default `rows` keeps it under 640 MiB: 1024 rows at V=151936 dense (594 MiB),
+2048 fused (607 MiB); GEMM 3's reduction K = rows then stays ≥ 2× the ~400 flop/B at which a bf16 GEMM with a
+bf16 read-modify-write output turns bandwidth-bound on H100/H200 (K/2 flop per byte of grad_weight traffic).
 
 GSPO (importance_level="sequence") couples every token of a sequence through its ratio, so ∂L/∂logp is known only
 after the whole sequence's logp. When a sequence fits in a chunk (T ≤ rows), chunks are cut at sequence
@@ -51,18 +52,31 @@ class PolicyLossChunkConfig:
         if self.block_v & (self.block_v - 1):
             raise ValueError(f"PolicyLossChunkConfig.block_v must be a power of two, got {self.block_v}")
 
-    def rows(self, vocab: int) -> int:
+    def rows(self, vocab: int, row_bytes: int | None = None) -> int:
+        """Tokens per chunk: token_chunk, else as many whole `align`s as fit workspace_bytes at row_bytes per row
+        (default: the fp32 tile's 4·vocab)."""
         if self.token_chunk is not None:
             return self.token_chunk
-        return max(self.align, self.workspace_bytes // (4 * vocab) // self.align * self.align)
+        per_row = 4 * vocab if row_bytes is None else row_bytes
+        return max(self.align, self.workspace_bytes // per_row // self.align * self.align)
 
 
 DEFAULT_CHUNKS = PolicyLossChunkConfig()
 
 
+def shifted_row_bytes(vocab: int, block_n: int = 256) -> int:
+    """Workspace bytes per token of the fused path (ShiftedChunkLogits): fp16 y with its row stride padded to
+    16 B, plus 12 B of block statistics per block_n columns (fused.GemmConfig.block_n; fused.FusedTiles.row_bytes
+    is the same sum, which this module cannot import: it imports Triton)."""
+    return 2 * -(-vocab // 8) * 8 + 12 * -(-vocab // block_n)
+
+
 def workspace_bytes(n_tokens: int, vocab: int, config: PolicyLossChunkConfig = DEFAULT_CHUNKS) -> int:
-    """Bytes of the logits tile (the only allocation that grows with V), at most rows(V)·V·4 for any n_tokens."""
-    return min(n_tokens, config.rows(vocab)) * vocab * 4
+    """Bytes of the logits workspace (the only allocation that grows with V) on whichever path is larger: the
+    fp32 tile (rows·V·4 B) or the fused path's fp16 y + block statistics (~rows·V·2 B, twice the rows). Without
+    token_chunk both fit config.workspace_bytes, for any n_tokens."""
+    return max(min(n_tokens, config.rows(vocab)) * vocab * 4,
+               min(n_tokens, config.rows(vocab, shifted_row_bytes(vocab))) * shifted_row_bytes(vocab))
 
 
 @dataclass
@@ -197,14 +211,71 @@ def _sequence_bounds(n_seqs: int, seq_len: int, rows: int) -> list[tuple[int, in
     return [(s * seq_len, min(s + per_chunk, n_seqs) * seq_len) for s in range(0, n_seqs, per_chunk)]
 
 
-def _chunk_grads(tile, weight, hidden_c, labels_c, b: LossBuffers, inv_temp, tiles, grad_hidden_c, grad_weight,
-                 first: bool, accumulator) -> None:
-    # dlogits in the weight dtype, written over the fp32 tile (linear_logprobs' in-place layout: row r's half-width
-    # output lies inside row r's fp32 input and each block is written after it is read).
-    dlogits = tile if weight.dtype == torch.float32 else tile.view(weight.dtype)[:, : tile.shape[1]]
-    # keyword arguments into linear_logprobs' row passes: a reordering there fails loudly instead of silently
-    tiles.logits_grad(tile, dlogits, labels=labels_c, vocab_start=0, inv_temp=inv_temp, row_max=b.m,
-                      log_sum=b.log_sum, entropy=b.entropy, g_logprob=b.g_logp, g_entropy=b.g_entropy)
+class DenseChunkLogits:
+    """A chunk's logits as an fp32 [rows, V] tile from cuBLAS (CPU: upcast operands), then `tiles`' row passes
+    over it (linear_logprobs' TorchTiles / kernel.TritonTiles): the statistics pass reads the tile, the dlogits
+    pass reads it again and writes dlogits over it in the weight dtype. 4 B per logit of workspace."""
+
+    def __init__(self, tiles):
+        self.tiles = tiles
+
+    def row_bytes(self, vocab: int) -> int:
+        return 4 * vocab
+
+    def workspace(self, rows: int, vocab: int, device):
+        return torch.empty(rows * vocab, dtype=torch.float32, device=device)
+
+    def logits(self, workspace, hidden_c, weight, labels_c, c: "LossBuffers", inv_temp, fold: bool):
+        """GEMM 1 for the chunk; fold=True also folds the row statistics into c (m, u, t, label_z). Returns what
+        `dlogits` takes."""
+        rows, v = hidden_c.shape[0], weight.shape[0]
+        tile = workspace[: rows * v].view(rows, v)
+        mm_fp32(hidden_c, weight.t(), out=tile)
+        if fold:
+            self.tiles.fold_stats(tile, labels=labels_c, vocab_start=0, inv_temp=inv_temp, m=c.m, u=c.u, t=c.t,
+                                  label_z=c.label_z)
+        return tile
+
+    def dlogits(self, tile, weight, labels_c, c: "LossBuffers", inv_temp):
+        # written over the fp32 tile (linear_logprobs' in-place layout: row r's half-width output lies inside row
+        # r's fp32 input and each block is written after it is read)
+        dlogits = tile if weight.dtype == torch.float32 else tile.view(weight.dtype)[:, : tile.shape[1]]
+        # keyword arguments into linear_logprobs' row passes: a reordering there fails loudly instead of silently
+        self.tiles.logits_grad(tile, dlogits, labels=labels_c, vocab_start=0, inv_temp=inv_temp, row_max=c.m,
+                               log_sum=c.log_sum, entropy=c.entropy, g_logprob=c.g_logp, g_entropy=c.g_entropy)
+        return dlogits
+
+
+class ShiftedChunkLogits:
+    """A chunk's logits through linear_logprobs' fused GEMM (fused.FusedTiles: Triton, bf16/fp16 on sm_90+), whose
+    epilogue folds the row statistics and keeps y = z − (its block's max) in fp16; the dlogits pass reads y and
+    the block maxes and writes dlogits over y. ~2 B per logit of workspace (so twice the rows of the dense tile
+    in the same bytes) and no statistics pass over memory: GEMM 1 ends with the statistics known."""
+
+    def __init__(self, fused_tiles):
+        self.fused = fused_tiles
+
+    def row_bytes(self, vocab: int) -> int:
+        return self.fused.row_bytes(vocab)
+
+    def workspace(self, rows: int, vocab: int, device):
+        return self.fused.shifted_workspace(rows, vocab, device)
+
+    def logits(self, workspace, hidden_c, weight, labels_c, c: "LossBuffers", inv_temp, fold: bool):
+        y, part = workspace
+        y = y[: hidden_c.shape[0]]
+        self.fused.fold_and_keep(hidden_c, weight, y, part, labels_c, inv_temp, c.m, c.u, c.t, c.label_z, fold=fold)
+        return y, part
+
+    def dlogits(self, kept, weight, labels_c, c: "LossBuffers", inv_temp):
+        y, part = kept
+        return self.fused.logits_grad_from_kept(y, part, y.view(weight.dtype), labels_c, inv_temp, row_max=c.m,
+                                                log_sum=c.log_sum, entropy=c.entropy, g_logprob=c.g_logp,
+                                                g_entropy=c.g_entropy)
+
+
+def _chunk_grads(dlogits, weight, hidden_c, grad_hidden_c, grad_weight, first: bool, accumulator) -> None:
+    """GEMMs 2 and 3 of a chunk: grad_hidden_c = dlogits @ weight, grad_weight (+)= dlogits.T @ hidden_c."""
     if grad_hidden_c is not None:
         if accumulator is None:     # fp32 inputs
             torch.mm(dlogits, weight, out=grad_hidden_c)
@@ -217,13 +288,14 @@ def _chunk_grads(tile, weight, hidden_c, labels_c, b: LossBuffers, inv_temp, til
         torch.addmm(grad_weight, dlogits.t(), hidden_c, beta=0.0 if first else 1.0, out=grad_weight)
 
 
-def policy_loss_chunks(hidden, weight, labels, b: LossBuffers, seq_len: int, opts: PolicyLossOptions, tiles,
+def policy_loss_chunks(hidden, weight, labels, b: LossBuffers, seq_len: int, opts: PolicyLossOptions, chunk_logits,
                        loss_ops, config: PolicyLossChunkConfig, need_grad_hidden: bool, need_grad_weight: bool):
-    """hidden [N, H], weight [V, H], labels [N] int64, b: LossBuffers over N = n_seqs·seq_len tokens. Fills b
-    and returns (grad_hidden [N, H] or None, grad_weight [V, H] or None) of loss = Σ b.contrib."""
+    """hidden [N, H], weight [V, H], labels [N] int64, b: LossBuffers over N = n_seqs·seq_len tokens;
+    chunk_logits: DenseChunkLogits or ShiftedChunkLogits. Fills b and returns (grad_hidden [N, H] or None,
+    grad_weight [V, H] or None) of loss = Σ b.contrib."""
     n, v = hidden.shape[0], weight.shape[0]
     inv_temp = 1.0 / opts.temperature
-    rows = config.rows(v)
+    rows = config.rows(v, chunk_logits.row_bytes(v))
     sequence = opts.importance_level == "sequence"
     one_pass = not sequence or seq_len <= rows
     if sequence and one_pass:
@@ -238,36 +310,32 @@ def policy_loss_chunks(hidden, weight, labels, b: LossBuffers, seq_len: int, opt
                 g.zero_()
         return grad_hidden, grad_weight
     grads = need_grad_hidden or need_grad_weight
-    max_rows = max(r1 - r0 for r0, r1 in bounds)
-    workspace = torch.empty(max_rows * v, dtype=torch.float32, device=hidden.device)
+    workspace = chunk_logits.workspace(max(r1 - r0 for r0, r1 in bounds), v, hidden.device)
     half = need_grad_hidden and hidden.dtype != torch.float32
+    max_rows = max(r1 - r0 for r0, r1 in bounds)
     accumulator = torch.empty(max_rows * hidden.shape[1], dtype=torch.float32, device=hidden.device) if half else None
 
-    def logits_tile(r0, r1):
-        tile = workspace[: (r1 - r0) * v].view(r1 - r0, v)
-        mm_fp32(hidden[r0:r1], weight.t(), out=tile)
-        return tile
-
-    def grads_of(i, r0, r1, tile):
-        _chunk_grads(tile, weight, hidden[r0:r1], labels[r0:r1], b.rows(r0, r1), inv_temp, tiles,
-                     None if grad_hidden is None else grad_hidden[r0:r1], grad_weight, first=i == 0,
-                     accumulator=accumulator)
+    def grads_of(i, r0, r1, kept):
+        c = b.rows(r0, r1)
+        dlogits = chunk_logits.dlogits(kept, weight, labels[r0:r1], c, inv_temp)
+        _chunk_grads(dlogits, weight, hidden[r0:r1], None if grad_hidden is None else grad_hidden[r0:r1],
+                     grad_weight, first=i == 0, accumulator=accumulator)
 
     for i, (r0, r1) in enumerate(bounds):
-        tile = logits_tile(r0, r1)
         c = b.rows(r0, r1)
-        tiles.fold_stats(tile, labels=labels[r0:r1], vocab_start=0, inv_temp=inv_temp, m=c.m, u=c.u, t=c.t,
-                         label_z=c.label_z)
+        kept = chunk_logits.logits(workspace, hidden[r0:r1], weight, labels[r0:r1], c, inv_temp, fold=True)
         loss_ops.finalize(c)
         if one_pass:
             loss_ops.loss(c, opts, seq_len if sequence else None)
             if grads:
-                grads_of(i, r0, r1, tile)
+                grads_of(i, r0, r1, kept)
     if not one_pass:   # GSPO with sequences longer than a chunk: ratios need every logp first
         loss_ops.loss(b, opts, seq_len)
         if grads:
             for i, (r0, r1) in enumerate(bounds):
-                grads_of(i, r0, r1, logits_tile(r0, r1))
+                kept = chunk_logits.logits(workspace, hidden[r0:r1], weight, labels[r0:r1], b.rows(r0, r1),
+                                           inv_temp, fold=False)
+                grads_of(i, r0, r1, kept)
     return grad_hidden, grad_weight
 
 

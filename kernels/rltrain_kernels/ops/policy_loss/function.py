@@ -6,42 +6,58 @@ from __future__ import annotations
 import torch
 
 from rltrain_kernels.ops.policy_loss.chunk import (
-    DEFAULT_CHUNKS, LossBuffers, PolicyLossChunkConfig, TorchLossOps, aggregation_weights, loss_and_metrics,
-    policy_loss_chunks,
+    DEFAULT_CHUNKS, DenseChunkLogits, LossBuffers, PolicyLossChunkConfig, ShiftedChunkLogits, TorchLossOps,
+    aggregation_weights, loss_and_metrics, policy_loss_chunks,
 )
 from rltrain_kernels.ops.policy_loss.options import (
     PolicyLossOptions, PolicyLossOutput, check_inputs, check_label_range, metrics_dict,
 )
 from rltrain_kernels.ops.policy_loss.reference import reference_policy_loss
 
-IMPLS = ("auto", "triton", "torch", "reference")
+IMPLS = ("auto", "fused", "triton", "torch", "reference")
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # impl="auto" off CUDA: dense reference up to this many logits (fp32 logits + log-softmax + probs ≈ 12 B each:
 # 48 MiB), chunked torch beyond.
 _REFERENCE_MAX_LOGITS = 1 << 22
 
 
-def _backends(impl: str, device: torch.device, config: PolicyLossChunkConfig):
+def _backends(impl: str, hidden2d: torch.Tensor, weight: torch.Tensor, config: PolicyLossChunkConfig):
+    """(chunk logits, loss ops) of a chunked path: "fused" (linear_logprobs' Triton GEMM with the statistics in its
+    epilogue), "triton" (cuBLAS + Triton row passes) or "torch". Triton is imported here, not at package import."""
     from rltrain_kernels.ops.linear_logprobs.chunk import TorchTiles
 
     if impl == "torch":
-        return TorchTiles(), TorchLossOps()
-    # lazy: triton is imported here, not when rltrain_kernels is imported
+        return DenseChunkLogits(TorchTiles()), TorchLossOps()
+    from rltrain_kernels.ops.linear_logprobs import fused
     from rltrain_kernels.ops.linear_logprobs.kernel import TritonTiles, check_runnable
     from rltrain_kernels.ops.policy_loss.kernel import TritonLossOps
 
-    check_runnable(device)
-    return TritonTiles(config.block_v), TritonLossOps()
+    check_runnable(hidden2d.device)
+    if impl == "triton":
+        return DenseChunkLogits(TritonTiles(config.block_v)), TritonLossOps()
+    if hidden2d.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"impl='fused' takes bfloat16 or float16 hidden/weight (its tensor-core GEMM would run "
+                         f"{hidden2d.dtype} as tf32); got {hidden2d.dtype}: use impl='auto' or 'triton'")
+    if hidden2d.is_cuda and torch.cuda.get_device_capability(hidden2d.device)[0] < 9:
+        raise ValueError("impl='fused' needs TMA (an sm_90+ GPU such as H100/H200); use impl='auto' or 'triton'")
+    if not fused.tma_ready(hidden2d, weight):
+        raise ValueError(f"impl='fused' needs hidden and weight rows 16-byte aligned with unit inner stride "
+                         f"(hidden size {hidden2d.shape[-1]} must be a multiple of 8); use impl='auto' or 'triton'")
+    return ShiftedChunkLogits(fused.FusedTiles()), TritonLossOps()
 
 
-def _resolve_impl(impl: str, hidden: torch.Tensor, vocab: int) -> str:
+def _resolve_impl(impl: str, hidden: torch.Tensor, weight: torch.Tensor) -> str:
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {', '.join(repr(i) for i in IMPLS)}")
+    vocab = weight.shape[0]
     if impl == "auto":
         if hidden.dtype not in _FUSED_DTYPES:
             return "reference"
         if hidden.is_cuda:
-            return "triton"
+            from rltrain_kernels.ops.linear_logprobs import fused
+
+            hidden2d = hidden.reshape(-1, hidden.shape[-1])
+            return "fused" if fused.supports(hidden2d, weight) else "triton"
         return "reference" if hidden.shape[0] * hidden.shape[1] * vocab <= _REFERENCE_MAX_LOGITS else "torch"
     if impl != "reference" and hidden.dtype not in _FUSED_DTYPES:
         raise TypeError(f"impl={impl!r} takes bfloat16, float16 or float32 hidden/weight, got {hidden.dtype}; "
@@ -50,13 +66,13 @@ def _resolve_impl(impl: str, hidden: torch.Tensor, vocab: int) -> str:
 
 
 class FusedPolicyLossFunction(torch.autograd.Function):
-    """apply(hidden [N, H], weight [V, H], labels [N], buffers, seq_len, opts, tiles, loss_ops, config)
+    """apply(hidden [N, H], weight [V, H], labels [N], buffers, seq_len, opts, chunk_logits, loss_ops, config)
     → (loss, logprobs [N], entropy [N], metrics [4]); only loss is differentiable."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, buffers, seq_len, opts, tiles, loss_ops, config):
+    def forward(ctx, hidden, weight, labels, buffers, seq_len, opts, chunk_logits, loss_ops, config):
         grad_hidden, grad_weight = policy_loss_chunks(
-            hidden, weight, labels, buffers, seq_len, opts, tiles, loss_ops, config,
+            hidden, weight, labels, buffers, seq_len, opts, chunk_logits, loss_ops, config,
             need_grad_hidden=ctx.needs_input_grad[0], need_grad_weight=ctx.needs_input_grad[1])
         loss, metrics = loss_and_metrics(buffers)
         ctx.grads = [grad_hidden, grad_weight]
@@ -96,9 +112,12 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
         hidden: [B, T, H] bf16/fp16/fp32 (float64: reference path). weight: [V, H] (the LM head), same dtype.
         labels: [B, T] integer token ids (anything where mask == 0). mask: [B, T] bool or 0/1.
         advantages: [B] or [B, T]. old_logprobs, ref_logprobs: [B, T] (ref only needed when kl_coef != 0).
-        impl: "auto" (Triton on CUDA; off CUDA the dense reference up to 4M logits, chunked torch beyond),
-            "triton" (CPU tensors need TRITON_INTERPRET=1), "torch" (chunked) or "reference" (dense).
-        chunk_config: tokens per chunk (bounds the rows·V·4 B workspace), see PolicyLossChunkConfig.
+        impl: "auto" (on CUDA "fused" for bf16/fp16 on sm_90+, else "triton"; off CUDA the dense reference up
+            to 4M logits, chunked torch beyond), "fused" (Triton GEMM with the row statistics in its epilogue,
+            fp16 shifted logits kept for the gradient pass), "triton" (cuBLAS + Triton row passes over an fp32
+            tile; CPU tensors need TRITON_INTERPRET=1 for both), "torch" (chunked) or "reference" (dense).
+        chunk_config: tokens per chunk (bounds the workspace: rows·V·4 B, ~rows·V·2 B fused), see
+            PolicyLossChunkConfig.
 
     Definitions (m = mask; masked tokens contribute nothing and get logp = entropy = 0):
         logp = log_softmax(h·Wᵀ / temperature)[label], entropy = −Σ p log p, ratio = exp(logp − old).
@@ -125,13 +144,11 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs, opts)
     if chunk_config is not None and not isinstance(chunk_config, PolicyLossChunkConfig):
         raise TypeError(f"chunk_config must be a PolicyLossChunkConfig, got {type(chunk_config).__name__}")
-    impl = _resolve_impl(impl, hidden, weight.shape[0])
+    impl = _resolve_impl(impl, hidden, weight)
     if impl == "reference":
         return reference_policy_loss(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs,
                                      **{k: getattr(opts, k) for k in opts.__dataclass_fields__})
     config = chunk_config or DEFAULT_CHUNKS
-    tiles, loss_ops = _backends(impl, hidden.device, config)
-
     B, T, H = hidden.shape
     valid = mask != 0
     check_label_range(labels, valid, weight.shape[0])
@@ -148,8 +165,9 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     hidden2d = hidden.reshape(B * T, H)
     if hidden2d.stride(-1) != 1 or hidden2d.stride(0) != H:
         hidden2d = hidden2d.contiguous()
+    chunk_logits, loss_ops = _backends(impl, hidden2d, weight, config)
     labels1d = labels.reshape(-1).to(torch.int64).contiguous()
-    args = (hidden2d, weight, labels1d, buffers, T, opts, tiles, loss_ops, config)
+    args = (hidden2d, weight, labels1d, buffers, T, opts, chunk_logits, loss_ops, config)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         loss, logp, entropy, metrics = FusedPolicyLossFunction.apply(*args)
     else:
