@@ -391,7 +391,7 @@ class FusedTiles(GemmThenRowPass):
 
     def fold_and_keep(self, hidden_t, weight, y, part, labels, inv_temp, m, u, t, label_z, fold=True):
         """The statistics of hidden_t @ weight.T (the whole vocabulary) folded into (m, u, t, label_z), as
-        fold_logits; also keeps y = z − block max in y (fp16) and the block maxes in part for
+        fold_logits; also keeps y = z − block max in y (fp16; None: not kept) and the block maxes in part for
         `logits_grad_from_kept`. fold=False (a recompute): y and part only."""
         n_blocks = triton.cdiv(weight.shape[0], self.gemm.block_n)
         part = part[: 3 * hidden_t.shape[0] * n_blocks]

@@ -225,9 +225,10 @@ class DenseChunkLogits:
     def workspace(self, rows: int, vocab: int, device):
         return torch.empty(rows * vocab, dtype=torch.float32, device=device)
 
-    def logits(self, workspace, hidden_c, weight, labels_c, c: "LossBuffers", inv_temp, fold: bool):
+    def logits(self, workspace, hidden_c, weight, labels_c, c: "LossBuffers", inv_temp, fold: bool,
+               keep: bool = True):
         """GEMM 1 for the chunk; fold=True also folds the row statistics into c (m, u, t, label_z). Returns what
-        `dlogits` takes."""
+        `dlogits` takes (keep=False: the caller will not take the gradient from it; the tile is kept anyway)."""
         rows, v = hidden_c.shape[0], weight.shape[0]
         tile = workspace[: rows * v].view(rows, v)
         mm_fp32(hidden_c, weight.t(), out=tile)
@@ -261,10 +262,13 @@ class ShiftedChunkLogits:
     def workspace(self, rows: int, vocab: int, device):
         return self.fused.shifted_workspace(rows, vocab, device)
 
-    def logits(self, workspace, hidden_c, weight, labels_c, c: "LossBuffers", inv_temp, fold: bool):
+    def logits(self, workspace, hidden_c, weight, labels_c, c: "LossBuffers", inv_temp, fold: bool,
+               keep: bool = True):
+        """keep=False (statistics only: no gradient pass follows, or GSPO's first pass) skips storing y."""
         y, part = workspace
         y = y[: hidden_c.shape[0]]
-        self.fused.fold_and_keep(hidden_c, weight, y, part, labels_c, inv_temp, c.m, c.u, c.t, c.label_z, fold=fold)
+        self.fused.fold_and_keep(hidden_c, weight, y if keep else None, part, labels_c, inv_temp, c.m, c.u, c.t,
+                                 c.label_z, fold=fold)
         return y, part
 
     def dlogits(self, kept, weight, labels_c, c: "LossBuffers", inv_temp):
@@ -323,7 +327,8 @@ def policy_loss_chunks(hidden, weight, labels, b: LossBuffers, seq_len: int, opt
 
     for i, (r0, r1) in enumerate(bounds):
         c = b.rows(r0, r1)
-        kept = chunk_logits.logits(workspace, hidden[r0:r1], weight, labels[r0:r1], c, inv_temp, fold=True)
+        kept = chunk_logits.logits(workspace, hidden[r0:r1], weight, labels[r0:r1], c, inv_temp, fold=True,
+                                   keep=one_pass and grads)
         loss_ops.finalize(c)
         if one_pass:
             loss_ops.loss(c, opts, seq_len if sequence else None)
