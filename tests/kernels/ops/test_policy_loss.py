@@ -383,7 +383,7 @@ def test_fused_kept_logits_variants(subtile, y_tma, device, monkeypatch):
 def test_fused_input_errors(device):
     """impl='fused' says why it cannot run, naming the alternative."""
     inputs = make_inputs(device=device)
-    with pytest.raises(ValueError, match="impl='fused' takes bfloat16 or float16 hidden/weight"):
+    with pytest.raises(ValueError, match="impl='fused' takes bfloat16 or float16 inputs"):
         fused_policy_loss(**inputs, impl="fused")
     inputs = make_inputs(H=36, dtype=torch.bfloat16, device=device)
     with pytest.raises(ValueError, match=r"hidden size 36 must be a multiple of 8\); use impl='auto' or 'triton'"):

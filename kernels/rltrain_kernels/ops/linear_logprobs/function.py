@@ -32,14 +32,7 @@ def _tiles(impl: str, hidden: torch.Tensor, weight: torch.Tensor, config: ChunkC
         return kernel.TritonTiles(config.block_v)
     from rltrain_kernels.ops.linear_logprobs import fused
 
-    if hidden.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"impl='fused' takes bfloat16 or float16 inputs (its tensor-core GEMM would run "
-                         f"{hidden.dtype} as tf32); got {hidden.dtype}: use impl='auto' or 'triton'")
-    if hidden.is_cuda and torch.cuda.get_device_capability(hidden.device)[0] < 9:
-        raise ValueError("impl='fused' needs TMA (an sm_90+ GPU such as H100/H200); use impl='auto' or 'triton'")
-    if not fused.tma_ready(hidden, weight):
-        raise ValueError(f"impl='fused' needs hidden and weight rows 16-byte aligned with unit inner stride "
-                         f"(hidden size {hidden.shape[-1]} must be a multiple of 8); use impl='auto' or 'triton'")
+    fused.check_runnable(hidden, weight)
     return fused.FusedTiles()
 
 

@@ -318,6 +318,18 @@ def supports(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(hidden.device)[0] >= 9 and tma_ready(hidden, weight))
 
 
+def check_runnable(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """Why an explicit impl="fused" cannot run on these 2-D operands (a ValueError naming the way out), if so."""
+    if hidden.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"impl='fused' takes bfloat16 or float16 inputs (its tensor-core GEMM would run "
+                         f"{hidden.dtype} as tf32); got {hidden.dtype}: use impl='auto' or 'triton'")
+    if hidden.is_cuda and torch.cuda.get_device_capability(hidden.device)[0] < 9:
+        raise ValueError("impl='fused' needs TMA (an sm_90+ GPU such as H100/H200); use impl='auto' or 'triton'")
+    if not tma_ready(hidden, weight):
+        raise ValueError(f"impl='fused' needs hidden and weight rows 16-byte aligned with unit inner stride "
+                         f"(hidden size {hidden.shape[-1]} must be a multiple of 8); use impl='auto' or 'triton'")
+
+
 class FusedTiles(GemmThenRowPass):
     """Tile backend whose GEMMs carry the row passes (see the module docstring).
 

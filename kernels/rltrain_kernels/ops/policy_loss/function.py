@@ -35,14 +35,7 @@ def _backends(impl: str, hidden2d: torch.Tensor, weight: torch.Tensor, config: P
     check_runnable(hidden2d.device)
     if impl == "triton":
         return DenseChunkLogits(TritonTiles(config.block_v)), TritonLossOps()
-    if hidden2d.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"impl='fused' takes bfloat16 or float16 hidden/weight (its tensor-core GEMM would run "
-                         f"{hidden2d.dtype} as tf32); got {hidden2d.dtype}: use impl='auto' or 'triton'")
-    if hidden2d.is_cuda and torch.cuda.get_device_capability(hidden2d.device)[0] < 9:
-        raise ValueError("impl='fused' needs TMA (an sm_90+ GPU such as H100/H200); use impl='auto' or 'triton'")
-    if not fused.tma_ready(hidden2d, weight):
-        raise ValueError(f"impl='fused' needs hidden and weight rows 16-byte aligned with unit inner stride "
-                         f"(hidden size {hidden2d.shape[-1]} must be a multiple of 8); use impl='auto' or 'triton'")
+    fused.check_runnable(hidden2d, weight)
     return ShiftedChunkLogits(fused.FusedTiles()), TritonLossOps()
 
 
