@@ -227,7 +227,8 @@ def tune(n, vocab, hidden_size, rate, iters):
     bare_runs.append(bare_ms())
     bare_fwd, bare_both = (statistics.mean(b[i] for b in bare_runs) for i in (0, 1))
     print(f"\nN={n}; bare cuBLAS: fwd {bare_fwd:.2f} ms ({bare_runs[0][0]:.2f} before, {bare_runs[1][0]:.2f} after), "
-          f"fwd+bwd {bare_both:.2f} ms ({bare_runs[0][1]:.2f}, {bare_runs[1][1]:.2f}); computed 1-GEMM floor {floor1:.2f} ms")
+          f"fwd+bwd {bare_both:.2f} ms ({bare_runs[0][1]:.2f}, {bare_runs[1][1]:.2f}); "
+          f"computed 1-GEMM floor {floor1:.2f} ms")
     print("\n| token_chunk | vocab_chunk | block_v | fwd ms | fwd / floor | fwd / bare | fwd+bwd ms "
           "| fwd+bwd / floor | fwd+bwd / bare | extra peak GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")

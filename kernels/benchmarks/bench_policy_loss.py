@@ -12,8 +12,9 @@ advantages [B], temperature 1. Inputs are fresh random tensors (never zeros): lo
 row masked as prompt/padding, old/ref logprobs = the true logp + N(0, 0.1²).
 
 Per method: forward+backward median time (CUDA events, after warm-up; the grads are reset each step), queued
-behind GPU work as inside a training step and from an idle GPU (timing.py), extra peak memory beyond the inputs (it includes grad_hidden and grad_weight, which every method produces) and the part of it
-beyond those two gradients; the ratio to the 3-GEMM floor, 3·2·N·H·V flops at the bf16 GEMM rate measured in the
+behind GPU work as inside a training step and from an idle GPU (timing.py); extra peak memory beyond the inputs
+(it includes grad_hidden and grad_weight, which every method produces) and the part of it beyond those two
+gradients; the ratio of the queued time to the 3-GEMM floor, 3·2·N·H·V flops at the bf16 GEMM rate measured in the
 same run on an 8192³ matmul. Correctness vs naive is checked first (loss, grad_hidden, grad_weight). A markdown
 table is printed last.
 """

@@ -313,7 +313,8 @@ ERROR_CASES = [   # (id, changed arguments, expected message)
     ("kl_type", dict(kl_type="k4"), r"unknown kl_type 'k4'; expected one of 'k1', 'k2', 'k3'"),
     ("importance_level", dict(importance_level="seq"),
      r"unknown importance_level 'seq'; expected one of 'token', 'sequence'"),
-    ("impl", dict(impl="cuda"), r"unknown impl 'cuda'; expected one of 'auto', 'fused', 'triton', 'torch', 'reference'"),
+    ("impl", dict(impl="cuda"),
+     r"unknown impl 'cuda'; expected one of 'auto', 'fused', 'triton', 'torch', 'reference'"),
     ("dual_clip", dict(dual_clip=1.0), r"dual_clip must be > 1"),
     ("clip_low", dict(clip_low=1.0), r"clip_low must be in \[0, 1\)"),
     ("clip_high", dict(clip_high=-0.1), r"clip_high must be >= 0"),
@@ -421,21 +422,20 @@ def test_gpu_auto_picks_fused_for_half_inputs(device):
     """impl="auto" on an sm_90+ GPU: fused for bf16/fp16 (the same numbers as impl="fused"), cuBLAS + row passes
     for fp32 and for operands TMA cannot address."""
     from rltrain_kernels.ops.policy_loss.chunk import DenseChunkLogits, ShiftedChunkLogits
-    from rltrain_kernels.ops.policy_loss.function import _backends, _resolve_impl
+    from rltrain_kernels.ops.policy_loss.function import _backends
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the fused path needs sm_90+")
     inputs = make_inputs(B=2, T=300, H=256, V=32000, dtype=torch.bfloat16, device=device)
-    hidden, weight = inputs["hidden"], inputs["weight"]
-    assert _resolve_impl("auto", hidden, weight) == "fused"
-    assert isinstance(_backends("fused", hidden.reshape(-1, 256), weight, PolicyLossChunkConfig())[0],
-                      ShiftedChunkLogits)
-    assert _resolve_impl("auto", hidden.float(), weight.float()) == "triton"
-    odd = torch.randn(2, 3, 36, device=device, dtype=torch.bfloat16), torch.randn(100, 36, device=device,
-                                                                                  dtype=torch.bfloat16)
-    assert _resolve_impl("auto", *odd) == "triton"   # 72 B rows: TMA needs 16 B aligned ones
-    assert isinstance(_backends("triton", hidden.reshape(-1, 256), weight, PolicyLossChunkConfig())[0],
-                      DenseChunkLogits)
+    hidden, weight = inputs["hidden"].reshape(-1, 256), inputs["weight"]
+
+    def chunk_logits(h, w):
+        return type(_backends("auto", h, w, PolicyLossChunkConfig())[0])
+
+    assert chunk_logits(hidden, weight) is ShiftedChunkLogits
+    assert chunk_logits(hidden.float(), weight.float()) is DenseChunkLogits
+    odd = [torch.randn(n, 36, device=device, dtype=torch.bfloat16) for n in (6, 100)]
+    assert chunk_logits(*odd) is DenseChunkLogits   # 72 B rows: TMA needs 16 B aligned ones
     auto, fused = run(inputs, "auto", kl_coef=0.1), run(inputs, "fused", kl_coef=0.1)
     assert auto[0].loss.item() == fused[0].loss.item()
     assert torch.equal(auto[1], fused[1]) and torch.equal(auto[2], fused[2])

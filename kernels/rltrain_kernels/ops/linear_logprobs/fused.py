@@ -87,14 +87,14 @@ def _gemm_stats_kernel(
 ):
     """part [3, n_rows, n_blocks] for block j of row r: 0: max z, 1: Σ_{z<max} e^(z−max) + n_max − 1,
     2: Σ e^(z−max)·(z−max); label_z[r] = z[label] written by the block holding the label. STORE_Y: also the
-    block-shifted logits y = z − max (fp16, `_shifted`) into y [n_rows, n_cols]: Y_TMA through y_desc (blocks
+    block-shifted logits y = z − max (fp16, `_store_y`) into y [n_rows, n_cols]: Y_TMA through y_desc (blocks
     of [BLOCK_M, BLOCK_N / 2] with SUBTILE, else [BLOCK_M, BLOCK_N]; TMA drops what lies past the end), else
     plain masked stores at y_ptr (row stride stride_y)."""
     plane = n_rows.to(tl.int64) * n_blocks
     n_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
     for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=FLATTEN):
-        acc, rows, cols, pid_m, pid_n = _logits_block(tile, a_desc, b_desc, n_rows, n_cols, hidden_size, BLOCK_M, BLOCK_N,
-                                               BLOCK_K, GROUP_M, UPCAST)
+        acc, rows, cols, pid_m, pid_n = _logits_block(tile, a_desc, b_desc, n_rows, n_cols, hidden_size, BLOCK_M,
+                                                      BLOCK_N, BLOCK_K, GROUP_M, UPCAST)
         row_ok = rows < n_rows
         local = _label_in_block(labels_ptr, rows, row_ok, vocab_start, n_cols)
         if SUBTILE:
@@ -206,7 +206,7 @@ def _gemm_logits_grad_kernel(
     n_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
     for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=FLATTEN):
         acc, rows, cols, _, _ = _logits_block(tile, a_desc, b_desc, n_rows, n_cols, hidden_size, BLOCK_M, BLOCK_N,
-                                           BLOCK_K, GROUP_M, UPCAST)
+                                              BLOCK_K, GROUP_M, UPCAST)
         row_ok = rows < n_rows
         row_max = tl.load(row_max_ptr + rows, mask=row_ok, other=0.0)
         log_sum = tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)

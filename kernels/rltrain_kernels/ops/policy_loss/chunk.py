@@ -314,9 +314,9 @@ def policy_loss_chunks(hidden, weight, labels, b: LossBuffers, seq_len: int, opt
                 g.zero_()
         return grad_hidden, grad_weight
     grads = need_grad_hidden or need_grad_weight
-    workspace = chunk_logits.workspace(max(r1 - r0 for r0, r1 in bounds), v, hidden.device)
-    half = need_grad_hidden and hidden.dtype != torch.float32
     max_rows = max(r1 - r0 for r0, r1 in bounds)
+    workspace = chunk_logits.workspace(max_rows, v, hidden.device)
+    half = need_grad_hidden and hidden.dtype != torch.float32
     accumulator = torch.empty(max_rows * hidden.shape[1], dtype=torch.float32, device=hidden.device) if half else None
 
     def grads_of(i, r0, r1, kept):

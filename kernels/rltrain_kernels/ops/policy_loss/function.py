@@ -23,7 +23,8 @@ _REFERENCE_MAX_LOGITS = 1 << 22
 
 def _backends(impl: str, hidden2d: torch.Tensor, weight: torch.Tensor, config: PolicyLossChunkConfig):
     """(chunk logits, loss ops) of a chunked path: "fused" (linear_logprobs' Triton GEMM with the statistics in its
-    epilogue), "triton" (cuBLAS + Triton row passes) or "torch". Triton is imported here, not at package import."""
+    epilogue), "triton" (cuBLAS + Triton row passes), "auto" (on CUDA: fused where it can run, else triton) or
+    "torch". Triton is imported here, not at package import."""
     from rltrain_kernels.ops.linear_logprobs.chunk import TorchTiles
 
     if impl == "torch":
@@ -33,24 +34,23 @@ def _backends(impl: str, hidden2d: torch.Tensor, weight: torch.Tensor, config: P
     from rltrain_kernels.ops.policy_loss.kernel import TritonLossOps
 
     check_runnable(hidden2d.device)
+    if impl == "auto":
+        impl = "fused" if fused.supports(hidden2d, weight) else "triton"
     if impl == "triton":
         return DenseChunkLogits(TritonTiles(config.block_v)), TritonLossOps()
     fused.check_runnable(hidden2d, weight)
     return ShiftedChunkLogits(fused.FusedTiles()), TritonLossOps()
 
 
-def _resolve_impl(impl: str, hidden: torch.Tensor, weight: torch.Tensor) -> str:
+def _resolve_impl(impl: str, hidden: torch.Tensor, vocab: int) -> str:
+    """The path; "auto" on CUDA stays "auto" for `_backends`, which picks fused or triton from the 2-D operands."""
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {', '.join(repr(i) for i in IMPLS)}")
-    vocab = weight.shape[0]
     if impl == "auto":
         if hidden.dtype not in _FUSED_DTYPES:
             return "reference"
         if hidden.is_cuda:
-            from rltrain_kernels.ops.linear_logprobs import fused
-
-            hidden2d = hidden.reshape(-1, hidden.shape[-1])
-            return "fused" if fused.supports(hidden2d, weight) else "triton"
+            return "auto"
         return "reference" if hidden.shape[0] * hidden.shape[1] * vocab <= _REFERENCE_MAX_LOGITS else "torch"
     if impl != "reference" and hidden.dtype not in _FUSED_DTYPES:
         raise TypeError(f"impl={impl!r} takes bfloat16, float16 or float32 hidden/weight, got {hidden.dtype}; "
@@ -137,7 +137,7 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs, opts)
     if chunk_config is not None and not isinstance(chunk_config, PolicyLossChunkConfig):
         raise TypeError(f"chunk_config must be a PolicyLossChunkConfig, got {type(chunk_config).__name__}")
-    impl = _resolve_impl(impl, hidden, weight)
+    impl = _resolve_impl(impl, hidden, weight.shape[0])
     if impl == "reference":
         return reference_policy_loss(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs,
                                      **{k: getattr(opts, k) for k in opts.__dataclass_fields__})
