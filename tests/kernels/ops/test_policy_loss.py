@@ -18,7 +18,7 @@ import torch
 from rltrain_kernels.ops.policy_loss import (
     LOSS_AGGS, PolicyLossChunkConfig, fused_policy_loss, reference_policy_loss, workspace_bytes,
 )
-from rltrain_kernels.ops.policy_loss.chunk import shifted_row_bytes
+from rltrain_kernels.ops.linear_logprobs.chunk import shifted_row_bytes
 from tests.helpers import REL_THRESHOLD, assert_rel_close, case_id, dtype_id, rel_error
 
 IMPLS = ["torch", "triton", "fused"]

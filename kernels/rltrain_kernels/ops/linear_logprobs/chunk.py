@@ -53,6 +53,9 @@ class ChunkConfig:
 
 
 DEFAULT_CHUNKS = ChunkConfig()
+# The fused path's (fused.py) column block, fused.GemmConfig.block_n's default: here, where the workspace bounds
+# are computed without importing Triton.
+FUSED_BLOCK_N = 256
 
 
 def _balanced_bounds(total: int, limit: int, align: int) -> list[tuple[int, int]]:
@@ -65,18 +68,26 @@ def _balanced_bounds(total: int, limit: int, align: int) -> list[tuple[int, int]
     return [(start, min(start + size, total)) for start in range(0, total, size)]
 
 
+def shifted_row_bytes(vocab: int, block_n: int = FUSED_BLOCK_N) -> int:
+    """Workspace bytes per row of fused.FusedTiles.shifted_workspace (the policy loss' kept logits,
+    policy_loss/chunk.ShiftedChunkLogits): fp16 y with its row stride padded to 16 B, plus 12 B of block
+    statistics per block_n columns (fused.py passes its GemmConfig's)."""
+    return 2 * -(-vocab // 8) * 8 + 12 * -(-vocab // block_n)
+
+
 def workspace_bytes(n_tokens: int, vocab: int, hidden_size: int, dtype: torch.dtype,
                     config: ChunkConfig = DEFAULT_CHUNKS, backward: bool = True) -> int:
     """Bytes of scratch the CUDA paths allocate beyond inputs, outputs, gradients and O(N) row statistics: the
     larger of the cuBLAS path's fp32 tile and the fused path's half dlogits tile (≤ 2·vocab_chunk columns of whole
-    256-column blocks) or stats partials, plus the fp32 grad_hidden accumulator. Bounded by
+    FUSED_BLOCK_N-column blocks) or stats partials, plus the fp32 grad_hidden accumulator. Bounded by
     config.token_chunk · (config.vocab_chunk + hidden_size) · 4 for every n_tokens."""
     rows = max((b - a for a, b in _balanced_bounds(n_tokens, config.token_chunk, config.align)), default=0)
     cols = max((b - a for a, b in _balanced_bounds(vocab, config.vocab_chunk, config.align)), default=0)
     tile = rows * cols * 4
-    if dtype != torch.float32:   # the fused path (fused.py, 256-column blocks)
-        blocks = -(-vocab // 256)
-        dlogits_cols = min(max(256, 2 * config.vocab_chunk // 256 * 256), blocks * 256)
+    if dtype != torch.float32:   # the fused path (fused.py)
+        block_n = FUSED_BLOCK_N
+        blocks = -(-vocab // block_n)
+        dlogits_cols = min(max(block_n, 2 * config.vocab_chunk // block_n * block_n), blocks * block_n)
         partials = 3 * rows * min(blocks, max(1, config.vocab_chunk // 3)) * 4
         tile = max(tile, rows * dlogits_cols * 2 if backward else 0, partials)
     accumulator = rows * hidden_size * 4 if backward and dtype != torch.float32 else 0

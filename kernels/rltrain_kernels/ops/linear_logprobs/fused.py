@@ -37,7 +37,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from rltrain_kernels.ops.linear_logprobs.chunk import GemmThenRowPass, _balanced_bounds
+from rltrain_kernels.ops.linear_logprobs.chunk import (
+    FUSED_BLOCK_N, GemmThenRowPass, _balanced_bounds, shifted_row_bytes,
+)
 from rltrain_kernels.ops.linear_logprobs.kernel import dlogits_of, merge_lanes
 from rltrain_kernels.utils import triton_interpreted
 
@@ -275,7 +277,7 @@ class GemmConfig:
     11% slower; the flattened loop took the forward from 1.30 to 1.17× the floor."""
 
     block_m: int = 128
-    block_n: int = 256
+    block_n: int = FUSED_BLOCK_N
     block_k: int = 64
     group_m: int = 16
     num_warps: int = 8
@@ -394,7 +396,7 @@ class FusedTiles(GemmThenRowPass):
     # -- whole-vocabulary rows kept between the passes (the policy loss: policy_loss/chunk.ShiftedChunkLogits)
     def row_bytes(self, vocab: int) -> int:
         """Workspace bytes per row of `shifted_workspace`: fp16 y (row stride padded to 16 B) + the partials."""
-        return 2 * triton.cdiv(vocab, 8) * 8 + 12 * triton.cdiv(vocab, self.gemm.block_n)
+        return shifted_row_bytes(vocab, self.gemm.block_n)
 
     def shifted_workspace(self, rows: int, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(y [rows, vocab] fp16 with a 16 B row stride, TMA's requirement; partials [3·rows·n_blocks] fp32)."""

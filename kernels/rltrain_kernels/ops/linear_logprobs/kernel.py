@@ -51,9 +51,10 @@ def _fold_stats_kernel(
         e = tl.exp(d)
         s = lane_u + 1.0
         if WITH_ENTROPY:
-            # where() before each product: 0·(−inf) never forms
-            lane_t = tl.where(grow, tl.where(s > 0, e * (lane_t + d * s), 0.0),
-                              lane_t + tl.where(e > 0, e * d, 0.0))
+            # d is −inf exactly where e = 0 (an empty lane growing, a masked column): zeroed there before any
+            # product, so 0·(−inf) never forms (both where() branches are computed)
+            d_safe = tl.where(e > 0, d, 0.0)
+            lane_t = tl.where(grow, e * (lane_t + d_safe * s), lane_t + e * d_safe)
         lane_u = tl.where(grow, s * e, lane_u + e)
         lane_m = tl.maximum(lane_m, z)
     t_old = 0.0

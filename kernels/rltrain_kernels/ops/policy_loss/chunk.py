@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from rltrain_kernels.ops.linear_logprobs.chunk import _balanced_bounds, mm_fp32
+from rltrain_kernels.ops.linear_logprobs.chunk import _balanced_bounds, mm_fp32, shifted_row_bytes
 from rltrain_kernels.ops.policy_loss.options import PolicyLossOptions
 
 
@@ -62,13 +62,6 @@ class PolicyLossChunkConfig:
 
 
 DEFAULT_CHUNKS = PolicyLossChunkConfig()
-
-
-def shifted_row_bytes(vocab: int, block_n: int = 256) -> int:
-    """Workspace bytes per token of the fused path (ShiftedChunkLogits): fp16 y with its row stride padded to
-    16 B, plus 12 B of block statistics per block_n columns (fused.GemmConfig.block_n; fused.FusedTiles.row_bytes
-    is the same sum, which this module cannot import: it imports Triton)."""
-    return 2 * -(-vocab // 8) * 8 + 12 * -(-vocab // block_n)
 
 
 def workspace_bytes(n_tokens: int, vocab: int, config: PolicyLossChunkConfig = DEFAULT_CHUNKS) -> int:
