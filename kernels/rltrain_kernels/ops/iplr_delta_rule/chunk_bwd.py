@@ -36,13 +36,10 @@ BWD_BV = {"query": 64, "key": 64}
 
 
 @triton.jit
-def iplr_bwd_query_kernel(
-    q, k, b, x, v, h, do, y, dq, da, cu_seqlens, chunk_indices, chunk_offsets, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    """dq = scale (dO Sᵀ + (dO Xᵀ ⊙ M) B + (dO Vᵀ ⊙ M) K),  da = Y Sᵀ + strict(Y Xᵀ) B + strict(Y Vᵀ) K."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+def _chunk_rows(cu_seqlens, chunk_indices, chunk_offsets, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """This program's chunk: (i_hc, its index among the chunk states; o_i, row in the chunk; o_t, token; m_t; o_k;
+    m_k). The same decoding for both kernels below."""
+    i_c = tl.program_id(0)
     i_n = tl.load(chunk_indices + i_c * 2)
     i_t = tl.load(chunk_indices + i_c * 2 + 1)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -50,25 +47,44 @@ def iplr_bwd_query_kernel(
     i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
     o_i, o_k = tl.arange(0, BT), tl.arange(0, BK)
     o_t = bos + i_t * BT + o_i
-    m_t = o_t < eos
-    m_k = o_k < K
+    return i_hc, o_i, o_t, o_t < eos, o_k, o_k < K
+
+
+@triton.jit
+def _value_step(state, x, v, do, y, i_v, i_h, i_hc, o_t, m_t, o_k, m_k, H: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, BV: tl.constexpr):
+    """Step i_v of a kernel's V loop: the chunk-start state's (query side: S; key side: dS') [BK, BV] tile and the
+    [BT, BV] tiles of X, V, dO and Y, loaded as stored, with their offsets p_v and mask m_tv (for dv's store)."""
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_tv = m_t[:, None] & m_v[None, :]
+    p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
+    b_state = tl.load(state + (i_hc * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                      mask=m_k[:, None] & m_v[None, :], other=0.0)
+    b_x = tl.load(x + p_v, mask=m_tv, other=0.0)
+    b_v = tl.load(v + p_v, mask=m_tv, other=0.0)
+    b_do = tl.load(do + p_v, mask=m_tv, other=0.0)
+    b_y = tl.load(y + p_v, mask=m_tv, other=0.0)
+    return b_state, b_x, b_v, b_do, b_y, p_v, m_tv
+
+
+@triton.jit
+def iplr_bwd_query_kernel(
+    q, k, b, x, v, h, do, y, dq, da, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """dq = scale (dO Sᵀ + (dO Xᵀ ⊙ M) B + (dO Vᵀ ⊙ M) K),  da = Y Sᵀ + strict(Y Xᵀ) B + strict(Y Vᵀ) K."""
+    i_h = tl.program_id(1)
+    i_hc, o_i, o_t, m_t, o_k, m_k = _chunk_rows(cu_seqlens, chunk_indices, chunk_offsets, K, BT, BK)
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)   # dO Sᵀ
     b_da = tl.zeros([BT, BK], dtype=tl.float32)   # Y Sᵀ
     b_dOX = tl.zeros([BT, BT], dtype=tl.float32)  # dO Xᵀ
     b_dOV = tl.zeros([BT, BT], dtype=tl.float32)  # dO Vᵀ
     b_YX = tl.zeros([BT, BT], dtype=tl.float32)   # Y Xᵀ
     b_YV = tl.zeros([BT, BT], dtype=tl.float32)   # Y Vᵀ
-    p_state = (i_hc * H + i_h) * K * V + o_k[:, None] * V
     for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
-        b_h = tl.load(h + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_x = tl.load(x + p_v, mask=m_tv, other=0.0)
-        b_v = tl.load(v + p_v, mask=m_tv, other=0.0)
-        b_do = tl.load(do + p_v, mask=m_tv, other=0.0)
-        b_y = tl.load(y + p_v, mask=m_tv, other=0.0)
+        b_h, b_x, b_v, b_do, b_y, _, _ = _value_step(h, x, v, do, y, i_v, i_h, i_hc, o_t, m_t, o_k, m_k, H, K, V, BV)
         b_dq = mma(b_do, tl.trans(b_h), b_dq, DOT_PREC)
         b_da = mma(b_y, tl.trans(b_h), b_da, DOT_PREC)
         b_dOX = mma(b_do, tl.trans(b_x), b_dOX, DOT_PREC)
@@ -97,16 +113,8 @@ def iplr_bwd_key_kernel(
 ):
     """db = X dS'ᵀ + scale (X dOᵀ ⊙ Mᵀ) Q + strictᵀ(X Yᵀ) A,  dk = V dS'ᵀ + scale (V dOᵀ ⊙ Mᵀ) Q + strictᵀ(V Yᵀ) A,
     dv = K dS' + scale (K Qᵀ ⊙ Mᵀ) dO + strictᵀ(K Aᵀ) Y  (Mᵀ, strictᵀ: the masks j ≥ i, j > i of the [i, j] tiles)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_t = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
-    o_i, o_k = tl.arange(0, BT), tl.arange(0, BK)
-    o_t = bos + i_t * BT + o_i
-    m_t = o_t < eos
-    m_k = o_k < K
+    i_h = tl.program_id(1)
+    i_hc, o_i, o_t, m_t, o_k, m_k = _chunk_rows(cu_seqlens, chunk_indices, chunk_offsets, K, BT, BK)
     m_tk = m_t[:, None] & m_k[None, :]
     p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
     b_q = tl.load(q + p_k, mask=m_tk, other=0.0)
@@ -122,17 +130,9 @@ def iplr_bwd_key_kernel(
     b_VdO = tl.zeros([BT, BT], dtype=tl.float32)  # V dOᵀ
     b_XY = tl.zeros([BT, BT], dtype=tl.float32)   # X Yᵀ
     b_VY = tl.zeros([BT, BT], dtype=tl.float32)   # V Yᵀ
-    p_state = (i_hc * H + i_h) * K * V + o_k[:, None] * V
     for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_v = (o_t[:, None] * H + i_h) * V + o_v[None, :]
-        b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_x = tl.load(x + p_v, mask=m_tv, other=0.0)
-        b_v = tl.load(v + p_v, mask=m_tv, other=0.0)
-        b_do = tl.load(do + p_v, mask=m_tv, other=0.0)
-        b_y = tl.load(y + p_v, mask=m_tv, other=0.0)
+        b_dh, b_x, b_v, b_do, b_y, p_v, m_tv = _value_step(dh, x, v, do, y, i_v, i_h, i_hc, o_t, m_t, o_k, m_k, H,
+                                                           K, V, BV)
         b_db = mma(b_x, tl.trans(b_dh), b_db, DOT_PREC)
         b_dk = mma(b_v, tl.trans(b_dh), b_dk, DOT_PREC)
         b_XdO = mma(b_x, tl.trans(b_do), b_XdO, DOT_PREC)
