@@ -7,17 +7,26 @@
 #   RLTRAIN_VLLM_TESTS=0 bash scripts/test.sh ...   # skip the vLLM stage
 #
 # On a machine with a CUDA GPU the same suite runs the Triton kernels natively and the @pytest.mark.gpu tests too.
+#
+# When the first stage fails, its failed tests (with the seeds that replay them) and its counts are printed again
+# at the very end, after the vLLM stage's output: a log's tail then says what failed.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$root/scripts/setup_env.sh"
 cd "$root"
+main_log=$(mktemp)
+trap 'rm -f "$main_log"' EXIT
 status=0
-"${RLTRAIN_VENV:-$root/.venv}/bin/python" -m pytest "$@" || status=$?
+"${RLTRAIN_VENV:-$root/.venv}/bin/python" -m pytest "$@" 2>&1 | tee "$main_log" || status=$?
 if [ "${RLTRAIN_VLLM_TESTS:-1}" != 0 ]; then
     bash "$root/scripts/setup_vllm_env.sh"
     vllm_status=0
     "${RLTRAIN_VLLM_VENV:-$root/.venv-vllm}/bin/python" -m pytest "$@" -m vllm || vllm_status=$?
     [ "$vllm_status" -eq 5 ] && vllm_status=0   # pytest's "no tests collected": the selection held no vLLM test
+    if [ "$status" -ne 0 ]; then
+        echo "== scripts/test.sh: the first stage (.venv) failed with exit $status; its failures again:"
+        grep -E "^(FAILED|ERROR) |RLTRAIN_TEST_SEED=|^=+ .*[0-9]+ (passed|failed|error)" "$main_log" | tail -60 || true
+    fi
     [ "$status" -ne 0 ] || status=$vllm_status
 fi
 exit "$status"
