@@ -119,9 +119,9 @@ def gemm_rate(size=8192, k=8192) -> float:
     return 2 * (2 * size) * k * size / (ms * 1e-3)
 
 
-def measure(fn, hidden, weight, labels, iters):
+def measure(fn, hidden, weight, labels, iters, idle=True):
     """(forward ms, forward+backward ms, extra peak bytes of forward+backward, forward+backward ms from idle);
-    the times queued behind GPU work (timing.py), the last from an idle GPU."""
+    the times queued behind GPU work (timing.py), the last from an idle GPU (None with idle=False)."""
     with torch.no_grad():
         fwd_ms = median_ms(lambda: fn(hidden, weight, labels), iters=iters)
     h = hidden.detach().requires_grad_()
@@ -136,7 +136,7 @@ def measure(fn, hidden, weight, labels, iters):
         return outs
 
     both_ms = median_ms(fwd_bwd, iters=iters)
-    idle_ms = median_ms(fwd_bwd, warmup=0, iters=max(3, iters // 2), queued=False)
+    idle_ms = median_ms(fwd_bwd, warmup=0, iters=max(3, iters // 2), queued=False) if idle else None
     h.grad = w.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -213,14 +213,14 @@ def tune(n, vocab, hidden_size, rate, iters):
     floor_fn = bare(bare_gemms(recompute=True))
 
     def bare_ms():
-        fwd, both, _, _ = measure(floor_fn, hidden, weight, labels, iters)
+        fwd, both, _, _ = measure(floor_fn, hidden, weight, labels, iters, idle=False)
         return fwd, both
 
     bare_runs = [bare_ms()]
     rows = []
     for overrides in TUNE_CONFIGS:
         config = ChunkConfig(**overrides)
-        fwd_ms, both_ms, extra, _ = measure(ours(True, config), hidden, weight, labels, iters)
+        fwd_ms, both_ms, extra, _ = measure(ours(True, config), hidden, weight, labels, iters, idle=False)
         rows.append((config, fwd_ms, both_ms, extra))
         print(f"{config}: fwd {fwd_ms:.2f} ms, fwd+bwd {both_ms:.2f} ms, extra {extra / GiB:.3f} GiB", flush=True)
         torch.cuda.empty_cache()
@@ -254,20 +254,20 @@ def tune_fused(n, vocab, hidden_size, rate, iters):
     floor1 = 2 * n * hidden_size * vocab / rate * 1e3
     floor_fn = bare(bare_gemms(recompute=True))
     shipped = fused.GemmConfig.default
-    bare_runs = [measure(floor_fn, hidden, weight, labels, iters)[:2]]
+    bare_runs = [measure(floor_fn, hidden, weight, labels, iters, idle=False)[:2]]
     rows = []
     try:
         for overrides in FUSED_CONFIGS:
             config = replace(shipped(), **overrides)
             fused.GemmConfig.default = staticmethod(lambda config=config: config)
-            fwd_ms, both_ms, extra, _ = measure(ours(True, impl="fused"), hidden, weight, labels, iters)
-            lp_only_ms = measure(ours(False, impl="fused"), hidden, weight, labels, iters)[0]
+            fwd_ms, both_ms, extra, _ = measure(ours(True, impl="fused"), hidden, weight, labels, iters, idle=False)
+            lp_only_ms = measure(ours(False, impl="fused"), hidden, weight, labels, iters, idle=False)[0]
             rows.append((overrides, fwd_ms, lp_only_ms, both_ms, extra))
             print(f"{overrides or 'default'}: fwd {fwd_ms:.2f} ms (logprob only {lp_only_ms:.2f}), "
                   f"fwd+bwd {both_ms:.2f} ms", flush=True)
     finally:
         fused.GemmConfig.default = shipped
-    bare_runs.append(measure(floor_fn, hidden, weight, labels, iters)[:2])
+    bare_runs.append(measure(floor_fn, hidden, weight, labels, iters, idle=False)[:2])
     bare_fwd, bare_both = (statistics.mean(b[i] for b in bare_runs) for i in (0, 1))
     print(f"\nN={n}; bare cuBLAS: fwd {bare_fwd:.2f} ms, fwd+bwd {bare_both:.2f} ms "
           f"(before/after: {bare_runs}); computed 1-GEMM floor {floor1:.2f} ms")

@@ -35,8 +35,8 @@ class ChunkConfig:
 
     Defaults: ≤ 2048 × 16384 × 4 B = 128 MiB tile (119 MiB at V=151936) + 32 MiB accumulator at H=4096, under
     the 0.3 GiB goal with room for cuBLAS' workspace. 2048 rows keep the grad_weight GEMM's K large (see module
-    docstring) and make the grad_hidden GEMM 16×16 output tiles of 128×256 (1.9 waves on 132 SMs); 16384 columns split V=151936 into
-    10 balanced chunks of 15232 (no ragged tail).
+    docstring) and make the grad_hidden GEMM 16×16 output tiles of 128×256 (1.9 waves on 132 SMs); 16384 columns
+    split V=151936 into 10 balanced chunks of 15232 (no ragged tail).
     """
 
     token_chunk: int = 2048
@@ -170,11 +170,18 @@ class GemmThenRowPass:
         rows, cols = hidden_t.shape[0], weight_v.shape[0]
         tile = workspace[: rows * cols].view(rows, cols)
         mm_fp32(hidden_t, weight_v.t(), out=tile)
-        # written in place: row r's half-width output lies inside row r's fp32 input and the row pass writes
-        # block j only after reading blocks ≤ j, so no extra buffer is needed
-        dlogits = tile if weight_v.dtype == torch.float32 else tile.view(weight_v.dtype)[:, :cols]
-        self.logits_grad(tile, dlogits, labels, vocab_start, inv_temp, row_max, log_sum, entropy, g_logprob,
-                         g_entropy)
+        return self.logits_grad_in_place(tile, weight_v.dtype, labels, vocab_start, inv_temp, row_max, log_sum,
+                                         entropy, g_logprob, g_entropy)
+
+    def logits_grad_in_place(self, tile, dtype, labels, vocab_start, inv_temp, row_max, log_sum, entropy, g_logprob,
+                             g_entropy) -> torch.Tensor:
+        """The fp32 logits tile → dlogits in `dtype`, written over it (a view of the tile's memory): row r's
+        half-width output lies inside row r's fp32 input and the row pass writes block j only after reading
+        blocks ≤ j, so no extra buffer is needed."""
+        dlogits = tile if dtype == torch.float32 else tile.view(dtype)[:, : tile.shape[1]]
+        # keyword arguments into the row passes: a reordering there fails loudly instead of silently
+        self.logits_grad(tile, dlogits, labels=labels, vocab_start=vocab_start, inv_temp=inv_temp, row_max=row_max,
+                         log_sum=log_sum, entropy=entropy, g_logprob=g_logprob, g_entropy=g_entropy)
         return dlogits
 
 

@@ -228,13 +228,14 @@ def _row_grad_terms(rows, row_ok, labels_ptr, entropy_ptr, g_logprob_ptr, g_entr
     """Per-row (g_lp, c0 = g_lp + g_ent·H, g_ent, label column or −1) for kernel.dlogits_of; 0 where unused."""
     g_lp = tl.zeros(rows.shape, dtype=tl.float32)
     g_ent = tl.zeros(rows.shape, dtype=tl.float32)
+    local = tl.full(rows.shape, -1, tl.int32)
     if HAS_G_LOGPROB:
         g_lp = tl.load(g_logprob_ptr + rows, mask=row_ok, other=0.0)
+        local = _label_in_block(labels_ptr, rows, row_ok, vocab_start, n_cols)
     c0 = g_lp
     if HAS_G_ENTROPY:
         g_ent = tl.load(g_entropy_ptr + rows, mask=row_ok, other=0.0)
         c0 = g_lp + g_ent * tl.load(entropy_ptr + rows, mask=row_ok, other=0.0)
-    local = _label_in_block(labels_ptr, rows, row_ok, vocab_start, n_cols)
     return g_lp, c0, g_ent, local
 
 
@@ -314,22 +315,29 @@ def tma_ready(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _unsupported(hidden: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why this path cannot run on these 2-D operands (None: it can; CPU tensors count as the interpreter's)."""
+    if hidden.dtype not in (torch.bfloat16, torch.float16):
+        return (f"impl='fused' takes bfloat16 or float16 inputs (its tensor-core GEMM would run {hidden.dtype} as "
+                f"tf32); got {hidden.dtype}")
+    if hidden.is_cuda and torch.cuda.get_device_capability(hidden.device)[0] < 9:
+        return "impl='fused' needs TMA (an sm_90+ GPU such as H100/H200)"
+    if not tma_ready(hidden, weight):
+        return (f"impl='fused' needs hidden and weight rows 16-byte aligned with unit inner stride (hidden size "
+                f"{hidden.shape[-1]} must be a multiple of 8)")
+    return None
+
+
 def supports(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether impl="auto" takes this path: bf16/fp16 on a CUDA GPU with TMA (sm_90+), addressable operands."""
-    return (hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
-            and torch.cuda.get_device_capability(hidden.device)[0] >= 9 and tma_ready(hidden, weight))
+    """Whether impl="auto" takes this path: a CUDA GPU and operands `check_runnable` accepts."""
+    return hidden.is_cuda and _unsupported(hidden, weight) is None
 
 
 def check_runnable(hidden: torch.Tensor, weight: torch.Tensor) -> None:
-    """Why an explicit impl="fused" cannot run on these 2-D operands (a ValueError naming the way out), if so."""
-    if hidden.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"impl='fused' takes bfloat16 or float16 inputs (its tensor-core GEMM would run "
-                         f"{hidden.dtype} as tf32); got {hidden.dtype}: use impl='auto' or 'triton'")
-    if hidden.is_cuda and torch.cuda.get_device_capability(hidden.device)[0] < 9:
-        raise ValueError("impl='fused' needs TMA (an sm_90+ GPU such as H100/H200); use impl='auto' or 'triton'")
-    if not tma_ready(hidden, weight):
-        raise ValueError(f"impl='fused' needs hidden and weight rows 16-byte aligned with unit inner stride "
-                         f"(hidden size {hidden.shape[-1]} must be a multiple of 8); use impl='auto' or 'triton'")
+    """For an explicit impl="fused": a ValueError saying why it cannot run, and the way out, if it cannot."""
+    reason = _unsupported(hidden, weight)
+    if reason is not None:
+        raise ValueError(f"{reason}; use impl='auto' or 'triton'")
 
 
 class FusedTiles(GemmThenRowPass):

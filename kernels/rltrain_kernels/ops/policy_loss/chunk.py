@@ -231,13 +231,8 @@ class DenseChunkLogits:
         return tile
 
     def dlogits(self, tile, weight, labels_c, c: "LossBuffers", inv_temp):
-        # written over the fp32 tile (linear_logprobs' in-place layout: row r's half-width output lies inside row
-        # r's fp32 input and each block is written after it is read)
-        dlogits = tile if weight.dtype == torch.float32 else tile.view(weight.dtype)[:, : tile.shape[1]]
-        # keyword arguments into linear_logprobs' row passes: a reordering there fails loudly instead of silently
-        self.tiles.logits_grad(tile, dlogits, labels=labels_c, vocab_start=0, inv_temp=inv_temp, row_max=c.m,
-                               log_sum=c.log_sum, entropy=c.entropy, g_logprob=c.g_logp, g_entropy=c.g_entropy)
-        return dlogits
+        return self.tiles.logits_grad_in_place(tile, weight.dtype, labels_c, 0, inv_temp, c.m, c.log_sum, c.entropy,
+                                               c.g_logp, c.g_entropy)
 
 
 class ShiftedChunkLogits:
