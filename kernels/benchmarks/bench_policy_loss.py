@@ -178,20 +178,24 @@ def bare():
 
 
 def profile_ours(B, T, H, V, config):
-    """Per-kernel time of one forward+backward of ours: where the time over the 3-GEMM floor goes."""
+    """Per-kernel time of one forward+backward of ours and of the 3 bare GEMMs, queued behind GPU work (timing.py)
+    and ours also from idle: where the time over the 3-GEMM floor goes, kernels vs the GPU's idle gaps."""
     from kernel_profile import print_kernel_times
 
     inputs = make_inputs(B, T, H, V)
     inputs["hidden"].requires_grad_()
     inputs["weight"].requires_grad_()
     rows = "auto" if config is None else config.token_chunk
-    print_kernel_times(f"ours B={B} T={T} rows={rows}", lambda: fwd_bwd(ours(config), inputs))
+    print_kernel_times(f"ours B={B} T={T} rows={rows}", lambda: fwd_bwd(ours(config), inputs), top=12, queued=True,
+                       timeline=48)
+    print_kernel_times(f"ours B={B} T={T} rows={rows}", lambda: fwd_bwd(ours(config), inputs), top=6)
+    print_kernel_times(f"3 bare cuBLAS GEMMs B={B} T={T}", lambda: fwd_bwd(bare(), inputs), queued=True)
 
 
-# GemmConfig overrides timed by --tune-fused (the shipped config first): how GEMM 1 stores the kept logits, and the
-# dlogits pass's program shape (rows × columns, warps)
-FUSED_CONFIGS = [dict(), dict(y_tma=False), dict(grad_rows=8, grad_warps=8), dict(grad_rows=2, grad_cols=512),
-                 dict(grad_rows=1, grad_cols=1024), dict(grad_rows=16, grad_cols=128, grad_warps=8)]
+# GemmConfig overrides timed by --tune-fused (the shipped config first): GEMM 1's pipeline depth and K block, its
+# block order. (How it stores the kept logits and the dlogits pass' program shape all timed within 1% of each
+# other: RESULTS.md, 2026-11-24 fourth session.) Each fits sm_90's 227 KiB of shared memory with the y staging.
+FUSED_CONFIGS = [dict(), dict(num_stages=4), dict(block_k=128, num_stages=2), dict(group_m=8)]
 
 
 def tune_fused(B, T, H, V, warmup, repeats):

@@ -12,39 +12,49 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def kernel_times(step, warmup: int = 2) -> tuple[dict[str, float], list[tuple[float, str, str]]]:
+def kernel_times(step, warmup: int = 2, queued: bool = False, timeline: int = 0
+                 ) -> tuple[dict[str, float], list[tuple[float, str, str]]]:
     """({kernel name (first 70 chars): milliseconds}, the idle gaps between consecutive GPU activities as
-    (ms, activity before, activity after), largest first) for one call of `step`, after `warmup` calls."""
+    (ms, activity before, activity after), largest first) for one call of `step`, after `warmup` calls.
+    queued: the call is queued behind timing.py's spin kernel (left out of both), so its host set-up overlaps GPU
+    work as inside a training step and the gaps are the GPU's own idle time. timeline: print the first that many
+    activities (start offset, duration, name)."""
+    from timing import SPIN_CYCLES
+
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        if queued:
+            torch.cuda._sleep(SPIN_CYCLES)
         step()
         torch.cuda.synchronize()
     totals: dict[str, float] = {}
     spans, slow_host = [], []
     for event in prof.events():
-        if event.device_type.name == "CUDA":
+        if event.device_type.name == "CUDA" and "spin_kernel" not in event.name:
             key = event.name[:70]
             totals[key] = totals.get(key, 0.0) + event.device_time / 1e3
             spans.append((event.time_range.start, event.time_range.end, key))
         elif event.cpu_time_total > 300 and not event.cpu_children:   # leaf host calls over 0.3 ms
             slow_host.append((event.cpu_time_total / 1e3, event.name[:70]))
     spans.sort()
+    for start, end, name in spans[:timeline]:
+        print(f"  {(start - spans[0][0]) / 1e3:9.3f} ms +{(end - start) / 1e3:7.3f}  {name[:60]}")
     gaps = [((b[0] - a[1]) / 1e3, a[2], b[2]) for a, b in zip(spans, spans[1:]) if b[0] > a[1]]
     for ms, name in sorted(slow_host, reverse=True)[:5]:
         print(f"  host call {ms:.3f} ms: {name}")
     return totals, sorted(gaps, reverse=True)
 
 
-def print_kernel_times(label: str, step, top: int = 10) -> None:
-    totals, gaps = kernel_times(step)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    step()
-    end.record()
-    end.synchronize()
-    print(f"\nprofile {label}: wall {start.elapsed_time(end):.2f} ms, kernels {sum(totals.values()):.2f} ms")
+def print_kernel_times(label: str, step, top: int = 10, queued: bool = False, timeline: int = 0) -> None:
+    """kernel_times of one call, its wall time (timing.py, queued or from idle as the profile), the `top` kernels
+    and the largest idle gaps."""
+    from timing import time_ms
+
+    totals, gaps = kernel_times(step, queued=queued, timeline=timeline)
+    wall = time_ms(step, queued)
+    print(f"\nprofile {label}{' (queued)' if queued else ''}: wall {wall:.2f} ms, kernels {sum(totals.values()):.2f} ms")
     for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {ms:8.2f} ms  {name}")
     print(f"  idle between GPU activities: {sum(g[0] for g in gaps):.2f} ms in {len(gaps)} gaps; largest:")

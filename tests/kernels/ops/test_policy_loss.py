@@ -351,6 +351,43 @@ def test_input_errors(change, message, impl):
         fused_policy_loss(**kwargs)
 
 
+def test_metrics_mapping():
+    """out.metrics reads the device once, when first used: a mapping of floats in METRIC_NAMES order whose
+    `tensor` holds the values uncopied."""
+    from rltrain_kernels.ops.policy_loss import Metrics
+
+    values = torch.tensor([0.25, -0.5, 0.0, 3.0])
+    metrics = Metrics(values)
+    assert metrics.tensor.data_ptr() == values.data_ptr() and metrics._floats is None
+    assert list(metrics) == ["clipfrac", "ppo_kl", "ref_kl", "entropy"] and len(metrics) == 4
+    assert metrics._floats is None   # iterating the names reads nothing
+    assert metrics["ppo_kl"] == -0.5 and isinstance(metrics["entropy"], float)
+    assert dict(metrics) == {"clipfrac": 0.25, "ppo_kl": -0.5, "ref_kl": 0.0, "entropy": 3.0} == metrics
+    values.zero_()
+    assert metrics["clipfrac"] == 0.25   # read once
+    with pytest.raises(KeyError):
+        metrics["loss"]
+
+
+@pytest.mark.parametrize("scale", [1.0, -0.37, float("nan")])
+def test_scale_unless_one(scale, device, monkeypatch):
+    """The backward's in-place scaling of a stored gradient: skipped on the device when the upstream gradient is 1,
+    else an fp32 product rounded once; two programs walk 3 blocks (the grid-stride loop), the last one partial."""
+    from rltrain_kernels.ops.policy_loss import kernel
+
+    monkeypatch.setattr(kernel, "SCALE_BLOCK", 64)
+    monkeypatch.setattr(kernel, "SCALE_PROGRAMS", 2)
+    grad = torch.randn(3 * 64 - 5, device=device).to(torch.bfloat16)
+    expected = (grad.float() * scale).to(torch.bfloat16)
+    kernel.TritonLossOps.scale_unless_one(grad, torch.tensor(scale, device=device))
+    if math.isnan(scale):
+        assert grad.isnan().all()
+    elif device == "cpu":   # the interpreter's fp32 → bf16 cast truncates: within one bf16 ulp
+        torch.testing.assert_close(grad.float(), expected.float(), rtol=2**-7, atol=0.0)
+    else:
+        assert torch.equal(grad, expected)
+
+
 def test_chunk_config_checks():
     with pytest.raises(ValueError, match="PolicyLossChunkConfig.token_chunk must be a positive int"):
         PolicyLossChunkConfig(token_chunk=0)
@@ -439,6 +476,35 @@ def test_gpu_auto_picks_fused_for_half_inputs(device):
     auto, fused = run(inputs, "auto", kl_coef=0.1), run(inputs, "fused", kl_coef=0.1)
     assert auto[0].loss.item() == fused[0].loss.item()
     assert torch.equal(auto[1], fused[1]) and torch.equal(auto[2], fused[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "fused"])
+def test_gpu_step_never_syncs(impl, device):
+    """Forward and backward (upstream gradient 1 and 2) queue their work without a host sync, so a training step
+    keeps the GPU fed; only reading the metrics copies to the host."""
+    if impl == "fused" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the fused path needs sm_90+")
+    inputs = make_inputs(B=2, T=300, H=256, V=32000, dtype=torch.bfloat16, device=device)
+    hidden = inputs["hidden"].requires_grad_()
+    weight = inputs["weight"].requires_grad_()
+    args = {k: v for k, v in inputs.items() if k not in ("hidden", "weight")}
+    grads = []
+    for scale in (1.0, 2.0):
+        hidden.grad = weight.grad = None
+        fused_policy_loss(hidden, weight, **args, impl=impl, kl_coef=0.1).loss.backward()   # warm-up: compiles
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = fused_policy_loss(hidden, weight, **args, impl=impl, kl_coef=0.1)
+            (out.loss * scale).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        grads.append((hidden.grad.clone(), weight.grad.clone()))
+        assert 0.0 <= out.metrics["clipfrac"] <= 1.0
+    for one, two in zip(*grads):
+        assert torch.equal((one.float() * 2).to(one.dtype), two)
 
 
 @pytest.mark.gpu

@@ -15,9 +15,9 @@ the maths, the GEMM count and the memory bound.
 from rltrain_kernels.ops.policy_loss.chunk import PolicyLossChunkConfig, workspace_bytes
 from rltrain_kernels.ops.policy_loss.function import FusedPolicyLossFunction, fused_policy_loss
 from rltrain_kernels.ops.policy_loss.options import (
-    IMPORTANCE_LEVELS, KL_TYPES, LOSS_AGGS, PolicyLossOptions, PolicyLossOutput,
+    IMPORTANCE_LEVELS, KL_TYPES, LOSS_AGGS, Metrics, PolicyLossOptions, PolicyLossOutput,
 )
 from rltrain_kernels.ops.policy_loss.reference import reference_policy_loss
 
-__all__ = ["FusedPolicyLossFunction", "IMPORTANCE_LEVELS", "KL_TYPES", "LOSS_AGGS", "PolicyLossChunkConfig",
-           "PolicyLossOptions", "PolicyLossOutput", "fused_policy_loss", "reference_policy_loss", "workspace_bytes"]
+__all__ = ["FusedPolicyLossFunction", "IMPORTANCE_LEVELS", "KL_TYPES", "LOSS_AGGS", "Metrics",
+           "PolicyLossChunkConfig", "PolicyLossOptions", "PolicyLossOutput", "fused_policy_loss", "reference_policy_loss", "workspace_bytes"]

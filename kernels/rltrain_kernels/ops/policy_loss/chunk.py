@@ -157,6 +157,13 @@ class TorchLossOps:
     """The O(tokens) steps in plain torch (CPU/NPU path; the readable twin of kernel.TritonLossOps)."""
 
     @staticmethod
+    def scale_unless_one(grad: torch.Tensor, scale: torch.Tensor) -> None:
+        """grad *= scale in place (fp32 product, rounded once), skipped when scale == 1 (a host read: no sync on
+        CPU; the Triton twin decides on the GPU)."""
+        if bool(scale != 1.0):
+            torch.mul(grad, scale.to(torch.float32), out=grad)
+
+    @staticmethod
     def finalize(b: LossBuffers) -> None:
         """Running stats → logp = (z_label − m) − log s, entropy = log s − t/s, log_sum = log s (s = u + 1);
         log1p keeps precision when one logit dominates. Masked tokens get logp = entropy = 0."""

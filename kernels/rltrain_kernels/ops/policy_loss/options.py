@@ -4,6 +4,7 @@ reference so that both accept exactly the same arguments and fail with the same 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -88,15 +89,44 @@ class PolicyLossOptions:
         return 0 if self.kl_coef == 0.0 else KL_TYPES.index(self.kl_type) + 1
 
 
+class Metrics(Mapping):
+    """The metrics as a read-only mapping name → float (METRIC_NAMES, in that order), read from the device at the
+    first access with one device→host copy, not when the loss returns: a training step that logs them after its
+    backward never stalls its forward on a host sync. `tensor` holds the [4] fp32 values without any copy (for an
+    all-reduce, say); `dict(metrics)` is a plain dict."""
+
+    def __init__(self, values: torch.Tensor):
+        self.tensor = values.detach()
+        self._floats: dict[str, float] | None = None
+
+    def _read(self) -> dict[str, float]:
+        if self._floats is None:
+            self._floats = dict(zip(METRIC_NAMES, self.tensor.double().cpu().tolist()))
+        return self._floats
+
+    def __getitem__(self, key: str) -> float:
+        return self._read()[key]
+
+    def __iter__(self):
+        return iter(METRIC_NAMES)
+
+    def __len__(self) -> int:
+        return len(METRIC_NAMES)
+
+    def __repr__(self) -> str:
+        return f"Metrics({self._read()!r})"
+
+
 @dataclass
 class PolicyLossOutput:
     """loss: scalar, differentiable w.r.t. hidden and weight. logprobs, entropy: [B, T] fp32 (the reference: its
-    compute dtype), detached, 0 where mask == 0. metrics: floats `clipfrac`, `ppo_kl`, `ref_kl`, `entropy`."""
+    compute dtype), detached, 0 where mask == 0. metrics: floats `clipfrac`, `ppo_kl`, `ref_kl`, `entropy`, read
+    from the device when first used (Metrics)."""
 
     loss: torch.Tensor
     logprobs: torch.Tensor
     entropy: torch.Tensor
-    metrics: dict[str, float]
+    metrics: Metrics
 
 
 def _shape(t) -> tuple:
@@ -150,8 +180,3 @@ def check_label_range(labels: torch.Tensor, valid: torch.Tensor, vocab: int) -> 
         torch._assert_async(~bad.any(), f"labels must lie in [0, {vocab}) where mask != 0")  # no host sync
     elif bad.any():
         raise ValueError(f"labels must lie in [0, {vocab}) where mask != 0; got {labels[bad][:5].tolist()}")
-
-
-def metrics_dict(values: torch.Tensor) -> dict[str, float]:
-    """[4] tensor (METRIC_NAMES order) → floats, with one device→host copy."""
-    return dict(zip(METRIC_NAMES, values.detach().double().cpu().tolist()))

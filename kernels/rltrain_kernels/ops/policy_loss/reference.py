@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from rltrain_kernels.ops.policy_loss.options import (
-    PolicyLossOptions, PolicyLossOutput, check_inputs, check_label_range, metrics_dict,
+    Metrics, PolicyLossOptions, PolicyLossOutput, check_inputs, check_label_range,
 )
 
 
@@ -98,4 +98,4 @@ def reference_policy_loss(hidden, weight, labels, mask, advantages, old_logprobs
         values = torch.stack([(clipped.to(cd) * m).sum(), (torch.where(valid, old - logp, 0.0) * m).sum(),
                               (ref_kl * m).sum(), (entropy * m).sum()])
         values = _masked_total(values, n)
-    return PolicyLossOutput(loss, logp.detach(), entropy.detach(), metrics_dict(values))
+    return PolicyLossOutput(loss, logp.detach(), entropy.detach(), Metrics(values))
