@@ -401,10 +401,12 @@ def test_chunk_config_checks():
     assert workspace_bytes(1000, 151936) == 1000 * 151936 * 4   # fewer tokens than a chunk: the fp32 tile's
 
 
+@pytest.mark.parametrize("kept", ["shifted", "scaled"])
 @pytest.mark.parametrize(("subtile", "y_tma"), [(True, False), (False, True), (False, False)])
-def test_fused_kept_logits_variants(subtile, y_tma, device, monkeypatch):
-    """GEMM 1's other ways to keep y (the default, halves through TMA, runs in every fused case above): the whole
-    block at once, and plain stores instead of TMA; with a dlogits pass of other program shapes."""
+def test_fused_kept_logits_variants(kept, subtile, y_tma, device, monkeypatch):
+    """GEMM 1's other ways to keep the logits (the default, halves through TMA, runs in every fused case above):
+    the whole block at once, and plain stores instead of TMA; for fp16 y with a dlogits pass of other program
+    shapes (an entropy bonus) and for bf16 E (scaled.py)."""
     from dataclasses import replace
 
     from rltrain_kernels.ops.linear_logprobs import fused
@@ -412,10 +414,47 @@ def test_fused_kept_logits_variants(subtile, y_tma, device, monkeypatch):
     config = replace(fused.GemmConfig.default(), subtile=subtile, y_tma=y_tma, grad_rows=2, grad_cols=128,
                      grad_warps=2)
     monkeypatch.setattr(fused.GemmConfig, "default", staticmethod(lambda: config))
-    opts = OPTION_CASES["all"]
+    opts = OPTION_CASES["all"] if kept == "shifted" else dict(OPTION_CASES["all"], entropy_coef=0.0)
     inputs = inputs_for("fused", device=device)
     assert_matches(run(inputs, "fused", chunk_config=CHUNKS, **opts), run_reference(inputs, **opts),
                    torch.bfloat16, loss_tol=1e-5)
+
+
+def test_fused_keeps_scaled_logits_when_it_can(device):
+    """impl="fused" keeps bf16 E = e^(z − R) for the gradient GEMMs (no dlogits pass) for bf16 without an entropy
+    bonus; fp16 (E would overflow its 5 exponent bits) and an entropy bonus keep fp16 y and the dlogits pass."""
+    from rltrain_kernels.ops.policy_loss.chunk import ShiftedChunkLogits
+    from rltrain_kernels.ops.policy_loss.function import _backends
+    from rltrain_kernels.ops.policy_loss.scaled import ScaledChunkLogits
+
+    def kept(dtype, entropy_bonus):
+        h, w = (torch.randn(n, 64, device=device, dtype=dtype) for n in (16, 100))
+        return type(_backends("fused", h, w, PolicyLossChunkConfig(), entropy_bonus=entropy_bonus)[0])
+
+    assert kept(torch.bfloat16, False) is ScaledChunkLogits
+    assert kept(torch.bfloat16, True) is ShiftedChunkLogits
+    assert kept(torch.float16, False) is ShiftedChunkLogits
+
+
+@pytest.mark.parametrize("case", ["every-row", "unlikely-label"])
+def test_fused_scaled_rows_recomputed(case, device, monkeypatch):
+    """A row whose label the policy gives p < e^-SAFE_GAP would overflow E = e^(z − z_label): it takes R = lse and
+    GEMM 1 is recomputed for its chunk (a launch the GPU runs only then). Every row (SAFE_GAP = 0), or one token
+    whose label is its least likely token and whose logits spread ×40 (logp ≈ −600) among rows that need nothing."""
+    from rltrain_kernels.ops.policy_loss import scaled
+
+    inputs = inputs_for("fused", device=device)
+    if case == "every-row":
+        monkeypatch.setattr(scaled, "SAFE_GAP", 0.0)
+    opts = dict(kl_coef=0.1, temperature=0.9)
+    if case == "unlikely-label":
+        inputs["hidden"][0, 0] *= 40
+        inputs["labels"][0, 0] = (inputs["weight"].float() @ inputs["hidden"][0, 0].float()).argmin()
+        logp = run_reference(inputs, **opts)[0].logprobs[0, 0].item()
+        assert inputs["mask"][0, 0] and logp < -200.0
+        inputs["old_logprobs"][0, 0], inputs["ref_logprobs"][0, 0] = logp - 0.3, logp + 0.2   # finite ratio, KL
+    expected = run_reference(inputs, **opts)
+    assert_matches(run(inputs, "fused", chunk_config=CHUNKS, **opts), expected, torch.bfloat16, loss_tol=1e-5)
 
 
 def test_fused_input_errors(device):
@@ -456,10 +495,11 @@ def test_gpu_real_sizes(case, name, impl, device):
 
 @pytest.mark.gpu
 def test_gpu_auto_picks_fused_for_half_inputs(device):
-    """impl="auto" on an sm_90+ GPU: fused for bf16/fp16 (the same numbers as impl="fused"), cuBLAS + row passes
-    for fp32 and for operands TMA cannot address."""
+    """impl="auto" on an sm_90+ GPU: fused for bf16/fp16 (the same numbers as impl="fused"; bf16 E without an
+    entropy bonus, fp16 y), cuBLAS + row passes for fp32 and for operands TMA cannot address."""
     from rltrain_kernels.ops.policy_loss.chunk import DenseChunkLogits, ShiftedChunkLogits
     from rltrain_kernels.ops.policy_loss.function import _backends
+    from rltrain_kernels.ops.policy_loss.scaled import ScaledChunkLogits
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the fused path needs sm_90+")
@@ -469,7 +509,8 @@ def test_gpu_auto_picks_fused_for_half_inputs(device):
     def chunk_logits(h, w):
         return type(_backends("auto", h, w, PolicyLossChunkConfig())[0])
 
-    assert chunk_logits(hidden, weight) is ShiftedChunkLogits
+    assert chunk_logits(hidden, weight) is ScaledChunkLogits
+    assert chunk_logits(hidden.half(), weight.half()) is ShiftedChunkLogits
     assert chunk_logits(hidden.float(), weight.float()) is DenseChunkLogits
     odd = [torch.randn(n, 36, device=device, dtype=torch.bfloat16) for n in (6, 100)]
     assert chunk_logits(*odd) is DenseChunkLogits   # 72 B rows: TMA needs 16 B aligned ones

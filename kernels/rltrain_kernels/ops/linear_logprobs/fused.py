@@ -12,9 +12,11 @@ registers:
               an integer count, so log1p(u) stays exact when one logit dominates);
     backward: `_gemm_logits_grad_kernel` turns the block into dlogits in the weight dtype (2 B per logit written,
               nothing read), which the grad_hidden / grad_weight GEMMs (cuBLAS, chunk.py) then take;
-    kept    : for the policy loss (policy_loss/chunk.ShiftedChunkLogits, which knows its loss in the forward and
-              so needs no recompute), the stats kernel also stores y = z − block max in fp16 (STORE_Y, through
-              TMA), and `_shifted_logits_grad_kernel` later turns y into dlogits in place.
+    kept    : for the policy loss (which knows its loss in the forward and so needs no recompute), the stats
+              kernel also stores the logits (STORE_Y, through TMA): y = z − block max in fp16, which
+              `_shifted_logits_grad_kernel` later turns into dlogits in place (policy_loss/chunk.
+              ShiftedChunkLogits), or with SCALED e^(z − R) in bf16, R a per-row reference, which the gradient
+              GEMMs take as it is (policy_loss/scaled.py).
 
 So no fp32 logit ever reaches memory: H100, N=8192, V=151936, H=4096 bf16, against cuBLAS + row passes in the
 same run: forward 18.0 → 16.1 ms, forward+backward 68.5 → 58.3 ms (kernels/benchmarks/RESULTS.md, 2026-11-24).
@@ -81,24 +83,31 @@ def _label_in_block(labels_ptr, rows, row_ok, vocab_start, n_cols):
 
 @triton.jit
 def _gemm_stats_kernel(
-    a_desc, b_desc, y_desc, y_ptr, stride_y, labels_ptr, part_ptr, label_z_ptr,
+    a_desc, b_desc, y_desc, y_ptr, stride_y, ref_ptr, run_ptr, labels_ptr, part_ptr, label_z_ptr,
     n_rows, n_cols, hidden_size, n_blocks, vocab_start, inv_temp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, WITH_ENTROPY: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
-    STORE_Y: tl.constexpr, Y_TMA: tl.constexpr,
+    STORE_Y: tl.constexpr, Y_TMA: tl.constexpr, SCALED: tl.constexpr, RUN_FLAG: tl.constexpr,
 ):
     """part [3, n_rows, n_blocks] for block j of row r: 0: max z, 1: Σ_{z<max} e^(z−max) + n_max − 1,
-    2: Σ e^(z−max)·(z−max); label_z[r] = z[label] written by the block holding the label. STORE_Y: also the
-    block-shifted logits y = z − max (fp16, `_store_y`) into y [n_rows, n_cols]: Y_TMA through y_desc (blocks
-    of [BLOCK_M, BLOCK_N / 2] with SUBTILE, else [BLOCK_M, BLOCK_N]; TMA drops what lies past the end), else
-    plain masked stores at y_ptr (row stride stride_y)."""
+    2: Σ e^(z−max)·(z−max); label_z[r] = z[label] written by the block holding the label. STORE_Y: also keep
+    the block's logits in y [n_rows, n_cols] (`_store_y`): y = z − the block's max in fp16, or with SCALED
+    y = e^(z − ref[r]) in y's dtype. Y_TMA: through y_desc (blocks of [BLOCK_M, BLOCK_N / 2] with SUBTILE, else
+    [BLOCK_M, BLOCK_N]; TMA drops what lies past the end), else plain masked stores at y_ptr (row stride
+    stride_y). RUN_FLAG: the whole launch does nothing unless the int32 at run_ptr is non-zero (a recompute the
+    GPU decides on, no host sync)."""
     plane = n_rows.to(tl.int64) * n_blocks
     n_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
+    if RUN_FLAG:
+        n_tiles = tl.where(tl.load(run_ptr) != 0, n_tiles, 0)
     for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=FLATTEN):
         acc, rows, cols, pid_m, pid_n = _logits_block(tile, a_desc, b_desc, n_rows, n_cols, hidden_size, BLOCK_M,
                                                       BLOCK_N, BLOCK_K, GROUP_M, UPCAST)
         row_ok = rows < n_rows
         local = _label_in_block(labels_ptr, rows, row_ok, vocab_start, n_cols)
+        ref = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if SCALED:
+            ref = tl.load(ref_ptr + rows, mask=row_ok, other=0.0)
         if SUBTILE:
             # the block's two column halves one after the other: half the epilogue's registers live at once
             halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
@@ -118,15 +127,15 @@ def _gemm_stats_kernel(
             sum_t = a0 * (t0 + d0 * (rest0 + n0)) + a1 * (t1 + d1 * (rest1 + n1))
             y_label = tl.where(local < pid_n * BLOCK_N + BLOCK_N // 2, lab0 + max0, lab1 + max1) - block_max
             if STORE_Y:
-                _store_y(y_desc, y_ptr, stride_y, acc0, inv_temp, block_max, rows, first, row_ok, n_cols,
-                         pid_m * BLOCK_M, pid_n * BLOCK_N, Y_TMA)
-                _store_y(y_desc, y_ptr, stride_y, acc1, inv_temp, block_max, rows, first + BLOCK_N // 2, row_ok,
-                         n_cols, pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2, Y_TMA)
+                _store_y(y_desc, y_ptr, stride_y, _kept(acc0, block_max, ref, inv_temp, SCALED), rows,
+                         first, row_ok, n_cols, pid_m * BLOCK_M, pid_n * BLOCK_N, Y_TMA)
+                _store_y(y_desc, y_ptr, stride_y, _kept(acc1, block_max, ref, inv_temp, SCALED), rows,
+                         first + BLOCK_N // 2, row_ok, n_cols, pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2, Y_TMA)
         else:
             block_max, rest, n_max, sum_t, y_label = _fold_block(acc, cols, n_cols, local, inv_temp)
             if STORE_Y:
-                _store_y(y_desc, y_ptr, stride_y, acc, inv_temp, block_max, rows, cols, row_ok, n_cols,
-                         pid_m * BLOCK_M, pid_n * BLOCK_N, Y_TMA)
+                _store_y(y_desc, y_ptr, stride_y, _kept(acc, block_max, ref, inv_temp, SCALED), rows,
+                         cols, row_ok, n_cols, pid_m * BLOCK_M, pid_n * BLOCK_N, Y_TMA)
         out = part_ptr + rows.to(tl.int64) * n_blocks + pid_n
         tl.store(out, block_max, mask=row_ok)
         tl.store(out + plane, rest + (n_max - 1.0), mask=row_ok)
@@ -138,12 +147,22 @@ def _gemm_stats_kernel(
 
 
 @triton.jit
-def _store_y(y_desc, y_ptr, stride_y, acc, inv_temp, block_max, rows, cols, row_ok, n_cols, row0, col0,
-             Y_TMA: tl.constexpr):
-    """Store y = z − (the block's max of z) in fp16 for the block part `acc` (columns `cols`, from col0): ≤ 0,
-    exact at the max, relative rounding 2⁻¹¹ (bf16: 2⁻⁸) where p = e^y·… matters; clamped at −60000 so it stays
-    finite in fp16 (e^y is 0 there either way)."""
-    y = tl.maximum(acc * inv_temp - block_max[:, None], -60000.0).to(tl.float16)
+def _kept(acc, block_max, ref, inv_temp, SCALED: tl.constexpr):
+    """What the stats kernel keeps of a block part `acc` (fp32, stored by `_store_y`). Shifted: y = z − (the
+    block's max of z), for fp16: ≤ 0, exact at the max, relative rounding 2⁻¹¹ (bf16: 2⁻⁸) where p = e^y·…
+    matters; clamped at −60000 so it stays finite in fp16 (e^y is 0 there either way). SCALED: e^(z − ref) (ref:
+    the row's reference, policy_loss/scaled.py), the exponent clamped at 88 so it stays finite in bf16 (a row
+    with ref = +inf: 0). Taking it from the fold's e^(z − block max) instead (a multiply, not an exp, per logit)
+    timed the same on H100 and spilled 80 B."""
+    if SCALED:
+        return tl.exp(tl.minimum(acc * inv_temp - ref[:, None], 88.0))
+    return tl.maximum(acc * inv_temp - block_max[:, None], -60000.0)
+
+
+@triton.jit
+def _store_y(y_desc, y_ptr, stride_y, y, rows, cols, row_ok, n_cols, row0, col0, Y_TMA: tl.constexpr):
+    """Store the block part y (columns `cols`, from col0) in y's dtype: through TMA or plain masked stores."""
+    y = y.to(y_ptr.dtype.element_ty)
     if Y_TMA:
         y_desc.store([row0, col0], y)
     else:
@@ -381,18 +400,21 @@ class FusedTiles(GemmThenRowPass):
         self._stats(hidden_t, weight_v, part, labels, vocab_start, inv_temp, t is not None, label_z)
         self._merge(part, n_blocks, m, u, t)
 
-    def _stats(self, hidden_t, weight_v, part, labels, vocab_start, inv_temp, with_entropy, label_z, y=None):
+    def _stats(self, hidden_t, weight_v, part, labels, vocab_start, inv_temp, with_entropy, label_z, y=None,
+               ref=None, run=None):
+        """The stats kernel; y: keep the logits there (shifted in fp16, or with ref e^(z − ref) in y's dtype);
+        run: an int32 flag the launch depends on (it does nothing while the flag is 0)."""
         rows, cols = hidden_t.shape[0], weight_v.shape[0]
         g = self.gemm
         a_desc, b_desc = self._descriptors(hidden_t, weight_v)
         y_desc = None if y is None or not g.y_tma else TensorDescriptor.from_tensor(
             y, [g.block_m, g.block_n // 2 if g.subtile else g.block_n])
         _gemm_stats_kernel[self._grid(rows, cols, hidden_t.device)](
-            a_desc, b_desc, y_desc, y, 0 if y is None else y.stride(0), labels, part, label_z, rows, cols,
+            a_desc, b_desc, y_desc, y, 0 if y is None else y.stride(0), ref, run, labels, part, label_z, rows, cols,
             hidden_t.shape[1], triton.cdiv(cols, g.block_n), vocab_start, inv_temp,
             BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m, UPCAST=triton_interpreted(),
             WITH_ENTROPY=with_entropy, FLATTEN=g.flatten, SUBTILE=g.subtile, STORE_Y=y is not None, Y_TMA=g.y_tma,
-            num_warps=g.num_warps, num_stages=g.num_stages)
+            SCALED=ref is not None, RUN_FLAG=run is not None, num_warps=g.num_warps, num_stages=g.num_stages)
 
     @staticmethod
     def _merge(part, n_blocks, m, u, t):
@@ -411,13 +433,16 @@ class FusedTiles(GemmThenRowPass):
         y = torch.empty(rows, triton.cdiv(vocab, 8) * 8, dtype=torch.float16, device=device)[:, :vocab]
         return y, torch.empty(3 * rows * triton.cdiv(vocab, self.gemm.block_n), dtype=torch.float32, device=device)
 
-    def fold_and_keep(self, hidden_t, weight, y, part, labels, inv_temp, m, u, t, label_z, fold=True):
+    def fold_and_keep(self, hidden_t, weight, y, part, labels, inv_temp, m, u, t, label_z, fold=True, ref=None,
+                      run=None):
         """The statistics of hidden_t @ weight.T (the whole vocabulary) folded into (m, u, t, label_z), as
         fold_logits; also keeps y = z − block max in y (fp16; None: not kept) and the block maxes in part for
-        `logits_grad_from_kept`. fold=False (a recompute): y and part only."""
+        `logits_grad_from_kept` — or with ref [rows], y = e^(z − ref) in y's dtype (policy_loss/scaled.py).
+        fold=False (a recompute): y and part only; run: an int32 flag on the device, the launch skipped while
+        it is 0."""
         n_blocks = triton.cdiv(weight.shape[0], self.gemm.block_n)
         part = part[: 3 * hidden_t.shape[0] * n_blocks]
-        self._stats(hidden_t, weight, part, labels, 0, inv_temp, t is not None, label_z, y=y)
+        self._stats(hidden_t, weight, part, labels, 0, inv_temp, t is not None, label_z, y=y, ref=ref, run=run)
         if fold:
             self._merge(part, n_blocks, m, u, t)
 

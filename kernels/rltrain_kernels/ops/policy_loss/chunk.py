@@ -238,8 +238,9 @@ class DenseChunkLogits:
         return tile
 
     def dlogits(self, tile, weight, labels_c, c: "LossBuffers", inv_temp):
+        """(dlogits [rows, V] in the weight dtype, None): the gradient GEMMs' operand and its row scale (none)."""
         return self.tiles.logits_grad_in_place(tile, weight.dtype, labels_c, 0, inv_temp, c.m, c.log_sum, c.entropy,
-                                               c.g_logp, c.g_entropy)
+                                               c.g_logp, c.g_entropy), None
 
 
 class ShiftedChunkLogits:
@@ -270,27 +271,36 @@ class ShiftedChunkLogits:
         y, part = kept
         return self.fused.logits_grad_from_kept(y, part, y.view(weight.dtype), labels_c, inv_temp, row_max=c.m,
                                                 log_sum=c.log_sum, entropy=c.entropy, g_logprob=c.g_logp,
-                                                g_entropy=c.g_entropy)
+                                                g_entropy=c.g_entropy), None
 
 
-def _chunk_grads(dlogits, weight, hidden_c, grad_hidden_c, grad_weight, first: bool, accumulator) -> None:
-    """GEMMs 2 and 3 of a chunk: grad_hidden_c = dlogits @ weight, grad_weight (+)= dlogits.T @ hidden_c."""
+def _chunk_grads(dlogits, row_scale, weight, hidden_c, grad_hidden_c, grad_weight, first: bool,
+                 accumulator) -> None:
+    """GEMMs 2 and 3 of a chunk: grad_hidden_c = dlogits @ weight, grad_weight (+)= dlogits.T @ hidden_c, where
+    the chunk's dlogits are diag(row_scale) · `dlogits` when row_scale [rows] is given (scaled.py)."""
     if grad_hidden_c is not None:
         if accumulator is None:     # fp32 inputs
             torch.mm(dlogits, weight, out=grad_hidden_c)
+            if row_scale is not None:
+                grad_hidden_c.mul_(row_scale[:, None])
         else:
             # fp32 output, rounded once: a bf16-output GEMM with K = V lets cuBLAS reduce its split-K partials in
             # bf16, which put grad_hidden 1.1e-2 off fp32 at B=8 T=1024 V=151936 (H200, 2026-11-22)
-            acc = accumulator[: grad_hidden_c.numel()].view(grad_hidden_c.shape)
-            grad_hidden_c.copy_(mm_fp32(dlogits, weight, out=acc))
+            acc = mm_fp32(dlogits, weight, out=accumulator[: grad_hidden_c.numel()].view(grad_hidden_c.shape))
+            if row_scale is None:
+                grad_hidden_c.copy_(acc)
+            else:
+                torch.mul(acc, row_scale[:, None], out=grad_hidden_c)
     if grad_weight is not None:
-        torch.addmm(grad_weight, dlogits.t(), hidden_c, beta=0.0 if first else 1.0, out=grad_weight)
+        operand = hidden_c if row_scale is None else torch.mul(hidden_c, row_scale[:, None],
+                                                                   out=torch.empty_like(hidden_c))
+        torch.addmm(grad_weight, dlogits.t(), operand, beta=0.0 if first else 1.0, out=grad_weight)
 
 
 def policy_loss_chunks(hidden, weight, labels, b: LossBuffers, seq_len: int, opts: PolicyLossOptions, chunk_logits,
                        loss_ops, config: PolicyLossChunkConfig, need_grad_hidden: bool, need_grad_weight: bool):
     """hidden [N, H], weight [V, H], labels [N] int64, b: LossBuffers over N = n_seqs·seq_len tokens;
-    chunk_logits: DenseChunkLogits or ShiftedChunkLogits. Fills b and returns (grad_hidden [N, H] or None,
+    chunk_logits: DenseChunkLogits, ShiftedChunkLogits or scaled.ScaledChunkLogits. Fills b and returns (grad_hidden [N, H] or None,
     grad_weight [V, H] or None) of loss = Σ b.contrib."""
     n, v = hidden.shape[0], weight.shape[0]
     inv_temp = 1.0 / opts.temperature
@@ -316,8 +326,8 @@ def policy_loss_chunks(hidden, weight, labels, b: LossBuffers, seq_len: int, opt
 
     def grads_of(i, r0, r1, kept):
         c = b.rows(r0, r1)
-        dlogits = chunk_logits.dlogits(kept, weight, labels[r0:r1], c, inv_temp)
-        _chunk_grads(dlogits, weight, hidden[r0:r1], None if grad_hidden is None else grad_hidden[r0:r1],
+        dlogits, row_scale = chunk_logits.dlogits(kept, weight, labels[r0:r1], c, inv_temp)
+        _chunk_grads(dlogits, row_scale, weight, hidden[r0:r1], None if grad_hidden is None else grad_hidden[r0:r1],
                      grad_weight, first=i == 0, accumulator=accumulator)
 
     for i, (r0, r1) in enumerate(bounds):

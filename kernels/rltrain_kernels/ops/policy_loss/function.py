@@ -21,10 +21,13 @@ _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _REFERENCE_MAX_LOGITS = 1 << 22
 
 
-def _backends(impl: str, hidden2d: torch.Tensor, weight: torch.Tensor, config: PolicyLossChunkConfig):
+def _backends(impl: str, hidden2d: torch.Tensor, weight: torch.Tensor, config: PolicyLossChunkConfig,
+              entropy_bonus: bool = False):
     """(chunk logits, loss ops) of a chunked path: "fused" (linear_logprobs' Triton GEMM with the statistics in its
-    epilogue), "triton" (cuBLAS + Triton row passes), "auto" (on CUDA: fused where it can run, else triton) or
-    "torch". Triton is imported here, not at package import."""
+    epilogue; keeping bf16 E = e^(z − R) for the gradient GEMMs, scaled.py, unless the weights are fp16 or an
+    entropy bonus needs log p per logit: then fp16 y and a dlogits pass), "triton" (cuBLAS + Triton row passes),
+    "auto" (on CUDA: fused where it can run, else triton) or "torch". Triton is imported here, not at package
+    import."""
     from rltrain_kernels.ops.linear_logprobs.chunk import TorchTiles
 
     if impl == "torch":
@@ -39,6 +42,10 @@ def _backends(impl: str, hidden2d: torch.Tensor, weight: torch.Tensor, config: P
     if impl == "triton":
         return DenseChunkLogits(TritonTiles(config.block_v)), TritonLossOps()
     fused.check_runnable(hidden2d, weight)
+    if weight.dtype == torch.bfloat16 and not entropy_bonus:
+        from rltrain_kernels.ops.policy_loss.scaled import ScaledChunkLogits
+
+        return ScaledChunkLogits(fused.FusedTiles()), TritonLossOps()
     return ShiftedChunkLogits(fused.FusedTiles()), TritonLossOps()
 
 
@@ -129,7 +136,8 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
 
     Returns:
         PolicyLossOutput(loss: scalar differentiable w.r.t. hidden and weight; logprobs, entropy: [B, T] fp32,
-        detached; metrics: dict of floats). Backward can run once per call.
+        detached; metrics: a Metrics mapping of floats, read from the device at first use). Backward can run once
+        per call.
     """
     opts = PolicyLossOptions(clip_low, clip_high, dual_clip, kl_coef, kl_type, entropy_coef, loss_agg,
                              importance_level, temperature, norm_tokens, norm_len)
@@ -157,7 +165,7 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     hidden2d = hidden.reshape(B * T, H)
     if hidden2d.stride(-1) != 1 or hidden2d.stride(0) != H:
         hidden2d = hidden2d.contiguous()
-    chunk_logits, loss_ops = _backends(impl, hidden2d, weight, config)
+    chunk_logits, loss_ops = _backends(impl, hidden2d, weight, config, entropy_bonus=opts.entropy_coef != 0.0)
     labels1d = labels.reshape(-1).to(torch.int64).contiguous()
     args = (hidden2d, weight, labels1d, buffers, T, opts, chunk_logits, loss_ops, config)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
