@@ -192,10 +192,11 @@ def profile_ours(B, T, H, V, config):
     print_kernel_times(f"3 bare cuBLAS GEMMs B={B} T={T}", lambda: fwd_bwd(bare(), inputs), queued=True)
 
 
-# GemmConfig overrides timed by --tune-fused (the shipped config first): GEMM 1's pipeline depth and K block, its
-# block order. (How it stores the kept logits and the dlogits pass' program shape all timed within 1% of each
-# other: RESULTS.md, 2026-11-24 fourth session.) Each fits sm_90's 227 KiB of shared memory with the y staging.
-FUSED_CONFIGS = [dict(), dict(num_stages=4), dict(block_k=128, num_stages=2), dict(group_m=8)]
+# GemmConfig overrides timed by --tune-fused (the shipped config first): GEMM 1's block shape and order. (How it
+# stores the kept logits and the dlogits pass' program shape timed within 1% of each other, 4 stages, a 128-wide
+# K block and group 8 slower: RESULTS.md, 2026-11-24 fourth and fifth sessions.) 256 × 128 spills 64 B (sm_90
+# compile report), the shipped 128 × 256 none.
+FUSED_CONFIGS = [dict(), dict(block_m=256, block_n=128), dict(group_m=4)]
 
 
 def tune_fused(B, T, H, V, warmup, repeats):

@@ -292,8 +292,13 @@ def _chunk_grads(dlogits, row_scale, weight, hidden_c, grad_hidden_c, grad_weigh
             else:
                 torch.mul(acc, row_scale[:, None], out=grad_hidden_c)
     if grad_weight is not None:
-        operand = hidden_c if row_scale is None else torch.mul(hidden_c, row_scale[:, None],
-                                                                   out=torch.empty_like(hidden_c))
+        operand = hidden_c
+        if row_scale is not None:
+            # diag(row_scale)·hidden_c in the accumulator's memory, free once grad_hidden_c is written (the same
+            # stream orders the two), else a new buffer: no more than the fp32 accumulator's bytes at peak
+            out = (torch.empty_like(hidden_c) if accumulator is None else
+                   accumulator.view(hidden_c.dtype)[: hidden_c.numel()].view(hidden_c.shape))
+            operand = torch.mul(hidden_c, row_scale[:, None], out=out)
         torch.addmm(grad_weight, dlogits.t(), operand, beta=0.0 if first else 1.0, out=grad_weight)
 
 
