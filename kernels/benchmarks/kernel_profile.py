@@ -54,7 +54,8 @@ def print_kernel_times(label: str, step, top: int = 10, queued: bool = False, ti
 
     totals, gaps = kernel_times(step, queued=queued, timeline=timeline)
     wall = time_ms(step, queued)
-    print(f"\nprofile {label}{' (queued)' if queued else ''}: wall {wall:.2f} ms, kernels {sum(totals.values()):.2f} ms")
+    mode = " (queued)" if queued else ""
+    print(f"\nprofile {label}{mode}: wall {wall:.2f} ms, kernels {sum(totals.values()):.2f} ms")
     for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {ms:8.2f} ms  {name}")
     print(f"  idle between GPU activities: {sum(g[0] for g in gaps):.2f} ms in {len(gaps)} gaps; largest:")

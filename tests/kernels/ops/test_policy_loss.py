@@ -276,6 +276,22 @@ def test_frozen_weight_and_no_grad(impl, device):
     assert abs(out.loss.item() - ref.loss.item()) <= 1e-5 * (1 + abs(ref.loss.item()))
 
 
+@pytest.mark.parametrize("frozen", ["hidden", "weight"])
+def test_fused_scaled_one_gradient(frozen, device):
+    """The bf16 E path (no entropy bonus) with one of the two gradients: with hidden frozen, GEMM 3's scaled operand
+    has no grad_hidden accumulator to borrow and takes a buffer of its own."""
+    inputs = inputs_for("fused", device=device)
+    opts = dict(kl_coef=0.1, temperature=1.2)
+    _, ref_gh, ref_gw = run_reference(inputs, **opts)
+    hidden = inputs["hidden"].clone().requires_grad_(frozen != "hidden")
+    weight = inputs["weight"].clone().requires_grad_(frozen != "weight")
+    args = {k: v for k, v in inputs.items() if k not in ("hidden", "weight")}
+    fused_policy_loss(hidden, weight, **args, impl="fused", chunk_config=CHUNKS, **opts).loss.backward()
+    kept, lost, ref = (weight, hidden, ref_gw) if frozen == "hidden" else (hidden, weight, ref_gh)
+    assert lost.grad is None
+    assert_rel_close(kept.grad, ref, dtype=torch.bfloat16, name="the one gradient")
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_strided_inputs(impl, device):
     """The usual call site slices shifted views out of bigger tensors: hidden[:, :-1], input_ids[:, 1:]."""

@@ -7,9 +7,10 @@ never materialised beyond one token chunk.
     out.loss.backward(); out.logprobs, out.entropy, out.metrics["clipfrac"]
 
 Layers: kernel.py (Triton token kernels; the vocab-wide row passes are linear_logprobs') → chunk.py (chunk driver,
-torch twins of the kernels) → function.py (checks, path choice, autograd Function, public function); reference.py
-is the dense ground truth with the same signature; options.py holds the shared options and checks. README.md has
-the maths, the GEMM count and the memory bound.
+torch twins of the kernels) → function.py (checks, path choice, autograd Function, public function); scaled.py is
+the fused path's bf16 form of the kept logits (no dlogits pass); reference.py is the dense ground truth with the
+same signature; options.py holds the shared options, checks and output types. README.md has the maths, the GEMM
+count and the memory bound.
 """
 
 from rltrain_kernels.ops.policy_loss.chunk import PolicyLossChunkConfig, workspace_bytes
@@ -20,4 +21,5 @@ from rltrain_kernels.ops.policy_loss.options import (
 from rltrain_kernels.ops.policy_loss.reference import reference_policy_loss
 
 __all__ = ["FusedPolicyLossFunction", "IMPORTANCE_LEVELS", "KL_TYPES", "LOSS_AGGS", "Metrics",
-           "PolicyLossChunkConfig", "PolicyLossOptions", "PolicyLossOutput", "fused_policy_loss", "reference_policy_loss", "workspace_bytes"]
+           "PolicyLossChunkConfig", "PolicyLossOptions", "PolicyLossOutput", "fused_policy_loss",
+           "reference_policy_loss", "workspace_bytes"]

@@ -305,8 +305,8 @@ def _chunk_grads(dlogits, row_scale, weight, hidden_c, grad_hidden_c, grad_weigh
 def policy_loss_chunks(hidden, weight, labels, b: LossBuffers, seq_len: int, opts: PolicyLossOptions, chunk_logits,
                        loss_ops, config: PolicyLossChunkConfig, need_grad_hidden: bool, need_grad_weight: bool):
     """hidden [N, H], weight [V, H], labels [N] int64, b: LossBuffers over N = n_seqs·seq_len tokens;
-    chunk_logits: DenseChunkLogits, ShiftedChunkLogits or scaled.ScaledChunkLogits. Fills b and returns (grad_hidden [N, H] or None,
-    grad_weight [V, H] or None) of loss = Σ b.contrib."""
+    chunk_logits: DenseChunkLogits, ShiftedChunkLogits or scaled.ScaledChunkLogits. Fills b and returns
+    (grad_hidden [N, H] or None, grad_weight [V, H] or None) of loss = Σ b.contrib."""
     n, v = hidden.shape[0], weight.shape[0]
     inv_temp = 1.0 / opts.temperature
     rows = config.rows(v, chunk_logits.row_bytes(v))

@@ -1,18 +1,19 @@
 """The fused path's kept logits in the form the gradient GEMMs take directly, so no dlogits pass runs over memory.
 
-Without an entropy bonus, a token's dlogits are −g·(p − onehot)/T (g = ∂loss/∂logp, T the temperature). GEMM 1's epilogue keeps
-E = e^(z − R) in bf16, R a per-row reference fixed before it (the label's logit, one dot product per row). Since
-Σ_j e^(z_j − R) = e^(lse − R), every p_j = E_j·e^(R − lse), and with a = −g·e^(R − lse)/T per row:
+Without an entropy bonus, a token's dlogits are −g·(p − onehot)/T (g = ∂loss/∂logp, T the temperature).
+GEMM 1's epilogue keeps E = e^(z − R) in bf16, R a per-row reference fixed before it (the label's logit, one dot
+product per row). Since Σ_j e^(z_j − R) = e^(lse − R), every p_j = E_j·e^(R − lse), and with a = −g·e^(R − lse)/T
+per row:
 
-    dlogits = a ⊙_rows E',   E' = E except at the label column, where E' = (p − 1)·e^(lse − R) = expm1(logp)·e^(lse − R)
-    grad_hidden_c = a ⊙_rows (E' · W)              (cuBLAS, fp32 out; the row scale is the copy into the gradient)
-    grad_W       += E'ᵀ · (a ⊙_rows h_c)            (cuBLAS; a ⊙ h_c is a [rows, H] operand)
+    dlogits = a ⊙_rows E'   (E' = E but at the label column: (p − 1)·e^(lse − R) = expm1(logp)·e^(lse − R))
+    grad_hidden_c = a ⊙_rows (E' · W)     (cuBLAS, fp32 out; the row scale is the copy into the gradient)
+    grad_W       += E'ᵀ · (a ⊙_rows h_c)   (cuBLAS; a ⊙ h_c is a [rows, H] operand)
 
 so the per-element work left after GEMM 1 is one store per row (the label column). Masked rows take R = +inf
-(E = 0, a = 0). bf16 keeps fp32's exponent
-range: E stays finite while lse − R ≤ 88, i.e. while p(label) > e^-88. A row beyond SAFE_GAP (a token the policy
-gives p < e^-64) switches to R = lse (then E = p) and GEMM 1 is recomputed for its chunk — by a launch the GPU skips when no row needed it (no host sync). fp16 (5 exponent bits) and an entropy
-bonus (whose gradient needs log p per logit) keep chunk.ShiftedChunkLogits.
+(E = 0, a = 0). bf16 keeps fp32's exponent range: E stays finite while lse − R ≤ 88, i.e. while p(label) >
+e^-88. A row beyond SAFE_GAP (a token the policy gives p < e^-64) switches to R = lse (then E = p) and GEMM 1 is
+recomputed for its chunk — by a launch the GPU skips when no row needed it (no host sync). fp16 (5 exponent bits)
+and an entropy bonus (whose gradient needs log p per logit) keep chunk.ShiftedChunkLogits.
 """
 
 from __future__ import annotations
