@@ -6,6 +6,7 @@ from configs keeps logits and every gradient, and never touches weights, paramet
 """
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -78,8 +79,11 @@ def test_swap_is_idempotent_visible_and_reversible():
 def test_swap_is_per_model_not_process_wide():
     patched, untouched = tiny_causal_lm("qwen2"), tiny_causal_lm("qwen2")
     apply_kernel("fused_rope", patched, device="cuda")
-    attn = untouched.model.layers[0].self_attn
-    assert type(attn).forward.__globals__["apply_rotary_pos_emb"].__module__.startswith("transformers.")
+    # the module's own forward under any decorators (transformers 5.24 wraps it in deprecate_kwarg)
+    untouched_forward = inspect.unwrap(type(untouched.model.layers[0].self_attn).forward)
+    patched_forward = inspect.unwrap(type(patched.model.layers[0].self_attn).forward)
+    assert untouched_forward.__globals__["apply_rotary_pos_emb"].__module__.startswith("transformers.")
+    assert patched_forward.__globals__["apply_rotary_pos_emb"].__module__.startswith("rltrain_kernels.")
     assert type(patched.model.layers[0].self_attn).__name__ == "Qwen2Attention"
 
 

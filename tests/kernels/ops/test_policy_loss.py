@@ -470,7 +470,9 @@ def test_fused_scaled_rows_recomputed(case, device, monkeypatch):
         assert inputs["mask"][0, 0] and logp < -200.0
         inputs["old_logprobs"][0, 0], inputs["ref_logprobs"][0, 0] = logp - 0.3, logp + 0.2   # finite ratio, KL
     expected = run_reference(inputs, **opts)
-    assert_matches(run(inputs, "fused", chunk_config=CHUNKS, **opts), expected, torch.bfloat16, loss_tol=1e-5)
+    # a logp of ≈ −800 carries ~1e-4 of fp32 rounding into its ratio, and so into the loss
+    loss_tol = 1e-5 if case == "every-row" else 1e-4
+    assert_matches(run(inputs, "fused", chunk_config=CHUNKS, **opts), expected, torch.bfloat16, loss_tol=loss_tol)
 
 
 def test_fused_input_errors(device):
