@@ -68,6 +68,12 @@ def _balanced_bounds(total: int, limit: int, align: int) -> list[tuple[int, int]
     return [(start, min(start + size, total)) for start in range(0, total, size)]
 
 
+def fused_forward_blocks(vocab_chunk: int) -> int:
+    """Column blocks per launch of the fused forward (fused.FusedTiles): ≤ vocab_chunk / 3, so its 12 B-per-block
+    partials stay within the cuBLAS path's 4 B-per-logit fp32 tile."""
+    return max(1, vocab_chunk // 3)
+
+
 def shifted_row_bytes(vocab: int, block_n: int = FUSED_BLOCK_N) -> int:
     """Workspace bytes per row of fused.FusedTiles.shifted_workspace (the policy loss' kept logits,
     policy_loss/chunk.ShiftedChunkLogits): fp16 y with its row stride padded to 16 B, plus 12 B of block
@@ -88,7 +94,7 @@ def workspace_bytes(n_tokens: int, vocab: int, hidden_size: int, dtype: torch.dt
         block_n = FUSED_BLOCK_N
         blocks = -(-vocab // block_n)
         dlogits_cols = min(max(block_n, 2 * config.vocab_chunk // block_n * block_n), blocks * block_n)
-        partials = 3 * rows * min(blocks, max(1, config.vocab_chunk // 3)) * 4
+        partials = 3 * rows * min(blocks, fused_forward_blocks(config.vocab_chunk)) * 4
         tile = max(tile, rows * dlogits_cols * 2 if backward else 0, partials)
     accumulator = rows * hidden_size * 4 if backward and dtype != torch.float32 else 0
     return tile + accumulator

@@ -40,7 +40,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rltrain_kernels.ops.linear_logprobs.chunk import (
-    FUSED_BLOCK_N, GemmThenRowPass, _balanced_bounds, shifted_row_bytes,
+    FUSED_BLOCK_N, GemmThenRowPass, _balanced_bounds, fused_forward_blocks, shifted_row_bytes,
 )
 from rltrain_kernels.ops.linear_logprobs.kernel import dlogits_of, merge_lanes
 from rltrain_kernels.utils import triton_interpreted
@@ -384,8 +384,7 @@ class FusedTiles(GemmThenRowPass):
     def vocab_bounds(self, vocab, rows, config, device, backward):
         block_n = self.gemm.block_n
         if not backward:
-            # ≤ vocab_chunk / 3 blocks: the 12 B-per-block partials stay within the fp32 tile's bytes
-            return _balanced_bounds(vocab, max(1, config.vocab_chunk // 3) * block_n, block_n)
+            return _balanced_bounds(vocab, fused_forward_blocks(config.vocab_chunk) * block_n, block_n)
         return wave_fitted_bounds(vocab, rows, 2 * config.vocab_chunk, self.gemm, _multiprocessors(device))
 
     def workspace(self, rows, cols, weight, backward):
