@@ -232,7 +232,8 @@ def tune(n, vocab, hidden_size, rate, iters):
 
 
 # fused.GemmConfig overrides timed by --tune-fused, the default first
-FUSED_CONFIGS = [dict(), dict(flatten=False), dict(subtile=False), dict(group_m=8), dict(num_stages=4)]
+FUSED_CONFIGS = [dict(), dict(flatten=False), dict(warp_specialize=True, flatten=False), dict(subtile=False),
+                 dict(group_m=8), dict(num_stages=4)]
 
 
 def tune_fused(n, vocab, hidden_size, rate, iters):

@@ -182,7 +182,8 @@ def profile_ours(B, T, H, V, config):
 # stores the kept logits and the dlogits pass' program shape timed within 1% of each other, 4 stages, a 128-wide
 # K block and group 8 slower: RESULTS.md, 2026-11-24 fourth and fifth sessions.) 256 × 128 spills 64 B (sm_90
 # compile report), the shipped 128 × 256 none.
-FUSED_CONFIGS = [dict(), dict(block_m=256, block_n=128), dict(group_m=4)]
+FUSED_CONFIGS = [dict(), dict(warp_specialize=True, flatten=False), dict(flatten=False),
+                 dict(block_m=256, block_n=128), dict(group_m=4)]
 
 
 def tune_fused(B, T, H, V, warmup, repeats):

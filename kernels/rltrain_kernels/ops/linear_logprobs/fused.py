@@ -21,7 +21,8 @@ registers:
 So no fp32 logit ever reaches memory: H100, N=8192, V=151936, H=4096 bf16, against cuBLAS + row passes in the
 same run: forward 18.0 → 16.1 ms, forward+backward 68.5 → 58.3 ms (kernels/benchmarks/RESULTS.md, 2026-11-24).
 Without an epilogue the same GEMM ran at cuBLAS' speed (1.03× the floor, an earlier run). Triton 3.6's automatic
-warp specialization on Hopper (`tl.range(warp_specialize=True)`, 4 warps) compiled but hung on the device: unused.
+warp specialization on Hopper (`tl.range(warp_specialize=True)`) at 4 warps hung (an earlier session), failed to
+compile or ran 8× slower; at 8 warps without flatten it runs, but slower here (GemmConfig.warp_specialize, off).
 
 fp32 inputs keep the cuBLAS path (tl.dot would run them as tf32); so do GPUs without TMA (before sm_90) and
 operands TMA cannot address (rows not 16 B aligned). Runs on CPU tensors under TRITON_INTERPRET=1 with small
@@ -86,7 +87,8 @@ def _gemm_stats_kernel(
     a_desc, b_desc, y_desc, y_ptr, stride_y, ref_ptr, run_ptr, labels_ptr, part_ptr, label_z_ptr,
     n_rows, n_cols, hidden_size, n_blocks, vocab_start, inv_temp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr, WITH_ENTROPY: tl.constexpr, FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
+    UPCAST: tl.constexpr, WITH_ENTROPY: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    SUBTILE: tl.constexpr,
     STORE_Y: tl.constexpr, Y_TMA: tl.constexpr, SCALED: tl.constexpr, RUN_FLAG: tl.constexpr,
 ):
     """part [3, n_rows, n_blocks] for block j of row r: 0: max z, 1: Σ_{z<max} e^(z−max) + n_max − 1,
@@ -100,7 +102,8 @@ def _gemm_stats_kernel(
     n_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
     if RUN_FLAG:
         n_tiles = tl.where(tl.load(run_ptr) != 0, n_tiles, 0)
-    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
         acc, rows, cols, pid_m, pid_n = _logits_block(tile, a_desc, b_desc, n_rows, n_cols, hidden_size, BLOCK_M,
                                                       BLOCK_N, BLOCK_K, GROUP_M, UPCAST)
         row_ok = rows < n_rows
@@ -222,10 +225,12 @@ def _gemm_logits_grad_kernel(
     n_rows, n_cols, hidden_size, vocab_start, inv_temp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, HAS_G_LOGPROB: tl.constexpr, HAS_G_ENTROPY: tl.constexpr, FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """out = ∂loss/∂logits in out's dtype (the maths: kernel._logits_grad_kernel, chunk.TorchTiles.logits_grad)."""
     n_tiles = tl.cdiv(n_rows, BLOCK_M) * tl.cdiv(n_cols, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
         acc, rows, cols, _, _ = _logits_block(tile, a_desc, b_desc, n_rows, n_cols, hidden_size, BLOCK_M, BLOCK_N,
                                               BLOCK_K, GROUP_M, UPCAST)
         row_ok = rows < n_rows
@@ -304,6 +309,9 @@ class GemmConfig:
     num_stages: int = 3
     flatten: bool = True       # tl.range(flatten=): one software pipeline across a program's blocks, so the
                                # next block's loads are in flight during this block's epilogue
+    warp_specialize: bool = False   # tl.range(warp_specialize=): a producer warp issues the TMA loads while the
+                                    # others compute. Triton 3.6, H100, 8 warps, no flatten: a bare GEMM 3%
+                                    # faster, these kernels (64–144 B spilled) 1–2% slower: off (RESULTS.md)
     subtile: bool = True       # the forward epilogue in two column halves: 0 spills where the whole block spilled
     y_tma: bool = True         # kept logits (policy loss): stored through a TMA descriptor, else plain stores
     grad_rows: int = 4         # `_shifted_logits_grad_kernel`: rows × columns per program, warps
@@ -412,7 +420,7 @@ class FusedTiles(GemmThenRowPass):
             a_desc, b_desc, y_desc, y, 0 if y is None else y.stride(0), ref, run, labels, part, label_z, rows, cols,
             hidden_t.shape[1], triton.cdiv(cols, g.block_n), vocab_start, inv_temp,
             BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m, UPCAST=triton_interpreted(),
-            WITH_ENTROPY=with_entropy, FLATTEN=g.flatten, SUBTILE=g.subtile, STORE_Y=y is not None, Y_TMA=g.y_tma,
+            WITH_ENTROPY=with_entropy, FLATTEN=g.flatten, WARP_SPECIALIZE=g.warp_specialize, SUBTILE=g.subtile, STORE_Y=y is not None, Y_TMA=g.y_tma,
             SCALED=ref is not None, RUN_FLAG=run is not None, num_warps=g.num_warps, num_stages=g.num_stages)
 
     @staticmethod
@@ -474,7 +482,7 @@ class FusedTiles(GemmThenRowPass):
             rows, cols, hidden_t.shape[1], vocab_start, inv_temp,
             BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m,
             UPCAST=triton_interpreted(), HAS_G_LOGPROB=g_logprob is not None, HAS_G_ENTROPY=g_entropy is not None,
-            FLATTEN=g.flatten, num_warps=g.num_warps, num_stages=g.num_stages)
+            FLATTEN=g.flatten, WARP_SPECIALIZE=g.warp_specialize, num_warps=g.num_warps, num_stages=g.num_stages)
         return dlogits
 
 
