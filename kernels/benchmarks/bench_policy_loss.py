@@ -178,10 +178,11 @@ def profile_ours(B, T, H, V, config):
     print_kernel_times(f"3 bare cuBLAS GEMMs B={B} T={T}", lambda: fwd_bwd(bare(), inputs), queued=True)
 
 
-# GemmConfig overrides timed by --tune-fused (the shipped config first): GEMM 1's block shape and order. (How it
-# stores the kept logits and the dlogits pass' program shape timed within 1% of each other, 4 stages, a 128-wide
-# K block and group 8 slower: RESULTS.md, 2026-11-24 fourth and fifth sessions.) 256 × 128 spills 64 B (sm_90
-# compile report), the shipped 128 × 256 none.
+# GemmConfig overrides timed by --tune-fused (the shipped config first): GEMM 1's loop (Hopper warp specialization,
+# which needs it unflattened), block shape and order. (How it stores the kept logits and the dlogits pass' program
+# shape timed within 1% of each other, 4 stages, a 128-wide K block and group 8 slower: RESULTS.md, 2026-11-24
+# fourth and fifth sessions.) Warp specialization spills 64 B and 256 × 128 blocks 64 B (sm_90 compile report), the
+# shipped config none.
 FUSED_CONFIGS = [dict(), dict(warp_specialize=True, flatten=False), dict(flatten=False),
                  dict(block_m=256, block_n=128), dict(group_m=4)]
 
