@@ -420,8 +420,9 @@ class FusedTiles(GemmThenRowPass):
             a_desc, b_desc, y_desc, y, 0 if y is None else y.stride(0), ref, run, labels, part, label_z, rows, cols,
             hidden_t.shape[1], triton.cdiv(cols, g.block_n), vocab_start, inv_temp,
             BLOCK_M=g.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k, GROUP_M=g.group_m, UPCAST=triton_interpreted(),
-            WITH_ENTROPY=with_entropy, FLATTEN=g.flatten, WARP_SPECIALIZE=g.warp_specialize, SUBTILE=g.subtile, STORE_Y=y is not None, Y_TMA=g.y_tma,
-            SCALED=ref is not None, RUN_FLAG=run is not None, num_warps=g.num_warps, num_stages=g.num_stages)
+            WITH_ENTROPY=with_entropy, FLATTEN=g.flatten, WARP_SPECIALIZE=g.warp_specialize, SUBTILE=g.subtile,
+            STORE_Y=y is not None, Y_TMA=g.y_tma, SCALED=ref is not None, RUN_FLAG=run is not None,
+            num_warps=g.num_warps, num_stages=g.num_stages)
 
     @staticmethod
     def _merge(part, n_blocks, m, u, t):
