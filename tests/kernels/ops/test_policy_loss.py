@@ -456,7 +456,7 @@ def test_fused_keeps_scaled_logits_when_it_can(device):
 def test_fused_scaled_rows_recomputed(case, device, monkeypatch):
     """A row whose label the policy gives p < e^-SAFE_GAP would overflow E = e^(z − z_label): it takes R = lse and
     GEMM 1 is recomputed for its chunk (a launch the GPU runs only then). Every row (SAFE_GAP = 0), or one token
-    whose label is its least likely token and whose logits spread ×40 (logp ≈ −600) among rows that need nothing."""
+    whose label is its least likely token and whose logits spread ×40 (logp ≈ −800) among rows that need nothing."""
     from rltrain_kernels.ops.policy_loss import scaled
 
     inputs = inputs_for("fused", device=device)
