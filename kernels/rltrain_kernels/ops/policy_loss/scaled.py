@@ -72,10 +72,10 @@ def _expm1(x):
 
 
 @triton.jit
-def _label_column_kernel(e_ptr, stride_e, labels_ptr, label_z_ptr, m_ptr, log_sum_ptr, ref_ptr, g_ptr, scale_ptr,
+def _label_column_kernel(e_ptr, stride_e, labels_ptr, logp_ptr, m_ptr, log_sum_ptr, ref_ptr, g_ptr, scale_ptr,
                          n, n_cols, inv_temp, BLOCK: tl.constexpr):
     """a = −g·e^(R − lse)/T per row (0 without a gradient), and E[r, label] = expm1(logp)·e^(lse − R): the one-hot
-    folded into the kept logits, from logp's exact form (label_z − m) − log Σ."""
+    folded into the kept logits, from the finalized logp (its exact form (label_z − m) − log Σ)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inb = offs < n
     m = tl.load(m_ptr + offs, mask=inb, other=0.0)
@@ -85,7 +85,7 @@ def _label_column_kernel(e_ptr, stride_e, labels_ptr, label_z_ptr, m_ptr, log_su
     has_grad = inb & (g != 0.0)
     tl.store(scale_ptr + offs, tl.where(has_grad, -g * inv_temp * tl.exp(-tl.where(has_grad, gap, 0.0)), 0.0), mask=inb)
     label = tl.load(labels_ptr + offs, mask=inb, other=-1)
-    logp = (tl.load(label_z_ptr + offs, mask=inb, other=0.0) - m) - log_sum
+    logp = tl.load(logp_ptr + offs, mask=inb, other=0.0)
     value = _expm1(tl.minimum(logp, 0.0)) * tl.exp(tl.where(has_grad, gap, 0.0))
     ok = has_grad & (label >= 0) & (label < n_cols)
     tl.store(e_ptr + offs * stride_e + label, value.to(e_ptr.dtype.element_ty), mask=ok)
@@ -112,10 +112,10 @@ class ScaledChunkLogits(ShiftedChunkLogits):
                                          BLOCK_H=min(DOT_BLOCK, triton.next_power_of_2(hidden_c.shape[1])))
         self.fused.fold_and_keep(hidden_c, weight, e if keep else None, part, labels_c, inv_temp, c.m, c.u, c.t,
                                  c.label_z, fold=fold, ref=ref if keep else None)
-        return e, part, ref, scale[:rows], flag, hidden_c, labels_c
+        return e, part, ref, scale[:rows], flag, hidden_c
 
     def dlogits(self, kept, weight, labels_c, c, inv_temp):
-        e, part, ref, scale, flag, hidden_c, labels_c = kept
+        e, part, ref, scale, flag, hidden_c = kept
         rows = e.shape[0]
         grid = (triton.cdiv(rows, ROW_BLOCK),)
         flag.zero_()
@@ -123,6 +123,6 @@ class ScaledChunkLogits(ShiftedChunkLogits):
         # the recompute for rows that took R = lse: the same GEMM 1, skipped on the GPU while the flag is 0
         self.fused.fold_and_keep(hidden_c, weight, e, part, labels_c, inv_temp, c.m, c.u, None, c.label_z,
                                  fold=False, ref=ref, run=flag)
-        _label_column_kernel[grid](e, e.stride(0), labels_c, c.label_z, c.m, c.log_sum, ref, c.g_logp, scale, rows,
+        _label_column_kernel[grid](e, e.stride(0), labels_c, c.logp, c.m, c.log_sum, ref, c.g_logp, scale, rows,
                                    e.shape[1], inv_temp, BLOCK=ROW_BLOCK, num_warps=4)
         return e, scale
