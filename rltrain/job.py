@@ -6,6 +6,7 @@ values) before any work starts, with errors that name the key (`rollout.n: must 
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from rltrain.algorithms.config import AlgorithmConfig
@@ -15,6 +16,7 @@ from rltrain.embedded.task import TaskConfig
 from rltrain.rewards.plugin import load_reward_fn
 from rltrain.tracking import LOGGERS
 from rltrain.workers.actor import ActorConfig
+from rltrain.workers.attention import ATTN_IMPLEMENTATIONS
 from rltrain.workers.reward import RewardConfig
 from rltrain.workers.rollout import RolloutConfig
 
@@ -50,11 +52,17 @@ class TrainerConfig:
 class ModelConfig:
     path: str | None = None          # a local transformers model directory; null = the embedded default
     dtype: str = "float32"           # float32 | bfloat16 | float16
+    attn_implementation: str = "auto"   # auto (= sdpa) | sdpa | eager | flash_attention_2 | flex_attention
     embedded: EmbeddedModelConfig = field(default_factory=EmbeddedModelConfig)
 
     def validate(self):
         require(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16",
                 self.dtype)
+        require(self.attn_implementation in ATTN_IMPLEMENTATIONS, "attn_implementation",
+                f"must be one of {', '.join(ATTN_IMPLEMENTATIONS)}", self.attn_implementation)
+        require(self.attn_implementation != "flash_attention_2" or importlib.util.find_spec("flash_attn") is not None,
+                "attn_implementation", "'flash_attention_2' needs the flash-attn package, which is not installed; "
+                "auto (SDPA, with torch's varlen flash attention for packed batches) needs none")
 
 
 @dataclass

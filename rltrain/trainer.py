@@ -135,7 +135,8 @@ class GRPOTrainer:
         share, sharded = 1 / model_roles, job.actor.strategy == "fsdp2"
         self.placement = place_model_roles(job.trainer.nnodes, job.trainer.n_gpus_per_node, self.device,
                                            job.ray.placement_timeout_s)
-        common = dict(model_path=self.model_dir, dtype=job.model.dtype, kernel_config=kernels, device=self.device)
+        common = dict(model_path=self.model_dir, dtype=job.model.dtype, kernel_config=kernels, device=self.device,
+                      attn_implementation=job.model.attn_implementation)
         temperature = job.rollout.temperature
         self.actor = start_role(FSDPActorWorker if sharded else ActorWorker, self.placement, share, sharded,
                                 config=job.actor, loss=job.algorithm.loss, temperature=temperature,
@@ -144,7 +145,7 @@ class GRPOTrainer:
         self.reference = None
         if job.algorithm.loss.kl_coef > 0:
             self.reference = start_role(FSDPReferenceWorker if sharded else ReferenceWorker, self.placement, share,
-                                        sharded, temperature=temperature, micro_batch_size=job.actor.micro_batch_size,
+                                        sharded, temperature=temperature, batching=job.actor.micro_batching,
                                         **(dict(fsdp=job.actor.fsdp) if sharded else {}), **common)
         self.reward = ray.remote(RewardWorker).options(num_cpus=0).remote(job.reward, self.model_dir)
 

@@ -10,8 +10,11 @@ from tensordict import TensorDict
 
 from rltrain.algorithms.config import LossConfig
 from rltrain.config import require
-from rltrain.workers.batch import response_hidden, split
-from rltrain.workers.policy import load_policy, plan_buckets, response_logprobs, set_threads
+from rltrain.workers.batch import split
+from rltrain.workers.packing import MicroBatching, Packing
+from rltrain.workers.policy import (
+    load_policy, plan_buckets, policy_hidden, resolve_batching, response_logprobs, set_threads,
+)
 
 STRATEGIES = ("single", "fsdp2")
 
@@ -40,6 +43,8 @@ class ActorConfig:
     grad_clip: float = 1.0
     mini_batch_size: int = 0     # responses per optimizer step; 0 = the whole batch (one step per RL step)
     micro_batch_size: int = 64   # responses per forward/backward (gradient accumulation inside a mini-batch)
+    use_remove_padding: bool = True          # pack each micro-batch's sequences into one row (no padding)
+    max_tokens_per_micro_batch: int = 16384  # packed: micro-batches by token budget; 0 = micro_batch_size rows
     torch_threads: int = 0       # 0 = all cores
     strategy: str = "single"     # single: one process | fsdp2: trainer.nnodes × n_gpus_per_node sharded ranks
     gradient_checkpointing: bool = False
@@ -53,22 +58,30 @@ class ActorConfig:
         require(self.grad_clip > 0, "grad_clip", "must be > 0", self.grad_clip)
         require(self.mini_batch_size >= 0, "mini_batch_size", "must be >= 0", self.mini_batch_size)
         require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1", self.micro_batch_size)
+        require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", "must be >= 0 (0 = by rows)",
+                self.max_tokens_per_micro_batch)
+
+    @property
+    def micro_batching(self) -> MicroBatching:
+        return MicroBatching(self.micro_batch_size, self.use_remove_padding, self.max_tokens_per_micro_batch)
 
 
 class ActorWorker:
     def __init__(self, config: ActorConfig, loss: LossConfig, model_path: str, dtype: str,
-                 kernel_config: dict | None, temperature: float, device: str = "cpu", seed: int = 0):
+                 kernel_config: dict | None, temperature: float, device: str = "cpu", seed: int = 0,
+                 attn_implementation: str = "auto"):
         set_threads(config.torch_threads)
         torch.manual_seed(seed)
         self.config, self.loss, self.temperature, self.device = config, loss, temperature, device
-        self.model = load_policy(model_path, dtype, kernel_config, device)
+        self.model = load_policy(model_path, dtype, kernel_config, device, attn_implementation)
+        self.batching = resolve_batching(self.model, config.micro_batching)
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
     def compute_logprobs(self, batch: TensorDict) -> torch.Tensor:
-        return response_logprobs(self.model, batch, self.temperature, self.config.micro_batch_size)
+        return response_logprobs(self.model, batch, self.temperature, self.batching)
 
     def update(self, batch: TensorDict) -> dict[str, float]:
         """One pass over `batch` in mini-batches (an optimizer step each). Returns averaged metrics."""
@@ -83,8 +96,6 @@ class ActorWorker:
         return {f"actor/{k}": v / steps for k, v in totals.items()}
 
     def _optimizer_step(self, mini_batch: TensorDict) -> dict[str, float]:
-        from rltrain_kernels import fused_policy_loss
-
         loss_cfg = self.loss
         mask = mini_batch["response_mask"]
         n_tokens = mask.sum().item()
@@ -99,14 +110,7 @@ class ActorWorker:
         for micro in self._micro_batches(mini_batch):
             micro_tokens = micro["response_mask"].sum().item()
             micro_seqs = int((micro["response_mask"].sum(1) > 0).sum())
-            out = self._run_head(micro, lambda hidden, weight, micro=micro: fused_policy_loss(
-                hidden, weight, micro["response_ids"], micro["response_mask"],
-                weighted_advantages(micro), micro["old_logprobs"],
-                micro["ref_logprobs"] if "ref_logprobs" in micro.keys() else None,
-                clip_low=loss_cfg.clip_low, clip_high=loss_cfg.clip_high, dual_clip=loss_cfg.dual_clip,
-                kl_coef=loss_cfg.kl_coef, kl_type=loss_cfg.kl_type, entropy_coef=loss_cfg.entropy_coef,
-                loss_agg=loss_cfg.loss_agg, importance_level=loss_cfg.importance_level,
-                temperature=self.temperature, **norm))
+            out = self._policy_loss(micro, norm)
             # token-mean is normalised by the mini-batch's token count already; the sequence means are per
             # micro-batch: over its sequences with tokens (seq-mean-*) or over all its rows (Dr.GRPO's B·norm_len)
             scale = {"token-mean": 1.0, "seq-mean-token-sum-norm": micro.batch_size[0] / mini_batch.batch_size[0]
@@ -121,14 +125,40 @@ class ActorWorker:
         sums["grad_norm"] = float(grad_norm)
         return sums
 
+    def _policy_loss(self, micro: TensorDict, norm: dict):
+        """fused_policy_loss of one micro-batch, on its packed row (cu_seqlens) or its padded rows. GSPO's
+        sequence ratio takes rows: its packed hidden states are gathered into them (one [B, R, H] copy)."""
+        from rltrain_kernels import fused_policy_loss
+
+        loss_cfg = self.loss
+        options = dict(clip_low=loss_cfg.clip_low, clip_high=loss_cfg.clip_high, dual_clip=loss_cfg.dual_clip,
+                       kl_coef=loss_cfg.kl_coef, kl_type=loss_cfg.kl_type, entropy_coef=loss_cfg.entropy_coef,
+                       loss_agg=loss_cfg.loss_agg, importance_level=loss_cfg.importance_level,
+                       temperature=self.temperature, **norm)
+        fields = [micro["response_ids"], micro["response_mask"], weighted_advantages(micro), micro["old_logprobs"],
+                  micro["ref_logprobs"] if "ref_logprobs" in micro.keys() else None]
+        packing = Packing.of(micro) if self.batching.packed else None
+        to_rows = packing is not None and loss_cfg.importance_level == "sequence"
+        if packing is not None and not to_rows:
+            ids, mask, *values = fields
+            fields = [packing.labels(ids, mask), packing.tokens(mask)] + \
+                     [None if v is None else packing.tokens(v.float()) for v in values]
+            options["cu_seqlens"] = packing.cu_seqlens
+
+        def head(hidden, weight):
+            return fused_policy_loss(packing.response_rows(hidden) if to_rows else hidden, weight, *fields,
+                                     **options)
+
+        return self._run_head(micro, packing, head)
+
     # the four steps FSDPActorWorker (rltrain/workers/fsdp.py) does differently: this rank's micro-batches, the
     # model + loss head inside the sharded root's forward, the global gradient norm, metrics summed over ranks
     def _micro_batches(self, mini_batch: TensorDict) -> list[TensorDict]:
-        return [micro.to(self.device) for micro in split(mini_batch, self.config.micro_batch_size)]
+        return [mini_batch[rows].to(self.device) for rows in self.batching.groups(mini_batch)]
 
-    def _run_head(self, micro: TensorDict, head):
-        """head(response hidden states, LM head weight) for one micro-batch."""
-        return head(response_hidden(self.model, micro), self.model.get_output_embeddings().weight)
+    def _run_head(self, micro: TensorDict, packing: Packing | None, head):
+        """head(hidden states, LM head weight) for one micro-batch (policy_hidden's layout)."""
+        return head(policy_hidden(self.model, micro, packing), self.model.get_output_embeddings().weight)
 
     def _clip_grad_norm(self) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)

@@ -1,12 +1,13 @@
 """FSDP2 actor and reference (`actor.strategy=fsdp2`): one rank per placement-group bundle (rltrain/workers/group.py),
 the model sharded with torch's `fully_shard` (each decoder layer a unit, the rest in the root), data parallel over
-the ranks. Every rank receives the whole batch and takes its own contiguous rows.
+the ranks. Every rank receives the whole batch and takes its own share of the rows (contiguous rows, or, with packed
+micro-batches, a share balanced by tokens: rltrain/workers/packing.py).
 
 Gradients equal the single-process ones: every normaliser (token count, sequence count, rows) is the mini-batch's
 global one, which each rank computes from the whole batch, the per-rank losses are partial sums of the global loss,
 and the reduce-scatter sums (divide factor 1) instead of averaging. FSDP's collectives must pair up across ranks, so
-each rank runs as many micro-batches as rank 0 (which has the most rows), padding with one-row micro-batches whose
-response mask is zero (loss and gradient 0). The model and the loss head run inside the forward of the sharded root
+each rank runs as many micro-batches as the rank with the most, padding with one-row micro-batches whose response
+mask is zero (loss and gradient 0). The model and the loss head run inside the forward of the sharded root
 (`PolicyWithHead`), so the embeddings and the LM head weight are gathered while the loss uses them and no logits are
 materialised. tests/rltrain/workers/test_fsdp.py checks the gradients against the single process over gloo.
 
@@ -33,8 +34,8 @@ from torch.distributed.tensor import DTensor
 from rltrain.algorithms.config import LossConfig
 from rltrain.config import ConfigError
 from rltrain.workers.actor import ActorConfig, ActorWorker, FSDPConfig
-from rltrain.workers.batch import IGNORE_INDEX, response_hidden, split
-from rltrain.workers.policy import load_policy, set_threads
+from rltrain.workers.packing import MicroBatching, balanced_groups, response_lengths, sequence_lengths
+from rltrain.workers.policy import load_policy, micro_logprobs, policy_hidden, resolve_batching, set_threads
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +51,8 @@ class PolicyWithHead(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, micro: TensorDict, head):
-        return head(response_hidden(self.model, micro), self.model.get_output_embeddings().weight)
+    def forward(self, micro: TensorDict, packing, head):
+        return head(policy_hidden(self.model, micro, packing), self.model.get_output_embeddings().weight)
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: str):
@@ -100,55 +101,64 @@ def shard_policy(model, mesh, device: str, config: FSDPConfig) -> PolicyWithHead
     return root
 
 
-def rank_micro_batches(batch: TensorDict, rank: int, world_size: int, micro_batch_size: int):
-    """(micro-batches, how many are real): this rank's contiguous rows of `batch` (sizes differ by at most one, rank
-    0's the largest) in micro-batches, padded to rank 0's count with one-row micro-batches whose response mask is 0."""
-    rows = torch.arange(batch.batch_size[0]).tensor_split(world_size)
-    count = -(-len(rows[0]) // micro_batch_size)
-    mine = rows[rank]
-    micros = split(batch[int(mine[0]):int(mine[-1]) + 1], micro_batch_size) if len(mine) else []
-    real = len(micros)
-    if real < count:
-        filler = batch[:1].clone()
-        filler["response_mask"] = torch.zeros_like(filler["response_mask"])
-        micros += [filler] * (count - real)
-    return micros, real
+def rank_micro_batches(batch: TensorDict, rank: int, world_size: int, batching: MicroBatching):
+    """(this rank's micro-batches as row indices of `batch`, how many micro-batches every rank runs: the most any
+    rank has). Rows go to ranks contiguously (sizes differ by at most one), or, packed, balanced by tokens; each
+    rank then cuts its share as `batching` says."""
+    if batching.packed:
+        scored = (response_lengths(batch) > 0).nonzero().flatten()
+        lengths = sequence_lengths(batch)[scored].tolist()
+        shares = [scored[torch.tensor(g, dtype=torch.long)] for g in balanced_groups(lengths, world_size)]
+    else:
+        shares = list(torch.arange(batch.batch_size[0]).tensor_split(world_size))
+    per_rank = [[share[g] for g in batching.groups(batch[share])] if len(share) else [] for share in shares]
+    return per_rank[rank], max(len(groups) for groups in per_rank)
 
 
 class ShardedPolicy:
     """What the FSDP2 actor and reference share: joining the group, loading and sharding, sharded log-probs."""
 
     def _setup(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, dtype: str,
-               kernel_config: dict | None, device: str, fsdp: FSDPConfig, checkpointing: bool = False):
+               kernel_config: dict | None, device: str, fsdp: FSDPConfig, batching: MicroBatching,
+               attn_implementation: str, checkpointing: bool = False):
         self.rank, self.world_size, self.device = rank, world_size, device
         mesh = init_distributed(rank, world_size, master_addr, master_port, device)
-        self.model = load_policy(model_path, dtype, kernel_config, "cpu")
+        self.model = load_policy(model_path, dtype, kernel_config, "cpu", attn_implementation)
+        self.batching = resolve_batching(self.model, batching)
         if checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.root = shard_policy(self.model, mesh, device, fsdp)
         logger.info("rank %d/%d: sharded %s over %s", rank, world_size, type(self.model).__name__, device)
 
-    def _rank_micro_batches(self, batch: TensorDict, micro_batch_size: int):
-        micros, real = rank_micro_batches(batch, self.rank, self.world_size, micro_batch_size)
-        return [m.to(self.device) for m in micros], real
+    def _rank_micro_batches(self, batch: TensorDict) -> tuple[list[torch.Tensor], list[TensorDict]]:
+        """(this rank's row indices per micro-batch, its micro-batches on the device): as many as every rank runs,
+        FSDP's collectives pairing up across ranks, padded with one-row micro-batches whose response mask is 0."""
+        rows, count = rank_micro_batches(batch, self.rank, self.world_size, self.batching)
+        micros = [batch[r] for r in rows]
+        if len(micros) < count:
+            filler = batch[:1].clone()
+            filler["response_mask"] = torch.zeros_like(filler["response_mask"])
+            micros += [filler] * (count - len(micros))
+        return rows, [m.to(self.device) for m in micros]
 
     @torch.no_grad()
-    def _sharded_logprobs(self, batch: TensorDict, temperature: float, micro_batch_size: int):
+    def _sharded_logprobs(self, batch: TensorDict, temperature: float):
         """Response log-probs of the whole batch on rank 0 (None elsewhere), each rank computing its own rows."""
-        from rltrain_kernels import linear_logprobs
-
-        def head(micro):
-            labels = micro["response_ids"].masked_fill(micro["response_mask"] == 0, IGNORE_INDEX)
-            return lambda hidden, weight: linear_logprobs(hidden, weight, labels, temperature=temperature,
-                                                          return_entropy=False)[0]
-
-        micros, real = self._rank_micro_batches(batch, micro_batch_size)
-        logps = [self.root(micro, head(micro)).float().cpu() for micro in micros][:real]
+        rows, micros = self._rank_micro_batches(batch)
+        logps = [micro_logprobs(self.model, micro, self.batching.packed, temperature, head=self.root).float().cpu()
+                 for micro in micros][:len(rows)]
         self.root.reshard()  # the root stays unsharded after a forward that no backward follows
-        local = torch.cat(logps) if logps else torch.zeros(0, batch["response_ids"].shape[1])
+        width = batch["response_ids"].shape[1]
+        local = (torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long),
+                 torch.cat(logps) if logps else torch.zeros(0, width))
         gathered = [None] * self.world_size
         dist.all_gather_object(gathered, local)
-        return torch.cat(gathered) if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        out = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
+        for index, values in gathered:
+            out[index] = values
+        return out * (batch["response_mask"] != 0)
 
 
 class FSDPActorWorker(ShardedPolicy, ActorWorker):
@@ -156,27 +166,27 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config: ActorConfig,
                  loss: LossConfig, model_path: str, dtype: str, kernel_config: dict | None, temperature: float,
-                 device: str = "cpu", seed: int = 0):
+                 device: str = "cpu", seed: int = 0, attn_implementation: str = "auto"):
         set_threads(config.torch_threads)
         torch.manual_seed(seed)
         self.config, self.loss, self.temperature = config, loss, temperature
         self._setup(rank, world_size, master_addr, master_port, model_path, dtype, kernel_config, device,
-                    config.fsdp, config.gradient_checkpointing)
+                    config.fsdp, config.micro_batching, attn_implementation, config.gradient_checkpointing)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.root.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
     def compute_logprobs(self, batch: TensorDict) -> torch.Tensor | None:
-        return self._sharded_logprobs(batch, self.temperature, self.config.micro_batch_size)
+        return self._sharded_logprobs(batch, self.temperature)
 
     def update(self, batch: TensorDict) -> dict[str, float] | None:
         metrics = super().update(batch)
         return metrics if self.rank == 0 else None
 
     def _micro_batches(self, mini_batch: TensorDict) -> list[TensorDict]:
-        return self._rank_micro_batches(mini_batch, self.config.micro_batch_size)[0]
+        return self._rank_micro_batches(mini_batch)[1]
 
-    def _run_head(self, micro: TensorDict, head):
-        return self.root(micro, head)
+    def _run_head(self, micro: TensorDict, packing, head):
+        return self.root(micro, packing, head)
 
     def _clip_grad_norm(self) -> torch.Tensor:
         params = [p for p in self.root.parameters() if p.grad is not None]
@@ -245,12 +255,13 @@ class FSDPReferenceWorker(ShardedPolicy):
     """The frozen reference, sharded like the actor: response log-probs for the KL term."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, dtype: str,
-                 kernel_config: dict | None, temperature: float, micro_batch_size: int, fsdp: FSDPConfig,
-                 device: str = "cpu", torch_threads: int = 0):
+                 kernel_config: dict | None, temperature: float, batching: MicroBatching, fsdp: FSDPConfig,
+                 device: str = "cpu", torch_threads: int = 0, attn_implementation: str = "auto"):
         set_threads(torch_threads)
-        self.temperature, self.micro_batch_size = temperature, micro_batch_size
-        self._setup(rank, world_size, master_addr, master_port, model_path, dtype, kernel_config, device, fsdp)
+        self.temperature = temperature
+        self._setup(rank, world_size, master_addr, master_port, model_path, dtype, kernel_config, device, fsdp,
+                    batching, attn_implementation)
         self.model.eval().requires_grad_(False)
 
     def compute_logprobs(self, batch: TensorDict) -> torch.Tensor | None:
-        return self._sharded_logprobs(batch, self.temperature, self.micro_batch_size)
+        return self._sharded_logprobs(batch, self.temperature)

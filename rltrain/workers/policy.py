@@ -1,5 +1,6 @@
-"""What every role holding a policy copy shares: loading it (with the configured kernels swapped in) and
-computing per-token log-probs of responses with `rltrain_kernels.linear_logprobs` (no logits materialised)."""
+"""What every role holding a policy copy shares: loading it (its attention implementation chosen, the configured
+kernels swapped in), running it on padded rows or a packed row, and computing per-token log-probs of responses with
+`rltrain_kernels.linear_logprobs` (no logits materialised)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import os
 import torch
 from tensordict import TensorDict
 
-from rltrain.workers.batch import IGNORE_INDEX, response_hidden, split
+from rltrain.workers.attention import packed_attention, resolve_attn_implementation, varlen_kwargs
+from rltrain.workers.batch import IGNORE_INDEX, response_hidden
+from rltrain.workers.packing import MicroBatching, Packing
 
 logger = logging.getLogger(__name__)
 
@@ -20,32 +23,79 @@ def set_threads(num_threads: int) -> None:
     torch.set_num_threads(num_threads if num_threads > 0 else max(1, os.cpu_count() or 1))
 
 
-def load_policy(path: str, dtype: str, kernel_config: dict | None, device: str):
+def load_policy(path: str, dtype: str, kernel_config: dict | None, device: str, attn_implementation: str = "auto"):
     import transformers as tf
     from rltrain_kernels.registry import apply_kernel_config
 
     tf.utils.logging.disable_progress_bar()  # one bar per load and save per worker is noise in the run's log
-    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="eager")
+    attn = resolve_attn_implementation(attn_implementation)
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn)
     model.to(device)
     applied = apply_kernel_config(model, kernel_config)
-    logger.info("loaded policy %s (%s) on %s; kernels: %s", path, dtype, device, applied or "none")
+    logger.info("loaded policy %s (%s, %s attention) on %s; kernels: %s", path, dtype, attn, device,
+                applied or "none")
     return model
 
 
-def response_logprobs(model, batch: TensorDict, temperature: float, micro_batch_size: int) -> torch.Tensor:
-    """log p(response token) under `model` at `temperature`, [B, R] fp32 on the CPU (0 where masked)."""
+def can_pack(model) -> bool:
+    """Whether every layer of `model` mixes tokens through attention, which takes cu_seqlens. Linear-attention
+    layers reached through transformers (Qwen3-Next's Gated DeltaNet) take no sequence boundaries there, so a
+    packed row would carry state from one sequence into the next: such models run on padded rows."""
+    layer_types = getattr(model.config, "layer_types", None) or ()
+    return all(kind in ("full_attention", "sliding_attention") for kind in layer_types)
+
+
+def resolve_batching(model, batching: MicroBatching) -> MicroBatching:
+    """`batching`, unpacked (with one log line) where the model cannot take a packed row."""
+    if batching.packed and not can_pack(model):
+        logger.warning("actor.use_remove_padding: %s has layers that take no sequence boundaries (layer_types "
+                       "%s); running padded rows", type(model).__name__, sorted(set(model.config.layer_types)))
+        return MicroBatching(batching.rows, False, batching.max_tokens)
+    return batching
+
+
+def packed_hidden(model, packing: Packing) -> torch.Tensor:
+    """Final hidden states of a packed row, [1, T, H] (position t predicts the token at t + 1)."""
+    with packed_attention(model):
+        return model.base_model(input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False,
+                                **varlen_kwargs(packing.cu_seqlens, packing.max_seqlen)).last_hidden_state
+
+
+def policy_hidden(model, micro: TensorDict, packing: Packing | None) -> torch.Tensor:
+    """The hidden states a loss head takes: [1, T, H] of the packed row, or [B, R, H] at the padded rows'
+    response-predicting positions."""
+    return response_hidden(model, micro) if packing is None else packed_hidden(model, packing)
+
+
+def micro_logprobs(model, micro: TensorDict, packed: bool, temperature: float, head=None) -> torch.Tensor:
+    """log p(response token) of one micro-batch (on the model's device), [B, R] fp32, 0 where masked. `head`
+    (FSDP2) runs the model and a (hidden, weight) → result function in one sharded forward."""
     from rltrain_kernels import linear_logprobs
 
-    weight = model.get_output_embeddings().weight
-    logps = []
+    packing = Packing.of(micro) if packed else None
+    if packing is None:
+        labels = micro["response_ids"].masked_fill(micro["response_mask"] == 0, IGNORE_INDEX)
+    else:
+        labels = packing.labels(micro["response_ids"], micro["response_mask"])
+
+    def logprobs(hidden, weight):
+        return linear_logprobs(hidden, weight, labels, temperature=temperature, return_entropy=False)[0]
+
+    if head is None:
+        logp = logprobs(policy_hidden(model, micro, packing), model.get_output_embeddings().weight)
+    else:
+        logp = head(micro, packing, logprobs)
+    return logp if packing is None else packing.rows(logp)
+
+
+def response_logprobs(model, batch: TensorDict, temperature: float, batching: MicroBatching) -> torch.Tensor:
+    """log p(response token) under `model` at `temperature`, [B, R] fp32 on the CPU (0 where masked)."""
+    device = model.get_output_embeddings().weight.device
+    out = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
     with torch.no_grad():
-        for micro in split(batch, micro_batch_size):
-            micro = micro.to(weight.device)
-            labels = micro["response_ids"].masked_fill(micro["response_mask"] == 0, IGNORE_INDEX)
-            logp, _ = linear_logprobs(response_hidden(model, micro), weight, labels, temperature=temperature,
-                                      return_entropy=False)
-            logps.append(logp.cpu())
-    return torch.cat(logps)
+        for rows in batching.groups(batch):
+            out[rows] = micro_logprobs(model, batch[rows].to(device), batching.packed, temperature).float().cpu()
+    return out * (batch["response_mask"] != 0)
 
 
 def plan_buckets(state_dict: dict[str, torch.Tensor], bucket_mb: int) -> list[list[str]]:

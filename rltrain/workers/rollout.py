@@ -56,14 +56,14 @@ class RolloutConfig:
 
 class RolloutWorker:
     def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: dict | None,
-                 device: str = "cpu"):
+                 device: str = "cpu", attn_implementation: str = "auto"):
         set_threads(config.torch_threads)
         if config.engine == "vllm":
             from rltrain.workers.vllm_engine import VLLMEngine
 
             self.engine = VLLMEngine(config, model_path, dtype, device)
         else:
-            self.engine = HFEngine(config, model_path, dtype, kernel_config, device)
+            self.engine = HFEngine(config, model_path, dtype, kernel_config, device, attn_implementation)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
                  seed: int) -> TensorDict:
@@ -93,9 +93,9 @@ class RolloutWorker:
 
 class HFEngine:
     def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: dict | None,
-                 device: str):
+                 device: str, attn_implementation: str = "auto"):
         self.config = config
-        self.model = load_policy(model_path, dtype, kernel_config, device)
+        self.model = load_policy(model_path, dtype, kernel_config, device, attn_implementation)
         self.model.eval()
         self.device = device
         generation = self.model.generation_config

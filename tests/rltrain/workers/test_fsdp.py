@@ -2,7 +2,8 @@
 gradients after an update, metrics, sharded old/reference log-probs, the gathered weights and optimizer state after
 the step, and loading a single-process checkpoint into the shards. Cases cover uneven micro-batches (a rank with
 fewer micro-batches than rank 0 runs padding ones), a rank with no rows, two mini-batches, each loss aggregation,
-the KL term and gradient checkpointing. One spawn runs every case (~30 s in all on 2 cores, mostly process start and
+the KL term, gradient checkpointing, and packed micro-batches cut by a token budget (rows shared by tokens; the
+sharded reference packed against the single process's padded one). One spawn runs every case (~30 s in all on 2 cores, mostly process start and
 imports). With 2 GPUs (@pytest.mark.gpu) the same cases run over NCCL, fp32 and bf16 mixed precision, the latter
 also with the shards, gradients and optimizer state offloaded to the CPU (actor.fsdp.cpu_offload)."""
 
@@ -21,20 +22,27 @@ from rltrain.embedded.model import embedded_policy_dir
 from rltrain.embedded.task import make_rows
 from rltrain.workers.actor import ActorConfig, ActorWorker, FSDPConfig
 from rltrain.workers.fsdp import rank_micro_batches
+from rltrain.workers.packing import MicroBatching
 from rltrain.workers.reference import ReferenceWorker
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from tests.rltrain.tiny_job import tiny_job
 
 WORLD = 2
-# id: (rows, micro_batch_size, mini_batch_size, loss_agg, kl_coef, gradient checkpointing on the FSDP2 side)
+# id: (rows, micro_batch_size, mini_batch_size, loss_agg, kl_coef, gradient checkpointing on the FSDP2 side,
+#      packed token budget: None = padded rows of micro_batch_size)
 CASES = {
-    "rows11-micro5-token-mean": (11, 5, 0, "token-mean", 0.0, False),   # rank 1 runs one padding micro-batch
-    "rows11-micro5-seq-mean-token-mean": (11, 5, 0, "seq-mean-token-mean", 0.0, False),
-    "rows11-micro5-seq-mean-token-sum-norm-kl": (11, 5, 0, "seq-mean-token-sum-norm", 0.1, False),
-    "rows12-micro2-mini7-token-mean-kl": (12, 2, 7, "token-mean", 0.1, False),  # 2 optimizer steps, the 2nd uneven
-    "rows1-micro4-token-mean": (1, 4, 0, "token-mean", 0.0, False),   # rank 1 has no rows at all
-    "rows8-micro3-token-mean-checkpointing": (8, 3, 0, "token-mean", 0.0, True),
+    "rows11-micro5-token-mean": (11, 5, 0, "token-mean", 0.0, False, None),   # rank 1 runs one padding micro-batch
+    "rows11-micro5-seq-mean-token-mean": (11, 5, 0, "seq-mean-token-mean", 0.0, False, None),
+    "rows11-micro5-seq-mean-token-sum-norm-kl": (11, 5, 0, "seq-mean-token-sum-norm", 0.1, False, None),
+    "rows12-micro2-mini7-token-mean-kl": (12, 2, 7, "token-mean", 0.1, False, None),  # 2 optimizer steps
+    "rows1-micro4-token-mean": (1, 4, 0, "token-mean", 0.0, False, None),   # rank 1 has no rows at all
+    "rows8-micro3-token-mean-checkpointing": (8, 3, 0, "token-mean", 0.0, True, None),
+    "rows11-packed30-token-mean-kl": (11, 0, 0, "token-mean", 0.1, False, 30),
+    "rows11-packed20-seq-mean-token-mean": (11, 0, 0, "seq-mean-token-mean", 0.0, False, 20),
+    "rows1-packed30-token-mean": (1, 0, 0, "token-mean", 0.0, False, 30),   # rank 1 has no rows at all
 }
+# the reference: padded rows in the single process, packed rows (token budget) under FSDP2
+SINGLE_REFERENCE, SHARDED_REFERENCE = MicroBatching(rows=3, packed=False), MicroBatching(packed=True, max_tokens=25)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -42,9 +50,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _configs(case, sharded: bool):
-    rows, micro, mini, loss_agg, kl, checkpointing = CASES[case]
-    actor = ActorConfig(micro_batch_size=micro, mini_batch_size=mini, torch_threads=1,
-                        strategy="fsdp2" if sharded else "single", gradient_checkpointing=checkpointing and sharded)
+    rows, micro, mini, loss_agg, kl, checkpointing, budget = CASES[case]
+    # the single process runs padded rows in one micro-batch of the whole mini-batch when the case packs
+    packed = budget is not None
+    actor = ActorConfig(micro_batch_size=micro or 64, mini_batch_size=mini, torch_threads=1,
+                        strategy="fsdp2" if sharded else "single", gradient_checkpointing=checkpointing and sharded,
+                        use_remove_padding=packed and sharded, max_tokens_per_micro_batch=budget or 0)
     return rows, actor, LossConfig(loss_agg=loss_agg, kl_coef=kl)
 
 
@@ -56,7 +67,7 @@ def _rank_main(rank, port, device, mixed_precision, cpu_offload, model_dir, batc
 
     fsdp = FSDPConfig(mixed_precision=mixed_precision, cpu_offload=cpu_offload)
     reference = FSDPReferenceWorker(rank, WORLD, "127.0.0.1", port, model_dir, "float32", None, 1.0,
-                                    micro_batch_size=3, fsdp=fsdp, device=device, torch_threads=1)
+                                    SHARDED_REFERENCE, fsdp=fsdp, device=device, torch_threads=1)
     for case, batch in batches.items():
         _, config, loss = _configs(case, sharded=True)
         config.fsdp = fsdp
@@ -91,7 +102,7 @@ def run_cases(root, device: str, mixed_precision: bool, cpu_offload: bool = Fals
     for case in CASES:
         rows, config, loss = _configs(case, sharded=False)
         actor = ActorWorker(config, loss, model_dir, "float32", None, temperature=1.0, device=device)
-        reference = ReferenceWorker(model_dir, "float32", None, 1.0, micro_batch_size=3, device=device,
+        reference = ReferenceWorker(model_dir, "float32", None, 1.0, SINGLE_REFERENCE, device=device,
                                     torch_threads=1)
         batch = full[:rows].clone()
         old, ref = actor.compute_logprobs(batch), reference.compute_logprobs(batch)
@@ -175,12 +186,22 @@ def test_fsdp2_over_nccl_matches_single_process(tmp_path, precision):
         check_case(*results[case], TOLERANCES["cuda-fp32" if precision == "fp32" else "cuda-bf16"])
 
 
-def test_rank_micro_batches_pad_to_rank_zeros_count():
-    td = TensorDict({"response_mask": torch.ones(5, 3, dtype=torch.long), "x": torch.arange(5)}, batch_size=[5])
-    micros0, real0 = rank_micro_batches(td, 0, 2, 2)
-    micros1, real1 = rank_micro_batches(td, 1, 2, 2)
-    assert [m["x"].tolist() for m in micros0] == [[0, 1], [2]] and real0 == 2
-    assert [m["x"].tolist() for m in micros1[:real1]] == [[3, 4]] and len(micros1) == 2
-    assert micros1[1]["response_mask"].sum() == 0
-    micros, real = rank_micro_batches(td[:1], 1, 2, 4)
-    assert real == 0 and len(micros) == 1 and micros[0]["response_mask"].sum() == 0
+def test_rank_micro_batches_count_the_most_any_rank_runs():
+    """Padded: contiguous rows per rank, micro_batch_size rows each; the count is the largest rank's. Packed: rows
+    balanced by tokens, the unscored row left out, each rank's micro-batches within the budget."""
+    td = TensorDict({"prompt_mask": torch.ones(5, 2, dtype=torch.long),
+                     "response_mask": torch.ones(5, 3, dtype=torch.long)}, batch_size=[5])
+    padded = MicroBatching(rows=2, packed=False)
+    rows0, count = rank_micro_batches(td, 0, 2, padded)
+    rows1, _ = rank_micro_batches(td, 1, 2, padded)
+    assert [r.tolist() for r in rows0] == [[0, 1], [2]] and [r.tolist() for r in rows1] == [[3, 4]] and count == 2
+    assert rank_micro_batches(td[:1], 1, 2, padded) == ([], 1)
+    td["response_mask"][2] = 0
+    td["response_mask"][4, 1:] = 0
+    packed = MicroBatching(packed=True, max_tokens=5)
+    shares = [rank_micro_batches(td, rank, 2, packed) for rank in range(2)]
+    rows = sorted(int(i) for micro_rows, _ in shares for r in micro_rows for i in r)
+    assert rows == [0, 1, 3, 4]
+    assert all(count == max(len(micro_rows) for micro_rows, _ in shares) for _, count in shares)
+    lengths = {0: 5, 1: 5, 3: 5, 4: 3}
+    assert all(sum(lengths[int(i)] for i in r) <= 5 for micro_rows, _ in shares for r in micro_rows)

@@ -11,6 +11,7 @@ from rltrain.embedded.model import embedded_policy_dir
 from rltrain.embedded.task import make_rows
 from rltrain.workers.actor import ActorConfig, ActorWorker
 from rltrain.workers.batch import model_inputs
+from rltrain.workers.packing import MicroBatching
 from rltrain.workers.reference import ReferenceWorker
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from tests.rltrain.tiny_job import tiny_job
@@ -33,7 +34,7 @@ def setup(tmp_path_factory):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_match_hf_logits(setup, temperature):
     model_dir, batch, _ = setup
-    ref = ReferenceWorker(model_dir, "float32", None, temperature, micro_batch_size=5, torch_threads=1)
+    ref = ReferenceWorker(model_dir, "float32", None, temperature, MicroBatching(rows=5), torch_threads=1)
     logp = ref.compute_logprobs(batch)
     input_ids, attention_mask, position_ids = model_inputs(batch)
     logits = ref.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
@@ -49,7 +50,7 @@ def test_actor_and_reference_agree_and_first_update_is_on_policy(setup):
     model_dir, batch, _ = setup
     actor = ActorWorker(ActorConfig(micro_batch_size=5, torch_threads=1), LossConfig(kl_coef=0.1), model_dir,
                         "float32", None, temperature=1.0)
-    reference = ReferenceWorker(model_dir, "float32", None, 1.0, micro_batch_size=7, torch_threads=1)
+    reference = ReferenceWorker(model_dir, "float32", None, 1.0, MicroBatching(rows=7, packed=False), torch_threads=1)
     old, ref = actor.compute_logprobs(batch), reference.compute_logprobs(batch)
     assert (old - ref).abs().max().item() < 1e-6
     batch = batch.clone()
@@ -79,8 +80,9 @@ def test_weight_push_makes_rollout_match_actor(setup):
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_micro_batching_gives_the_whole_batch_gradient(setup, loss_agg):
-    """Gradient accumulation over micro-batches equals one pass over the mini-batch, for each aggregation (one
-    response fully masked, so valid-sequence counts differ from row counts)."""
+    """Gradient accumulation over micro-batches of padded rows equals one pass over the mini-batch, for each
+    aggregation (one response fully masked, so valid-sequence counts differ from row counts). Packed micro-batches:
+    tests/rltrain/workers/test_packing.py."""
     model_dir, batch, _ = setup
     batch = batch.clone()
     batch["response_mask"][2] = 0
@@ -88,7 +90,8 @@ def test_micro_batching_gives_the_whole_batch_gradient(setup, loss_agg):
     batch["advantages"] = compute_advantages("grpo", batch["rewards"], batch["response_mask"], batch["group_ids"])
     grads = []
     for micro in (batch.batch_size[0], 5):
-        actor = ActorWorker(ActorConfig(micro_batch_size=micro, grad_clip=1e9, torch_threads=1),
+        actor = ActorWorker(ActorConfig(micro_batch_size=micro, grad_clip=1e9, torch_threads=1,
+                                        use_remove_padding=False),
                             LossConfig(loss_agg=loss_agg), model_dir, "float32", None, temperature=1.0)
         batch["old_logprobs"] = actor.compute_logprobs(batch)
         actor.update(batch)

@@ -110,20 +110,30 @@ class LossBuffers:
                               for f in fields(self)})
 
 
-def aggregation_weights(m: torch.Tensor, opts: PolicyLossOptions) -> torch.Tensor:
+def aggregation_weights(m: torch.Tensor, opts: PolicyLossOptions,
+                        cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """w [B, T] with loss = Σ w·L for every loss_agg (each is linear in L and its weights depend on the mask only).
-    Zero denominators give w = 0 (then every mask value they divide is 0 too)."""
-    B, T = m.shape
+    Zero denominators give w = 0 (then every mask value they divide is 0 too). cu_seqlens: m is [1, T] holding
+    len(cu_seqlens) − 1 sequences back to back, each a row of the formulas."""
 
     def div(x, d):
         return torch.where(d > 0, x / torch.where(d > 0, d, 1.0), 0.0)
 
     if opts.loss_agg == "token-mean":
         return div(m, m.sum()) if opts.norm_tokens is None else m / opts.norm_tokens
+    if cu_seqlens is None:
+        B, T = m.shape
+        counts = m.sum(1)
+        seq_tokens = counts[:, None]
+    else:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        B, T = len(lengths), lengths.max()
+        seq_of_token = torch.repeat_interleave(torch.arange(B, device=m.device), lengths, output_size=m.shape[1])
+        counts = torch.zeros(B, dtype=m.dtype, device=m.device).index_add_(0, seq_of_token, m[0])
+        seq_tokens = counts[seq_of_token][None]
     if opts.loss_agg == "seq-mean-token-sum-norm":
         return m / (B * (T if opts.norm_len is None else opts.norm_len))
-    seq_tokens = m.sum(1, keepdim=True)
-    n_seqs = (seq_tokens > 0).sum().to(m.dtype)
+    n_seqs = (counts > 0).sum().to(m.dtype)
     per_seq = m if opts.loss_agg == "seq-mean-token-sum" else div(m, seq_tokens)
     return div(per_seq, n_seqs)
 

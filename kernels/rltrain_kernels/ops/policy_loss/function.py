@@ -102,7 +102,8 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
                       *, clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
                       kl_coef: float = 0.0, kl_type: str = "k3", entropy_coef: float = 0.0,
                       loss_agg: str = "token-mean", importance_level: str = "token", temperature: float = 1.0,
-                      norm_tokens: float | None = None, norm_len: float | None = None, impl: str = "auto",
+                      norm_tokens: float | None = None, norm_len: float | None = None,
+                      cu_seqlens: torch.Tensor | None = None, impl: str = "auto",
                       chunk_config: PolicyLossChunkConfig | None = None) -> PolicyLossOutput:
     """PPO/GRPO/GSPO policy loss straight from the last hidden states, never materialising the [B·T, V] logits;
     the gradients w.r.t. hidden and weight are computed inside this call (3 GEMMs in all) and handed to autograd.
@@ -111,6 +112,9 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
         hidden: [B, T, H] bf16/fp16/fp32 (float64: reference path). weight: [V, H] (the LM head), same dtype.
         labels: [B, T] integer token ids (anything where mask == 0). mask: [B, T] bool or 0/1.
         advantages: [B] or [B, T]. old_logprobs, ref_logprobs: [B, T] (ref only needed when kl_coef != 0).
+        cu_seqlens: [N + 1] integer sequence starts for a packed batch (B = 1: the row holds N sequences back to
+            back, like the delta-rule ops' varlen form); the sequence aggregations and Dr.GRPO's B count those
+            sequences, and norm_len defaults to the longest one. Not with importance_level="sequence".
         impl: "auto" (on CUDA "fused" for bf16/fp16 on sm_90+, else "triton"; off CUDA the dense reference up
             to 4M logits, chunked torch beyond), "fused" (Triton GEMM with the row statistics in its epilogue,
             fp16 shifted logits kept for the gradient pass), "triton" (cuBLAS + Triton row passes over an fp32
@@ -141,13 +145,13 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     """
     opts = PolicyLossOptions(clip_low, clip_high, dual_clip, kl_coef, kl_type, entropy_coef, loss_agg,
                              importance_level, temperature, norm_tokens, norm_len)
-    check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs, opts)
+    check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs, opts, cu_seqlens)
     if chunk_config is not None and not isinstance(chunk_config, PolicyLossChunkConfig):
         raise TypeError(f"chunk_config must be a PolicyLossChunkConfig, got {type(chunk_config).__name__}")
     impl = _resolve_impl(impl, hidden, weight.shape[0])
     if impl == "reference":
         return reference_policy_loss(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs,
-                                     **{k: getattr(opts, k) for k in opts.__dataclass_fields__})
+                                     cu_seqlens=cu_seqlens, **{k: getattr(opts, k) for k in opts.__dataclass_fields__})
     config = chunk_config or DEFAULT_CHUNKS
     B, T, H = hidden.shape
     valid = mask != 0
@@ -157,7 +161,7 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
         return x.reshape(-1).to(torch.float32).contiguous()
 
     m = mask.to(torch.float32)
-    w = aggregation_weights(m, opts)
+    w = aggregation_weights(m, opts, cu_seqlens)
     adv = advantages.unsqueeze(1).expand(B, T) if advantages.dim() == 1 else advantages
     buffers = LossBuffers(mask=flat(m), adv=flat(adv), old=flat(old_logprobs),
                           ref=None if ref_logprobs is None else flat(ref_logprobs), weight=flat(w),

@@ -133,7 +133,8 @@ def _shape(t) -> tuple:
     return tuple(getattr(t, "shape", ()))
 
 
-def check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs, opts: PolicyLossOptions):
+def check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs, opts: PolicyLossOptions,
+                 cu_seqlens=None):
     """Shapes, dtypes and devices of the tensor arguments; raises naming the argument."""
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("mask", mask),
                     ("advantages", advantages), ("old_logprobs", old_logprobs)):
@@ -165,12 +166,31 @@ def check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_log
         raise TypeError(f"mask must be bool or real (0/1), got {mask.dtype}")
     if ref_logprobs is not None and not isinstance(ref_logprobs, torch.Tensor):
         raise TypeError(f"ref_logprobs must be a tensor or None, got {type(ref_logprobs).__name__}")
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, hidden, opts)
     if opts.kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={opts.kl_coef} needs ref_logprobs (got None)")
     for name, t in (("weight", weight), ("labels", labels), ("mask", mask), ("advantages", advantages),
                     ("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+
+
+def _check_cu_seqlens(cu_seqlens, hidden, opts: PolicyLossOptions) -> None:
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or \
+            cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor of N + 1 sequence starts, got "
+                         f"{type(cu_seqlens).__name__} {_shape(cu_seqlens)}")
+    if hidden.shape[0] != 1:
+        raise ValueError(f"cu_seqlens needs a packed batch (B = 1), got hidden of shape {_shape(hidden)}")
+    if cu_seqlens.device != hidden.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but hidden is on {hidden.device}")
+    if opts.importance_level == "sequence":
+        raise ValueError("importance_level='sequence' takes [B, T] rows; pass the sequences as rows, not packed "
+                         "with cu_seqlens")
+    if not cu_seqlens.is_cuda:   # on CUDA this would be a host sync; the aggregation's index_add bounds it there
+        if cu_seqlens[0] != 0 or cu_seqlens[-1] != hidden.shape[1] or (cu_seqlens[1:] < cu_seqlens[:-1]).any():
+            raise ValueError(f"cu_seqlens must rise from 0 to T = {hidden.shape[1]}, got {cu_seqlens.tolist()}")
 
 
 def check_label_range(labels: torch.Tensor, valid: torch.Tensor, vocab: int) -> None:

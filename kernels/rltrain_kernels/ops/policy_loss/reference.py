@@ -46,12 +46,16 @@ def _aggregate(per_token: torch.Tensor, m: torch.Tensor, opts: PolicyLossOptions
 def reference_policy_loss(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs=None, *,
                           clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.0, kl_type="k3", entropy_coef=0.0,
                           loss_agg="token-mean", importance_level="token", temperature=1.0, norm_tokens=None,
-                          norm_len=None, compute_dtype: torch.dtype | None = None) -> PolicyLossOutput:
+                          norm_len=None, cu_seqlens=None, compute_dtype: torch.dtype | None = None) -> PolicyLossOutput:
     """The policy loss of `fused_policy_loss` (see its docstring for the definitions), by autograd over dense
-    logits. compute_dtype: float64 for float64 inputs, else float32 (inputs are upcast before the GEMM)."""
+    logits. compute_dtype: float64 for float64 inputs, else float32 (inputs are upcast before the GEMM).
+    cu_seqlens (a packed row): the sequences are cut out into padded rows and the loss taken over those."""
     opts = PolicyLossOptions(clip_low, clip_high, dual_clip, kl_coef, kl_type, entropy_coef, loss_agg,
                              importance_level, temperature, norm_tokens, norm_len)
-    check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs, opts)
+    check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs, opts, cu_seqlens)
+    if cu_seqlens is not None:
+        return _packed_as_rows(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs, cu_seqlens,
+                               opts, compute_dtype)
     cd = compute_dtype or (torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     B, T, _ = hidden.shape
     valid = mask != 0
@@ -99,3 +103,32 @@ def reference_policy_loss(hidden, weight, labels, mask, advantages, old_logprobs
                               (ref_kl * m).sum(), (entropy * m).sum()])
         values = _masked_total(values, n)
     return PolicyLossOutput(loss, logp.detach(), entropy.detach(), Metrics(values))
+
+
+def _packed_as_rows(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs, cu_seqlens, opts,
+                    compute_dtype) -> PolicyLossOutput:
+    """A packed row [1, T] as padded rows [N, max length] (mask 0 on the padding), the loss over those, and the
+    per-token outputs back in the packed layout."""
+    bounds = list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))
+    width = max(end - start for start, end in bounds)
+
+    def rows(x, fill=0):
+        x = x[0] if x.dim() > 1 else x.expand(hidden.shape[1])
+        out = x.new_full((len(bounds), width) + tuple(x.shape[1:]), fill)
+        for i, (start, end) in enumerate(bounds):
+            out[i, : end - start] = x[start:end]
+        return out
+
+    advantages = advantages if advantages.dim() == 2 else advantages.expand(1, hidden.shape[1])
+    kwargs = {k: getattr(opts, k) for k in opts.__dataclass_fields__}
+    kwargs["norm_len"] = width if opts.norm_len is None else opts.norm_len
+    if kwargs["loss_agg"] != "seq-mean-token-sum-norm":
+        kwargs["norm_len"] = None
+    out = reference_policy_loss(rows(hidden), weight, rows(labels), rows(mask), rows(advantages), rows(old_logprobs),
+                                None if ref_logprobs is None else rows(ref_logprobs), compute_dtype=compute_dtype,
+                                **kwargs)
+
+    def packed(y):
+        return torch.cat([y[i, : end - start] for i, (start, end) in enumerate(bounds)])[None]
+
+    return PolicyLossOutput(out.loss, packed(out.logprobs), packed(out.entropy), out.metrics)

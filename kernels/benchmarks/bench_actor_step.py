@@ -1,0 +1,333 @@
+"""The actor's work of one RL step — old log-probs (no grad) + one update (forward, backward, AdamW) — on one GPU,
+for Qwen3 models built from config, side by side in one process:
+
+    (a) trl        plain transformers (SDPA) + log-softmax over materialised logits, padded micro-batches (what
+                   TRL's GRPOTrainer does)
+    (b) trl+liger  (a) with Liger's model kernels and its fused linear GRPO loss (TRL's use_liger_kernel)
+    (c) rltrain padded   ActorWorker, padded micro-batches of `--rows` rows (actor.use_remove_padding=false)
+    (d) rltrain packed   ActorWorker, packed micro-batches of at most `--max-tokens` tokens (the default)
+
+Batch: `--responses` responses after `--prompt-len`-token prompts, response lengths log-normal (σ = 1) with mean
+`--mean-len`, capped at `--max-len`, fixed seed; random token ids (timing does not depend on their values). Every
+variant trains on the same real tokens; tokens/s counts prompt + response tokens once (padding not counted), over
+the old-log-prob pass plus the update. MFU: 8·N_params·tokens + causal attention (4·L²·layers·heads·head_dim per
+sequence, ×4 for the three passes) over the time, against the bf16 GEMM rate measured in the same run. Then the
+longest response each variant trains at batch 8 (old log-probs, then forward + backward + step in one micro-batch,
+gradient checkpointing on for all, `--probe-lens`) before it runs out of memory. Needs a CUDA GPU; carries: tensordict, pyvers, orjson, liger-kernel (kernels/benchmarks/README.md).
+
+    python kernels/benchmarks/bench_actor_step.py --size 0.6b
+    python kernels/benchmarks/bench_actor_step.py --size 1.7b --probe-lens 4096,8192,16384,32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # rltrain (this checkout) without installing it
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gemm_floor import gemm_rates  # noqa: E402
+
+SIZES = {  # Qwen3-0.6B / 1.7B shapes (tied embeddings, GQA 16/8 heads of 128)
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28),
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28),
+}
+VOCAB = 151936
+
+
+def build_model_dir(size: str, root: str) -> str:
+    import transformers as tf
+
+    config = tf.Qwen3Config(vocab_size=VOCAB, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                            max_position_embeddings=40960, tie_word_embeddings=True, rope_theta=1e6,
+                            **SIZES[size])
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    path = f"{root}/qwen3-{size}"
+    model.save_pretrained(path)
+    return path
+
+
+def make_batch(responses: int, prompt_len: int, mean_len: float, max_len: int, seed: int = 0):
+    """Left-padded prompts (all prompt_len), right-padded responses of log-normal lengths, GRPO-like fields."""
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(seed)
+    sigma = 1.0
+    mu = math.log(mean_len) - sigma ** 2 / 2
+    lengths = torch.exp(mu + sigma * torch.randn(responses, generator=g)).round().clamp(16, max_len).long()
+    width = int(lengths.max())
+    response_mask = (torch.arange(width)[None] < lengths[:, None]).long()
+    batch = TensorDict({
+        "prompt_ids": torch.randint(100, VOCAB - 100, (responses, prompt_len), generator=g),
+        "prompt_mask": torch.ones(responses, prompt_len, dtype=torch.long),
+        "response_ids": torch.randint(100, VOCAB - 100, (responses, width), generator=g) * response_mask,
+        "response_mask": response_mask,
+        "advantages": torch.randn(responses, generator=g)[:, None].expand(-1, width) * response_mask,
+        "group_ids": torch.arange(responses) // 16,
+    }, batch_size=[responses])
+    return batch
+
+
+# ---------------------------------------------------------------- (a), (b): the TRL path
+class TRLPath:
+    """TRL GRPOTrainer's actor work: logits of the completion positions (logits_to_keep), selective log-softmax
+    row by row, the clipped GRPO loss, micro-batches of `rows` padded to their longest sequence."""
+
+    def __init__(self, model_dir: str, rows: int, liger: bool, checkpointing: bool = False):
+        import transformers as tf
+
+        self.model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                                             attn_implementation="sdpa").cuda()
+        self.model.train()
+        if checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.rows, self.liger = rows, liger
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
+        self.note = ""
+        if liger:
+            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+            try:
+                from liger_kernel.transformers import apply_liger_kernel_to_qwen3
+
+                apply_liger_kernel_to_qwen3(model=self.model, rope=True, rms_norm=True, swiglu=True,
+                                            cross_entropy=False, fused_linear_cross_entropy=False)
+            except Exception as err:   # a transformers version Liger's patch does not know: loss kernel only
+                self.note = f"model patch failed ({type(err).__name__}: {err}); fused loss only"
+            self.grpo_loss = LigerFusedLinearGRPOLoss(beta=0.0, epsilon_low=0.2, epsilon_high=0.2, temperature=1.0,
+                                                      use_ref_model=False, loss_type="bnpo")
+
+    def _inputs(self, micro):
+        ids = torch.cat([micro["prompt_ids"], micro["response_ids"]], 1)
+        mask = torch.cat([micro["prompt_mask"], micro["response_mask"]], 1)
+        return ids, mask, (mask.cumsum(1) - 1).clamp(min=0)
+
+    def _micros(self, batch):
+        for start in range(0, batch.batch_size[0], self.rows):
+            micro = batch[start:start + self.rows].clone()
+            width = int(micro["response_mask"].sum(1).max())   # padded to the micro-batch's longest
+            for key in ("response_ids", "response_mask", "advantages"):
+                micro[key] = micro[key][:, :width]
+            yield micro.cuda()
+
+    def _logps(self, micro):
+        ids, mask, pos = self._inputs(micro)
+        width = micro["response_ids"].shape[1]
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                            logits_to_keep=width + 1).logits[:, :-1]
+        out = []
+        for row_logits, row_ids in zip(logits, micro["response_ids"]):   # TRL's selective_log_softmax (bf16)
+            out.append(torch.log_softmax(row_logits, -1).gather(-1, row_ids[:, None]).squeeze(-1))
+        return torch.stack(out)
+
+    def old_logprobs(self, batch):
+        with torch.no_grad():
+            return [self._logps(micro).float() * micro["response_mask"] for micro in self._micros(batch)]
+
+    def update(self, batch, old):
+        total = batch["response_mask"].sum().item()
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro, old_logp in zip(self._micros(batch), old):
+            m = micro["response_mask"].float()
+            adv = micro["advantages"][:, 0]
+            if self.liger:
+                ids, mask, pos = self._inputs(micro)
+                width = micro["response_ids"].shape[1]
+                hidden = self.model.model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+                loss, _ = self.grpo_loss(hidden[:, -width - 1:-1], self.model.lm_head.weight, micro["response_ids"],
+                                         m, adv, old_per_token_logps=old_logp)
+                loss = loss * m.sum() / total
+            else:
+                logp = self._logps(micro).float()
+                ratio = torch.exp(logp - old_logp)
+                per_token = -torch.minimum(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None])
+                loss = (per_token * m).sum() / total
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+
+
+# ---------------------------------------------------------------- (c), (d): rltrain's ActorWorker
+class RltrainPath:
+    def __init__(self, model_dir: str, rows: int, packed: bool, max_tokens: int, checkpointing: bool = False):
+        from rltrain.algorithms.config import LossConfig
+        from rltrain.workers.actor import ActorConfig, ActorWorker
+
+        config = ActorConfig(lr=1e-6, micro_batch_size=rows, use_remove_padding=packed,
+                             max_tokens_per_micro_batch=max_tokens if packed else 0,
+                             gradient_checkpointing=checkpointing)
+        self.actor = ActorWorker(config, LossConfig(clip_low=0.2, clip_high=0.2), model_dir, "bfloat16",
+                                 {"name": "auto", "include_kernels": "auto"}, temperature=1.0, device="cuda")
+        self.model, self.note = self.actor.model, ""
+
+    def old_logprobs(self, batch):
+        return self.actor.compute_logprobs(batch)
+
+    def update(self, batch, old):
+        batch = batch.clone()
+        batch["old_logprobs"] = old
+        self.actor.update(batch)
+
+
+VARIANTS = {
+    "trl": lambda d, a: TRLPath(d, a.rows, liger=False, checkpointing=a.checkpointing),
+    "trl+liger": lambda d, a: TRLPath(d, a.rows, liger=True, checkpointing=a.checkpointing),
+    "rltrain padded": lambda d, a: RltrainPath(d, a.rows, packed=False, max_tokens=0, checkpointing=a.checkpointing),
+    "rltrain packed": lambda d, a: RltrainPath(d, a.rows, packed=True, max_tokens=a.max_tokens,
+                                               checkpointing=a.checkpointing),
+}
+
+
+def model_flops(model, batch) -> float:
+    """8·N·tokens (old log-probs 2N + update 6N) plus causal attention, 4 passes' worth."""
+    n_params = sum(p.numel() for p in model.parameters())
+    lengths = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)
+    c = model.config
+    attention = 4 * (4 * (lengths.double() ** 2) / 2 * c.num_attention_heads * c.head_dim).sum().item()
+    return 8 * n_params * float(lengths.sum()) + attention * c.num_hidden_layers
+
+
+def timed_step(path, batch):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    old = path.old_logprobs(batch)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    path.update(batch, old)
+    torch.cuda.synchronize()
+    return t1 - t0, time.perf_counter() - t1, old
+
+
+def release_memory():
+    """Return the memory of dropped objects (a variant's model, optimizer, an OOM's partial step) to the GPU."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def rows_logps(old, batch):
+    """The old log-probs as one [B, R] tensor (TRL's come per micro-batch, cut to each one's width)."""
+    if isinstance(old, torch.Tensor):
+        return old.cpu()
+    out = torch.zeros(batch["response_mask"].shape)
+    start = 0
+    for micro in old:
+        out[start:start + micro.shape[0], : micro.shape[1]] = micro.cpu()
+        start += micro.shape[0]
+    return out
+
+
+def longest_at_batch_8(factory, model_dir, args, prompt_len: int, probe_lens: list[int]) -> str:
+    """The longest response length (of probe_lens, ascending) at which one batch of 8 trains without OOM."""
+    best = "< " + str(probe_lens[0])
+    for length in probe_lens:
+        path = None
+        try:
+            args.rows, args.max_tokens, args.checkpointing = 8, 8 * (prompt_len + length), True
+            path = factory(model_dir, args)
+            batch = make_batch(8, prompt_len, length, length)
+            batch["response_mask"][:] = 1   # every response exactly `length` long
+            path.update(batch, path.old_logprobs(batch))
+            torch.cuda.synchronize()
+            best = str(length)
+        except torch.OutOfMemoryError:
+            break
+        finally:
+            path = None
+            release_memory()
+    return best
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=list(SIZES), default="0.6b")
+    parser.add_argument("--responses", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--mean-len", type=float, default=1024)
+    parser.add_argument("--max-len", type=int, default=8192)
+    parser.add_argument("--rows", type=int, default=4, help="padded variants' micro-batch rows")
+    parser.add_argument("--max-tokens", type=int, default=16384, help="packed variant's micro-batch token budget")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--probe-lens", default="4096,8192,16384,32768")
+    parser.add_argument("--no-probe", action="store_true")
+    args = parser.parse_args()
+    args.checkpointing = False   # the timed step: no gradient checkpointing; the length probe: on, for every variant
+    import transformers
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
+    burst, sustained = gemm_rates()
+    print(f"bf16 GEMM 8192^3: burst {burst / 1e12:.0f}, sustained {sustained / 1e12:.0f} TFLOP/s")
+    root = tempfile.mkdtemp()
+    model_dir = build_model_dir(args.size, root)
+    batch = make_batch(args.responses, args.prompt_len, args.mean_len, args.max_len)
+    tokens = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
+    padded_tokens = batch.batch_size[0] * (batch["prompt_ids"].shape[1] + batch["response_ids"].shape[1])
+    print(f"batch: {args.responses} responses, {tokens} tokens (mean response "
+          f"{batch['response_mask'].sum(1).float().mean():.0f}, max {batch['response_ids'].shape[1]}; "
+          f"padded to the batch's width: {padded_tokens / tokens:.2f}x)")
+    rows, logps = [], {}
+    # two shapes: torch.compile (Liger's loss) recompiles once for dynamic shapes, outside the timed step
+    warm = [make_batch(8, 64, 128, 256, seed=1), make_batch(8, 96, 300, 600, seed=2)]
+    for name in args.variants.split(","):
+        args_copy = argparse.Namespace(**vars(args))
+        while True:   # padded variants: the most rows per micro-batch (of --rows, halved) that fit in memory
+            path = VARIANTS[name](model_dir, args_copy)
+            try:
+                for warm_batch in warm:   # compile / autotune / allocator warm-up
+                    timed_step(path, warm_batch)
+                torch.cuda.reset_peak_memory_stats()
+                old_s, update_s, old = timed_step(path, batch)
+                break
+            except torch.OutOfMemoryError:
+                pass
+            path = None
+            release_memory()
+            if name == "rltrain packed" or args_copy.rows == 1:
+                raise RuntimeError(f"{name}: out of memory")
+            args_copy.rows //= 2
+            print(f"  {name}: out of memory, retrying with {args_copy.rows} rows per micro-batch", flush=True)
+        if name != "rltrain packed":
+            path.note = f"{args_copy.rows} rows/micro-batch" + (f"; {path.note}" if path.note else "")
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        flops = model_flops(path.model, batch)
+        logps[name] = rows_logps(old, batch)
+        rows.append([name, tokens / (old_s + update_s), old_s, update_s, peak,
+                     flops / (old_s + update_s) / sustained, path.note])
+        print(f"  {name}: {rows[-1][1]:.0f} tok/s, old {old_s:.2f} s, update {update_s:.2f} s, peak {peak:.1f} GiB",
+              flush=True)
+        path = None
+        release_memory()
+    first = next(iter(logps.values()))
+    mask = batch["response_mask"].bool()
+    for name, value in logps.items():
+        err = (value[mask] - first[mask]).norm() / first[mask].norm()
+        print(f"  old log-probs {name} vs {next(iter(logps))}: relative error {err:.2e}")
+    longest = {}
+    if not args.no_probe:
+        probe = [int(x) for x in args.probe_lens.split(",")]
+        for name in args.variants.split(","):
+            longest[name] = longest_at_batch_8(VARIANTS[name], model_dir, argparse.Namespace(**vars(args)),
+                                               args.prompt_len, probe)
+            print(f"  {name}: longest response at batch 8: {longest[name]}", flush=True)
+    base = {r[0]: r[1] for r in rows}
+    print(f"\n### Actor step, Qwen3-{args.size} bf16, {args.responses} responses ({tokens} tokens), "
+          f"{torch.cuda.get_device_name()}\n")
+    print("| variant | tokens/s | vs trl | vs trl+liger | old log-probs s | update s | peak GiB | MFU (sustained) "
+          "| longest response at batch 8 | note |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for name, tps, old_s, update_s, peak, mfu, note in rows:
+        ratio = {k: f"{tps / base[k]:.2f}x" if k in base else "-" for k in ("trl", "trl+liger")}
+        print(f"| {name} | {tps:.0f} | {ratio['trl']} | {ratio['trl+liger']} | {old_s:.2f} | {update_s:.2f} | "
+              f"{peak:.1f} | {mfu:.1%} | {longest.get(name, '-')} | {note} |")
+
+
+if __name__ == "__main__":
+    main()

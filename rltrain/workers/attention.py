@@ -1,0 +1,124 @@
+"""Attention for the policy copies: which transformers implementation a model loads with, and the variable-length
+attention that packed (padding-free) batches run through.
+
+`model.attn_implementation` (config): `auto` loads with SDPA (flash / memory-efficient kernels on GPU, no [T, T]
+scores kept), `eager` / `sdpa` / `flash_attention_2` / `flex_attention` as named. Eager attention materialises
+[batch, heads, T, T] scores in every layer; on one H100 with a 0.6B Qwen3 it ran the actor step at 0.36x the tokens/s
+of SDPA and 3.9x its memory, so it is used only when asked for.
+
+Packed rows: `with packed_attention(model): model(..., **varlen_kwargs(cu_seqlens, max_seqlen))` runs every
+attention layer as causal attention within each of the row's sequences. Under SDPA or eager the model is switched
+for the call to `rltrain_varlen` (registered below): torch's flash varlen kernel
+(`torch.nn.attention.varlen.varlen_attn`, bf16/fp16 on CUDA) or, elsewhere, causal SDPA per sequence. Both take
+`cu_seqlens`, so no [T, T] mask is built and no work is spent across sequences. `flash_attention_2` reads the same
+keyword arguments natively; `flex_attention` builds its document mask from the per-sequence position ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+
+import torch
+
+VARLEN = "rltrain_varlen"
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
+# implementations that cannot take cu_seqlens and are switched to VARLEN for a packed forward
+_SWITCHED = ("sdpa", "eager")
+
+
+def resolve_attn_implementation(name: str) -> str:
+    """The transformers attn_implementation a policy copy loads with: `auto` = SDPA (every device has it)."""
+    return "sdpa" if name == "auto" else name
+
+
+def varlen_kwargs(cu_seqlens: torch.Tensor, max_seqlen: int) -> dict:
+    """The keyword arguments transformers' attention layers pass on to the attention function (the names its
+    flash-attention path reads), for a row of sequences starting at cu_seqlens[:-1]."""
+    return dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen)
+
+
+@contextlib.contextmanager
+def packed_attention(model):
+    """Run `model`'s attention layers as variable-length attention for the duration of the block."""
+    register_varlen_attention()
+    config = model.config
+    original = config._attn_implementation
+    if original in _SWITCHED:
+        config._attn_implementation = VARLEN
+    try:
+        yield
+    finally:
+        config._attn_implementation = original
+
+
+@functools.cache
+def register_varlen_attention() -> None:
+    """Register VARLEN with transformers (once per process). It is left out of the mask registry, so the model
+    builds no mask for it: the attention function gets cu_seqlens instead."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+
+
+@functools.cache
+def _torch_varlen():
+    """(torch's varlen flash attention or None where torch lacks it, whether it takes enable_gqa)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.9
+        return None, False
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, sliding_window: int | None = None, **kwargs):
+    """transformers attention-function signature: query [1, Hq, T, D], key/value [1, Hkv, T, D] of a packed row →
+    ([1, T, Hq, D], None), causal within each sequence of cu_seq_lens_q."""
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None:
+        raise ValueError(f"attn_implementation {VARLEN!r} needs cu_seq_lens_q (a packed batch); "
+                         "load the model with sdpa for padded batches")
+    if query.shape[0] != 1:
+        raise ValueError(f"a packed batch is one row, got query batch size {query.shape[0]}")
+    if dropout:
+        raise ValueError(f"{VARLEN} attention has no dropout (got {dropout}); the policy runs in eval-style "
+                         "attention for RL")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [T, H, D]
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    window = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
+    varlen_attn, takes_gqa = _torch_varlen()
+    if varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        gqa = {}
+        if k.shape[1] != q.shape[1]:
+            if takes_gqa:
+                gqa = dict(enable_gqa=True)
+            else:   # torch < 2.13's kernel wants as many key/value heads as query heads
+                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
+        out = varlen_attn(q, k, v, cu_seqlens.to(torch.int32), cu_seqlens.to(torch.int32),
+                          int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), scale=scale, window_size=window,
+                          **gqa)
+    else:
+        out = _per_sequence_sdpa(q, k, v, cu_seqlens, scale, sliding_window)
+    return out.unsqueeze(0), None
+
+
+def _per_sequence_sdpa(q, k, v, cu_seqlens, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Causal SDPA over each sequence in turn ([T, H, D] in and out): the CPU path and the reference in tests."""
+    out = torch.empty_like(q)
+    groups = q.shape[1] // k.shape[1]
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        if end == start:
+            continue
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))   # [H, L, D]
+        if groups > 1:
+            ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
+        if sliding_window is None:
+            o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        else:
+            i = torch.arange(end - start, device=q.device)
+            allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)
+            o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,224 @@
+"""Packed (padding-free) actor and reference batches: the packed row's maps, the token-budget split, and — on a
+small GQA Qwen3 built from a config, fp32 — log-probs and gradients equal to the padded rows' (relative error
+≤ 1e-5) for every loss aggregation, GSPO's sequence ratio, token-budget micro-batches and a sliding window.
+
+Run: `pytest tests/rltrain/workers/test_packing.py` (CPU, ~20 s).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rltrain.algorithms.config import LossConfig
+from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.batch import IGNORE_INDEX
+from rltrain.workers.packing import (
+    MicroBatching, Packing, balanced_groups, response_lengths, sequence_lengths, token_budget_groups,
+)
+from rltrain.workers.policy import can_pack
+from rltrain.workers.reference import ReferenceWorker
+from tests.helpers import assert_rel_close
+
+VOCAB = 61
+
+
+def random_batch(rows=7, prompt_width=6, response_width=9, seed=None) -> TensorDict:
+    """Left-padded prompts (1..prompt_width tokens) and right-padded responses of random lengths, one response
+    fully masked (as the overlong filter leaves it) and one of full width; advantages, old/ref log-probs random."""
+    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(1 << 30, ())))
+    prompt_len = torch.randint(1, prompt_width + 1, (rows,), generator=g)
+    response_len = torch.randint(1, response_width + 1, (rows,), generator=g)
+    response_len[0] = response_width
+    positions_p, positions_r = torch.arange(prompt_width), torch.arange(response_width)
+    prompt_mask = (positions_p[None] >= prompt_width - prompt_len[:, None]).long()
+    response_mask = (positions_r[None] < response_len[:, None]).long()
+    response_mask[2] = 0
+    batch = TensorDict({
+        "prompt_ids": torch.randint(1, VOCAB, (rows, prompt_width), generator=g) * prompt_mask,
+        "prompt_mask": prompt_mask,
+        "response_ids": torch.randint(1, VOCAB, (rows, response_width), generator=g) * response_mask,
+        "response_mask": response_mask,
+        "advantages": torch.randn(rows, response_width, generator=g) * response_mask,
+        "group_ids": torch.arange(rows) // 2,
+    }, batch_size=[rows])
+    batch["old_logprobs"] = (-torch.rand(rows, response_width, generator=g) * 3) * response_mask
+    batch["ref_logprobs"] = (-torch.rand(rows, response_width, generator=g) * 3) * response_mask
+    return batch
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A 2-layer Qwen3 with grouped-query attention (4 query heads, 2 key/value heads)."""
+    import transformers as tf
+
+    config = tf.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                            tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("qwen3") / "model"
+    tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return str(path)
+
+
+# ---------------------------------------------------------------- the packed row's maps
+def test_packing_layout():
+    batch = random_batch()
+    packing = Packing.of(batch)
+    lengths = sequence_lengths(batch)
+    assert packing.num_tokens == int(lengths.sum())
+    assert packing.cu_seqlens.tolist() == [0] + lengths.cumsum(0).tolist()
+    for i, (start, end) in enumerate(zip(packing.cu_seqlens[:-1].tolist(), packing.cu_seqlens[1:].tolist())):
+        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i] != 0]
+        response = batch["response_ids"][i][: int(response_lengths(batch)[i])]
+        assert packing.input_ids[0, start:end].tolist() == prompt.tolist() + response.tolist()
+        assert packing.position_ids[0, start:end].tolist() == list(range(end - start))
+    labels = packing.labels(batch["response_ids"], batch["response_mask"])
+    scored = labels != IGNORE_INDEX
+    assert int(scored.sum()) == int(batch["response_mask"].sum())
+    # position t is labelled with the token at t + 1
+    assert torch.equal(labels[scored], packing.input_ids[0, 1:][scored[0, :-1]])
+    values = torch.randn(batch["response_ids"].shape) * batch["response_mask"]
+    assert torch.equal(packing.rows(packing.tokens(values)), values)
+
+
+def test_response_rows_gathers_predicting_states():
+    batch = random_batch()
+    packing = Packing.of(batch)
+    hidden = torch.randn(1, packing.num_tokens, 3)
+    rows = packing.response_rows(hidden)
+    expected = packing.rows(hidden[0, :, 0]) * batch["response_mask"]
+    assert torch.equal(rows[..., 0] * batch["response_mask"], expected)
+
+
+def test_empty_prompt_is_refused():
+    batch = random_batch()
+    batch["prompt_mask"][1] = 0
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        Packing.of(batch)
+
+
+@pytest.mark.parametrize("budget", [1, 7, 20, 1000])
+def test_token_budget_groups(budget):
+    lengths = torch.randint(1, 15, (23,)).tolist()
+    groups = token_budget_groups(lengths, budget)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in g) <= budget or len(g) == 1 for g in groups)
+    lower = -(-sum(lengths) // budget)
+    assert len(groups) <= max(lower + 2, sum(length > budget for length in lengths))
+
+
+def test_balanced_groups_spread_tokens():
+    lengths = [100, 90, 10, 10, 10, 10, 5, 80]
+    groups = balanced_groups(lengths, 3)
+    sums = sorted(sum(lengths[i] for i in g) for g in groups)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert sums[-1] - sums[0] <= max(lengths)
+
+
+def test_micro_batching_skips_unscored_rows():
+    batch = random_batch()
+    groups = MicroBatching(rows=3, packed=True, max_tokens=0).groups(batch)
+    assert 2 not in torch.cat(groups).tolist()
+    assert sorted(torch.cat(groups).tolist()) == [i for i in range(7) if i != 2]
+
+
+def test_linear_attention_models_run_padded():
+    hybrid = SimpleNamespace(config=SimpleNamespace(layer_types=["linear_attention", "full_attention"]))
+    assert not can_pack(hybrid)
+    assert can_pack(SimpleNamespace(config=SimpleNamespace(layer_types=["full_attention", "sliding_attention"])))
+    assert can_pack(SimpleNamespace(config=SimpleNamespace()))
+
+
+# ---------------------------------------------------------------- packed == padded, through the model
+def make_actor(model_dir, packed: bool, max_tokens: int = 0, loss: LossConfig | None = None):
+    config = ActorConfig(micro_batch_size=64, torch_threads=1, grad_clip=1e9, use_remove_padding=packed,
+                         max_tokens_per_micro_batch=max_tokens)
+    return ActorWorker(config, loss or LossConfig(), model_dir, "float32", None, temperature=0.9)
+
+
+def gradient(actor, batch) -> torch.Tensor:
+    actor.update(batch)
+    return torch.cat([p.grad.flatten() for p in actor.model.parameters() if p.grad is not None])
+
+
+def test_packed_logprobs_equal_padded(model_dir):
+    batch = random_batch(rows=9)
+    padded = make_actor(model_dir, packed=False).compute_logprobs(batch)
+    packed = make_actor(model_dir, packed=True, max_tokens=30).compute_logprobs(batch)
+    reference = ReferenceWorker(model_dir, "float32", None, 0.9, MicroBatching(rows=4, packed=True), torch_threads=1)
+    assert batch["response_mask"].sum() > 0 and padded.abs().sum() > 0
+    assert_rel_close(packed, padded, threshold=1e-5, name="actor packed logprobs")
+    assert_rel_close(reference.compute_logprobs(batch), padded, threshold=1e-5, name="reference packed logprobs")
+    assert torch.all(packed[batch["response_mask"] == 0] == 0)
+
+
+@pytest.mark.parametrize("loss", [
+    LossConfig(loss_agg="token-mean", kl_coef=0.1, entropy_coef=0.01),
+    LossConfig(loss_agg="seq-mean-token-mean"),
+    LossConfig(loss_agg="seq-mean-token-sum"),
+    LossConfig(loss_agg="seq-mean-token-sum-norm"),
+    LossConfig(loss_agg="seq-mean-token-mean", importance_level="sequence"),
+], ids=["token-mean-kl-entropy", "seq-mean-token-mean", "seq-mean-token-sum", "drgrpo", "gspo"])
+def test_packed_gradients_equal_padded(model_dir, loss):
+    """One update's gradient: padded rows in one micro-batch vs packed rows in micro-batches of ≤ 25 tokens."""
+    batch = random_batch(rows=8)
+    padded = gradient(make_actor(model_dir, packed=False, loss=loss), batch)
+    packed = gradient(make_actor(model_dir, packed=True, max_tokens=25, loss=loss), batch)
+    assert padded.norm() > 0
+    assert_rel_close(packed, padded, threshold=1e-5, name="gradient")
+
+
+def test_sliding_window_packed_equals_padded(tmp_path):
+    import transformers as tf
+
+    config = tf.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=4, head_dim=8, max_position_embeddings=64,
+                            use_sliding_window=True, sliding_window=3, max_window_layers=0,
+                            layer_types=["sliding_attention", "full_attention"])
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    batch = random_batch(rows=5)
+    padded = make_actor(str(tmp_path), packed=False).compute_logprobs(batch)
+    packed = make_actor(str(tmp_path), packed=True).compute_logprobs(batch)
+    assert_rel_close(packed, padded, threshold=1e-5, name="sliding-window logprobs")
+
+
+# ---------------------------------------------------------------- GPU: torch's varlen flash attention, bf16
+@pytest.mark.gpu
+def test_varlen_flash_attention_matches_per_sequence_sdpa():
+    """torch's varlen kernel (bf16, GQA) against causal SDPA per sequence in fp32, outputs and input gradients."""
+    from rltrain.workers.attention import _per_sequence_sdpa, varlen_attention_forward
+
+    lengths = [700, 1, 1300, 64, 2000]
+    cu_seqlens = torch.tensor([0] + lengths).cumsum(0).to(torch.int32).cuda()
+    T = sum(lengths)
+    q, k, v = (torch.randn(1, heads, T, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for heads in (16, 8, 8))
+    out, _ = varlen_attention_forward(SimpleNamespace(), q, k, v, None, scaling=128 ** -0.5,
+                                      cu_seq_lens_q=cu_seqlens, max_length_q=max(lengths), max_length_k=max(lengths))
+    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    expected = _per_sequence_sdpa(*(t[0].transpose(0, 1) for t in leaves), cu_seqlens, 128 ** -0.5, None)
+    grad = torch.randn_like(expected)
+    out.backward(grad[None].to(out.dtype))
+    expected.backward(grad)
+    assert_rel_close(out[0].float(), expected, threshold=1e-2, name="output")
+    for name, got, ref in zip("qkv", (q, k, v), leaves):
+        assert_rel_close(got.grad.float(), ref.grad, threshold=2e-2, name=f"d{name}")
+
+
+@pytest.mark.gpu
+def test_packed_bf16_logprobs_as_accurate_as_padded(model_dir):
+    """bf16 on CUDA with the fused kernels: the packed row's log-probs are as close to fp32 padded ones as the
+    padded bf16 rows' are (torch varlen flash attention vs SDPA)."""
+    batch = random_batch(rows=16, prompt_width=64, response_width=300)
+    exact = ReferenceWorker(model_dir, "float32", None, 1.0, MicroBatching(packed=False), device="cuda")
+    expected = exact.compute_logprobs(batch)
+    errors = {}
+    for packed in (False, True):
+        worker = ReferenceWorker(model_dir, "bfloat16", {"name": "auto", "include_kernels": "auto"}, 1.0,
+                                 MicroBatching(packed=packed, max_tokens=2048), device="cuda")
+        errors[packed] = float((worker.compute_logprobs(batch) - expected).norm() / expected.norm())
+    assert errors[True] <= 2 * errors[False] + 1e-3, errors
