@@ -7,6 +7,7 @@ values) before any work starts, with errors that name the key (`rollout.n: must 
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 
 from rltrain.algorithms.config import AlgorithmConfig
@@ -132,14 +133,34 @@ class JobConfig:
                 "actor.strategy=fsdp2 to use them all, or both to 1", self.actor.strategy)
         require(self.algorithm.rollout_is_cap is None or self.rollout.engine == "vllm", "algorithm.rollout_is_cap",
                 "needs rollout log-probs, which rollout.engine=vllm reports", self.algorithm.rollout_is_cap)
+        device = resolve_device(self.trainer.device)
         if self.actor.fsdp.cpu_offload:
-            device = resolve_device(self.trainer.device)
             require(device == "cuda", "actor.fsdp.cpu_offload", f"needs a CUDA device (trainer.device resolves to "
                     f"{device})")
+        self._validate_rollout_layout(device, ranks)
         try:  # import the plugin once here, so a bad file or name fails before Ray starts, not in the reward worker
             load_reward_fn(self.reward.path, self.reward.name)
         except (OSError, ImportError, ValueError) as err:  # their messages start with reward.path: / reward.name:
             raise ConfigError(str(err)) from None
+
+    def _validate_rollout_layout(self, device: str, ranks: int) -> None:
+        """The rollout replicas (rltrain/workers/rollout_group.py): on GPU one per rollout.tensor_parallel_size of
+        the ranks' GPUs, on CPU rollout.replicas processes with a CPU each."""
+        tp, replicas = self.rollout.tensor_parallel_size, self.rollout.replicas
+        if device == "cuda":
+            per_node = self.trainer.n_gpus_per_node
+            require(per_node % tp == 0, "rollout.tensor_parallel_size", f"must divide trainer.n_gpus_per_node = "
+                    f"{per_node} (a replica's GPUs are on one node)", tp)
+            require(replicas in (1, ranks // tp), "rollout.replicas", f"on GPU there is one replica per "
+                    f"rollout.tensor_parallel_size GPUs, trainer.nnodes × trainer.n_gpus_per_node / {tp} = "
+                    f"{ranks // tp}: leave rollout.replicas at 1 or set it to that", replicas)
+            return
+        require(tp == 1, "rollout.tensor_parallel_size", f"must be 1 on CPU (trainer.device resolves to {device}); "
+                "CPU runs scale the rollout with rollout.replicas", tp)
+        if self.ray.address is None:  # a local Ray: its CPUs are known now (a cluster's: when placing)
+            cpus = self.ray.num_cpus or os.cpu_count() or 1
+            held = f"ray.num_cpus = {cpus}" if self.ray.num_cpus else f"this machine has {cpus} (ray.num_cpus unset)"
+            require(replicas <= cpus, "rollout.replicas", f"each CPU replica holds a CPU, and {held}", replicas)
 
 
 def resolve_device(device: str) -> str:

@@ -1,7 +1,10 @@
 """Metric sinks: console (a progress line per step), jsonl (<output_dir>/metrics.jsonl), tensorboard, wandb.
 
 Every record is a flat dict with a `step`; train records and validation records (keys starting with `val/`) go to
-the same sinks.
+the same sinks. The console's train line ends with where the step's time went (the time/*_s keys the trainer logs):
+
+    [train    3/300] |....................| reward 0.062 ... | 0.7 s/step, ETA 208 s | rollout 0.31s | reward 0.02s |
+    old_lp 0.05s | ref 0.00s | update 0.19s | sync 0.04s
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import time
 from pathlib import Path
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+# (label on the console, the record's key): the phases of a train step, in order
+PHASES = (("rollout", "time/rollout_s"), ("reward", "time/reward_s"), ("old_lp", "time/old_logprob_s"),
+          ("ref", "time/ref_s"), ("update", "time/update_s"), ("sync", "time/weight_sync_s"))
 
 
 class Tracker:
@@ -68,11 +74,19 @@ class Tracker:
         bar = "#" * filled + "." * (20 - filled)
         print(f"[train {step:>4}/{self.total_steps}] |{bar}| reward {record.get('train/reward_mean', 0):.3f} "
               f"kl {record.get('actor/ppo_kl', 0):+.4f} entropy {record.get('actor/entropy', 0):.3f} "
-              f"len {record.get('train/response_len_mean', 0):.1f} | {per_step:.1f} s/step, ETA {eta:.0f} s",
-              file=sys.stdout, flush=True)
+              f"len {record.get('train/response_len_mean', 0):.1f} | {per_step:.1f} s/step, ETA {eta:.0f} s"
+              f"{time_split(record)}", file=sys.stdout, flush=True)
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def time_split(record: dict) -> str:
+    """' | rollout 12.1s | old_lp 1.2s | ...' for the phases the record times, and the actor's MFU where logged."""
+    parts = [f"{label} {record[key]:.2f}s" for label, key in PHASES if key in record]
+    if "perf/actor_mfu" in record:
+        parts.append(f"mfu {100 * record['perf/actor_mfu']:.1f}%")
+    return "".join(f" | {part}" for part in parts)

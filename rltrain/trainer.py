@@ -1,8 +1,10 @@
 """The single controller: holds the GRPO loop and nothing heavy; the roles are Ray actors holding the models.
 
-One step: sample prompts → rollout (n responses each) → reward → group advantages → old (and reference)
-log-probs → actor update → push the new weights into the rollout engine. Validation (greedy by default) runs at step
-0, every trainer.val_every steps and at the end; checkpoints every trainer.save_every steps and at the end.
+One step: sample prompts → rollout (n responses each, split across the rollout replicas) → reward → group
+advantages → old (and reference) log-probs → actor update → push the new weights into every rollout replica.
+Validation (greedy by default) runs at step 0, every trainer.val_every steps and at the end; checkpoints every
+trainer.save_every steps and at the end. Each step's record says where its time went (time/*_s: rollout, reward,
+old_logprob, ref, update, weight_sync, step) and how fast the rollout and the actor ran (perf/*; rltrain/perf.py).
 """
 
 from __future__ import annotations
@@ -23,14 +25,16 @@ from rltrain.config import ConfigError
 from rltrain.data.rows import load_rows
 from rltrain.data.sampler import PromptSampler, drop_long_prompts, encode_prompts
 from rltrain.job import JobConfig, resolve_device
+from rltrain.perf import StepTimer, actor_step_flops, mfu, peak_flops
 from rltrain.tracking import Tracker
 from rltrain.workers.actor import ActorWorker
 from rltrain.workers.batch import concat_batches
 from rltrain.workers.fsdp import FSDPActorWorker, FSDPReferenceWorker
-from rltrain.workers.group import iter_weight_buckets, kill, place_model_roles, start_role
+from rltrain.workers.group import kill, place_model_roles, start_role
 from rltrain.workers.reference import ReferenceWorker
 from rltrain.workers.reward import RewardWorker
-from rltrain.workers.rollout import RolloutWorker
+from rltrain.workers.rollout_group import RolloutReplicas
+from rltrain.workers.weight_sync import WeightPush
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +132,10 @@ class GRPOTrainer:
         if not ray.is_initialized():
             ray.init(address=job.ray.address, num_cpus=job.ray.num_cpus, include_dashboard=False,
                      log_to_driver=True, configure_logging=False)
-        # The model roles are colocated: rank r of the actor and the reference (and the rollout, in bundle 0) share
-        # placement bundle r, one GPU (or CPU), each asking a fraction of it, since Ray hides the GPU from an actor
-        # that asks for none. trainer.nnodes × n_gpus_per_node bundles; actor.strategy=fsdp2 puts a rank on each.
+        # The model roles are colocated: rank r of the actor and the reference and rollout process r share placement
+        # bundle r, one GPU (or CPU), each asking a fraction of it, since Ray hides the GPU from an actor that asks
+        # for none. trainer.nnodes × n_gpus_per_node bundles; actor.strategy=fsdp2 puts a rank on each, the rollout
+        # one engine per rollout.tensor_parallel_size of them (rltrain/workers/rollout_group.py).
         model_roles = 3 if job.algorithm.loss.kl_coef > 0 else 2
         share, sharded = 1 / model_roles, job.actor.strategy == "fsdp2"
         self.placement = place_model_roles(job.trainer.nnodes, job.trainer.n_gpus_per_node, self.device,
@@ -141,25 +146,33 @@ class GRPOTrainer:
         self.actor = start_role(FSDPActorWorker if sharded else ActorWorker, self.placement, share, sharded,
                                 config=job.actor, loss=job.algorithm.loss, temperature=temperature,
                                 seed=job.trainer.seed, **common)
-        self.rollout = start_role(RolloutWorker, self.placement, share, False, config=job.rollout, **common)
+        self.rollout = RolloutReplicas(job.rollout, self.placement, share, job.ray.placement_timeout_s, **common)
         self.reference = None
         if job.algorithm.loss.kl_coef > 0:
             self.reference = start_role(FSDPReferenceWorker if sharded else ReferenceWorker, self.placement, share,
                                         sharded, temperature=temperature, batching=job.actor.micro_batching,
                                         **(dict(fsdp=job.actor.fsdp) if sharded else {}), **common)
         self.reward = ray.remote(RewardWorker).options(num_cpus=0).remote(job.reward, self.model_dir)
+        self.weight_push = WeightPush(self.actor, self.rollout, job.actor.weight_bucket_mb)
+        self.model_shape = ray.get(self.actor.model_shape.remote())
+        actor_device = ray.get(self.actor.device_info.remote())
+        self.peak_flops = peak_flops(actor_device[1]) if actor_device else None
 
     # ---------------------------------------------------------------- one step
-    def _generate_and_score(self, rows, n: int, temperature: float, seed: int):
+    def _generate_and_score(self, rows, n: int, temperature: float, seed: int, timer: StepTimer | None = None):
+        timer = timer or StepTimer()
         ids, mask = encode_prompts(rows, self.tokenizer)
-        batch = ray.get(self.rollout.generate.remote(ids, mask, n, temperature, seed))
+        with timer.phase("rollout"):
+            batch = self.rollout.generate(ids, mask, n, temperature, seed)
+        timer.count("rollout_tokens", batch["response_mask"].sum().item())
         response_rows = [row for row in rows for _ in range(n)]
-        rewards, extras, errors, _ = ray.get(self.reward.score.remote(batch["response_ids"], batch["response_mask"],
-                                                                       response_rows))
+        with timer.phase("reward"):
+            rewards, extras, errors, _ = ray.get(self.reward.score.remote(batch["response_ids"],
+                                                                           batch["response_mask"], response_rows))
         batch["rewards"] = rewards
         return batch, extras, errors
 
-    def _collect(self, step: int):
+    def _collect(self, step: int, timer: StepTimer):
         """A batch of data.batch_size prompt groups (collect_groups), with the reward extras and error count of
         every round generated and the number of prompts sampled."""
         job = self.job
@@ -170,7 +183,7 @@ class GRPOTrainer:
             nonlocal errors
             batch, round_extras, round_errors = self._generate_and_score(
                 self.sampler.next(want), n, job.rollout.temperature,
-                seed=job.trainer.seed * 1_000_003 + step * 101 + round_)
+                seed=job.trainer.seed * 1_000_003 + step * 101 + round_, timer=timer)
             extras.extend(round_extras)
             errors += round_errors
             return batch
@@ -180,24 +193,28 @@ class GRPOTrainer:
         return batch, extras, errors, rounds * want
 
     def train_step(self, step: int) -> dict:
-        job, start = self.job, time.monotonic()
-        batch, extras, errors, prompts_seen = self._collect(step)
+        job, start, timer = self.job, time.monotonic(), StepTimer()
+        batch, extras, errors, prompts_seen = self._collect(step, timer)
         if batch.batch_size[0] == 0:
             logger.warning("step %d: dynamic sampling kept no group (all rewards equal in every group); skipped",
                            step)
-            return {"step": step, "train/groups_kept": 0.0, "reward/errors": errors}
-        ray.get(self.rollout.sleep.remote())  # colocated: the engine frees its memory until the weight push
+            return {"step": step, "train/groups_kept": 0.0, "reward/errors": errors, **timer.record()}
+        self.rollout.sleep()  # colocated: the engines free their memory until the weight push
         batch["advantages"] = compute_advantages(job.algorithm.adv_estimator, batch["rewards"],
                                                  batch["response_mask"], batch["group_ids"])
         response_len = batch["response_mask"].sum(1).float()
         if job.algorithm.overlong_filter:
             batch["response_mask"] = mask_truncated(batch["response_mask"], batch["truncated"])
-        batch["old_logprobs"] = ray.get(self.actor.compute_logprobs.remote(batch))
+        with timer.phase("old_logprob"):
+            batch["old_logprobs"] = ray.get(self.actor.compute_logprobs.remote(batch))
         metrics = apply_rollout_correction(batch, job.algorithm.rollout_is_cap)  # engines reporting log-probs
+        timer.add("ref", 0.0)
         if self.reference is not None:
-            batch["ref_logprobs"] = ray.get(self.reference.compute_logprobs.remote(batch))
-        metrics.update(ray.get(self.actor.update.remote(batch)))
-        self.push_weights()
+            with timer.phase("ref"):
+                batch["ref_logprobs"] = ray.get(self.reference.compute_logprobs.remote(batch))
+        with timer.phase("update"):
+            metrics.update(ray.get(self.actor.update.remote(batch)))
+        timer.add("weight_sync", self.push_weights())
         elapsed = time.monotonic() - start
         tokens = batch["prompt_mask"].sum().item() + batch["response_mask"].sum().item()
         record = {"step": step, "train/reward_mean": batch["rewards"].mean().item(),
@@ -206,10 +223,25 @@ class GRPOTrainer:
                   "train/truncated_frac": batch["truncated"].float().mean().item(),
                   "train/groups_kept": batch.batch_size[0] / job.rollout.n / job.data.batch_size,
                   "train/prompts_sampled": prompts_seen, **metrics, "reward/errors": errors,
-                  "time/step_s": elapsed, "perf/tokens_per_s": tokens / elapsed}
+                  **self._perf(batch, timer), "time/step_s": elapsed, "perf/tokens_per_s": tokens / elapsed}
         for key in sorted({k for e in extras for k in e}):
             values = [e[key] for e in extras if key in e]
             record[f"reward/{key}_mean"] = sum(values) / len(values)
+        return record
+
+    def _perf(self, batch: TensorDict, timer: StepTimer) -> dict:
+        """time/<phase>_s and the step's rates: rollout tokens (generated, every round) and the actor's tokens
+        (prompt + response, through the old log-probs and the update) per second, and on a known GPU the actor's
+        MFU (rltrain/perf.py)."""
+        generated = timer.counts.get("rollout_tokens", 0.0)
+        response_lengths = batch["response_mask"].sum(1)
+        sequence_lengths = batch["prompt_mask"].sum(1) + response_lengths
+        actor_s = timer.get("old_logprob") + timer.get("update")
+        record = {**timer.record(), "perf/rollout_tokens_per_s": generated / max(timer.get("rollout"), 1e-9),
+                  "perf/actor_tokens_per_s": sequence_lengths.sum().item() / max(actor_s, 1e-9)}
+        if self.peak_flops is not None:
+            flops = actor_step_flops(self.model_shape, sequence_lengths, response_lengths)
+            record["perf/actor_mfu"] = mfu(flops, actor_s, self.placement.world_size, self.peak_flops)
         return record
 
     def validate(self, step: int) -> dict | None:
@@ -224,13 +256,10 @@ class GRPOTrainer:
         self.tracker.log(record)
         return record
 
-    def push_weights(self) -> None:
-        """The actor's new weights into the rollout engine, in place: full tensors bucket by bucket (gathered from
-        the shards on actor rank 0 under FSDP2), so the extra memory is about one bucket."""
-        ray.get(self.rollout.begin_weight_update.remote())
-        for bucket in iter_weight_buckets(self.actor, self.job.actor.weight_bucket_mb):
-            ray.get(self.rollout.load_weights.remote(bucket))
-        ray.get(self.rollout.finish_weight_update.remote())
+    def push_weights(self) -> float:
+        """The actor's new weights into every rollout process, in place, bucket by bucket (by CUDA IPC from the
+        colocated actor rank on GPU, through the object store on CPU: rltrain/workers/weight_sync.py); seconds."""
+        return self.weight_push.push()
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, step: int) -> Path:
@@ -253,7 +282,7 @@ class GRPOTrainer:
             raise FileNotFoundError(f"trainer.resume: no checkpoint directory {str(path)!r}")
         model_state, optimizer_state, state = ckpt.load_checkpoint(path)
         ray.get(self.actor.load_checkpoint.remote(model_state, optimizer_state))
-        ray.get(self.rollout.load_state_dict.remote(model_state))
+        self.rollout.load_state_dict(model_state)
         self.sampler.load_state_dict(state["sampler"])
         ckpt.set_rng_state(state["rng"])
         self.step, self.initial_val = state["step"], state.get("initial_val")
@@ -284,6 +313,7 @@ class GRPOTrainer:
     def close(self) -> None:
         self.tracker.close()
         ray.get(self.reward.close.remote())
-        for handle in (self.actor, self.rollout, self.reference, self.reward):
+        self.rollout.kill()
+        for handle in (self.actor, self.reference, self.reward):
             kill(handle)
         self.placement.remove()

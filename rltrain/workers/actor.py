@@ -10,11 +10,13 @@ from tensordict import TensorDict
 
 from rltrain.algorithms.config import LossConfig
 from rltrain.config import require
+from rltrain.perf import ModelShape
 from rltrain.workers.batch import split
 from rltrain.workers.packing import MicroBatching, Packing
 from rltrain.workers.policy import (
     load_policy, plan_buckets, policy_hidden, resolve_batching, response_logprobs, set_threads,
 )
+from rltrain.workers.weight_sync import WeightSource
 
 STRATEGIES = ("single", "fsdp2")
 
@@ -66,7 +68,7 @@ class ActorConfig:
         return MicroBatching(self.micro_batch_size, self.use_remove_padding, self.max_tokens_per_micro_batch)
 
 
-class ActorWorker:
+class ActorWorker(WeightSource):
     def __init__(self, config: ActorConfig, loss: LossConfig, model_path: str, dtype: str,
                  kernel_config: dict | None, temperature: float, device: str = "cpu", seed: int = 0,
                  attn_implementation: str = "auto"):
@@ -166,15 +168,23 @@ class ActorWorker:
     def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
         return sums
 
+    def model_shape(self) -> ModelShape:
+        """What perf/actor_mfu counts FLOPs with (rltrain/perf.py); under FSDP2 the full model's counts."""
+        return ModelShape.of(self.model)
+
     def bucket_names(self, bucket_mb: int) -> list[list[str]]:
         """The state_dict's names in buckets of about bucket_mb MB, for the weight push (same on every rank)."""
         return plan_buckets(self.model.state_dict(), bucket_mb)
 
-    def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
-        """Full CPU tensors of these state_dict entries (None on ranks other than 0 under FSDP2). The trainer's
-        weight push asks for one bucket of bucket_names at a time (rltrain.workers.group.iter_weight_buckets)."""
+    def full_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Full tensors of these state_dict entries on the model's device (here: the parameters themselves). The
+        weight push exports one bucket of bucket_names at a time (rltrain/workers/weight_sync.py)."""
         state = self.model.state_dict()
-        return {name: state[name].detach().cpu() for name in names}
+        return {name: state[name].detach() for name in names}
+
+    def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        """Full CPU tensors of these state_dict entries (None on ranks other than 0 under FSDP2)."""
+        return {name: tensor.cpu() for name, tensor in self.full_weights(names).items()}
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         return self.gather_weights(list(self.model.state_dict()))

@@ -11,10 +11,11 @@ mask is zero (loss and gradient 0). The model and the loss head run inside the f
 (`PolicyWithHead`), so the embeddings and the LM head weight are gathered while the loss uses them and no logits are
 materialised. tests/rltrain/workers/test_fsdp.py checks the gradients against the single process over gloo.
 
-Weights leave full: the trainer's weight push asks for `bucket_names(bucket_mb)` once, then `gather_weights(names)`
-per bucket, which gathers those DTensor shards (`full_tensor()`) on every rank and returns them from rank 0;
-checkpoints are the single process's format (HF weights from rank 0, the optimizer state gathered and keyed by
-parameter index), so a run resumes under either strategy.
+Weights leave full: the trainer's weight push asks for `bucket_names(bucket_mb)` once, then exports each bucket
+(rltrain/workers/weight_sync.py): `full_weights(names)` gathers those DTensor shards (`full_tensor()`) on every rank,
+and each rank hands them to the rollout process on its GPU by CUDA IPC (rank 0 also returns a host copy where a
+rollout process needs one); checkpoints are the single process's format (HF weights from rank 0, the optimizer
+state gathered and keyed by parameter index), so a run resumes under either strategy.
 
 Known cost: every rank loads the full model into CPU memory before sharding it (8 ranks of a 7B fp32 model: 8 × 28
 GB of host memory for a moment); loading on the meta device with rank 0 broadcasting would remove it.
@@ -201,14 +202,19 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
         return dict(zip(sums, values.tolist()))
 
     # ------------------------------------------------------------------ full weights and checkpoints
-    def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+    def full_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Full tensors of these entries on every rank (a collective: every rank calls it with the same names)."""
         state, full = self.model.state_dict(), {}
         for name in names:
             tensor = state[name].detach()
             if isinstance(tensor, DTensor):
                 # CPU-offloaded shards go to the GPU for the all-gather (NCCL gathers device tensors only)
                 tensor = tensor.to(self.device).full_tensor()
-            full[name] = tensor.cpu()
+            full[name] = tensor
+        return full
+
+    def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        full = {name: tensor.cpu() for name, tensor in self.full_weights(names).items()}
         return full if self.rank == 0 else None
 
     def optimizer_state(self) -> dict | None:

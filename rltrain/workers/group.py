@@ -2,15 +2,17 @@
 Ray actors that form one torch.distributed process group (the FSDP2 actor and reference).
 
 Placement: one STRICT_PACK placement group per node (trainer.nnodes of them), each holding trainer.n_gpus_per_node
-one-GPU bundles (one-CPU bundles on CPU runs: each rank is then a process that reserves a CPU). Rank r of every
-role lands in bundle r, so the actor, reference and rollout ranks with the same index share a GPU (colocated), each
-asking a fraction of it. A request the cluster cannot hold fails with PlacementError naming the keys and what the
-cluster has, at once when no set of nodes could ever hold it, else after ray.placement_timeout_s: never a hang.
+one-GPU bundles (one-CPU bundles on CPU runs: each rank is then a process that reserves a CPU). Rank r of every role
+lands in bundle r, so the actor, reference and rollout ranks with the same index share a GPU (colocated), each asking a
+fraction of it (the rollout's processes: rltrain/workers/rollout_group.py). A request the cluster cannot hold fails with
+PlacementError naming the keys and what the cluster has, at once when no set of nodes could ever hold it, else after
+ray.placement_timeout_s: never a hang.
 
 Worker groups: `WorkerGroup(cls, placement, share, **kwargs)` starts `cls(rank=r, world_size=W, master_addr=...,
 master_port=..., **kwargs)` on every bundle; rank 0's node address and a free port come from a task run in bundle 0.
 `group.method.remote(*args)` calls the method on every rank (arguments are put in the object store once) and returns
-rank 0's ObjectRef, so the controller drives a group exactly like a single Ray actor.
+rank 0's ObjectRef, so the controller drives a group exactly like a single Ray actor; `call_each_rank` returns every
+rank's (the weight push: each rank exports to the rollout process on its GPU).
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def place_model_roles(nnodes: int, ranks_per_node: int, device: str, timeout_s: 
 
 
 @ray.remote(num_cpus=0)
-def _rendezvous_address() -> tuple[str, int]:
+def rendezvous_address() -> tuple[str, int]:
     """This node's address and a port free on it (rank 0 binds it for torch.distributed's TCP store)."""
     with socket.socket() as sock:
         sock.bind(("", 0))
@@ -107,10 +109,7 @@ class _GroupMethod:
         self.group, self.name = group, name
 
     def remote(self, *args, **kwargs) -> ray.ObjectRef:
-        self.group.raise_earlier_errors()
-        args = [a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args]
-        kwargs = {k: v if isinstance(v, ray.ObjectRef) else ray.put(v) for k, v in kwargs.items()}
-        refs = [getattr(worker, self.name).remote(*args, **kwargs) for worker in self.group.workers]
+        refs = self.group.call_each(self.name, *args, **kwargs)
         self.group.pending += refs[1:]
         return refs[0]
 
@@ -120,7 +119,7 @@ class WorkerGroup:
     returns rank 0's result. Every rank receives the whole argument (e.g. the full batch) and takes its share."""
 
     def __init__(self, cls, placement: Placement, share: float, **kwargs):
-        address, port = ray.get(_rendezvous_address.options(**placement.options(0, 0)).remote())
+        address, port = ray.get(rendezvous_address.options(**placement.options(0, 0)).remote())
         remote_cls = ray.remote(cls)
         world_size = placement.world_size
         self.workers = [remote_cls.options(**placement.options(rank, share)).remote(
@@ -132,6 +131,13 @@ class WorkerGroup:
         if name.startswith("_"):
             raise AttributeError(name)
         return _GroupMethod(self, name)
+
+    def call_each(self, name: str, *args, **kwargs) -> list[ray.ObjectRef]:
+        """name(*args, **kwargs) on every rank (arguments put in the object store once); every rank's ObjectRef."""
+        self.raise_earlier_errors()
+        args = [a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args]
+        kwargs = {k: v if isinstance(v, ray.ObjectRef) else ray.put(v) for k, v in kwargs.items()}
+        return [getattr(worker, name).remote(*args, **kwargs) for worker in self.workers]
 
     def raise_earlier_errors(self) -> None:
         """Re-raise an error a rank other than 0 hit in an earlier call (rank 0's own errors reach the caller)."""
@@ -159,8 +165,8 @@ def start_role(cls, placement: Placement, share: float, sharded: bool, **kwargs)
     return ray.remote(cls).options(**placement.options(0, share)).remote(**kwargs)
 
 
-def iter_weight_buckets(actor, bucket_mb: int):
-    """ObjectRefs of the actor's full weights ({name: tensor}), one bucket at a time (gathered on rank 0 under
-    FSDP2), for the trainer's weight push; the caller takes each before asking for the next."""
-    for names in ray.get(actor.bucket_names.remote(bucket_mb)):
-        yield actor.gather_weights.remote(names)
+def call_each_rank(handle, name: str, *args) -> list[ray.ObjectRef]:
+    """A role's method on each of its ranks: every rank of a WorkerGroup, or the one actor."""
+    if isinstance(handle, WorkerGroup):
+        return handle.call_each(name, *args)
+    return [getattr(handle, name).remote(*args)]

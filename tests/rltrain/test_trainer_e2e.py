@@ -1,7 +1,8 @@
 """End to end through real Ray actors on CPU: the embedded default runs and writes its metrics and checkpoints;
 reward plugins that raise or hang are scored 0 and counted; a run SIGKILLed mid-save resumes at the right step and
-sees exactly the data an uninterrupted run sees (trainer.resume auto, a path, never); TensorBoard events, the HF
-export of a checkpoint and the roles started (no reference without KL) are checked along the way.
+sees exactly the data an uninterrupted run sees (trainer.resume auto, a path, never), with two rollout replicas;
+every step's record says where its time went and the console line shows it; TensorBoard events, the HF export of a
+checkpoint and the roles started (no reference without KL) are checked along the way.
 
     .venv/bin/python -m pytest tests/rltrain/test_trainer_e2e.py -x -q -k killed   # about a minute on 2 cores
 """
@@ -32,7 +33,9 @@ from tests.rltrain.tiny_job import TINY, compose, merge, tiny_job
 ROOT = Path(__file__).resolve().parents[2]
 
 REQUIRED = {"step", "train/reward_mean", "train/response_len_mean", "actor/loss", "actor/entropy", "actor/ppo_kl",
-            "actor/clipfrac", "actor/grad_norm", "reward/errors", "time/step_s", "perf/tokens_per_s"}
+            "actor/clipfrac", "actor/grad_norm", "reward/errors", "time/step_s", "perf/tokens_per_s",
+            "time/rollout_s", "time/reward_s", "time/old_logprob_s", "time/ref_s", "time/update_s",
+            "time/weight_sync_s", "perf/rollout_tokens_per_s", "perf/actor_tokens_per_s"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,14 +50,22 @@ def _records(output_dir):
 
 
 def _record_started_roles(monkeypatch) -> list[str]:
-    """The class names the trainer starts roles with (rltrain.trainer.start_role; the reward worker aside)."""
-    started, start_role = [], trainer_module.start_role
+    """The class names the trainer starts roles with (rltrain.trainer.start_role; the reward worker aside), and
+    the rollout replicas' as RolloutWorker×<processes>."""
+    started, start_role, replicas = [], trainer_module.start_role, trainer_module.RolloutReplicas
     monkeypatch.setattr(trainer_module, "start_role", lambda cls, *args, **kwargs: (
         started.append(cls.__name__), start_role(cls, *args, **kwargs))[1])
+
+    def start_replicas(*args, **kwargs):
+        handle = replicas(*args, **kwargs)
+        started.append(f"RolloutWorker×{len(handle.processes)}")
+        return handle
+
+    monkeypatch.setattr(trainer_module, "RolloutReplicas", start_replicas)
     return started
 
 
-def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path, monkeypatch):
+def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path, monkeypatch, capsys):
     plugin = tmp_path / "reward.py"
     plugin.write_text(textwrap.dedent("""
         import time
@@ -73,7 +84,7 @@ def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path, monkeypatch):
     started = _record_started_roles(monkeypatch)
     result = run(job)
     assert result["step"] == 2
-    assert started == ["ActorWorker", "RolloutWorker", "ReferenceWorker"]  # kl_coef > 0 starts the reference
+    assert started == ["ActorWorker", "RolloutWorker×1", "ReferenceWorker"]  # kl_coef > 0 starts the reference
     records = _records(out)
     train = [r for r in records if "train/reward_mean" in r]
     val = [r for r in records if "val/reward_mean" in r]
@@ -86,6 +97,13 @@ def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path, monkeypatch):
         assert 0 < record["reward/errors"] < responses
         assert record["reward/bonus_mean"] == 0.5
         assert "actor/ref_kl" in record
+        assert record["time/ref_s"] > 0 and record["perf/actor_tokens_per_s"] > 0
+        assert "perf/actor_mfu" not in record  # CPU: no peak to divide by
+        phases = sum(record[f"time/{p}_s"] for p in ("rollout", "reward", "old_logprob", "ref", "update",
+                                                        "weight_sync"))
+        assert phases <= record["time/step_s"]
+    console = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[train")]
+    assert len(console) == 2 and all(" | rollout " in line and " | sync " in line for line in console), console
     assert latest_checkpoint(str(out)).name == "step_000002"
     assert (out / "checkpoints" / "step_000001" / "hf" / "model.safetensors").is_file()
 
@@ -156,8 +174,10 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
     """A real kill: `python -m rltrain.main_grpo` in its own process group, SIGKILLed (Ray's processes with it) while
     it writes a checkpoint. Then, in one output dir: resume=auto continues after the newest complete checkpoint,
     past the half-written one; resume=<step_000001> continues from that one; resume=never starts over from step 0
-    and, being an uninterrupted run, is the reference the resumed steps must equal (same data, same updates). The
-    last run also checks the TensorBoard events, the HF export and that kl_coef=0 starts no ReferenceWorker."""
+    and, being an uninterrupted run, is the reference the resumed steps must equal (same data, same updates). Every
+    run has two rollout replicas (rollout.replicas=2, each with its own CPU): the prompts split across them replay
+    exactly, and a resume loads the checkpoint's weights into both. The last run also checks the TensorBoard events,
+    the HF export and that kl_coef=0 starts no ReferenceWorker."""
     out = tmp_path / "run"
     checkpoints = out / "checkpoints"
     # a reward that is 0 or 1 about evenly over responses: the tiny model's answers all score 0 on the embedded task,
@@ -165,9 +185,9 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
     plugin = tmp_path / "reward.py"
     plugin.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return float(sum(map(ord, solution_str)) % 2)\n")
-    reward = {"path": str(plugin), "name": "score"}
+    reward, rollout = {"path": str(plugin), "name": "score"}, {"replicas": 2}
     command = [sys.executable, "-m", "rltrain.main_grpo",
-               *_overrides(out, trainer={"total_steps": 50, "save_every": 1}, reward=reward,
+               *_overrides(out, trainer={"total_steps": 50, "save_every": 1}, reward=reward, rollout=rollout,
                            ray={"address": "local", "num_cpus": 2}),
                f"hydra.run.dir={tmp_path / 'hydra'}"]
     with (tmp_path / "killed.log").open("w") as log:
@@ -194,7 +214,8 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
     (leftover / "optimizer.pt").write_bytes(b"truncated")
     logged = len(_records(out))
 
-    result = _run_cli_config(out, trainer={"total_steps": last + 1}, reward=reward)  # resume=auto: the default
+    # resume=auto: the default
+    result = _run_cli_config(out, trainer={"total_steps": last + 1}, reward=reward, rollout=rollout)
     assert result["step"] == last + 1
     after_auto = _records(out)[logged:]
     assert [r["step"] for r in after_auto] == [last + 1, last + 1]  # a train step and the final validation only
@@ -203,16 +224,16 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
 
     logged = len(_records(out))
     result = _run_cli_config(out, trainer={"total_steps": 2, "resume": str(checkpoints / "step_000001")},
-                             reward=reward)
+                             reward=reward, rollout=rollout)
     assert result["step"] == 2
     after_explicit = _train(_records(out)[logged:])
     assert list(after_explicit) == [2]
 
     started = _record_started_roles(monkeypatch)
     result = _run_cli_config(out, trainer={"total_steps": last + 1, "resume": "never",
-                                           "logger": ["jsonl", "tensorboard"]}, reward=reward)
+                                           "logger": ["jsonl", "tensorboard"]}, reward=reward, rollout=rollout)
     assert result["step"] == last + 1
-    assert started == ["ActorWorker", "RolloutWorker"]  # kl_coef=0: no ReferenceWorker
+    assert started == ["ActorWorker", "RolloutWorker×2"]  # kl_coef=0: no ReferenceWorker
     fresh = _records(out)  # resume=never starts metrics.jsonl over
     assert [r["step"] for r in fresh if "val/reward_mean" in r] == [0, last + 1]
     reference = _train(fresh)

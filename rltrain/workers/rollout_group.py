@@ -1,0 +1,166 @@
+"""Rollout replicas: one rollout engine per tensor-parallel group over all of the model roles' placement bundles,
+driven by the controller like one rollout worker (`RolloutReplicas`: generate, sleep, the weight update, resume).
+
+Layout (verl's). On GPU the trainer.nnodes × n_gpus_per_node bundles hold one GPU each; rollout.tensor_parallel_size
+= tp divides n_gpus_per_node, and replica i spans bundles [i·tp, (i+1)·tp): one RolloutWorker process per bundle,
+colocated with the actor (and reference) rank of that bundle and asking the same fraction of its GPU, so there are
+world_size / tp replicas. On CPU, rollout.replicas = R engines of one process each: replica i < world_size sits in
+bundle i, colocated like on GPU (the roles take turns: the engine waits while the actor trains), and the replicas
+beyond the bundles reserve one more CPU each, in a placement group of their own (PACK; reserved like the model
+roles' groups, so a cluster that cannot hold them gives a PlacementError naming rollout.replicas, never a hang).
+Two replicas thus run side by side on a 2-CPU machine beside one trainer rank. With rollout.torch_threads = 0, CPU
+replicas take cores / R threads each instead of all cores, so that they do not oversubscribe the machine.
+
+Generation. A step's prompts are cut into contiguous runs, as even as possible, one per replica: all n responses of
+a prompt stay on one engine, whose prefix cache then holds the prompt once. Every process of a replica gets the same
+call (vLLM's external_launcher runs the TP ranks in lockstep) and rank 0's result is kept; the replicas' results are
+concatenated back in prompt order, group_ids numbering the prompts of the whole batch. Each replica is told where its
+run starts (first_prompt), so its seeds are the batch's (rltrain/workers/rollout.py): vLLM seeds each response by
+its index in the batch, the same whatever replica runs it; the hf engine seeds one stream per call, so it replays
+exactly for a fixed layout.
+
+Weights. Every process takes every bucket (rltrain/workers/weight_sync.py: by CUDA IPC from the actor rank on its
+GPU, or through the object store). Processes are numbered replica-major (process j = replica j // tp, TP rank
+j % tp), which on GPU is also their bundle, so process j shares its GPU with actor rank j.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from tensordict import TensorDict
+
+from rltrain.workers.batch import concat_batches
+from rltrain.workers.group import Placement, PlacementError, cluster_summary, rendezvous_address
+from rltrain.workers.rollout import RolloutConfig, RolloutWorker
+
+logger = logging.getLogger(__name__)
+
+
+def replica_bundles(world_size: int, tensor_parallel_size: int, replicas: int, device: str) -> list[list[int | None]]:
+    """Each replica's processes as placement bundles (None: a CPU reserved beyond the model roles' bundles)."""
+    if device == "cuda":
+        tp = tensor_parallel_size
+        return [list(range(i * tp, (i + 1) * tp)) for i in range(world_size // tp)]
+    return [[i if i < world_size else None] for i in range(replicas)]
+
+
+def split_prompts(num_prompts: int, replicas: int) -> list[tuple[int, int]]:
+    """[start, stop) of each replica's prompts: contiguous runs in order, sizes differing by at most one."""
+    base, larger = divmod(num_prompts, replicas)
+    bounds, start = [], 0
+    for i in range(replicas):
+        stop = start + base + (i < larger)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def reserve_cpus(count: int, world_size: int, replicas: int, timeout_s: float) -> PlacementGroup:
+    """A placement group of `count` one-CPU bundles for the CPU replicas beyond the model roles' bundles."""
+    asked = (f"rollout.replicas={replicas}: the {count} replica(s) beyond the trainer.nnodes × "
+             f"trainer.n_gpus_per_node = {world_size} bundle(s) ask for a CPU each")
+    cpus = sum(node["Resources"].get("CPU", 0) for node in ray.nodes() if node.get("Alive"))
+    if cpus < world_size + count:
+        raise PlacementError(f"{asked}, {world_size + count} CPUs in all, but the cluster has {cpus:g}; "
+                             f"it has {cluster_summary()}")
+    group = placement_group([{"CPU": 1}] * count, strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        raise PlacementError(f"{asked}; they could not be reserved within ray.placement_timeout_s={timeout_s:g} s "
+                             f"(CPUs held by other jobs?). Available now: {ray.available_resources()}; the cluster "
+                             f"has {cluster_summary()}")
+    return group
+
+
+class RolloutReplicas:
+    """The rollout role: replicas of RolloutWorker processes (see the module docstring). Methods block until every
+    process is done."""
+
+    def __init__(self, config: RolloutConfig, placement: Placement, share: float, timeout_s: float, *,
+                 model_path: str, dtype: str, kernel_config: dict | None, device: str,
+                 attn_implementation: str = "auto"):
+        """`share` of each bundle's GPU (or CPU) per colocated process; timeout_s: ray.placement_timeout_s."""
+        layout = replica_bundles(placement.world_size, config.tensor_parallel_size, config.replicas, device)
+        if device != "cuda" and config.torch_threads == 0 and len(layout) > 1:
+            config = dataclasses.replace(config, torch_threads=max(1, (os.cpu_count() or 1) // len(layout)))
+        extra = sum(bundle is None for bundles in layout for bundle in bundles)
+        self.extra_cpus = reserve_cpus(extra, placement.world_size, len(layout), timeout_s) if extra else None
+        worker, next_extra = ray.remote(RolloutWorker), 0
+        self.replicas: list[list[ray.actor.ActorHandle]] = []
+        for bundles in layout:
+            rendezvous = None
+            if len(bundles) > 1:
+                address, port = ray.get(rendezvous_address.options(**placement.options(bundles[0], 0)).remote())
+                rendezvous = dict(world_size=len(bundles), master_addr=address, master_port=port)
+            processes = []
+            for rank, bundle in enumerate(bundles):
+                if bundle is None:
+                    strategy = PlacementGroupSchedulingStrategy(self.extra_cpus,
+                                                                placement_group_bundle_index=next_extra)
+                    options, next_extra = dict(scheduling_strategy=strategy, num_cpus=1), next_extra + 1
+                else:
+                    options = placement.options(bundle, share)
+                tensor_parallel = dict(rendezvous, rank=rank) if rendezvous else None
+                processes.append(worker.options(**options).remote(
+                    config, model_path, dtype, kernel_config, device, attn_implementation, tensor_parallel))
+            self.replicas.append(processes)
+        logger.info("rollout: %d replica(s) of %d process(es) (%s engine) on %s", len(self.replicas),
+                    len(layout[0]), config.engine, device)
+
+    @property
+    def processes(self) -> list:
+        """Every process, replica-major (process j = replica j // tp, TP rank j % tp)."""
+        return [process for processes in self.replicas for process in processes]
+
+    def _on_every_process(self, name: str, *args) -> list:
+        return ray.get([getattr(process, name).remote(*args) for process in self.processes])
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
+                 seed: int) -> TensorDict:
+        """n responses per prompt, grouped consecutively in prompt order; group_ids[i] = index of the prompt."""
+        calls = []
+        for (start, stop), processes in zip(split_prompts(prompt_ids.shape[0], len(self.replicas)), self.replicas):
+            if stop > start:
+                ids, mask = prompt_ids[start:stop], prompt_mask[start:stop]
+                calls.append([p.generate.remote(ids, mask, n, temperature, seed, start) for p in processes])
+        results = ray.get([ref for refs in calls for ref in refs])  # submitted together: the replicas run at once
+        per_replica = len(calls[0])
+        batch = concat_batches(results[::per_replica])
+        batch["group_ids"] = torch.arange(prompt_ids.shape[0]).repeat_interleave(n)
+        return batch
+
+    def sleep(self) -> None:
+        self._on_every_process("sleep")
+
+    def device_infos(self) -> list[tuple[str, str] | None]:
+        """Each process's GPU (uuid, name), or None on CPU."""
+        return self._on_every_process("device_info")
+
+    def begin_weight_update(self) -> None:
+        self._on_every_process("begin_weight_update")
+
+    def load_buckets(self, buckets: list[ray.ObjectRef]) -> list[str]:
+        """Process j loads buckets[j] (an actor rank's ExportedBucket); the routes taken, "ipc" or "host"."""
+        return ray.get([process.load_bucket.remote(bucket) for process, bucket in zip(self.processes, buckets)])
+
+    def finish_weight_update(self) -> None:
+        self._on_every_process("finish_weight_update")
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """The whole model into every process (resume), put in the object store once."""
+        self._on_every_process("load_state_dict", ray.put(state_dict))
+
+    def kill(self) -> None:
+        for process in self.processes:
+            ray.kill(process)
+        if self.extra_cpus is not None:
+            remove_placement_group(self.extra_cpus)
+            self.extra_cpus = None

@@ -1,0 +1,142 @@
+"""The weight push's pieces (rltrain/workers/weight_sync.py), without Ray: the flat bucket layout round-trips every
+dtype and shape; the pairing of rollout processes with actor ranks by GPU UUID; a bucket whose GPU the receiver does
+not see falls back to its host copy (the CPU-testable side of the IPC route), and with no host copy it fails loudly;
+on CPU an actor exports only a host copy, on rank 0 only.
+
+@pytest.mark.gpu: the IPC route for real on one GPU — an ActorWorker in this process and a RolloutWorker (hf engine)
+in a spawned one, as Ray colocates them; every bucket arrives by IPC and the engine's log-probs of a fixed batch
+equal the actor's after the push. This module imports no Ray (the GPU machines have none)."""
+
+import multiprocessing
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rltrain.algorithms.config import LossConfig
+from rltrain.embedded.model import EmbeddedModelConfig, build_model
+from rltrain.embedded.tokenizer import build_char_tokenizer
+from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.weight_sync import (
+    ALIGN_BYTES, ExportedBucket, IpcBuffer, pack, plan_layout, plan_sources, receive, unpack,
+)
+
+
+def test_flat_buffer_round_trips_dtypes_and_shapes():
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "scalar": torch.tensor(2.5),
+               "ids": torch.arange(5), "flags": torch.tensor([True, False, True]), "empty": torch.zeros(0, 4),
+               "half": torch.randn(2, 3).half(), "strided": torch.randn(4, 6).t()}
+    buffer, slots = pack(tensors, "cpu")
+    assert buffer.dtype == torch.uint8 and [s.name for s in slots] == list(tensors)
+    assert all(slot.offset % ALIGN_BYTES == 0 for slot in slots)
+    assert buffer.numel() == plan_layout(tensors)[1] < len(tensors) * ALIGN_BYTES + sum(s.nbytes for s in slots)
+    out = unpack(buffer, slots)
+    for name, tensor in tensors.items():
+        assert out[name].dtype == tensor.dtype and out[name].shape == tensor.shape, name
+        assert torch.equal(out[name], tensor), name
+    out["a"].fill_(0)  # views into the buffer, not copies
+    assert torch.equal(unpack(buffer, slots)["a"], torch.zeros(3, 5))
+
+
+def test_rollout_processes_pair_with_the_actor_rank_on_their_gpu():
+    assert plan_sources(["g0", "g1", "g2", "g3"], ["g0", "g1", "g2", "g3"]) == [0, 1, 2, 3]
+    assert plan_sources(["g0", "g1"], ["g1", "g0", "g9"]) == [1, 0, None]   # by UUID, not by index; g9: host
+    assert plan_sources(["g0", "g0"], ["g0"]) == [0]                          # the lowest rank on that GPU
+    assert plan_sources([None], [None, None]) == [None, None]                 # CPU: every process by host
+
+
+def test_a_bucket_on_an_unseen_gpu_falls_back_to_its_host_copy():
+    host = {"w": torch.randn(2, 2)}
+    unseen = IpcBuffer(uuid="GPU-00000000-not-here", handle=(None, ()), slots=[])
+    tensors, route = receive(ExportedBucket(ipc=unseen, host=host), own=True)
+    assert route == "host" and tensors is host
+    assert receive(ExportedBucket(host=host), own=False) == (host, "host")
+    with pytest.raises(RuntimeError, match="GPU-00000000-not-here.*no host copy"):
+        receive(ExportedBucket(ipc=unseen), own=False)
+
+
+def _model_dir(path) -> str:
+    tokenizer = build_char_tokenizer()
+    model = build_model(EmbeddedModelConfig(hidden_size=32, num_layers=2, num_heads=2, head_dim=16), tokenizer,
+                        seed=0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _actor(model_dir, device="cpu") -> ActorWorker:
+    return ActorWorker(ActorConfig(torch_threads=1), LossConfig(), model_dir, "float32", None, temperature=1.0,
+                       device=device)
+
+
+def test_cpu_actor_exports_a_host_copy_from_rank_0_only(tmp_path):
+    actor = _actor(_model_dir(tmp_path))
+    names = actor.bucket_names(1)[0]
+    bucket = actor.export_weights(names, ipc_ranks=[], host=True)
+    assert bucket.ipc is None and list(bucket.host) == names
+    state = actor.model.state_dict()
+    assert all(torch.equal(bucket.host[name], state[name]) for name in names)
+    actor.rank = 1  # as an FSDP2 rank other than 0 would be: nothing to send
+    assert actor.export_weights(names, ipc_ranks=[], host=True) is None
+
+
+def _fixed_batch(vocab: int) -> TensorDict:
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(4, vocab, (3, 5), generator=generator)
+    response_ids = torch.randint(4, vocab, (3, 6), generator=generator)
+    response_mask = torch.ones(3, 6, dtype=torch.long)
+    response_mask[1, 4:] = 0
+    return TensorDict({"prompt_ids": prompt_ids, "prompt_mask": torch.ones(3, 5, dtype=torch.long),
+                       "response_ids": response_ids, "response_mask": response_mask}, batch_size=[3])
+
+
+def _rollout_process(model_dir: str, connection) -> None:
+    """The receiving side, in its own process as Ray would run it: a RolloutWorker (hf engine) on the GPU."""
+    from rltrain.workers.packing import MicroBatching
+    from rltrain.workers.policy import response_logprobs
+    from rltrain.workers.rollout import RolloutConfig, RolloutWorker
+
+    rollout = RolloutWorker(RolloutConfig(torch_threads=1), model_dir, "float32", None, device="cuda")
+    connection.send(rollout.device_info())
+    rollout.begin_weight_update()
+    routes = []
+    while (bucket := connection.recv()) is not None:
+        routes.append(rollout.load_bucket(bucket))
+        connection.send(routes[-1])
+    rollout.finish_weight_update()
+    batch = connection.recv()
+    connection.send(response_logprobs(rollout.engine.model, batch, 1.0, MicroBatching(rows=8, packed=False)))
+
+
+@pytest.mark.gpu
+def test_ipc_push_on_one_gpu(tmp_path):
+    model_dir = _model_dir(tmp_path)
+    actor = _actor(model_dir, device="cuda")
+    with torch.no_grad():
+        for param in actor.model.parameters():
+            param.add_(0.2 * torch.randn_like(param))
+    context = multiprocessing.get_context("spawn")
+    connection, child_end = context.Pipe()
+    child = context.Process(target=_rollout_process, args=(model_dir, child_end))
+    child.start()
+    try:
+        assert connection.recv() == actor.device_info()  # the same GPU, by UUID
+        buckets = [[name] for bucket in actor.bucket_names(1) for name in bucket]  # a tensor each: many buckets
+        for names in buckets:
+            connection.send(actor.export_weights(names, ipc_ranks=[0], host=False))
+            assert connection.recv() == "ipc"  # the receiver is done with this buffer before the next export
+        actor.release_weights()
+        connection.send(None)
+        batch = _fixed_batch(actor.model.config.vocab_size)
+        connection.send(batch)
+        engine_logprobs = connection.recv()
+    finally:
+        child.join(timeout=120)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+    valid = batch["response_mask"].bool()
+    actor_logprobs = actor.compute_logprobs(batch)
+    assert (engine_logprobs - actor_logprobs).abs()[valid].max() < 1e-3
+    stale = _actor(model_dir, device="cuda").compute_logprobs(batch)  # the check discriminates
+    assert (stale - actor_logprobs).abs()[valid].mean() > 0.05
