@@ -10,8 +10,9 @@ load_weights (or load_bucket: an actor's export, rltrain/workers/weight_sync.py)
 Seeds: generate(..., seed, first_prompt) gets the step's seed and the index of its first prompt in the step's
 batch, so a replica given prompts [first_prompt, ...) draws the same seeds whatever the split (`response_seeds`).
 vLLM seeds every response with its own (a response's draw does not depend on which replica ran it); transformers'
-generate draws from one stream per call, seeded with the call's first response seed, so the hf engine replays
-exactly for a fixed replica layout, and a different layout draws different responses.
+generate draws from one stream per call, seeded with the step's seed for the run from prompt 0 and with its first
+response's seed for a run further in, so the hf engine replays exactly for a fixed replica layout, and a different
+layout draws different responses.
 """
 
 from __future__ import annotations
@@ -163,7 +164,9 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
                  seed: int, first_prompt: int = 0) -> TensorDict:
-        torch.manual_seed(int(response_seeds(seed, first_prompt * n, 1)))
+        # one stream per call: the step's seed for the run from prompt 0 (what a single engine has always drawn, so
+        # earlier runs resume and replay unchanged), the seed of its first response for a run further in
+        torch.manual_seed(seed if first_prompt == 0 else int(response_seeds(seed, first_prompt * n, 1)))
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0).to(self.device)
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0).to(self.device)
         outputs = []

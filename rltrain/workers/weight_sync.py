@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +155,6 @@ class WeightSource:
         full = self.full_weights(names)
         bucket = ExportedBucket()
         if self.rank in ipc_ranks:
-            from torch.multiprocessing.reductions import reduce_tensor
-
             buffer, slots = pack(full, torch.cuda.current_device())
             torch.cuda.current_stream().synchronize()  # written before another process reads it
             self._exported = buffer

@@ -99,13 +99,12 @@ def _rollout_process(model_dir: str, connection) -> None:
     rollout = RolloutWorker(RolloutConfig(torch_threads=1), model_dir, "float32", None, device="cuda")
     connection.send(rollout.device_info())
     rollout.begin_weight_update()
-    routes = []
     while (bucket := connection.recv()) is not None:
-        routes.append(rollout.load_bucket(bucket))
-        connection.send(routes[-1])
+        connection.send(rollout.load_bucket(bucket))  # the route it took
     rollout.finish_weight_update()
-    batch = connection.recv()
-    connection.send(response_logprobs(rollout.engine.model, batch, 1.0, MicroBatching(rows=8, packed=False)))
+    batch = _fixed_batch(rollout.engine.model.config.vocab_size)
+    # numpy pickles by value: a tensor would go by a shared-memory handle, which needs this process alive
+    connection.send(response_logprobs(rollout.engine.model, batch, 1.0, MicroBatching(rows=8, packed=False)).numpy())
 
 
 @pytest.mark.gpu
@@ -127,14 +126,13 @@ def test_ipc_push_on_one_gpu(tmp_path):
             assert connection.recv() == "ipc"  # the receiver is done with this buffer before the next export
         actor.release_weights()
         connection.send(None)
-        batch = _fixed_batch(actor.model.config.vocab_size)
-        connection.send(batch)
-        engine_logprobs = connection.recv()
+        engine_logprobs = torch.from_numpy(connection.recv())
     finally:
         child.join(timeout=120)
         if child.is_alive():
             child.kill()
     assert child.exitcode == 0
+    batch = _fixed_batch(actor.model.config.vocab_size)  # the batch the rollout process scored
     valid = batch["response_mask"].bool()
     actor_logprobs = actor.compute_logprobs(batch)
     assert (engine_logprobs - actor_logprobs).abs()[valid].max() < 1e-3
