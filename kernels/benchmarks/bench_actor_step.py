@@ -13,7 +13,8 @@ variant trains on the same real tokens; tokens/s counts prompt + response tokens
 the old-log-prob pass plus the update. MFU: 8·N_params·tokens + causal attention (4·L²·layers·heads·head_dim per
 sequence, ×4 for the three passes) over the time, against the bf16 GEMM rate measured in the same run. Then the
 longest response each variant trains at batch 8 (old log-probs, then forward + backward + step in one micro-batch,
-gradient checkpointing on for all, `--probe-lens`) before it runs out of memory. Needs a CUDA GPU; carries: tensordict, pyvers, orjson, liger-kernel (kernels/benchmarks/README.md).
+gradient checkpointing on for all, `--probe-lens`) before it runs out of memory. Needs a CUDA GPU; the device
+machine needs tensordict, pyvers, orjson and liger-kernel carried (kernels/benchmarks/README.md).
 
     python kernels/benchmarks/bench_actor_step.py --size 0.6b
     python kernels/benchmarks/bench_actor_step.py --size 1.7b --probe-lens 4096,8192,16384,32768
@@ -41,6 +42,7 @@ SIZES = {  # Qwen3-0.6B / 1.7B shapes (tied embeddings, GQA 16/8 heads of 128)
     "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28),
 }
 VOCAB = 151936
+LIGER_COMPILE_FAILED: list[str] = []
 
 
 def build_model_dir(size: str, root: str) -> str:
@@ -93,9 +95,10 @@ class TRLPath:
         self.rows, self.liger = rows, liger
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-6)
         self.note = ""
-        if liger:
-            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
+        if liger:   # once Liger's compiled loss has failed in this process, later instances go eager at once
+            self._liger_loss(compiled=not LIGER_COMPILE_FAILED)
+            if LIGER_COMPILE_FAILED:
+                self.note = "eager loss math (its compile failed)"
             try:
                 from liger_kernel.transformers import apply_liger_kernel_to_qwen3
 
@@ -103,8 +106,29 @@ class TRLPath:
                                             cross_entropy=False, fused_linear_cross_entropy=False)
             except Exception as err:   # a transformers version Liger's patch does not know: loss kernel only
                 self.note = f"model patch failed ({type(err).__name__}: {err}); fused loss only"
-            self.grpo_loss = LigerFusedLinearGRPOLoss(beta=0.0, epsilon_low=0.2, epsilon_high=0.2, temperature=1.0,
-                                                      use_ref_model=False, loss_type="bnpo")
+
+    def _liger_loss(self, compiled: bool):
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        self.loss_compiled = compiled
+        self.grpo_loss = LigerFusedLinearGRPOLoss(beta=0.0, epsilon_low=0.2, epsilon_high=0.2, temperature=1.0,
+                                                  use_ref_model=False, loss_type="bnpo", compiled=compiled)
+
+    def _liger_grpo(self, hidden, micro, m, adv, old_logp):
+        """Liger's fused linear GRPO loss; its torch.compile'd loss math falls back to eager where dynamo fails
+        (torch 2.11: a guard error on the second, dynamic shape), as a user would have to."""
+        args = (hidden, self.model.lm_head.weight, micro["response_ids"], m, adv)
+        try:
+            return self.grpo_loss(*args, old_per_token_logps=old_logp)[0]
+        except Exception as err:   # torch 2.11: InternalTorchDynamoError or a guard AssertionError
+            if not self.loss_compiled or isinstance(err, torch.OutOfMemoryError):
+                raise
+            LIGER_COMPILE_FAILED.append(f"{type(err).__name__}")
+            self.note = f"loss compile failed ({type(err).__name__}), eager loss math" + (
+                f"; {self.note}" if self.note else "")
+            torch._dynamo.reset()
+            self._liger_loss(compiled=False)
+            return self.grpo_loss(*args, old_per_token_logps=old_logp)[0]
 
     def _inputs(self, micro):
         ids = torch.cat([micro["prompt_ids"], micro["response_ids"]], 1)
@@ -143,9 +167,7 @@ class TRLPath:
                 ids, mask, pos = self._inputs(micro)
                 width = micro["response_ids"].shape[1]
                 hidden = self.model.model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
-                loss, _ = self.grpo_loss(hidden[:, -width - 1:-1], self.model.lm_head.weight, micro["response_ids"],
-                                         m, adv, old_per_token_logps=old_logp)
-                loss = loss * m.sum() / total
+                loss = self._liger_grpo(hidden[:, -width - 1:-1], micro, m, adv, old_logp) * m.sum() / total
             else:
                 logp = self._logps(micro).float()
                 ratio = torch.exp(logp - old_logp)
@@ -258,6 +280,7 @@ def main():
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--probe-lens", default="4096,8192,16384,32768")
     parser.add_argument("--no-probe", action="store_true")
+    parser.add_argument("--no-timing", action="store_true", help="the length probe only")
     args = parser.parse_args()
     args.checkpointing = False   # the timed step: no gradient checkpointing; the length probe: on, for every variant
     import transformers
@@ -276,7 +299,7 @@ def main():
     rows, logps = [], {}
     # two shapes: torch.compile (Liger's loss) recompiles once for dynamic shapes, outside the timed step
     warm = [make_batch(8, 64, 128, 256, seed=1), make_batch(8, 96, 300, 600, seed=2)]
-    for name in args.variants.split(","):
+    for name in args.variants.split(",") if not args.no_timing else []:
         args_copy = argparse.Namespace(**vars(args))
         while True:   # padded variants: the most rows per micro-batch (of --rows, halved) that fit in memory
             path = VARIANTS[name](model_dir, args_copy)
@@ -305,8 +328,7 @@ def main():
               flush=True)
         path = None
         release_memory()
-    first = next(iter(logps.values()))
-    mask = batch["response_mask"].bool()
+    first, mask = next(iter(logps.values()), None), batch["response_mask"].bool()
     for name, value in logps.items():
         err = (value[mask] - first[mask]).norm() / first[mask].norm()
         print(f"  old log-probs {name} vs {next(iter(logps))}: relative error {err:.2e}")

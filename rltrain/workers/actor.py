@@ -156,7 +156,7 @@ class ActorWorker(WeightSource):
     # the four steps FSDPActorWorker (rltrain/workers/fsdp.py) does differently: this rank's micro-batches, the
     # model + loss head inside the sharded root's forward, the global gradient norm, metrics summed over ranks
     def _micro_batches(self, mini_batch: TensorDict) -> list[TensorDict]:
-        return [mini_batch[rows].to(self.device) for rows in self.batching.groups(mini_batch)]
+        return [self.batching.take(mini_batch, rows).to(self.device) for rows in self.batching.groups(mini_batch)]
 
     def _run_head(self, micro: TensorDict, packing: Packing | None, head):
         """head(hidden states, LM head weight) for one micro-batch (policy_hidden's layout)."""

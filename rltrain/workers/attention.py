@@ -6,9 +6,10 @@ scores kept), `eager` / `sdpa` / `flash_attention_2` / `flex_attention` as named
 [batch, heads, T, T] scores in every layer; on one H100 with a 0.6B Qwen3 it ran the actor step at 0.36x the tokens/s
 of SDPA and 3.9x its memory, so it is used only when asked for.
 
-Packed rows: `with packed_attention(model): model(..., **varlen_kwargs(cu_seqlens, max_seqlen))` runs every
-attention layer as causal attention within each of the row's sequences. Under SDPA or eager the model is switched
-for the call to `rltrain_varlen` (registered below): torch's flash varlen kernel
+Packed rows: after `use_packed_attention(model)`, `model(..., **varlen_kwargs(cu_seqlens, max_seqlen))` runs
+every attention layer as causal attention within each of the row's sequences. A model loaded with SDPA or eager is
+switched for good to `rltrain_varlen` (registered below; a worker runs its model either packed or padded, and a
+checkpointed layer's recomputation in backward must take the same path): torch's flash varlen kernel
 (`torch.nn.attention.varlen.varlen_attn`, bf16/fp16 on CUDA) or, elsewhere, causal SDPA per sequence. Both take
 `cu_seqlens`, so no [T, T] mask is built and no work is spent across sequences. `flash_attention_2` reads the same
 keyword arguments natively; `flex_attention` builds its document mask from the per-sequence position ids.
@@ -16,7 +17,6 @@ keyword arguments natively; `flex_attention` builds its document mask from the p
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 
@@ -39,18 +39,12 @@ def varlen_kwargs(cu_seqlens: torch.Tensor, max_seqlen: int) -> dict:
     return dict(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen)
 
 
-@contextlib.contextmanager
-def packed_attention(model):
-    """Run `model`'s attention layers as variable-length attention for the duration of the block."""
+def use_packed_attention(model) -> None:
+    """Run `model`'s attention layers as variable-length attention from now on. For good, not for one call: a
+    gradient-checkpointed layer recomputes its forward during backward, which must take the same path."""
     register_varlen_attention()
-    config = model.config
-    original = config._attn_implementation
-    if original in _SWITCHED:
-        config._attn_implementation = VARLEN
-    try:
-        yield
-    finally:
-        config._attn_implementation = original
+    if model.config._attn_implementation in _SWITCHED:
+        model.config._attn_implementation = VARLEN
 
 
 @functools.cache

@@ -135,9 +135,9 @@ class ShardedPolicy:
         """(this rank's row indices per micro-batch, its micro-batches on the device): as many as every rank runs,
         FSDP's collectives pairing up across ranks, padded with one-row micro-batches whose response mask is 0."""
         rows, count = rank_micro_batches(batch, self.rank, self.world_size, self.batching)
-        micros = [batch[r] for r in rows]
+        micros = [self.batching.take(batch, r) for r in rows]
         if len(micros) < count:
-            filler = batch[:1].clone()
+            filler = self.batching.take(batch, torch.arange(1))
             filler["response_mask"] = torch.zeros_like(filler["response_mask"])
             micros += [filler] * (count - len(micros))
         return rows, [m.to(self.device) for m in micros]
@@ -146,10 +146,11 @@ class ShardedPolicy:
     def _sharded_logprobs(self, batch: TensorDict, temperature: float):
         """Response log-probs of the whole batch on rank 0 (None elsewhere), each rank computing its own rows."""
         rows, micros = self._rank_micro_batches(batch)
+        width = batch["response_ids"].shape[1]
         logps = [micro_logprobs(self.model, micro, self.batching.packed, temperature, head=self.root).float().cpu()
                  for micro in micros][:len(rows)]
+        logps = [torch.nn.functional.pad(logp, (0, width - logp.shape[1])) for logp in logps]   # trimmed widths
         self.root.reshard()  # the root stays unsharded after a forward that no backward follows
-        width = batch["response_ids"].shape[1]
         local = (torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long),
                  torch.cat(logps) if logps else torch.zeros(0, width))
         gathered = [None] * self.world_size

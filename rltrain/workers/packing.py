@@ -142,14 +142,37 @@ class MicroBatching:
     max_tokens: int = 0      # actor.max_tokens_per_micro_batch
 
     def groups(self, batch: TensorDict) -> list[torch.Tensor]:
-        """Row indices of each micro-batch. Packed, rows with no response token to score are left out (their
-        log-probs are 0 and they add nothing to a loss)."""
-        size = batch.batch_size[0]
-        if not self.packed:
-            return list(torch.arange(size).split(self.rows))
+        """Row indices of each micro-batch. Padded: `rows` rows of similar length (rows sorted by length, so each
+        micro-batch pads to little more than its own sequences). Packed: rows with no response token to score are
+        left out (their log-probs are 0 and they add nothing to a loss)."""
         lengths = sequence_lengths(batch)
+        if not self.packed:
+            return list(torch.argsort(lengths, stable=True).split(self.rows))
         scored = (response_lengths(batch) > 0).nonzero().flatten()
         if self.max_tokens:
             groups = token_budget_groups(lengths[scored].tolist(), self.max_tokens)
             return [scored[torch.tensor(g)] for g in groups]
         return list(scored.split(self.rows))
+
+    def take(self, batch: TensorDict, rows: torch.Tensor) -> TensorDict:
+        """The micro-batch of `rows`, cut to its own padding (trim_padding)."""
+        return trim_padding(batch[rows])
+
+
+def trim_padding(micro: TensorDict) -> TensorDict:
+    """`micro` without the prompt columns no row uses (left padding) and the response columns past its longest
+    kept response (right padding): a padded forward then runs on the micro-batch's own width, not the batch's.
+    Every [B, R] field is cut to the same width; results of width R' go back to columns [:R'] of the batch."""
+    prompt_used = (micro["prompt_mask"] != 0).any(0).nonzero()
+    start = int(prompt_used[0]) if len(prompt_used) else 0
+    width = micro["response_ids"].shape[1]
+    keep = max(int(response_lengths(micro).max()) if micro.batch_size[0] else 0, 1)
+    out = micro.clone(recurse=False)
+    for key, value in micro.items():
+        if not isinstance(value, torch.Tensor) or value.dim() < 2:
+            continue
+        if key.startswith("prompt_"):
+            out[key] = value[:, start:]
+        elif value.shape[1] == width:
+            out[key] = value[:, :keep]
+    return out

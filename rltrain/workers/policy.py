@@ -10,7 +10,7 @@ import os
 import torch
 from tensordict import TensorDict
 
-from rltrain.workers.attention import packed_attention, resolve_attn_implementation, varlen_kwargs
+from rltrain.workers.attention import resolve_attn_implementation, use_packed_attention, varlen_kwargs
 from rltrain.workers.batch import IGNORE_INDEX, response_hidden
 from rltrain.workers.packing import MicroBatching, Packing
 
@@ -46,19 +46,22 @@ def can_pack(model) -> bool:
 
 
 def resolve_batching(model, batching: MicroBatching) -> MicroBatching:
-    """`batching`, unpacked (with one log line) where the model cannot take a packed row."""
+    """`batching`, unpacked (with one log line) where the model cannot take a packed row. A packed one switches
+    the model's attention to variable-length (use_packed_attention): the worker runs it on packed rows only."""
     if batching.packed and not can_pack(model):
         logger.warning("actor.use_remove_padding: %s has layers that take no sequence boundaries (layer_types "
                        "%s); running padded rows", type(model).__name__, sorted(set(model.config.layer_types)))
         return MicroBatching(batching.rows, False, batching.max_tokens)
+    if batching.packed:
+        use_packed_attention(model)
     return batching
 
 
 def packed_hidden(model, packing: Packing) -> torch.Tensor:
-    """Final hidden states of a packed row, [1, T, H] (position t predicts the token at t + 1)."""
-    with packed_attention(model):
-        return model.base_model(input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False,
-                                **varlen_kwargs(packing.cu_seqlens, packing.max_seqlen)).last_hidden_state
+    """Final hidden states of a packed row, [1, T, H] (position t predicts the token at t + 1), on a model
+    resolve_batching switched to packed attention."""
+    return model.base_model(input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False,
+                            **varlen_kwargs(packing.cu_seqlens, packing.max_seqlen)).last_hidden_state
 
 
 def policy_hidden(model, micro: TensorDict, packing: Packing | None) -> torch.Tensor:
@@ -94,7 +97,8 @@ def response_logprobs(model, batch: TensorDict, temperature: float, batching: Mi
     out = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
     with torch.no_grad():
         for rows in batching.groups(batch):
-            out[rows] = micro_logprobs(model, batch[rows].to(device), batching.packed, temperature).float().cpu()
+            logp = micro_logprobs(model, batching.take(batch, rows).to(device), batching.packed, temperature)
+            out[rows, :logp.shape[1]] = logp.float().cpu()
     return out * (batch["response_mask"] != 0)
 
 

@@ -17,7 +17,7 @@ from rltrain.algorithms.config import LossConfig
 from rltrain.workers.actor import ActorConfig, ActorWorker
 from rltrain.workers.batch import IGNORE_INDEX
 from rltrain.workers.packing import (
-    MicroBatching, Packing, balanced_groups, response_lengths, sequence_lengths, token_budget_groups,
+    MicroBatching, Packing, balanced_groups, response_lengths, sequence_lengths, token_budget_groups, trim_padding,
 )
 from rltrain.workers.policy import can_pack
 from rltrain.workers.reference import ReferenceWorker
@@ -126,6 +126,24 @@ def test_micro_batching_skips_unscored_rows():
     assert sorted(torch.cat(groups).tolist()) == [i for i in range(7) if i != 2]
 
 
+def test_padded_micro_batches_group_similar_lengths_and_trim_their_padding():
+    batch = random_batch(rows=8, prompt_width=6, response_width=9)
+    groups = MicroBatching(rows=3, packed=False).groups(batch)
+    lengths = sequence_lengths(batch)
+    assert sorted(torch.cat(groups).tolist()) == list(range(8))
+    assert all(lengths[a].max() <= lengths[b].min() for a, b in zip(groups, groups[1:]))
+    for rows in groups:
+        micro = trim_padding(batch[rows])
+        prompt_used = int(batch[rows]["prompt_mask"].sum(1).max())
+        assert micro["prompt_ids"].shape[1] == prompt_used == micro["prompt_mask"].shape[1]
+        assert micro["response_ids"].shape[1] == max(int(response_lengths(batch[rows]).max()), 1)
+        for key in ("response_mask", "advantages", "old_logprobs", "ref_logprobs"):
+            assert micro[key].shape == micro["response_ids"].shape
+        # the kept columns are the original ones: the last prompt columns, the first response columns
+        assert torch.equal(micro["prompt_ids"], batch[rows]["prompt_ids"][:, 6 - prompt_used:])
+        assert torch.equal(micro["old_logprobs"], batch[rows]["old_logprobs"][:, :micro["response_ids"].shape[1]])
+
+
 def test_linear_attention_models_run_padded():
     hybrid = SimpleNamespace(config=SimpleNamespace(layer_types=["linear_attention", "full_attention"]))
     assert not can_pack(hybrid)
@@ -134,9 +152,10 @@ def test_linear_attention_models_run_padded():
 
 
 # ---------------------------------------------------------------- packed == padded, through the model
-def make_actor(model_dir, packed: bool, max_tokens: int = 0, loss: LossConfig | None = None):
+def make_actor(model_dir, packed: bool, max_tokens: int = 0, loss: LossConfig | None = None,
+               checkpointing: bool = False):
     config = ActorConfig(micro_batch_size=64, torch_threads=1, grad_clip=1e9, use_remove_padding=packed,
-                         max_tokens_per_micro_batch=max_tokens)
+                         max_tokens_per_micro_batch=max_tokens, gradient_checkpointing=checkpointing)
     return ActorWorker(config, loss or LossConfig(), model_dir, "float32", None, temperature=0.9)
 
 
@@ -170,6 +189,26 @@ def test_packed_gradients_equal_padded(model_dir, loss):
     packed = gradient(make_actor(model_dir, packed=True, max_tokens=25, loss=loss), batch)
     assert padded.norm() > 0
     assert_rel_close(packed, padded, threshold=1e-5, name="gradient")
+
+
+def test_packed_gradient_checkpointing(model_dir):
+    """Checkpointed layers recompute their forward in backward, which must take the packed attention path too."""
+    batch = random_batch(rows=6)
+    plain = gradient(make_actor(model_dir, packed=True, max_tokens=30), batch)
+    checkpointed = gradient(make_actor(model_dir, packed=True, max_tokens=30, checkpointing=True), batch)
+    assert_rel_close(checkpointed, plain, threshold=1e-5, name="gradient")
+
+
+@pytest.mark.parametrize("loss", [LossConfig(loss_agg="token-mean"), LossConfig(loss_agg="seq-mean-token-sum-norm")],
+                         ids=["token-mean", "drgrpo"])
+def test_trimmed_padded_micro_batches_equal_one_padded_batch(model_dir, loss):
+    """Padded micro-batches of 2 rows (sorted by length, each cut to its own width) give the log-probs and the
+    gradient of the whole batch in one padded micro-batch."""
+    batch = random_batch(rows=8)
+    whole, small = make_actor(model_dir, packed=False, loss=loss), make_actor(model_dir, packed=False, loss=loss)
+    small.batching = MicroBatching(rows=2, packed=False)
+    assert_rel_close(small.compute_logprobs(batch), whole.compute_logprobs(batch), threshold=1e-5, name="logprobs")
+    assert_rel_close(gradient(small, batch), gradient(whole, batch), threshold=1e-5, name="gradient")
 
 
 def test_sliding_window_packed_equals_padded(tmp_path):
