@@ -10,7 +10,8 @@ Packed rows: after `use_packed_attention(model)`, `model(..., **varlen_kwargs(cu
 every attention layer as causal attention within each of the row's sequences. A model loaded with SDPA or eager is
 switched for good to `rltrain_varlen` (registered below; a worker runs its model either packed or padded, and a
 checkpointed layer's recomputation in backward must take the same path): torch's flash varlen kernel
-(`torch.nn.attention.varlen.varlen_attn`, bf16/fp16 on CUDA) or, elsewhere, causal SDPA per sequence. Both take
+(`torch.nn.attention.varlen.varlen_attn`, bf16/fp16 on CUDA) or, elsewhere, one batched causal SDPA over the
+sequences gathered into rows. Both take
 `cu_seqlens`, so no [T, T] mask is built and no work is spent across sequences. `flash_attention_2` reads the same
 keyword arguments natively; `flex_attention` builds its document mask from the per-sequence position ids.
 """
@@ -94,25 +95,26 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
                           int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), scale=scale, window_size=window,
                           **gqa)
     else:
-        out = _per_sequence_sdpa(q, k, v, cu_seqlens, scale, sliding_window)
+        out = _padded_sdpa(q, k, v, cu_seqlens, scale, sliding_window)
     return out.unsqueeze(0), None
 
 
-def _per_sequence_sdpa(q, k, v, cu_seqlens, scale: float, sliding_window: int | None) -> torch.Tensor:
-    """Causal SDPA over each sequence in turn ([T, H, D] in and out): the CPU path and the reference in tests."""
-    out = torch.empty_like(q)
-    groups = q.shape[1] // k.shape[1]
-    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-        if end == start:
-            continue
-        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))   # [H, L, D]
-        if groups > 1:
-            ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
-        if sliding_window is None:
-            o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
-        else:
-            i = torch.arange(end - start, device=q.device)
-            allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)
-            o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale)
-        out[start:end] = o.transpose(0, 1)
-    return out
+def _padded_sdpa(q, k, v, cu_seqlens, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Causal SDPA over the row's sequences at once ([T, H, D] in and out): each sequence gathered into a row of
+    [N, L] (L the longest), one batched SDPA, the valid positions gathered back. The CPU path. A padded row's keys
+    come after its real ones, so causality alone keeps them out of every real query (no mask to build, no NaN)."""
+    lengths = cu_seqlens.diff().long()
+    if not len(lengths):
+        return q.new_zeros(q.shape)
+    positions = torch.arange(int(lengths.max()), device=q.device)
+    valid = positions[None] < lengths[:, None]                                     # [N, L]
+    index = torch.where(valid, cu_seqlens[:-1, None].long() + positions[None], 0)
+    qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))                      # [N, H, L, D]
+    gqa = dict(enable_gqa=True) if k.shape[1] != q.shape[1] else {}
+    if sliding_window is None:
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, **gqa)
+    else:
+        i = positions[:, None]
+        allowed = (positions[None] <= i) & (positions[None] > i - sliding_window)
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale, **gqa)
+    return o.transpose(1, 2)[valid]

@@ -226,10 +226,47 @@ def test_sliding_window_packed_equals_padded(tmp_path):
 
 
 # ---------------------------------------------------------------- GPU: torch's varlen flash attention, bf16
+def per_sequence_sdpa(q, k, v, cu_seqlens, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """The reference: causal SDPA over each sequence of a packed row in turn ([T, H, D] in and out)."""
+    pieces = []
+    groups = q.shape[1] // k.shape[1]
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))   # [H, L, D]
+        ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
+        i = torch.arange(end - start, device=q.device)
+        allowed = i[None, :] <= i[:, None]
+        if sliding_window is not None:
+            allowed &= i[None, :] > i[:, None] - sliding_window
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, scale=scale)
+        pieces.append(o.transpose(0, 1))
+    return torch.cat(pieces)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_cpu_varlen_attention_matches_per_sequence_sdpa(window):
+    """The CPU path (one batched SDPA over the sequences gathered into rows), GQA, with and without a sliding
+    window, empty and one-token sequences among them: outputs and input gradients, fp32."""
+    from rltrain.workers.attention import varlen_attention_forward
+
+    lengths = [5, 0, 1, 9, 3]
+    cu_seqlens = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(1, heads, sum(lengths), 8, requires_grad=True) for heads in (4, 2, 2))
+    out, _ = varlen_attention_forward(SimpleNamespace(), q, k, v, None, scaling=0.3, sliding_window=window,
+                                      cu_seq_lens_q=cu_seqlens, max_length_q=9, max_length_k=9)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    expected = per_sequence_sdpa(*(t[0].transpose(0, 1) for t in leaves), cu_seqlens, 0.3, window)
+    grad = torch.randn_like(expected)
+    out.backward(grad[None])
+    expected.backward(grad)
+    assert_rel_close(out[0], expected, threshold=1e-5, name="output")
+    for name, got, ref in zip("qkv", (q, k, v), leaves):
+        assert_rel_close(got.grad, ref.grad, threshold=1e-5, name=f"d{name}")
+
+
 @pytest.mark.gpu
 def test_varlen_flash_attention_matches_per_sequence_sdpa():
     """torch's varlen kernel (bf16, GQA) against causal SDPA per sequence in fp32, outputs and input gradients."""
-    from rltrain.workers.attention import _per_sequence_sdpa, varlen_attention_forward
+    from rltrain.workers.attention import varlen_attention_forward
 
     lengths = [700, 1, 1300, 64, 2000]
     cu_seqlens = torch.tensor([0] + lengths).cumsum(0).to(torch.int32).cuda()
@@ -239,7 +276,7 @@ def test_varlen_flash_attention_matches_per_sequence_sdpa():
     out, _ = varlen_attention_forward(SimpleNamespace(), q, k, v, None, scaling=128 ** -0.5,
                                       cu_seq_lens_q=cu_seqlens, max_length_q=max(lengths), max_length_k=max(lengths))
     leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
-    expected = _per_sequence_sdpa(*(t[0].transpose(0, 1) for t in leaves), cu_seqlens, 128 ** -0.5, None)
+    expected = per_sequence_sdpa(*(t[0].transpose(0, 1) for t in leaves), cu_seqlens, 128 ** -0.5, None)
     grad = torch.randn_like(expected)
     out.backward(grad[None].to(out.dtype))
     expected.backward(grad)

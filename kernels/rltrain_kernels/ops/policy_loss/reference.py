@@ -109,15 +109,15 @@ def _packed_as_rows(hidden, weight, labels, mask, advantages, old_logprobs, ref_
                     compute_dtype) -> PolicyLossOutput:
     """A packed row [1, T] as padded rows [N, max length] (mask 0 on the padding), the loss over those, and the
     per-token outputs back in the packed layout."""
-    bounds = list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))
-    width = max(end - start for start, end in bounds)
+    lengths = cu_seqlens.diff().long()
+    positions = torch.arange(int(lengths.max()), device=hidden.device)
+    valid = positions[None] < lengths[:, None]                          # [N, width]
+    index = torch.where(valid, cu_seqlens[:-1, None].long() + positions[None], 0)
+    width = valid.shape[1]
 
-    def rows(x, fill=0):
+    def rows(x, fill=0):   # one gather (its backward one scatter-add), not a copy per sequence
         x = x[0] if x.dim() > 1 else x.expand(hidden.shape[1])
-        out = x.new_full((len(bounds), width) + tuple(x.shape[1:]), fill)
-        for i, (start, end) in enumerate(bounds):
-            out[i, : end - start] = x[start:end]
-        return out
+        return torch.where(valid.view(valid.shape + (1,) * (x.dim() - 1)), x[index], fill)
 
     advantages = advantages if advantages.dim() == 2 else advantages.expand(1, hidden.shape[1])
     kwargs = {k: getattr(opts, k) for k in opts.__dataclass_fields__}
@@ -129,6 +129,6 @@ def _packed_as_rows(hidden, weight, labels, mask, advantages, old_logprobs, ref_
                                 **kwargs)
 
     def packed(y):
-        return torch.cat([y[i, : end - start] for i, (start, end) in enumerate(bounds)])[None]
+        return y[valid][None]
 
     return PolicyLossOutput(out.loss, packed(out.logprobs), packed(out.entropy), out.metrics)
