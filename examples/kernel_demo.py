@@ -64,7 +64,7 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():  # must precede the first `import triton`
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from rltrain_kernels.registry import apply_default_kernels, get_default_kernels
+    from rltrain_kernels.registry import apply_default_kernels, get_applied_kernels, get_default_kernels
     from rltrain_kernels.utils import detect_device
 
     torch.manual_seed(args.seed)
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     rows = []
     for impl_device, label in impls:
         patched = copy.deepcopy(model)
-        applied = apply_default_kernels(patched, "auto", device=impl_device)
+        applied = get_applied_kernels(apply_default_kernels(patched, "auto", device=impl_device))
         logits, grads, elapsed = run(patched, input_ids, grad_logits)
         worst_name, worst = max(((n, rel_error(grads[n], g)) for n, g in ref_grads.items()), key=lambda t: t[1])
         logit_err = rel_error(logits, ref_logits)

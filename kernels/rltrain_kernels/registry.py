@@ -3,10 +3,14 @@
 A kernel id (`fused_rmsnorm`, `fused_swiglu`, `fused_rope`, ...) names *what* is swapped into a model; each device
 (cuda, npu, cpu) registers its own implementation under that id, so one config works everywhere:
 
-    from rltrain_kernels.registry import apply_default_kernels
-    applied = apply_default_kernels(model)                       # every default kernel of this device
-    applied = apply_default_kernels(model, "fused_rmsnorm,fused_rope")
-    applied = apply_kernel_config(model, {"name": "auto", "include_kernels": "auto"})   # the config form
+    from rltrain_kernels.registry import apply_default_kernels, get_applied_kernels
+    model = apply_default_kernels(model)                         # every default kernel of this device
+    model = apply_default_kernels(model, "fused_rmsnorm,fused_rope")
+    model = apply_kernel_config(model, {"name": "auto", "include_kernels": "auto"})   # the config form
+    get_applied_kernels(model)                                   # {"fused_rmsnorm": 5, ...}: what runs now
+
+Every apply call changes `model` in place and returns it (LLaMA-Factory's kernel API), with one log line of what it
+swapped.
 
 Implementations live in `rltrain_kernels.integrations` (one module per kernel id); importing that package's
 modules registers them. `discover_kernels()` imports them once; one module failing to import is a logged warning,
@@ -125,8 +129,8 @@ def get_default_kernels(device: str | None = None) -> list[str]:
             if (impl := get_kernel(kid, device)) is not None and impl.default]
 
 
-def apply_kernel(kernel_id: str, model: nn.Module, device: str | None = None, **kwargs) -> int:
-    """Swap `kernel_id`'s implementation for `device` into `model`; returns the number of modules changed.
+def apply_kernel(kernel_id: str, model: nn.Module, device: str | None = None, **kwargs) -> nn.Module:
+    """Swap `kernel_id`'s implementation for `device` into `model` (in place); returns the model.
     Raises ValueError for an unknown id, or when `device` has no usable implementation of it."""
     device = _resolve_device(device)
     impl = get_kernel(kernel_id, device)
@@ -134,7 +138,25 @@ def apply_kernel(kernel_id: str, model: nn.Module, device: str | None = None, **
         have = sorted(_REGISTRY[kernel_id])
         raise ValueError(f"kernel {kernel_id!r} has no usable implementation on {device!r} "
                          f"(implemented on: {', '.join(have)}; dependencies may be missing)")
-    return impl.apply(model, **kwargs)
+    _log_swaps(device, {kernel_id: impl.apply(model, **kwargs)})
+    return model
+
+
+def get_applied_kernels(model: nn.Module) -> dict[str, int]:
+    """{kernel id: modules of `model` running it now}, read off the modules themselves (a swap tags the module's
+    class; restore_original_modules removes the tags)."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        tag = getattr(type(module), "_rltrain_kernel", None)
+        if tag is not None:
+            kernel_id = tag.rsplit("/", 1)[0]
+            counts[kernel_id] = counts.get(kernel_id, 0) + 1
+    return counts
+
+
+def _log_swaps(device: str, swapped: dict[str, int]) -> None:
+    shown = ", ".join(f"{kid} ×{count}" for kid, count in swapped.items()) or "nothing"
+    logger.info("kernels applied on %s: %s (modules changed)", device, shown)
 
 
 def parse_include_kernels(include_kernels) -> list[str] | str | None:
@@ -158,8 +180,8 @@ def parse_include_kernels(include_kernels) -> list[str] | str | None:
                     f"ids; got {include_kernels!r}")
 
 
-def apply_default_kernels(model: nn.Module, include_kernels="auto", device: str | None = None) -> dict[str, int]:
-    """Apply kernels to `model` in place; returns {kernel id: modules changed} for those applied.
+def apply_default_kernels(model: nn.Module, include_kernels="auto", device: str | None = None) -> nn.Module:
+    """Apply kernels to `model` in place; returns the model (get_applied_kernels says what runs).
 
     include_kernels: None/False/"" -> no change; True/"auto" -> every default kernel of the device; "id1,id2" or a
     list -> exactly those. An unknown id raises ValueError listing the known ids (before anything is changed). An
@@ -168,7 +190,7 @@ def apply_default_kernels(model: nn.Module, include_kernels="auto", device: str 
     """
     wanted = parse_include_kernels(include_kernels)
     if wanted is None:
-        return {}
+        return model
     device = _resolve_device(device)
     explicit = wanted != "auto"
     ids = wanted if explicit else get_default_kernels(device)
@@ -188,16 +210,17 @@ def apply_default_kernels(model: nn.Module, include_kernels="auto", device: str 
             if explicit:
                 raise
             logger.info("kernel %s skipped: %s", kid, exc)
-    return applied
+    _log_swaps(device, applied)
+    return model
 
 
-def apply_kernel_config(model: nn.Module, kernel_config: Mapping | None) -> dict[str, int]:
+def apply_kernel_config(model: nn.Module, kernel_config: Mapping | None) -> nn.Module:
     """The config form: `{name: auto | cuda | npu | cpu, include_kernels: auto | none | "a,b" | [a, b],
     delta_rule_recurrence_dot: auto | bf16 | tf32}`. `name` picks the device whose implementations are used (auto =
     detected); `delta_rule_recurrence_dot` the dots of the gated delta rule / product's recurrence kernels for bf16
     inputs (ops/common/precision.py's RECURRENCE_DOT; process-wide, set before any model is patched)."""
     if kernel_config is None:
-        return {}
+        return model
     allowed = {"name", "include_kernels", "delta_rule_recurrence_dot"}
     extra = set(kernel_config) - allowed
     if extra:

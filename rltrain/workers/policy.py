@@ -25,13 +25,13 @@ def set_threads(num_threads: int) -> None:
 
 def load_policy(path: str, dtype: str, kernel_config: dict | None, device: str, attn_implementation: str = "auto"):
     import transformers as tf
-    from rltrain_kernels.registry import apply_kernel_config
+    from rltrain_kernels.registry import apply_kernel_config, get_applied_kernels
 
     tf.utils.logging.disable_progress_bar()  # one bar per load and save per worker is noise in the run's log
     attn = resolve_attn_implementation(attn_implementation)
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn)
     model.to(device)
-    applied = apply_kernel_config(model, kernel_config)
+    applied = get_applied_kernels(apply_kernel_config(model, kernel_config))
     logger.info("loaded policy %s (%s, %s attention) on %s; kernels: %s", path, dtype, attn, device,
                 applied or "none")
     return model

@@ -10,8 +10,8 @@ import torch.nn as nn
 
 from rltrain_kernels import registry
 from rltrain_kernels.registry import (BaseKernel, apply_default_kernels, apply_kernel, apply_kernel_config,
-                                      discover_kernels, get_default_kernels, get_kernel, known_kernel_ids,
-                                      parse_include_kernels, register_kernel)
+                                      discover_kernels, get_applied_kernels, get_default_kernels, get_kernel,
+                                      known_kernel_ids, parse_include_kernels, register_kernel)
 from rltrain_kernels.utils import detect_device
 
 BUILTIN_IDS = {"fused_rmsnorm", "fused_swiglu", "fused_rope"}
@@ -105,42 +105,44 @@ def test_apply_default_kernels_selection(scratch_registry, caplog):
     register_kernel(make_kernel("t_cuda_only", "cuda"))
     register_kernel(make_kernel("t_missing_deps", "cpu", deps=False))
     model = Counter()
-    assert apply_default_kernels(model, None, device="cpu") == {}
+    assert apply_default_kernels(model, None, device="cpu") is model   # the API returns the model, in place
     assert model.hits == []
 
     # a stand-in model has no family adapter: the built-in kernels skip it in auto mode, ours apply
-    applied = apply_default_kernels(model, "auto", device="cpu")
-    assert applied == {"t_default": 1}
-    assert "t_optional" not in applied
+    assert apply_default_kernels(model, "auto", device="cpu") is model
+    assert [h[0] for h in model.hits] == ["t_default"]
 
     model.hits.clear()
     with caplog.at_level(logging.INFO, logger="rltrain_kernels.registry"):
-        applied = apply_default_kernels(model, "t_optional,t_cuda_only,t_missing_deps", device="cpu")
-    assert applied == {"t_optional": 1}
+        apply_default_kernels(model, "t_optional,t_cuda_only,t_missing_deps", device="cpu")
+    assert [h[0] for h in model.hits] == ["t_optional"]
+    assert any("kernels applied on cpu: t_optional ×1" in r.getMessage() for r in caplog.records)
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert any("t_cuda_only" in m and "cpu" in m for m in skipped), skipped
     assert any("t_missing_deps" in m for m in skipped), skipped
 
     with pytest.raises(ValueError, match="no usable implementation on 'cpu'.*cuda"):
         apply_kernel("t_cuda_only", model, device="cpu")
-    assert apply_kernel("t_cuda_only", model, device="cuda", flag=1) == 1
+    assert apply_kernel("t_cuda_only", model, device="cuda", flag=1) is model
     assert model.hits[-1] == ("t_cuda_only", "cuda", {"flag": 1})
 
 
 def test_explicit_kernel_on_unsupported_model_raises_but_auto_skips():
     with pytest.raises(ValueError, match="no adapter for model_type"):
         apply_default_kernels(nn.Linear(2, 2), ["fused_rmsnorm"], device="cpu")
-    assert apply_default_kernels(nn.Linear(2, 2), "auto", device="cpu") == {}
+    linear = nn.Linear(2, 2)
+    assert apply_default_kernels(linear, "auto", device="cpu") is linear
+    assert get_applied_kernels(linear) == {}
 
 
 def test_kernel_config_form(scratch_registry):
     register_kernel(make_kernel("t_cfg", "cpu"))
     register_kernel(make_kernel("t_cfg", "cuda"))
     model = Counter()
-    assert apply_kernel_config(model, {"name": "cpu", "include_kernels": "t_cfg"}) == {"t_cfg": 1}
-    assert apply_kernel_config(model, {"name": "cuda", "include_kernels": ["t_cfg"]}) == {"t_cfg": 1}
+    assert apply_kernel_config(model, {"name": "cpu", "include_kernels": "t_cfg"}) is model
+    assert apply_kernel_config(model, {"name": "cuda", "include_kernels": ["t_cfg"]}) is model
     assert [h[1] for h in model.hits] == ["cpu", "cuda"]
-    assert apply_kernel_config(model, None) == {}
+    assert apply_kernel_config(model, None) is model
     with pytest.raises(ValueError, match="unknown key.*include"):
         apply_kernel_config(model, {"name": "auto", "include": "auto"})
     with pytest.raises(ValueError, match="kernel_config.name.*'gpu'"):

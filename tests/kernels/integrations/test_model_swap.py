@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rltrain_kernels.integrations.families import restore_original_modules
-from rltrain_kernels.registry import apply_default_kernels, apply_kernel
+from rltrain_kernels.registry import apply_default_kernels, apply_kernel, get_applied_kernels
 from tests.helpers import assert_rel_close, rel_error
 from tests.model_factory import MODEL_TYPES, forward_backward, tiny_causal_lm
 
@@ -39,8 +39,8 @@ def test_swapped_model_matches_fp32(model_type, impl, device):
         device = "cpu"
     model = tiny_causal_lm(model_type, device=device)
     patched = copy.deepcopy(model)
-    applied = apply_default_kernels(patched, "auto", device=impl)
-    assert applied == _expected_swaps(model_type)
+    assert apply_default_kernels(patched, "auto", device=impl) is patched
+    assert get_applied_kernels(patched) == _expected_swaps(model_type)
 
     ids, grad_logits = _inputs(model)
     ref_logits, ref_grads = forward_backward(model, ids, grad_logits)
@@ -65,12 +65,14 @@ def test_swap_keeps_weights_names_and_state_dict():
 
 def test_swap_is_idempotent_visible_and_reversible():
     model = tiny_causal_lm("llama")
-    first = apply_default_kernels(model, "auto", device="cuda")
-    assert apply_default_kernels(model, "auto", device="cuda") == {k: 0 for k in first}
+    first = get_applied_kernels(apply_default_kernels(model, "auto", device="cuda"))
+    apply_default_kernels(model, "auto", device="cuda")
+    assert get_applied_kernels(model) == first
     assert "kernel=fused_rmsnorm/cuda" in repr(model)
     assert type(model.model.norm).__name__ == "LlamaRMSNorm"  # class name kept for tooling that matches on it
     # switching a module to another device's implementation replaces, not stacks
-    assert apply_kernel("fused_rmsnorm", model, device="cpu") == first["fused_rmsnorm"]
+    apply_kernel("fused_rmsnorm", model, device="cpu")
+    assert get_applied_kernels(model) == first
     assert type(model.model.norm).__mro__[1].__name__ == "LlamaRMSNorm"
     assert restore_original_modules(model) == sum(first.values())
     assert "kernel=" not in repr(model)
@@ -93,7 +95,8 @@ def test_swap_into_a_loaded_model(tmp_path):
     tiny_causal_lm("qwen3").save_pretrained(tmp_path)
     loaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
     reference = copy.deepcopy(loaded)
-    assert apply_default_kernels(loaded, "fused_rmsnorm,fused_swiglu,fused_rope", device="cuda")
+    apply_default_kernels(loaded, "fused_rmsnorm,fused_swiglu,fused_rope", device="cuda")
+    assert set(get_applied_kernels(loaded)) == {"fused_rmsnorm", "fused_swiglu", "fused_rope"}
     ids, grad_logits = _inputs(loaded)
     ref_logits, _ = forward_backward(reference, ids, grad_logits)
     logits, _ = forward_backward(loaded, ids, grad_logits)
@@ -102,7 +105,8 @@ def test_swap_into_a_loaded_model(tmp_path):
 
 def test_swiglu_leaves_non_silu_mlps_alone():
     model = tiny_causal_lm("llama", hidden_act="gelu")
-    assert apply_kernel("fused_swiglu", model, device="cuda") == 0
+    apply_kernel("fused_swiglu", model, device="cuda")
+    assert get_applied_kernels(model) == {}
 
 
 def tiny_qwen3_next(device="cpu"):
@@ -135,7 +139,8 @@ def test_qwen3_next_gated_norm_swap_matches_fp32(impl, device):
             if hasattr(layer, "linear_attn"):
                 layer.linear_attn.norm.weight.normal_(1.0, 0.5)
     patched = copy.deepcopy(model)
-    assert apply_kernel("fused_gated_rmsnorm", patched, device=impl) == 2
+    apply_kernel("fused_gated_rmsnorm", patched, device=impl)
+    assert get_applied_kernels(patched) == {"fused_gated_rmsnorm": 2}
     assert repr(patched).count(f"kernel=fused_gated_rmsnorm/{impl}") == 2
 
     ids, grad_logits = _inputs(model)
@@ -167,16 +172,18 @@ def test_qwen3_next_gated_norm_swap_matches_fp32(impl, device):
 def test_qwen3_next_defaults_include_gated_norm_idempotent_and_reversible():
     model = tiny_qwen3_next()
     before = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
-    first = apply_default_kernels(model, "auto", device="cuda")
+    first = get_applied_kernels(apply_default_kernels(model, "auto", device="cuda"))
     assert first["fused_gated_rmsnorm"] == 2 and "fused_rmsnorm" not in first  # (1 + w) norms are left alone
     norm = model.model.layers[0].linear_attn.norm
     assert type(norm).__name__ == "Qwen3NextRMSNormGated" and "kernel=fused_gated_rmsnorm/cuda" in repr(norm)
-    assert apply_default_kernels(model, "auto", device="cuda") == {k: 0 for k in first}
+    apply_default_kernels(model, "auto", device="cuda")
+    assert get_applied_kernels(model) == first
     after = model.state_dict()
     assert list(after) == list(before)
     for k, (ptr, value) in before.items():
         assert after[k].data_ptr() == ptr and torch.equal(after[k], value), k
-    assert apply_kernel("fused_gated_rmsnorm", model, device="cpu") == 2  # replaces, does not stack
+    apply_kernel("fused_gated_rmsnorm", model, device="cpu")
+    assert get_applied_kernels(model) == first  # replaces, does not stack
     assert type(norm).__mro__[1].__name__ == "Qwen3NextRMSNormGated"
     assert restore_original_modules(model) == sum(first.values())
     assert "kernel=" not in repr(model)

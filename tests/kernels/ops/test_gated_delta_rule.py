@@ -632,7 +632,7 @@ def test_qwen3_next_logits_gradients_and_generate(device):
     """The registry's gated_delta_rule kernel in a tiny Qwen3-Next: logits and every gradient match
     transformers' float64 torch path, and greedy generation (decode steps on the fused-recurrent kernel) agrees."""
     import rltrain_kernels.ops.gated_delta_rule as gdr
-    from rltrain_kernels.registry import apply_kernel
+    from rltrain_kernels.registry import apply_kernel, get_applied_kernels
 
     modeling = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
     from transformers import Qwen3NextConfig
@@ -658,7 +658,8 @@ def test_qwen3_next_logits_gradients_and_generate(device):
 
     ref_logits, ref_grads = logits_and_grads(reference_model)
     ref_tokens = model.generate(ids[:, :6], max_new_tokens=4, do_sample=False)  # fp32 torch path
-    assert apply_kernel("gated_delta_rule", model, device="cuda") == 1  # the one linear-attention layer
+    apply_kernel("gated_delta_rule", model, device="cuda")
+    assert get_applied_kernels(model) == {"gated_delta_rule": 1}  # the one linear-attention layer
     calls = []
     with pytest.MonkeyPatch.context() as mp:  # record which kernel each call reaches (adapters import at call time)
         for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"):
