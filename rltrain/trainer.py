@@ -20,6 +20,7 @@ from tensordict import TensorDict
 
 from rltrain import checkpoint as ckpt
 from rltrain.algorithms.advantages import compute_advantages
+from rltrain.algorithms.dapo import collect_groups, mask_truncated
 from rltrain.algorithms.rollout_correction import apply_rollout_correction
 from rltrain.config import ConfigError
 from rltrain.data.rows import load_rows
@@ -28,7 +29,6 @@ from rltrain.job import JobConfig, resolve_device
 from rltrain.perf import StepTimer, actor_step_flops, mfu, peak_flops
 from rltrain.tracking import Tracker
 from rltrain.workers.actor import ActorWorker
-from rltrain.workers.batch import concat_batches
 from rltrain.workers.fsdp import FSDPActorWorker, FSDPReferenceWorker
 from rltrain.workers.group import kill, place_model_roles, start_role
 from rltrain.workers.reference import ReferenceWorker
@@ -60,42 +60,6 @@ def resolve_model_and_data(job: JobConfig):
             raise FileNotFoundError(f"model.path: {model_dir!r} is not a transformers model directory "
                                     "(no config.json)")
     return model_dir, train_rows, val_rows
-
-
-# ---------------------------------------------------------------- DAPO's switches (pure; tests/rltrain/test_dapo.py)
-def informative_groups(batch: TensorDict, n: int) -> TensorDict:
-    """Dynamic sampling's filter: the groups (n consecutive responses) whose rewards are not all equal. A group
-    scored alike has zero advantage on every token, so it adds no gradient and only dilutes the batch."""
-    rewards = batch["rewards"].view(-1, n)
-    informative = (rewards.max(1).values - rewards.min(1).values) > 0
-    return batch[informative.repeat_interleave(n)]
-
-
-def collect_groups(generate_round, groups: int, n: int, dynamic_sampling: bool,
-                   extra_rounds: int) -> tuple[TensorDict, int]:
-    """(a batch of `groups` prompt groups of n responses, the rounds generated). generate_round(round_index) returns
-    a scored batch of `groups` fresh groups. Without dynamic sampling one round is the batch. With it, each round's
-    all-equal groups are dropped (informative_groups) and up to extra_rounds more rounds refill the batch, which is
-    cut to `groups` groups, or ends short (possibly empty) when the rounds run out. group_ids are renumbered 0..."""
-    kept, total, rounds = [], 0, 0
-    for round_ in range(1 + (extra_rounds if dynamic_sampling else 0)):
-        batch = generate_round(round_)
-        rounds += 1
-        if dynamic_sampling:
-            batch = informative_groups(batch, n)
-        kept.append(batch)
-        total += batch.batch_size[0]
-        if total >= groups * n:
-            break
-    batch = concat_batches(kept)[: groups * n]
-    batch["group_ids"] = torch.arange(batch.batch_size[0]) // n
-    return batch, rounds
-
-
-def mask_truncated(response_mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
-    """Overlong filtering: truncated responses (no <eos> within rollout.max_new_tokens) keep no token in the loss,
-    so a reward cut off by the length limit does not teach the policy as if the response were complete."""
-    return response_mask * (~truncated).unsqueeze(1).to(response_mask.dtype)
 
 
 class GRPOTrainer:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rltrain.trainer import collect_groups, informative_groups, mask_truncated
+from rltrain.algorithms.dapo import collect_groups, informative_groups, mask_truncated
 from rltrain.workers.rollout import response_mask_and_truncation
 
 N = 2  # responses per group
