@@ -1,14 +1,16 @@
 """The `algorithm` config section: advantage estimator, policy-loss options (passed to
-rltrain_kernels.fused_policy_loss) and the DAPO switches."""
+rltrain_kernels.fused_policy_loss) and the DAPO switches.
+
+`algorithm.loss` is the loss's own spec: its keys are fused_policy_loss's options (the kernel's PolicyLossOptions,
+less the per-call temperature and normalisers), and validate() runs that class's checks, so the choices and bounds
+live once, beside the loss."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from rltrain.algorithms.advantages import ADVANTAGES
 from rltrain.config import require
-
-LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass
@@ -23,14 +25,16 @@ class LossConfig:
     importance_level: str = "token"  # "sequence" = GSPO
 
     def validate(self):
-        require(0 <= self.clip_low < 1, "clip_low", "must be in [0, 1)", self.clip_low)
-        require(self.clip_high >= 0, "clip_high", "must be >= 0", self.clip_high)
-        require(self.dual_clip is None or self.dual_clip > 1, "dual_clip", "must be null or > 1", self.dual_clip)
-        require(self.kl_coef >= 0, "kl_coef", "must be >= 0", self.kl_coef)
-        require(self.kl_type in ("k1", "k2", "k3"), "kl_type", "must be one of k1, k2, k3", self.kl_type)
-        require(self.loss_agg in LOSS_AGGS, "loss_agg", f"must be one of {', '.join(LOSS_AGGS)}", self.loss_agg)
-        require(self.importance_level in ("token", "sequence"), "importance_level", "must be token or sequence",
-                self.importance_level)
+        from rltrain_kernels.ops.policy_loss import PolicyLossOptions
+
+        require(self.kl_coef >= 0, "kl_coef", "must be >= 0 (> 0 adds the KL penalty)", self.kl_coef)
+        try:
+            PolicyLossOptions(**asdict(self))
+        except (TypeError, ValueError) as err:   # the kernel's message names the option: report it as the key
+            message = str(err)
+            key = next((f.name for f in fields(self) if f.name in message.split()[:2]
+                        or f"{f.name} " in message), "loss")
+            require(False, key, message.replace(f"unknown {key} ", "unknown value ").removeprefix(f"{key} "))
 
 
 @dataclass

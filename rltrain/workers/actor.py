@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from tensordict import TensorDict
@@ -98,29 +98,21 @@ class ActorWorker(WeightSource):
         return {f"actor/{k}": v / steps for k, v in totals.items()}
 
     def _optimizer_step(self, mini_batch: TensorDict) -> dict[str, float]:
-        loss_cfg = self.loss
-        mask = mini_batch["response_mask"]
-        n_tokens = mask.sum().item()
-        n_seqs = max(int((mask.sum(1) > 0).sum()), 1)
+        from rltrain_kernels.ops.policy_loss import LossAccumulation
+
+        accumulation = LossAccumulation.of(self.loss.loss_agg, mini_batch["response_mask"])
+        n_tokens = max(accumulation.tokens, 1)
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "entropy": 0.0, "ppo_kl": 0.0, "clipfrac": 0.0, "ref_kl": 0.0}
-        # token-mean normalises by the mini-batch's token count (exact under micro-batching); Dr.GRPO's
-        # seq-mean-token-sum-norm by a constant length, the padded response width
-        norm = {"token-mean": dict(norm_tokens=max(n_tokens, 1)),
-                "seq-mean-token-sum-norm": dict(norm_len=mini_batch["response_ids"].shape[1])}
-        norm = norm.get(loss_cfg.loss_agg, {})
         for micro in self._micro_batches(mini_batch):
             micro_tokens = micro["response_mask"].sum().item()
             micro_seqs = int((micro["response_mask"].sum(1) > 0).sum())
-            out = self._policy_loss(micro, norm)
-            # token-mean is normalised by the mini-batch's token count already; the sequence means are per
-            # micro-batch: over its sequences with tokens (seq-mean-*) or over all its rows (Dr.GRPO's B·norm_len)
-            scale = {"token-mean": 1.0, "seq-mean-token-sum-norm": micro.batch_size[0] / mini_batch.batch_size[0]
-                     }.get(loss_cfg.loss_agg, micro_seqs / n_seqs)
+            out = self._policy_loss(micro, accumulation.options())
+            scale = accumulation.weight(micro.batch_size[0], micro_seqs)
             (out.loss * scale).backward()
             sums["loss"] += out.loss.item() * scale
             for key in ("entropy", "ppo_kl", "clipfrac", "ref_kl"):  # token means -> weight by tokens
-                sums[key] += out.metrics[key] * micro_tokens / max(n_tokens, 1)
+                sums[key] += out.metrics[key] * micro_tokens / n_tokens
         grad_norm = self._clip_grad_norm()
         self.optimizer.step()
         sums = self._sum_over_ranks(sums)
@@ -133,10 +125,7 @@ class ActorWorker(WeightSource):
         from rltrain_kernels import fused_policy_loss
 
         loss_cfg = self.loss
-        options = dict(clip_low=loss_cfg.clip_low, clip_high=loss_cfg.clip_high, dual_clip=loss_cfg.dual_clip,
-                       kl_coef=loss_cfg.kl_coef, kl_type=loss_cfg.kl_type, entropy_coef=loss_cfg.entropy_coef,
-                       loss_agg=loss_cfg.loss_agg, importance_level=loss_cfg.importance_level,
-                       temperature=self.temperature, **norm)
+        options = dict(asdict(loss_cfg), temperature=self.temperature, **norm)
         fields = [micro["response_ids"], micro["response_mask"], weighted_advantages(micro), micro["old_logprobs"],
                   micro["ref_logprobs"] if "ref_logprobs" in micro.keys() else None]
         packing = Packing.of(micro) if self.batching.packed else None

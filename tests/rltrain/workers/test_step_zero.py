@@ -3,6 +3,7 @@ positions; actor and reference agree; the first mini-batch has ratio 1 (ppo_kl 0
 
 import pytest
 import torch
+import transformers
 
 from rltrain.algorithms.advantages import compute_advantages
 from rltrain.algorithms.config import LossConfig
@@ -37,7 +38,8 @@ def test_logprobs_match_hf_logits(setup, temperature):
     ref = ReferenceWorker(model_dir, "float32", None, temperature, MicroBatching(rows=5), torch_threads=1)
     logp = ref.compute_logprobs(batch)
     input_ids, attention_mask, position_ids = model_inputs(batch)
-    logits = ref.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)   # plain transformers
+    logits = hf(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     width = batch["prompt_ids"].shape[1]
     dense = torch.log_softmax(logits[:, width - 1:-1].double() / temperature, -1)
     expected = dense.gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1) * batch["response_mask"]

@@ -9,10 +9,12 @@ never materialised beyond one token chunk.
 Layers: kernel.py (Triton token kernels; the vocab-wide row passes are linear_logprobs') → chunk.py (chunk driver,
 torch twins of the kernels) → function.py (checks, path choice, autograd Function, public function); scaled.py is
 the fused path's bf16 form of the kept logits (no dlogits pass); reference.py is the dense ground truth with the
-same signature; options.py holds the shared options, checks and output types. README.md has the maths, the GEMM
+same signature; options.py holds the shared options, checks and output types; accumulation.py how a mini-batch's
+loss splits over micro-batches. README.md has the maths, the GEMM
 count and the memory bound.
 """
 
+from rltrain_kernels.ops.policy_loss.accumulation import LossAccumulation
 from rltrain_kernels.ops.policy_loss.chunk import PolicyLossChunkConfig, workspace_bytes
 from rltrain_kernels.ops.policy_loss.function import FusedPolicyLossFunction, fused_policy_loss
 from rltrain_kernels.ops.policy_loss.options import (
@@ -20,6 +22,6 @@ from rltrain_kernels.ops.policy_loss.options import (
 )
 from rltrain_kernels.ops.policy_loss.reference import reference_policy_loss
 
-__all__ = ["FusedPolicyLossFunction", "IMPORTANCE_LEVELS", "KL_TYPES", "LOSS_AGGS", "Metrics",
+__all__ = ["FusedPolicyLossFunction", "IMPORTANCE_LEVELS", "KL_TYPES", "LOSS_AGGS", "LossAccumulation", "Metrics",
            "PolicyLossChunkConfig", "PolicyLossOptions", "PolicyLossOutput", "fused_policy_loss",
            "reference_policy_loss", "workspace_bytes"]
