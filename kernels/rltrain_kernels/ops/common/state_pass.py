@@ -329,6 +329,10 @@ def state_pass_fwd(k, w, u, G, initial_state, output_final_state: bool, layout: 
     HV, V = (u if u is not None else v).shape[1:]
     N = layout.num_seqs
     name, BK, BV = state_launch("state_pass_fwd", N * HV, K, V, k.device)
+    if initial_state is not None:
+        # The kernel addresses the state as dense [N, HV, K, V]; callers pass any layout (engines keep states
+        # [V, K] and hand in the transposed view, caches slice them out of larger buffers): one state-sized copy.
+        initial_state = initial_state.contiguous()
     h = torch.empty(layout.num_chunks, HV, K, V, dtype=work_dtype(k.dtype), device=k.device)
     v_new = torch.empty(TT, HV, V, dtype=work_dtype(k.dtype), device=k.device)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
@@ -379,6 +383,8 @@ def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: Ch
         raise ValueError(f"state_pass_bwd: q and do need k's {TT} rows / query_stride {query_stride}, got "
                          f"{q.shape[0]} and {do.shape[0]}")
     name, BK, BV = state_launch("state_pass_bwd", N * HV, K, V, k.device)
+    if dht is not None:
+        dht = dht.contiguous()  # read as dense [N, HV, K, V]; autograd may hand it in expanded or strided
     dh = torch.empty(layout.num_chunks, HV, K, V, dtype=dh_dtype or work_dtype(k.dtype), device=k.device)
     dv = torch.empty(TT, HV, V, dtype=dv_dtype or recurrence_operand_dtype(k.dtype), device=k.device)
     dv_local = dv if dv.dtype == torch.float32 or not LOCAL_DV_FP32 else torch.empty_like(dv, dtype=torch.float32)

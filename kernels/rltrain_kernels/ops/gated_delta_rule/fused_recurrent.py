@@ -64,7 +64,7 @@ def fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state,
         offsets = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device) if T > 0 else \
             torch.zeros(B + 1, dtype=torch.int32, device=q.device)
     else:
-        offsets = cu_seqlens.to(torch.int32)
+        offsets = cu_seqlens.to(torch.int32).contiguous()  # read as a dense array, whatever the caller's view
     N = offsets.numel() - 1
     BK = triton.next_power_of_2(K)
     # BV=32 keeps the [BK, BV] fp32 tile at 16 registers/thread for K=128 with 2 warps and gives B·HV·V/32

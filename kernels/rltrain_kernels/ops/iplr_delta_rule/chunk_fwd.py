@@ -150,6 +150,8 @@ def iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, output_final_state: b
     h = torch.empty(layout.num_chunks, H, K, V, dtype=iplr_operand_dtype(k.dtype), device=k.device)
     x = torch.empty(TT, H, V, dtype=iplr_operand_dtype(k.dtype), device=k.device)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()  # addressed as dense [N, H, K, V], whatever the caller's layout
     large_tiles = K > 128 or k.dtype == torch.float32
     balanced = layout.max_len * N <= BALANCED * TT
     launch_kind = "wide" if name.endswith("_wide") else "narrow"

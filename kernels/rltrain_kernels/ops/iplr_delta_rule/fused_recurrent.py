@@ -59,7 +59,7 @@ def fused_recurrent_iplr_delta_rule_fwd(q, k, v, a, b, scale, initial_state, out
         offsets = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device) if T > 0 else \
             torch.zeros(B + 1, dtype=torch.int32, device=q.device)
     else:
-        offsets = cu_seqlens.to(torch.int32)
+        offsets = cu_seqlens.to(torch.int32).contiguous()  # read as a dense array, whatever the caller's view
     N = offsets.numel() - 1
     BK = triton.next_power_of_2(K)
     # BV=32 as in the gated delta rule's decode kernel: a [128, 32] fp32 tile is 16 registers/thread at 2 warps.

@@ -136,7 +136,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     if hidden2d.stride(-1) != 1:
         hidden2d = hidden2d.contiguous()
     tiles = _tiles(impl, hidden2d, weight, config)
-    labels1d = labels.reshape(-1)
+    labels1d = labels.reshape(-1).contiguous()  # the row passes read label i at labels + i (a strided view too)
     args = (hidden2d, weight, labels1d, float(temperature), int(ignore_index), bool(return_entropy), shard, tiles,
             config)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):

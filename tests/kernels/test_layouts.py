@@ -1,0 +1,476 @@
+"""Every public op gives the contiguous call's results whatever the memory layout of its tensor arguments and of the
+gradients that reach its backward. (Issue 32: the chunked delta-rule ops read an initial state stored transposed as
+if it were dense and returned wrong outputs and gradients without a word.)
+
+Every public function of the ops (each `rltrain_kernels.ops.<op>` package's `__all__`, and the top-level exports)
+has at least one case in CASES: small fresh inputs, passed by the op's own parameter names. Each tensor argument in
+turn is then passed as
+  - strided:    every other element of its innermost dim of size > 1, the gaps poisoned (NaN, 0 or False),
+  - transposed: its two innermost dims of size > 1 stored swapped (the issue's
+                `h.transpose(-1, -2).contiguous().transpose(-1, -2)`: a [N, H, K, V] view of a [N, H, V, K] buffer),
+  - offset:     sliced out of a larger poisoned buffer (storage offset 1, rows padded by 2: a cache's slot),
+and every output and every input gradient must match the contiguous call's (fp32: relative error ≤ 1e-5). Then the
+gradients reaching every differentiable output are passed strided, transposed, offset and expanded (stride 0, as
+`.sum().backward()` hands them). A public function added without a case, or a tensor parameter no case passes,
+fails `test_every_public_op_has_a_layout_case`.
+
+Run: `pytest tests/kernels/test_layouts.py` (CPU, Triton interpreted: ~2 min on 2 cores); the `gpu`-marked tests
+repeat every case at real sizes on CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rltrain_kernels
+import rltrain_kernels.ops
+from tests.helpers import rel_error
+
+# Public functions that take no tensor: nothing to lay out.
+NO_TENSOR_ARGUMENTS = {"linear_logprobs.workspace_bytes", "policy_loss.workspace_bytes"}
+# Relative error allowed against the contiguous call. The same values in another layout give the same numbers up to
+# the order of a sum (a GEMM on a transposed weight may pick another kernel): fp32 rounding; a 16-bit result may
+# differ by an ulp (2^-8 for bf16) in some elements. A misread layout gives errors of 0.1-1 or NaN.
+THRESHOLD = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 4e-3, torch.float16: 1e-3}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layouts: the same values in other memory
+# ---------------------------------------------------------------------------------------------------------------
+
+def _poison(dtype: torch.dtype):
+    if dtype.is_floating_point:
+        return float("nan")
+    return False if dtype == torch.bool else 0
+
+
+def _inner_dims(t: torch.Tensor) -> list[int]:
+    """The dims of size > 1, innermost last: the ones a layout can change."""
+    return [d for d in range(t.dim()) if t.shape[d] > 1]
+
+
+def strided(t: torch.Tensor) -> torch.Tensor | None:
+    """t's values at every other element of its innermost dim of size > 1, the elements between them poisoned."""
+    dims = _inner_dims(t)
+    if not dims:
+        return None
+    d = dims[-1]
+    shape = list(t.shape)
+    shape[d] *= 2
+    index = [slice(None)] * t.dim()
+    index[d] = slice(None, None, 2)
+    view = torch.full(shape, _poison(t.dtype), dtype=t.dtype, device=t.device)[tuple(index)]
+    return view.copy_(t)
+
+
+def transposed(t: torch.Tensor) -> torch.Tensor | None:
+    """t's values with its two innermost dims of size > 1 stored swapped."""
+    dims = _inner_dims(t)
+    if len(dims) < 2:
+        return None
+    i, j = dims[-2:]
+    return t.transpose(i, j).contiguous().transpose(i, j)
+
+
+def offset(t: torch.Tensor) -> torch.Tensor:
+    """t's values sliced out of a larger poisoned buffer: storage offset 1, the innermost dim of size > 1 padded."""
+    if t.dim() == 0:
+        return torch.full((2,), _poison(t.dtype), dtype=t.dtype, device=t.device)[1].copy_(t)
+    dims = _inner_dims(t)
+    d = dims[-1] if dims else t.dim() - 1
+    shape = list(t.shape)
+    shape[d] += 2
+    buffer = torch.full(shape, _poison(t.dtype), dtype=t.dtype, device=t.device)
+    return buffer.narrow(d, 1, t.shape[d]).copy_(t)
+
+
+def expanded(t: torch.Tensor) -> torch.Tensor | None:
+    """t's first slice along its innermost dim of size > 1, expanded over that dim (stride 0): other values than t."""
+    dims = _inner_dims(t)
+    if not dims:
+        return None
+    return t.narrow(dims[-1], 0, 1).expand(t.shape)
+
+
+INPUT_LAYOUTS = {"strided": strided, "transposed": transposed, "offset": offset}
+GRADIENT_LAYOUTS = {"strided": strided, "transposed": transposed, "offset": offset}  # and `expanded`, on its own
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cases: one per public op (and per path of it that reads its arguments differently)
+# ---------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    """op: "<package>.<function>" of rltrain_kernels.ops. inputs(device, real): fresh contiguous tensors keyed by
+    the op's parameter names (small sizes, or real ones for the GPU). options: its other keyword arguments. grads:
+    the inputs that get gradients. outputs: the op's result → a tuple of tensors (or None). rejects: {(argument,
+    layout): message regex} where the op refuses a layout with a ValueError instead (the only alternative to the
+    contiguous call's results)."""
+
+    op: str
+    inputs: Callable[[str, bool], dict[str, torch.Tensor]]
+    grads: tuple[str, ...]
+    options: dict = field(default_factory=dict)
+    outputs: Callable = tuple
+    variant: str = ""
+    rejects: dict = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return self.op.split(".")[-1] + (f"-{self.variant}" if self.variant else "")
+
+    def function(self) -> Callable:
+        package, name = self.op.split(".")
+        return getattr(importlib.import_module(f"rltrain_kernels.ops.{package}"), name)
+
+
+def _cu_seqlens(T: int, N: int, device) -> torch.Tensor:
+    """N sequences over T tokens, int32 as callers pass them (an int64 one is copied by .to(int32) anyway)."""
+    cuts = [T * i // N for i in range(N)] + [T]
+    return torch.tensor(cuts, dtype=torch.int32, device=device)
+
+
+def _delta_sizes(real: bool) -> dict:
+    # CPU: the tl.dot minimum (16) and one sequence; H = 1 < HV = 2 (GVA) keeps g and beta [1, T, 2], so each has
+    # two dims to transpose. GPU: several chunks per sequence, two sequences, the models' head dim and dtype.
+    if real:
+        return dict(T=300, N=2, H=2, HV=4, K=128, V=128, dtype=torch.bfloat16)
+    return dict(T=6, N=1, H=1, HV=2, K=16, V=16, dtype=torch.float32)
+
+
+def _in_dtype(inputs: dict, dtype: torch.dtype) -> dict:
+    """The token tensors in `dtype`; the initial state stays fp32 and cu_seqlens integer."""
+    keep = ("initial_state", "cu_seqlens")
+    return {name: t if name in keep else t.to(dtype) for name, t in inputs.items()}
+
+
+def gated_delta_rule_inputs(device, real):
+    s = _delta_sizes(real)
+    T, N, H, HV, K, V = s["T"], s["N"], s["H"], s["HV"], s["K"], s["V"]
+    inputs = dict(q=torch.randn(1, T, H, K, device=device),
+                  k=F.normalize(torch.randn(1, T, H, K, device=device), dim=-1),
+                  v=torch.randn(1, T, HV, V, device=device),
+                  g=F.logsigmoid(torch.randn(1, T, HV, device=device)),
+                  beta=torch.rand(1, T, HV, device=device),
+                  initial_state=torch.randn(N, HV, K, V, device=device),
+                  cu_seqlens=_cu_seqlens(T, N, device))
+    return _in_dtype(inputs, s["dtype"])
+
+
+def iplr_delta_rule_inputs(device, real):
+    """b = k̂, a = −β k̂ with β ∈ (0, 1): the stable regime. One head is enough on the CPU (no [B, T, H] argument)."""
+    s = _delta_sizes(real)
+    T, N, H, K, V = s["T"], s["N"], s["H"], s["K"], s["V"]
+    k_hat = F.normalize(torch.randn(1, T, H, K, device=device), dim=-1)
+    inputs = dict(q=torch.randn(1, T, H, K, device=device),
+                  k=F.normalize(torch.randn(1, T, H, K, device=device), dim=-1),
+                  v=torch.randn(1, T, H, V, device=device),
+                  a=-torch.rand(1, T, H, 1, device=device) * k_hat, b=k_hat,
+                  initial_state=torch.randn(N, H, K, V, device=device),
+                  cu_seqlens=_cu_seqlens(T, N, device))
+    return _in_dtype(inputs, s["dtype"])
+
+
+NUM_HOUSEHOLDER = 2
+
+
+def gated_delta_product_inputs(device, real):
+    s = _delta_sizes(real)
+    T, N, H, HV, K, V = s["T"], s["N"], s["H"], s["HV"], s["K"], s["V"]
+    TN = T * NUM_HOUSEHOLDER
+    inputs = dict(q=torch.randn(1, T, H, K, device=device),
+                  k=F.normalize(torch.randn(1, TN, H, K, device=device), dim=-1),
+                  v=torch.randn(1, TN, HV, V, device=device),
+                  g=F.logsigmoid(torch.randn(1, T, HV, device=device)),
+                  beta=torch.rand(1, TN, HV, device=device),
+                  initial_state=torch.randn(N, HV, K, V, device=device),
+                  cu_seqlens=_cu_seqlens(T, N, device))
+    return _in_dtype(inputs, s["dtype"])
+
+
+def _vocab_sizes(real: bool, packed: bool = False) -> tuple[int, int, int, int]:
+    """(B, T, hidden size, vocab); a packed batch is one row (B = 1) holding 3 sequences."""
+    if real:
+        return (1, 1024, 512, 8192 + 3) if packed else (2, 512, 512, 8192 + 3)
+    return (1, 6, 16, 40) if packed else (2, 3, 16, 40)
+
+
+def _needs_fused(device):
+    if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("impl='fused' needs sm_90+")
+
+
+def linear_logprobs_inputs(device, real, dtype=torch.float32, packed=False):
+    B, T, D, vocab = _vocab_sizes(real, packed)
+    return dict(hidden=torch.randn(B, T, D, device=device).to(dtype),
+                weight=(torch.randn(vocab, D, device=device) * (3.0 / D ** 0.5)).to(dtype),
+                labels=torch.randint(0, vocab, (B, T), device=device))
+
+
+def _fused_linear_logprobs_inputs(device, real):
+    _needs_fused(device)
+    return linear_logprobs_inputs(device, real, torch.bfloat16)
+
+
+def policy_loss_inputs(device, real, dtype=torch.float32, packed=False):
+    """Logits of std ≈ 3, ~80% of tokens unmasked, old/ref logprobs = the true ones + N(0, 0.3²): ratios near 1, so
+    both clip branches and the unclipped one carry gradient."""
+    from rltrain_kernels.ops.policy_loss import reference_policy_loss
+
+    inputs = linear_logprobs_inputs(device, real, dtype, packed)
+    B, T = inputs["labels"].shape
+    inputs["mask"] = torch.rand(B, T, device=device) > 0.2
+    with torch.no_grad():
+        logp = reference_policy_loss(inputs["hidden"].double(), inputs["weight"].double(), inputs["labels"],
+                                     inputs["mask"], torch.zeros(B, device=device),
+                                     torch.zeros(B, T, device=device)).logprobs.float()
+    inputs.update(advantages=torch.randn(B, T, device=device),
+                  old_logprobs=logp + 0.3 * torch.randn(B, T, device=device),
+                  ref_logprobs=logp + 0.3 * torch.randn(B, T, device=device))
+    if packed:
+        inputs["cu_seqlens"] = _cu_seqlens(T, 3, device)
+    return inputs
+
+
+def _fused_policy_loss_inputs(device, real):
+    _needs_fused(device)
+    return policy_loss_inputs(device, real, torch.bfloat16)
+
+
+def _policy_loss_outputs(out):
+    return out.loss, out.logprobs, out.entropy, out.metrics.tensor
+
+
+def _rows(real: bool) -> tuple[int, int, int]:
+    return (2, 512, 2048) if real else (2, 3, 16)
+
+
+def rms_norm_inputs(device, real, residual=False):
+    shape = _rows(real)
+    inputs = dict(x=torch.randn(shape, device=device), weight=1 + 0.1 * torch.randn(shape[-1], device=device))
+    if residual:
+        inputs["residual"] = torch.randn(shape, device=device)
+    return inputs
+
+
+def gated_rms_norm_inputs(device, real):
+    return dict(rms_norm_inputs(device, real), gate=torch.randn(_rows(real), device=device))
+
+
+def swiglu_inputs(device, real):
+    return dict(gate=torch.randn(_rows(real), device=device), up=torch.randn(_rows(real), device=device))
+
+
+def rope_inputs(device, real, unsqueeze_dim=1):
+    """q with 4 heads, k with 2 (GQA); cos/sin [B, T, D] with halves that differ, as HF allows."""
+    B, T, D = (2, 512, 128) if real else (2, 3, 8)
+
+    def heads(n):
+        return torch.randn(B, n, T, D, device=device) if unsqueeze_dim == 1 else torch.randn(B, T, n, D, device=device)
+
+    angles = torch.rand(B, T, D, device=device) * 6.0
+    return dict(q=heads(4), k=heads(2), cos=angles.cos(), sin=angles.sin())
+
+
+def rotate_half_inputs(device, real):
+    return dict(x=torch.randn(2, 4, 512, 128, device=device) if real else torch.randn(2, 3, 8, device=device))
+
+
+_DELTA_GRADS = ("q", "k", "v", "g", "beta", "initial_state")
+_STATE_OUT = dict(output_final_state=True)
+_GDP = dict(num_householder=NUM_HOUSEHOLDER, output_final_state=True)
+_PG = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.1, entropy_coef=0.01)
+# impl="fused" asked for explicitly refuses a weight that TMA cannot address (unit inner stride, 16-byte aligned base
+# and rows) rather than copy the LM head; linear_logprobs takes hidden's rows as they are, so also a misaligned hidden
+_TMA = "16-byte aligned with unit inner stride"
+_FUSED_REJECTS = {("weight", layout): _TMA for layout in INPUT_LAYOUTS}
+CASES = [
+    *(Case(f"gated_delta_rule.{fn}", gated_delta_rule_inputs, _DELTA_GRADS, _STATE_OUT)
+      for fn in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "naive_recurrent_gated_delta_rule")),
+    *(Case(f"iplr_delta_rule.{fn}", iplr_delta_rule_inputs, ("q", "k", "v", "a", "b", "initial_state"), _STATE_OUT)
+      for fn in ("chunk_iplr_delta_rule", "fused_recurrent_iplr_delta_rule", "naive_recurrent_iplr_delta_rule")),
+    *(Case(f"gated_delta_product.{fn}", gated_delta_product_inputs, _DELTA_GRADS, _GDP)
+      for fn in ("chunk_gated_delta_product", "fused_recurrent_gated_delta_product",
+                 "naive_recurrent_gated_delta_product")),
+    *(Case("linear_logprobs.linear_logprobs", linear_logprobs_inputs, ("hidden", "weight"), dict(impl=impl),
+           variant=impl) for impl in ("torch", "triton")),
+    Case("linear_logprobs.linear_logprobs", _fused_linear_logprobs_inputs, ("hidden", "weight"), dict(impl="fused"),
+         variant="fused", rejects={**_FUSED_REJECTS, ("hidden", "offset"): _TMA}),
+    Case("linear_logprobs.naive_linear_logprobs", linear_logprobs_inputs, ("hidden", "weight")),
+    *(Case("policy_loss.fused_policy_loss", policy_loss_inputs, ("hidden", "weight"), dict(_PG, impl=impl),
+           _policy_loss_outputs, variant=impl) for impl in ("torch", "triton")),
+    # bf16 without an entropy bonus: the fused path's default form (scaled.py)
+    Case("policy_loss.fused_policy_loss", _fused_policy_loss_inputs, ("hidden", "weight"),
+         dict(_PG, entropy_coef=0.0, impl="fused"), _policy_loss_outputs, variant="fused", rejects=_FUSED_REJECTS),
+    # packed rows: cu_seqlens sets the per-sequence aggregation (read on the host, the same for every impl)
+    Case("policy_loss.fused_policy_loss", lambda device, real: policy_loss_inputs(device, real, packed=True),
+         ("hidden", "weight"), dict(_PG, loss_agg="seq-mean-token-sum", impl="torch"), _policy_loss_outputs,
+         variant="packed"),
+    Case("policy_loss.reference_policy_loss", policy_loss_inputs, ("hidden", "weight"), _PG, _policy_loss_outputs),
+    Case("rmsnorm.rms_norm", rms_norm_inputs, ("x", "weight"), outputs=lambda y: (y,)),
+    *(Case(f"rmsnorm.{fn}", lambda device, real: rms_norm_inputs(device, real, residual=True),
+           ("x", "weight", "residual"), variant="residual") for fn in ("rms_norm", "naive_rms_norm")),
+    *(Case(f"rmsnorm.{fn}", gated_rms_norm_inputs, ("x", "gate", "weight"), outputs=lambda y: (y,))
+      for fn in ("gated_rms_norm", "naive_gated_rms_norm")),
+    *(Case(f"swiglu.{fn}", swiglu_inputs, ("gate", "up"), outputs=lambda y: (y,)) for fn in ("swiglu", "naive_swiglu")),
+    # cos/sin stay constants: with a gradient on them apply_rotary_pos_emb takes the naive path
+    *(Case(f"rope.{fn}", lambda device, real, dim=dim: rope_inputs(device, real, dim), ("q", "k"),
+           dict(unsqueeze_dim=dim), variant="BHTD" if dim == 1 else "BTHD")
+      for fn in ("apply_rotary_pos_emb", "naive_apply_rotary_pos_emb") for dim in (1, 2)),
+    Case("rope.rotate_half", rotate_half_inputs, ("x",), outputs=lambda y: (y,)),
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The public API, and every op of it covered
+# ---------------------------------------------------------------------------------------------------------------
+
+def public_ops() -> set[str]:
+    """"<package>.<name>" of every public function of the op packages: their `__all__` (else their public names),
+    and the top-level exports of rltrain_kernels that come from them."""
+    ops = set()
+    for info in pkgutil.iter_modules(rltrain_kernels.ops.__path__):
+        package = f"rltrain_kernels.ops.{info.name}"
+        module = importlib.import_module(package)
+        names = getattr(module, "__all__", None) or [n for n in dir(module) if not n.startswith("_")]
+        for name in names:
+            obj = getattr(module, name)
+            if inspect.isfunction(obj) and obj.__module__.startswith(package):
+                ops.add(f"{info.name}.{name}")
+    for name, obj in vars(rltrain_kernels).items():
+        if inspect.isfunction(obj) and obj.__module__.startswith("rltrain_kernels.ops."):
+            ops.add(f"{obj.__module__.split('.')[2]}.{name}")
+    return ops
+
+
+def _tensor_parameters(fn) -> set[str]:
+    """The parameters annotated as tensors (optional ones included)."""
+    return {name for name, p in inspect.signature(fn).parameters.items() if "Tensor" in str(p.annotation)}
+
+
+def test_every_public_op_has_a_layout_case():
+    """A public function without a case, a case for a function that is no longer public, or a tensor parameter that
+    no case of its op passes fails here: add the case to CASES."""
+    public = public_ops()
+    covered = {case.op for case in CASES}
+    assert {"gated_delta_rule.chunk_gated_delta_rule", "linear_logprobs.linear_logprobs",
+            "policy_loss.fused_policy_loss", "rmsnorm.rms_norm"} <= public  # the discovery itself works
+    assert not public - covered - NO_TENSOR_ARGUMENTS, f"public ops without a layout case: {public - covered}"
+    assert not covered - public, f"layout cases for functions that are not public ops: {covered - public}"
+    for op in covered:
+        cases = [case for case in CASES if case.op == op]
+        passed = set().union(*(case.inputs("cpu", False).keys() for case in cases))
+        missing = _tensor_parameters(cases[0].function()) - passed
+        assert not missing, f"{op}: no layout case passes its tensor parameters {sorted(missing)}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The checks
+# ---------------------------------------------------------------------------------------------------------------
+
+def _run(case: Case, inputs: dict, upstream: list | None = None):
+    """(outputs, input gradients, upstream gradients) of one call on `inputs` (any layout): the gradients of
+    case.grads after a backward of the differentiable outputs with `upstream` (fresh contiguous normals if None)."""
+    leaves = {name: t.detach().requires_grad_() if name in case.grads else t for name, t in inputs.items()}
+    outputs = case.outputs(case.function()(**leaves, **case.options))
+    differentiable = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+    if upstream is None:
+        upstream = [torch.randn_like(o) for o in differentiable]
+    if differentiable:
+        torch.autograd.backward(differentiable, upstream)
+    detached = [o.detach() if isinstance(o, torch.Tensor) else o for o in outputs]
+    return detached, [leaves[name].grad for name in case.grads], upstream
+
+
+def _differences(case: Case, actual, expected, what: str) -> list[str]:
+    """Every output and input gradient of `actual` that differs from `expected`, as messages naming `what`."""
+    names = [f"output {i}" for i in range(len(expected[0]))] + [f"grad {name}" for name in case.grads]
+    found = []
+    for name, a, e in zip(names, actual[0] + actual[1], expected[0] + expected[1], strict=True):
+        if a is None or e is None:
+            if (a is None) != (e is None):
+                found.append(f"{what}: {name} is {'None' if a is None else 'a tensor'}, contiguous call's is not")
+            continue
+        if e.is_floating_point():
+            assert torch.isfinite(e).all(), f"{case.id}: the contiguous call's {name} is not finite"
+        if a.shape != e.shape or a.dtype != e.dtype:
+            found.append(f"{what}: {name} {tuple(a.shape)} {a.dtype} != {tuple(e.shape)} {e.dtype}")
+        elif not e.is_floating_point():
+            if not torch.equal(a, e):
+                found.append(f"{what}: {name} differs")
+        else:
+            err = rel_error(a, e)
+            if not err <= THRESHOLD[e.dtype]:  # NaN-safe
+                found.append(f"{what}: {name} relative error {err:.3g} > {THRESHOLD[e.dtype]:.0e}")
+    return found
+
+
+def check_argument_layouts(case: Case, device: str, real: bool) -> None:
+    inputs = case.inputs(device, real)
+    expected = _run(case, inputs)
+    failures = []
+    for name, tensor in inputs.items():
+        assert _inner_dims(tensor), f"{case.id}: {name} {tuple(tensor.shape)} has no dim a layout can change"
+        for layout, relayout in INPUT_LAYOUTS.items():
+            view = relayout(tensor)
+            if view is None:  # too few dims of size > 1 for this layout
+                continue
+            assert torch.equal(view, tensor) and (not view.is_contiguous() or view.storage_offset() > 0)
+            if (name, layout) in case.rejects:
+                with pytest.raises(ValueError, match=case.rejects[name, layout]):
+                    _run(case, {**inputs, name: view}, expected[2])
+                continue
+            failures += _differences(case, _run(case, {**inputs, name: view}, expected[2]), expected,
+                                     f"{name} {layout} (strides {view.stride()}, offset {view.storage_offset()})")
+    assert not failures, f"{case.id}: results depend on the arguments' layout:\n  " + "\n  ".join(failures)
+
+
+def check_gradient_layouts(case: Case, device: str, real: bool) -> None:
+    inputs = case.inputs(device, real)
+    outputs, grads, upstream = _run(case, inputs)
+    if not upstream:
+        pytest.skip(f"{case.id}: no differentiable output")
+    failures = []
+    for layout, relayout in GRADIENT_LAYOUTS.items():
+        views = [relayout(g) for g in upstream]
+        if all(v is None for v in views):
+            continue
+        views = [g if v is None else v for g, v in zip(upstream, views)]
+        failures += _differences(case, _run(case, inputs, views), (outputs, grads), f"upstream gradients {layout}")
+    broadcast = [expanded(g) for g in upstream]
+    if any(b is not None for b in broadcast):
+        broadcast = [g if b is None else b for g, b in zip(upstream, broadcast)]
+        expected = _run(case, inputs, [b.contiguous() for b in broadcast])
+        failures += _differences(case, _run(case, inputs, broadcast), expected, "upstream gradients expanded")
+    assert not failures, f"{case.id}: results depend on the upstream gradients' layout:\n  " + "\n  ".join(failures)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_argument_layouts(case, device, poison_allocations):
+    check_argument_layouts(case, device, real=False)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_upstream_gradient_layouts(case, device, poison_allocations):
+    check_gradient_layouts(case, device, real=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_argument_layouts_real_sizes(case, poison_allocations):
+    check_argument_layouts(case, "cuda", real=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_upstream_gradient_layouts_real_sizes(case, poison_allocations):
+    check_gradient_layouts(case, "cuda", real=True)
