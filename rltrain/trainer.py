@@ -108,8 +108,8 @@ class GRPOTrainer:
                       attn_implementation=job.model.attn_implementation)
         temperature = job.rollout.temperature
         self.actor = start_role(FSDPActorWorker if sharded else ActorWorker, self.placement, share, sharded,
-                                config=job.actor, loss=job.algorithm.loss, temperature=temperature,
-                                seed=job.trainer.seed, **common)
+                                config=job.actor, loss=job.algorithm.actor_loss(job.rollout.max_new_tokens),
+                                temperature=temperature, seed=job.trainer.seed, **common)
         self.rollout = RolloutReplicas(job.rollout, self.placement, share, job.ray.placement_timeout_s, **common)
         self.reference = None
         if job.algorithm.loss.kl_coef > 0:

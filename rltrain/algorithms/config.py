@@ -7,7 +7,7 @@ live once, beside the loss."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from rltrain.algorithms.advantages import ADVANTAGES
 from rltrain.config import require
@@ -23,6 +23,7 @@ class LossConfig:
     entropy_coef: float = 0.0
     loss_agg: str = "token-mean"
     importance_level: str = "token"  # "sequence" = GSPO
+    norm_len: int | None = None      # seq-mean-token-sum-norm's constant length; None = rollout.max_new_tokens
 
     def validate(self):
         from rltrain_kernels.ops.policy_loss import PolicyLossOptions
@@ -45,6 +46,13 @@ class AlgorithmConfig:
     dynamic_sampling_max_rounds: int = 4  # extra generation rounds allowed to refill one batch
     overlong_filter: bool = False         # DAPO: mask out truncated responses (no <eos> within max_new_tokens)
     rollout_is_cap: float | None = None   # truncated IS: weight each token's pg term by min(π_old/π_rollout, cap)
+
+    def actor_loss(self, max_new_tokens: int) -> LossConfig:
+        """The loss the actor trains with: Dr.GRPO's constant length resolved (norm_len, by default the generation
+        budget rollout.max_new_tokens, so the normaliser is the same at every step)."""
+        if self.loss.loss_agg != "seq-mean-token-sum-norm" or self.loss.norm_len is not None:
+            return self.loss
+        return replace(self.loss, norm_len=max_new_tokens)
 
     def validate(self):
         require(self.adv_estimator in ADVANTAGES, "adv_estimator",

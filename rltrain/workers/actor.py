@@ -100,7 +100,7 @@ class ActorWorker(WeightSource):
     def _optimizer_step(self, mini_batch: TensorDict) -> dict[str, float]:
         from rltrain_kernels.ops.policy_loss import LossAccumulation
 
-        accumulation = LossAccumulation.of(self.loss.loss_agg, mini_batch["response_mask"])
+        accumulation = LossAccumulation.of(self.loss.loss_agg, mini_batch["response_mask"], self.loss.norm_len)
         n_tokens = max(accumulation.tokens, 1)
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "entropy": 0.0, "ppo_kl": 0.0, "clipfrac": 0.0, "ref_kl": 0.0}
@@ -125,7 +125,7 @@ class ActorWorker(WeightSource):
         from rltrain_kernels import fused_policy_loss
 
         loss_cfg = self.loss
-        options = dict(asdict(loss_cfg), temperature=self.temperature, **norm)
+        options = {**asdict(loss_cfg), "temperature": self.temperature, **norm}
         fields = [micro["response_ids"], micro["response_mask"], weighted_advantages(micro), micro["old_logprobs"],
                   micro["ref_logprobs"] if "ref_logprobs" in micro.keys() else None]
         packing = Packing.of(micro) if self.batching.packed else None

@@ -72,6 +72,9 @@ def test_every_algorithm_preset_validates(preset):
     ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator: unknown advantage estimator; known: drgrpo, grpo"),
     ("algorithm.loss.loss_agg=mean", "algorithm.loss.loss_agg: unknown value 'mean'; expected one of 'token-mean'"),
     ("algorithm.loss.dual_clip=0.5", "algorithm.loss.dual_clip: must be > 1 (it caps -A·ratio at -A·dual_clip for A < 0), got 0.5"),
+    ("algorithm=drgrpo algorithm.loss.norm_len=0", "algorithm.loss.norm_len: must be > 0, got 0"),
+    ("algorithm.loss.norm_len=16",
+     "algorithm.loss.norm_len: applies to loss_agg='seq-mean-token-sum-norm' only, got loss_agg='token-mean'"),
     ("trainer.logger=[console,mlflow]", "trainer.logger: entries must be among console, jsonl"),
     ("model.dtype=fp8", "model.dtype: must be float32, bfloat16 or float16"),
     ("kernel_config.name=gpu", "kernel_config.name: must be auto, cuda, npu or cpu"),
@@ -92,7 +95,19 @@ def test_every_algorithm_preset_validates(preset):
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
-        load_job_config(_compose(override))
+        load_job_config(_compose(*override.split()))
+
+
+def test_drgrpo_constant_length_defaults_to_the_generation_budget():
+    """algorithm.loss.norm_len: null = rollout.max_new_tokens, resolved for the actor; a value is kept; other
+    aggregations take none."""
+    job = load_job_config(_compose("algorithm=drgrpo", "rollout.max_new_tokens=24"))
+    assert job.algorithm.loss.norm_len is None
+    assert job.algorithm.actor_loss(job.rollout.max_new_tokens).norm_len == 24
+    job = load_job_config(_compose("algorithm=drgrpo", "algorithm.loss.norm_len=100"))
+    assert job.algorithm.actor_loss(job.rollout.max_new_tokens).norm_len == 100
+    job = load_job_config(_compose())
+    assert job.algorithm.actor_loss(job.rollout.max_new_tokens).norm_len is None
 
 
 def test_vllm_engine_without_vllm_names_the_key_and_the_install(monkeypatch):
