@@ -29,10 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Measured together on H100 (2026-11-23, bench_gated_delta_rule.py --precision; bf16 H16 K=V=128; errors: worst
+# Measured together on H100 (bench_gated_delta_rule.py --precision; bf16 H16 K=V=128; errors: worst
 # relative error vs the fp32 naive recurrence over B1 T300 H2 and B2 T1024 H4; issue bar 5e-3 outputs, 1e-2 grads):
 #   dots / raw q,k dots / stored h, δ, dh    out err  grad err   B8 T2048 fwd, fwd+bwd ms   B2 T8192 fwd, fwd+bwd
-#   tf32 / tf32 / fp32  (before)             2.3e-3   2.5e-3     1.000  4.34                1.09  4.82
+#   tf32 / tf32 / fp32                       2.3e-3   2.5e-3     1.000  4.34                1.09  4.82
 #   tf32 / bf16 / fp32                       2.3e-3   2.5e-3     0.967  4.18                1.07  4.72
 #   tf32 / bf16 / bf16                       2.9e-3   2.9e-3     0.856  3.97                1.02  4.64
 #   bf16 / bf16 / fp32                       3.6e-3   4.5e-3     0.876  3.76                0.99  4.09
@@ -48,16 +48,15 @@ LOW_PRECISION_STORE = True
 # bf16 dots): rounded once on the store instead of in every dot that reads them, the same numbers at half the bytes
 # (tests/kernels/ops/test_gated_delta_rule.py::test_operand_storage_changes_no_number checks it bit for bit).
 LOW_PRECISION_OPERANDS = True
-# The IPLR kernels' dots for bf16 inputs. bf16 since 2026-11-23 (H100): its earlier failure was Triton 3.6
-# miscompiling two state-pass kernels at 1 stage (an out-of-bounds shared read, common/launch.py); with 2 stages every
-# IPLR GPU test passes (worst B2 T1024 errors 3.4e-3 outputs, 5.3e-3 gradients) and bf16 H16 K=V=128 fwd+bwd runs
-# 3.94 ms at B8 T2048, 4.20 at B2 T8192, against 6.35 and 7.10 with "tf32".
+# The IPLR kernels' dots for bf16 inputs (H100): every IPLR GPU test passes (worst B2 T1024 errors 3.4e-3 outputs,
+# 5.3e-3 gradients) and bf16 H16 K=V=128 fwd+bwd runs 3.94 ms at B8 T2048, 4.20 at B2 T8192, against 6.35 and 7.10
+# with "tf32". It needs the state passes at 2+ stages: at 1 stage Triton 3.6 miscompiles them (common/launch.py).
 IPLR_LOW_PRECISION_DOT = "bf16"
 # The dots of the kernels that carry the recurrence (the WY forward and backward, both state passes) of the gated
 # delta rule and product, for bf16 inputs: None follows LOW_PRECISION_DOT; "tf32" keeps bf16 rounding out of what
 # the state accumulates chunk after chunk (T, w, dδ and dw, which feed those dots, are then stored fp32). For the
 # gated delta product with β up to 2 and nothing forgetting it takes the outputs' error from 5.6e-3 to 3.5e-3 at
-# +28% forward+backward time, where all-tf32 dots (LOW_PRECISION_DOT) cost +36% (H100, 2026-11-23; RESULTS.md).
+# +28% forward+backward time, where all-tf32 dots (LOW_PRECISION_DOT) cost +36% (H100; RESULTS.md).
 RECURRENCE_DOT: str | None = None
 # The config form of RECURRENCE_DOT (kernel_config.delta_rule_recurrence_dot; set_recurrence_dot).
 RECURRENCE_DOT_CHOICES = ("auto", "bf16", "tf32")

@@ -46,28 +46,27 @@ from .wy import gated_wy_fwd
 # The forward state pass forms u = T diag(β) V per chunk itself (T, v and β loaded: a 64×64 dot per chunk and V
 # block, off the loop's dependence on S) instead of reading the fp32 u that the WY kernel wrote: 3 of the ~14 passes
 # over a [tokens, heads, 128] bf16 tensor that the forward makes (and again in the backward's recomputation). The
-# same numbers. On since 2026-11-23 (H100, bench_gated_delta_rule.py --compare-variants, bf16 H16 K=V=128): with
-# TRANSPOSE_VIA_SCRATCH on too, fwd 0.695 → 0.640 ms and fwd+bwd 2.55 → 2.43 at B8 T2048; at B2 T8192 within noise
-# (fwd 0.774 → 0.797, fwd+bwd 2.808 → 2.818).
+# same numbers. H100, bench_gated_delta_rule.py --compare-variants, bf16 H16 K=V=128: fwd 0.695 → 0.640 ms and
+# fwd+bwd 2.55 → 2.43 at B8 T2048; at B2 T8192 within noise (fwd 0.774 → 0.797, fwd+bwd 2.808 → 2.818).
 U_FROM_T = True
 # The forward state pass forms δ = u − w S = T diag(β) (V − diag(γ) K S) from T, k, v and β (K S a [64, K] × [K, BV]
 # dot on the k tile that the state update reads anyway, then one [64, 64] × [64, BV] dot with T) instead of reading
 # w: the forward's WY kernel then writes no w, and the pass holds no w tiles (shared memory 113 → 81 KiB: two blocks
 # per SM). V − diag(γ) K S cancels in fp32 before anything is rounded. The backward still has the WY kernel write w
-# for its reverse pass. Needs U_FROM_T. On since 2026-11-23 (H100, bf16 B8 T2048 H16 K=V=128, --profile): forward
+# for its reverse pass. Needs U_FROM_T. H100, bf16 B8 T2048 H16 K=V=128, --profile: forward
 # state pass kernels 0.34 → 0.32 ms, WY forward 0.31 → 0.27, all kernels of a forward+backward 2.05 → 2.00 ms.
 W_FREE = True
 # The chunk-local Pᵀ dO (local_dv_kernel) kept in fp32 until the reverse pass adds diag(e^{G_L−G}) K dS to it and
 # rounds the sum once to dδ's operand dtype (True), or stored in dδ's dtype, in dδ's own buffer (False, as fla does):
-# bf16 with bf16 dots, rounded twice at half the bytes. Off since 2026-11-23 (H100, bf16 B8 T2048 H16 K=V=128,
-# --profile): local_dv 0.13 → 0.10 ms, reverse pass 0.29 → 0.27; worst gradient error 4.4616e-3 → 4.4615e-3.
+# bf16 with bf16 dots, rounded twice at half the bytes. Off: H100, bf16 B8 T2048 H16 K=V=128,
+# --profile, local_dv 0.13 → 0.10 ms, reverse pass 0.29 → 0.27; worst gradient error 4.4616e-3 → 4.4615e-3.
 LOCAL_DV_FP32 = False
 # The reverse state pass forms wᵀ dδ = Kᵀ diag(β γ) (Tᵀ dδ) from T, β and the k tile it reads anyway (a [64, 64] ×
 # [64, BV] dot more on the chunk's chain) instead of reading w (w = T diag(β γ) K, common/wy.py): the backward then
 # recomputes no w at all (its WY kernel had nothing else to do: no launch), and the pass holds a [64, 64] T tile
 # where it held a [64, K] w tile. Gated delta rule and product (IPLR always runs its own form, w = −T A from T and a,
-# storing Y = Tᵀ dδ in dδ's place: iplr_delta_rule/chunk_bwd.py). On since
-# 2026-11-23 (H100, bf16 B8 T2048 H16 K=V=128, --profile): the backward's WY kernel (0.07 ms) gone, the reverse pass
+# storing Y = Tᵀ dδ in dδ's place: iplr_delta_rule/chunk_bwd.py).
+# H100, bf16 B8 T2048 H16 K=V=128, --profile: the backward's WY kernel (0.07 ms) gone, the reverse pass
 # 0.26 → 0.29 ms at 4 warps / 2 stages (121.5 KiB: still one block per SM) or 0.25 at 1 stage; with LOCAL_DV_FUSED
 # 0.23 at 2 stages.
 REVERSE_W_FREE = True
@@ -76,8 +75,8 @@ REVERSE_W_FREE = True
 # round trip of it through memory, dδ rounded once. Costs a [64, K] × [K, 64] and a [64, 64] × [64, BV] dot per
 # chunk and V block in the sequential pass (once per V block where the separate kernel does it once per chunk).
 # Taken in the wide launch only (programs fill every SM: the pass is throughput-bound and the extra dots fill its
-# stalls); the narrow one is latency-bound, and there the separate chunk-parallel kernel wins. On since 2026-11-23
-# (H100, bf16 H16 K=V=128, --profile, with REVERSE_W_FREE): at B8 T2048 (wide) reverse pass 0.25 → 0.23 ms and
+# stalls); the narrow one is latency-bound, and there the separate chunk-parallel kernel wins.
+# H100, bf16 H16 K=V=128, --profile, with REVERSE_W_FREE: at B8 T2048 (wide) reverse pass 0.25 → 0.23 ms and
 # local_dv_kernel's 0.10 ms gone, at 4 warps / 2 stages (96 bytes spilled; 1 stage 0.29, 8 warps 0.38–0.52); at
 # B2 T8192 (narrow) fused 0.46 ms against 0.32 + 0.10 for the two kernels.
 LOCAL_DV_FUSED = True
@@ -289,7 +288,7 @@ IPLR_A_IN_REGISTERS = {"wide": True, "narrow": False}
 VALUE_BLOCK = "auto"
 # Value columns per program of the narrow launch, per pass (32 where not listed). The narrow launch is latency-bound
 # (fewer programs than SMs at 64 columns): more, thinner programs shorten each chunk's chain. The forward pass at 16
-# since 2026-11-23 (H100, bf16 B2 T8192 H16 K=V=128, --profile: 32 sequence-heads): 0.57 → 0.48 ms for its two
+# against 32 (H100, bf16 B2 T8192 H16 K=V=128, --profile: 32 sequence-heads): 0.57 → 0.48 ms for its two
 # calls, outputs and gradients unchanged; the reverse pass stays at 32 (0.32 ms; 16: 0.35).
 NARROW_BV: dict[str, int] = {"state_pass_fwd": 16}
 

@@ -37,9 +37,9 @@ from ..common.wy_bwd import gated_wy_bwd
 
 
 # Value columns per step of chunk_dqkwg_kernel's loop when its dots take 16-bit operands (bf16 inputs); 32 with fp32
-# operands (tf32 / ieee dots: 64 asked for 256 KiB of shared memory on H200, limit 227 KiB). 64 since 2026-11-23
-# (H100, bf16 B8 T2048 H16 K=V=128, --profile): half the loop steps, [64, 64]-wide dots: 0.55 → 0.47 ms, 229
-# registers and 81 KiB at 8 warps / 2 stages (8w/1s: 0.52).
+# operands (tf32 / ieee dots: 64 asks for 256 KiB of shared memory on H200, limit 227 KiB). 64 against 32 (H100,
+# bf16 B8 T2048 H16 K=V=128, --profile): half the loop steps, [64, 64]-wide dots: 0.55 → 0.47 ms, 229 registers and
+# 81 KiB at 8 warps / 2 stages (8w/1s: 0.52).
 DQKWG_BV = 64
 
 

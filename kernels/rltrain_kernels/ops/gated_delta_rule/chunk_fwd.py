@@ -20,8 +20,8 @@ from ..common.precision import cast_for_store, dot_precision, mma, raw_precision
 
 CHUNK_SIZE = 64
 # (BK, BV) of the output pass, capped at K's and V's powers of two. bench_output_blocks.py (every BK, BV in 64, 128
-# × 2, 4, 8 warps × 1–3 stages; H100, bf16 B8 T2048 H16 K=V=128, 2026-11-23): 64 × 128 at 8 warps / 3 stages
-# 0.156 ms (4w/3s 0.158), 64 × 64 at 2w/2s (before) 0.188, 128 × 128 0.177 at best; fla's 0.15. With BV = V each
+# × 2, 4, 8 warps × 1–3 stages; H100, bf16 B8 T2048 H16 K=V=128): 64 × 128 at 8 warps / 3 stages 0.156 ms
+# (4w/3s 0.158), 64 × 64 at 2w/2s 0.188, 128 × 128 0.177 at best; fla's 0.15. With BV = V each
 # program forms its Q Kᵀ once instead of once per value block.
 OUTPUT_BLOCKS = (64, 128)
 

@@ -28,9 +28,9 @@ from ..common.wy import solve_unit_lower
 
 CHUNK_SIZE = 64
 # (BK, BV) of the output pass, capped at K's and V's powers of two. kernels/benchmarks/bench_output_blocks.py (H100,
-# bf16 B8 T2048 H16 K=V=128, 2026-11-23; each BK, BV in 64, 128 × 2, 4, 8 warps × 1–3 stages): 64 × 128 at 4 warps /
-# 2 stages 0.205 ms (1 stage 0.202: the stage count Triton 3.6 has miscompiled elsewhere), 128 × 128 0.210, 64 × 64
-# (before) 0.238; fla's autotuned 128 × 128 ran 0.20.
+# bf16 B8 T2048 H16 K=V=128; each BK, BV in 64, 128 × 2, 4, 8 warps × 1–3 stages): 64 × 128 at 4 warps / 2 stages
+# 0.205 ms (1 stage 0.202: the stage count Triton 3.6 has miscompiled elsewhere), 128 × 128 0.210, 64 × 64 0.238;
+# fla's autotuned 128 × 128 ran 0.20.
 OUTPUT_BLOCKS = (64, 128)
 # The forward state pass's raw input tiles (a, k, b, v), per launch ("wide", "narrow"), loaded through
 # registers as fp32 (True) or as stored (False), which Triton copies into shared memory ahead, one buffer per pipeline
@@ -38,7 +38,7 @@ OUTPUT_BLOCKS = (64, 128)
 # T2048: 0.23 ms per call, 0.28 stored); stored tiles are prefetched, which pays once a chain runs alone (the narrow
 # launch, B2 T8192: 0.22 ms per call, 0.42 in registers; a varlen batch whose longest sequence is over BALANCED times
 # the mean length, where the long chains run on after the others: 6 sequences of 512–5728 tokens, H16, 0.43 → 0.35
-# ms; H100, bf16 K=V=128, 2026-11-24). Always registers for K > 128 or fp32 inputs (stored bf16 K = 256 tiles take
+# ms; H100, bf16 K=V=128). Always registers for K > 128 or fp32 inputs (stored bf16 K = 256 tiles take
 # the narrow pass to 253 KiB of shared memory, fp32 K = 128 ones to 288 KiB, over Hopper's 227).
 STATE_PASS_RAW_IN_REGISTERS = {"wide": True, "narrow": False}
 BALANCED = 1.5

@@ -19,10 +19,10 @@ registers:
               GEMMs take as it is (policy_loss/scaled.py).
 
 So no fp32 logit ever reaches memory: H100, N=8192, V=151936, H=4096 bf16, against cuBLAS + row passes in the
-same run: forward 18.0 → 16.1 ms, forward+backward 68.5 → 58.3 ms (kernels/benchmarks/RESULTS.md, 2026-11-24).
-Without an epilogue the same GEMM ran at cuBLAS' speed (1.03× the floor, an earlier run). Triton 3.6's automatic
-warp specialization on Hopper (`tl.range(warp_specialize=True)`) at 4 warps hung (an earlier session), failed to
-compile or ran 8× slower; at 8 warps without flatten it runs, but slower here (GemmConfig.warp_specialize, off).
+same run: forward 18.0 → 16.1 ms, forward+backward 68.5 → 58.3 ms (kernels/benchmarks/RESULTS.md). Without an
+epilogue the same GEMM runs at cuBLAS' speed (1.03× the floor). Triton 3.6's automatic warp specialization on Hopper
+(`tl.range(warp_specialize=True)`) at 4 warps hangs, fails to compile or runs 8× slower; at 8 warps without flatten
+it runs, but slower here (GemmConfig.warp_specialize, off).
 
 fp32 inputs keep the cuBLAS path (tl.dot would run them as tf32); so do GPUs without TMA (before sm_90) and
 operands TMA cannot address (rows not 16 B aligned). Runs on CPU tensors under TRITON_INTERPRET=1 with small
@@ -297,7 +297,7 @@ def _shifted_logits_grad_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GemmConfig:
-    """Block shape and launch of the fused GEMMs (kernels/benchmarks/RESULTS.md, 2026-11-24; `bench_linear_logprobs.py
+    """Block shape and launch of the fused GEMMs (kernels/benchmarks/RESULTS.md; `bench_linear_logprobs.py
     --tune-fused` times variants): 128 × 256 × 64 at 8 warps and 3 stages ran at cuBLAS' speed, 128 × 128 × 64
     11% slower; the flattened loop took the forward from 1.30 to 1.17× the floor."""
 

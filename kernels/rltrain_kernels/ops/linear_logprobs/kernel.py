@@ -35,7 +35,7 @@ def _fold_stats_kernel(
     and the old sum's rescale when z > m (the new max then counts as an exact 1). The lanes and the row's
     previous statistics are merged once at the end, the lanes holding the max contributing their 1 as an exact
     count. Against four reductions per 2048-column block: 2.40 → 2.29 ms per forward at N=8192, V=151936 on H100
-    (4.97 GB read: 2.07 → 2.17 TB/s; RESULTS.md, 2026-11-23). What is left is mostly launch and ramp: a tile is
+    (4.97 GB read: 2.07 → 2.17 TB/s; RESULTS.md). What is left is mostly launch and ramp: a tile is
     ~57 us of work, 40 tiles per forward."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row

@@ -295,7 +295,7 @@ def _chunk_grads(dlogits, row_scale, weight, hidden_c, grad_hidden_c, grad_weigh
                 grad_hidden_c.mul_(row_scale[:, None])
         else:
             # fp32 output, rounded once: a bf16-output GEMM with K = V lets cuBLAS reduce its split-K partials in
-            # bf16, which put grad_hidden 1.1e-2 off fp32 at B=8 T=1024 V=151936 (H200, 2026-11-22)
+            # bf16, which put grad_hidden 1.1e-2 off fp32 at B=8 T=1024 V=151936 (H200)
             acc = mm_fp32(dlogits, weight, out=accumulator[: grad_hidden_c.numel()].view(grad_hidden_c.shape))
             if row_scale is None:
                 grad_hidden_c.copy_(acc)

@@ -28,7 +28,7 @@ MAX_TILE = 2048
 # Warps per program (one token) and whether a token whose q and k heads each fit one tile issues all four loads
 # before its first store (more bytes in flight per program: a store may alias a later load, so the compiler cannot
 # hoist them itself). Module-level so bench_norm_act_rope.py --sweep can time the alternatives. H200, bf16, 16384
-# tokens × (32 q + 8 k heads) × 128 (2026-11-22): forward 100 us at 4 warps → 85 us with hoisted loads (96% of
+# tokens × (32 q + 8 k heads) × 128: forward 100 us at 4 warps → 85 us with hoisted loads (96% of
 # copy); 1 and 2 warps 97–99 us either way.
 NUM_WARPS = 4
 HOIST_LOADS = True
