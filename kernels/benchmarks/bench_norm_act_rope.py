@@ -204,13 +204,13 @@ def swiglu_case(n_rows: int, inter: int) -> Case:
     return case
 
 
-def _rope_with(warps: int, hoist: bool, *args):
-    default = rope_kernel.NUM_WARPS, rope_kernel.HOIST_LOADS
-    rope_kernel.NUM_WARPS, rope_kernel.HOIST_LOADS = warps, hoist
+def _rope_with(warps: int, *args):
+    default = rope_kernel.NUM_WARPS
+    rope_kernel.NUM_WARPS = warps
     try:
         return apply_rotary_pos_emb(*args)
     finally:
-        rope_kernel.NUM_WARPS, rope_kernel.HOIST_LOADS = default
+        rope_kernel.NUM_WARPS = default
 
 
 def rope_case(n_tokens: int, n_q_heads: int = 32, n_k_heads: int = 8, head_dim: int = 128,
@@ -240,12 +240,10 @@ def rope_case(n_tokens: int, n_q_heads: int = 32, n_k_heads: int = 8, head_dim: 
                 # bwd: read dq_embed, dk_embed, cos, sin; write dq, dk.
                 fwd_bytes=2 * qk + table, fwdbwd_bytes=4 * qk + 2 * table)
     case.variants["rltrain"] = apply_rotary_pos_emb
-    if sweep:  # warps per program (one token each) and hoisted loads; defaults: rope_kernel.NUM_WARPS, HOIST_LOADS
+    if sweep:  # warps per program (one token each); default: rope_kernel.NUM_WARPS
         for warps in (1, 2, 4):
-            for hoist in (True, False):
-                if (warps, hoist) != (rope_kernel.NUM_WARPS, rope_kernel.HOIST_LOADS):
-                    case.variants[f"rltrain {warps}w{' hoist' if hoist else ''}"] = functools.partial(
-                        _rope_with, warps, hoist)
+            if warps != rope_kernel.NUM_WARPS:
+                case.variants[f"rltrain {warps}w"] = functools.partial(_rope_with, warps)
     try:
         from liger_kernel.ops.rope import LigerRopeFunction
         # forward(q, k, cos, sin, position_ids=None, unsqueeze_dim=1, rotary_dim=None) in 0.8.5; rotates q/k in place
@@ -286,27 +284,24 @@ def time_variant(case: Case, fn: Callable, seed: int, notes: list[str]):
 
 
 def sweep_rmsnorm_backward(n_rows: int, hidden: int, ceiling: float) -> None:
-    """RMSNorm backward alone (read x, dy; write dx; 3·N·H bytes + dw) over its tuning knobs: prefetch of the next
-    row block, num_warps, and programs per SM of the persistent grid (auto = as many as are resident at once)."""
+    """RMSNorm backward alone (read x, dy; write dx; 3·N·H bytes + dw) over its tuning knobs: num_warps and programs per SM of the persistent grid (auto = as many as are resident at once)."""
     x = torch.randn(n_rows, hidden, device=DEVICE, dtype=DTYPE)
     w = torch.randn(hidden, device=DEVICE, dtype=DTYPE)
     dy = torch.randn_like(x)
     _, normed, rstd, _ = rms_norm_forward(x, w, 1e-6)
-    want_dx, want_dw = rms_norm_backward(dy, normed, w, rstd, prefetch=False, programs_per_sm=1)
+    want_dx, want_dw = rms_norm_backward(dy, normed, w, rstd, programs_per_sm=1)
     nbytes = 3 * n_rows * hidden * DTYPE.itemsize
     print("\nRMSNorm backward only (rms_norm_backward), tuning sweep:")
-    for prefetch in (False, True):
-        for num_warps in (8, 16):
-            for per_sm in (None, 1, 2, 3, 4):
-                def run():
-                    return rms_norm_backward(dy, normed, w, rstd, programs_per_sm=per_sm, prefetch=prefetch,
-                                             num_warps=num_warps)
-                dx, dw = run()
-                err = max(rel_error(dx, want_dx), rel_error(dw, want_dw))
-                ms = bench_ms(run)
-                print(f"  prefetch={prefetch!s:5} num_warps={num_warps:2d} programs/SM={per_sm or 'auto':>4}: "
-                      f"{ms * 1e3:8.1f} us  {nbytes / ms / 1e6:7.0f} GB/s  {100 * nbytes / ms / 1e6 / ceiling:5.1f}% "
-                      f"of copy  (vs first config: rel err {err:.1e})", flush=True)
+    for num_warps in (8, 16):
+        for per_sm in (None, 1, 2, 3, 4):
+            def run():
+                return rms_norm_backward(dy, normed, w, rstd, programs_per_sm=per_sm, num_warps=num_warps)
+            dx, dw = run()
+            err = max(rel_error(dx, want_dx), rel_error(dw, want_dw))
+            ms = bench_ms(run)
+            print(f"  num_warps={num_warps:2d} programs/SM={per_sm or 'auto':>4}: "
+                  f"{ms * 1e3:8.1f} us  {nbytes / ms / 1e6:7.0f} GB/s  {100 * nbytes / ms / 1e6 / ceiling:5.1f}% "
+                  f"of copy  (vs first config: rel err {err:.1e})", flush=True)
 
 
 def main() -> None:
@@ -314,7 +309,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the naive references")
-    parser.add_argument("--sweep", action="store_true", help="also sweep RMSNorm backward programs per SM and RoPE warps / hoisted loads")
+    parser.add_argument("--sweep", action="store_true", help="also sweep RMSNorm backward programs per SM and RoPE warps")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny sizes on CPU through the Triton interpreter (TRITON_INTERPRET=1): checks the script")
     args = parser.parse_args()

@@ -24,15 +24,12 @@ import triton.language as tl
 MAX_FUSED_COLS = 65536
 # Backward persistent grid: as many programs per SM as can be resident at once (from the compiled kernel's register
 # count, as in Triton's fused-softmax tutorial), so the grid is exactly one wave. Each program keeps w and its dw
-# partial in registers (2·H fp32) besides the rows it works on: ptxas (sm_90, triton 3.9) gives 101 registers per
-# thread at H=4096 and 8 warps (128 with prefetch), i.e. 2 programs per SM; launching more would only add a
-# half-empty second wave. The dw partials stay small (2·132·4096·4 B = 4.3 MB on an H100/H200 at H=4096, ~1% of
+# partial in registers (2·H fp32) besides the rows it works on: ptxas (sm_90, triton 3.9) gives 128 registers per
+# thread at H=4096 and 8 warps (101 without the loop's prefetch), i.e. 2 programs per SM; launching more would only
+# add a half-empty second wave. The dw partials stay small (2·132·4096·4 B = 4.3 MB on an H100/H200 at H=4096, ~1% of
 # the 384 MB the backward moves). BACKWARD_PROGRAMS_PER_SM is the fallback when the register count cannot be read;
 # benchmarks may force a value through rms_norm_backward(programs_per_sm=...).
 BACKWARD_PROGRAMS_PER_SM = 2
-# Prefetch the next row block inside the backward's persistent loop (see the kernel); benchmarks can compare both
-# through rms_norm_backward(prefetch=...).
-BACKWARD_PREFETCH = True
 _RESIDENT_CACHE: dict[tuple, int] = {}
 # Programs for the persistent backward grid on the CPU interpreter (no SMs; few programs = fast interpretation).
 INTERPRETER_PROGRAMS = 4
@@ -94,7 +91,6 @@ def _rms_norm_bwd_kernel(
     n_rows, n_cols, num_programs,
     HAS_DS: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
-    PREFETCH: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
@@ -105,35 +101,29 @@ def _rms_norm_bwd_kernel(
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_COLS], dtype=tl.float32)
     n_blocks = tl.cdiv(n_rows, BLOCK_ROWS)
-    if PREFETCH:
-        # Software pipelining by hand: the loads of the next row block are issued before this block's maths and
-        # stores, so each program keeps two blocks of dy/x in flight. Only ~2 programs fit per SM at H=4096
-        # (~100-120 registers per thread at 8 warps, ptxas for sm_90), so without it an SM has at most 32 KB of
-        # loads outstanding, below what its share of HBM bandwidth needs to cover the latency.
-        first = pid64 * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        first_mask = (first < n_rows)[:, None] & col_mask[None, :]
-        dy_next = tl.load(dy_ptr + first[:, None] * dy_row_stride + cols[None, :], mask=first_mask, other=0.0)
-        x_next = tl.load(x_ptr + first[:, None] * x_row_stride + cols[None, :], mask=first_mask, other=0.0)
-        rstd_next = tl.load(rstd_ptr + first, mask=first < n_rows, other=0.0)
+    # Software pipelining by hand: the loads of the next row block are issued before this block's maths and stores,
+    # so each program keeps two blocks of dy/x in flight. Only ~2 programs fit per SM at H=4096 (~100-120 registers
+    # per thread at 8 warps, ptxas for sm_90), so without it an SM has at most 32 KB of loads outstanding, below what
+    # its share of HBM bandwidth needs to cover the latency.
+    first = pid64 * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    first_mask = (first < n_rows)[:, None] & col_mask[None, :]
+    dy_next = tl.load(dy_ptr + first[:, None] * dy_row_stride + cols[None, :], mask=first_mask, other=0.0)
+    x_next = tl.load(x_ptr + first[:, None] * x_row_stride + cols[None, :], mask=first_mask, other=0.0)
+    rstd_next = tl.load(rstd_ptr + first, mask=first < n_rows, other=0.0)
     # Persistent loop: program p takes row blocks p, p + P, p + 2P, ... and keeps its dw partial in registers.
     for block in range(pid, n_blocks, num_programs):
         # 64-bit row index (the interpreter hands `block` over as a Python int, hence the pid64 detour).
         rows = (pid64 + (block - pid)) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
-        if PREFETCH:
-            dy = dy_next.to(tl.float32)
-            x = x_next.to(tl.float32)
-            rstd = rstd_next
-            nxt = rows + num_programs * BLOCK_ROWS
-            nxt_mask = (nxt < n_rows)[:, None] & col_mask[None, :]
-            dy_next = tl.load(dy_ptr + nxt[:, None] * dy_row_stride + cols[None, :], mask=nxt_mask, other=0.0)
-            x_next = tl.load(x_ptr + nxt[:, None] * x_row_stride + cols[None, :], mask=nxt_mask, other=0.0)
-            rstd_next = tl.load(rstd_ptr + nxt, mask=nxt < n_rows, other=0.0)
-        else:
-            dy = tl.load(dy_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        dy = dy_next.to(tl.float32)
+        x = x_next.to(tl.float32)
+        rstd = rstd_next
+        nxt = rows + num_programs * BLOCK_ROWS
+        nxt_mask = (nxt < n_rows)[:, None] & col_mask[None, :]
+        dy_next = tl.load(dy_ptr + nxt[:, None] * dy_row_stride + cols[None, :], mask=nxt_mask, other=0.0)
+        x_next = tl.load(x_ptr + nxt[:, None] * x_row_stride + cols[None, :], mask=nxt_mask, other=0.0)
+        rstd_next = tl.load(rstd_ptr + nxt, mask=nxt < n_rows, other=0.0)
         x_hat = x * rstd[:, None]
         wdy = dy * w[None, :]
         mean_wdy_xhat = tl.sum(wdy * x_hat, axis=1) / n_cols
@@ -209,13 +199,12 @@ def _resident_programs_per_sm(warmup, key: tuple, device: torch.device, num_warp
 
 def rms_norm_backward(dy: torch.Tensor | None, normed: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                       ds: torch.Tensor | None = None, compute_dw: bool = True,
-                      programs_per_sm: int | None = None, prefetch: bool = BACKWARD_PREFETCH,
+                      programs_per_sm: int | None = None,
                       num_warps: int | None = None):
     """Gradients (dx, dw) from the saved `normed` [rows, H] rows and rstd. dy and ds (the gradient reaching the
     residual sum s directly) may have any strides or be None (output unused). dx has dy's shape (ds's when dy is
     None); dx is also the residual's gradient. dw is None when compute_dw is False. programs_per_sm=None sizes the
-    persistent grid to one full wave of resident programs; prefetch pipelines the next row block's loads;
-    num_warps overrides the forward's choice (tuning only)."""
+    persistent grid to one full wave of resident programs; num_warps overrides the forward's choice (tuning only)."""
     n_rows, n_cols = normed.shape
     shape = dy.shape if dy is not None else ds.shape
     if dy is None:  # y did not reach the loss: dx = ds, dw = 0
@@ -242,7 +231,7 @@ def rms_norm_backward(dy: torch.Tensor | None, normed: torch.Tensor, weight: tor
             dx_rows, dx_rows.stride(0),
             dw_partial,
             n_rows, n_cols, programs,
-            HAS_DS=ds is not None, COMPUTE_DW=compute_dw, PREFETCH=prefetch,
+            HAS_DS=ds is not None, COMPUTE_DW=compute_dw,
             BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
             num_warps=num_warps, **extra,
         )
@@ -250,7 +239,7 @@ def rms_norm_backward(dy: torch.Tensor | None, normed: torch.Tensor, weight: tor
     if device.type == "cuda":
         sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         if programs_per_sm is None:
-            key = (device.index, block_cols, block_rows, num_warps, ds is not None, compute_dw, prefetch,
+            key = (device.index, block_cols, block_rows, num_warps, ds is not None, compute_dw,
                    normed.dtype, dy_rows.dtype, weight.dtype)
             # Warm up with a grid-size argument like the real one (Triton specialises ints equal to 1 or ≡ 0 mod 16).
             programs_per_sm = _resident_programs_per_sm(

@@ -25,13 +25,11 @@ import triton.language as tl
 # Head chunk per loop step: ≤ 2048 values per half-tile (32 heads × 64 at D=128: all of Llama's q heads in one step,
 # 16 fp32 registers per thread per half at 4 warps).
 MAX_TILE = 2048
-# Warps per program (one token) and whether a token whose q and k heads each fit one tile issues all four loads
-# before its first store (more bytes in flight per program: a store may alias a later load, so the compiler cannot
-# hoist them itself). Module-level so bench_norm_act_rope.py --sweep can time the alternatives. H200, bf16, 16384
-# tokens × (32 q + 8 k heads) × 128: forward 100 us at 4 warps → 85 us with hoisted loads (96% of
-# copy); 1 and 2 warps 97–99 us either way.
+# Warps per program (one token); bench_norm_act_rope.py --sweep times the alternatives. A token whose q and k heads
+# each fit one tile issues all four loads before its first store (ONE_TILE: more bytes in flight per program; a store
+# may alias a later load, so the compiler cannot hoist them itself). H200, bf16, 16384 tokens × (32 q + 8 k heads) ×
+# 128: forward 100 us at 4 warps → 85 us with hoisted loads (96% of copy); 1 and 2 warps 97–99 us either way.
 NUM_WARPS = 4
-HOIST_LOADS = True
 
 
 @triton.jit
@@ -168,6 +166,6 @@ def rope_apply(q: torch.Tensor | None, k: torch.Tensor | None, cos: torch.Tensor
         n_tokens, n_q_heads, n_k_heads, half,
         DO_Q=q is not None, DO_K=k is not None, BACKWARD=backward,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
-        ONE_TILE=HOIST_LOADS and block_hq >= n_q_heads and block_hk >= n_k_heads, num_warps=NUM_WARPS,
+        ONE_TILE=block_hq >= n_q_heads and block_hk >= n_k_heads, num_warps=NUM_WARPS,
     )
     return q_out, k_out
