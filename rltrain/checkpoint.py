@@ -5,12 +5,13 @@ and JSON only).
     <output_dir>/checkpoints/step_000010/
         hf/               the policy in HF format (model.safetensors + config + tokenizer): transformers and vLLM load it
         optimizer.pt      optimizer state (tensors and numbers only)
-        trainer_state.json  step, data position, RNG states
+        trainer_state.json  step, data position, RNG states, the actor's LR schedule position
 
 RNG states are the controller's: Python's `random`, numpy's global generator, torch's CPU generator and, where this
 process has initialised CUDA, every visible GPU's generator, all as JSON lists of integers. The workers' generators
 are not saved: each sampling call seeds its own from (trainer.seed, step, round), which is what makes a resumed run
-replay an uninterrupted one; the actor's update draws no random numbers (no dropout in the supported models).
+replay an uninterrupted one; the actor's update draws no random numbers (no dropout in the supported models) but
+the mini-batch order, which it seeds from (trainer.seed, step, pass) alike.
 """
 
 from __future__ import annotations

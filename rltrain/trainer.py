@@ -109,7 +109,8 @@ class GRPOTrainer:
         temperature = job.rollout.temperature
         self.actor = start_role(FSDPActorWorker if sharded else ActorWorker, self.placement, share, sharded,
                                 config=job.actor, loss=job.algorithm.actor_loss(job.rollout.max_new_tokens),
-                                temperature=temperature, seed=job.trainer.seed, **common)
+                                temperature=temperature, seed=job.trainer.seed,
+                                total_steps=job.trainer.total_steps, **common)
         self.rollout = RolloutReplicas(job.rollout, self.placement, share, job.ray.placement_timeout_s, **common)
         self.reference = None
         if job.algorithm.loss.kl_coef > 0:
@@ -177,7 +178,7 @@ class GRPOTrainer:
             with timer.phase("ref"):
                 batch["ref_logprobs"] = ray.get(self.reference.compute_logprobs.remote(batch))
         with timer.phase("update"):
-            metrics.update(ray.get(self.actor.update.remote(batch)))
+            metrics.update(ray.get(self.actor.update.remote(batch, step)))
         timer.add("weight_sync", self.push_weights())
         elapsed = time.monotonic() - start
         tokens = batch["prompt_mask"].sum().item() + batch["response_mask"].sum().item()
@@ -227,8 +228,9 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, step: int) -> Path:
-        state = {"sampler": self.sampler.state_dict(), "initial_val": self.initial_val}
         actor = self.actor
+        state = {"sampler": self.sampler.state_dict(), "initial_val": self.initial_val,
+                 "lr_scheduler": ray.get(actor.lr_scheduler_state.remote())}
         path = ckpt.save_checkpoint(str(self.output_dir), step, lambda p: ray.get(actor.save_pretrained.remote(p)),
                                     ray.get(actor.optimizer_state.remote()), self.tokenizer, state)
         logger.info("saved checkpoint %s", path)
@@ -246,6 +248,8 @@ class GRPOTrainer:
             raise FileNotFoundError(f"trainer.resume: no checkpoint directory {str(path)!r}")
         model_state, optimizer_state, state = ckpt.load_checkpoint(path)
         ray.get(self.actor.load_checkpoint.remote(model_state, optimizer_state))
+        # checkpoints from before the schedule was saved: one update per step
+        ray.get(self.actor.load_lr_scheduler_state.remote(state.get("lr_scheduler", {"updates": state["step"]})))
         self.rollout.load_state_dict(model_state)
         self.sampler.load_state_dict(state["sampler"])
         ckpt.set_rng_state(state["rng"])

@@ -1,8 +1,14 @@
 """ActorWorker: holds the trained policy and its optimizer; computes old log-probs and runs the policy update with
-`rltrain_kernels.fused_policy_loss` (clipped surrogate + KL + entropy, from hidden states, no logits)."""
+`rltrain_kernels.fused_policy_loss` (clipped surrogate + KL + entropy, from hidden states, no logits).
+
+An update makes actor.ppo_epochs passes over the batch, each in mini-batches of actor.mini_batch_size responses
+(an optimizer step each) drawn in an order seeded by (trainer.seed, step, pass), so a run replays; the learning rate
+of each update follows actor.lr_scheduler (LRSchedule), whose position, the number of updates done, is saved with
+every checkpoint."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -19,6 +25,7 @@ from rltrain.workers.policy import (
 from rltrain.workers.weight_sync import WeightSource
 
 STRATEGIES = ("single", "fsdp2")
+LR_SCHEDULERS = ("constant", "cosine", "linear")
 
 
 @dataclass
@@ -41,9 +48,14 @@ def weighted_advantages(batch: TensorDict) -> torch.Tensor:
 @dataclass
 class ActorConfig:
     lr: float = 5e-4
+    lr_scheduler: str = "constant"   # constant | cosine | linear: after the warm-up, over trainer.total_steps updates
+    lr_warmup_steps: int = 0         # the first N updates ramp the rate up linearly; 0 = lr_warmup_ratio decides
+    lr_warmup_ratio: float = 0.0     # the warm-up as a share of trainer.total_steps (with lr_warmup_steps 0)
+    min_lr_ratio: float = 0.0        # cosine / linear end at lr × this
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    mini_batch_size: int = 0     # responses per optimizer step; 0 = the whole batch (one step per RL step)
+    ppo_epochs: int = 1          # passes over each batch, mini-batches reshuffled every pass
+    mini_batch_size: int = 0     # responses per optimizer step; 0 = the whole batch (one step per pass)
     micro_batch_size: int = 64   # responses per forward/backward (gradient accumulation inside a mini-batch)
     use_remove_padding: bool = True          # pack each micro-batch's sequences into one row (no padding)
     max_tokens_per_micro_batch: int = 16384  # packed: micro-batches by token budget; 0 = micro_batch_size rows
@@ -57,6 +69,14 @@ class ActorConfig:
         require(self.strategy in STRATEGIES, "strategy", f"must be one of {', '.join(STRATEGIES)}", self.strategy)
         require(self.weight_bucket_mb >= 1, "weight_bucket_mb", "must be >= 1", self.weight_bucket_mb)
         require(self.lr > 0, "lr", "must be > 0", self.lr)
+        require(self.lr_scheduler in LR_SCHEDULERS, "lr_scheduler", f"must be one of {', '.join(LR_SCHEDULERS)}",
+                self.lr_scheduler)
+        require(self.lr_warmup_steps >= 0, "lr_warmup_steps", "must be >= 0", self.lr_warmup_steps)
+        require(0 <= self.lr_warmup_ratio < 1, "lr_warmup_ratio", "must be in [0, 1)", self.lr_warmup_ratio)
+        require(self.lr_warmup_steps == 0 or self.lr_warmup_ratio == 0, "lr_warmup_ratio",
+                "set lr_warmup_steps or lr_warmup_ratio, not both", self.lr_warmup_ratio)
+        require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]", self.min_lr_ratio)
+        require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1", self.ppo_epochs)
         require(self.grad_clip > 0, "grad_clip", "must be > 0", self.grad_clip)
         require(self.mini_batch_size >= 0, "mini_batch_size", "must be >= 0", self.mini_batch_size)
         require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1", self.micro_batch_size)
@@ -68,13 +88,53 @@ class ActorConfig:
         return MicroBatching(self.micro_batch_size, self.use_remove_padding, self.max_tokens_per_micro_batch)
 
 
+@dataclass(frozen=True)
+class LRSchedule:
+    """actor.lr_scheduler as a factor of actor.lr for update u = 0, 1, ... of the run. The first `warmup` updates
+    ramp up linearly, u -> (u + 1) / warmup; then `constant` stays at 1, and `cosine` / `linear` fall from 1 at
+    update `warmup` to min_lr_ratio at update total - 1, the run's last (total: trainer.total_steps, one update per
+    step), and stay there."""
+
+    kind: str = "constant"
+    total: int = 1
+    warmup: int = 0
+    min_ratio: float = 0.0
+
+    @classmethod
+    def of(cls, config: ActorConfig, total_steps: int | None) -> "LRSchedule":
+        if total_steps is None:
+            if config.lr_scheduler != "constant" or config.lr_warmup_ratio:
+                raise ValueError(f"actor.lr_scheduler={config.lr_scheduler!r} / lr_warmup_ratio need the run's "
+                                 "total_steps")
+            total_steps = 1
+        warmup = config.lr_warmup_steps or round(config.lr_warmup_ratio * total_steps)
+        return cls(config.lr_scheduler, total_steps, warmup, config.min_lr_ratio)
+
+    def factor(self, update: int) -> float:
+        if update < self.warmup:
+            return (update + 1) / self.warmup
+        if self.kind == "constant":
+            return 1.0
+        progress = min(1.0, (update - self.warmup) / max(1, self.total - 1 - self.warmup))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if self.kind == "cosine" else 1 - progress
+        return self.min_ratio + (1 - self.min_ratio) * decay
+
+
+def minibatch_order(size: int, seed: int, step: int, epoch: int) -> torch.Tensor:
+    """The row order of one pass over a batch of `size` rows: a permutation seeded by (seed, step, pass), the same
+    on every FSDP rank and in a resumed run."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + epoch)
+    return torch.randperm(size, generator=generator)
+
+
 class ActorWorker(WeightSource):
     def __init__(self, config: ActorConfig, loss: LossConfig, model_path: str, dtype: str,
                  kernel_config: dict | None, temperature: float, device: str = "cpu", seed: int = 0,
-                 attn_implementation: str = "auto"):
+                 attn_implementation: str = "auto", total_steps: int | None = None):
         set_threads(config.torch_threads)
         torch.manual_seed(seed)
         self.config, self.loss, self.temperature, self.device = config, loss, temperature, device
+        self._start_schedule(seed, total_steps)
         self.model = load_policy(model_path, dtype, kernel_config, device, attn_implementation)
         self.batching = resolve_batching(self.model, config.micro_batching)
         if config.gradient_checkpointing:
@@ -85,17 +145,28 @@ class ActorWorker(WeightSource):
     def compute_logprobs(self, batch: TensorDict) -> torch.Tensor:
         return response_logprobs(self.model, batch, self.temperature, self.batching)
 
-    def update(self, batch: TensorDict) -> dict[str, float]:
-        """One pass over `batch` in mini-batches (an optimizer step each). Returns averaged metrics."""
+    def _start_schedule(self, seed: int, total_steps: int | None) -> None:
+        self.seed, self.schedule, self.updates = seed, LRSchedule.of(self.config, total_steps), 0
+
+    def update(self, batch: TensorDict, step: int = 0) -> dict[str, float]:
+        """actor.ppo_epochs passes over `batch` in mini-batches (an optimizer step each; with more than one
+        mini-batch the rows are shuffled every pass, seeded by the RL step), at this update's learning rate.
+        Returns the metrics averaged over the optimizer steps, and actor/lr."""
         size = batch.batch_size[0]
         mini = self.config.mini_batch_size or size
+        lr = self.config.lr * self.schedule.factor(self.updates)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         totals: dict[str, float] = {}
         steps = 0
-        for mini_batch in split(batch, mini):
-            for key, value in self._optimizer_step(mini_batch).items():
-                totals[key] = totals.get(key, 0.0) + value
-            steps += 1
-        return {f"actor/{k}": v / steps for k, v in totals.items()}
+        for epoch in range(self.config.ppo_epochs):
+            rows = batch if mini >= size else batch[minibatch_order(size, self.seed, step, epoch)]
+            for mini_batch in split(rows, mini):
+                for key, value in self._optimizer_step(mini_batch).items():
+                    totals[key] = totals.get(key, 0.0) + value
+                steps += 1
+        self.updates += 1
+        return {**{f"actor/{k}": v / steps for k, v in totals.items()}, "actor/lr": lr}
 
     def _optimizer_step(self, mini_batch: TensorDict) -> dict[str, float]:
         from rltrain_kernels.ops.policy_loss import LossAccumulation
@@ -180,6 +251,13 @@ class ActorWorker(WeightSource):
 
     def optimizer_state(self) -> dict:
         return self.optimizer.state_dict()
+
+    def lr_scheduler_state(self) -> dict:
+        """The schedule's position (JSON-safe): the updates done."""
+        return {"updates": self.updates}
+
+    def load_lr_scheduler_state(self, state: dict) -> None:
+        self.updates = int(state["updates"])
 
     def load_checkpoint(self, model_state: dict, optimizer_state: dict) -> None:
         self.model.load_state_dict(model_state)

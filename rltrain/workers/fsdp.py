@@ -168,10 +168,11 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config: ActorConfig,
                  loss: LossConfig, model_path: str, dtype: str, kernel_config: dict | None, temperature: float,
-                 device: str = "cpu", seed: int = 0, attn_implementation: str = "auto"):
+                 device: str = "cpu", seed: int = 0, attn_implementation: str = "auto", total_steps: int | None = None):
         set_threads(config.torch_threads)
         torch.manual_seed(seed)
         self.config, self.loss, self.temperature = config, loss, temperature
+        self._start_schedule(seed, total_steps)
         self._setup(rank, world_size, master_addr, master_port, model_path, dtype, kernel_config, device,
                     config.fsdp, config.micro_batching, attn_implementation, config.gradient_checkpointing)
         self.model.train()
@@ -180,8 +181,8 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
     def compute_logprobs(self, batch: TensorDict) -> torch.Tensor | None:
         return self._sharded_logprobs(batch, self.temperature)
 
-    def update(self, batch: TensorDict) -> dict[str, float] | None:
-        metrics = super().update(batch)
+    def update(self, batch: TensorDict, step: int = 0) -> dict[str, float] | None:
+        metrics = super().update(batch, step)
         return metrics if self.rank == 0 else None
 
     def _micro_batches(self, mini_batch: TensorDict) -> list[TensorDict]:

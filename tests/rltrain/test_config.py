@@ -75,6 +75,13 @@ def test_every_algorithm_preset_validates(preset):
     ("algorithm=drgrpo algorithm.loss.norm_len=0", "algorithm.loss.norm_len: must be > 0, got 0"),
     ("algorithm.loss.norm_len=16",
      "algorithm.loss.norm_len: applies to loss_agg='seq-mean-token-sum-norm' only, got loss_agg='token-mean'"),
+    ("actor.lr_scheduler=step", "actor.lr_scheduler: must be one of constant, cosine, linear (got 'step')"),
+    ("actor.lr_warmup_steps=-1", "actor.lr_warmup_steps: must be >= 0 (got -1)"),
+    ("actor.lr_warmup_ratio=1", "actor.lr_warmup_ratio: must be in [0, 1) (got 1.0)"),
+    ("actor.lr_warmup_steps=5 actor.lr_warmup_ratio=0.1",
+     "actor.lr_warmup_ratio: set lr_warmup_steps or lr_warmup_ratio, not both (got 0.1)"),
+    ("actor.min_lr_ratio=1.5", "actor.min_lr_ratio: must be in [0, 1] (got 1.5)"),
+    ("actor.ppo_epochs=0", "actor.ppo_epochs: must be >= 1 (got 0)"),
     ("trainer.logger=[console,mlflow]", "trainer.logger: entries must be among console, jsonl"),
     ("model.dtype=fp8", "model.dtype: must be float32, bfloat16 or float16"),
     ("kernel_config.name=gpu", "kernel_config.name: must be auto, cuda, npu or cpu"),
@@ -94,7 +101,7 @@ def test_every_algorithm_preset_validates(preset):
     ("reward.name=nope", "reward.name: unknown built-in reward function 'nope'; known: "),
 ])
 def test_bad_values_name_the_key(override, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+    with pytest.raises(ConfigError, match=re.sub(r"([()+\[\]])", r"\\\1", message)):
         load_job_config(_compose(*override.split()))
 
 

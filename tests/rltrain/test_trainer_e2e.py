@@ -176,8 +176,10 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
     past the half-written one; resume=<step_000001> continues from that one; resume=never starts over from step 0
     and, being an uninterrupted run, is the reference the resumed steps must equal (same data, same updates). Every
     run has two rollout replicas (rollout.replicas=2, each with its own CPU): the prompts split across them replay
-    exactly, and a resume loads the checkpoint's weights into both. The last run also checks the TensorBoard events,
-    the HF export and that kl_coef=0 starts no ReferenceWorker."""
+    exactly, and a resume loads the checkpoint's weights into both. The actor warms its learning rate up over 4
+    updates (each step's rate differs, so a resume that lost the schedule's position trains with the wrong one) and
+    makes 2 passes of 2 shuffled mini-batches per step (seeded: a resumed step draws the same order). The last run
+    also checks the TensorBoard events, the HF export and that kl_coef=0 starts no ReferenceWorker."""
     out = tmp_path / "run"
     checkpoints = out / "checkpoints"
     # a reward that is 0 or 1 about evenly over responses: the tiny model's answers all score 0 on the embedded task,
@@ -186,9 +188,10 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
     plugin.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return float(sum(map(ord, solution_str)) % 2)\n")
     reward, rollout = {"path": str(plugin), "name": "score"}, {"replicas": 2}
+    actor = {"lr_warmup_steps": 4, "ppo_epochs": 2, "mini_batch_size": 8}
     command = [sys.executable, "-m", "rltrain.main_grpo",
                *_overrides(out, trainer={"total_steps": 50, "save_every": 1}, reward=reward, rollout=rollout,
-                           ray={"address": "local", "num_cpus": 2}),
+                           actor=actor, ray={"address": "local", "num_cpus": 2}),
                f"hydra.run.dir={tmp_path / 'hydra'}"]
     with (tmp_path / "killed.log").open("w") as log:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -215,7 +218,7 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
     logged = len(_records(out))
 
     # resume=auto: the default
-    result = _run_cli_config(out, trainer={"total_steps": last + 1}, reward=reward, rollout=rollout)
+    result = _run_cli_config(out, trainer={"total_steps": last + 1}, reward=reward, rollout=rollout, actor=actor)
     assert result["step"] == last + 1
     after_auto = _records(out)[logged:]
     assert [r["step"] for r in after_auto] == [last + 1, last + 1]  # a train step and the final validation only
@@ -224,14 +227,15 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
 
     logged = len(_records(out))
     result = _run_cli_config(out, trainer={"total_steps": 2, "resume": str(checkpoints / "step_000001")},
-                             reward=reward, rollout=rollout)
+                             reward=reward, rollout=rollout, actor=actor)
     assert result["step"] == 2
     after_explicit = _train(_records(out)[logged:])
     assert list(after_explicit) == [2]
 
     started = _record_started_roles(monkeypatch)
     result = _run_cli_config(out, trainer={"total_steps": last + 1, "resume": "never",
-                                           "logger": ["jsonl", "tensorboard"]}, reward=reward, rollout=rollout)
+                                           "logger": ["jsonl", "tensorboard"]}, reward=reward, rollout=rollout,
+                             actor=actor)
     assert result["step"] == last + 1
     assert started == ["ActorWorker", "RolloutWorker×2"]  # kl_coef=0: no ReferenceWorker
     fresh = _records(out)  # resume=never starts metrics.jsonl over
@@ -239,8 +243,10 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
     reference = _train(fresh)
     assert list(reference) == list(range(1, last + 2))
     assert all(r["actor/grad_norm"] > 0 for r in reference.values())  # the weights move every step
+    assert [r["actor/lr"] for r in reference.values()] == pytest.approx([5e-4 * s / 4 for s in reference])
     for record in (after_auto[0], after_explicit[2]):
-        for key in ("train/reward_mean", "train/response_len_mean", "actor/loss", "actor/entropy", "actor/grad_norm"):
+        for key in ("train/reward_mean", "train/response_len_mean", "actor/loss", "actor/entropy", "actor/grad_norm",
+                    "actor/lr"):
             assert record[key] == pytest.approx(reference[record["step"]][key], rel=1e-6, abs=1e-7), key
     final = checkpoints / f"step_{last + 1:06d}" / "hf"
     fresh_weights = load_file(final / "model.safetensors")
