@@ -25,6 +25,7 @@ def set_threads(num_threads: int) -> None:
 
 def load_policy(path: str, dtype: str, kernel_config: dict | None, device: str, attn_implementation: str = "auto"):
     import transformers as tf
+    import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families with the Auto classes)
     from rltrain_kernels.registry import apply_kernel_config, get_applied_kernels
 
     tf.utils.logging.disable_progress_bar()  # one bar per load and save per worker is noise in the run's log
@@ -38,9 +39,13 @@ def load_policy(path: str, dtype: str, kernel_config: dict | None, device: str, 
 
 
 def can_pack(model) -> bool:
-    """Whether every layer of `model` mixes tokens through attention, which takes cu_seqlens. Linear-attention
-    layers reached through transformers (Qwen3-Next's Gated DeltaNet) take no sequence boundaries there, so a
-    packed row would carry state from one sequence into the next: such models run on padded rows."""
+    """Whether every layer of `model` takes a packed row's sequence boundaries: attention layers (cu_seqlens), or a
+    model that declares it (`supports_cu_seqlens`: rltrain_kernels.models' hybrid delta-rule family, whose
+    linear-attention layers take them too). Linear-attention layers reached through transformers (Qwen3-Next's
+    Gated DeltaNet) take none there, so a packed row would carry state from one sequence into the next: such models
+    run on padded rows."""
+    if getattr(model, "supports_cu_seqlens", False):
+        return True
     layer_types = getattr(model.config, "layer_types", None) or ()
     return all(kind in ("full_attention", "sliding_attention") for kind in layer_types)
 

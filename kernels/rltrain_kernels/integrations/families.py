@@ -45,6 +45,9 @@ FAMILIES: dict[str, ModelFamily] = {
     "qwen3": _family("Qwen3"),
     # Experts are one fused module in transformers 5 (no per-expert MLP); the shared/dense MLP class is swapped.
     "qwen3_moe": _family("Qwen3Moe"),
+    # rltrain's hybrid delta-rule family (rltrain_kernels.models.hybrid_delta); its linear-attention layers are
+    # rltrain_kernels.layers classes, which their kernels find in any model (layer_kernel_swap).
+    "hybrid_delta": _family("HybridDelta"),
     # Qwen3-Next: its RMSNorm is (1 + w)-scaled and its attention uses partial rotary, so only the MLPs, the
     # Gated DeltaNet layers and their gated output norms take our kernels.
     "qwen3_next": ModelFamily(mlp=("Qwen3NextMLP",), linear_attention=("Qwen3NextGatedDeltaNet",),
@@ -120,6 +123,20 @@ def restore_original_modules(model: nn.Module) -> int:
             m.__class__ = original_class(m)
             restored += 1
     return restored
+
+
+def holds_layers(model: nn.Module, layer_cls: type) -> bool:
+    return any(issubclass(original_class(m), layer_cls) for m in model.modules())
+
+
+def layer_kernel_swap(model: nn.Module, layer_cls: type, kernel_id: str, device: str, **ops) -> int:
+    """Swap every `layer_cls` module of `model` (rltrain_kernels.layers classes, in whatever model holds them) to a
+    forward whose module-level op names in `ops` resolve to the given kernels; returns how many changed. A model
+    without such layers is an UnsupportedModelError (skipped with a log line in "auto" mode)."""
+    if not holds_layers(model, layer_cls):
+        raise UnsupportedModelError(f"{kernel_id}: {type(model).__name__} has no {layer_cls.__name__} layers")
+    forward = with_globals(layer_cls.forward, **ops)
+    return swap_modules(model, (layer_cls,), kernel_id, device, forward)
 
 
 def with_globals(func: types.FunctionType, **replacements) -> types.FunctionType:

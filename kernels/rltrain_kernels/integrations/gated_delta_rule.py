@@ -1,15 +1,17 @@
 """The registry kernel `gated_delta_rule`: runs the gated delta rule of linear-attention layers (Qwen3-Next's Gated
-DeltaNet) on rltrain's kernels — chunked for prefill and training, fused-recurrent for one-token decoding steps.
+DeltaNet, and rltrain_kernels.layers.GatedDeltaNet in whatever model holds it) on rltrain's kernels — chunked for
+prefill and training, fused-recurrent for decoding steps.
 
 transformers' GatedDeltaNet forward calls its modeling module's `torch_chunk_gated_delta_rule` and
 `torch_recurrent_gated_delta_rule` with fla's argument names plus keywords ours do not take (chunk_size, ...). As for
 RoPE, the swapped class runs a copy of the forward whose globals resolve those two names to the adapters below,
-leaving the module and every other model alone. CUDA only: elsewhere transformers' own torch path stays (our naive
-recurrence is the reference, not a faster CPU path).
+leaving the module and every other model alone. rltrain's GatedDeltaNet layer calls the same two names (plain
+PyTorch until swapped), so the same adapters serve it. CUDA only: elsewhere transformers' own torch path (or the
+layer's PyTorch recurrence) stays.
 """
 
-from rltrain_kernels.integrations.families import (family_classes, original_class, register_per_device,
-                                                  swap_modules, with_globals)
+from rltrain_kernels.integrations.families import (family_classes, holds_layers, layer_kernel_swap,
+                                                  original_class, register_per_device, swap_modules, with_globals)
 from rltrain_kernels.registry import BaseKernel
 
 
@@ -39,8 +41,13 @@ class _GatedDeltaRule(BaseKernel):
 
     @classmethod
     def apply(cls, model, **kwargs) -> int:
-        classes = family_classes(model, "linear_attention", cls.kernel_id)
+        from rltrain_kernels.layers import GatedDeltaNet
+
         chunk, recurrent = cls.load_op()
+        if holds_layers(model, GatedDeltaNet):
+            return layer_kernel_swap(model, GatedDeltaNet, cls.kernel_id, cls.device,
+                                     torch_chunk_gated_delta_rule=chunk, torch_recurrent_gated_delta_rule=recurrent)
+        classes = family_classes(model, "linear_attention", cls.kernel_id)
         changed = 0
         for layer_cls in classes:
             forward = with_globals(layer_cls.forward, torch_chunk_gated_delta_rule=chunk,

@@ -1,17 +1,22 @@
 """nn.Module token mixers for policy models built on rltrain's linear-attention ops.
 
-    from rltrain_kernels.layers import GatedDeltaProduct, IPLRLinearAttention
+    from rltrain_kernels.layers import GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention
     layer = GatedDeltaProduct(hidden_size=1024, num_heads=8, head_dim=128, num_householder=2)
-    # or IPLRLinearAttention(hidden_size=1024, num_heads=8, head_dim=128)
-    out, cache = layer(hidden_states, use_cache=True)            # whole sequence: chunked op
-    out, cache = layer(next_hidden_states, cache=cache, use_cache=True)  # decoding: fused-recurrent op
+    # or GatedDeltaNet(hidden_size=1024, num_heads=8, head_dim=128), IPLRLinearAttention(...)
+    out, cache = layer(hidden_states, use_cache=True)                     # whole sequence
+    out, cache = layer(next_hidden_states, cache=cache, use_cache=True)   # decoding from the cache
+    out, _ = layer(packed_hidden_states, cu_seqlens=cu_seqlens)           # packed sequences, one row
 
-`LinearAttentionCache` holds a layer's conv and recurrent states between calls; layers/common.py states the
-padding (attention_mask) rules.
+A layer computes its delta rule in plain PyTorch (layers/recurrence.py, any device) until the registry swaps in the
+Triton kernels — chunked for whole sequences, fused-recurrent for decoding:
+`apply_default_kernels(model)` on a GPU, or by id (`gated_delta_rule`, `gated_delta_product`, `iplr_delta_rule`).
+`LinearAttentionCache` holds a layer's conv and recurrent states between calls; layers/common.py states the padding
+(attention_mask) and packing (cu_seqlens) rules. Models built from these layers: rltrain_kernels.models.
 """
 
 from .common import LinearAttentionCache, ShortConvolution
 from .gated_delta_product import GatedDeltaProduct
+from .gated_delta_rule import GatedDeltaNet
 from .iplr import IPLRLinearAttention
 
-__all__ = ["GatedDeltaProduct", "IPLRLinearAttention", "LinearAttentionCache", "ShortConvolution"]
+__all__ = ["GatedDeltaNet", "GatedDeltaProduct", "IPLRLinearAttention", "LinearAttentionCache", "ShortConvolution"]

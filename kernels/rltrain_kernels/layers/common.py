@@ -1,10 +1,15 @@
-"""Pieces shared by the linear-attention layers (GatedDeltaProduct, IPLRLinearAttention): the decoding cache, the
-short causal depthwise convolution with its rolling state, the padding-mask rules and the output head.
+"""Pieces shared by the linear-attention layers (GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention): the decoding
+cache, the short causal depthwise convolution with its rolling state, the padding-mask and packed-row rules and the
+output head.
 
 Padding: a padded token must leave the recurrent state and the conv window as if it were absent. The layers zero
 the padded tokens' hidden states (so the conv reads zeros, exactly a fresh conv state for left padding) and make
 their state update the identity (β = 0 and no decay, or b = 0 and k = 0). That is exact for left padding and, when
 no cache is returned, for right padding; everything else is rejected with a ValueError naming the rule.
+
+Packed rows (`cu_seqlens`, B = 1, the actor's padding-free batches): every sequence starts from a zero state and an
+empty conv window; the conv masks the taps that would reach into the previous sequence and the delta-rule op takes
+the same `cu_seqlens`. A packed call takes no attention_mask and returns no cache.
 """
 
 from __future__ import annotations
@@ -43,13 +48,31 @@ class ShortConvolution(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, conv_size))
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv1d's default
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, state: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
+        if cu_seqlens is not None:
+            return self._packed(x, cu_seqlens), None
         if state is None:
             state = x.new_zeros(B, C, self.conv_size - 1)
         full = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, W − 1 + T]
         y = F.conv1d(full, self.weight.to(x.dtype), groups=C)            # [B, C, T]: token t sees t − W + 1 .. t
         return F.silu(y).transpose(1, 2), full[..., -(self.conv_size - 1):]
+
+    def _packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """x [1, T, C] of sequences packed at cu_seqlens: each token sees only its own sequence's earlier tokens
+        (as if every sequence started from a zero state). W shifted multiply-adds over [T, C]: no [T, C, W]
+        window tensor, so a 16k-token row of 4k channels needs no more than a few copies of x."""
+        row, T = x[0], x.shape[1]
+        offsets, tokens = cu_seqlens.long(), torch.arange(T, device=x.device)
+        sequence = torch.searchsorted(offsets[1:], tokens, right=True)   # the sequence holding each token
+        position = tokens - offsets[sequence]                             # its index within that sequence
+        weight = self.weight[:, 0].to(x.dtype)                           # [C, W]: tap W − 1 is the current token
+        y = row * weight[:, -1]
+        for shift in range(1, min(self.conv_size, T + 1)):
+            shifted = F.pad(row[:-shift], (0, 0, shift, 0))               # token t − shift at row t
+            y = y + shifted * (position >= shift)[:, None].to(x.dtype) * weight[:, -1 - shift]
+        return F.silu(y)[None]
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, conv_size={self.conv_size}"
@@ -78,6 +101,17 @@ def padding_mask(attention_mask: torch.Tensor | None, batch: int, length: int, c
         raise ValueError("attention_mask pads the start of a call that continues a cache: padding is only allowed "
                          "at the start of a sequence (left) or at its end (right)")
     return keep[..., None].to(torch.float32)
+
+
+def check_packed_call(cu_seqlens: torch.Tensor | None, batch: int, attention_mask, cache, use_cache: bool) -> None:
+    """A packed call (cu_seqlens given) is one row of whole sequences: no padding mask, no cache in or out."""
+    if cu_seqlens is None:
+        return
+    if batch != 1:
+        raise ValueError(f"cu_seqlens packs sequences into one row: hidden_states must be [1, T, ·], got B={batch}")
+    if attention_mask is not None or cache is not None or use_cache:
+        raise ValueError("a packed call (cu_seqlens) takes no attention_mask and no cache, and returns none "
+                         "(use_cache=False): its sequences are whole")
 
 
 def gated_output(o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -7,27 +7,32 @@ eigenvalues of I − β k kᵀ in [−1, 1], the state-tracking regime DeltaProd
 g = −exp(A_log) · softplus(a_proj(x) + dt_bias) (Mamba2 / Gated DeltaNet's parametrisation) → per-head gated
 RMSNorm with an output gate → output projection.
 
-Whole sequences (training, prefill) run `chunk_gated_delta_product`; continuing from a cache (decoding one or more
-tokens) runs `fused_recurrent_gated_delta_product` from the cached conv and recurrent states.
+The delta product runs through two module-level names, by role: `torch_chunk_gated_delta_product` for whole
+sequences (training, prefill; packed rows through `cu_seqlens`) and `torch_recurrent_gated_delta_product` when
+continuing from a cache (decoding one or more tokens from the cached conv and recurrent states). Both are the
+plain-PyTorch recurrence (layers/recurrence.py) here; the registry's `gated_delta_product` kernel runs a copy of
+forward with them bound to `chunk_gated_delta_product` and `fused_recurrent_gated_delta_product`
+(integrations/gated_delta_product.py).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rltrain_kernels.ops.gated_delta_product import chunk_gated_delta_product, fused_recurrent_gated_delta_product
+from .common import LinearAttentionCache, ShortConvolution, check_packed_call, gated_output, padding_mask
+from .gated_delta_rule import decay_parameters
+from .recurrence import recurrent_gated_delta_product
 
-from .common import LinearAttentionCache, ShortConvolution, gated_output, padding_mask
+torch_chunk_gated_delta_product = recurrent_gated_delta_product
+torch_recurrent_gated_delta_product = recurrent_gated_delta_product
 
 
 class GatedDeltaProduct(nn.Module):
-    """forward(hidden_states [B, T, hidden_size], attention_mask [B, L ≥ T] or None, cache, use_cache) ->
-    (output [B, T, hidden_size], LinearAttentionCache or None). See the module docstring and layers/common.py for
-    the padding rules."""
+    """forward(hidden_states [B, T, hidden_size], attention_mask [B, L ≥ T] or None, cache, use_cache, cu_seqlens)
+    -> (output [B, T, hidden_size], LinearAttentionCache or None). See the module docstring and layers/common.py for
+    the padding and packing rules."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, num_householder: int = 2,
                  head_v_dim: int | None = None, conv_size: int = 4, allow_neg_eigval: bool = True,
@@ -49,23 +54,23 @@ class GatedDeltaProduct(nn.Module):
         self.q_conv = ShortConvolution(H * K, conv_size)
         self.k_conv = ShortConvolution(n_h * H * K, conv_size)
         self.v_conv = ShortConvolution(n_h * H * V, conv_size)
-        # Decay init as Gated DeltaNet: A ~ U(1, 16), dt ~ logU(1e-3, 0.1) stored as softplus⁻¹(dt).
-        self.A_log = nn.Parameter(torch.empty(H).uniform_(1, 16).log())
-        dt = torch.exp(torch.rand(H) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp_min(1e-4)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+        A_log, dt_bias = decay_parameters(H)
+        self.A_log, self.dt_bias = nn.Parameter(A_log), nn.Parameter(dt_bias)
         self.norm_weight = nn.Parameter(torch.ones(V))
         self.o_proj = nn.Linear(H * V, hidden_size, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: LinearAttentionCache | None = None, use_cache: bool = False):
+                cache: LinearAttentionCache | None = None, use_cache: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
         B, T, _ = hidden_states.shape
         H, K, V, n_h = self.num_heads, self.head_k_dim, self.head_v_dim, self.num_householder
+        check_packed_call(cu_seqlens, B, attention_mask, cache, use_cache)
         mask = padding_mask(attention_mask, B, T, cache, use_cache)
         x = hidden_states if mask is None else hidden_states * mask.to(hidden_states.dtype)
         conv_states = cache.conv_states if cache is not None else {}
-        q, q_state = self.q_conv(self.q_proj(x), conv_states.get("q"))
-        k, k_state = self.k_conv(self.k_proj(x), conv_states.get("k"))
-        v, v_state = self.v_conv(self.v_proj(x), conv_states.get("v"))
+        q, q_state = self.q_conv(self.q_proj(x), conv_states.get("q"), cu_seqlens)
+        k, k_state = self.k_conv(self.k_proj(x), conv_states.get("k"), cu_seqlens)
+        v, v_state = self.v_conv(self.v_proj(x), conv_states.get("v"), cu_seqlens)
         q = q.reshape(B, T, H, K)
         k = k.reshape(B, T * n_h, H, K)  # channels (n_h, H, K): sub-step j of token t is row t·n_h + j
         v = v.reshape(B, T * n_h, H, V)
@@ -77,9 +82,9 @@ class GatedDeltaProduct(nn.Module):
             beta = beta * mask  # [B, T, n_h·H] × [B, T, 1]
             g = g * mask
         beta = beta.reshape(B, T * n_h, H)
-        op = chunk_gated_delta_product if cache is None else fused_recurrent_gated_delta_product
+        op = torch_chunk_gated_delta_product if cache is None else torch_recurrent_gated_delta_product
         o, state = op(q, k, v, g, beta, n_h, initial_state=None if cache is None else cache.recurrent_state,
-                      output_final_state=use_cache, use_qk_l2norm_in_kernel=True)
+                      output_final_state=use_cache, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
         out = self.o_proj(gated_output(o, self.g_proj(x), self.norm_weight, self.norm_eps))
         if mask is not None:
             out = out * mask.to(out.dtype)

@@ -15,8 +15,11 @@ reflects along â (negative eigenvalue), which delta-rule models need for state 
 key k̂, so each token adds at most ‖v‖; the output's gated RMSNorm is invariant to the state's overall scale.
 Erase (â) and write (k̂) directions are separate projections: with â = k̂ and k = β k̂ this is DeltaNet.
 
-Whole sequences (training, prefill) run `chunk_iplr_delta_rule`; continuing from a cache (decoding one or more
-tokens) runs `fused_recurrent_iplr_delta_rule` from the cached conv and recurrent states.
+The delta rule runs through two module-level names, by role: `torch_chunk_iplr_delta_rule` for whole sequences
+(training, prefill; packed rows through `cu_seqlens`) and `torch_recurrent_iplr_delta_rule` when continuing from a
+cache (decoding one or more tokens from the cached conv and recurrent states). Both are the plain-PyTorch recurrence
+(layers/recurrence.py) here; the registry's `iplr_delta_rule` kernel runs a copy of forward with them bound to
+`chunk_iplr_delta_rule` and `fused_recurrent_iplr_delta_rule` (integrations/iplr_delta_rule.py).
 """
 
 from __future__ import annotations
@@ -25,15 +28,18 @@ import torch
 import torch.nn as nn
 
 from rltrain_kernels.ops.gated_delta_rule.inputs import l2norm
-from rltrain_kernels.ops.iplr_delta_rule import chunk_iplr_delta_rule, fused_recurrent_iplr_delta_rule
 
-from .common import LinearAttentionCache, ShortConvolution, gated_output, padding_mask
+from .common import LinearAttentionCache, ShortConvolution, check_packed_call, gated_output, padding_mask
+from .recurrence import recurrent_iplr_delta_rule
+
+torch_chunk_iplr_delta_rule = recurrent_iplr_delta_rule
+torch_recurrent_iplr_delta_rule = recurrent_iplr_delta_rule
 
 
 class IPLRLinearAttention(nn.Module):
-    """forward(hidden_states [B, T, hidden_size], attention_mask [B, L ≥ T] or None, cache, use_cache) ->
-    (output [B, T, hidden_size], LinearAttentionCache or None). See the module docstring and layers/common.py for
-    the padding rules."""
+    """forward(hidden_states [B, T, hidden_size], attention_mask [B, L ≥ T] or None, cache, use_cache, cu_seqlens)
+    -> (output [B, T, hidden_size], LinearAttentionCache or None). See the module docstring and layers/common.py for
+    the padding and packing rules."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, head_v_dim: int | None = None,
                  conv_size: int = 4, allow_neg_eigval: bool = True, norm_eps: float = 1e-6):
@@ -58,23 +64,25 @@ class IPLRLinearAttention(nn.Module):
         self.o_proj = nn.Linear(H * V, hidden_size, bias=False)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: LinearAttentionCache | None = None, use_cache: bool = False):
+                cache: LinearAttentionCache | None = None, use_cache: bool = False,
+                cu_seqlens: torch.Tensor | None = None):
         B, T, _ = hidden_states.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        check_packed_call(cu_seqlens, B, attention_mask, cache, use_cache)
         mask = padding_mask(attention_mask, B, T, cache, use_cache)
         x = hidden_states if mask is None else hidden_states * mask.to(hidden_states.dtype)
         conv_states = cache.conv_states if cache is not None else {}
-        q, q_state = self.q_conv(self.q_proj(x), conv_states.get("q"))
-        k, k_state = self.k_conv(self.k_proj(x), conv_states.get("k"))
-        v, v_state = self.v_conv(self.v_proj(x), conv_states.get("v"))
+        q, q_state = self.q_conv(self.q_proj(x), conv_states.get("q"), cu_seqlens)
+        k, k_state = self.k_conv(self.k_proj(x), conv_states.get("k"), cu_seqlens)
+        v, v_state = self.v_conv(self.v_proj(x), conv_states.get("v"), cu_seqlens)
         q, k = l2norm(q.reshape(B, T, H, K)), l2norm(k.reshape(B, T, H, K))
         v = v.reshape(B, T, H, V)
         a, b = self.erase_vectors(x, mask)
         if mask is not None:  # padded tokens: identity update (no erase above, no write here)
             k = k * mask[..., None].to(k.dtype)
-        op = chunk_iplr_delta_rule if cache is None else fused_recurrent_iplr_delta_rule
+        op = torch_chunk_iplr_delta_rule if cache is None else torch_recurrent_iplr_delta_rule
         o, state = op(q, k, v, a, b, initial_state=None if cache is None else cache.recurrent_state,
-                      output_final_state=use_cache)
+                      output_final_state=use_cache, cu_seqlens=cu_seqlens)
         out = self.o_proj(gated_output(o, self.g_proj(x), self.norm_weight, self.norm_eps))
         if mask is not None:
             out = out * mask.to(out.dtype)

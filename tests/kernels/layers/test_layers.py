@@ -1,41 +1,62 @@
-"""The linear-attention layers (GatedDeltaProduct, IPLRLinearAttention): the chunked whole-sequence forward against
-prefill-then-decoding through the cache (fused-recurrent ops), token for token; outputs and every parameter's
-gradient against the same layer in float64 (where the ops fall back to their naive references); the padding rules;
-the IPLR layer's non-expanding transition; the short convolution against nn.functional.conv1d.
+"""The linear-attention layers (GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention), each on both of its paths —
+`torch` (the plain-PyTorch recurrence a layer runs unswapped) and `kernels` (the Triton ops the registry swaps in,
+here through the interpreter): the whole-sequence forward against prefill-then-decoding through the cache, token for
+token, with the whole-sequence op for whole sequences and the recurrent op for every step from the cache; outputs and
+every parameter's gradient against the same layer in float64; packed rows (cu_seqlens) against each sequence alone;
+the padding rules; the IPLR layer's non-expanding transition; the short convolution against conv1d.
 
-Run: `pytest tests/kernels/layers/test_layers.py` (CPU, Triton through the interpreter, well under a minute).
+Run: `pytest tests/kernels/layers/test_layers.py` (CPU, Triton through the interpreter, about a minute).
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from rltrain_kernels.layers import GatedDeltaProduct, IPLRLinearAttention, ShortConvolution
+from rltrain_kernels.layers import GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention, ShortConvolution
+from rltrain_kernels.registry import apply_kernel, get_applied_kernels
 from tests.helpers import assert_rel_close
 
 HIDDEN = 32
+LAYERS = ["gated_delta_rule", "gated_delta_product", "iplr"]
+IMPLS = ["torch", "kernels"]
+# layer kind -> (registry kernel id, op package, op name)
+KERNELS = {"gated_delta_rule": ("gated_delta_rule", "rltrain_kernels.ops.gated_delta_rule", "gated_delta_rule"),
+           "gated_delta_product": ("gated_delta_product", "rltrain_kernels.ops.gated_delta_product",
+                                   "gated_delta_product"),
+           "iplr": ("iplr_delta_rule", "rltrain_kernels.ops.iplr_delta_rule", "iplr_delta_rule")}
 
 
 def make_layer(kind: str) -> torch.nn.Module:
-    """Tiny layers (K = V = 16, the chunked kernels' minimum) with a decay strong enough to matter (α ≈ 0.5-0.9)."""
+    """Tiny layers (K = V = 16, the chunked kernels' minimum; IPLR with V = 32) with a decay strong enough to matter
+    (α ≈ 0.5-0.9) and β up to 2 (allow_neg_eigval)."""
+    if kind == "iplr":
+        return IPLRLinearAttention(HIDDEN, num_heads=2, head_dim=16, head_v_dim=32)
     if kind == "gated_delta_product":
         layer = GatedDeltaProduct(HIDDEN, num_heads=2, head_dim=16, num_householder=2)
-        with torch.no_grad():
-            layer.A_log.uniform_(-2.5, -0.5)
-        return layer
-    return IPLRLinearAttention(HIDDEN, num_heads=2, head_dim=16, head_v_dim=32)
+    else:
+        layer = GatedDeltaNet(HIDDEN, num_heads=2, head_dim=16, allow_neg_eigval=True)
+    with torch.no_grad():
+        layer.A_log.uniform_(-2.5, -0.5)
+    return layer
 
 
-LAYERS = ["gated_delta_product", "iplr"]
+def on_path(layer: torch.nn.Module, kind: str, impl: str) -> torch.nn.Module:
+    """The layer on `impl`: unchanged (torch) or with its registry kernel swapped in."""
+    if impl == "kernels":
+        kernel_id = KERNELS[kind][0]
+        apply_kernel(kernel_id, layer, device="cuda")
+        assert get_applied_kernels(layer) == {kernel_id: 1}
+    return layer
 
 
 def decode(layer, x, steps, attention_mask=None):
-    """Prefill x[:, :steps[0]] (chunked), then feed the rest in pieces of the given sizes through the cache."""
+    """Prefill x[:, :steps[0]] (whole sequence), then feed the rest in pieces of the given sizes through the cache."""
     mask = None if attention_mask is None else attention_mask[:, :steps[0]]
     out, cache = layer(x[:, :steps[0]], attention_mask=mask, use_cache=True)
     outs, start = [out], steps[0]
@@ -48,23 +69,35 @@ def decode(layer, x, steps, attention_mask=None):
     return torch.cat(outs, 1), cache
 
 
+def record_calls(monkeypatch, kind: str, impl: str, layer_module) -> list[str]:
+    """Patch the two functions `impl` runs so each call appends "whole" or "step"."""
+    calls: list[str] = []
+    _, package, op = KERNELS[kind]
+    if impl == "torch":
+        owner = layer_module
+        names = {f"torch_chunk_{op}": "whole", f"torch_recurrent_{op}": "step"}
+    else:
+        owner = importlib.import_module(package)
+        names = {f"chunk_{op}": "whole", f"fused_recurrent_{op}": "step"}
+    for name, role in names.items():
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _real=real, _role=role, **k: calls.append(_role) or _real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("kind", LAYERS)
-def test_chunked_forward_equals_prefill_then_decoding(kind, monkeypatch):
+def test_whole_forward_equals_prefill_then_decoding(kind, impl, monkeypatch):
     """T = 40 (T·n_h = 80 crosses the chunk size): prefill 9 tokens, then 1-token steps and one 3-token step; the
-    whole sequence and the prefill must run the chunked op, every step from the cache the fused-recurrent op."""
+    whole sequence and the prefill run the whole-sequence op, every step from the cache the recurrent op."""
     layer = make_layer(kind)
-    module = sys.modules[type(layer).__module__]
-    op_name = "gated_delta_product" if kind == "gated_delta_product" else "iplr_delta_rule"
-    calls = []
-    for impl in ("chunk", "fused_recurrent"):
-        name = f"{impl}_{op_name}"
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _real=real, _impl=impl, **k: calls.append(_impl) or _real(*a, **k))
+    calls = record_calls(monkeypatch, kind, impl, sys.modules[type(layer).__module__])
+    layer = on_path(layer, kind, impl)
     x = torch.randn(2, 40, HIDDEN)
     full, full_cache = layer(x, use_cache=True)
     steps = [9] + [1] * 20 + [3] + [1] * 8
     stepped, cache = decode(layer, x, steps)
-    assert calls == ["chunk", "chunk"] + ["fused_recurrent"] * (len(steps) - 1), calls
+    assert calls == ["whole", "whole"] + ["step"] * (len(steps) - 1), calls
     for t in range(x.shape[1]):
         assert_rel_close(stepped[:, t], full[:, t], threshold=1e-5, name=f"output token {t}")
     assert cache.seen_tokens == full_cache.seen_tokens == 40
@@ -73,12 +106,15 @@ def test_chunked_forward_equals_prefill_then_decoding(kind, monkeypatch):
         assert_rel_close(state, full_cache.conv_states[name], threshold=1e-6, name=f"conv state {name}")
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("kind", LAYERS)
-def test_outputs_and_every_gradient_match_float64(kind):
-    """fp32 layer (Triton ops) vs a float64 copy (the ops' naive references): outputs and all parameter gradients,
-    through the chunked path and through prefill + decoding (the fused-recurrent ops' backward)."""
+def test_outputs_and_every_gradient_match_float64(kind, impl):
+    """fp32 layer vs a float64 copy on the PyTorch path (itself checked against the ops' naive references in
+    test_recurrence.py): outputs and all parameter gradients, through the whole-sequence path and through prefill +
+    decoding (the recurrent ops' backward)."""
     layer = make_layer(kind)
     reference = copy.deepcopy(layer).double()
+    layer = on_path(layer, kind, impl)
     x = torch.randn(2, 30, HIDDEN)
     weights = torch.randn(2, 30, HIDDEN)
 
@@ -99,9 +135,37 @@ def test_outputs_and_every_gradient_match_float64(kind):
             assert_rel_close(grad, ref_grads[name], threshold=1e-4, name=f"grad {name} (stepped={stepped})")
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("kind", LAYERS)
-def test_left_padding_equals_the_unpadded_sequence_and_decodes_on(kind):
-    layer = make_layer(kind)
+def test_packed_row_equals_each_sequence_alone(kind, impl):
+    """Sequences of 7, 1, 0, 12 and 5 tokens packed in one row (cu_seqlens): outputs and every parameter's gradient
+    equal those of each sequence run alone (fresh state and conv window per sequence)."""
+    layer = on_path(make_layer(kind), kind, impl)
+    lengths = [7, 1, 0, 12, 5]
+    cu_seqlens = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    x = torch.randn(1, sum(lengths), HIDDEN)
+    weights = torch.randn(1, sum(lengths), HIDDEN)
+
+    def grads_of(loss):
+        layer.zero_grad()
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in layer.parameters()])
+
+    packed = layer(x, cu_seqlens=cu_seqlens)[0]
+    packed_grads = grads_of((packed * weights).sum())
+    starts = cu_seqlens.tolist()
+    alone = torch.cat([layer(x[:, a:b])[0] for a, b in zip(starts, starts[1:]) if b > a], 1)
+    alone_grads = grads_of((alone * weights).sum())
+    assert_rel_close(packed, alone, threshold=1e-5, name="packed output")
+    assert_rel_close(packed_grads, alone_grads, threshold=1e-5, name="packed gradients")
+    with pytest.raises(ValueError, match="packed call"):
+        layer(x, cu_seqlens=cu_seqlens, use_cache=True)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", LAYERS)
+def test_left_padding_equals_the_unpadded_sequence_and_decodes_on(kind, impl):
+    layer = on_path(make_layer(kind), kind, impl)
     x = torch.randn(2, 24, HIDDEN)
     pads = 5
     mask = torch.ones(2, 24, dtype=torch.long)
@@ -138,6 +202,8 @@ def test_right_padding_without_cache_and_the_rejected_masks(kind):
         layer(x[:, 10:], attention_mask=late_left, cache=cache, use_cache=True)
     with pytest.raises(ValueError, match="attention_mask must be"):
         layer(x, attention_mask=torch.ones(2, 5))
+    with pytest.raises(ValueError, match="one row"):
+        layer(x, cu_seqlens=torch.tensor([0, 20], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("allow_neg_eigval", [True, False], ids=["neg-eigval", "pos-eigval"])
@@ -157,7 +223,7 @@ def test_iplr_transition_never_expands_the_state(allow_neg_eigval):
     assert (eigenvalues.min() < -0.5) == allow_neg_eigval  # β reaches past 1 only with allow_neg_eigval
 
 
-def test_short_convolution_matches_conv1d_and_streams():
+def test_short_convolution_matches_conv1d_streams_and_packs():
     conv = ShortConvolution(6, conv_size=4)
     x = torch.randn(2, 9, 6)
     reference = F.conv1d(x.transpose(1, 2), conv.weight, padding=3, groups=6)[..., :9]
@@ -167,3 +233,7 @@ def test_short_convolution_matches_conv1d_and_streams():
     y_tail, state_tail = conv(x[:, 2:], state_head)
     assert_rel_close(torch.cat([y_head, y_tail], 1), y, threshold=1e-6, name="streamed conv")
     assert torch.equal(state_tail, state) and torch.equal(state, x[:, -3:].transpose(1, 2))
+    row = torch.cat([x[0, :2], x[1], x[0, 2:]])[None]     # sequences of 2, 9 (and an empty one) and 7 tokens
+    packed, _ = conv(row, cu_seqlens=torch.tensor([0, 2, 11, 11, 18]))
+    alone = torch.cat([conv(x[:1, :2])[0], y[1:], conv(x[:1, 2:])[0]], 1)
+    assert_rel_close(packed, alone, threshold=1e-6, name="packed conv")

@@ -1,0 +1,145 @@
+"""The delta rules in plain PyTorch, vectorised over sequences: what the linear-attention layers run where the
+registry swapped in no Triton kernel (CPU, or `kernel_config.include_kernels` leaving them out).
+
+Same arguments, layout and results as the ops' chunked and fused-recurrent functions (`rltrain_kernels.ops.*`),
+so a layer calls either through one name. Unlike the ops' naive references (one Python step per token of every
+sequence: the ground truth), these step once per position for all sequences at once: a packed row (`cu_seqlens`)
+is gathered into [N, L] rows first, its padding steps made the identity (β = 0, no decay; b = k = 0 for IPLR), so
+outputs and final states are exact. On the embedded default's batches (512 sequences of ~10 tokens) that is
+~10 steps per layer instead of ~5,000. Computed in fp32 (float64 for float64 inputs), differentiable by autograd.
+tests/kernels/layers/test_recurrence.py checks them against the naive references.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rltrain_kernels.ops.gated_delta_product.inputs import check_inputs as check_product_inputs
+from rltrain_kernels.ops.gated_delta_rule.inputs import check_inputs as check_rule_inputs
+from rltrain_kernels.ops.gated_delta_rule.inputs import l2norm
+from rltrain_kernels.ops.iplr_delta_rule.inputs import check_inputs as check_iplr_inputs
+
+
+class _Rows:
+    """The map between a [B, T, ...] call and [N, L, ...] rows of whole sequences: the identity without cu_seqlens,
+    else a gather of each packed sequence into a row (right-padded to the longest)."""
+
+    def __init__(self, B: int, T: int, cu_seqlens: torch.Tensor | None, device):
+        self.packed = cu_seqlens is not None
+        if not self.packed:
+            return
+        starts, lengths = cu_seqlens[:-1].long(), cu_seqlens.diff().long()
+        positions = torch.arange(int(lengths.max()) if len(lengths) else 0, device=device)
+        self.valid = positions[None] < lengths[:, None]                                # [N, L]
+        self.index = torch.where(self.valid, starts[:, None] + positions[None], 0)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] → [N, L, ...]."""
+        return x[0][self.index] if self.packed else x
+
+    def neutral(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, L, ...] gathered, 0 at padding steps."""
+        if not self.packed:
+            return x
+        return x * self.valid.view(*self.valid.shape, *([1] * (x.dim() - 2))).to(x.dtype)
+
+    def scatter(self, o: torch.Tensor) -> torch.Tensor:
+        """[N, L, ...] → [B, T, ...]."""
+        return o[self.valid][None] if self.packed else o
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[N, L, ..., HV, D] → [L, ..., N·HV, D] contiguous: one slice per step."""
+    N, L = x.shape[:2]
+    x = x.movedim(0, -3)                              # [L, ..., N, HV, D]
+    return x.reshape(*x.shape[:-3], N * x.shape[-2], x.shape[-1]).contiguous()
+
+
+def _initial(initial_state, N: int, HV: int, K: int, V: int, acc, device) -> torch.Tensor:
+    if initial_state is None:
+        return torch.zeros(N * HV, K, V, dtype=acc, device=device)
+    return initial_state.to(acc).reshape(N * HV, K, V)
+
+
+def _delta_steps(q, k, v, g, beta, state):
+    """The delta rule with n sub-steps per position, over rows. q [L, M, K] (scaled), k [L, n, M, K],
+    v [L, n, M, V], beta [L, n, M], g [L, M] or None, state [M, K, V] (M = N·HV) → (o [L, M, V], state)."""
+    outputs = []
+    for t in range(q.shape[0]):
+        if g is not None:
+            state = state * g[t].exp()[:, None, None]
+        for j in range(k.shape[1]):
+            key = k[t, j][:, :, None]                                             # [M, K, 1]
+            # β (v − Sᵀ k): what the state is missing for key k, scaled by the step's strength
+            delta = (v[t, j][:, None, :] - torch.bmm(key.transpose(1, 2), state)) * beta[t, j][:, None, None]
+            state = torch.baddbmm(state, key, delta)
+        outputs.append(torch.bmm(q[t][:, None, :], state)[:, 0])
+    return torch.stack(outputs) if outputs else q.new_zeros(0, q.shape[1], v.shape[-1]), state
+
+
+def _finish(o, state, rows: _Rows, N: int, HV: int, out_dtype, output_final_state: bool):
+    """o [L, N·HV, V] → [B, T, HV, V] in out_dtype; the final state [N, HV, K, V] or None."""
+    L, _, V = o.shape
+    o = rows.scatter(o.reshape(L, N, HV, V).movedim(1, 0)).to(out_dtype)
+    return o, (state.reshape(N, HV, *state.shape[1:]) if output_final_state else None)
+
+
+def recurrent_gated_delta_product(q, k, v, g, beta, num_householder: int, scale: float | None = None,
+                                  initial_state=None, output_final_state: bool = False, cu_seqlens=None,
+                                  use_qk_l2norm_in_kernel: bool = False):
+    """`chunk_gated_delta_product`'s function: q [B, T, H, K]; k [B, T·n_h, H, K]; v [B, T·n_h, HV, V];
+    beta [B, T·n_h, HV]; g [B, T, HV] or None; initial_state [N, HV, K, V]; cu_seqlens [N+1] token offsets of q
+    with B = 1. Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] fp32 or None)."""
+    N, group, scale = check_product_inputs(q, k, v, g, beta, num_householder, scale, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    HV, V, n, out_dtype = v.shape[2], v.shape[3], num_householder, v.dtype
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    rows = _Rows(B, T, cu_seqlens, q.device)
+    # to the value heads (GVA), per token: k, v, beta [B, T, n, HV, ·]
+    q = rows.gather(q.to(acc).repeat_interleave(group, 2)) * scale
+    k = rows.gather(k.to(acc).reshape(B, T, n, H, K).repeat_interleave(group, 3))
+    v = rows.gather(v.to(acc).reshape(B, T, n, HV, V))
+    beta = rows.neutral(rows.gather(beta.to(acc).reshape(B, T, n, HV)))
+    g = rows.neutral(rows.gather(g.to(acc))) if g is not None else None
+    state = _initial(initial_state, N, HV, K, V, acc, q.device)
+    o, state = _delta_steps(_heads_first(q), _heads_first(k), _heads_first(v),
+                            None if g is None else _heads_first(g[..., None])[..., 0],
+                            _heads_first(beta[..., None])[..., 0], state)
+    return _finish(o, state, rows, N, HV, out_dtype, output_final_state)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, scale: float | None = None, initial_state=None,
+                               output_final_state: bool = False, cu_seqlens=None,
+                               use_qk_l2norm_in_kernel: bool = False):
+    """`chunk_gated_delta_rule`'s function: q, k [B, T, H, K]; v [B, T, HV, V]; g, beta [B, T, HV];
+    initial_state [N, HV, K, V]; cu_seqlens [N+1] with B = 1. Returns (o [B, T, HV, V] in v's dtype, final state
+    [N, HV, K, V] fp32 or None). The gated delta product with one sub-step per token."""
+    check_rule_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    return recurrent_gated_delta_product(q, k, v, g, beta, 1, scale, initial_state, output_final_state, cu_seqlens,
+                                         use_qk_l2norm_in_kernel)
+
+
+def recurrent_iplr_delta_rule(q, k, v, a, b, scale: float | None = None, initial_state=None,
+                              output_final_state: bool = False, cu_seqlens=None):
+    """`chunk_iplr_delta_rule`'s function, S_t = S_{t−1} + b_t (a_tᵀ S_{t−1}) + k_t v_tᵀ, o_t = S_tᵀ (scale q_t):
+    q, k, a, b [B, T, H, K]; v [B, T, H, V]; initial_state [N, H, K, V]; cu_seqlens [N+1] with B = 1. Returns
+    (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None)."""
+    N, scale = check_iplr_inputs(q, k, v, a, b, scale, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    V, out_dtype = v.shape[-1], v.dtype
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+    rows = _Rows(B, T, cu_seqlens, q.device)
+    q = _heads_first(rows.gather(q.to(acc)) * scale)
+    # padding steps: no erase (b = 0), no write (k = 0)
+    k, b = (_heads_first(rows.neutral(rows.gather(x.to(acc)))) for x in (k, b))
+    a, v = (_heads_first(rows.gather(x.to(acc))) for x in (a, v))
+    state = _initial(initial_state, N, H, K, V, acc, q.device)
+    outputs = []
+    for t in range(q.shape[0]):
+        read = torch.bmm(a[t][:, None, :], state)                                 # a_tᵀ S_{t−1}: [M, 1, V]
+        state = torch.baddbmm(torch.baddbmm(state, b[t][:, :, None], read), k[t][:, :, None], v[t][:, None, :])
+        outputs.append(torch.bmm(q[t][:, None, :], state)[:, 0])
+    o = torch.stack(outputs) if outputs else q.new_zeros(0, N * H, V)
+    return _finish(o, state, rows, N, H, out_dtype, output_final_state)
