@@ -131,8 +131,6 @@ class JobConfig:
         require(ranks == 1 or self.actor.strategy == "fsdp2", "actor.strategy",
                 f"'single' runs one process, but trainer.nnodes × trainer.n_gpus_per_node = {ranks}: set "
                 "actor.strategy=fsdp2 to use them all, or both to 1", self.actor.strategy)
-        require(self.algorithm.rollout_is_cap is None or self.rollout.engine == "vllm", "algorithm.rollout_is_cap",
-                "needs rollout log-probs, which rollout.engine=vllm reports", self.algorithm.rollout_is_cap)
         device = resolve_device(self.trainer.device)
         if self.actor.fsdp.cpu_offload:
             require(device == "cuda", "actor.fsdp.cpu_offload", f"needs a CUDA device (trainer.device resolves to "

@@ -172,7 +172,7 @@ class GRPOTrainer:
             batch["response_mask"] = mask_truncated(batch["response_mask"], batch["truncated"])
         with timer.phase("old_logprob"):
             batch["old_logprobs"] = ray.get(self.actor.compute_logprobs.remote(batch))
-        metrics = apply_rollout_correction(batch, job.algorithm.rollout_is_cap)  # engines reporting log-probs
+        metrics = apply_rollout_correction(batch, job.algorithm.rollout_correction)
         timer.add("ref", 0.0)
         if self.reference is not None:
             with timer.phase("ref"):

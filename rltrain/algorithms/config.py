@@ -1,5 +1,5 @@
 """The `algorithm` config section: advantage estimator, policy-loss options (passed to
-rltrain_kernels.fused_policy_loss) and the DAPO switches.
+rltrain_kernels.fused_policy_loss), the DAPO switches and the rollout importance correction.
 
 `algorithm.loss` is the loss's own spec: its keys are fused_policy_loss's options (the kernel's PolicyLossOptions,
 less the per-call temperature and normalisers), and validate() runs that class's checks, so the choices and bounds
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from rltrain.algorithms.advantages import ADVANTAGES
+from rltrain.algorithms.rollout_correction import RolloutCorrectionConfig
 from rltrain.config import require
 
 
@@ -45,7 +46,7 @@ class AlgorithmConfig:
     dynamic_sampling: bool = False        # DAPO: drop groups whose rewards are all equal, refill the batch
     dynamic_sampling_max_rounds: int = 4  # extra generation rounds allowed to refill one batch
     overlong_filter: bool = False         # DAPO: mask out truncated responses (no <eos> within max_new_tokens)
-    rollout_is_cap: float | None = None   # truncated IS: weight each token's pg term by min(π_old/π_rollout, cap)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)  # TIS / MIS
 
     def actor_loss(self, max_new_tokens: int) -> LossConfig:
         """The loss the actor trains with: Dr.GRPO's constant length resolved (norm_len, by default the generation
@@ -59,5 +60,3 @@ class AlgorithmConfig:
                 f"unknown advantage estimator; known: {', '.join(ADVANTAGES.names())}", self.adv_estimator)
         require(self.dynamic_sampling_max_rounds >= 0, "dynamic_sampling_max_rounds", "must be >= 0",
                 self.dynamic_sampling_max_rounds)
-        require(self.rollout_is_cap is None or self.rollout_is_cap >= 1, "rollout_is_cap", "must be null or >= 1",
-                self.rollout_is_cap)

@@ -1,17 +1,55 @@
 """Train-vs-rollout mismatch: the rollout engine (vLLM) samples with its own kernels, so the log-probs it reports for
 the sampled tokens differ slightly from the ones the actor computes for the same tokens with the same weights
-(`old_logprobs`). This module measures that gap every step and, optionally, corrects for it with a truncated
-importance-sampling weight per token (algorithm.rollout_is_cap), as in "Your efficient RL framework secretly brings
-you off-policy RL training" (Yao et al., 2025) and verl's rollout correction.
+(`old_logprobs`). This module measures that gap every step and, with `algorithm.rollout_correction.mode`, corrects
+for it by importance sampling with the ratio π_old / π_behaviour, as in "Your efficient RL framework secretly brings
+you off-policy RL training" (Yao et al., 2025; TIS) and its masked variant (MIS), verl's rollout correction:
+
+- level `token`: one ratio per token, exp(old − behaviour); level `sequence`: one per response, the geometric mean
+  of its token ratios, exp(mean_t(old − behaviour)), shared by its tokens;
+- mode `truncate` (TIS): each token's policy-gradient term is weighted by min(ratio, high)
+  (batch["rollout_is_weights"], which the actor folds into the advantages);
+- mode `mask` (MIS): tokens (or whole responses) whose ratio lies outside [low, high] leave the loss
+  (batch["response_mask"] loses them, as the overlong filter does).
+
+The behaviour policy is the rollout engine's log-probs where it reports them (`rollout_logprobs`, vLLM), else the
+actor's own recomputed `old_logprobs`: then every ratio is 1 and the correction changes nothing, so one config runs
+on either engine.
 
     metrics = rollout_mismatch_metrics(old_logprobs, rollout_logprobs, response_mask)
-    weights, is_metrics = truncated_is_weights(old_logprobs, rollout_logprobs, response_mask, cap=2.0)  # [B, R]
-    metrics = apply_rollout_correction(batch, cap)   # the trainer: both, weights into batch["rollout_is_weights"]
+    weights, mask, metrics = rollout_correction(old_logprobs, behaviour_logprobs, response_mask, config)
+    metrics = apply_rollout_correction(batch, config)   # the trainer: both, into the batch
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from rltrain.config import require
+
+MODES = ("truncate", "mask")
+LEVELS = ("token", "sequence")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    mode: str | None = None     # null = off | truncate (TIS) | mask (MIS)
+    level: str = "token"        # token | sequence (the geometric mean of a response's token ratios)
+    high: float = 2.0           # truncate: the cap on the weight; mask: the upper bound of the kept ratios
+    low: float | None = None    # mask: the lower bound of the kept ratios; null = 1 / high
+
+    def validate(self):
+        require(self.mode is None or self.mode in MODES, "mode", f"must be null or one of {', '.join(MODES)}",
+                self.mode)
+        require(self.level in LEVELS, "level", f"must be one of {', '.join(LEVELS)}", self.level)
+        require(self.high >= 1, "high", "must be >= 1", self.high)
+        require(self.low is None or 0 < self.low <= 1, "low", "must be null or in (0, 1]", self.low)
+        require(self.low is None or self.mode == "mask", "low", "applies to mode=mask only", self.low)
+
+    @property
+    def lower(self) -> float:
+        return 1 / self.high if self.low is None else self.low
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
@@ -30,27 +68,58 @@ def rollout_mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch
             "rollout/kl": _masked_mean(k3, response_mask)}
 
 
-def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
-                         cap: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token weights min(exp(old − rollout), cap) (1 where masked), detached, and their metrics.
+def importance_ratios(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                      level: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ratios, which are real) per unit of `level`: [B, R] token ratios exp(old − behaviour) and the response
+    mask, or [B] sequence ratios exp(mean over its tokens of old − behaviour) and which responses hold a token.
+    fp64, detached; 1 where there is no token."""
+    valid = response_mask != 0
+    log_ratio = torch.where(valid, old_logprobs.detach().double() - behaviour_logprobs.detach().double(), 0.0)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(1) / valid.sum(1).clamp(min=1)
+        valid = valid.any(1)
+    return torch.exp(log_ratio), valid
 
-    The policy-gradient term of each token is multiplied by its weight: the samples came from π_rollout, the
-    surrogate assumes π_old, and the truncation bounds the variance (TIS)."""
-    ratio = torch.exp(old_logprobs.detach().float() - rollout_logprobs.detach().float())
-    weights = torch.where(response_mask != 0, ratio.clamp(max=cap), torch.ones_like(ratio))
-    metrics = {"rollout/is_weight_mean": _masked_mean(weights, response_mask),
-               "rollout/is_capped_frac": _masked_mean((ratio > cap).float(), response_mask)}
-    return weights, metrics
+
+def _stats(values: torch.Tensor) -> dict[str, float]:
+    if values.numel() == 0:
+        return {"mean": 1.0, "std": 0.0, "min": 1.0, "max": 1.0}
+    return {"mean": float(values.mean()), "std": float(values.std(unbiased=False)), "min": float(values.min()),
+            "max": float(values.max())}
 
 
-def apply_rollout_correction(batch, cap: float | None) -> dict[str, float]:
-    """The trainer's hook, after old_logprobs: mismatch metrics when the engine reported log-probs, and with a cap
-    the weights as batch["rollout_is_weights"] (the actor scales each token's policy-gradient term by them)."""
-    if "rollout_logprobs" not in batch.keys():
-        return {}
-    old, rollout, mask = batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"]
-    metrics = rollout_mismatch_metrics(old, rollout, mask)
-    if cap is not None:
-        batch["rollout_is_weights"], is_metrics = truncated_is_weights(old, rollout, mask, cap)
-        metrics.update(is_metrics)
-    return metrics
+def rollout_correction(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                       config: RolloutCorrectionConfig) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
+    """(per-token weights [B, R] fp32 for truncate, else None; the response mask with the dropped tokens zeroed for
+    mask, else None; metrics). Metrics are over the units of config.level (tokens, or responses holding a token):
+    the ratio's mean, std, min and max, and truncate's weight mean and capped share, or mask's dropped share."""
+    ratio, valid = importance_ratios(old_logprobs, behaviour_logprobs, response_mask, config.level)
+    metrics = {f"rollout/is_ratio_{key}": value for key, value in _stats(ratio[valid]).items()}
+    per_token = (lambda x: x) if config.level == "token" else (lambda x: x[:, None].expand(response_mask.shape))
+    tokens = response_mask != 0
+    if config.mode == "truncate":
+        weights = ratio.clamp(max=config.high)
+        metrics["rollout/is_weight_mean"] = float(weights[valid].mean()) if valid.any() else 1.0
+        metrics["rollout/is_capped_frac"] = _masked_mean((ratio > config.high).double(), valid)
+        return torch.where(tokens, per_token(weights), 1.0).float(), None, metrics
+    keep = (ratio >= config.lower) & (ratio <= config.high)
+    metrics["rollout/is_masked_frac"] = _masked_mean((~keep).double(), valid)
+    return None, response_mask * per_token(keep).to(response_mask.dtype), metrics
+
+
+def apply_rollout_correction(batch, config: RolloutCorrectionConfig) -> dict[str, float]:
+    """The trainer's hook, after old_logprobs: the mismatch metrics where the engine reported log-probs and, with a
+    mode, the correction against them (else against old_logprobs: ratios 1), into batch["rollout_is_weights"]
+    (truncate) or batch["response_mask"] (mask)."""
+    old, mask = batch["old_logprobs"], batch["response_mask"]
+    reported = "rollout_logprobs" in batch.keys()
+    metrics = rollout_mismatch_metrics(old, batch["rollout_logprobs"], mask) if reported else {}
+    if config.mode is None:
+        return metrics
+    weights, new_mask, correction_metrics = rollout_correction(
+        old, batch["rollout_logprobs"] if reported else old, mask, config)
+    if weights is not None:
+        batch["rollout_is_weights"] = weights
+    if new_mask is not None:
+        batch["response_mask"] = new_mask
+    return {**metrics, **correction_metrics}

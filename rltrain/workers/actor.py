@@ -34,7 +34,8 @@ class FSDPConfig:
     cpu_offload: bool = False      # keep the sharded params, grads and optimizer state in CPU memory (GPU only)
 
 def weighted_advantages(batch: TensorDict) -> torch.Tensor:
-    """The advantages, times the truncated importance weights where the batch has them (algorithm.rollout_is_cap).
+    """The advantages, times the truncated importance weights where the batch has them
+    (algorithm.rollout_correction.mode=truncate).
 
     fused_policy_loss takes no per-token weight, and scaling A by a detached w >= 0 per token scales exactly that
     token's policy-gradient term: w·max(−A·r, −A·clip(r)) = max(−wA·r, −wA·clip(r)), and the dual clip's

@@ -3,7 +3,7 @@
 Fields (B responses; P prompt width, left-padded; R response width, right-padded):
   prompt_ids [B,P], prompt_mask [B,P], response_ids [B,R], response_mask [B,R], group_ids [B], truncated [B],
   rewards [B], advantages [B,R], old_logprobs [B,R], ref_logprobs [B,R], rollout_logprobs [B,R] (engines that
-  report them), rollout_is_weights [B,R] (algorithm.rollout_is_cap).
+  report them), rollout_is_weights [B,R] (algorithm.rollout_correction).
 """
 
 from __future__ import annotations

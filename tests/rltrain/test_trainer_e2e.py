@@ -80,7 +80,8 @@ def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path, monkeypatch, 
     out = tmp_path / "run"
     job = tiny_job(out, trainer={"save_every": 1, "val_every": 1, "logger": ["jsonl", "console"]},
                    reward={"path": str(plugin), "name": "score", "timeout_s": 0.5},
-                   algorithm={"loss": {"kl_coef": 0.05}})
+                   algorithm={"loss": {"kl_coef": 0.05},
+                              "rollout_correction": {"mode": "mask", "level": "sequence"}})
     started = _record_started_roles(monkeypatch)
     result = run(job)
     assert result["step"] == 2
@@ -97,6 +98,8 @@ def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path, monkeypatch, 
         assert 0 < record["reward/errors"] < responses
         assert record["reward/bonus_mean"] == 0.5
         assert "actor/ref_kl" in record
+        # the hf engine reports no log-probs: the correction runs against the actor's own, ratios 1, nothing dropped
+        assert record["rollout/is_masked_frac"] == 0 and record["rollout/is_ratio_max"] == 1.0
         assert record["time/ref_s"] > 0 and record["perf/actor_tokens_per_s"] > 0
         assert "perf/actor_mfu" not in record  # CPU: no peak to divide by
         phases = sum(record[f"time/{p}_s"] for p in ("rollout", "reward", "old_logprob", "ref", "update",

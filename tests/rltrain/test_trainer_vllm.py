@@ -28,7 +28,8 @@ def test_two_grpo_steps_with_the_vllm_engine(tmp_path):
                    model={"embedded": {"hidden_size": 64, "num_heads": 2, "head_dim": 64}},
                    rollout={"engine": "vllm", "kv_cache_gb": 1.0, "enforce_eager": True},
                    actor={"lr": 0.01, "weight_bucket_mb": 1},
-                   algorithm={"rollout_is_cap": 2.0, "loss": {"entropy_coef": 0.01}})
+                   algorithm={"rollout_correction": {"mode": "truncate", "high": 2.0},
+                              "loss": {"entropy_coef": 0.01}})
     result = run(job)
     assert result["step"] == 2
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -1,13 +1,15 @@
-"""Train-vs-rollout mismatch metrics and the truncated importance-sampling correction (algorithm.rollout_is_cap):
-the metrics against their definitions, the weights' cap, and the actor's way of applying them — scaling the
-advantages per token — against a literal per-token weighting of the policy-gradient term, loss and gradients."""
+"""Train-vs-rollout mismatch metrics and the importance correction (algorithm.rollout_correction): the metrics
+against their definitions; truncation (TIS) and masking (MIS) at token and sequence level against hand-computed
+ratios; the actor's recomputed log-probs as the behaviour policy when the engine reports none; and the actor's way of
+applying the weights — scaling the advantages per token — against a literal per-token weighting of the
+policy-gradient term, loss and gradients."""
 
 import pytest
 import torch
 from tensordict import TensorDict
 
 from rltrain.algorithms.rollout_correction import (
-    apply_rollout_correction, rollout_mismatch_metrics, truncated_is_weights,
+    RolloutCorrectionConfig, apply_rollout_correction, rollout_correction, rollout_mismatch_metrics,
 )
 from rltrain.workers.actor import weighted_advantages
 
@@ -34,27 +36,79 @@ def test_mismatch_metrics_follow_their_definitions():
     assert same["rollout/logprob_abs_diff_mean"] == 0 and same["rollout/kl"] == 0
 
 
-def test_truncated_weights_are_capped_ratios_and_one_where_masked():
-    old, rollout, mask = _logprobs()
-    weights, metrics = truncated_is_weights(old, rollout, mask, cap=1.1)
-    ratio = torch.exp(old - rollout)
-    valid = mask.bool()
-    assert torch.allclose(weights[valid], ratio[valid].clamp(max=1.1))
-    assert (weights[~valid] == 1).all() and not weights.requires_grad
-    assert metrics["rollout/is_capped_frac"] == pytest.approx((ratio[valid] > 1.1).float().mean().item())
-    assert 0 < metrics["rollout/is_capped_frac"] < 1
+def _hand_case():
+    """Behaviour log-probs 0, so each token's ratio is exp(old); response 0: ratios 2, 1/2 (geometric mean 1),
+    response 1: 4, 4, 4 (mean 4), response 2: 1/4 then two padding tokens, response 3: no token at all."""
+    ratios = torch.tensor([[2.0, 0.5, 1.0], [4.0, 4.0, 4.0], [0.25, 9.0, 9.0], [9.0, 9.0, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    return ratios.log(), torch.zeros(4, 3, dtype=torch.float64), mask   # fp64: the bounds are hit exactly
 
 
-def test_apply_is_a_no_op_without_rollout_logprobs_and_sets_weights_with_a_cap():
+def test_token_truncation_caps_each_ratio():
+    old, behaviour, mask = _hand_case()
+    weights, new_mask, metrics = rollout_correction(old, behaviour, mask, RolloutCorrectionConfig("truncate", high=2.0))
+    assert new_mask is None and weights.dtype == torch.float32 and not weights.requires_grad
+    expected = torch.tensor([[2.0, 0.5, 1.0], [2.0, 2.0, 2.0], [0.25, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    torch.testing.assert_close(weights, expected)
+    units = torch.tensor([2.0, 0.5, 4.0, 4.0, 4.0, 0.25], dtype=torch.float64)   # the 6 response tokens
+    assert metrics["rollout/is_ratio_mean"] == pytest.approx(units.mean().item())
+    assert metrics["rollout/is_ratio_std"] == pytest.approx(units.std(unbiased=False).item())
+    assert (metrics["rollout/is_ratio_min"], metrics["rollout/is_ratio_max"]) == pytest.approx((0.25, 4.0))
+    assert metrics["rollout/is_capped_frac"] == pytest.approx(3 / 6)
+    assert metrics["rollout/is_weight_mean"] == pytest.approx((2 + 0.5 + 6 + 0.25) / 6)
+
+
+def test_sequence_truncation_weights_each_response_by_its_geometric_mean_ratio():
+    old, behaviour, mask = _hand_case()
+    config = RolloutCorrectionConfig("truncate", level="sequence", high=2.0)
+    weights, _, metrics = rollout_correction(old, behaviour, mask, config)
+    # response 0: (2 · 1/2)^(1/2) = 1; response 1: 4, capped at 2; response 2: 1/4; response 3: no token
+    expected = torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [0.25, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    torch.testing.assert_close(weights, expected)
+    assert metrics["rollout/is_ratio_mean"] == pytest.approx((1 + 4 + 0.25) / 3)
+    assert (metrics["rollout/is_ratio_min"], metrics["rollout/is_ratio_max"]) == pytest.approx((0.25, 4.0))
+    assert metrics["rollout/is_capped_frac"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("level, low, kept, dropped", [
+    ("token", None, [[1, 1, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]], 4 / 6),    # [1/2, 2]: 2 and 1/2 stay
+    ("token", 0.2, [[1, 1, 0], [0, 0, 0], [1, 0, 0], [0, 0, 0]], 3 / 6),     # [0.2, 2]: 1/4 stays too
+    ("sequence", None, [[1, 1, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]], 2 / 3),  # responses 1 (4) and 2 (1/4) go
+    ("sequence", 0.25, [[1, 1, 0], [0, 0, 0], [1, 0, 0], [0, 0, 0]], 1 / 3),  # the bound itself is kept
+], ids=["token-default-low", "token-low-0.2", "sequence-default-low", "sequence-low-0.25"])
+def test_masking_drops_tokens_or_responses_outside_the_bounds(level, low, kept, dropped):
+    old, behaviour, mask = _hand_case()
+    config = RolloutCorrectionConfig("mask", level=level, high=2.0, low=low)
+    weights, new_mask, metrics = rollout_correction(old, behaviour, mask, config)
+    assert weights is None and new_mask.dtype == mask.dtype
+    assert new_mask.tolist() == kept
+    assert metrics["rollout/is_masked_frac"] == pytest.approx(dropped)
+
+
+def test_apply_uses_the_actors_log_probs_when_the_engine_reports_none():
+    """hf engine: no rollout_logprobs, so the behaviour policy is old_logprobs: ratios 1, nothing capped or dropped,
+    no mismatch metrics; with the engine's log-probs the weights and mismatch metrics are the functions' own."""
     old, rollout, mask = _logprobs()
+    for mode in ("truncate", "mask"):
+        batch = TensorDict({"old_logprobs": old, "response_mask": mask}, batch_size=[3])
+        metrics = apply_rollout_correction(batch, RolloutCorrectionConfig(mode, level="sequence", high=1.01))
+        assert not any(key.startswith("rollout/logprob") for key in metrics)
+        assert metrics["rollout/is_ratio_min"] == metrics["rollout/is_ratio_max"] == 1.0
+        assert metrics.get("rollout/is_masked_frac", 0) == metrics.get("rollout/is_capped_frac", 0) == 0
+        assert torch.equal(batch["response_mask"], mask)
+        assert mode == "mask" or torch.equal(batch["rollout_is_weights"], torch.ones(3, 5))
     batch = TensorDict({"old_logprobs": old, "response_mask": mask}, batch_size=[3])
-    assert apply_rollout_correction(batch, 2.0) == {} and "rollout_is_weights" not in batch.keys()
+    assert apply_rollout_correction(batch, RolloutCorrectionConfig()) == {} and "rollout_is_weights" not in batch.keys()
     batch["rollout_logprobs"] = rollout
-    assert set(apply_rollout_correction(batch, None)) == {"rollout/logprob_abs_diff_mean",
-                                                          "rollout/logprob_abs_diff_max", "rollout/kl"}
+    assert set(apply_rollout_correction(batch, RolloutCorrectionConfig())) == {
+        "rollout/logprob_abs_diff_mean", "rollout/logprob_abs_diff_max", "rollout/kl"}
     assert "rollout_is_weights" not in batch.keys()
-    assert "rollout/is_weight_mean" in apply_rollout_correction(batch, 2.0)
-    assert torch.equal(batch["rollout_is_weights"], truncated_is_weights(old, rollout, mask, 2.0)[0])
+    config = RolloutCorrectionConfig("truncate", high=1.1)
+    metrics = apply_rollout_correction(batch, config)
+    assert "rollout/kl" in metrics and 0 < metrics["rollout/is_capped_frac"] < 1
+    assert torch.equal(batch["rollout_is_weights"], rollout_correction(old, rollout, mask, config)[0])
+    metrics = apply_rollout_correction(batch, RolloutCorrectionConfig("mask", high=1.1))
+    assert 0 < metrics["rollout/is_masked_frac"] < 1 and batch["response_mask"].sum() < mask.sum()
 
 
 @pytest.mark.parametrize("dual_clip", [None, 3.0], ids=["no-dual-clip", "dual-clip-3"])
