@@ -30,6 +30,7 @@ class TrainerConfig:
     resume: str = "auto"             # auto | never | a checkpoint directory
     seed: int = 0
     val_every: int = 50              # also at step 0 and at the end; 0 = only those
+    val_n: int = 1                   # responses per validation prompt (val/mean@n, val/pass@k)
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     project: str = "rltrain"         # wandb project
     run_name: str | None = None      # wandb run name; null = the output_dir's last component
@@ -43,6 +44,7 @@ class TrainerConfig:
         require(self.total_steps >= 1, "total_steps", "must be >= 1", self.total_steps)
         require(self.save_every >= 0, "save_every", "must be >= 0", self.save_every)
         require(self.val_every >= 0, "val_every", "must be >= 0", self.val_every)
+        require(self.val_n >= 1, "val_n", "must be >= 1", self.val_n)
         require(bool(self.output_dir), "output_dir", "must be a directory path", self.output_dir)
         for name in self.logger:
             require(name in LOGGERS, "logger", f"entries must be among {', '.join(LOGGERS)}", name)
@@ -131,6 +133,8 @@ class JobConfig:
         require(ranks == 1 or self.actor.strategy == "fsdp2", "actor.strategy",
                 f"'single' runs one process, but trainer.nnodes × trainer.n_gpus_per_node = {ranks}: set "
                 "actor.strategy=fsdp2 to use them all, or both to 1", self.actor.strategy)
+        require(self.trainer.val_n == 1 or self.rollout.val_temperature > 0, "trainer.val_n",
+                "> 1 needs rollout.val_temperature > 0 (greedy responses are all alike)", self.trainer.val_n)
         device = resolve_device(self.trainer.device)
         if self.actor.fsdp.cpu_offload:
             require(device == "cuda", "actor.fsdp.cpu_offload", f"needs a CUDA device (trainer.device resolves to "

@@ -62,8 +62,11 @@ class Tracker:
     def _console(self, record: dict) -> None:
         step = record["step"]
         if any(k.startswith("val/") for k in record):
-            print(f"[val  step {step:>4}] reward {record.get('val/reward_mean', float('nan')):.3f} "
-                  f"({record.get('val/count', 0)} prompts)", flush=True)
+            n = record.get("val/n", 1)
+            passed = f" pass@{n} {record[f'val/pass@{n}']:.3f}" if n > 1 and f"val/pass@{n}" in record else ""
+            samples = f" × {n}" if n > 1 else ""
+            print(f"[val  step {step:>4}] reward {record.get('val/reward_mean', float('nan')):.3f}{passed} "
+                  f"({record.get('val/count', 0)} prompts{samples})", flush=True)
             return
         if self._first_step is None:
             self._first_step, self._start = step - 1, time.monotonic() - record.get("time/step_s", 0.0)

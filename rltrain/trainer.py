@@ -2,9 +2,10 @@
 
 One step: sample prompts → rollout (n responses each, split across the rollout replicas) → reward → group
 advantages → old (and reference) log-probs → actor update → push the new weights into every rollout replica.
-Validation (greedy by default) runs at step 0, every trainer.val_every steps and at the end; checkpoints every
-trainer.save_every steps and at the end. Each step's record says where its time went (time/*_s: rollout, reward,
-old_logprob, ref, update, weight_sync, step) and how fast the rollout and the actor ran (perf/*; rltrain/perf.py).
+Validation (trainer.val_n responses per prompt, by default one, greedy) runs at step 0, every trainer.val_every
+steps and at the end; checkpoints every trainer.save_every steps and at the end. Each step's record says where its
+time went (time/*_s: rollout, reward, old_logprob, ref, update, weight_sync, step) and how fast the rollout and the
+actor ran (perf/*; rltrain/perf.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from rltrain.data.sampler import PromptSampler, drop_long_prompts, encode_prompt
 from rltrain.job import JobConfig, resolve_device
 from rltrain.perf import StepTimer, actor_step_flops, mfu, peak_flops
 from rltrain.tracking import Tracker
+from rltrain.validation import validation_metrics
 from rltrain.workers.actor import ActorWorker
 from rltrain.workers.fsdp import FSDPActorWorker, FSDPReferenceWorker
 from rltrain.workers.group import kill, place_model_roles, start_role
@@ -210,12 +212,15 @@ class GRPOTrainer:
         return record
 
     def validate(self, step: int) -> dict | None:
+        """trainer.val_n responses per held-out prompt at rollout.val_temperature: the mean reward (val/reward_mean
+        = val/mean@n), unbiased pass@k and both per data source (rltrain/validation.py)."""
         if not self.val_rows:
             return None
-        job = self.job
-        batch, _, errors = self._generate_and_score(self.val_rows, 1, job.rollout.val_temperature,
+        job, n = self.job, self.job.trainer.val_n
+        batch, _, errors = self._generate_and_score(self.val_rows, n, job.rollout.val_temperature,
                                                     seed=job.trainer.seed + 7)
-        record = {"step": step, "val/reward_mean": batch["rewards"].mean().item(), "val/count": len(self.val_rows),
+        record = {"step": step, "val/reward_mean": batch["rewards"].mean().item(), "val/n": n,
+                  **validation_metrics(batch["rewards"], n, [row.data_source for row in self.val_rows]),
                   "val/response_len_mean": batch["response_mask"].sum(1).float().mean().item(),
                   "val/reward_errors": errors}
         self.tracker.log(record)

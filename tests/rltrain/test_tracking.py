@@ -29,6 +29,12 @@ def test_jsonl_and_console(tmp_path, capsys):
     assert "[val  step    1] reward 0.400 (10 prompts)" in out
 
 
+def test_console_validation_line_with_several_samples(tmp_path, capsys):
+    tracker = Tracker(["console"], str(tmp_path), total_steps=4)
+    tracker.log({**VAL, "val/n": 4, "val/mean@4": 0.4, "val/pass@1": 0.4, "val/pass@4": 0.75})
+    assert "[val  step    1] reward 0.400 pass@4 0.750 (10 prompts × 4)" in capsys.readouterr().out
+
+
 def test_console_shows_where_the_step_time_went(tmp_path, capsys):
     tracker = Tracker(["console"], str(tmp_path), total_steps=4)
     times = {"time/rollout_s": 12.1, "time/reward_s": 0.25, "time/old_logprob_s": 1.2, "time/ref_s": 0.9,

@@ -78,7 +78,8 @@ def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path, monkeypatch, 
             return {"score": 1.0, "bonus": 0.5}
     """))
     out = tmp_path / "run"
-    job = tiny_job(out, trainer={"save_every": 1, "val_every": 1, "logger": ["jsonl", "console"]},
+    job = tiny_job(out, trainer={"save_every": 1, "val_every": 1, "val_n": 2, "logger": ["jsonl", "console"]},
+                   rollout={"val_temperature": 1.0},
                    reward={"path": str(plugin), "name": "score", "timeout_s": 0.5},
                    algorithm={"loss": {"kl_coef": 0.05},
                               "rollout_correction": {"mode": "mask", "level": "sequence"}})
@@ -105,6 +106,11 @@ def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path, monkeypatch, 
         phases = sum(record[f"time/{p}_s"] for p in ("rollout", "reward", "old_logprob", "ref", "update",
                                                         "weight_sync"))
         assert phases <= record["time/step_s"]
+    for record in val:  # 2 responses per prompt: every reward is 0 or 1, so pass@1 = mean@2 <= pass@2
+        assert record["val/n"] == 2 and record["val/count"] == 8
+        assert record["val/mean@2"] == record["val/reward_mean"] == pytest.approx(record["val/pass@1"])
+        assert record["val/pass@1"] <= record["val/pass@2"]
+        assert record["val/rltrain/arithmetic/pass@2"] == record["val/pass@2"]
     console = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[train")]
     assert len(console) == 2 and all(" | rollout " in line and " | sync " in line for line in console), console
     assert latest_checkpoint(str(out)).name == "step_000002"
