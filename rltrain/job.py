@@ -133,6 +133,8 @@ class JobConfig:
         require(ranks == 1 or self.actor.strategy == "fsdp2", "actor.strategy",
                 f"'single' runs one process, but trainer.nnodes × trainer.n_gpus_per_node = {ranks}: set "
                 "actor.strategy=fsdp2 to use them all, or both to 1", self.actor.strategy)
+        require(self.algorithm.overlong_buffer.len < self.rollout.max_new_tokens, "algorithm.overlong_buffer.len",
+                f"must be < rollout.max_new_tokens = {self.rollout.max_new_tokens}", self.algorithm.overlong_buffer.len)
         require(self.trainer.val_n == 1 or self.rollout.val_temperature > 0, "trainer.val_n",
                 "> 1 needs rollout.val_temperature > 0 (greedy responses are all alike)", self.trainer.val_n)
         device = resolve_device(self.trainer.device)

@@ -1,7 +1,8 @@
 """The single controller: holds the GRPO loop and nothing heavy; the roles are Ray actors holding the models.
 
-One step: sample prompts → rollout (n responses each, split across the rollout replicas) → reward → group
-advantages → old (and reference) log-probs → actor update → push the new weights into every rollout replica.
+One step: sample prompts → rollout (n responses each, split across the rollout replicas) → reward (and DAPO's
+length shaping) → old (and reference) log-probs → advantages (REINFORCE++'s KL penalty in the reward needs both
+log-probs) → actor update → push the new weights into every rollout replica.
 Validation (trainer.val_n responses per prompt, by default one, greedy) runs at step 0, every trainer.val_every
 steps and at the end; checkpoints every trainer.save_every steps and at the end. Each step's record says where its
 time went (time/*_s: rollout, reward, old_logprob, ref, update, weight_sync, step) and how fast the rollout and the
@@ -20,8 +21,8 @@ import torch
 from tensordict import TensorDict
 
 from rltrain import checkpoint as ckpt
-from rltrain.algorithms.advantages import compute_advantages
-from rltrain.algorithms.dapo import collect_groups, mask_truncated
+from rltrain.algorithms.advantages import batch_advantages
+from rltrain.algorithms.dapo import collect_groups, mask_truncated, overlong_penalty
 from rltrain.algorithms.rollout_correction import apply_rollout_correction
 from rltrain.config import ConfigError
 from rltrain.data.rows import load_rows
@@ -167,25 +168,26 @@ class GRPOTrainer:
                            step)
             return {"step": step, "train/groups_kept": 0.0, "reward/errors": errors, **timer.record()}
         self.rollout.sleep()  # colocated: the engines free their memory until the weight push
-        batch["advantages"] = compute_advantages(job.algorithm.adv_estimator, batch["rewards"],
-                                                 batch["response_mask"], batch["group_ids"])
-        response_len = batch["response_mask"].sum(1).float()
+        response_len, scores = batch["response_mask"].sum(1).float(), batch["rewards"]
+        metrics = self._shape_rewards(batch, response_len)
         if job.algorithm.overlong_filter:
             batch["response_mask"] = mask_truncated(batch["response_mask"], batch["truncated"])
         with timer.phase("old_logprob"):
             batch["old_logprobs"] = ray.get(self.actor.compute_logprobs.remote(batch))
-        metrics = apply_rollout_correction(batch, job.algorithm.rollout_correction)
+        metrics.update(apply_rollout_correction(batch, job.algorithm.rollout_correction))
         timer.add("ref", 0.0)
         if self.reference is not None:
             with timer.phase("ref"):
                 batch["ref_logprobs"] = ray.get(self.reference.compute_logprobs.remote(batch))
+        batch["advantages"], advantage_metrics = batch_advantages(batch, job.algorithm)
+        metrics.update(advantage_metrics)
         with timer.phase("update"):
             metrics.update(ray.get(self.actor.update.remote(batch, step)))
         timer.add("weight_sync", self.push_weights())
         elapsed = time.monotonic() - start
         tokens = batch["prompt_mask"].sum().item() + batch["response_mask"].sum().item()
-        record = {"step": step, "train/reward_mean": batch["rewards"].mean().item(),
-                  "train/reward_std": batch["rewards"].std().item() if batch.batch_size[0] > 1 else 0.0,
+        record = {"step": step, "train/reward_mean": scores.mean().item(),
+                  "train/reward_std": scores.std().item() if batch.batch_size[0] > 1 else 0.0,
                   "train/response_len_mean": response_len.mean().item(),
                   "train/truncated_frac": batch["truncated"].float().mean().item(),
                   "train/groups_kept": batch.batch_size[0] / job.rollout.n / job.data.batch_size,
@@ -195,6 +197,16 @@ class GRPOTrainer:
             values = [e[key] for e in extras if key in e]
             record[f"reward/{key}_mean"] = sum(values) / len(values)
         return record
+
+    def _shape_rewards(self, batch: TensorDict, response_len: torch.Tensor) -> dict:
+        """DAPO's soft overlong punishment (algorithm.overlong_buffer) added to batch["rewards"], after dynamic
+        sampling kept the groups whose scores differ; train/reward_mean stays the reward function's mean."""
+        buffer = self.job.algorithm.overlong_buffer
+        if not buffer.len:
+            return {}
+        penalty = overlong_penalty(response_len, self.job.rollout.max_new_tokens, buffer.len, buffer.penalty_factor)
+        batch["rewards"] = batch["rewards"] + penalty.to(batch["rewards"].dtype)
+        return {"train/overlong_penalty_mean": penalty.mean().item()}
 
     def _perf(self, batch: TensorDict, timer: StepTimer) -> dict:
         """time/<phase>_s and the step's rates: rollout tokens (generated, every round) and the actor's tokens

@@ -8,18 +8,29 @@ advantages `[B, T]` (zero where the mask is zero). With G responses r_1..r_G in 
 - `drgrpo`:       A_i = r_i − mean(r)                                (Dr.GRPO: no std normalisation; pair it with
                                                                      loss_agg="seq-mean-token-sum-norm")
 - `rloo`:         A_i = r_i − mean_{j≠i} r_j = G/(G−1)·(r_i − mean(r))   (leave-one-out baseline)
-- `reinforce_pp`: REINFORCE++: the reward sits on the last response token, returns are reverse cumulative sums
-                  (γ = 1), so every token of a response gets r_i; they are whitened over all response tokens of
-                  the batch (mean 0, std 1), no critic and no group baseline.
+- `reinforce_pp`: REINFORCE++ (Hu, 2025): token rewards r_t = r_i on the response's last token plus, with
+                  `token_rewards`, a per-token term (algorithm.kl_in_reward: −β·k1, k1 = log π_old − log π_ref),
+                  returns G_t = r_t + γ·G_{t+1} (algorithm.gamma, 1 by default: every token gets r_i plus the
+                  penalties from it on), whitened over all response tokens of the batch (mean 0, std 1); no critic
+                  and no group baseline.
 
 Groups of one response get advantage 0 under grpo/drgrpo/rloo (no baseline exists).
+
+`batch_advantages(batch, algorithm)` is what the trainer calls: the configured estimator with REINFORCE++'s KL
+penalty in the reward (`kl_reward`) and discount where the algorithm config asks for them.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+from tensordict import TensorDict
 
 from rltrain.registry import Registry
+
+if TYPE_CHECKING:
+    from rltrain.algorithms.config import AlgorithmConfig
 
 ADVANTAGES: Registry = Registry("advantage estimator")
 EPS = 1e-6
@@ -75,13 +86,22 @@ def rloo(rewards, response_mask, group_ids):
 
 
 @ADVANTAGES.register("reinforce_pp")
-def reinforce_pp(rewards, response_mask, group_ids):
+def reinforce_pp(rewards, response_mask, group_ids, token_rewards: torch.Tensor | None = None, gamma: float = 1.0):
     _check(rewards, response_mask, group_ids)
     mask = response_mask.to(torch.float64)
-    # reward on the last valid token, then reverse cumulative sum with gamma = 1
+    # the outcome reward on the last valid token, plus the per-token terms, then discounted returns
     last = (mask.cumsum(1) == mask.sum(1, keepdim=True)) & (mask > 0)
-    token_rewards = torch.where(last, rewards.double().unsqueeze(1), torch.zeros_like(mask))
-    returns = token_rewards.flip(1).cumsum(1).flip(1) * mask
+    per_token = torch.where(last, rewards.double().unsqueeze(1), torch.zeros_like(mask))
+    if token_rewards is not None:
+        per_token = per_token + token_rewards.double() * mask
+    if gamma == 1.0:
+        returns = per_token.flip(1).cumsum(1).flip(1)
+    else:
+        returns, running = torch.zeros_like(per_token), torch.zeros_like(per_token[:, 0])
+        for t in range(per_token.shape[1] - 1, -1, -1):
+            running = per_token[:, t] + gamma * running
+            returns[:, t] = running
+    returns = returns * mask
     n = mask.sum()
     if n < 2:
         return torch.zeros_like(mask, dtype=torch.float32)
@@ -90,5 +110,29 @@ def reinforce_pp(rewards, response_mask, group_ids):
     return ((returns - mean) * torch.rsqrt(var + EPS) * mask).to(torch.float32)
 
 
-def compute_advantages(name: str, rewards, response_mask, group_ids) -> torch.Tensor:
-    return ADVANTAGES.get(name)(rewards, response_mask, group_ids)
+def compute_advantages(name: str, rewards, response_mask, group_ids, **options) -> torch.Tensor:
+    """options: the estimator's own keywords (reinforce_pp: token_rewards, gamma)."""
+    return ADVANTAGES.get(name)(rewards, response_mask, group_ids, **options)
+
+
+def kl_reward(old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_mask: torch.Tensor,
+              kl_coef: float) -> torch.Tensor:
+    """REINFORCE++'s per-token KL penalty in the reward: −β·k1 = −β·(log π_old − log π_ref) per response token
+    ([B, T] fp64, 0 where masked)."""
+    k1 = old_logprobs.double() - ref_logprobs.double()
+    return torch.where(response_mask != 0, -kl_coef * k1, 0.0)
+
+
+def batch_advantages(batch: TensorDict, algorithm: AlgorithmConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """(advantages [B, T], metrics) of a scored batch with old (and, for kl_in_reward, reference) log-probs: the
+    configured estimator, with REINFORCE++'s discount and KL penalty in the reward where the config asks."""
+    options, metrics = {}, {}
+    if algorithm.adv_estimator == "reinforce_pp":
+        options["gamma"] = algorithm.gamma
+    if algorithm.kl_in_reward:
+        options["token_rewards"] = kl_reward(batch["old_logprobs"], batch["ref_logprobs"], batch["response_mask"],
+                                             algorithm.loss.kl_coef)
+        metrics["train/kl_penalty_mean"] = options["token_rewards"].sum(1).mean().item()  # per response
+    advantages = compute_advantages(algorithm.adv_estimator, batch["rewards"], batch["response_mask"],
+                                    batch["group_ids"], **options)
+    return advantages, metrics

@@ -40,23 +40,45 @@ class LossConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    len: int = 0                  # DAPO's L_cache: the last N tokens before rollout.max_new_tokens; 0 = off
+    penalty_factor: float = 1.0   # the penalty at rollout.max_new_tokens
+
+    def validate(self):
+        require(self.len >= 0, "len", "must be >= 0 (0 = off)", self.len)
+        require(self.penalty_factor >= 0, "penalty_factor", "must be >= 0", self.penalty_factor)
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"           # grpo | drgrpo | rloo | reinforce_pp
     loss: LossConfig = field(default_factory=LossConfig)
+    kl_in_reward: bool = False            # REINFORCE++: −loss.kl_coef·k1 in each token's reward, not in the loss
+    gamma: float = 1.0                    # reinforce_pp: discount of the token rewards' returns
     dynamic_sampling: bool = False        # DAPO: drop groups whose rewards are all equal, refill the batch
     dynamic_sampling_max_rounds: int = 4  # extra generation rounds allowed to refill one batch
     overlong_filter: bool = False         # DAPO: mask out truncated responses (no <eos> within max_new_tokens)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO: soft punishment
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)  # TIS / MIS
 
     def actor_loss(self, max_new_tokens: int) -> LossConfig:
         """The loss the actor trains with: Dr.GRPO's constant length resolved (norm_len, by default the generation
-        budget rollout.max_new_tokens, so the normaliser is the same at every step)."""
-        if self.loss.loss_agg != "seq-mean-token-sum-norm" or self.loss.norm_len is not None:
-            return self.loss
-        return replace(self.loss, norm_len=max_new_tokens)
+        budget rollout.max_new_tokens, so the normaliser is the same at every step), and no KL term when the KL
+        penalty goes into the reward (kl_in_reward)."""
+        loss = self.loss
+        if loss.loss_agg == "seq-mean-token-sum-norm" and loss.norm_len is None:
+            loss = replace(loss, norm_len=max_new_tokens)
+        return replace(loss, kl_coef=0.0) if self.kl_in_reward else loss
 
     def validate(self):
         require(self.adv_estimator in ADVANTAGES, "adv_estimator",
                 f"unknown advantage estimator; known: {', '.join(ADVANTAGES.names())}", self.adv_estimator)
+        require(not self.kl_in_reward or self.adv_estimator == "reinforce_pp", "kl_in_reward",
+                "needs adv_estimator=reinforce_pp (the estimator that takes per-token rewards)", self.kl_in_reward)
+        require(not self.kl_in_reward or self.loss.kl_coef > 0, "kl_in_reward",
+                "needs loss.kl_coef > 0 (the penalty's coefficient β)", self.kl_in_reward)
+        require(0 < self.gamma <= 1, "gamma", "must be in (0, 1]", self.gamma)
+        require(self.gamma == 1 or self.adv_estimator == "reinforce_pp", "gamma",
+                "applies to adv_estimator=reinforce_pp only", self.gamma)
         require(self.dynamic_sampling_max_rounds >= 0, "dynamic_sampling_max_rounds", "must be >= 0",
                 self.dynamic_sampling_max_rounds)

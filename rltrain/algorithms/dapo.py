@@ -1,6 +1,7 @@
-"""DAPO's two switches, pure functions over a batch (tests/rltrain/test_dapo.py): dynamic sampling
-(`algorithm.dynamic_sampling`: keep only prompt groups whose rewards differ, refilling the batch with more rounds)
-and overlong filtering (`algorithm.overlong_filter`: truncated responses keep no token in the loss)."""
+"""DAPO's (Yu et al., 2025) batch-level pieces, pure functions (tests/rltrain/test_dapo.py): dynamic sampling
+(`algorithm.dynamic_sampling`: keep only prompt groups whose rewards differ, refilling the batch with more rounds),
+overlong filtering (`algorithm.overlong_filter`: truncated responses keep no token in the loss) and the soft
+overlong punishment (`algorithm.overlong_buffer`: a length penalty added to the rewards near the length limit)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,12 @@ def mask_truncated(response_mask: torch.Tensor, truncated: torch.Tensor) -> torc
     """Overlong filtering: truncated responses (no <eos> within rollout.max_new_tokens) keep no token in the loss,
     so a reward cut off by the length limit does not teach the policy as if the response were complete."""
     return response_mask * (~truncated).unsqueeze(1).to(response_mask.dtype)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_len: int,
+                     penalty_factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment, [B] rewards to add: 0 for a response of at most L_max − L_cache tokens,
+    then falling linearly, ((L_max − L_cache) − |y|) / L_cache · penalty_factor, to −penalty_factor at L_max (and
+    past it), L_max = rollout.max_new_tokens, L_cache = buffer_len, |y| the response's tokens."""
+    excess = lengths.double() - (max_new_tokens - buffer_len)
+    return -(excess.clamp(min=0) / buffer_len).clamp(max=1.0) * penalty_factor

@@ -62,6 +62,8 @@ def test_every_algorithm_preset_validates(preset):
         assert job.algorithm.loss.clip_high == 0.28
     if preset == "gspo":
         assert job.algorithm.loss.importance_level == "sequence"
+    if preset == "reinforce_pp":
+        assert job.algorithm.kl_in_reward and job.algorithm.loss.kl_coef > 0
 
 
 @pytest.mark.parametrize("override, message", [
@@ -85,6 +87,15 @@ def test_every_algorithm_preset_validates(preset):
     ("trainer.val_n=0", "trainer.val_n: must be >= 1 (got 0)"),
     ("trainer.val_n=4",
      "trainer.val_n: > 1 needs rollout.val_temperature > 0 (greedy responses are all alike) (got 4)"),
+    ("algorithm.kl_in_reward=true algorithm.loss.kl_coef=0.01",
+     "algorithm.kl_in_reward: needs adv_estimator=reinforce_pp (the estimator that takes per-token rewards)"),
+    ("algorithm=reinforce_pp algorithm.loss.kl_coef=0",
+     "algorithm.kl_in_reward: needs loss.kl_coef > 0 (the penalty's coefficient β)"),
+    ("algorithm=reinforce_pp algorithm.gamma=0", "algorithm.gamma: must be in (0, 1] (got 0.0)"),
+    ("algorithm.gamma=0.9", "algorithm.gamma: applies to adv_estimator=reinforce_pp only (got 0.9)"),
+    ("algorithm.overlong_buffer.len=-1", "algorithm.overlong_buffer.len: must be >= 0 (0 = off) (got -1)"),
+    ("algorithm.overlong_buffer.penalty_factor=-1", "algorithm.overlong_buffer.penalty_factor: must be >= 0"),
+    ("algorithm.overlong_buffer.len=8", "algorithm.overlong_buffer.len: must be < rollout.max_new_tokens = 8 (got 8)"),
     ("trainer.logger=[console,mlflow]", "trainer.logger: entries must be among console, jsonl"),
     ("model.dtype=fp8", "model.dtype: must be float32, bfloat16 or float16"),
     ("kernel_config.name=gpu", "kernel_config.name: must be auto, cuda, npu or cpu"),

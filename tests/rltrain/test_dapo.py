@@ -1,13 +1,14 @@
 """DAPO's switches without Ray: dynamic sampling (algorithm.dynamic_sampling) drops groups whose rewards are all equal
 and refills the batch from further rounds; overlong filtering (algorithm.overlong_filter) zeroes the response mask
-of responses that hit rollout.max_new_tokens without <eos>. The trainer runs both through these functions
+of responses that hit rollout.max_new_tokens without <eos>; the soft overlong punishment (algorithm.overlong_buffer)
+against the paper's piecewise formula. The trainer runs both through these functions
 (rltrain/trainer.py); the `dapo` preset also trains end to end in tests/rltrain/test_trainer_e2e.py."""
 
 import pytest
 import torch
 from tensordict import TensorDict
 
-from rltrain.algorithms.dapo import collect_groups, informative_groups, mask_truncated
+from rltrain.algorithms.dapo import collect_groups, informative_groups, mask_truncated, overlong_penalty
 from rltrain.workers.rollout import response_mask_and_truncation
 
 N = 2  # responses per group
@@ -98,3 +99,13 @@ def test_overlong_filter_masks_out_responses_truncated_at_max_new_tokens():
     filtered = mask_truncated(response_mask, truncated)
     assert filtered.dtype == response_mask.dtype
     assert filtered.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 0, 0]]
+
+
+def test_soft_overlong_punishment_is_the_papers_piecewise_penalty():
+    """L_max = 8, L_cache = 4: 0 up to 4 tokens, ((8 − 4) − |y|) / 4 from 5 to 8 tokens, −1 past 8; × the factor."""
+    lengths = torch.tensor([1, 4, 5, 6, 7, 8, 9])
+    expected = [0.0, 0.0, -0.25, -0.5, -0.75, -1.0, -1.0]
+    torch.testing.assert_close(overlong_penalty(lengths, 8, 4, 1.0), torch.tensor(expected, dtype=torch.float64))
+    torch.testing.assert_close(overlong_penalty(lengths, 8, 4, 0.5),
+                               torch.tensor([0.5 * e for e in expected], dtype=torch.float64))
+    assert overlong_penalty(torch.tensor([7, 8]), 8, 1, 2.0).tolist() == [0.0, -2.0]

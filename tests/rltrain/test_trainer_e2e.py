@@ -121,6 +121,8 @@ def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path, monkeypatch, 
 def test_algorithm_presets_train(tmp_path, preset):
     """Each preset of config/algorithm/ through the real trainer: 2 steps, finite loss and gradient norm."""
     algorithm = OmegaConf.to_container(compose(f"algorithm={preset}").algorithm, resolve=True)
+    if preset == "dapo":  # with its soft overlong punishment too, which the preset leaves to the length budget
+        algorithm["overlong_buffer"] = {"len": 2, "penalty_factor": 1.0}
     # a reward that is 0 or 1 about evenly over random responses, so groups differ (DAPO drops all-equal ones)
     plugin = tmp_path / "reward.py"
     plugin.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -135,6 +137,9 @@ def test_algorithm_presets_train(tmp_path, preset):
         assert math.isfinite(record["actor/loss"]) and math.isfinite(record["actor/grad_norm"]), record
     if preset == "dapo":
         assert all(r["train/groups_kept"] > 0 for r in train), train
+        assert all(-1 <= r["train/overlong_penalty_mean"] <= 0 for r in train), train
+    if preset == "reinforce_pp":  # the KL penalty in the reward: the reference runs, the loss has no KL term
+        assert all("train/kl_penalty_mean" in r and "actor/ref_kl" in r for r in train), train
 
 
 def _overrides(output_dir, **sections) -> list[str]:

@@ -1,9 +1,14 @@
-"""Advantage estimators against hand-computed values, per-group independence and masking."""
+"""Advantage estimators against hand-computed values, per-group independence and masking; REINFORCE++ with the KL
+penalty in the token rewards and a discount (algorithm.kl_in_reward, algorithm.gamma) as the trainer calls it."""
+
+import statistics
 
 import pytest
 import torch
+from tensordict import TensorDict
 
-from rltrain.algorithms.advantages import ADVANTAGES, compute_advantages
+from rltrain.algorithms.advantages import ADVANTAGES, batch_advantages, compute_advantages, kl_reward
+from rltrain.algorithms.config import AlgorithmConfig, LossConfig
 
 
 def _case():
@@ -52,6 +57,49 @@ def test_reinforce_pp_whitens_over_response_tokens():
     # outcome reward with gamma 1: every token of a response shares its advantage
     torch.testing.assert_close(adv[4], adv[4, :1].expand(4))
     assert adv[5, 0] > adv[4, 0] > adv[1, 0]
+
+
+def _whiten(values: list[float]) -> list[float]:
+    mean, std = statistics.mean(values), statistics.stdev(values)   # stdev: unbiased, over the response tokens
+    return [(v - mean) / std for v in values]
+
+
+def test_reinforce_pp_with_token_rewards_and_discount():
+    """Rewards 1 and 0 on the last tokens of responses of 3 and 2 tokens, per-token terms added, γ = 0.5:
+    response 0: r = (−0.1, −0.2, 1 − 0.3) -> G = (−0.1 + 0.5·0.15, −0.2 + 0.5·0.7, 0.7) = (−0.025, 0.15, 0.7);
+    response 1: r = (−0.4, −0.5) -> G = (−0.4 + 0.5·(−0.5), −0.5) = (−0.65, −0.5); then whitened over the 5 tokens."""
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    penalties = torch.tensor([[-0.1, -0.2, -0.3], [-0.4, -0.5, -7.0]])   # -7 sits on padding: ignored
+    adv = compute_advantages("reinforce_pp", torch.tensor([1.0, 0.0]), mask, torch.tensor([0, 1]),
+                             token_rewards=penalties, gamma=0.5)
+    expected = _whiten([-0.025, 0.15, 0.7, -0.65, -0.5])
+    torch.testing.assert_close(adv[mask.bool()], torch.tensor(expected), rtol=1e-5, atol=1e-5)
+    assert adv[1, 2] == 0
+    undiscounted = compute_advantages("reinforce_pp", torch.tensor([1.0, 0.0]), mask, torch.tensor([0, 1]),
+                                      token_rewards=penalties)   # γ = 1: G = (0.4, 0.5, 0.7), (−0.9, −0.5)
+    torch.testing.assert_close(undiscounted[mask.bool()], torch.tensor(_whiten([0.4, 0.5, 0.7, -0.9, -0.5])),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_kl_in_reward_puts_minus_beta_k1_on_each_token():
+    """kl_reward = −β·(old − ref) per response token; batch_advantages feeds it to reinforce_pp with the
+    configured γ, and logs the mean per-response penalty."""
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]])
+    ref = torch.tensor([[-1.5, -1.0, -0.5], [-0.1, -0.2, -9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    penalty = kl_reward(old, ref, mask, kl_coef=0.1)
+    torch.testing.assert_close(penalty, torch.tensor([[-0.05, 0.1, 0.0], [0.02, 0.05, 0.0]], dtype=torch.float64))
+    batch = TensorDict({"rewards": torch.tensor([1.0, 0.0]), "response_mask": mask, "group_ids": torch.tensor([0, 1]),
+                        "old_logprobs": old, "ref_logprobs": ref}, batch_size=[2])
+    algorithm = AlgorithmConfig(adv_estimator="reinforce_pp", kl_in_reward=True, gamma=0.5,
+                                loss=LossConfig(kl_coef=0.1))
+    advantages, metrics = batch_advantages(batch, algorithm)
+    torch.testing.assert_close(advantages, compute_advantages("reinforce_pp", batch["rewards"], mask,
+                                                              batch["group_ids"], token_rewards=penalty, gamma=0.5))
+    assert metrics["train/kl_penalty_mean"] == pytest.approx(((-0.05 + 0.1) + (0.02 + 0.05)) / 2)
+    without, _ = batch_advantages(batch, AlgorithmConfig(adv_estimator="reinforce_pp", loss=LossConfig(kl_coef=0.1)))
+    assert not torch.allclose(without, advantages)
+    assert algorithm.actor_loss(8).kl_coef == 0.0   # the penalty is in the reward, not in the loss
 
 
 def test_groups_are_independent_of_order():
