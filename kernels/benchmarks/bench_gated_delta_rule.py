@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from delta_rule_bench_common import (add_launch_arguments, apply_launch_overrides, apply_switches,
                                      check_against_reference, force_value_block, outputs_and_grads, rel, sweep_launch,
-                                     switched, worst_errors)
+                                     worst_errors)
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_rule import (
@@ -141,28 +141,21 @@ def precision_checks():
 
 
 def sweep_precision(fla_chunk, H=16, D=128):
-    """Every (dot operands, intermediate storage) of ops/common/precision.py: gradients against the fp32 naive
-    recurrence (bf16 inputs; B1 T300 H2 and B2 T1024 H4, K=V=128), then forward and fwd+bwd at both timed shapes,
-    fla side by side. The first row is the shipped default."""
+    """Each dot precision of ops/common/precision.py for bf16 inputs (LOW_PRECISION_DOT): gradients against the fp32
+    naive recurrence (bf16 inputs; B1 T300 H2 and B2 T1024 H4, K=V=128), then forward and fwd+bwd at both timed
+    shapes, fla side by side. The first row is the shipped default."""
     from rltrain_kernels.ops.common import precision
 
-    names = ("LOW_PRECISION_DOT", "RAW_OPERANDS_NATIVE", "LOW_PRECISION_STORE")
-    default = tuple(getattr(precision, n) for n in names)
-    variants = [default] + [v for v in [("tf32", False, False), ("tf32", True, False), ("tf32", True, True),
-                                        ("bf16", True, False), ("bf16", True, True)] if v != default]
+    default = precision.LOW_PRECISION_DOT
     checks, references = precision_checks()
     rows = []
-    for variant in variants:
-        for n, value in zip(names, variant):
-            setattr(precision, n, value)
-        dot, raw, store = variant
+    for dot in [default] + [d for d in ("bf16", "tf32") if d != default]:
+        precision.LOW_PRECISION_DOT = dot
         out_err, grad_err = worst_errors(chunk_gated_delta_rule, checks, references)
         times = [t for B, T in ((8, 2048), (2, 8192)) for t in time_chunk(chunk_gated_delta_rule, B, T, H, D)]
-        rows.append((f"dots {dot}, raw q/k dots {'bf16' if raw else dot}, store {'bf16' if store else 'fp32'}"
-                     + (" (default)" if variant == default else ""), out_err, grad_err, *times))
+        rows.append((f"dots {dot}" + (" (default)" if dot == default else ""), out_err, grad_err, *times))
         print("  " + " | ".join(f"{x:.3g}" if isinstance(x, float) else str(x) for x in rows[-1]), flush=True)
-    for n, value in zip(names, default):
-        setattr(precision, n, value)
+    precision.LOW_PRECISION_DOT = default
     if fla_chunk is not None:  # its errors by the same measure (its gradients on Hopper: see the module docstring)
         times = [t for B, T in ((8, 2048), (2, 8192)) for t in time_chunk(fla_chunk, B, T, H, D)]
         rows.append(("fla 0.6 (bwd guard bypassed)", *worst_errors(fla_chunk, checks, references), *times))
@@ -171,38 +164,6 @@ def sweep_precision(fla_chunk, H=16, D=128):
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, eo, eg, *t in rows:
         print(f"| {name} | {eo:.1e} | {eg:.1e} | " + " | ".join(f"{x:.3f}" for x in t) + " |")
-
-
-def compare_variants(H=16, D=128):
-    """The structural switches, the shipped default then each one flipped alone: common/scratch.py's
-    TRANSPOSE_VIA_SCRATCH (dSᵀ, Bᵀ through a scratch tile instead of their own dots), common/state_pass.py's U_FROM_T
-    (u formed in the state pass, never stored), W_FREE (δ formed from T and K S, no w read; acts with U_FROM_T),
-    LOCAL_DV_FP32 (the chunk-local Pᵀ dO kept in fp32), REVERSE_W_FREE (the reverse pass forms wᵀ dδ from T) and
-    LOCAL_DV_FUSED (Pᵀ dO formed in the reverse pass). Each: gradients against the fp32 naive recurrence, three runs
-    (a missing barrier would show as a changing error), then forward and fwd+bwd at both timed shapes. The first row
-    is the shipped default."""
-    from rltrain_kernels.ops.common import scratch, state_pass
-
-    switches = ((scratch, "TRANSPOSE_VIA_SCRATCH"), (state_pass, "U_FROM_T"), (state_pass, "W_FREE"),
-                (state_pass, "LOCAL_DV_FP32"), (state_pass, "REVERSE_W_FREE"), (state_pass, "LOCAL_DV_FUSED"))
-    default = tuple(getattr(module, name) for module, name in switches)
-    variants = [default] + [tuple(not x if j == i else x for j, x in enumerate(default)) for i in range(len(default))]
-    checks, references = precision_checks()
-    rows = []
-    for variant in variants:
-        with switched([(module, name, value) for (module, name), value in zip(switches, variant)]):
-            runs = [worst_errors(chunk_gated_delta_rule, checks, references) for _ in range(3)]
-            times = [t for B, T in ((8, 2048), (2, 8192)) for t in time_chunk(chunk_gated_delta_rule, B, T, H, D)]
-        out_err, grad_errs = max(r[0] for r in runs), [r[1] for r in runs]
-        label = ", ".join(f"{name}={value}" for (_, name), value in zip(switches, variant))
-        rows.append((label + (" (default)" if variant == default else ""), out_err, grad_errs, *times))
-        print("  " + " | ".join(str(x) for x in rows[-1]), flush=True)
-    print("\n| variant | worst output err | worst grad err (3 runs) | B8 T2048 fwd ms | fwd+bwd ms | B2 T8192 fwd ms "
-          "| fwd+bwd ms |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, eo, eg, *t in rows:
-        print(f"| {name} | {eo:.1e} | " + " / ".join(f"{e:.2e}" for e in eg) + " | "
-              + " | ".join(f"{x:.3f}" for x in t) + " |")
 
 
 def add_row(rows: list, row: tuple) -> None:
@@ -218,15 +179,12 @@ def main():
                         help="also print ours and fla's per-kernel CUDA time for one forward+backward at B8 T2048, "
                              "and the configs fla's autotuner picked (tuning)")
     parser.add_argument("--precision", action="store_true",
-                        help="sweep the dot / storage precision variants (ops/common/precision.py) and exit")
+                        help="sweep the dot precisions for bf16 inputs (ops/common/precision.py) and exit")
     add_launch_arguments(parser, "wy_bwd=8,2",
                          "sweep warps x stages of these kernels (ops/common/launch.py names; none listed = all) and "
                          "exit",
                          "the state passes' value columns per program: 64 (wide), 32 (narrow), or auto (64 when the "
                          "programs still fill every SM)")
-    parser.add_argument("--compare-variants", action="store_true",
-                        help="time and check the structural switches (TRANSPOSE_VIA_SCRATCH, U_FROM_T, W_FREE, "
-                             "LOCAL_DV_FP32, REVERSE_W_FREE, LOCAL_DV_FUSED), each flipped alone, and exit")
     args = parser.parse_args()
     torch.manual_seed(0)
     apply_launch_overrides(args.launch)
@@ -242,9 +200,6 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}")
     if args.precision:
         sweep_precision(fla_chunk)
-        return
-    if args.compare_variants:
-        compare_variants()
         return
     check_against_naive()
     if args.profile:

@@ -296,7 +296,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
                         help="override ops/common/launch.py entries, e.g. wy_bwd=8,2")
     parser.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
-                        help="set a kernel module's switch, e.g. state_pass.W_FREE=False (as the benches' --set)")
+                        help="set a kernel module's tuning setting, e.g. state_pass.NARROW_BV={} (as the benches' --set)")
     parser.add_argument("--asm", metavar="DIR", help="also write each launch's TTGIR, PTX and SASS into DIR")
     args = parser.parse_args()
     if args.peer and (args.launch or args.set):

@@ -79,7 +79,7 @@ def apply_launch_overrides(overrides: list[str]) -> None:
 
 
 def apply_switches(assignments: list[str]) -> None:
-    """Set module globals of the kernels (the structural and tuning switches) from "MODULE.NAME=VALUE" strings,
+    """Set module globals of the kernels (the tuning settings) from "MODULE.NAME=VALUE" strings,
     MODULE under rltrain_kernels.ops.common (state_pass) or rltrain_kernels.ops (gated_delta_rule.chunk_fwd), VALUE a
     Python literal; SystemExit naming a bad one (no such module or global, or a value of another type)."""
     import ast
@@ -97,7 +97,7 @@ def apply_switches(assignments: list[str]) -> None:
                 continue
         if not module_name or module is None or not hasattr(module, name) or name.startswith("_"):
             raise SystemExit(f"--set {assignment!r}: no switch {target!r} (expected MODULE.NAME=VALUE, e.g. "
-                             "state_pass.LOCAL_DV_FP32=False)")
+                             "state_pass.NARROW_BV={})")
         try:
             value = ast.literal_eval(literal)
         except (ValueError, SyntaxError):
@@ -117,7 +117,7 @@ def add_launch_arguments(parser, launch_example: str, sweep_help: str, value_blo
     parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
                         help=f"override ops/common/launch.py entries for this run, e.g. {launch_example}")
     parser.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
-                        help="set a kernel module's switch for this run, e.g. state_pass.LOCAL_DV_FP32=False or "
+                        help="set a kernel module's tuning setting for this run, e.g. state_pass.NARROW_BV={} or "
                              "gated_delta_rule.chunk_fwd.OUTPUT_BLOCKS='(64, 64)'")
     parser.add_argument("--sweep-launch", nargs="*", metavar="KERNEL", help=sweep_help)
     parser.add_argument("--sweep-warps", nargs="+", type=int, default=[2, 4, 8], metavar="WARPS",

@@ -1,9 +1,9 @@
 """kernels/benchmarks' measuring tools that GPU decisions rest on: the per-kernel dot-precision override (the
 bisection of IPLR's bf16 failure, scripts/gpu_check.sh iplr-bf16; the precision settings of the gated delta
 product's --accuracy sweep) must change exactly the kernel it names and undo cleanly, and the accuracy measurement
-must run. Through the override, a check that ops/common/precision.py's RECURRENCE_DOT reaches exactly the WY and
-state-pass kernels. --value-block must force the state passes' launch it names, and an isolated launch sweep must
-survive a setting that kills its process.
+must run. Through the launchers the override patches, a check that ops/common/precision.py's RECURRENCE_DOT
+reaches exactly the WY and state-pass kernels. --value-block must force the state passes' launch it names, and an
+isolated launch sweep must survive a setting that kills its process.
 
 On the CPU through the Triton interpreter (native on a GPU), at small shapes in bf16.
 """
@@ -75,10 +75,10 @@ def test_override_changes_only_the_named_kernel(device, restore_launchers, monke
 RECURRENCE_KERNELS = ("gated_wy_fwd_kernel", "state_pass_fwd_kernel", "state_pass_bwd_kernel", "gated_wy_bwd_kernel")
 
 
-def test_recurrence_dot_is_the_override_of_the_wy_and_state_pass_kernels(device, restore_launchers, monkeypatch):
-    """precision.RECURRENCE_DOT = "tf32" gives the gated delta product the same numbers, bit for bit, as overriding
-    the four WY and state-pass kernels' DOT_PREC to tf32 with every dot operand stored fp32: the switch reaches those
-    kernels and no other, and stores what feeds them unrounded. And it changes the numbers (it does something)."""
+def test_recurrence_dot_reaches_the_wy_and_state_pass_kernels(device, restore_launchers, monkeypatch):
+    """precision.RECURRENCE_DOT = "tf32" launches the four WY and state-pass kernels of the gated delta product with
+    tf32 dots and every other kernel with its bf16 ones, stores what feeds those dots in fp32 (unrounded), and changes
+    the numbers (it does something). The launches are read off the launchers' run, as the override patches them."""
     from bench_gated_delta_product import with_householder
 
     from rltrain_kernels.ops.common import precision
@@ -93,21 +93,26 @@ def test_recurrence_dot_is_the_override_of_the_wy_and_state_pass_kernels(device,
     inputs = [x.to(device, torch.bfloat16) for x in (q, k, v, g, beta)] + [torch.randn(B, H, D, D, device=device)]
     do = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
     fn = with_householder(chunk_gated_delta_product, n_h)
+    launched: dict[str, set[str]] = {}  # kernel name → the DOT_PREC values it was launched with
 
+    def recording(run):
+        def patched(self, *args, **kwargs):
+            if "DOT_PREC" in kwargs:
+                launched.setdefault(self.fn.__name__, set()).add(kwargs["DOT_PREC"].removesuffix("_interpreted"))
+            return run(self, *args, **kwargs)
+        return patched
+
+    for cls in (JITFunction, InterpretedFunction):
+        monkeypatch.setattr(cls, "run", recording(cls.run))
     shipped = outputs_and_grads(fn, inputs, do)
+    assert set().union(*launched.values()) == {"bf16"}, launched
+    launched.clear()
     monkeypatch.setattr(precision, "RECURRENCE_DOT", "tf32")
     assert precision.recurrence_operand_dtype(torch.bfloat16) == torch.float32
     switched = outputs_and_grads(fn, inputs, do)
-    monkeypatch.setattr(precision, "RECURRENCE_DOT", None)
-    monkeypatch.setattr(precision, "LOW_PRECISION_OPERANDS", False)
-    overrides = [f"{name}=tf32" for name in RECURRENCE_KERNELS]
-    applied = override_dot_precision(overrides)
-    overridden = outputs_and_grads(fn, inputs, do)
-    check_overrides_applied(overrides, applied)
-    restore_dot_precision()
-    names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
-    for name, x, y in zip(names, switched, overridden):
-        assert torch.equal(x, y), name
+    assert set(RECURRENCE_KERNELS) <= launched.keys(), launched
+    for name, precs in launched.items():
+        assert precs == ({"tf32"} if name in RECURRENCE_KERNELS else {"bf16"}), (name, precs)
     assert not torch.equal(switched[1], shipped[1])
 
 
@@ -255,12 +260,13 @@ def test_set_switches_by_name(monkeypatch):
     from rltrain_kernels.ops.common import state_pass
     from rltrain_kernels.ops.gated_delta_rule import chunk_fwd
 
-    monkeypatch.setattr(state_pass, "LOCAL_DV_FP32", state_pass.LOCAL_DV_FP32)
+    monkeypatch.setattr(state_pass, "NARROW_BV", state_pass.NARROW_BV)
     monkeypatch.setattr(chunk_fwd, "OUTPUT_BLOCKS", chunk_fwd.OUTPUT_BLOCKS)
-    apply_switches(["state_pass.LOCAL_DV_FP32=False", "gated_delta_rule.chunk_fwd.OUTPUT_BLOCKS=(32, 16)"])
-    assert state_pass.LOCAL_DV_FP32 is False and chunk_fwd.OUTPUT_BLOCKS == (32, 16)
+    apply_switches(["state_pass.NARROW_BV={}", "gated_delta_rule.chunk_fwd.OUTPUT_BLOCKS=(32, 16)"])
+    assert state_pass.NARROW_BV == {} and chunk_fwd.OUTPUT_BLOCKS == (32, 16)
     for bad, words in (("nowhere.X=1", "no switch 'nowhere.X'"), ("state_pass.NOPE=1", "no switch"),
-                       ("state_pass.U_FROM_T=1", "is a bool, got int"), ("state_pass.U_FROM_T=yes", "not a Python literal")):
+                       ("state_pass.NARROW_BV=1", "is a dict, got int"),
+                       ("state_pass.NARROW_BV=yes", "not a Python literal")):
         with pytest.raises(SystemExit, match=words):
             apply_switches([bad])
 

@@ -25,15 +25,15 @@ def run_report(*args: str) -> subprocess.CompletedProcess:
 
 def test_report_lists_every_launch_of_a_forward_and_backward(tmp_path):
     result = run_report("--B", "1", "--T", "100", "--H", "2", "--D", "32", "--launch", "wy_bwd=8,1",
-                        "--set", "scratch.TRANSPOSE_VIA_SCRATCH=False", "state_pass.U_FROM_T=False",
-                        "--asm", str(tmp_path))
+                        "--set", "state_pass.NARROW_BV={}", "--asm", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines()
             if line.startswith("| ") and "_kernel" in line]
     names = [row[0].strip() for row in rows]
-    # U_FROM_T off (--set): the backward's WY kernel runs again to rebuild u, which the defaults never store
+    # the backward recomputes the states from the stored T (no WY launch) and, in the narrow launch that 2
+    # sequence-heads take, forms Pᵀ dO in local_dv_kernel first
     assert names == ["chunk_local_cumsum_kernel", "gated_wy_fwd_kernel", "state_pass_fwd_kernel",
-                     "chunk_output_fwd_kernel", "gated_wy_fwd_kernel", "state_pass_fwd_kernel", "local_dv_kernel",
+                     "chunk_output_fwd_kernel", "state_pass_fwd_kernel", "local_dv_kernel",
                      "state_pass_bwd_kernel", "chunk_dqkwg_kernel", "gated_wy_bwd_kernel",
                      "chunk_local_cumsum_kernel"]
     for row in rows:

@@ -166,16 +166,6 @@ def test_low_precision_inputs_keep_fp32_states(impl, dtype, device):
     assert_rel_close(ht, ht_ref, threshold=1e-5 if impl == "fused_recurrent" else 5e-3, name="final_state")
 
 
-def test_chunk_with_u_stored_by_the_wy_kernel(device, monkeypatch):
-    """common/state_pass.py's U_FROM_T off (u written by the WY kernel and read back, not formed in the state pass)
-    on the expanded sequence: outputs and gradients against float64."""
-    from rltrain_kernels.ops.common import state_pass
-
-    monkeypatch.setattr(state_pass, "U_FROM_T", False)
-    inputs = make_inputs(1, 40, 1, 16, 32, 3, HV=2, device=device, initial_state=True, requires_grad=True)
-    check_gradients(chunk_gated_delta_product, *inputs, 3, threshold=(1e-5, 2e-5))
-
-
 @pytest.mark.parametrize("impl", ["fused_recurrent", "chunk"])
 def test_varlen_l2norm_forward(impl, device):
     fn = fused_recurrent_gated_delta_product if impl == "fused_recurrent" else chunk_gated_delta_product

@@ -19,11 +19,9 @@ from rltrain_kernels.ops.iplr_delta_rule import (
     naive_recurrent_iplr_delta_rule,
 )
 from tests.helpers import (
-    assert_bitwise_equal,
     assert_rel_close,
     case_id,
     force_state_pass_value_block,
-    outputs_and_grads_per_setting,
     spy_launches,
 )
 
@@ -357,34 +355,19 @@ def test_output_pass_blocks_change_no_result(blocks, device, monkeypatch):
 
 
 @pytest.mark.parametrize("regime", REGIMES)
-def test_bf16_dots_within_the_bars_and_their_operand_storage_changes_no_number(regime, device, monkeypatch):
-    """IPLR with bf16 dots (precision.IPLR_LOW_PRECISION_DOT, the default for bf16 inputs): within the bf16 bars,
-    and storing T, w, h, X, dh, dX, dw in bf16 (precision.LOW_PRECISION_OPERANDS) gives the same outputs and
-    gradients bit for bit, as those tensors feed nothing but dots that round to bf16 anyway."""
-    from rltrain_kernels.ops.common import precision, state_pass
+def test_bf16_dots_within_the_bars(regime, device):
+    """IPLR with bf16 dots (precision.IPLR_LOW_PRECISION_DOT, the default for bf16 inputs): within the bf16 bars, with
+    T, w, h, X, dh, dX, dw stored bf16 (they feed nothing but dots that round to bf16 anyway)."""
+    from rltrain_kernels.ops.common import precision
 
-    monkeypatch.setattr(precision, "IPLR_LOW_PRECISION_DOT", "bf16")
-    # dX's chunk-local part in fp32 on both sides: off, it is rounded to dX's storage dtype by design (LOCAL_DV_FP32)
-    monkeypatch.setattr(state_pass, "LOCAL_DV_FP32", True)
+    assert precision.iplr_operand_dtype(torch.bfloat16) == torch.bfloat16
     inputs = make_inputs(1, 100, 2, 32, 16, dtype=torch.bfloat16, regime=regime, device=device,
                          initial_state=True, requires_grad=True)
     check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(5e-3, 1e-2))
-    do = torch.randn(1, 100, 2, 16, device=device, dtype=torch.bfloat16)
-    dtypes = []
-
-    def store_low(low):
-        monkeypatch.setattr(precision, "LOW_PRECISION_OPERANDS", low)
-        dtypes.append(precision.iplr_operand_dtype(torch.bfloat16))
-
-    results = outputs_and_grads_per_setting(chunk_iplr_delta_rule, inputs, do, (True, False), store_low)
-    assert dtypes == [torch.bfloat16, torch.float32]
-    assert_bitwise_equal(results[True], results[False], ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"],
-                         "bf16 operand storage")
 
 
 def test_tf32_dots_setting_for_bf16_inputs(device, monkeypatch):
-    """IPLR_LOW_PRECISION_DOT = "tf32" (the default before 2026-11-23, still a setting): fp32 intermediates, within
-    the bf16 bars."""
+    """IPLR_LOW_PRECISION_DOT = "tf32" (a setting): fp32 intermediates, within the bf16 bars."""
     from rltrain_kernels.ops.common import precision
 
     monkeypatch.setattr(precision, "IPLR_LOW_PRECISION_DOT", "tf32")
@@ -392,28 +375,6 @@ def test_tf32_dots_setting_for_bf16_inputs(device, monkeypatch):
     inputs = make_inputs(1, 100, 2, 32, 16, dtype=torch.bfloat16, device=device, initial_state=True,
                          requires_grad=True)
     check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(5e-3, 1e-2))
-
-
-@pytest.mark.parametrize("regime", REGIMES)
-def test_raw_input_products_in_their_own_dtype_change_no_number(regime, device, monkeypatch):
-    """The products of two bf16 inputs (a kᵀ, a bᵀ, q bᵀ, k qᵀ, kᵀ v) run as bf16 dots (precision.RAW_OPERANDS_NATIVE)
-    beside the tf32 ones: exact products either way, so the same numbers (bit for bit on the interpreter; on a GPU
-    the tensor cores may sum a dot's products in another order)."""
-    from rltrain_kernels.ops.common import precision
-
-    inputs = make_inputs(1, 100, 2, 32, 16, dtype=torch.bfloat16, regime=regime, device=device,
-                         initial_state=True, requires_grad=True)
-    do = torch.randn(1, 100, 2, 16, device=device, dtype=torch.bfloat16)
-    def raw_native(native):
-        monkeypatch.setattr(precision, "RAW_OPERANDS_NATIVE", native)
-
-    results = outputs_and_grads_per_setting(chunk_iplr_delta_rule, inputs, do, (True, False), raw_native)
-    names = ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"]
-    if device == "cpu":
-        assert_bitwise_equal(results[True], results[False], names, "raw products in bf16")
-    else:
-        for name, x, y in zip(names, results[True], results[False]):
-            assert_rel_close(x, y, threshold=1e-5, name=name)
 
 
 def test_fused_recurrent_gradients_via_chunk_backward(device):

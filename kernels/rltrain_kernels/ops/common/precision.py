@@ -40,14 +40,11 @@ import triton.language as tl
 # The chunk products' dots for bf16 inputs: "bf16" or "tf32" (fp16 inputs always use "tf32": fp16's range would
 # overflow computed operands such as the chunk states; fp32 inputs always "ieee").
 LOW_PRECISION_DOT = "bf16"
-# Products of two raw bf16/fp16 inputs in their own dtype (exact) rather than as fp32 in DOT_PREC.
-RAW_OPERANDS_NATIVE = True
-# Store h, δ and dh in bf16 for bf16 inputs (fp32 otherwise): half the bytes of the passes between kernels.
-LOW_PRECISION_STORE = True
-# Store T, w, dδ and dw, the intermediates that only ever feed DOT_PREC dots, in the dots' operand dtype (bf16 with
-# bf16 dots): rounded once on the store instead of in every dot that reads them, the same numbers at half the bytes
-# (tests/kernels/ops/test_gated_delta_rule.py::test_operand_storage_changes_no_number checks it bit for bit).
-LOW_PRECISION_OPERANDS = True
+# Products of two raw bf16/fp16 inputs run in their own dtype (raw_precision: exact, where tf32 would cost the rate
+# the table's "raw q,k dots" column shows); h, δ and dh are stored bf16 for bf16 inputs (work_dtype: half the bytes of
+# the passes between kernels); T, w, dδ and dw, which only ever feed DOT_PREC dots, are stored in the dots' operand
+# dtype (operand_dtype: rounded once on the store instead of in every dot that reads them, the same numbers at half
+# the bytes).
 # The IPLR kernels' dots for bf16 inputs (H100): every IPLR GPU test passes (worst B2 T1024 errors 3.4e-3 outputs,
 # 5.3e-3 gradients) and bf16 H16 K=V=128 fwd+bwd runs 3.94 ms at B8 T2048, 4.20 at B2 T8192, against 6.35 and 7.10
 # with "tf32". It needs the state passes at 2+ stages: at 1 stage Triton 3.6 miscompiles them (common/launch.py).
@@ -101,7 +98,7 @@ def _interpreted() -> bool:
 
 def raw_precision(dtype: torch.dtype) -> str:
     """RAW_PREC: the dot precision of a product of two raw inputs of `dtype` (exact in bf16/fp16)."""
-    if not RAW_OPERANDS_NATIVE or dtype not in (torch.bfloat16, torch.float16):
+    if dtype not in (torch.bfloat16, torch.float16):
         return dot_precision(dtype)
     native = "bf16" if dtype == torch.bfloat16 else "fp16"
     return native + ("_interpreted" if _interpreted() else "")
@@ -123,10 +120,10 @@ def sixteen_bit_dots(dot_prec: str) -> bool:
 def operand_dtype(dtype: torch.dtype, dot_prec: str | None = None) -> torch.dtype:
     """Storage dtype of the intermediates that only ever feed DOT_PREC dots (T, w, dδ, dw; in IPLR also h, X, dh)
     for inputs of `dtype` and dots in `dot_prec` (default dot_precision(dtype)): the dots' own operand dtype, bf16
-    when the dots are bf16 and LOW_PRECISION_OPERANDS is on (stored through cast_for_store, they round exactly as the
-    dot's own cast would), else fp32."""
+    when the dots are bf16 (stored through cast_for_store, they round exactly as the dot's own cast would), else
+    fp32."""
     dot_prec = dot_prec or dot_precision(dtype)
-    low = LOW_PRECISION_OPERANDS and dtype == torch.bfloat16 and dot_prec.startswith("bf16")
+    low = dtype == torch.bfloat16 and dot_prec.startswith("bf16")
     return torch.bfloat16 if low else torch.float32
 
 
@@ -141,8 +138,8 @@ def recurrence_operand_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Storage dtype of the chunk intermediates for inputs of `dtype` (see LOW_PRECISION_STORE)."""
-    return torch.bfloat16 if LOW_PRECISION_STORE and dtype == torch.bfloat16 else torch.float32
+    """Storage dtype of the chunk intermediates h, δ and dh for inputs of `dtype`: bf16 for bf16 inputs."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
 @triton.jit

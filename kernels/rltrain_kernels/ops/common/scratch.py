@@ -1,16 +1,13 @@
 """Transposing a [BT, BT] tile that a tensor-core dot produced, through a scratch tile in global memory.
 
 Triton 3.4–3.7.0 miscompiles tl.trans of a dot result on Hopper (fla #640: its layout conversion gave wrong dk), so
-the backward kernels build such transposes (the WY backward's Bᵀ, the dq/dk/dw/dG pass's dSᵀ; in IPLR's WY backward
-k_iᵀa_j and two T-sandwiches) as dots of their own from loaded tiles: 4–10 more 64×64 products and one more
-[64, 64] fp32 accumulator per program. The alternative here (fla #826's fix of #640) stores the tile, synchronises
-the program's threads, and loads it back with transposed addressing: 8 KiB (bf16) per program through L2, no dot,
-no extra accumulator.
-
-TRANSPOSE_VIA_SCRATCH picks the alternative. Both paths compute the same function and the CPU tests run both
-(bench_gated_delta_rule.py --compare-variants times both on a GPU and checks their gradients). On H100 the scratch
-takes the gated delta rule's bf16 fwd+bwd from 2.65 to 2.55 ms at B8 T2048 and 2.92 to 2.81 at B2 T8192 (H16
-K=V=128), gradients within 1e-5 of the dots' (4.46e-3 vs the fp32 reference either way).
+the gated delta rule's backward kernels (the WY backward's Bᵀ, the dq/dk/dw/dG pass's dSᵀ) store the tile,
+synchronise the program's threads, and load it back with transposed addressing (fla #826's fix of #640): 8 KiB
+(bf16) per program through L2, no dot, no extra accumulator. Rebuilding the transpose as dots of its own from loaded
+tiles instead (as IPLR's WY backward does for k_iᵀa_j and two T-sandwiches) costs 4–10 more 64×64 products and one
+more [64, 64] fp32 accumulator per program: on H100 the scratch takes the gated delta rule's bf16 fwd+bwd from 2.65
+to 2.55 ms at B8 T2048 and 2.92 to 2.81 at B2 T8192 (H16 K=V=128), gradients within 1e-5 of the dots' (4.46e-3 vs
+the fp32 reference either way).
 """
 
 from __future__ import annotations
@@ -22,14 +19,9 @@ import triton.language as tl
 from .chunking import ChunkLayout
 from .precision import cast_for_store
 
-TRANSPOSE_VIA_SCRATCH = True
 
-
-def scratch_tiles(layout: ChunkLayout, heads: int, dtype: torch.dtype, device) -> torch.Tensor | None:
-    """One [BT, BT] tile per (chunk, head) program in `dtype` when TRANSPOSE_VIA_SCRATCH is on, else None (the
-    kernels' SCRATCH_T is then off and they never touch the pointer)."""
-    if not TRANSPOSE_VIA_SCRATCH:
-        return None
+def scratch_tiles(layout: ChunkLayout, heads: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """One [BT, BT] tile per (chunk, head) program in `dtype`."""
     BT = layout.chunk_size
     return torch.empty(layout.num_chunks, heads, BT, BT, dtype=dtype, device=device)
 

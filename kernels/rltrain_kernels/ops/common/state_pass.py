@@ -2,19 +2,18 @@
 
 Forward, per (sequence, value head, V block), chunk by chunk with the [K, BV] fp32 state S in registers:
     store S (the state at the chunk's start, for the output pass and the backward)
-    δ = u − w S                                  (the chunk's corrected values, "v_new"; u = T diag(β) V is read,
-                                                  or formed here from T when U_FROM_T is on, and with W_FREE too
-                                                  δ = T diag(β)(V − diag(γ) K S), no w read)
+    δ = u − w S = T diag(β)(V − diag(γ) K S)     (the chunk's corrected values, "v_new", formed from T, v, β and
+                                                  the k tile: neither u nor w is ever stored)
     S ← γ_last S + (diag(exp(G_last − G)) K)ᵀ δ   (γ_last = exp(G_last), the chunk's total decay)
 
 Backward, chunks in reverse, with dS = ∂L/∂(state at the chunk's end) (the final-state gradient to start):
     store dS (per chunk: the gradient of the state the chunk hands on)
     dδ = Pᵀ dO + diag(exp(G_last − G)) K dS,      P_ij = scale q_iᵀk_j exp(G_i − G_j) (j ≤ i)
-    dS ← γ_last dS + scale (diag(γ) Q)ᵀ dO − wᵀ dδ   (with REVERSE_W_FREE wᵀ dδ = Kᵀ diag(βγ) Tᵀ dδ, no w read;
+    dS ← γ_last dS + scale (diag(γ) Q)ᵀ dO − wᵀ dδ   (wᵀ dδ = Kᵀ diag(βγ) Tᵀ dδ, formed from T: no w read;
                                                   IPLR: −wᵀ dδ = Aᵀ Y with Y = Tᵀ dδ stored in dδ's place)
 and the dS left after the first chunk is the initial-state gradient. The chunk-local term Pᵀ dO needs no state:
-in the wide launch the reverse pass forms it itself off the chunk's chain (LOCAL_DV_FUSED); in the narrow one a
-chunk-parallel kernel computes it first (once per chunk, not once per V block inside the latency-bound loop).
+in the wide launch the reverse pass forms it itself off the chunk's chain; in the narrow one a chunk-parallel
+kernel (local_dv_kernel) computes it first (once per chunk, not once per V block inside the latency-bound loop).
 With a query stride NH > 1 (the gated delta product's n_h sub-steps per token) q and dO hold one row per token,
 the query of row t·NH + NH − 1 of the expanded axis, and the other rows' queries are zero: the backward kernels
 read them in place (query_rows) instead of from zero-scattered expanded copies.
@@ -43,51 +42,30 @@ from .precision import (
 )
 from .wy import gated_wy_fwd
 
-# The forward state pass forms u = T diag(β) V per chunk itself (T, v and β loaded: a 64×64 dot per chunk and V
-# block, off the loop's dependence on S) instead of reading the fp32 u that the WY kernel wrote: 3 of the ~14 passes
-# over a [tokens, heads, 128] bf16 tensor that the forward makes (and again in the backward's recomputation). The
-# same numbers. H100, bench_gated_delta_rule.py --compare-variants, bf16 H16 K=V=128: fwd 0.695 → 0.640 ms and
-# fwd+bwd 2.55 → 2.43 at B8 T2048; at B2 T8192 within noise (fwd 0.774 → 0.797, fwd+bwd 2.808 → 2.818).
-U_FROM_T = True
-# The forward state pass forms δ = u − w S = T diag(β) (V − diag(γ) K S) from T, k, v and β (K S a [64, K] × [K, BV]
-# dot on the k tile that the state update reads anyway, then one [64, 64] × [64, BV] dot with T) instead of reading
-# w: the forward's WY kernel then writes no w, and the pass holds no w tiles (shared memory 113 → 81 KiB: two blocks
-# per SM). V − diag(γ) K S cancels in fp32 before anything is rounded. The backward still has the WY kernel write w
-# for its reverse pass. Needs U_FROM_T. H100, bf16 B8 T2048 H16 K=V=128, --profile: forward
-# state pass kernels 0.34 → 0.32 ms, WY forward 0.31 → 0.27, all kernels of a forward+backward 2.05 → 2.00 ms.
-W_FREE = True
-# The chunk-local Pᵀ dO (local_dv_kernel) kept in fp32 until the reverse pass adds diag(e^{G_L−G}) K dS to it and
-# rounds the sum once to dδ's operand dtype (True), or stored in dδ's dtype, in dδ's own buffer (False, as fla does):
-# bf16 with bf16 dots, rounded twice at half the bytes. Off: H100, bf16 B8 T2048 H16 K=V=128,
-# --profile, local_dv 0.13 → 0.10 ms, reverse pass 0.29 → 0.27; worst gradient error 4.4616e-3 → 4.4615e-3.
-LOCAL_DV_FP32 = False
-# The reverse state pass forms wᵀ dδ = Kᵀ diag(β γ) (Tᵀ dδ) from T, β and the k tile it reads anyway (a [64, 64] ×
-# [64, BV] dot more on the chunk's chain) instead of reading w (w = T diag(β γ) K, common/wy.py): the backward then
-# recomputes no w at all (its WY kernel had nothing else to do: no launch), and the pass holds a [64, 64] T tile
-# where it held a [64, K] w tile. Gated delta rule and product (IPLR always runs its own form, w = −T A from T and a,
-# storing Y = Tᵀ dδ in dδ's place: iplr_delta_rule/chunk_bwd.py).
-# H100, bf16 B8 T2048 H16 K=V=128, --profile: the backward's WY kernel (0.07 ms) gone, the reverse pass
-# 0.26 → 0.29 ms at 4 warps / 2 stages (121.5 KiB: still one block per SM) or 0.25 at 1 stage; with LOCAL_DV_FUSED
-# 0.23 at 2 stages.
-REVERSE_W_FREE = True
-# The chunk-local Pᵀ dO computed inside the reverse pass (from the q, k and dO tiles it loads anyway; off the chunk's
-# dependence on dS, so it fills the chain's stalls) instead of by local_dv_kernel first: no launch, no fp32 or bf16
-# round trip of it through memory, dδ rounded once. Costs a [64, K] × [K, 64] and a [64, 64] × [64, BV] dot per
-# chunk and V block in the sequential pass (once per V block where the separate kernel does it once per chunk).
-# Taken in the wide launch only (programs fill every SM: the pass is throughput-bound and the extra dots fill its
-# stalls); the narrow one is latency-bound, and there the separate chunk-parallel kernel wins.
-# H100, bf16 H16 K=V=128, --profile, with REVERSE_W_FREE: at B8 T2048 (wide) reverse pass 0.25 → 0.23 ms and
-# local_dv_kernel's 0.10 ms gone, at 4 warps / 2 stages (96 bytes spilled; 1 stage 0.29, 8 warps 0.38–0.52); at
-# B2 T8192 (narrow) fused 0.46 ms against 0.32 + 0.10 for the two kernels.
-LOCAL_DV_FUSED = True
+# Why the passes form u, w S and wᵀ dδ from T rather than reading u and w (H100, bf16 H16 K=V=128,
+# bench_gated_delta_rule.py --profile): forming u = T diag(β) V in the forward pass (a 64×64 dot per chunk and V block,
+# off the loop's dependence on S) saves 3 of the ~14 passes over a [tokens, heads, 128] bf16 tensor that the forward
+# makes: fwd 0.695 → 0.640 ms and fwd+bwd 2.55 → 2.43 at B8 T2048, within noise at B2 T8192. Forming δ = T diag(β)
+# (V − diag(γ) K S) (K S a dot on the k tile the state update reads anyway) lets the WY kernel write no w and the pass
+# hold no w tiles (shared memory 113 → 81 KiB: two blocks per SM): forward state pass 0.34 → 0.32 ms, WY forward
+# 0.31 → 0.27; V − diag(γ) K S cancels in fp32 before anything is rounded. Forming wᵀ dδ = Kᵀ diag(βγ) (Tᵀ dδ) in the
+# reverse pass removes the backward's w recomputation (its WY kernel, 0.07 ms, is not launched) at a [64, 64] T tile
+# where a [64, K] w tile was and one more dot on the chunk's chain (reverse pass 0.26 → 0.29 ms alone, 0.23 with the
+# chunk-local term below fused, B8 T2048).
+# The chunk-local Pᵀ dO of the reverse pass: formed inside the pass in the wide launch (programs fill every SM, the
+# pass is throughput-bound and the extra dots fill its stalls: B8 T2048 reverse pass 0.25 → 0.23 ms and the separate
+# kernel's 0.10 ms gone, at 4 warps / 2 stages); computed first by the chunk-parallel local_dv_kernel in the narrow
+# launch, which is latency-bound (B2 T8192: fused 0.46 ms against 0.32 + 0.10 for the two kernels). The separate
+# kernel stores it in dδ's own buffer and dtype (bf16 with bf16 dots, as fla does): local_dv 0.13 → 0.10 ms and the
+# reverse pass 0.29 → 0.27 against an fp32 buffer, worst gradient error 4.4616e-3 → 4.4615e-3.
 
 
 @triton.jit
 def state_pass_fwd_kernel(
-    k, w, u, v, beta, Ai, G, h, v_new, h0, ht, cu_seqlens, chunk_offsets,
+    k, v, beta, Ai, G, h, v_new, h0, ht, cu_seqlens, chunk_offsets,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
-    STORE_FINAL_STATE: tl.constexpr, DOT_PREC: tl.constexpr, U_FROM_T: tl.constexpr, W_FREE: tl.constexpr,
+    STORE_FINAL_STATE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences × heads on axis 0 (no 65535 limit)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -112,25 +90,16 @@ def state_pass_fwd_kernel(
             last = tl.minimum(bos + (i_t + 1) * BT, eos) - 1
             b_G_last = tl.load(G + last * HV + i_hv)
             b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
-        # w, T and k feed only dots: loaded as stored, they reach the tensor cores from shared memory (mm)
+        # T and k feed only dots: loaded as stored, they reach the tensor cores from shared memory (mm)
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        if U_FROM_T:  # T, β and v in place of the u the WY kernel would have written (W_FREE needs them too)
-            b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
-            b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-            b_vin = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        if W_FREE:  # δ = T diag(β) (V − diag(γ) K S)
-            b_ks = mm(b_k, b_h, DOT_PREC)
-            if USE_G:
-                b_ks = b_ks * tl.exp(b_G)[:, None]
-            b_v = mm(b_T, (b_vin - b_ks) * b_beta[:, None], DOT_PREC)
-        else:
-            b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                          other=0.0)
-            if U_FROM_T:  # −u = T diag(−β) V
-                b_nu = mm(b_T, b_vin * -b_beta[:, None], DOT_PREC)
-            else:
-                b_nu = -tl.load(u + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-            b_v = -mma(b_w, b_h, b_nu, DOT_PREC)  # δ = u − w S, w S accumulated onto −u in the dot
+        b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+        b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+        b_vin = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        # δ = T diag(β) (V − diag(γ) K S)
+        b_ks = mm(b_k, b_h, DOT_PREC)
+        if USE_G:
+            b_ks = b_ks * tl.exp(b_G)[:, None]
+        b_v = mm(b_T, (b_vin - b_ks) * b_beta[:, None], DOT_PREC)
         tl.store(v_new + p_v, cast_for_store(b_v, v_new, DOT_PREC), mask=m_t[:, None] & m_v[None, :])
         if USE_G:
             b_v = b_v * tl.where(m_t, tl.exp(b_G_last - b_G), 0.0)[:, None]
@@ -198,10 +167,10 @@ def local_dv_kernel(
 
 @triton.jit
 def state_pass_bwd_kernel(
-    q, k, w, Ai, beta, a, G, do, dv_local, dv, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
+    q, k, Ai, beta, a, G, do, dv, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
-    STORE_INITIAL_STATE_GRADIENT: tl.constexpr, DOT_PREC: tl.constexpr, NH: tl.constexpr, W_FREE: tl.constexpr,
+    STORE_INITIAL_STATE_GRADIENT: tl.constexpr, DOT_PREC: tl.constexpr, NH: tl.constexpr,
     FUSE_LOCAL: tl.constexpr, LOCAL_PREC: tl.constexpr, RAW_PREC: tl.constexpr, W_FROM_A: tl.constexpr,
     A_IN_REGISTERS: tl.constexpr,
 ):
@@ -228,20 +197,18 @@ def state_pass_bwd_kernel(
         m_t = o_t < eos
         o_q, m_q = query_rows(o_t, m_t, NH)
         m_tk = m_t[:, None] & m_k[None, :]
-        # q, k, w and T feed only dots, loaded as stored (see the forward); the gates scale the dots' other operand
+        # q, k and T feed only dots, loaded as stored (see the forward); the gates scale the dots' other operand
         # or result rows instead: dO's rows (64 × BV rather than q's 64 × K), and k dS's rows after the dot
         b_q = tl.load(q + (o_q[:, None] * H + i_h) * K + o_k[None, :], mask=m_q[:, None] & m_k[None, :], other=0.0)
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-        if W_FREE:  # wᵀ dδ = Kᵀ diag(β γ) Tᵀ dδ: T and β in place of w (IPLR: −wᵀ dδ = Aᵀ Tᵀ dδ, T and a)
-            b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
-            if W_FROM_A:
-                b_a = tl.load(a + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
-                if A_IN_REGISTERS:
-                    b_a = b_a.to(tl.float32)
-            else:
-                b_wscale = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+        # wᵀ dδ = Kᵀ diag(β γ) Tᵀ dδ: T and β in place of w (IPLR: −wᵀ dδ = Aᵀ Tᵀ dδ, T and a)
+        b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+        if W_FROM_A:
+            b_a = tl.load(a + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+            if A_IN_REGISTERS:
+                b_a = b_a.to(tl.float32)
         else:
-            b_w = tl.load(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
+            b_wscale = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         b_do = tl.load(do + (o_q[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_q[:, None] & m_v[None, :],
@@ -253,15 +220,15 @@ def state_pass_bwd_kernel(
             b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)
             b_kdh = b_kdh * tl.where(m_t, tl.exp(b_G_last - b_G), 0.0)[:, None]
             b_dos = b_do.to(tl.float32) * (tl.exp(b_G) * scale)[:, None]
-            if W_FREE and not W_FROM_A:
+            if not W_FROM_A:
                 b_wscale = b_wscale * tl.exp(b_G)
         else:
             b_G = None
             b_dos = b_do.to(tl.float32) * scale
         if FUSE_LOCAL:  # Pᵀ dO here, off the chunk's chain (q, k and dO are loaded anyway)
             b_dv = mma(local_pt(b_q, b_k, b_G, m_t, scale, BT, USE_G, RAW_PREC), b_do, b_kdh, LOCAL_PREC)
-        else:  # dv_local holds Pᵀ dO from local_dv_kernel (see LOCAL_DV_FP32); dv may be the same buffer
-            b_dv = tl.load(dv_local + p_v, mask=m_tv, other=0.0) + b_kdh
+        else:  # dv holds Pᵀ dO from local_dv_kernel, in dv's dtype
+            b_dv = tl.load(dv + p_v, mask=m_tv, other=0.0) + b_kdh
         if W_FROM_A:  # IPLR: Y = Tᵀ dδ stored in dδ's place (every later consumer of dδ reads it through Tᵀ)
             b_dv = mm(tl.trans(b_T), b_dv, DOT_PREC)
         tl.store(dv + p_v, cast_for_store(b_dv, dv, DOT_PREC), mask=m_tv)
@@ -270,11 +237,9 @@ def state_pass_bwd_kernel(
         b_dh = mma(tl.trans(b_q), b_dos, b_dh, DOT_PREC)
         if W_FROM_A:
             b_dh = mma(tl.trans(b_a), b_dv, b_dh, DOT_PREC)
-        elif W_FREE:
+        else:
             b_ndx = mm(tl.trans(b_T), -b_dv, DOT_PREC) * b_wscale[:, None]  # −diag(β γ) Tᵀ dδ
             b_dh = mma(tl.trans(b_k), b_ndx, b_dh, DOT_PREC)
-        else:
-            b_dh = mma(tl.trans(b_w), -b_dv, b_dh, DOT_PREC)
     if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, b_dh, mask=m_h)
 
@@ -315,17 +280,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def state_pass_fwd(k, w, u, G, initial_state, output_final_state: bool, layout: ChunkLayout, v=None, beta=None,
-                   Ai=None):
-    """→ (h [chunks, HV, K, V] chunk-start states, v_new [tokens, HV, V] (both in work_dtype(k.dtype)), final state
-    (fp32) or None). u [tokens, HV, V], or None with v, beta and the T matrices Ai given: u formed in the pass; w
-    [tokens, HV, K], or None (with u None too): δ formed from T and K S (W_FREE)."""
-    if u is None and (v is None or beta is None or Ai is None):
-        raise ValueError("state_pass_fwd: without u it needs v, beta and Ai to form u = T diag(beta) V")
-    if w is None and u is not None:
-        raise ValueError("state_pass_fwd: without w it forms δ from T, v and beta: pass u=None with them")
+def state_pass_fwd(k, v, beta, Ai, G, initial_state, output_final_state: bool, layout: ChunkLayout):
+    """k [tokens, H, K], v [tokens, HV, V], beta [tokens, HV], the T matrices Ai [tokens, HV, BT] → (h [chunks, HV,
+    K, V] chunk-start states, v_new [tokens, HV, V] (both in work_dtype(k.dtype)), final state (fp32) or None);
+    δ = T diag(β)(V − diag(γ) K S) formed in the pass."""
     TT, H, K = k.shape
-    HV, V = (u if u is not None else v).shape[1:]
+    HV, V = v.shape[1:]
     N = layout.num_seqs
     name, BK, BV = state_launch("state_pass_fwd", N * HV, K, V, k.device)
     if initial_state is not None:
@@ -336,48 +296,44 @@ def state_pass_fwd(k, w, u, G, initial_state, output_final_state: bool, layout: 
     v_new = torch.empty(TT, HV, V, dtype=work_dtype(k.dtype), device=k.device)
     ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
     state_pass_fwd_kernel[(N * HV, triton.cdiv(V, BV))](
-        k, w, u, v, beta, Ai, G, h, v_new, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, HV=HV,
+        k, v, beta, Ai, G, h, v_new, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, HV=HV,
         K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
-        DOT_PREC=recurrence_dot_precision(k.dtype), U_FROM_T=u is None, W_FREE=w is None, **launch(name))
+        DOT_PREC=recurrence_dot_precision(k.dtype), **launch(name))
     return h, v_new, ht
 
 
-def chunk_states_fwd(k, v, beta, G, initial_state, output_final_state: bool, layout: ChunkLayout, Ai=None,
-                     need_w: bool = False):
-    """The WY kernel then the forward state pass (u formed in the pass when U_FROM_T is on, δ without w when W_FREE
-    is on too) → (Ai, w (None unless need_w or the pass reads it), h, v_new, final state or None). With Ai given (the
-    backward's recomputation) the WY kernel skips the solve."""
-    w_free = W_FREE and U_FROM_T
-    Ai, w, u = gated_wy_fwd(k, v, beta, G, layout, Ai=Ai, store_u=not U_FROM_T, store_w=need_w or not w_free)
-    # (with Ai given and nothing to store, gated_wy_fwd launches nothing)
-    h, v_new, ht = state_pass_fwd(k, None if w_free else w, u, G, initial_state, output_final_state, layout, v=v,
-                                  beta=beta, Ai=Ai)
-    return Ai, w, h, v_new, ht
+def chunk_states_fwd(k, v, beta, G, initial_state, output_final_state: bool, layout: ChunkLayout, Ai=None):
+    """The WY kernel's solve (skipped with Ai given: the backward's recomputation) then the forward state pass →
+    (Ai, h, v_new, final state or None)."""
+    if Ai is None:
+        Ai = gated_wy_fwd(k, beta, G, layout)
+    h, v_new, ht = state_pass_fwd(k, v, beta, Ai, G, initial_state, output_final_state, layout)
+    return Ai, h, v_new, ht
 
 
-def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: ChunkLayout,
+def state_pass_bwd(q, k, G, do, dht, scale: float, need_dh0: bool, layout: ChunkLayout, Ai, beta=None, a=None,
                    dot_prec: str | None = None, dh_dtype: torch.dtype | None = None,
-                   dv_dtype: torch.dtype | None = None, query_stride: int = 1, Ai=None, beta=None, a=None):
+                   dv_dtype: torch.dtype | None = None, query_stride: int = 1):
     """→ (dh [chunks, HV, K, V] in dh_dtype (default work_dtype(k.dtype)): gradient of each chunk's end state,
     dv [tokens, HV, V] in dv_dtype (default recurrence_operand_dtype(k.dtype)): ∂L/∂δ, dh0 [N, HV, K, V] fp32 or
     None). dot_prec: both kernels' DOT_PREC, by default dot_precision for the chunk-local Pᵀ dO and
     recurrence_dot_precision for the reverse pass. dv feeds only dots downstream, so storing it in their operand
-    dtype changes no number; its chunk-local part is formed in the reverse pass (LOCAL_DV_FUSED, wide launch) or
-    goes through a buffer first (fp32 with LOCAL_DV_FP32, else dv itself).
+    dtype changes no number; its chunk-local part is formed in the reverse pass (wide launch) or by local_dv_kernel
+    into dv first (narrow launch).
     query_stride NH: q [tokens / NH, H, K] and do [tokens / NH, HV, V] hold the queries of every NH-th row (see the
-    module docstring); k, w, G and the outputs span every row.
-    w None: the gated WY's w = T diag(β γ) K formed from Ai (T) and beta instead (REVERSE_W_FREE), or with `a`
-    [tokens, H, K] given (IPLR, no gate), w = −T A: then dS gets Aᵀ Y and dv holds Y = Tᵀ dδ instead of dδ."""
+    module docstring); k, G and the outputs span every row.
+    w is formed from Ai (T): the gated WY's w = T diag(β γ) K with beta, or with `a` [tokens, H, K] given instead
+    (IPLR, no gate) w = −T A: then dS gets Aᵀ Y and dv holds Y = Tᵀ dδ instead of dδ."""
     local_prec = dot_prec or dot_precision(q.dtype)
     state_prec = dot_prec or recurrence_dot_precision(q.dtype)
     TT, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     N = layout.num_seqs
-    if w is None and (Ai is None or (beta is None and a is None)):
-        raise ValueError("state_pass_bwd: without w it forms wᵀ dδ from T and beta (or a): pass Ai and beta (or a)")
-    if a is not None and (w is not None or G is not None):
-        raise ValueError("state_pass_bwd: a (IPLR's w = −T A) goes without w and without a gate")
+    if (beta is None) == (a is None):
+        raise ValueError("state_pass_bwd: it forms wᵀ dδ from T and either beta (gated WY) or a (IPLR): pass one")
+    if a is not None and G is not None:
+        raise ValueError("state_pass_bwd: a (IPLR's w = −T A) goes without a gate")
     if q.shape[0] * query_stride != TT or do.shape[0] * query_stride != TT:
         raise ValueError(f"state_pass_bwd: q and do need k's {TT} rows / query_stride {query_stride}, got "
                          f"{q.shape[0]} and {do.shape[0]}")
@@ -386,19 +342,18 @@ def state_pass_bwd(q, k, w, G, do, dht, scale: float, need_dh0: bool, layout: Ch
         dht = dht.contiguous()  # read as dense [N, HV, K, V]; autograd may hand it in expanded or strided
     dh = torch.empty(layout.num_chunks, HV, K, V, dtype=dh_dtype or work_dtype(k.dtype), device=k.device)
     dv = torch.empty(TT, HV, V, dtype=dv_dtype or recurrence_operand_dtype(k.dtype), device=k.device)
-    dv_local = dv if dv.dtype == torch.float32 or not LOCAL_DV_FP32 else torch.empty_like(dv, dtype=torch.float32)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if need_dh0 else None
-    fuse_local = LOCAL_DV_FUSED and name.endswith("_wide")
+    fuse_local = name.endswith("_wide")  # Pᵀ dO formed in the reverse pass: see the note above state_pass_fwd_kernel
     if layout.num_chunks and not fuse_local:
         local_dv_kernel[(layout.num_chunks, HV)](
-            q, k, G, do, dv_local, layout.cu_seqlens, layout.chunk_indices, scale, H=H, HV=HV, K=K, V=V,
+            q, k, G, do, dv, layout.cu_seqlens, layout.chunk_indices, scale, H=H, HV=HV, K=K, V=V,
             BT=layout.chunk_size, BK=BK, BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None,
             DOT_PREC=local_prec, RAW_PREC=raw_precision(q.dtype), NH=query_stride, **launch("local_dv"))
     state_pass_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
-        q, k, w, Ai, beta, a, G, do, dv_local, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H,
+        q, k, Ai, beta, a, G, do, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H,
         HV=HV, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None,
         USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=state_prec,
-        NH=query_stride, W_FREE=w is None, W_FROM_A=a is not None,
+        NH=query_stride, W_FROM_A=a is not None,
         A_IN_REGISTERS=K > 128 or IPLR_A_IN_REGISTERS["wide" if name.endswith("_wide") else "narrow"],
         FUSE_LOCAL=fuse_local, LOCAL_PREC=local_prec, RAW_PREC=raw_precision(q.dtype), **launch(name))
     return dh, dv, dh0

@@ -4,13 +4,13 @@ Within a chunk (local index i, chunk-local cumulative gate G_i, γ_i = exp(G_i))
     S_i = γ_i S_0 + Σ_{j≤i} exp(G_i − G_j) k_j δ_jᵀ,   δ = u − w S_0,
 with  A_ij = β_i exp(G_i − G_j) k_iᵀk_j (i > j, else 0),  T = (I + A)⁻¹  (unit lower triangular),
       w = T diag(β γ) K,   u = T diag(β) V.
-This module builds A, solves for T in registers (forward substitution, one row per step) and forms w and u.
-T is stored ([tokens, heads, chunk]) so the backward can rebuild w and u without the solve.
+This module builds A and solves for T in registers (forward substitution, one row per step). T is stored
+([tokens, heads, chunk]); w and u are never stored: the state passes form their products from T (common/state_pass.py),
+and the backward reuses T without the solve.
 
 Dot precision: common/precision.py (recurrence_dot_precision: this kernel, its backward and the state passes may
-run tf32 dots where the rest runs bf16). T and w feed only those dots, so they are stored in the dots' operand
-dtype (recurrence_operand_dtype: bf16 with bf16 dots, which round them so anyway). u stays fp32: δ = u − w S
-cancels, and rounding u to bf16 showed up as 3e-3 in the final state, against 1e-7 with fp32.
+run tf32 dots where the rest runs bf16). T feeds only those dots, so it is stored in the dots' operand dtype
+(recurrence_operand_dtype: bf16 with bf16 dots, which round it so anyway).
 """
 
 from __future__ import annotations
@@ -63,10 +63,9 @@ def solve_unit_lower(b_A, BT: tl.constexpr, SOLVE_PREC: tl.constexpr):
 
 @triton.jit
 def gated_wy_fwd_kernel(
-    k, v, beta, G, Ai, w, u, cu_seqlens, chunk_indices,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, LOAD_AI: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr,
-    RAW_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr, STORE_W: tl.constexpr, STORE_U: tl.constexpr,
+    k, beta, G, Ai, cu_seqlens, chunk_indices,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, USE_G: tl.constexpr,
+    DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -83,57 +82,30 @@ def gated_wy_fwd_kernel(
     else:
         b_G = tl.zeros([BT], dtype=tl.float32)
     p_Ai = Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :]
-    if LOAD_AI:
-        b_T = tl.load(p_Ai, mask=m_t[:, None], other=0.0).to(tl.float32)
-    else:
-        b_A = tl.zeros([BT, BT], dtype=tl.float32)
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :],
-                          mask=m_t[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
-            b_A += mm(b_k, tl.trans(b_k), RAW_PREC)
-        m_A = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
-        b_A = tl.where(m_A, b_A * b_beta[:, None] * tl.exp(tl.where(m_A, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
-        b_T = solve_unit_lower(b_A, BT, SOLVE_PREC)
-        tl.store(p_Ai, cast_for_store(b_T, Ai, DOT_PREC), mask=m_t[:, None])
-    if STORE_W:  # else the state pass forms w S from T and K S itself (common/state_pass.py: W_FREE)
-        b_kscale = b_beta * tl.exp(b_G)
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_k = m_t[:, None] & (o_k < K)[None, :]
-            b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
-            b_w = mm(b_T, b_k * b_kscale[:, None], DOT_PREC)
-            tl.store(w + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(b_w, w, DOT_PREC), mask=m_k)
-    if STORE_U:  # else the state pass forms u from T itself (common/state_pass.py: U_FROM_T)
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_v = m_t[:, None] & (o_v < V)[None, :]
-            b_v = tl.load(v + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_v, other=0.0).to(tl.float32)
-            b_u = mm(b_T, b_v * b_beta[:, None], DOT_PREC)
-            tl.store(u + (o_t[:, None] * HV + i_hv) * V + o_v[None, :], b_u, mask=m_v)
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :],
+                      mask=m_t[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
+        b_A += mm(b_k, tl.trans(b_k), RAW_PREC)
+    m_A = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_A = tl.where(m_A, b_A * b_beta[:, None] * tl.exp(tl.where(m_A, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+    b_T = solve_unit_lower(b_A, BT, SOLVE_PREC)
+    tl.store(p_Ai, cast_for_store(b_T, Ai, DOT_PREC), mask=m_t[:, None])
 
 
-def gated_wy_fwd(k, v, beta, G, layout: ChunkLayout, Ai=None, store_u: bool = True, store_w: bool = True):
-    """k [tokens, H, K], v [tokens, HV, V], beta/G [tokens, HV] (G fp32 chunk-local cumsum or None) →
-    (Ai [tokens, HV, BT] = T and w [tokens, HV, K] (None without store_w) in recurrence_operand_dtype(k.dtype),
-    u [tokens, HV, V] fp32, or None without store_u). With Ai given, skip the solve and only rebuild w (and u): the
-    backward's recomputation; nothing is launched when neither is wanted."""
+def gated_wy_fwd(k, beta, G, layout: ChunkLayout):
+    """k [tokens, H, K], beta/G [tokens, HV] (G fp32 chunk-local cumsum or None) → Ai [tokens, HV, BT] = T in
+    recurrence_operand_dtype(k.dtype)."""
     TT, H, K = k.shape
-    HV, V = v.shape[1], v.shape[2]
+    HV = beta.shape[1]
     BT = layout.chunk_size
     if BT % 16 or not 16 <= BT <= 64:
         raise ValueError(f"chunk_size must be 16, 32, 48 or 64 (the solve works in 16-row blocks), got {BT}")
-    load_ai = Ai is not None
-    if load_ai and not (store_w or store_u):
-        return Ai, None, None  # nothing to rebuild
-    if Ai is None:
-        Ai = torch.empty(TT, HV, BT, dtype=recurrence_operand_dtype(k.dtype), device=k.device)
-    w = torch.empty(TT, HV, K, dtype=recurrence_operand_dtype(k.dtype), device=k.device) if store_w else None
-    u = torch.empty(TT, HV, V, dtype=torch.float32, device=k.device) if store_u else None
+    Ai = torch.empty(TT, HV, BT, dtype=recurrence_operand_dtype(k.dtype), device=k.device)
     if layout.num_chunks:
         gated_wy_fwd_kernel[(layout.num_chunks, HV)](
-            k, v, beta, G, Ai, w, u, layout.cu_seqlens, layout.chunk_indices, H=H, HV=HV, K=K, V=V, BT=BT,
-            BK=min(64, triton.next_power_of_2(K)), BV=min(64, triton.next_power_of_2(V)), LOAD_AI=load_ai,
-            USE_G=G is not None, DOT_PREC=recurrence_dot_precision(k.dtype), RAW_PREC=raw_precision(k.dtype),
-            SOLVE_PREC=solve_precision(k.dtype), STORE_W=store_w, STORE_U=store_u, **launch("wy_fwd"))
-    return Ai, w, u
+            k, beta, G, Ai, layout.cu_seqlens, layout.chunk_indices, H=H, HV=HV, K=K, BT=BT,
+            BK=min(64, triton.next_power_of_2(K)), USE_G=G is not None, DOT_PREC=recurrence_dot_precision(k.dtype),
+            RAW_PREC=raw_precision(k.dtype), SOLVE_PREC=solve_precision(k.dtype), **launch("wy_fwd"))
+    return Ai

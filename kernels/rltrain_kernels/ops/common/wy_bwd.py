@@ -27,7 +27,6 @@ def gated_wy_bwd_kernel(
     k, v, beta, G, Ai, dw, du, dk, dk_out, dv, dbeta, dG, scratch, cu_seqlens, chunk_indices,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
-    SCRATCH_T: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -48,18 +47,13 @@ def gated_wy_bwd_kernel(
     # dT = (dw Kᵀ diag(γ) + du Vᵀ) diag(β): the gates scale dT's columns (dTᵀ's rows) after the dots, so k, dw, v
     # and du reach the dots as stored (common/precision.py mm) and k is not rounded after scaling
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dTt = tl.zeros([BT, BT], dtype=tl.float32)  # dTᵀ, see the note at its use (unused with SCRATCH_T)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
         b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_k, other=0.0)
         b_dw = tl.load(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_k, other=0.0)
         b_dT = mma(b_dw, tl.trans(b_k), b_dT, DOT_PREC)
-        if not SCRATCH_T:
-            b_dTt = mma(b_k, tl.trans(b_dw), b_dTt, DOT_PREC)
     b_dT = b_dT * b_gamma[None, :]
-    if not SCRATCH_T:
-        b_dTt = b_dTt * b_gamma[:, None]
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -68,14 +62,10 @@ def gated_wy_bwd_kernel(
         b_v = tl.load(v + p_v, mask=m_v, other=0.0)
         b_du = tl.load(du + p_v, mask=m_v, other=0.0)
         b_dT = mma(b_du, tl.trans(b_v), b_dT, DOT_PREC)
-        if not SCRATCH_T:
-            b_dTt = mma(b_v, tl.trans(b_du), b_dTt, DOT_PREC)
         b_dvt = mm(tl.trans(b_T), b_du, DOT_PREC)
         b_dbeta += tl.sum(b_dvt * b_v.to(tl.float32), 1)
         tl.store(dv + p_v, cast_for_store(b_dvt * b_beta[:, None], dv, DOT_PREC), mask=m_v)
     b_dT = b_dT * b_beta[None, :]
-    if not SCRATCH_T:
-        b_dTt = b_dTt * b_beta[:, None]
     # dA = −Tᵀ dT Tᵀ on the strict lower triangle.
     m_A = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_dA = mm(mm(tl.trans(b_T), b_dT, DOT_PREC), tl.trans(b_T), DOT_PREC)
@@ -86,15 +76,8 @@ def gated_wy_bwd_kernel(
     b_dG = tl.zeros([BT], dtype=tl.float32)
     # B (strictly lower) and Bᵀ (strictly upper) never overlap: their sum is exact, and one dot per K block takes it.
     # Bᵀ is not tl.trans(b_B): transposing a tensor-core dot result is miscompiled on Hopper by Triton 3.4–3.7.0
-    # (fla #640: wrong dk). Either a round trip through a scratch tile (common/scratch.py) or, by default, rebuilt
-    # from dTᵀ (dAᵀ = −T dTᵀ T; dTᵀ accumulated as its own dots above): two more dots per chunk.
-    if SCRATCH_T:
-        b_BBt = b_B + transpose_via_scratch(b_B, scratch, i_c, i_hv, HV, BT, DOT_PREC)
-    else:
-        m_At = (o_i[:, None] < o_i[None, :]) & m_t[:, None] & m_t[None, :]
-        b_dAt = mm(mm(b_T, b_dTt, DOT_PREC), b_T, DOT_PREC)
-        b_Et = tl.where(m_At, tl.exp(tl.where(m_At, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
-        b_BBt = b_B + tl.where(m_At, -b_dAt, 0.0) * b_Et * b_beta[None, :]
+    # (fla #640: wrong dk), so it makes a round trip through a scratch tile (common/scratch.py).
+    b_BBt = b_B + transpose_via_scratch(b_B, scratch, i_c, i_hv, HV, BT, DOT_PREC)
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = m_t[:, None] & (o_k < K)[None, :]
@@ -135,6 +118,5 @@ def gated_wy_bwd(k, v, beta, G, Ai, dw, du, dk, dG, layout: ChunkLayout, dk_fina
             k, v, beta, G, Ai, dw, du, dk, dk_out, dv, dbeta, dG, scratch, layout.cu_seqlens, layout.chunk_indices,
             H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=min(64, triton.next_power_of_2(K)),
             BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None,
-            DOT_PREC=recurrence_dot_precision(k.dtype), RAW_PREC=raw_precision(k.dtype),
-            SCRATCH_T=scratch is not None, **launch("wy_bwd"))
+            DOT_PREC=recurrence_dot_precision(k.dtype), RAW_PREC=raw_precision(k.dtype), **launch("wy_bwd"))
     return dk_out, dv, dbeta

@@ -46,7 +46,7 @@ class ChunkGatedDeltaProductFunction(torch.autograd.Function):
         g_sub = to_first_substep(g, n_h) if g is not None else beta.new_zeros(beta.shape, dtype=torch.float32)
         k_f, v_f, beta_f = _flat(k), _flat(v), _flat(beta)
         G = chunk_local_cumsum(_flat(g_sub), layout)
-        Ai, _, h, v_new, ht = chunk_states_fwd(k_f, v_f, beta_f, G, initial_state, output_final_state, layout)
+        Ai, h, v_new, ht = chunk_states_fwd(k_f, v_f, beta_f, G, initial_state, output_final_state, layout)
         o = strided_output_fwd(_flat(q), k_f, v_new, h, G, scale, n_h, layout, v.dtype)
         ctx.save_for_backward(q, k, v, beta, initial_state, G, Ai)
         ctx.layout, ctx.scale, ctx.num_householder = layout, scale, n_h

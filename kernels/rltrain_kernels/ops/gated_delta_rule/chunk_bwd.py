@@ -1,7 +1,7 @@
-"""Chunked gated delta rule, backward: recompute the chunk states S and δ (from the stored T; and w unless the
-reverse pass forms it, common/state_pass.py: REVERSE_W_FREE); run the reverse
-state pass (dS per chunk, dδ, dh0); the per-chunk pass below (dq, dk, dw, dG); the WY backward (dk, dv, dβ, dG);
-the reverse chunk-local cumsum dG → dg; and sum dq, dk over each GVA group of value heads.
+"""Chunked gated delta rule, backward: recompute the chunk states S and δ (from the stored T); run the reverse state
+pass (dS per chunk, dδ, dh0; it forms wᵀ dδ from T too, common/state_pass.py); the per-chunk pass below (dq, dk, dw,
+dG); the WY backward (dk, dv, dβ, dG); the reverse chunk-local cumsum dG → dg; and sum dq, dk over each GVA group
+of value heads.
 
 Per chunk, with S the chunk-start state, dS' the gradient of the chunk-end state, P_ij = scale q_iᵀk_j e^{G_i−G_j}
 (j ≤ i) and γ = exp(G), γ_L its last entry:
@@ -20,7 +20,6 @@ import triton.language as tl
 from ..common.chunking import ChunkLayout
 from ..common.cumsum import chunk_local_cumsum
 from ..common.launch import launch
-from ..common import state_pass
 from ..common.state_pass import chunk_states_fwd, query_rows, state_pass_bwd
 from ..common.precision import (
     cast_for_store,
@@ -47,8 +46,7 @@ DQKWG_BV = 64
 def chunk_dqkwg_kernel(
     q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, scratch, cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr, SCRATCH_T: tl.constexpr,
-    NH: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr, NH: tl.constexpr,
 ):
     i_c, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -68,7 +66,6 @@ def chunk_dqkwg_kernel(
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)   # δ dS'ᵀ
     b_ndw = tl.zeros([BT, BK], dtype=tl.float32)  # −dw (accumulated with +, so each dot accumulates in place)
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dPt = tl.zeros([BT, BT], dtype=tl.float32)  # dPᵀ, see the note at its use (unused with SCRATCH_T)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
     p_state = (i_hc * HV + i_hv) * K * V + o_k[:, None] * V
     for i_v in range(tl.cdiv(V, BV)):
@@ -87,8 +84,6 @@ def chunk_dqkwg_kernel(
         b_dk = mma(b_vn, tl.trans(b_dh), b_dk, DOT_PREC)
         b_ndw = mma(b_dv, tl.trans(b_h), b_ndw, DOT_PREC)
         b_dP = mma(b_do, tl.trans(b_vn), b_dP, DOT_PREC)
-        if not SCRATCH_T:
-            b_dPt = mma(b_vn, tl.trans(b_do), b_dPt, DOT_PREC)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
     tl.store(dw + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(-b_ndw, dw, DOT_PREC), mask=m_tk)
     # q and k as stored for the dots, widened for the row sums
@@ -110,14 +105,8 @@ def chunk_dqkwg_kernel(
     b_dG -= b_term
     b_dG += tl.where(o_t == last, tl.sum(b_term, 0) + tl.exp(b_G_last) * tl.sum(b_hdh, 0), 0.0)
     # dSᵀ is not tl.trans(b_dS): transposing a tensor-core dot result is miscompiled on Hopper by Triton 3.4–3.7.0
-    # (fla #640: wrong dk). Either a round trip through a scratch tile (common/scratch.py) or, by default, rebuilt
-    # from dPᵀ (accumulated above as its own dots: one more [BT, BV] dot per V block).
-    if SCRATCH_T:
-        b_dk = mma(transpose_via_scratch(b_dS, scratch, i_c, i_hv, HV, BT, DOT_PREC), b_q, b_dk, DOT_PREC)
-    else:
-        m_At = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
-        b_Et = tl.where(m_At, tl.exp(tl.where(m_At, b_G[None, :] - b_G[:, None], 0.0)), 0.0)
-        b_dk = mma(b_dPt * b_Et * scale, b_q, b_dk, DOT_PREC)
+    # (fla #640: wrong dk), so it makes a round trip through a scratch tile (common/scratch.py).
+    b_dk = mma(transpose_via_scratch(b_dS, scratch, i_c, i_hv, HV, BT, DOT_PREC), b_q, b_dk, DOT_PREC)
     tl.store(dq + (o_q[:, None] * HV + i_hv) * K + o_k[None, :], cast_for_store(b_dq, dq, DOT_PREC),
              mask=m_qk)
     tl.store(dk + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_dk, mask=m_tk)
@@ -145,8 +134,7 @@ def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout
             q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, scratch, layout.cu_seqlens, layout.chunk_indices,
             layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size,
             BK=triton.next_power_of_2(K), BV=min(DQKWG_BV if wide else 32, triton.next_power_of_2(V)),
-            DOT_PREC=dot_prec, RAW_PREC=raw_precision(q.dtype), SCRATCH_T=scratch is not None, NH=query_stride,
-            **launch("dqkwg"))
+            DOT_PREC=dot_prec, RAW_PREC=raw_precision(q.dtype), NH=query_stride, **launch("dqkwg"))
     return dq, dk, dw, dG
 
 
@@ -160,10 +148,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, beta, scale: float, initial_state, G, Ai
     TT, H, K = k.shape
     HV = v.shape[1]
     gva = HV != H
-    w_free = state_pass.REVERSE_W_FREE  # the reverse pass forms wᵀ dδ from T and β: no w recomputed
-    _, w, h, v_new, _ = chunk_states_fwd(k, v, beta, G, initial_state, False, layout, Ai=Ai, need_w=not w_free)
-    dh, dv_new, dh0 = state_pass_bwd(q, k, None if w_free else w, G, do, dht, scale, initial_state is not None,
-                                     layout, query_stride=query_stride, Ai=Ai, beta=beta)
+    _, h, v_new, _ = chunk_states_fwd(k, v, beta, G, initial_state, False, layout, Ai=Ai)
+    dh, dv_new, dh0 = state_pass_bwd(q, k, G, do, dht, scale, initial_state is not None, layout, Ai, beta=beta,
+                                     query_stride=query_stride)
     dq, dk, dw, dG = chunk_dqkwg(q, k, v_new, h, dh, do, dv_new, G, scale, layout,
                                  dq_dtype=torch.float32 if gva else q.dtype, query_stride=query_stride)
     dk, dv, dbeta = gated_wy_bwd(k, v, beta, G, Ai, dw, dv_new, dk, dG, layout, dk_final=not gva)

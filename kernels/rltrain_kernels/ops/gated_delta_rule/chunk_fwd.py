@@ -86,6 +86,6 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale: float, initial_state, ou
     (o [tokens, HV, V] in v's dtype, final state or None, G fp32 chunk-local gate cumsum, Ai: the T matrices in
     recurrence_operand_dtype(k.dtype))."""
     G = chunk_local_cumsum(g, layout)
-    Ai, _, h, v_new, ht = chunk_states_fwd(k, v, beta, G, initial_state, output_final_state, layout)
+    Ai, h, v_new, ht = chunk_states_fwd(k, v, beta, G, initial_state, output_final_state, layout)
     o = chunk_output_fwd(q, k, v_new, h, G, scale, layout, v.dtype)
     return o, ht, G, Ai
