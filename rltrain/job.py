@@ -142,6 +142,12 @@ class JobConfig:
             require(device == "cuda", "actor.fsdp.cpu_offload", f"needs a CUDA device (trainer.device resolves to "
                     f"{device})")
         self._validate_rollout_layout(device, ranks)
+        policy = delta_rule_policy(self.model) if self.rollout.engine == "vllm" else None
+        require(policy is None, "rollout.engine", f"'vllm' cannot serve the delta-rule policy {policy}: vLLM 0.32 "
+                "runs hybrid models only through its own linear-attention layers and state cache (Mamba, Qwen3-Next's "
+                "GDN), and rltrain registers none of this family's layers (gated delta rule, gated delta product, "
+                "IPLR) with it; use rollout.engine=hf, which decodes with the fused-recurrent kernels",
+                self.rollout.engine)
         try:  # import the plugin once here, so a bad file or name fails before Ray starts, not in the reward worker
             load_reward_fn(self.reward.path, self.reward.name)
         except (OSError, ImportError, ValueError) as err:  # their messages start with reward.path: / reward.name:
@@ -172,6 +178,21 @@ def resolve_device(device: str) -> str:
     import torch
 
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+def delta_rule_policy(model: ModelConfig) -> str | None:
+    """The delta-rule policy (rltrain_kernels.models' hybrid_delta family) `model` names, described, or None: the
+    embedded default with a delta-rule arch, or a model directory whose config.json has that model_type."""
+    import json
+
+    if model.path is None:
+        return None if model.embedded.arch == "qwen3" else f"model.embedded.arch={model.embedded.arch}"
+    config = os.path.join(model.path, "config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            if json.load(f).get("model_type") == "hybrid_delta":
+                return f"{model.path} (model_type hybrid_delta)"
+    return None
 
 
 def load_job_config(cfg) -> JobConfig:

@@ -68,7 +68,8 @@ def resolve_model_and_data(job: JobConfig):
 class GRPOTrainer:
     def __init__(self, job: JobConfig):
         import transformers
-        from transformers import AutoTokenizer
+
+        from rltrain.workers.policy import load_tokenizer
 
         transformers.utils.logging.disable_progress_bar()
         self.job = job
@@ -79,7 +80,7 @@ class GRPOTrainer:
             raise ConfigError("trainer.device: 'cuda' was asked for but this machine shows no CUDA device")
         self.device = resolve_device(device)
         self.model_dir, train_rows, val_rows = resolve_model_and_data(job)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, padding_side="left")
+        self.tokenizer = load_tokenizer(self.model_dir, padding_side="left")
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         limit = job.data.max_prompt_length

@@ -1,4 +1,14 @@
-"""The embedded policy: a small Qwen3 built from a config, and its supervised warm start (cached on disk).
+"""The embedded policy: a small model built from a config — a Qwen3, or with `arch` a delta-rule policy of
+rltrain_kernels.models' hybrid family — and its supervised warm start (cached on disk).
+
+Archs (`model.embedded.arch`), each with its own layer count unless num_layers is set:
+    qwen3    2 attention layers (transformers' Qwen3)
+    hybrid   4 layers: 3 Gated DeltaNet (gated delta rule) : 1 attention, Qwen3-Next's mix, repeated for more
+             layers; the last layer is attention whatever the count
+    gdp      2 Gated DeltaProduct layers (2 Householder steps per token), no attention
+    iplr     2 IPLR delta-rule layers, no attention
+The delta-rule archs keep Qwen3's attention, MLP and norms, and give their linear-attention layers num_heads heads
+of head_dim (keys and values).
 
 The warm start trains on the task's training prompts and answers until its greedy accuracy on a fixed sample of
 training problems reaches `warmstart_target_accuracy` (checked every `warmstart_eval_every` steps), so RL starts
@@ -24,10 +34,18 @@ from rltrain.data.rows import PromptRow
 logger = logging.getLogger(__name__)
 
 
+ARCHS = ("qwen3", "hybrid", "gdp", "iplr")
+# the token mixers of an arch's layers, repeated to num_layers; None: a Qwen3
+ARCH_LAYERS = {"qwen3": None, "hybrid": ("gated_delta_rule",) * 3 + ("full_attention",),
+               "gdp": ("gated_delta_product",), "iplr": ("iplr",)}
+DEFAULT_LAYERS = {"qwen3": 2, "hybrid": 4, "gdp": 2, "iplr": 2}
+
+
 @dataclass
 class EmbeddedModelConfig:
+    arch: str = "qwen3"                    # qwen3 | hybrid | gdp | iplr (module docstring)
     hidden_size: int = 128
-    num_layers: int = 2
+    num_layers: int = 0                    # 0 = the arch's own (DEFAULT_LAYERS)
     num_heads: int = 4
     head_dim: int = 32
     warmstart_steps: int = 600             # upper bound on supervised steps
@@ -37,7 +55,9 @@ class EmbeddedModelConfig:
     warmstart_lr: float = 3e-3
 
     def validate(self):
-        for key in ("hidden_size", "num_layers", "num_heads", "head_dim", "warmstart_batch_size"):
+        require(self.arch in ARCHS, "arch", f"must be one of {', '.join(ARCHS)}", self.arch)
+        require(self.num_layers >= 0, "num_layers", "must be >= 0 (0 = the arch's own)", self.num_layers)
+        for key in ("hidden_size", "num_heads", "head_dim", "warmstart_batch_size"):
             require(getattr(self, key) >= 1, key, "must be >= 1", getattr(self, key))
         require(self.warmstart_steps >= 0, "warmstart_steps", "must be >= 0", self.warmstart_steps)
         require(0 < self.warmstart_target_accuracy <= 1, "warmstart_target_accuracy", "must be in (0, 1]",
@@ -45,18 +65,35 @@ class EmbeddedModelConfig:
         require(self.warmstart_eval_every >= 1, "warmstart_eval_every", "must be >= 1", self.warmstart_eval_every)
 
 
+def layer_types(config: EmbeddedModelConfig) -> list[str] | None:
+    """The arch's token mixer per layer (None for a Qwen3). A hybrid's last layer is always attention, so fewer
+    than 4 layers still mix both kinds."""
+    pattern = ARCH_LAYERS[config.arch]
+    count = config.num_layers or DEFAULT_LAYERS[config.arch]
+    if pattern is None:
+        return None
+    return [pattern[-1] if config.arch == "hybrid" and i == count - 1 else pattern[i % len(pattern)]
+            for i in range(count)]
+
+
 def build_model(config: EmbeddedModelConfig, tokenizer, seed: int):
     import transformers as tf
 
     torch.manual_seed(seed)
-    qwen = tf.Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=2 * config.hidden_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_heads, head_dim=config.head_dim, max_position_embeddings=256,
-        tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id)
-    qwen._attn_implementation = "eager"
-    return tf.AutoModelForCausalLM.from_config(qwen, dtype=torch.float32)
+    dims = dict(vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=2 * config.hidden_size,
+                num_attention_heads=config.num_heads, num_key_value_heads=config.num_heads, head_dim=config.head_dim,
+                max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
+    mixers = layer_types(config)
+    if mixers is None:
+        model_config = tf.Qwen3Config(num_hidden_layers=config.num_layers or DEFAULT_LAYERS["qwen3"], **dims)
+    else:
+        from rltrain_kernels.models import HybridDeltaConfig
+
+        model_config = HybridDeltaConfig(layer_types=mixers, linear_num_heads=config.num_heads,
+                                         linear_head_dim=config.head_dim, **dims)
+    model_config._attn_implementation = "eager"
+    return tf.AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
 
 
 def _sft_batch(rows: list[PromptRow], tokenizer):

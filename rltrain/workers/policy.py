@@ -23,6 +23,15 @@ def set_threads(num_threads: int) -> None:
     torch.set_num_threads(num_threads if num_threads > 0 else max(1, os.cpu_count() or 1))
 
 
+def load_tokenizer(path: str, **kwargs):
+    """A model directory's tokenizer. The delta-rule families are registered first: transformers reads the
+    directory's config.json to pick the tokenizer and warns about a model_type it does not know."""
+    import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families with the Auto classes)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
 def load_policy(path: str, dtype: str, kernel_config: dict | None, device: str, attn_implementation: str = "auto"):
     import transformers as tf
     import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families with the Auto classes)

@@ -26,9 +26,9 @@ class RewardConfig:
 
 class RewardWorker:
     def __init__(self, config: RewardConfig, tokenizer_path: str):
-        from transformers import AutoTokenizer
+        from rltrain.workers.policy import load_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.tokenizer = load_tokenizer(tokenizer_path)
         self.pool = RewardPool(config.path, config.name, config.timeout_s, config.num_workers)
 
     def score(self, response_ids: torch.Tensor, response_mask: torch.Tensor, rows: list[PromptRow]):

@@ -102,6 +102,8 @@ def test_every_algorithm_preset_validates(preset):
     ("kernel_config.delta_rule_recurrence_dot=fp8",
      "kernel_config.delta_rule_recurrence_dot: must be auto, bf16, tf32 (got 'fp8')"),
     ("data.task.operators=/", "data.task.operators: must be a non-empty subset"),
+    ("model.embedded.arch=mamba", "model.embedded.arch: must be one of qwen3, hybrid, gdp, iplr (got 'mamba')"),
+    ("model.embedded.num_layers=-1", "model.embedded.num_layers: must be >= 0 (0 = the arch's own) (got -1)"),
     ("rollout.engine=sglang", "rollout.engine: must be one of hf, vllm (got 'sglang')"),
     ("rollout.stop=[Answer]", "rollout.stop: needs rollout.engine=vllm"),
     ("rollout.kv_cache_gb=0", "rollout.kv_cache_gb: must be null or > 0"),
@@ -145,6 +147,32 @@ def test_vllm_engine_without_vllm_names_the_key_and_the_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
     with pytest.raises(ConfigError, match=r"rollout.engine: 'vllm' needs the vllm package.*rltrain\[vllm\]"):
         load_job_config(_compose("rollout.engine=vllm"))
+
+
+def test_vllm_engine_refuses_delta_rule_policies(monkeypatch, tmp_path):
+    """vLLM cannot serve rltrain_kernels.models' hybrid family: the embedded delta-rule archs and a model directory
+    of model_type hybrid_delta are refused up front (never a silent fallback to hf); a Qwen3 directory is not."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    refusal = "rollout.engine: 'vllm' cannot serve the delta-rule policy "
+    for arch in ("hybrid", "gdp", "iplr"):
+        with pytest.raises(ConfigError) as err:
+            load_job_config(_compose("rollout.engine=vllm", f"model.embedded.arch={arch}"))
+        assert str(err.value).startswith(refusal + f"model.embedded.arch={arch}"), err.value
+        assert "use rollout.engine=hf" in str(err.value)
+        assert load_job_config(_compose("rollout.engine=hf", f"model.embedded.arch={arch}"))
+    for model_type, refused in (("hybrid_delta", True), ("qwen3", False)):
+        (tmp_path / model_type).mkdir()
+        (tmp_path / model_type / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+        overrides = ("rollout.engine=vllm", f"model.path={tmp_path / model_type}")
+        if refused:
+            with pytest.raises(ConfigError, match=re.escape(refusal + f"{tmp_path / model_type} (model_type")):
+                load_job_config(_compose(*overrides))
+        else:
+            load_job_config(_compose(*overrides))
 
 
 @pytest.mark.parametrize("overrides, message", [

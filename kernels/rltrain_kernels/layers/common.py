@@ -51,28 +51,31 @@ class ShortConvolution(nn.Module):
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, C = x.shape
+        weight = self.weight[:, 0].to(x.dtype)                           # [C, W]: tap W − 1 is the current token
         if cu_seqlens is not None:
-            return self._packed(x, cu_seqlens), None
+            return F.silu(self._packed(x[0], weight, cu_seqlens))[None], None
         if state is None:
             state = x.new_zeros(B, C, self.conv_size - 1)
-        full = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, W − 1 + T]
-        y = F.conv1d(full, self.weight.to(x.dtype), groups=C)            # [B, C, T]: token t sees t − W + 1 .. t
-        return F.silu(y).transpose(1, 2), full[..., -(self.conv_size - 1):]
+        full = torch.cat([state.to(x.dtype).transpose(1, 2), x], dim=1)  # [B, W − 1 + T, C]
+        # token t sees t − W + 1 .. t: W shifted multiply-adds (CPU's depthwise conv1d backward ran ~100× slower
+        # than these at the embedded default's sizes; on GPU both are memory-bound, a few passes over x)
+        y = x * weight[:, -1]
+        for shift in range(1, self.conv_size):
+            y = y + full[:, self.conv_size - 1 - shift: self.conv_size - 1 - shift + T] * weight[:, -1 - shift]
+        return F.silu(y), full[:, -(self.conv_size - 1):].transpose(1, 2)
 
-    def _packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """x [1, T, C] of sequences packed at cu_seqlens: each token sees only its own sequence's earlier tokens
-        (as if every sequence started from a zero state). W shifted multiply-adds over [T, C]: no [T, C, W]
-        window tensor, so a 16k-token row of 4k channels needs no more than a few copies of x."""
-        row, T = x[0], x.shape[1]
-        offsets, tokens = cu_seqlens.long(), torch.arange(T, device=x.device)
+    def _packed(self, row: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """The conv (before SiLU) of row [T, C], sequences packed at cu_seqlens: each token sees only its own
+        sequence's earlier tokens, as if every sequence started from a zero state."""
+        T = row.shape[0]
+        offsets, tokens = cu_seqlens.long(), torch.arange(T, device=row.device)
         sequence = torch.searchsorted(offsets[1:], tokens, right=True)   # the sequence holding each token
         position = tokens - offsets[sequence]                             # its index within that sequence
-        weight = self.weight[:, 0].to(x.dtype)                           # [C, W]: tap W − 1 is the current token
         y = row * weight[:, -1]
         for shift in range(1, min(self.conv_size, T + 1)):
             shifted = F.pad(row[:-shift], (0, 0, shift, 0))               # token t − shift at row t
-            y = y + shifted * (position >= shift)[:, None].to(x.dtype) * weight[:, -1 - shift]
-        return F.silu(y)[None]
+            y = y + shifted * (position >= shift)[:, None].to(row.dtype) * weight[:, -1 - shift]
+        return y
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, conv_size={self.conv_size}"

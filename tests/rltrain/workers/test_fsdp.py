@@ -3,7 +3,8 @@ gradients after an update, metrics, sharded old/reference log-probs, the gathere
 the step, and loading a single-process checkpoint into the shards. Cases cover uneven micro-batches (a rank with
 fewer micro-batches than rank 0 runs padding ones), a rank with no rows, two mini-batches, each loss aggregation,
 the KL term, gradient checkpointing, and packed micro-batches cut by a token budget (rows shared by tokens; the
-sharded reference packed against the single process's padded one). One spawn runs every case (~30 s in all on 2 cores, mostly process start and
+sharded reference packed against the single process's padded one); two of them again on a delta-rule policy
+(Gated DeltaNet + attention). One spawn runs every case (~30 s in all on 2 cores, mostly process start and
 imports). With 2 GPUs (@pytest.mark.gpu) the same cases run over NCCL, fp32 and bf16 mixed precision, the latter
 also with the shards, gradients and optimizer state offloaded to the CPU (actor.fsdp.cpu_offload)."""
 
@@ -41,6 +42,8 @@ CASES = {
     "rows11-packed20-seq-mean-token-mean": (11, 0, 0, "seq-mean-token-mean", 0.0, False, 20),
     "rows1-packed30-token-mean": (1, 0, 0, "token-mean", 0.0, False, 30),   # rank 1 has no rows at all
 }
+# a delta-rule policy (rltrain_kernels.models' hybrid family: Gated DeltaNet, then attention), padded and packed
+HYBRID_CASES = ["rows11-micro5-token-mean", "rows11-packed30-token-mean-kl"]
 # the reference: padded rows in the single process, packed rows (token budget) under FSDP2
 SINGLE_REFERENCE, SHARDED_REFERENCE = MicroBatching(rows=3, packed=False), MicroBatching(packed=True, max_tokens=25)
 
@@ -85,9 +88,11 @@ def _rank_main(rank, port, device, mixed_precision, cpu_offload, model_dir, batc
             torch.save(result, f"{out_dir}/{case}.pt")
 
 
-def run_cases(root, device: str, mixed_precision: bool, cpu_offload: bool = False) -> dict:
-    """Per case: (the single process's results, the 2-rank FSDP2 ones, the checkpoint the ranks loaded)."""
-    job = tiny_job(root)
+def run_cases(root, device: str, mixed_precision: bool, cpu_offload: bool = False, arch: str = "qwen3",
+              cases=tuple(CASES)) -> dict:
+    """Per case: (the single process's results, the 2-rank FSDP2 ones, the checkpoint the ranks loaded), on the
+    embedded model of `arch` (2 layers for a delta-rule arch)."""
+    job = tiny_job(root, model={"embedded": {"arch": arch, "num_layers": 1 if arch == "qwen3" else 2}})
     model_dir = str(embedded_policy_dir(job.trainer.output_dir, job.model.embedded, job.data.task, 0))
     train, _ = make_rows(job.data.task)
     from transformers import AutoTokenizer
@@ -99,7 +104,7 @@ def run_cases(root, device: str, mixed_precision: bool, cpu_offload: bool = Fals
     full["rewards"] = torch.rand(full.batch_size[0])
     full["advantages"] = compute_advantages("grpo", full["rewards"], full["response_mask"], full["group_ids"])
     single, batches, states = {}, {}, {}
-    for case in CASES:
+    for case in cases:
         rows, config, loss = _configs(case, sharded=False)
         actor = ActorWorker(config, loss, model_dir, "float32", None, temperature=1.0, device=device)
         reference = ReferenceWorker(model_dir, "float32", None, 1.0, SINGLE_REFERENCE, device=device,
@@ -123,7 +128,7 @@ def run_cases(root, device: str, mixed_precision: bool, cpu_offload: bool = Fals
     mp.spawn(_rank_main, args=(port, device, mixed_precision, cpu_offload, model_dir, batches, states, str(root)),
              nprocs=WORLD, join=True)
     return {case: (single[case], torch.load(root / f"{case}.pt", weights_only=False), states[case])
-            for case in CASES}
+            for case in cases}
 
 
 def _to_cpu(optimizer_state: dict) -> dict:
@@ -175,6 +180,19 @@ def cpu_results(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_fsdp2_over_gloo_matches_single_process(cpu_results, case):
     check_case(*cpu_results[case], TOLERANCES["cpu"])
+
+
+@pytest.fixture(scope="module")
+def cpu_hybrid_results(tmp_path_factory):
+    return run_cases(tmp_path_factory.mktemp("fsdp-hybrid"), "cpu", mixed_precision=True, arch="hybrid",
+                     cases=HYBRID_CASES)
+
+
+@pytest.mark.parametrize("case", HYBRID_CASES)
+def test_fsdp2_shards_a_delta_rule_policy(cpu_hybrid_results, case):
+    """Each HybridDeltaDecoderLayer a shard unit; gradients, log-probs, weights and checkpoints as the single
+    process's."""
+    check_case(*cpu_hybrid_results[case], TOLERANCES["cpu"])
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """Packed (padding-free) actor and reference batches: the packed row's maps, the token-budget split, and — on a
 small GQA Qwen3 built from a config, fp32 — log-probs and gradients equal to the padded rows' (relative error
-≤ 1e-5) for every loss aggregation, GSPO's sequence ratio, token-budget micro-batches and a sliding window.
+≤ 1e-5) for every loss aggregation, GSPO's sequence ratio, token-budget micro-batches, a sliding window and a
+delta-rule policy (rltrain_kernels.models' hybrid family, every layer type).
 
 Run: `pytest tests/rltrain/workers/test_packing.py` (CPU, ~20 s).
 """
@@ -149,6 +150,7 @@ def test_linear_attention_models_run_padded():
     assert not can_pack(hybrid)
     assert can_pack(SimpleNamespace(config=SimpleNamespace(layer_types=["full_attention", "sliding_attention"])))
     assert can_pack(SimpleNamespace(config=SimpleNamespace()))
+    assert can_pack(SimpleNamespace(supports_cu_seqlens=True, config=hybrid.config))
 
 
 # ---------------------------------------------------------------- packed == padded, through the model
@@ -209,6 +211,34 @@ def test_trimmed_padded_micro_batches_equal_one_padded_batch(model_dir, loss):
     small.batching = MicroBatching(rows=2, packed=False)
     assert_rel_close(small.compute_logprobs(batch), whole.compute_logprobs(batch), threshold=1e-5, name="logprobs")
     assert_rel_close(gradient(small, batch), gradient(whole, batch), threshold=1e-5, name="gradient")
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    """A delta-rule policy of rltrain_kernels.models: IPLR, attention, gated delta product, Gated DeltaNet."""
+    from rltrain_kernels.models import HybridDeltaConfig, HybridDeltaForCausalLM
+
+    config = HybridDeltaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=8, linear_num_heads=2, linear_head_dim=16,
+                               layer_types=["iplr", "full_attention", "gated_delta_product", "gated_delta_rule"])
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("hybrid") / "model"
+    HybridDeltaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def test_delta_rule_policy_packed_equals_padded(hybrid_dir):
+    """Every layer of the hybrid family keeps a packed row's sequences apart: log-probs and one update's gradient
+    equal the padded rows' (token-budget micro-batches of <= 25 tokens)."""
+    batch = random_batch(rows=8)
+    padded_actor, packed_actor = make_actor(hybrid_dir, packed=False), make_actor(hybrid_dir, packed=True,
+                                                                                  max_tokens=25)
+    assert packed_actor.batching.packed
+    assert_rel_close(packed_actor.compute_logprobs(batch), padded_actor.compute_logprobs(batch), threshold=1e-5,
+                     name="hybrid packed logprobs")
+    padded, packed = gradient(padded_actor, batch), gradient(packed_actor, batch)
+    assert padded.norm() > 0
+    assert_rel_close(packed, padded, threshold=1e-5, name="hybrid gradient")
 
 
 def test_sliding_window_packed_equals_padded(tmp_path):
