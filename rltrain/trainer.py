@@ -31,10 +31,9 @@ from rltrain.job import JobConfig, resolve_device
 from rltrain.perf import StepTimer, actor_step_flops, mfu, peak_flops
 from rltrain.tracking import Tracker
 from rltrain.validation import validation_metrics
-from rltrain.workers.actor import ActorWorker
-from rltrain.workers.fsdp import FSDPActorWorker, FSDPReferenceWorker
+from rltrain.workers.actor import ActorWorker, FSDPActorWorker
 from rltrain.workers.group import kill, place_model_roles, start_role
-from rltrain.workers.reference import ReferenceWorker
+from rltrain.workers.reference import FSDPReferenceWorker, ReferenceWorker
 from rltrain.workers.reward import RewardWorker
 from rltrain.workers.rollout_group import RolloutReplicas
 from rltrain.workers.weight_sync import WeightPush

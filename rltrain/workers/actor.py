@@ -4,7 +4,8 @@
 An update makes actor.ppo_epochs passes over the batch, each in mini-batches of actor.mini_batch_size responses
 (an optimizer step each) drawn in an order seeded by (trainer.seed, step, pass), so a run replays; the learning rate
 of each update follows actor.lr_scheduler (LRSchedule), whose position, the number of updates done, is saved with
-every checkpoint."""
+every checkpoint. FSDPActorWorker is the same role sharded over the ranks of a WorkerGroup (actor.strategy=fsdp2;
+rltrain/workers/fsdp.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import math
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
+from torch.distributed.tensor import DTensor
 
 from rltrain.algorithms.config import LossConfig
 from rltrain.config import require
 from rltrain.perf import ModelShape
 from rltrain.workers.batch import split
+from rltrain.workers.fsdp import FSDPConfig, ShardedPolicy, keyed_by_index, keyed_by_name
 from rltrain.workers.packing import MicroBatching, Packing
 from rltrain.workers.policy import (
     load_policy, plan_buckets, policy_hidden, resolve_batching, response_logprobs, set_threads,
@@ -27,11 +31,6 @@ from rltrain.workers.weight_sync import WeightSource
 STRATEGIES = ("single", "fsdp2")
 LR_SCHEDULERS = ("constant", "cosine", "linear")
 
-
-@dataclass
-class FSDPConfig:
-    mixed_precision: bool = True   # on GPU: bf16 params and grads in compute, fp32 reduce and master weights
-    cpu_offload: bool = False      # keep the sharded params, grads and optimizer state in CPU memory (GPU only)
 
 def weighted_advantages(batch: TensorDict) -> torch.Tensor:
     """The advantages, times the truncated importance weights where the batch has them
@@ -214,8 +213,8 @@ class ActorWorker(WeightSource):
 
         return self._run_head(micro, packing, head)
 
-    # the four steps FSDPActorWorker (rltrain/workers/fsdp.py) does differently: this rank's micro-batches, the
-    # model + loss head inside the sharded root's forward, the global gradient norm, metrics summed over ranks
+    # the four steps FSDPActorWorker (below) does differently: this rank's micro-batches, the model + loss head
+    # inside the sharded root's forward, the global gradient norm, metrics summed over ranks
     def _micro_batches(self, mini_batch: TensorDict) -> list[TensorDict]:
         return [self.batching.take(mini_batch, rows).to(self.device) for rows in self.batching.groups(mini_batch)]
 
@@ -266,3 +265,84 @@ class ActorWorker(WeightSource):
 
     def save_pretrained(self, path: str) -> None:
         self.model.save_pretrained(path)
+
+
+class FSDPActorWorker(ShardedPolicy, ActorWorker):
+    """ActorWorker whose model is sharded across the ranks of its WorkerGroup (rltrain/workers/fsdp.py says how)."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config: ActorConfig,
+                 loss: LossConfig, model_path: str, dtype: str, kernel_config: dict | None, temperature: float,
+                 device: str = "cpu", seed: int = 0, attn_implementation: str = "auto", total_steps: int | None = None):
+        set_threads(config.torch_threads)
+        torch.manual_seed(seed)
+        self.config, self.loss, self.temperature = config, loss, temperature
+        self._start_schedule(seed, total_steps)
+        self._setup(rank, world_size, master_addr, master_port, model_path, dtype, kernel_config, device,
+                    config.fsdp, config.micro_batching, attn_implementation, config.gradient_checkpointing)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.root.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+    def compute_logprobs(self, batch: TensorDict) -> torch.Tensor | None:
+        return self._sharded_logprobs(batch, self.temperature)
+
+    def update(self, batch: TensorDict, step: int = 0) -> dict[str, float] | None:
+        metrics = super().update(batch, step)
+        return metrics if self.rank == 0 else None
+
+    def _micro_batches(self, mini_batch: TensorDict) -> list[TensorDict]:
+        return self._rank_micro_batches(mini_batch)[1]
+
+    def _run_head(self, micro: TensorDict, packing, head):
+        return self.root(micro, packing, head)
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        params = [p for p in self.root.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = norm.to(self.device).full_tensor() if isinstance(norm, DTensor) else norm
+        torch.nn.utils.clip_grads_with_norm_(params, self.config.grad_clip, norm)
+        return norm
+
+    def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
+        values = torch.tensor(list(sums.values()), dtype=torch.float64, device=self.device)
+        dist.all_reduce(values)
+        return dict(zip(sums, values.tolist()))
+
+    # ------------------------------------------------------------------ full weights and checkpoints
+    def full_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Full tensors of these entries on every rank (a collective: every rank calls it with the same names)."""
+        state, full = self.model.state_dict(), {}
+        for name in names:
+            tensor = state[name].detach()
+            if isinstance(tensor, DTensor):
+                # CPU-offloaded shards go to the GPU for the all-gather (NCCL gathers device tensors only)
+                tensor = tensor.to(self.device).full_tensor()
+            full[name] = tensor
+        return full
+
+    def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        full = {name: tensor.cpu() for name, tensor in self.full_weights(names).items()}
+        return full if self.rank == 0 else None
+
+    def optimizer_state(self) -> dict | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        state = get_optimizer_state_dict(self.model, self.optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return keyed_by_index(state, self._param_names()) if self.rank == 0 else None
+
+    def load_checkpoint(self, model_state: dict, optimizer_state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, model_state, options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, keyed_by_name(optimizer_state, self._param_names()),
+                                 options=options)
+
+    def save_pretrained(self, path: str) -> None:
+        state = self.state_dict()  # every rank gathers; rank 0 holds the full weights and writes them
+        if self.rank == 0:
+            self.model.save_pretrained(path, state_dict=state)
+
+    def _param_names(self) -> list[str]:
+        return [name for name, _ in self.model.named_parameters()]

@@ -1,7 +1,13 @@
-"""FSDP2 actor and reference (`actor.strategy=fsdp2`): one rank per placement-group bundle (rltrain/workers/group.py),
-the model sharded with torch's `fully_shard` (each decoder layer a unit, the rest in the root), data parallel over
-the ranks. Every rank receives the whole batch and takes its own share of the rows (contiguous rows, or, with packed
-micro-batches, a share balanced by tokens: rltrain/workers/packing.py).
+"""FSDP2 for the actor and reference (`actor.strategy=fsdp2`): the `actor.fsdp` config (FSDPConfig), joining the
+process group, sharding a policy, each rank's share of a batch, and `ShardedPolicy`, what both sharded roles share.
+The roles themselves sit beside their single-process counterparts: `FSDPActorWorker` in rltrain/workers/actor.py,
+`FSDPReferenceWorker` in rltrain/workers/reference.py (they subclass those and import this module, which imports
+neither).
+
+One rank per placement-group bundle (rltrain/workers/group.py), the model sharded with torch's `fully_shard` (each
+decoder layer a unit, the rest in the root), data parallel over the ranks. Every rank receives the whole batch and
+takes its own share of the rows (contiguous rows, or, with packed micro-batches, a share balanced by tokens:
+rltrain/workers/packing.py).
 
 Gradients equal the single-process ones: every normaliser (token count, sequence count, rows) is the mini-batch's
 global one, which each rank computes from the whole batch, the per-rank losses are partial sums of the global loss,
@@ -25,23 +31,27 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from torch.distributed.tensor import DTensor
 
-from rltrain.algorithms.config import LossConfig
 from rltrain.config import ConfigError
-from rltrain.workers.actor import ActorConfig, ActorWorker, FSDPConfig
 from rltrain.workers.packing import MicroBatching, balanced_groups, response_lengths, sequence_lengths
-from rltrain.workers.policy import load_policy, micro_logprobs, policy_hidden, resolve_batching, set_threads
+from rltrain.workers.policy import load_policy, micro_logprobs, policy_hidden, resolve_batching
 
 logger = logging.getLogger(__name__)
 
 # A rank that fails leaves its peers inside a collective; they give up after this long (torch's default is 30 min).
 DIST_TIMEOUT_S = 600
+
+
+@dataclass
+class FSDPConfig:
+    mixed_precision: bool = True   # on GPU: bf16 params and grads in compute, fp32 reduce and master weights
+    cpu_offload: bool = False      # keep the sharded params, grads and optimizer state in CPU memory (GPU only)
 
 
 class PolicyWithHead(torch.nn.Module):
@@ -163,88 +173,7 @@ class ShardedPolicy:
         return out * (batch["response_mask"] != 0)
 
 
-class FSDPActorWorker(ShardedPolicy, ActorWorker):
-    """ActorWorker whose model is sharded across the ranks of its WorkerGroup (see the module docstring)."""
-
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config: ActorConfig,
-                 loss: LossConfig, model_path: str, dtype: str, kernel_config: dict | None, temperature: float,
-                 device: str = "cpu", seed: int = 0, attn_implementation: str = "auto", total_steps: int | None = None):
-        set_threads(config.torch_threads)
-        torch.manual_seed(seed)
-        self.config, self.loss, self.temperature = config, loss, temperature
-        self._start_schedule(seed, total_steps)
-        self._setup(rank, world_size, master_addr, master_port, model_path, dtype, kernel_config, device,
-                    config.fsdp, config.micro_batching, attn_implementation, config.gradient_checkpointing)
-        self.model.train()
-        self.optimizer = torch.optim.AdamW(self.root.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-
-    def compute_logprobs(self, batch: TensorDict) -> torch.Tensor | None:
-        return self._sharded_logprobs(batch, self.temperature)
-
-    def update(self, batch: TensorDict, step: int = 0) -> dict[str, float] | None:
-        metrics = super().update(batch, step)
-        return metrics if self.rank == 0 else None
-
-    def _micro_batches(self, mini_batch: TensorDict) -> list[TensorDict]:
-        return self._rank_micro_batches(mini_batch)[1]
-
-    def _run_head(self, micro: TensorDict, packing, head):
-        return self.root(micro, packing, head)
-
-    def _clip_grad_norm(self) -> torch.Tensor:
-        params = [p for p in self.root.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        norm = norm.to(self.device).full_tensor() if isinstance(norm, DTensor) else norm
-        torch.nn.utils.clip_grads_with_norm_(params, self.config.grad_clip, norm)
-        return norm
-
-    def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
-        values = torch.tensor(list(sums.values()), dtype=torch.float64, device=self.device)
-        dist.all_reduce(values)
-        return dict(zip(sums, values.tolist()))
-
-    # ------------------------------------------------------------------ full weights and checkpoints
-    def full_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Full tensors of these entries on every rank (a collective: every rank calls it with the same names)."""
-        state, full = self.model.state_dict(), {}
-        for name in names:
-            tensor = state[name].detach()
-            if isinstance(tensor, DTensor):
-                # CPU-offloaded shards go to the GPU for the all-gather (NCCL gathers device tensors only)
-                tensor = tensor.to(self.device).full_tensor()
-            full[name] = tensor
-        return full
-
-    def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
-        full = {name: tensor.cpu() for name, tensor in self.full_weights(names).items()}
-        return full if self.rank == 0 else None
-
-    def optimizer_state(self) -> dict | None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        state = get_optimizer_state_dict(self.model, self.optimizer,
-                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return _keyed_by_index(state, self._param_names()) if self.rank == 0 else None
-
-    def load_checkpoint(self, model_state: dict, optimizer_state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
-
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, model_state, options=options)
-        set_optimizer_state_dict(self.model, self.optimizer, _keyed_by_name(optimizer_state, self._param_names()),
-                                 options=options)
-
-    def save_pretrained(self, path: str) -> None:
-        state = self.state_dict()  # every rank gathers; rank 0 holds the full weights and writes them
-        if self.rank == 0:
-            self.model.save_pretrained(path, state_dict=state)
-
-    def _param_names(self) -> list[str]:
-        return [name for name, _ in self.model.named_parameters()]
-
-
-def _keyed_by_index(state: dict, names: list[str]) -> dict:
+def keyed_by_index(state: dict, names: list[str]) -> dict:
     """DCP's name-keyed full optimizer state → torch.optim's own layout (parameter indices), as a single process
     saves it."""
     index = {name: i for i, name in enumerate(names)}
@@ -253,23 +182,7 @@ def _keyed_by_index(state: dict, names: list[str]) -> dict:
                              for group in state["param_groups"]]}
 
 
-def _keyed_by_name(state: dict, names: list[str]) -> dict:
+def keyed_by_name(state: dict, names: list[str]) -> dict:
     return {"state": {names[int(i)]: value for i, value in state["state"].items()},
             "param_groups": [dict(group, params=[names[int(i)] for i in group["params"]])
                              for group in state["param_groups"]]}
-
-
-class FSDPReferenceWorker(ShardedPolicy):
-    """The frozen reference, sharded like the actor: response log-probs for the KL term."""
-
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, dtype: str,
-                 kernel_config: dict | None, temperature: float, batching: MicroBatching, fsdp: FSDPConfig,
-                 device: str = "cpu", torch_threads: int = 0, attn_implementation: str = "auto"):
-        set_threads(torch_threads)
-        self.temperature = temperature
-        self._setup(rank, world_size, master_addr, master_port, model_path, dtype, kernel_config, device, fsdp,
-                    batching, attn_implementation)
-        self.model.eval().requires_grad_(False)
-
-    def compute_logprobs(self, batch: TensorDict) -> torch.Tensor | None:
-        return self._sharded_logprobs(batch, self.temperature)

@@ -21,10 +21,10 @@ from rltrain.algorithms.config import LossConfig
 from rltrain.data.sampler import encode_prompts
 from rltrain.embedded.model import embedded_policy_dir
 from rltrain.embedded.task import make_rows
-from rltrain.workers.actor import ActorConfig, ActorWorker, FSDPConfig
-from rltrain.workers.fsdp import rank_micro_batches
+from rltrain.workers.actor import ActorConfig, ActorWorker, FSDPActorWorker
+from rltrain.workers.fsdp import FSDPConfig, rank_micro_batches
 from rltrain.workers.packing import MicroBatching
-from rltrain.workers.reference import ReferenceWorker
+from rltrain.workers.reference import FSDPReferenceWorker, ReferenceWorker
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from tests.rltrain.tiny_job import tiny_job
 
@@ -66,7 +66,6 @@ def _rank_main(rank, port, device, mixed_precision, cpu_offload, model_dir, batc
     import os
 
     os.environ["LOCAL_RANK"] = str(rank)  # this rank's GPU (under Ray each rank sees only its own)
-    from rltrain.workers.fsdp import FSDPActorWorker, FSDPReferenceWorker
 
     fsdp = FSDPConfig(mixed_precision=mixed_precision, cpu_offload=cpu_offload)
     reference = FSDPReferenceWorker(rank, WORLD, "127.0.0.1", port, model_dir, "float32", None, 1.0,
