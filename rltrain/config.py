@@ -93,7 +93,11 @@ def from_mapping(cls, mapping: Mapping | None, prefix: str):
                 values[name] = from_mapping(hints[name], value, name if prefix == "config" else f"{prefix}.{name}")
             else:
                 values[name] = _coerce(value, hints[name], name)
-        config = cls(**values)
+        try:
+            config = cls(**values)
+        except ValueError as err:
+            # a slice owned by rltrain_kernels (KernelConfig) validates on construction and names the key itself
+            raise ConfigError(str(err)) from None
         if hasattr(config, "validate"):
             config.validate()
     except _FieldError as err:

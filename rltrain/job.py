@@ -10,6 +10,8 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 
+from rltrain_kernels.registry import KernelConfig
+
 from rltrain.algorithms.config import AlgorithmConfig
 from rltrain.config import ConfigError, from_mapping, require
 from rltrain.embedded.model import EmbeddedModelConfig
@@ -83,27 +85,6 @@ class DataConfig:
         require(self.val_max_rows >= 0, "val_max_rows", "must be >= 0", self.val_max_rows)
         require(self.val_files is None or self.train_files is not None, "val_files",
                 "needs data.train_files (the embedded task brings its own split)", self.val_files)
-
-
-@dataclass
-class KernelConfig:
-    name: str = "auto"                                        # whose implementations: auto | cuda | npu | cpu
-    include_kernels: str | list[str] | bool | None = "auto"   # auto | none | "id1,id2" | a list of kernel ids
-    delta_rule_recurrence_dot: str = "auto"                   # auto | bf16 | tf32 (gated delta rule / product)
-
-    def validate(self):
-        from rltrain_kernels.ops.common.precision import RECURRENCE_DOT_CHOICES
-        from rltrain_kernels.registry import known_kernel_ids, parse_include_kernels
-
-        require(self.name in ("auto", "cuda", "npu", "cpu"), "name", "must be auto, cuda, npu or cpu", self.name)
-        require(self.delta_rule_recurrence_dot in RECURRENCE_DOT_CHOICES, "delta_rule_recurrence_dot",
-                f"must be {', '.join(RECURRENCE_DOT_CHOICES)}", self.delta_rule_recurrence_dot)
-        wanted = parse_include_kernels(self.include_kernels)
-        if isinstance(wanted, list):  # named ids: check them here, not when the workers patch their models
-            known = known_kernel_ids()
-            unknown = [kernel_id for kernel_id in wanted if kernel_id not in known]
-            require(not unknown, "include_kernels", f"unknown kernel id(s) {', '.join(map(repr, unknown))}; "
-                    f"known kernel ids: {', '.join(known)}")
 
 
 @dataclass

@@ -95,7 +95,7 @@ class GRPOTrainer:
         self.step, self.initial_val = 0, None
 
     def _start_workers(self) -> None:
-        job, kernels = self.job, vars(self.job.kernel_config)
+        job = self.job
         if not ray.is_initialized():
             ray.init(address=job.ray.address, num_cpus=job.ray.num_cpus, include_dashboard=False,
                      log_to_driver=True, configure_logging=False)
@@ -107,8 +107,8 @@ class GRPOTrainer:
         share, sharded = 1 / model_roles, job.actor.strategy == "fsdp2"
         self.placement = place_model_roles(job.trainer.nnodes, job.trainer.n_gpus_per_node, self.device,
                                            job.ray.placement_timeout_s)
-        common = dict(model_path=self.model_dir, dtype=job.model.dtype, kernel_config=kernels, device=self.device,
-                      attn_implementation=job.model.attn_implementation)
+        common = dict(model_path=self.model_dir, dtype=job.model.dtype, kernel_config=job.kernel_config,
+                      device=self.device, attn_implementation=job.model.attn_implementation)
         temperature = job.rollout.temperature
         self.actor = start_role(FSDPActorWorker if sharded else ActorWorker, self.placement, share, sharded,
                                 config=job.actor, loss=job.algorithm.actor_loss(job.rollout.max_new_tokens),

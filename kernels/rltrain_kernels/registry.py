@@ -6,7 +6,8 @@ A kernel id (`fused_rmsnorm`, `fused_swiglu`, `fused_rope`, ...) names *what* is
     from rltrain_kernels.registry import apply_default_kernels, get_applied_kernels
     model = apply_default_kernels(model)                         # every default kernel of this device
     model = apply_default_kernels(model, "fused_rmsnorm,fused_rope")
-    model = apply_kernel_config(model, {"name": "auto", "include_kernels": "auto"})   # the config form
+    model = apply_kernel_config(model, KernelConfig(include_kernels="fused_rmsnorm"))   # the config form
+    model = apply_kernel_config(model, {"name": "auto", "include_kernels": "auto"})     # ... or its mapping
     get_applied_kernels(model)                                   # {"fused_rmsnorm": 5, ...}: what runs now
 
 Every apply call changes `model` in place and returns it (LLaMA-Factory's kernel API), with one log line of what it
@@ -25,6 +26,7 @@ import inspect
 import logging
 import pkgutil
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch.nn as nn
@@ -214,23 +216,64 @@ def apply_default_kernels(model: nn.Module, include_kernels="auto", device: str 
     return model
 
 
-def apply_kernel_config(model: nn.Module, kernel_config: Mapping | None) -> nn.Module:
-    """The config form: `{name: auto | cuda | npu | cpu, include_kernels: auto | none | "a,b" | [a, b],
-    delta_rule_recurrence_dot: auto | bf16 | tf32}`. `name` picks the device whose implementations are used (auto =
-    detected); `delta_rule_recurrence_dot` the dots of the gated delta rule / product's recurrence kernels for bf16
-    inputs (ops/common/precision.py's RECURRENCE_DOT; process-wide, set before any model is patched)."""
+@dataclass(frozen=True)
+class KernelConfig:
+    """The config form (rltrain's `kernel_config` section, config/kernel_config/default.yaml), validated on
+    construction: errors name the key (`kernel_config.name: must be ...`) and unknown kernel ids fail here, before
+    any model is patched."""
+
+    name: str = "auto"                                        # whose implementations: auto | cuda | npu | cpu
+    include_kernels: str | list[str] | bool | None = "auto"   # auto | none | "id1,id2" | a list of kernel ids
+    delta_rule_recurrence_dot: str = "auto"                   # auto | bf16 | tf32 (gated delta rule / product)
+
+    def __post_init__(self):
+        # precision imports triton, which this module must not need at import time
+        from .ops.common.precision import RECURRENCE_DOT_CHOICES
+
+        _require(self.name == "auto" or self.name in DEVICES, "name",
+                 f"must be auto, {', '.join(DEVICES[:-1])} or {DEVICES[-1]}", self.name)
+        _require(self.delta_rule_recurrence_dot in RECURRENCE_DOT_CHOICES, "delta_rule_recurrence_dot",
+                 f"must be {', '.join(RECURRENCE_DOT_CHOICES)}", self.delta_rule_recurrence_dot)
+        try:
+            wanted = parse_include_kernels(self.include_kernels)
+        except TypeError:
+            raise ValueError(f"kernel_config.include_kernels: must be auto, none, a comma-separated string or a list "
+                             f"of kernel ids (got {self.include_kernels!r})") from None
+        if isinstance(wanted, list):
+            known = known_kernel_ids()
+            unknown = [kernel_id for kernel_id in wanted if kernel_id not in known]
+            _require(not unknown, "include_kernels", f"unknown kernel id(s) {', '.join(map(repr, unknown))}; "
+                     f"known kernel ids: {', '.join(known)}")
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping) -> KernelConfig:
+        """The config form as a mapping (a parsed YAML file); keys left out take their defaults."""
+        allowed = [f.name for f in fields(cls)]
+        extra = set(mapping) - set(allowed)
+        if extra:
+            raise ValueError(f"kernel_config: unknown key(s) {', '.join(sorted(map(str, extra)))}; "
+                             f"expected {', '.join(sorted(allowed))}")
+        return cls(**mapping)
+
+
+def _require(condition: bool, key: str, message: str, *value) -> None:
+    if not condition:
+        got = f" (got {value[0]!r})" if value else ""
+        raise ValueError(f"kernel_config.{key}: {message}{got}")
+
+
+def apply_kernel_config(model: nn.Module, kernel_config: KernelConfig | Mapping | None) -> nn.Module:
+    """The config form: a KernelConfig, or its mapping `{name: auto | cuda | npu | cpu, include_kernels: auto | none |
+    "a,b" | [a, b], delta_rule_recurrence_dot: auto | bf16 | tf32}`. `name` picks the device whose implementations
+    are used (auto = detected); `delta_rule_recurrence_dot` the dots of the gated delta rule / product's recurrence
+    kernels for bf16 inputs (ops/common/precision.py's RECURRENCE_DOT; process-wide, set before any model is patched;
+    a mapping without the key leaves it as it is)."""
     if kernel_config is None:
         return model
-    allowed = {"name", "include_kernels", "delta_rule_recurrence_dot"}
-    extra = set(kernel_config) - allowed
-    if extra:
-        raise ValueError(f"kernel_config: unknown key(s) {', '.join(sorted(map(str, extra)))}; "
-                         f"expected {', '.join(sorted(allowed))}")
-    name = kernel_config.get("name", "auto")
-    if name != "auto" and name not in DEVICES:
-        raise ValueError(f"kernel_config.name must be 'auto' or one of {', '.join(DEVICES)}; got {name!r}")
-    if "delta_rule_recurrence_dot" in kernel_config:
+    typed = isinstance(kernel_config, KernelConfig)
+    config = kernel_config if typed else KernelConfig.from_mapping(kernel_config)
+    if typed or "delta_rule_recurrence_dot" in kernel_config:
         from .ops.common.precision import set_recurrence_dot
 
-        set_recurrence_dot(kernel_config["delta_rule_recurrence_dot"])
-    return apply_default_kernels(model, kernel_config.get("include_kernels", "auto"), device=name)
+        set_recurrence_dot(config.delta_rule_recurrence_dot)
+    return apply_default_kernels(model, config.include_kernels, device=config.name)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
+from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 
@@ -129,7 +130,7 @@ def minibatch_order(size: int, seed: int, step: int, epoch: int) -> torch.Tensor
 
 class ActorWorker(WeightSource):
     def __init__(self, config: ActorConfig, loss: LossConfig, model_path: str, dtype: str,
-                 kernel_config: dict | None, temperature: float, device: str = "cpu", seed: int = 0,
+                 kernel_config: KernelConfig | None, temperature: float, device: str = "cpu", seed: int = 0,
                  attn_implementation: str = "auto", total_steps: int | None = None):
         set_threads(config.torch_threads)
         torch.manual_seed(seed)
@@ -271,7 +272,7 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
     """ActorWorker whose model is sharded across the ranks of its WorkerGroup (rltrain/workers/fsdp.py says how)."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config: ActorConfig,
-                 loss: LossConfig, model_path: str, dtype: str, kernel_config: dict | None, temperature: float,
+                 loss: LossConfig, model_path: str, dtype: str, kernel_config: KernelConfig | None, temperature: float,
                  device: str = "cpu", seed: int = 0, attn_implementation: str = "auto", total_steps: int | None = None):
         set_threads(config.torch_threads)
         torch.manual_seed(seed)

@@ -36,6 +36,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
 
 from rltrain.config import ConfigError
@@ -130,7 +131,7 @@ class ShardedPolicy:
     """What the FSDP2 actor and reference share: joining the group, loading and sharding, sharded log-probs."""
 
     def _setup(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, dtype: str,
-               kernel_config: dict | None, device: str, fsdp: FSDPConfig, batching: MicroBatching,
+               kernel_config: KernelConfig | None, device: str, fsdp: FSDPConfig, batching: MicroBatching,
                attn_implementation: str, checkpointing: bool = False):
         self.rank, self.world_size, self.device = rank, world_size, device
         mesh = init_distributed(rank, world_size, master_addr, master_port, device)

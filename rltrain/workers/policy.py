@@ -8,6 +8,7 @@ import logging
 import os
 
 import torch
+from rltrain_kernels.registry import KernelConfig, apply_kernel_config, get_applied_kernels
 from tensordict import TensorDict
 
 from rltrain.workers.attention import resolve_attn_implementation, use_packed_attention, varlen_kwargs
@@ -32,10 +33,10 @@ def load_tokenizer(path: str, **kwargs):
     return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
-def load_policy(path: str, dtype: str, kernel_config: dict | None, device: str, attn_implementation: str = "auto"):
+def load_policy(path: str, dtype: str, kernel_config: KernelConfig | None, device: str,
+                attn_implementation: str = "auto"):
     import transformers as tf
     import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families with the Auto classes)
-    from rltrain_kernels.registry import apply_kernel_config, get_applied_kernels
 
     tf.utils.logging.disable_progress_bar()  # one bar per load and save per worker is noise in the run's log
     attn = resolve_attn_implementation(attn_implementation)

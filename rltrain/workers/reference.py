@@ -6,6 +6,7 @@ rltrain/workers/fsdp.py)."""
 from __future__ import annotations
 
 import torch
+from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
 
 from rltrain.workers.fsdp import FSDPConfig, ShardedPolicy
@@ -14,7 +15,7 @@ from rltrain.workers.policy import load_policy, resolve_batching, response_logpr
 
 
 class ReferenceWorker:
-    def __init__(self, model_path: str, dtype: str, kernel_config: dict | None, temperature: float,
+    def __init__(self, model_path: str, dtype: str, kernel_config: KernelConfig | None, temperature: float,
                  batching: MicroBatching, device: str = "cpu", torch_threads: int = 0,
                  attn_implementation: str = "auto"):
         set_threads(torch_threads)
@@ -30,7 +31,7 @@ class FSDPReferenceWorker(ShardedPolicy):
     """The frozen reference, sharded like the actor: response log-probs for the KL term."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, dtype: str,
-                 kernel_config: dict | None, temperature: float, batching: MicroBatching, fsdp: FSDPConfig,
+                 kernel_config: KernelConfig | None, temperature: float, batching: MicroBatching, fsdp: FSDPConfig,
                  device: str = "cpu", torch_threads: int = 0, attn_implementation: str = "auto"):
         set_threads(torch_threads)
         self.temperature = temperature

@@ -21,6 +21,7 @@ import importlib.util
 from dataclasses import dataclass, field
 
 import torch
+from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
 
 from rltrain.config import require
@@ -82,7 +83,7 @@ class RolloutWorker:
     """One process of a rollout replica. `tensor_parallel` (vllm, tensor_parallel_size > 1): this process's rank in
     its replica and the replica's rendezvous, {rank, world_size, master_addr, master_port}."""
 
-    def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: dict | None,
+    def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: KernelConfig | None,
                  device: str = "cpu", attn_implementation: str = "auto", tensor_parallel: dict | None = None):
         set_threads(config.torch_threads)
         self.device = device
@@ -136,7 +137,7 @@ class RolloutWorker:
 class HFEngine:
     keeps_loaded_tensors = False  # load_weights copies into the parameters at once
 
-    def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: dict | None,
+    def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: KernelConfig | None,
                  device: str, attn_implementation: str = "auto"):
         self.config = config
         self.model = load_policy(model_path, dtype, kernel_config, device, attn_implementation)

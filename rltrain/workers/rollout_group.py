@@ -34,6 +34,7 @@ import ray
 import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
 
 from rltrain.workers.batch import concat_batches
@@ -85,7 +86,7 @@ class RolloutReplicas:
     process is done."""
 
     def __init__(self, config: RolloutConfig, placement: Placement, share: float, timeout_s: float, *,
-                 model_path: str, dtype: str, kernel_config: dict | None, device: str,
+                 model_path: str, dtype: str, kernel_config: KernelConfig | None, device: str,
                  attn_implementation: str = "auto"):
         """`share` of each bundle's GPU (or CPU) per colocated process; timeout_s: ray.placement_timeout_s."""
         layout = replica_bundles(placement.world_size, config.tensor_parallel_size, config.replicas, device)

@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 
 from rltrain_kernels import registry
-from rltrain_kernels.registry import (BaseKernel, apply_default_kernels, apply_kernel, apply_kernel_config,
-                                      discover_kernels, get_applied_kernels, get_default_kernels, get_kernel,
-                                      known_kernel_ids, parse_include_kernels, register_kernel)
+from rltrain_kernels.registry import (BaseKernel, KernelConfig, apply_default_kernels, apply_kernel,
+                                      apply_kernel_config, discover_kernels, get_applied_kernels, get_default_kernels,
+                                      get_kernel, known_kernel_ids, parse_include_kernels, register_kernel)
 from rltrain_kernels.utils import detect_device
 
 BUILTIN_IDS = {"fused_rmsnorm", "fused_swiglu", "fused_rope"}
@@ -147,12 +147,39 @@ def test_kernel_config_form(scratch_registry):
         apply_kernel_config(model, {"name": "auto", "include": "auto"})
     with pytest.raises(ValueError, match="kernel_config.name.*'gpu'"):
         apply_kernel_config(model, {"name": "gpu"})
+    assert apply_kernel_config(model, KernelConfig(name="cpu", include_kernels=["t_cfg"])) is model
+    assert [h[1] for h in model.hits] == ["cpu", "cuda", "cpu"]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"name": "gpu"}, r"kernel_config.name: must be auto, cuda, npu or cpu \(got 'gpu'\)"),
+    ({"include_kernels": 5}, r"kernel_config.include_kernels: must be auto, none, a comma-separated string or a list "
+                             r"of kernel ids \(got 5\)"),
+    ({"include_kernels": "fused_rmsnorm,fused_nope"},
+     r"kernel_config.include_kernels: unknown kernel id\(s\) 'fused_nope'; known kernel ids: .*fused_rmsnorm"),
+    ({"delta_rule_recurrence_dot": "fp8"}, r"kernel_config.delta_rule_recurrence_dot: must be auto, bf16, tf32"),
+], ids=["name", "include-type", "include-unknown-id", "recurrence-dot"])
+def test_kernel_config_is_validated_on_construction(fields, message):
+    """The typed config form checks every key when built (no model needed), naming it; so does its mapping."""
+    with pytest.raises(ValueError, match=message):
+        KernelConfig(**fields)
+    with pytest.raises(ValueError, match=message):
+        KernelConfig.from_mapping(fields)
+
+
+def test_kernel_config_from_mapping_defaults_and_unknown_keys():
+    assert KernelConfig.from_mapping({}) == KernelConfig(name="auto", include_kernels="auto",
+                                                         delta_rule_recurrence_dot="auto")
+    assert KernelConfig.from_mapping({"include_kernels": ["fused_rope"]}).include_kernels == ["fused_rope"]
+    with pytest.raises(ValueError, match="kernel_config: unknown key\\(s\\) include; expected "
+                                         "delta_rule_recurrence_dot, include_kernels, name"):
+        KernelConfig.from_mapping({"include": "auto"})
 
 
 def test_kernel_config_sets_the_delta_rule_recurrence_dot(scratch_registry, monkeypatch):
     """delta_rule_recurrence_dot reaches ops/common/precision.py's RECURRENCE_DOT (process-wide), which the gated
     delta rule's and product's recurrence kernels read at every call; a bad value is named before anything changes;
-    without the key the setting is left alone."""
+    a mapping without the key leaves the setting alone, a KernelConfig always sets it (its default: auto)."""
     from rltrain_kernels.ops.common import precision
 
     monkeypatch.setattr(precision, "RECURRENCE_DOT", None)  # restored after the test
@@ -162,10 +189,15 @@ def test_kernel_config_sets_the_delta_rule_recurrence_dot(scratch_registry, monk
     assert precision.recurrence_dot_precision(torch.bfloat16).startswith("tf32")
     apply_kernel_config(model, {"include_kernels": "none"})
     assert precision.RECURRENCE_DOT == "tf32"
-    with pytest.raises(ValueError, match="delta_rule_recurrence_dot must be one of auto, bf16, tf32; got 'fp8'"):
+    with pytest.raises(ValueError, match=r"kernel_config.delta_rule_recurrence_dot: must be auto, bf16, tf32 "
+                                         r"\(got 'fp8'\)"):
         apply_kernel_config(model, {"delta_rule_recurrence_dot": "fp8"})
     assert precision.RECURRENCE_DOT == "tf32"
     apply_kernel_config(model, {"include_kernels": "none", "delta_rule_recurrence_dot": "auto"})
+    assert precision.RECURRENCE_DOT is None
+    apply_kernel_config(model, KernelConfig(include_kernels="none", delta_rule_recurrence_dot="tf32"))
+    assert precision.RECURRENCE_DOT == "tf32"
+    apply_kernel_config(model, KernelConfig(include_kernels="none"))  # the typed form always says: auto here
     assert precision.RECURRENCE_DOT is None
     assert precision.recurrence_dot_precision(torch.bfloat16) == precision.dot_precision(torch.bfloat16)
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
 
 from rltrain.algorithms.config import LossConfig
@@ -324,7 +325,7 @@ def test_packed_bf16_logprobs_as_accurate_as_padded(model_dir):
     expected = exact.compute_logprobs(batch)
     errors = {}
     for packed in (False, True):
-        worker = ReferenceWorker(model_dir, "bfloat16", {"name": "auto", "include_kernels": "auto"}, 1.0,
+        worker = ReferenceWorker(model_dir, "bfloat16", KernelConfig(), 1.0,
                                  MicroBatching(packed=packed, max_tokens=2048), device="cuda")
         errors[packed] = float((worker.compute_logprobs(batch) - expected).norm() / expected.norm())
     assert errors[True] <= 2 * errors[False] + 1e-3, errors
