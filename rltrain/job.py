@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from rltrain_kernels.registry import KernelConfig
 
 from rltrain.algorithms.config import AlgorithmConfig
-from rltrain.config import ConfigError, from_mapping, require
+from rltrain.config import from_mapping, require
 from rltrain.embedded.model import EmbeddedModelConfig
 from rltrain.embedded.task import TaskConfig
-from rltrain.rewards.plugin import load_reward_fn
 from rltrain.tracking import LOGGERS
 from rltrain.workers.actor import ActorConfig
 from rltrain.workers.attention import ATTN_IMPLEMENTATIONS
@@ -129,10 +128,6 @@ class JobConfig:
                 "GDN), and rltrain registers none of this family's layers (gated delta rule, gated delta product, "
                 "IPLR) with it; use rollout.engine=hf, which decodes with the fused-recurrent kernels",
                 self.rollout.engine)
-        try:  # import the plugin once here, so a bad file or name fails before Ray starts, not in the reward worker
-            load_reward_fn(self.reward.path, self.reward.name)
-        except (OSError, ImportError, ValueError) as err:  # their messages start with reward.path: / reward.name:
-            raise ConfigError(str(err)) from None
 
     def _validate_rollout_layout(self, device: str, ranks: int) -> None:
         """The rollout replicas (rltrain/workers/rollout_group.py): on GPU one per rollout.tensor_parallel_size of

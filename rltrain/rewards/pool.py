@@ -86,16 +86,23 @@ def _as_score(value):
                      f"a numeric 'score'")
 
 
+def check_reward_settings(path: str | None, name: str, timeout_s: float, num_workers: int) -> None:
+    """The reward settings' checks, written once: the config's reward section runs them before Ray starts (importing
+    the plugin, so a bad file or name fails there), the pool when it is built. Errors start with the key to fix
+    (`reward.timeout_s: ...`; the plugin's: `reward.path: ...`, `reward.name: ...`)."""
+    if timeout_s <= 0:
+        raise ValueError(f"reward.timeout_s: must be > 0 (got {timeout_s!r})")
+    if num_workers < 1:
+        raise ValueError(f"reward.num_workers: must be >= 1 (got {num_workers!r})")
+    load_reward_fn(path, name)
+
+
 class RewardPool:
     """`RewardPool(path, name, timeout_s=10, num_workers=2).score(items) -> RewardResult`. Close it when done
     (or use it as a context manager)."""
 
     def __init__(self, path: str | None, name: str, timeout_s: float = 10.0, num_workers: int = 2):
-        if timeout_s <= 0:
-            raise ValueError(f"reward.timeout_s must be > 0, got {timeout_s}")
-        if num_workers < 1:
-            raise ValueError(f"reward.num_workers must be >= 1, got {num_workers}")
-        load_reward_fn(path, name)  # fail here, with the file and name, rather than inside a worker
+        check_reward_settings(path, name, timeout_s, num_workers)  # fail here, not inside a worker
         self.path, self.name, self.timeout_s, self.num_workers = path, name, timeout_s, num_workers
         self._logged: set[str] = set()
         self._pool = None

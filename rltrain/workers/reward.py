@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rltrain.config import require
+from rltrain.config import ConfigError
 from rltrain.data.rows import PromptRow
-from rltrain.rewards.pool import RewardInput, RewardPool
+from rltrain.rewards.pool import RewardInput, RewardPool, check_reward_settings
 
 
 @dataclass
@@ -20,8 +20,10 @@ class RewardConfig:
     num_workers: int = 2
 
     def validate(self):
-        require(self.timeout_s > 0, "timeout_s", "must be > 0", self.timeout_s)
-        require(self.num_workers >= 1, "num_workers", "must be >= 1", self.num_workers)
+        try:  # the pool's checks, the plugin imported once here, so a bad file or name fails before Ray starts
+            check_reward_settings(self.path, self.name, self.timeout_s, self.num_workers)
+        except (OSError, ImportError, ValueError) as err:  # their messages start with the key (reward.path: ...)
+            raise ConfigError(str(err)) from None
 
 
 class RewardWorker:

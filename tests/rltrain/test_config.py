@@ -122,6 +122,8 @@ def test_every_algorithm_preset_validates(preset):
     ("kernel_config.include_kernels=[fused_rmsnorm,fused_nope]",
      "kernel_config.include_kernels: unknown kernel id(s) 'fused_nope'; known kernel ids: .*fused_rmsnorm"),
     ("reward.name=nope", "reward.name: unknown built-in reward function 'nope'; known: "),
+    ("reward.timeout_s=0", "reward.timeout_s: must be > 0 (got 0.0)"),
+    ("reward.num_workers=0", "reward.num_workers: must be >= 1 (got 0)"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=re.sub(r"([()+\[\]])", r"\\\1", message)):

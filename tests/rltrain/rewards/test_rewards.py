@@ -115,7 +115,7 @@ def test_pool_kills_a_hang_that_ignores_the_timer(tmp_path):
 
 
 def test_pool_validates_arguments(tmp_path):
-    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+    with pytest.raises(ValueError, match=r"reward.timeout_s: must be > 0 \(got 0\)"):
         RewardPool(None, "math", timeout_s=0)
     with pytest.raises(ValueError, match="unknown built-in reward function"):
         RewardPool(None, "nope")
