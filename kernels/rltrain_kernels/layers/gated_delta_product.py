@@ -9,10 +9,10 @@ RMSNorm with an output gate → output projection.
 
 The delta product runs through two module-level names, by role: `torch_chunk_gated_delta_product` for whole
 sequences (training, prefill; packed rows through `cu_seqlens`) and `torch_recurrent_gated_delta_product` when
-continuing from a cache (decoding one or more tokens from the cached conv and recurrent states). Both are the
-plain-PyTorch recurrence (layers/recurrence.py) here; the registry's `gated_delta_product` kernel runs a copy of
-forward with them bound to `chunk_gated_delta_product` and `fused_recurrent_gated_delta_product`
-(integrations/gated_delta_product.py).
+continuing from a cache (decoding one or more tokens from the cached conv and recurrent states): here the chunked
+plain-PyTorch form (layers/chunked.py) and the per-step recurrence (layers/recurrence.py); the registry's
+`gated_delta_product` kernel runs a copy of forward with them bound to `chunk_gated_delta_product` and
+`fused_recurrent_gated_delta_product` (integrations/gated_delta_product.py).
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ import torch.nn.functional as F
 
 from .common import LinearAttentionCache, ShortConvolution, check_packed_call, gated_output, padding_mask
 from .gated_delta_rule import decay_parameters
+from .chunked import chunked_gated_delta_product
 from .recurrence import recurrent_gated_delta_product
 
-torch_chunk_gated_delta_product = recurrent_gated_delta_product
+torch_chunk_gated_delta_product = chunked_gated_delta_product
 torch_recurrent_gated_delta_product = recurrent_gated_delta_product
 
 

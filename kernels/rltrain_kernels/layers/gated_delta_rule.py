@@ -9,10 +9,10 @@ num_householder = 1 is the same maths with its own parameter names; this layer k
 
 The delta rule runs through two module-level names, by role: `torch_chunk_gated_delta_rule` for whole sequences
 (training, prefill; packed rows through `cu_seqlens`) and `torch_recurrent_gated_delta_rule` when continuing from a
-cache (decoding). Both are the plain-PyTorch recurrence (layers/recurrence.py) here; the registry's
-`gated_delta_rule` kernel runs a copy of forward with them bound to `chunk_gated_delta_rule` and
-`fused_recurrent_gated_delta_rule` (integrations/gated_delta_rule.py: transformers' names and argument order, so the
-one adapter serves this layer and Qwen3-Next's).
+cache (decoding): here the chunked plain-PyTorch form (layers/chunked.py) and the per-step recurrence
+(layers/recurrence.py); the registry's `gated_delta_rule` kernel runs a copy of forward with them bound to
+`chunk_gated_delta_rule` and `fused_recurrent_gated_delta_rule` (integrations/gated_delta_rule.py: transformers'
+names and argument order, so the one adapter serves this layer and Qwen3-Next's).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .common import LinearAttentionCache, ShortConvolution, check_packed_call, gated_output, padding_mask
+from .chunked import chunked_gated_delta_rule
 from .recurrence import recurrent_gated_delta_rule
 
-torch_chunk_gated_delta_rule = recurrent_gated_delta_rule
+torch_chunk_gated_delta_rule = chunked_gated_delta_rule
 torch_recurrent_gated_delta_rule = recurrent_gated_delta_rule
 
 

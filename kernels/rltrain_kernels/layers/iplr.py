@@ -17,9 +17,10 @@ Erase (â) and write (k̂) directions are separate projections: with â = k̂ an
 
 The delta rule runs through two module-level names, by role: `torch_chunk_iplr_delta_rule` for whole sequences
 (training, prefill; packed rows through `cu_seqlens`) and `torch_recurrent_iplr_delta_rule` when continuing from a
-cache (decoding one or more tokens from the cached conv and recurrent states). Both are the plain-PyTorch recurrence
-(layers/recurrence.py) here; the registry's `iplr_delta_rule` kernel runs a copy of forward with them bound to
-`chunk_iplr_delta_rule` and `fused_recurrent_iplr_delta_rule` (integrations/iplr_delta_rule.py).
+cache (decoding one or more tokens from the cached conv and recurrent states): here the chunked plain-PyTorch form
+(layers/chunked.py) and the per-step recurrence (layers/recurrence.py); the registry's `iplr_delta_rule` kernel runs
+a copy of forward with them bound to `chunk_iplr_delta_rule` and `fused_recurrent_iplr_delta_rule`
+(integrations/iplr_delta_rule.py).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ import torch.nn as nn
 from rltrain_kernels.ops.gated_delta_rule.inputs import l2norm
 
 from .common import LinearAttentionCache, ShortConvolution, check_packed_call, gated_output, padding_mask
+from .chunked import chunked_iplr_delta_rule
 from .recurrence import recurrent_iplr_delta_rule
 
-torch_chunk_iplr_delta_rule = recurrent_iplr_delta_rule
+torch_chunk_iplr_delta_rule = chunked_iplr_delta_rule
 torch_recurrent_iplr_delta_rule = recurrent_iplr_delta_rule
 
 

@@ -1,12 +1,13 @@
-"""The delta rules in plain PyTorch, vectorised over sequences: what the linear-attention layers run where the
-registry swapped in no Triton kernel (CPU, or `kernel_config.include_kernels` leaving them out).
+"""The delta rules in plain PyTorch, one step per position for all sequences at once: what the linear-attention
+layers run when continuing from a cache (decoding) where the registry swapped in no Triton kernel (CPU, or
+`kernel_config.include_kernels` leaving them out). Whole sequences go through the chunked forms (layers/chunked.py),
+which share this file's bodies (`gated_delta_product_rows`, `iplr_rows`) around their own cores.
 
 Same arguments, layout and results as the ops' chunked and fused-recurrent functions (`rltrain_kernels.ops.*`),
 so a layer calls either through one name. Unlike the ops' naive references (one Python step per token of every
 sequence: the ground truth), these step once per position for all sequences at once: a packed row (`cu_seqlens`)
 is gathered into [N, L] rows first, its padding steps made the identity (β = 0, no decay; b = k = 0 for IPLR), so
-outputs and final states are exact. On the embedded default's batches (512 sequences of ~10 tokens) that is
-~10 steps per layer instead of ~5,000. Computed in fp32 (float64 for float64 inputs), differentiable by autograd.
+outputs and final states are exact. Computed in fp32 (float64 for float64 inputs), differentiable by autograd.
 tests/kernels/layers/test_recurrence.py checks them against the naive references.
 """
 
@@ -77,19 +78,11 @@ def _delta_steps(q, k, v, g, beta, state):
     return torch.stack(outputs) if outputs else q.new_zeros(0, q.shape[1], v.shape[-1]), state
 
 
-def _finish(o, state, rows: _Rows, N: int, HV: int, out_dtype, output_final_state: bool):
-    """o [L, N·HV, V] → [B, T, HV, V] in out_dtype; the final state [N, HV, K, V] or None."""
-    L, _, V = o.shape
-    o = rows.scatter(o.reshape(L, N, HV, V).movedim(1, 0)).to(out_dtype)
-    return o, (state.reshape(N, HV, *state.shape[1:]) if output_final_state else None)
-
-
-def recurrent_gated_delta_product(q, k, v, g, beta, num_householder: int, scale: float | None = None,
-                                  initial_state=None, output_final_state: bool = False, cu_seqlens=None,
-                                  use_qk_l2norm_in_kernel: bool = False):
-    """`chunk_gated_delta_product`'s function: q [B, T, H, K]; k [B, T·n_h, H, K]; v [B, T·n_h, HV, V];
-    beta [B, T·n_h, HV]; g [B, T, HV] or None; initial_state [N, HV, K, V]; cu_seqlens [N+1] token offsets of q
-    with B = 1. Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] fp32 or None)."""
+def gated_delta_product_rows(core, q, k, v, g, beta, num_householder: int, scale, initial_state,
+                             output_final_state: bool, cu_seqlens, use_qk_l2norm_in_kernel: bool):
+    """The gated delta product's body around a core: checks, l2norm, GVA, rows with neutral padding steps (β = 0,
+    g = 0), fp32 (float64 for float64 inputs). core(q [N, L, HV, K] scaled, k [N, L, n, HV, K], v [N, L, n, HV, V],
+    g [N, L, HV] or None, beta [N, L, n, HV], state [N·HV, K, V]) → (o [N, L, HV, V], state)."""
     N, group, scale = check_product_inputs(q, k, v, g, beta, num_householder, scale, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     HV, V, n, out_dtype = v.shape[2], v.shape[3], num_householder, v.dtype
@@ -103,11 +96,57 @@ def recurrent_gated_delta_product(q, k, v, g, beta, num_householder: int, scale:
     v = rows.gather(v.to(acc).reshape(B, T, n, HV, V))
     beta = rows.neutral(rows.gather(beta.to(acc).reshape(B, T, n, HV)))
     g = rows.neutral(rows.gather(g.to(acc))) if g is not None else None
-    state = _initial(initial_state, N, HV, K, V, acc, q.device)
+    o, state = core(q, k, v, g, beta, _initial(initial_state, N, HV, K, V, acc, q.device))
+    return rows.scatter(o).to(out_dtype), (state.reshape(N, HV, K, V) if output_final_state else None)
+
+
+def iplr_rows(core, q, k, v, a, b, scale, initial_state, output_final_state: bool, cu_seqlens):
+    """The IPLR delta rule's body around a core: checks, rows with neutral padding steps (b = k = 0), fp32 (float64
+    for float64 inputs). core(q [N, L, H, K] scaled, k, a, b [N, L, H, K], v [N, L, H, V], state [N·H, K, V])
+    → (o [N, L, H, V], state)."""
+    N, scale = check_iplr_inputs(q, k, v, a, b, scale, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    V, out_dtype = v.shape[-1], v.dtype
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+    rows = _Rows(B, T, cu_seqlens, q.device)
+    q = rows.gather(q.to(acc)) * scale
+    # padding steps: no erase (b = 0), no write (k = 0)
+    k, b = (rows.neutral(rows.gather(x.to(acc))) for x in (k, b))
+    a, v = (rows.gather(x.to(acc)) for x in (a, v))
+    o, state = core(q, k, v, a, b, _initial(initial_state, N, H, K, V, acc, q.device))
+    return rows.scatter(o).to(out_dtype), (state.reshape(N, H, K, V) if output_final_state else None)
+
+
+def _product_steps(q, k, v, g, beta, state):
+    """gated_delta_product_rows' core, one step per position: o [N, L, HV, V]."""
+    N, L, HV = q.shape[:3]
     o, state = _delta_steps(_heads_first(q), _heads_first(k), _heads_first(v),
                             None if g is None else _heads_first(g[..., None])[..., 0],
                             _heads_first(beta[..., None])[..., 0], state)
-    return _finish(o, state, rows, N, HV, out_dtype, output_final_state)
+    return o.reshape(L, N, HV, -1).movedim(1, 0), state
+
+
+def _iplr_steps(q, k, v, a, b, state):
+    """iplr_rows' core, one step per position: o [N, L, H, V]."""
+    N, L, H = q.shape[:3]
+    q, k, v, a, b = (_heads_first(x) for x in (q, k, v, a, b))
+    outputs = []
+    for t in range(L):
+        read = torch.bmm(a[t][:, None, :], state)                                 # a_tᵀ S_{t−1}: [M, 1, V]
+        state = torch.baddbmm(torch.baddbmm(state, b[t][:, :, None], read), k[t][:, :, None], v[t][:, None, :])
+        outputs.append(torch.bmm(q[t][:, None, :], state)[:, 0])
+    o = torch.stack(outputs) if outputs else q.new_zeros(0, N * H, v.shape[-1])
+    return o.reshape(L, N, H, -1).movedim(1, 0), state
+
+
+def recurrent_gated_delta_product(q, k, v, g, beta, num_householder: int, scale: float | None = None,
+                                  initial_state=None, output_final_state: bool = False, cu_seqlens=None,
+                                  use_qk_l2norm_in_kernel: bool = False):
+    """`chunk_gated_delta_product`'s function: q [B, T, H, K]; k [B, T·n_h, H, K]; v [B, T·n_h, HV, V];
+    beta [B, T·n_h, HV]; g [B, T, HV] or None; initial_state [N, HV, K, V]; cu_seqlens [N+1] token offsets of q
+    with B = 1. Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V] fp32 or None)."""
+    return gated_delta_product_rows(_product_steps, q, k, v, g, beta, num_householder, scale, initial_state,
+                                    output_final_state, cu_seqlens, use_qk_l2norm_in_kernel)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, scale: float | None = None, initial_state=None,
@@ -126,20 +165,4 @@ def recurrent_iplr_delta_rule(q, k, v, a, b, scale: float | None = None, initial
     """`chunk_iplr_delta_rule`'s function, S_t = S_{t−1} + b_t (a_tᵀ S_{t−1}) + k_t v_tᵀ, o_t = S_tᵀ (scale q_t):
     q, k, a, b [B, T, H, K]; v [B, T, H, V]; initial_state [N, H, K, V]; cu_seqlens [N+1] with B = 1. Returns
     (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None)."""
-    N, scale = check_iplr_inputs(q, k, v, a, b, scale, initial_state, cu_seqlens)
-    B, T, H, K = q.shape
-    V, out_dtype = v.shape[-1], v.dtype
-    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
-    rows = _Rows(B, T, cu_seqlens, q.device)
-    q = _heads_first(rows.gather(q.to(acc)) * scale)
-    # padding steps: no erase (b = 0), no write (k = 0)
-    k, b = (_heads_first(rows.neutral(rows.gather(x.to(acc)))) for x in (k, b))
-    a, v = (_heads_first(rows.gather(x.to(acc))) for x in (a, v))
-    state = _initial(initial_state, N, H, K, V, acc, q.device)
-    outputs = []
-    for t in range(q.shape[0]):
-        read = torch.bmm(a[t][:, None, :], state)                                 # a_tᵀ S_{t−1}: [M, 1, V]
-        state = torch.baddbmm(torch.baddbmm(state, b[t][:, :, None], read), k[t][:, :, None], v[t][:, None, :])
-        outputs.append(torch.bmm(q[t][:, None, :], state)[:, 0])
-    o = torch.stack(outputs) if outputs else q.new_zeros(0, N * H, V)
-    return _finish(o, state, rows, N, H, out_dtype, output_final_state)
+    return iplr_rows(_iplr_steps, q, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)
