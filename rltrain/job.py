@@ -1,12 +1,16 @@
 """The job's config: one typed slice per component, assembled from the Hydra config and validated up front.
 
 Each role receives only its own slice; `JobConfig` exists so that the whole config is checked (unknown keys, types,
-values) before any work starts, with errors that name the key (`rollout.n: must be >= 1 (got 0)`).
+values) before any work starts, with errors that name the key (`rollout.n: must be >= 1 (got 0)`). The slices live
+beside their components (ModelConfig in workers/policy.py, DataConfig in data/sampler.py, RayConfig in
+workers/group.py, ActorConfig, RolloutConfig, RewardConfig beside their workers, AlgorithmConfig in algorithms/,
+KernelConfig in rltrain_kernels.registry); this module holds the composition, the checks that span sections, and
+TrainerConfig, the run's own section, which the controller reads with the whole JobConfig (the entry point
+validates before it imports the controller).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass, field
 
@@ -14,11 +18,11 @@ from rltrain_kernels.registry import KernelConfig
 
 from rltrain.algorithms.config import AlgorithmConfig
 from rltrain.config import from_mapping, require
-from rltrain.embedded.model import EmbeddedModelConfig
-from rltrain.embedded.task import TaskConfig
+from rltrain.data.sampler import DataConfig
 from rltrain.tracking import LOGGERS
 from rltrain.workers.actor import ActorConfig
-from rltrain.workers.attention import ATTN_IMPLEMENTATIONS
+from rltrain.workers.group import RayConfig
+from rltrain.workers.policy import ModelConfig
 from rltrain.workers.reward import RewardConfig
 from rltrain.workers.rollout import RolloutConfig
 
@@ -50,50 +54,6 @@ class TrainerConfig:
         for name in self.logger:
             require(name in LOGGERS, "logger", f"entries must be among {', '.join(LOGGERS)}", name)
         require(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda", self.device)
-
-
-@dataclass
-class ModelConfig:
-    path: str | None = None          # a local transformers model directory; null = the embedded default
-    dtype: str = "float32"           # float32 | bfloat16 | float16
-    attn_implementation: str = "auto"   # auto (= sdpa) | sdpa | eager | flash_attention_2 | flex_attention
-    embedded: EmbeddedModelConfig = field(default_factory=EmbeddedModelConfig)
-
-    def validate(self):
-        require(self.dtype in ("float32", "bfloat16", "float16"), "dtype", "must be float32, bfloat16 or float16",
-                self.dtype)
-        require(self.attn_implementation in ATTN_IMPLEMENTATIONS, "attn_implementation",
-                f"must be one of {', '.join(ATTN_IMPLEMENTATIONS)}", self.attn_implementation)
-        require(self.attn_implementation != "flash_attention_2" or importlib.util.find_spec("flash_attn") is not None,
-                "attn_implementation", "'flash_attention_2' needs the flash-attn package, which is not installed; "
-                "auto (SDPA, with torch's varlen flash attention for packed batches) needs none")
-
-
-@dataclass
-class DataConfig:
-    train_files: str | list[str] | None = None   # parquet/jsonl in verl's row format; null = the embedded task
-    val_files: str | list[str] | None = None
-    batch_size: int = 32                         # prompts per step (each gets rollout.n responses)
-    max_prompt_length: int = 256                 # longer prompts are dropped with a warning
-    val_max_rows: int = 0                        # 0 = every validation row
-    task: TaskConfig = field(default_factory=TaskConfig)
-
-    def validate(self):
-        require(self.batch_size >= 1, "batch_size", "must be >= 1", self.batch_size)
-        require(self.max_prompt_length >= 1, "max_prompt_length", "must be >= 1", self.max_prompt_length)
-        require(self.val_max_rows >= 0, "val_max_rows", "must be >= 0", self.val_max_rows)
-        require(self.val_files is None or self.train_files is not None, "val_files",
-                "needs data.train_files (the embedded task brings its own split)", self.val_files)
-
-
-@dataclass
-class RayConfig:
-    address: str | None = None       # null = start a local Ray; "auto" or host:port joins a cluster
-    num_cpus: int | None = None      # for the local Ray; null = all cores
-    placement_timeout_s: float = 120.0  # wait this long for the cluster to hold the placement groups, then fail
-
-    def validate(self):
-        require(self.placement_timeout_s > 0, "placement_timeout_s", "must be > 0", self.placement_timeout_s)
 
 
 @dataclass

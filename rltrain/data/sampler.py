@@ -1,4 +1,5 @@
-"""Prompt batches in a deterministic, resumable order, and prompt tokenization.
+"""Prompt batches in a deterministic, resumable order, and prompt tokenization; the `data` config section
+(DataConfig: where the prompts come from, how many per step, how long they may be).
 
 The order is a fresh permutation per epoch drawn from (seed, epoch), so the position (epoch, index) is the whole
 state: a resumed run sees exactly the batches an uninterrupted run would have.
@@ -8,12 +9,32 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass, field
 
 import torch
 
+from rltrain.config import require
 from rltrain.data.rows import DataError, PromptRow, render_prompt
+from rltrain.embedded.task import TaskConfig
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DataConfig:
+    train_files: str | list[str] | None = None   # parquet/jsonl in verl's row format; null = the embedded task
+    val_files: str | list[str] | None = None
+    batch_size: int = 32                         # prompts per step (each gets rollout.n responses)
+    max_prompt_length: int = 256                 # longer prompts are dropped with a warning
+    val_max_rows: int = 0                        # 0 = every validation row
+    task: TaskConfig = field(default_factory=TaskConfig)
+
+    def validate(self):
+        require(self.batch_size >= 1, "batch_size", "must be >= 1", self.batch_size)
+        require(self.max_prompt_length >= 1, "max_prompt_length", "must be >= 1", self.max_prompt_length)
+        require(self.val_max_rows >= 0, "val_max_rows", "must be >= 0", self.val_max_rows)
+        require(self.val_files is None or self.train_files is not None, "val_files",
+                "needs data.train_files (the embedded task brings its own split)", self.val_files)
 
 
 class PromptSampler:

@@ -6,7 +6,7 @@ one-GPU bundles (one-CPU bundles on CPU runs: each rank is then a process that r
 lands in bundle r, so the actor, reference and rollout ranks with the same index share a GPU (colocated), each asking a
 fraction of it (the rollout's processes: rltrain/workers/rollout_group.py). A request the cluster cannot hold fails with
 PlacementError naming the keys and what the cluster has, at once when no set of nodes could ever hold it, else after
-ray.placement_timeout_s: never a hang.
+ray.placement_timeout_s: never a hang. The `ray` config section (RayConfig) says which Ray to use and that timeout.
 
 Worker groups: `WorkerGroup(cls, placement, share, **kwargs)` starts `cls(rank=r, world_size=W, master_addr=...,
 master_port=..., **kwargs)` on every bundle; rank 0's node address and a free port come from a task run in bundle 0.
@@ -25,9 +25,19 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rltrain.config import ConfigError
+from rltrain.config import ConfigError, require
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None       # null = start a local Ray; "auto" or host:port joins a cluster
+    num_cpus: int | None = None      # for the local Ray; null = all cores
+    placement_timeout_s: float = 120.0  # wait this long for the cluster to hold the placement groups, then fail
+
+    def validate(self):
+        require(self.placement_timeout_s > 0, "placement_timeout_s", "must be > 0", self.placement_timeout_s)
 
 
 class PlacementError(ConfigError):

@@ -1,23 +1,46 @@
-"""What every role holding a policy copy shares: loading it (its attention implementation chosen, the configured
-kernels swapped in), running it on padded rows or a packed row, and computing per-token log-probs of responses with
-`rltrain_kernels.linear_logprobs` (no logits materialised)."""
+"""What every role holding a policy copy shares: the `model` config section (ModelConfig), loading the policy (its
+attention implementation chosen, the configured kernels swapped in), running it on padded rows or a packed row, and
+computing per-token log-probs of responses with `rltrain_kernels.linear_logprobs` (no logits materialised)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+from dataclasses import dataclass, field
 
 import torch
 from rltrain_kernels.registry import KernelConfig, apply_kernel_config, get_applied_kernels
 from tensordict import TensorDict
 
-from rltrain.workers.attention import resolve_attn_implementation, use_packed_attention, varlen_kwargs
+from rltrain.config import require
+from rltrain.embedded.model import EmbeddedModelConfig
+from rltrain.workers.attention import (
+    ATTN_IMPLEMENTATIONS, resolve_attn_implementation, use_packed_attention, varlen_kwargs,
+)
 from rltrain.workers.batch import IGNORE_INDEX, response_hidden
 from rltrain.workers.packing import MicroBatching, Packing
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None          # a local transformers model directory; null = the embedded default
+    dtype: str = "float32"           # float32 | bfloat16 | float16
+    attn_implementation: str = "auto"   # auto (= sdpa) | sdpa | eager | flash_attention_2 | flex_attention
+    embedded: EmbeddedModelConfig = field(default_factory=EmbeddedModelConfig)
+
+    def validate(self):
+        *others, last = DTYPES
+        require(self.dtype in DTYPES, "dtype", f"must be {', '.join(others)} or {last}", self.dtype)
+        require(self.attn_implementation in ATTN_IMPLEMENTATIONS, "attn_implementation",
+                f"must be one of {', '.join(ATTN_IMPLEMENTATIONS)}", self.attn_implementation)
+        require(self.attn_implementation != "flash_attention_2" or importlib.util.find_spec("flash_attn") is not None,
+                "attn_implementation", "'flash_attention_2' needs the flash-attn package, which is not installed; "
+                "auto (SDPA, with torch's varlen flash attention for packed batches) needs none")
 
 
 def set_threads(num_threads: int) -> None:
