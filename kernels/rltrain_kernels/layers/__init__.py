@@ -7,8 +7,9 @@
     out, cache = layer(next_hidden_states, cache=cache, use_cache=True)   # decoding from the cache
     out, _ = layer(packed_hidden_states, cu_seqlens=cu_seqlens)           # packed sequences, one row
 
-A layer computes its delta rule in plain PyTorch (layers/recurrence.py, any device) until the registry swaps in the
-Triton kernels — chunked for whole sequences, fused-recurrent for decoding:
+A layer computes its delta rule in plain PyTorch (any device: layers/chunked.py's chunked forms for whole sequences,
+layers/recurrence.py's per-step recurrence for decoding) until the registry swaps in the Triton kernels — chunked
+for whole sequences, fused-recurrent for decoding:
 `apply_default_kernels(model)` on a GPU, or by id (`gated_delta_rule`, `gated_delta_product`, `iplr_delta_rule`).
 `LinearAttentionCache` holds a layer's conv and recurrent states between calls; layers/common.py states the padding
 (attention_mask) and packing (cu_seqlens) rules. Models built from these layers: rltrain_kernels.models.

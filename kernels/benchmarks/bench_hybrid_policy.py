@@ -1,0 +1,162 @@
+"""A delta-rule policy against a Qwen3 of the same shape, on one GPU, side by side in one process: rltrain's actor
+step (old log-probs + one update, packed micro-batches, the registry's kernels) and the HF rollout engine's
+decoding (transformers' `generate`, KV cache for Qwen3; for the hybrid, the recurrent cache and the fused-recurrent
+kernels), both in bf16, built from config:
+
+    qwen3    a 1B-class Qwen3: 16 layers, hidden 2048, MLP 6144, 16 query / 8 key-value heads of 128, vocab 151,936
+    hybrid   the same with 3 of every 4 layers Gated DeltaNet (16 heads of 128 keys and values), Qwen3-Next's mix
+    gdp      every layer Gated DeltaProduct (2 Householder steps per token)
+    iplr     every layer IPLR
+
+Actor step: `--responses` responses after `--prompt-len`-token prompts, log-normal lengths (bench_actor_step.py's
+batch); tokens/s counts prompt + response tokens over both passes, the faster of two steps after two warm-up
+steps. Decoding: `--decode-batch` prompts of `--decode-prompt` random tokens, `--decode-len` new tokens sampled at
+temperature 1 (an <eos> the random model never draws, so every row decodes the full length); tokens/s = rows ×
+new tokens over the wall time. Correctness first: each delta-rule model's old log-probs with the kernels against
+its plain-PyTorch path (fp32 recurrence) on a small batch, as a relative error. Needs a CUDA GPU and tensordict
+(kernels/benchmarks/README.md).
+
+    python kernels/benchmarks/bench_hybrid_policy.py                  # all four archs
+    python kernels/benchmarks/bench_hybrid_policy.py --archs qwen3,hybrid
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # rltrain (this checkout) without installing it
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_actor_step import VOCAB, RltrainPath, make_batch, release_memory, timed_step  # noqa: E402
+from rltrain_kernels.registry import get_applied_kernels  # noqa: E402
+
+SHAPE = dict(vocab_size=VOCAB, hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
+             num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
+             rope_theta=1e6)
+LAYERS = 16
+MIXERS = {"hybrid": ["gated_delta_rule"] * 3 + ["full_attention"], "gdp": ["gated_delta_product"],
+          "iplr": ["iplr"]}
+AUTO = {"name": "auto", "include_kernels": "auto"}
+
+
+def build_model_dir(arch: str, root: str) -> str:
+    import transformers as tf
+
+    import rltrain_kernels.models as families
+
+    eos = dict(eos_token_id=VOCAB - 1, pad_token_id=VOCAB - 1, bos_token_id=VOCAB - 1)
+    if arch == "qwen3":
+        config = tf.Qwen3Config(num_hidden_layers=LAYERS, **SHAPE, **eos)
+    else:
+        pattern = MIXERS[arch]
+        config = families.HybridDeltaConfig(layer_types=[pattern[i % len(pattern)] for i in range(LAYERS)],
+                                            linear_num_heads=16, linear_head_dim=128, num_householder=2,
+                                            **SHAPE, **eos)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():   # the <eos> row of the tied embedding pushed down: random sampling never draws it
+        model.get_input_embeddings().weight[VOCAB - 1].mul_(-50)
+    path = f"{root}/{arch}"
+    model.save_pretrained(path)
+    return path
+
+
+def kernel_vs_torch_error(model_dir: str) -> float:
+    """Old log-probs on 8 short responses: the registry's kernels against the plain-PyTorch layers."""
+    from rltrain.algorithms.config import LossConfig
+    from rltrain.workers.actor import ActorConfig, ActorWorker
+
+    batch = make_batch(8, 64, 200, 400, seed=3)
+    logps = []
+    for kernels in (AUTO, {"name": "auto", "include_kernels": "none"}):
+        actor = ActorWorker(ActorConfig(lr=1e-6, use_remove_padding=True), LossConfig(), model_dir, "bfloat16",
+                            kernels, temperature=1.0, device="cuda")
+        logps.append(actor.compute_logprobs(batch).double())
+        actor = None
+        release_memory()
+    mask = batch["response_mask"].bool()
+    return ((logps[0] - logps[1])[mask].norm() / logps[1][mask].norm()).item()
+
+
+def decode(model_dir: str, args) -> tuple[float, int]:
+    """(tokens/s, new tokens per row) of the HF rollout engine."""
+    from rltrain.workers.rollout import RolloutConfig, RolloutWorker
+
+    worker = RolloutWorker(RolloutConfig(n=1, max_new_tokens=args.decode_len, micro_batch_size=args.decode_batch),
+                           model_dir, "bfloat16", AUTO, device="cuda")
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(100, VOCAB - 100, (args.decode_batch, args.decode_prompt), generator=g)
+    mask = torch.ones_like(ids)
+    worker.generate(ids[:, :16], mask[:, :16], 1, 1.0, seed=0)   # warm-up: autotuning, allocator
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = worker.generate(ids, mask, 1, 1.0, seed=1)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    steps = out["response_ids"].shape[1]
+    worker = None
+    release_memory()
+    return args.decode_batch * steps / elapsed, steps
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--archs", default="qwen3,hybrid,gdp,iplr")
+    parser.add_argument("--responses", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--mean-len", type=float, default=1024)
+    parser.add_argument("--max-len", type=int, default=4096)
+    parser.add_argument("--max-tokens", type=int, default=16384, help="packed micro-batch token budget")
+    parser.add_argument("--decode-batch", type=int, default=64)
+    parser.add_argument("--decode-prompt", type=int, default=128)
+    parser.add_argument("--decode-len", type=int, default=256)
+    args = parser.parse_args()
+    import transformers
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
+    root = tempfile.mkdtemp()
+    batch = make_batch(args.responses, args.prompt_len, args.mean_len, args.max_len)
+    tokens = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
+    print(f"actor batch: {args.responses} responses, {tokens} tokens (max response {batch['response_ids'].shape[1]})")
+    warm = [make_batch(8, 64, 128, 256, seed=1), make_batch(8, 96, 300, 600, seed=2)]
+    rows = []
+    for arch in args.archs.split(","):
+        model_dir = build_model_dir(arch, root)
+        error = kernel_vs_torch_error(model_dir) if arch != "qwen3" else None
+        path = RltrainPath(model_dir, 4, packed=True, max_tokens=args.max_tokens)
+        params = sum(p.numel() for p in path.model.parameters()) / 1e9
+        for warm_batch in warm:   # autotuning, allocator
+            timed_step(path, warm_batch)
+        torch.cuda.reset_peak_memory_stats()
+        # the faster of two steps: the first at a new size can still autotune a kernel for it
+        old_s, update_s = min((timed_step(path, batch)[:2] for _ in range(2)), key=sum)
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        kernels = sorted(get_applied_kernels(path.model))
+        path = None
+        release_memory()
+        decode_tps, steps = decode(model_dir, args)
+        rows.append((arch, params, tokens / (old_s + update_s), old_s, update_s, peak, decode_tps, steps, error))
+        print(f"  {arch}: {params:.2f}B params, actor {rows[-1][2]:.0f} tok/s (old {old_s:.2f} s, update "
+              f"{update_s:.2f} s, peak {peak:.1f} GiB), decode {decode_tps:.0f} tok/s over {steps} steps"
+              + (f", kernels vs torch log-prob rel. error {error:.1e}" if error is not None else "")
+              + f"; kernels {', '.join(kernels)}",
+              flush=True)
+    base = {r[0]: r for r in rows}.get("qwen3")
+    print(f"\n### Delta-rule policies vs Qwen3, bf16, {torch.cuda.get_device_name()}\n")
+    print("| arch | params | actor tok/s | vs qwen3 | old log-probs s | update s | peak GiB | decode tok/s "
+          "| vs qwen3 | kernels vs torch rel. err |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for arch, params, tps, old_s, update_s, peak, dtps, steps, error in rows:
+        vs = (f"{tps / base[2]:.2f}x", f"{dtps / base[6]:.2f}x") if base else ("-", "-")
+        print(f"| {arch} | {params:.2f}B | {tps:.0f} | {vs[0]} | {old_s:.2f} | {update_s:.2f} | {peak:.1f} | "
+              f"{dtps:.0f} | {vs[1]} | {'-' if error is None else f'{error:.1e}'} |")
+
+
+if __name__ == "__main__":
+    main()
