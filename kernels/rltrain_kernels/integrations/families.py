@@ -3,6 +3,9 @@
 Table-driven (one row per `config.model_type`), so supporting a family is one entry, not a patch file. Classes are
 looked up by name in the model's own modeling module, so the table imports nothing from transformers.
 
+A PEFT-wrapped model (LoRA) is swapped like the model it wraps: its LoRA layers replace the Linear projections,
+which the swapped forwards call as modules, so swapping before or after wrapping gives the same model.
+
 Swapping sets `module.__class__` to a cached subclass of the original whose `forward` calls the kernel. Weights,
 parameter names, buffers and state_dict keys are untouched, only the given model changes (no process-wide
 monkey-patching), applying twice is a no-op, and `restore_original_modules(model)` undoes it. Such a model still
@@ -60,9 +63,17 @@ def register_model_family(model_type: str, family: ModelFamily) -> None:
     FAMILIES[model_type] = family
 
 
+def wrapped_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a wrapper that hands it out with get_base_model() (PEFT's PeftModel, whose LoRA
+    layers sit inside that model's modules), else `model` itself. Its config and class name the family."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
 def family_classes(model: nn.Module, role: str, kernel_id: str) -> tuple[type, ...]:
-    """The classes playing `role` (a ModelFamily field: 'rmsnorm', 'mlp', ...) in `model`, resolved in its modeling
-    module."""
+    """The classes playing `role` (a ModelFamily field: 'rmsnorm', 'mlp', ...) in `model` (or the model a PEFT
+    wrapper holds), resolved in its modeling module."""
+    model = wrapped_model(model)
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
