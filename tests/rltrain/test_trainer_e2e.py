@@ -2,7 +2,8 @@
 reward plugins that raise or hang are scored 0 and counted; a run SIGKILLed mid-save resumes at the right step and
 sees exactly the data an uninterrupted run sees (trainer.resume auto, a path, never), with two rollout replicas;
 every step's record says where its time went and the console line shows it; TensorBoard events, the HF export of a
-checkpoint and the roles started (no reference without KL) are checked along the way.
+checkpoint and the roles started (no reference without KL) are checked along the way; every algorithm preset and
+each delta-rule policy arch trains for 2 steps.
 
     .venv/bin/python -m pytest tests/rltrain/test_trainer_e2e.py -x -q -k killed   # about a minute on 2 cores
 """
@@ -140,6 +141,33 @@ def test_algorithm_presets_train(tmp_path, preset):
         assert all(-1 <= r["train/overlong_penalty_mean"] <= 0 for r in train), train
     if preset == "reinforce_pp":  # the KL penalty in the reward: the reference runs, the loss has no KL term
         assert all("train/kl_penalty_mean" in r and "actor/ref_kl" in r for r in train), train
+
+
+@pytest.mark.parametrize("arch", ["hybrid", "gdp", "iplr"])
+def test_delta_rule_policies_train(tmp_path, arch):
+    """model.embedded.arch: a delta-rule policy through the real trainer (packed actor batches, the HF engine's
+    recurrent cache), 2 steps; its checkpoint loads back as the hybrid family with the weights the run trained."""
+    from transformers import AutoModelForCausalLM
+
+    import rltrain_kernels.models  # noqa: F401  (registers the family with the Auto classes)
+
+    plugin = tmp_path / "reward.py"   # 0 or 1 about evenly over random responses: nonzero advantages
+    plugin.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(sum(map(ord, solution_str)) % 2)\n")
+    out = tmp_path / "run"
+    result = run(tiny_job(out, model={"embedded": {"arch": arch, "num_layers": 2}}, rollout={"temperature": 1.5},
+                          reward={"path": str(plugin), "name": "score"}))
+    assert result["step"] == 2
+    train = [r for r in _records(out) if "train/reward_mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(math.isfinite(r["actor/loss"]) and math.isfinite(r["actor/grad_norm"]) for r in train), train
+    assert any(r["actor/grad_norm"] > 0 for r in train), train   # a step's groups may all tie (zero advantages)
+    saved = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_000002" / "hf")
+    expected = {"hybrid": ["gated_delta_rule", "full_attention"], "gdp": ["gated_delta_product"] * 2,
+                "iplr": ["iplr"] * 2}[arch]
+    assert saved.config.model_type == "hybrid_delta" and saved.config.mixer_types == expected
+    warm = AutoModelForCausalLM.from_pretrained(next((out / "warmstart").iterdir()))
+    assert any(not torch.equal(a, b) for a, b in zip(saved.state_dict().values(), warm.state_dict().values()))
 
 
 def _overrides(output_dir, **sections) -> list[str]:
