@@ -182,13 +182,17 @@ def parse_include_kernels(include_kernels) -> list[str] | str | None:
                     f"ids; got {include_kernels!r}")
 
 
-def apply_default_kernels(model: nn.Module, include_kernels="auto", device: str | None = None) -> nn.Module:
+def apply_default_kernels(model: nn.Module, include_kernels="auto", device: str | None = None,
+                          kernel_options: Mapping[str, Mapping] | None = None) -> nn.Module:
     """Apply kernels to `model` in place; returns the model (get_applied_kernels says what runs).
 
     include_kernels: None/False/"" -> no change; True/"auto" -> every default kernel of the device; "id1,id2" or a
     list -> exactly those. An unknown id raises ValueError listing the known ids (before anything is changed). An
     id with no implementation on this device is skipped with one log line. In "auto" mode a kernel without an
     adapter for this model's family is skipped with one log line; asked for by name, it raises.
+    kernel_options: {kernel id: keyword arguments of its apply}, for the kernels that take some (the delta-rule
+    kernels' recurrence_dot; KernelConfig.kernel_options builds them from the config); a kernel not applied ignores
+    its entry.
     """
     wanted = parse_include_kernels(include_kernels)
     if wanted is None:
@@ -207,7 +211,7 @@ def apply_default_kernels(model: nn.Module, include_kernels="auto", device: str 
             logger.info("kernel %s: no usable implementation on %s, skipped", kid, device)
             continue
         try:
-            applied[kid] = impl.apply(model)
+            applied[kid] = impl.apply(model, **(kernel_options or {}).get(kid, {}))
         except UnsupportedModelError as exc:
             if explicit:
                 raise
@@ -225,6 +229,9 @@ class KernelConfig:
     name: str = "auto"                                        # whose implementations: auto | cuda | npu | cpu
     include_kernels: str | list[str] | bool | None = "auto"   # auto | none | "id1,id2" | a list of kernel ids
     delta_rule_recurrence_dot: str = "auto"                   # auto | bf16 | tf32 (gated delta rule / product)
+
+    # The kernels that take delta_rule_recurrence_dot, as their apply's recurrence_dot (on every device they have).
+    RECURRENCE_DOT_KERNELS: ClassVar[tuple[str, ...]] = ("gated_delta_rule", "gated_delta_product")
 
     def __post_init__(self):
         # precision imports triton, which this module must not need at import time
@@ -244,6 +251,11 @@ class KernelConfig:
             unknown = [kernel_id for kernel_id in wanted if kernel_id not in known]
             _require(not unknown, "include_kernels", f"unknown kernel id(s) {', '.join(map(repr, unknown))}; "
                      f"known kernel ids: {', '.join(known)}")
+
+    def kernel_options(self) -> dict[str, dict]:
+        """{kernel id: keyword arguments of its apply} this config sets (apply_default_kernels' kernel_options)."""
+        return {kernel_id: {"recurrence_dot": self.delta_rule_recurrence_dot}
+                for kernel_id in self.RECURRENCE_DOT_KERNELS}
 
     @classmethod
     def from_mapping(cls, mapping: Mapping) -> KernelConfig:
@@ -266,14 +278,11 @@ def apply_kernel_config(model: nn.Module, kernel_config: KernelConfig | Mapping 
     """The config form: a KernelConfig, or its mapping `{name: auto | cuda | npu | cpu, include_kernels: auto | none |
     "a,b" | [a, b], delta_rule_recurrence_dot: auto | bf16 | tf32}`. `name` picks the device whose implementations
     are used (auto = detected); `delta_rule_recurrence_dot` the dots of the gated delta rule / product's recurrence
-    kernels for bf16 inputs (ops/common/precision.py's RECURRENCE_DOT; process-wide, set before any model is patched;
-    a mapping without the key leaves it as it is)."""
+    kernels for bf16 inputs, passed to those kernels, which bind it into this model's swapped layers as their ops'
+    recurrence_dot argument (KernelConfig.kernel_options; ops/common/precision.py): it holds for this model only, and
+    another model in the process may run another."""
     if kernel_config is None:
         return model
-    typed = isinstance(kernel_config, KernelConfig)
-    config = kernel_config if typed else KernelConfig.from_mapping(kernel_config)
-    if typed or "delta_rule_recurrence_dot" in kernel_config:
-        from .ops.common.precision import set_recurrence_dot
-
-        set_recurrence_dot(config.delta_rule_recurrence_dot)
-    return apply_default_kernels(model, config.include_kernels, device=config.name)
+    config = kernel_config if isinstance(kernel_config, KernelConfig) else KernelConfig.from_mapping(kernel_config)
+    return apply_default_kernels(model, config.include_kernels, device=config.name,
+                                 kernel_options=config.kernel_options())

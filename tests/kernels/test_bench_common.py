@@ -1,9 +1,8 @@
 """kernels/benchmarks' measuring tools that GPU decisions rest on: the per-kernel dot-precision override (the
 bisection of IPLR's bf16 failure, scripts/gpu_check.sh iplr-bf16; the precision settings of the gated delta
 product's --accuracy sweep) must change exactly the kernel it names and undo cleanly, and the accuracy measurement
-must run. Through the launchers the override patches, a check that ops/common/precision.py's RECURRENCE_DOT
-reaches exactly the WY and state-pass kernels. --value-block must force the state passes' launch it names, and an
-isolated launch sweep must survive a setting that kills its process.
+must run. --value-block must force the state passes' launch it names, and an isolated launch sweep must survive a
+setting that kills its process.
 
 On the CPU through the Triton interpreter (native on a GPU), at small shapes in bf16.
 """
@@ -72,50 +71,6 @@ def test_override_changes_only_the_named_kernel(device, restore_launchers, monke
     assert all(torch.equal(x, y) for x, y in zip(again, base.values()))  # the host's DOT_PREC again
 
 
-RECURRENCE_KERNELS = ("gated_wy_fwd_kernel", "state_pass_fwd_kernel", "state_pass_bwd_kernel", "gated_wy_bwd_kernel")
-
-
-def test_recurrence_dot_reaches_the_wy_and_state_pass_kernels(device, restore_launchers, monkeypatch):
-    """precision.RECURRENCE_DOT = "tf32" launches the four WY and state-pass kernels of the gated delta product with
-    tf32 dots and every other kernel with its bf16 ones, stores what feeds those dots in fp32 (unrounded), and changes
-    the numbers (it does something). The launches are read off the launchers' run, as the override patches them."""
-    from bench_gated_delta_product import with_householder
-
-    from rltrain_kernels.ops.common import precision
-    from rltrain_kernels.ops.gated_delta_product import chunk_gated_delta_product
-
-    torch.manual_seed(0)
-    B, T, H, D, n_h = 1, 50, 1, 32, 2
-    q, v = torch.randn(B, T, H, D), torch.randn(B, T * n_h, H, D)
-    k = torch.nn.functional.normalize(torch.randn(B, T * n_h, H, D), dim=-1)
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, H))
-    beta = 2 * torch.rand(B, T * n_h, H)
-    inputs = [x.to(device, torch.bfloat16) for x in (q, k, v, g, beta)] + [torch.randn(B, H, D, D, device=device)]
-    do = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
-    fn = with_householder(chunk_gated_delta_product, n_h)
-    launched: dict[str, set[str]] = {}  # kernel name → the DOT_PREC values it was launched with
-
-    def recording(run):
-        def patched(self, *args, **kwargs):
-            if "DOT_PREC" in kwargs:
-                launched.setdefault(self.fn.__name__, set()).add(kwargs["DOT_PREC"].removesuffix("_interpreted"))
-            return run(self, *args, **kwargs)
-        return patched
-
-    for cls in (JITFunction, InterpretedFunction):
-        monkeypatch.setattr(cls, "run", recording(cls.run))
-    shipped = outputs_and_grads(fn, inputs, do)
-    assert set().union(*launched.values()) == {"bf16"}, launched
-    launched.clear()
-    monkeypatch.setattr(precision, "RECURRENCE_DOT", "tf32")
-    assert precision.recurrence_operand_dtype(torch.bfloat16) == torch.float32
-    switched = outputs_and_grads(fn, inputs, do)
-    assert set(RECURRENCE_KERNELS) <= launched.keys(), launched
-    for name, precs in launched.items():
-        assert precs == ({"tf32"} if name in RECURRENCE_KERNELS else {"bf16"}), (name, precs)
-    assert not torch.equal(switched[1], shipped[1])
-
-
 def test_bad_overrides_are_named(restore_launchers):
     with pytest.raises(SystemExit, match="'iplr_bwd_query_kernel=fp8'"):
         override_dot_precision(["iplr_bwd_query_kernel=fp8"])
@@ -159,14 +114,13 @@ def test_force_value_block(mode, monkeypatch):
     from rltrain_kernels.ops.common import state_pass
 
     monkeypatch.setattr(state_pass, "VALUE_BLOCK", "auto")  # restored after the test
-    monkeypatch.setattr(state_pass, "_sm_count", lambda device: 132)  # the occupancy rule as on an H100
     cuda = torch.device("cuda")
-    force_value_block("auto")
-    assert state_pass.state_launch("state_pass_bwd", 1, 128, 128, cuda)[2] == 32   # too few programs: narrow
-    assert state_pass.state_launch("state_pass_bwd", 4096, 128, 128, cuda)[2] == 64
+    force_value_block("auto")  # the occupancy rule, as on an H100 (132 SMs)
+    assert state_pass.state_launch("state_pass_bwd", 1, 128, 128, cuda, sm_count=132)[2] == 32  # too few programs
+    assert state_pass.state_launch("state_pass_bwd", 4096, 128, 128, cuda, sm_count=132)[2] == 64
     force_value_block(mode)
     for programs in (1, 4096):
-        name, BK, BV = state_pass.state_launch("state_pass_bwd", programs, 128, 128, cuda)
+        name, BK, BV = state_pass.state_launch("state_pass_bwd", programs, 128, 128, cuda, sm_count=132)
         assert (name, BK, BV) == (("state_pass_bwd_wide", 128, 64) if mode == "wide" else ("state_pass_bwd", 128, 32))
     with pytest.raises(SystemExit, match="--value-block 'half'"):
         force_value_block("half")
@@ -234,19 +188,18 @@ def test_sweep_without_isolation_dies_with_its_fault(tmp_path):
 
 @pytest.mark.parametrize("op", ["gated_delta_rule", "iplr_delta_rule"])
 @pytest.mark.parametrize("blocks", [(32, 32), (16, 32)], ids=["blocks32x32", "blocks16x32"])
-def test_output_blocks_bench_reference_matches_the_kernels(op, blocks, device, monkeypatch):
+def test_output_blocks_bench_reference_matches_the_kernels(op, blocks, device):
     """bench_output_blocks.py's float64 evaluation of each output pass (what it checks every tile setting against)
-    agrees with the kernels at bf16 accuracy, through the op's OUTPUT_BLOCKS at two settings (BK < K: the key loop)."""
+    agrees with the kernels at bf16 accuracy, through the launcher's blocks at two settings (BK < K: the key loop)."""
     import importlib
 
     from bench_output_blocks import OPS, make_case
 
     module_name, launcher_name, _ = OPS[op]
     module = importlib.import_module(module_name)
-    monkeypatch.setattr(module, "OUTPUT_BLOCKS", blocks)
     torch.manual_seed(0)
     args, ref = make_case(op, 2, 128, 2, 32, device=device)
-    out = getattr(module, launcher_name)(*args)
+    out = getattr(module, launcher_name)(*args, blocks=blocks)
     assert out.shape == ref.shape
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < 5e-3, f"{op} output pass at {blocks}: {err:.1e} from the bench's float64 reference"

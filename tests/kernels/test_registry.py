@@ -176,30 +176,57 @@ def test_kernel_config_from_mapping_defaults_and_unknown_keys():
         KernelConfig.from_mapping({"include": "auto"})
 
 
-def test_kernel_config_sets_the_delta_rule_recurrence_dot(scratch_registry, monkeypatch):
-    """delta_rule_recurrence_dot reaches ops/common/precision.py's RECURRENCE_DOT (process-wide), which the gated
-    delta rule's and product's recurrence kernels read at every call; a bad value is named before anything changes;
-    a mapping without the key leaves the setting alone, a KernelConfig always sets it (its default: auto)."""
-    from rltrain_kernels.ops.common import precision
+RECURRENCE_KERNELS = ("gated_wy_fwd_kernel", "state_pass_fwd_kernel", "state_pass_bwd_kernel", "gated_wy_bwd_kernel")
+DELTA_RULE_KERNELS = "gated_delta_rule,gated_delta_product"
 
-    monkeypatch.setattr(precision, "RECURRENCE_DOT", None)  # restored after the test
-    model = Counter()
-    apply_kernel_config(model, {"include_kernels": "none", "delta_rule_recurrence_dot": "tf32"})
-    assert precision.RECURRENCE_DOT == "tf32"
-    assert precision.recurrence_dot_precision(torch.bfloat16).startswith("tf32")
-    apply_kernel_config(model, {"include_kernels": "none"})
-    assert precision.RECURRENCE_DOT == "tf32"
-    with pytest.raises(ValueError, match=r"kernel_config.delta_rule_recurrence_dot: must be auto, bf16, tf32 "
-                                         r"\(got 'fp8'\)"):
-        apply_kernel_config(model, {"delta_rule_recurrence_dot": "fp8"})
-    assert precision.RECURRENCE_DOT == "tf32"
-    apply_kernel_config(model, {"include_kernels": "none", "delta_rule_recurrence_dot": "auto"})
-    assert precision.RECURRENCE_DOT is None
-    apply_kernel_config(model, KernelConfig(include_kernels="none", delta_rule_recurrence_dot="tf32"))
-    assert precision.RECURRENCE_DOT == "tf32"
-    apply_kernel_config(model, KernelConfig(include_kernels="none"))  # the typed form always says: auto here
-    assert precision.RECURRENCE_DOT is None
-    assert precision.recurrence_dot_precision(torch.bfloat16) == precision.dot_precision(torch.bfloat16)
+
+def delta_rule_model() -> nn.ModuleDict:
+    """A GatedDeltaNet and a GatedDeltaProduct layer (K = V = 16, n_h = 2), bf16: the inputs the mode applies to."""
+    from rltrain_kernels.layers import GatedDeltaNet, GatedDeltaProduct
+
+    torch.manual_seed(0)
+    return nn.ModuleDict({"rule": GatedDeltaNet(32, num_heads=1, head_dim=16),
+                          "product": GatedDeltaProduct(32, num_heads=1, head_dim=16)}).to(torch.bfloat16)
+
+
+def test_delta_rule_recurrence_dot_holds_per_model(monkeypatch):
+    """kernel_config.delta_rule_recurrence_dot goes to the gated delta rule / product kernels of the model it is
+    applied to, bound into its swapped layers' op calls: two models in one process, configured differently, each
+    launch the WY and state-pass kernels with their own DOT_PREC, forward and backward, whatever ran before (a spy on
+    the launches: the interpreter ignores input_precision, so the outputs cannot show it). A mapping without the key
+    gets the default; the swapped layers' repr names the mode; applying the same config again changes nothing."""
+    from rltrain_kernels.ops.common import state_pass, wy, wy_bwd
+    from tests.helpers import spy_launches
+
+    accurate = apply_kernel_config(delta_rule_model(), KernelConfig(name="cuda", include_kernels=DELTA_RULE_KERNELS,
+                                                                    delta_rule_recurrence_dot="tf32"))
+    shipped = apply_kernel_config(delta_rule_model(), {"name": "cuda", "include_kernels": DELTA_RULE_KERNELS})
+    for model, mode in ((accurate, "tf32"), (shipped, "auto")):
+        assert get_applied_kernels(model) == {"gated_delta_rule": 1, "gated_delta_product": 1}
+        assert all(f"recurrence_dot={mode}" in repr(layer) for layer in model.values())
+    launched: dict[str, set[str]] = {}
+    for module, name in zip((wy, state_pass, state_pass, wy_bwd), RECURRENCE_KERNELS):
+        spy_launches(monkeypatch, module, name, lambda args, kwargs, name=name: launched.setdefault(name, set()).add(
+            kwargs["DOT_PREC"].removesuffix("_interpreted")))
+    for model, dot_prec in ((accurate, "tf32"), (shipped, "bf16"), (accurate, "tf32")):
+        for kind, layer in model.items():
+            launched.clear()
+            out, _ = layer(torch.randn(1, 20, 32, dtype=torch.bfloat16, requires_grad=True))
+            out.float().square().sum().backward()
+            assert launched == {name: {dot_prec} for name in RECURRENCE_KERNELS}, (kind, launched)
+    assert get_kernel("gated_delta_rule", "cuda").apply(accurate, recurrence_dot="tf32") == 0
+    assert get_kernel("gated_delta_product", "cuda").apply(shipped, recurrence_dot="tf32") == 1  # now it runs tf32
+    assert "recurrence_dot=tf32" in repr(shipped["product"]) and "recurrence_dot=auto" in repr(shipped["rule"])
+
+
+@pytest.mark.parametrize("kernel_id", ["gated_delta_rule", "gated_delta_product"])
+def test_delta_rule_kernels_name_a_bad_recurrence_dot(kernel_id):
+    """A bad mode handed to a kernel directly is a ValueError naming the argument, before any module changes (the
+    config form names its key: test_kernel_config_is_validated_on_construction)."""
+    model = delta_rule_model()
+    with pytest.raises(ValueError, match=r"recurrence_dot must be one of auto, bf16, tf32; got 'fp8'"):
+        apply_kernel(kernel_id, model, device="cuda", recurrence_dot="fp8")
+    assert get_applied_kernels(model) == {}
 
 
 def test_discovery_survives_a_broken_module(tmp_path, monkeypatch, scratch_registry, caplog):

@@ -90,24 +90,27 @@ def family_classes(model: nn.Module, role: str, kernel_id: str) -> tuple[type, .
     return classes
 
 
-_SWAPPED: dict[tuple[type, str, str], type] = {}
+_SWAPPED: dict[tuple[type, str, str, tuple], type] = {}
 
 
 def original_class(module: nn.Module) -> type:
     return getattr(type(module), "_rltrain_original_class", type(module))
 
 
-def swap_forward(module: nn.Module, kernel_id: str, device: str, forward) -> bool:
-    """Give `module` a forward that runs `kernel_id` on `device`. Returns False when it already had it."""
+def swap_forward(module: nn.Module, kernel_id: str, device: str, forward, options: tuple = ()) -> bool:
+    """Give `module` a forward that runs `kernel_id` on `device`. Returns False when it already had it.
+    options: the ((name, value), ...) the forward was built with (the delta-rule kernels' recurrence_dot): part of
+    the swapped class and its repr, so models swapped with different options run their own."""
     original = original_class(module)
-    key = (original, kernel_id, device)
+    key = (original, kernel_id, device, options)
     swapped = _SWAPPED.get(key)
     if swapped is None:
         tag = f"{kernel_id}/{device}"
+        shown = "".join(f", {name}={value}" for name, value in options)
 
         def extra_repr(self) -> str:
             base = original.extra_repr(self)
-            return f"{base}, kernel={tag}" if base else f"kernel={tag}"
+            return f"{base}, kernel={tag}{shown}" if base else f"kernel={tag}{shown}"
 
         swapped = type(original.__name__, (original,), {
             "forward": forward, "extra_repr": extra_repr, "_rltrain_original_class": original,
@@ -120,10 +123,10 @@ def swap_forward(module: nn.Module, kernel_id: str, device: str, forward) -> boo
 
 
 def swap_modules(model: nn.Module, classes: tuple[type, ...], kernel_id: str, device: str, forward,
-                 accept=lambda module: True) -> int:
+                 accept=lambda module: True, options: tuple = ()) -> int:
     """swap_forward on every module of `model` that is an instance of `classes` and passes `accept`."""
     targets = [m for m in model.modules() if issubclass(original_class(m), classes) and accept(m)]
-    return sum(swap_forward(m, kernel_id, device, forward) for m in targets)
+    return sum(swap_forward(m, kernel_id, device, forward, options) for m in targets)
 
 
 def restore_original_modules(model: nn.Module) -> int:
@@ -140,14 +143,16 @@ def holds_layers(model: nn.Module, layer_cls: type) -> bool:
     return any(issubclass(original_class(m), layer_cls) for m in model.modules())
 
 
-def layer_kernel_swap(model: nn.Module, layer_cls: type, kernel_id: str, device: str, **ops) -> int:
+def layer_kernel_swap(model: nn.Module, layer_cls: type, kernel_id: str, device: str, options: tuple = (),
+                      **ops) -> int:
     """Swap every `layer_cls` module of `model` (rltrain_kernels.layers classes, in whatever model holds them) to a
-    forward whose module-level op names in `ops` resolve to the given kernels; returns how many changed. A model
-    without such layers is an UnsupportedModelError (skipped with a log line in "auto" mode)."""
+    forward whose module-level op names in `ops` resolve to the given kernels (built with `options`, swap_forward);
+    returns how many changed. A model without such layers is an UnsupportedModelError (skipped with a log line in
+    "auto" mode)."""
     if not holds_layers(model, layer_cls):
         raise UnsupportedModelError(f"{kernel_id}: {type(model).__name__} has no {layer_cls.__name__} layers")
     forward = with_globals(layer_cls.forward, **ops)
-    return swap_modules(model, (layer_cls,), kernel_id, device, forward)
+    return swap_modules(model, (layer_cls,), kernel_id, device, forward, options=options)
 
 
 def with_globals(func: types.FunctionType, **replacements) -> types.FunctionType:

@@ -8,7 +8,12 @@ RoPE, the swapped class runs a copy of the forward whose globals resolve those t
 leaving the module and every other model alone. rltrain's GatedDeltaNet layer calls the same two names (plain
 PyTorch until swapped), so the same adapters serve it. CUDA only: elsewhere transformers' own torch path (or the
 layer's PyTorch recurrence) stays.
+
+`apply(model, recurrence_dot=...)` (auto | bf16 | tf32; the registry passes kernel_config.delta_rule_recurrence_dot)
+binds the ops' recurrence_dot into this model's swapped layers: another model in the process may run another.
 """
+
+import functools
 
 from rltrain_kernels.integrations.families import (family_classes, holds_layers, layer_kernel_swap,
                                                   original_class, register_per_device, swap_modules, with_globals)
@@ -16,21 +21,22 @@ from rltrain_kernels.registry import BaseKernel
 
 
 def chunk_adapter(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-                  use_qk_l2norm_in_kernel=False, cu_seqlens=None, **_ignored):
+                  use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, recurrence_dot, **_ignored):
     from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
 
     return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, recurrence_dot=recurrence_dot)
 
 
 def recurrent_adapter(query, key, value, g, beta, initial_state=None, output_final_state=False,
-                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, **_ignored):
+                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, recurrence_dot, **_ignored):
     from rltrain_kernels.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     return fused_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
                                             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                            recurrence_dot=recurrence_dot)
 
 
 ADAPTERS = (chunk_adapter, recurrent_adapter)
@@ -40,12 +46,14 @@ class _GatedDeltaRule(BaseKernel):
     kernel_id = "gated_delta_rule"
 
     @classmethod
-    def apply(cls, model, **kwargs) -> int:
+    def apply(cls, model, recurrence_dot: str = "auto") -> int:
         from rltrain_kernels.layers import GatedDeltaNet
+        from rltrain_kernels.ops.common.precision import check_recurrence_dot
 
-        chunk, recurrent = cls.load_op()
+        options = (("recurrence_dot", check_recurrence_dot(recurrence_dot)),)  # the swapped class says so
+        chunk, recurrent = (functools.partial(adapter, recurrence_dot=recurrence_dot) for adapter in cls.load_op())
         if holds_layers(model, GatedDeltaNet):
-            return layer_kernel_swap(model, GatedDeltaNet, cls.kernel_id, cls.device,
+            return layer_kernel_swap(model, GatedDeltaNet, cls.kernel_id, cls.device, options=options,
                                      torch_chunk_gated_delta_rule=chunk, torch_recurrent_gated_delta_rule=recurrent)
         classes = family_classes(model, "linear_attention", cls.kernel_id)
         changed = 0
@@ -53,7 +61,7 @@ class _GatedDeltaRule(BaseKernel):
             forward = with_globals(layer_cls.forward, torch_chunk_gated_delta_rule=chunk,
                                    torch_recurrent_gated_delta_rule=recurrent)
             changed += swap_modules(model, (layer_cls,), cls.kernel_id, cls.device, forward,
-                                    accept=lambda m, c=layer_cls: original_class(m) is c)
+                                    accept=lambda m, c=layer_cls: original_class(m) is c, options=options)
         return changed
 
 

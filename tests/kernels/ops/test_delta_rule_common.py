@@ -1,15 +1,18 @@
 """The delta-rule family's shared bookkeeping (ops/common): chunk layouts (padded batches cached by shape, packed ones
-by their cu_seqlens tensor), the packed offsets' validation (once per cu_seqlens tensor) and the state passes' choice
-of value block."""
+by their cu_seqlens tensor), the packed offsets' validation (once per cu_seqlens tensor), the state passes' choice
+of value block, and the gated delta rule / product ops' recurrence_dot argument reaching the WY and state-pass
+launches (common/precision.py)."""
 
 import gc
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from rltrain_kernels.ops.common import state_pass
 from rltrain_kernels.ops.common.chunking import chunk_layout
 from rltrain_kernels.ops.common.inputs import check_packing
+from tests.helpers import spy_launches
 
 
 def test_padded_layouts_are_cached_by_shape():
@@ -73,17 +76,116 @@ def test_packed_offsets_are_validated_once_per_cu_seqlens_tensor(monkeypatch):
     assert len(reads) == 2
 
 
-def test_state_pass_value_block(monkeypatch):
-    monkeypatch.setattr(state_pass, "_sm_count", lambda device: 132)
+def test_state_pass_value_block():
+    """The state passes' value columns per program, with the occupancy rule as on an H100 (132 SMs)."""
     cpu = torch.device("cpu")
+
+    def launch(name, programs, K, V):
+        return state_pass.state_launch(name, programs, K, V, cpu, sm_count=132)
     # 8 sequences × 16 heads × 128/64 = 256 programs fill 132 SMs: the 64-column settings
-    assert state_pass.state_launch("state_pass_fwd", 128, 128, 128, cpu) == ("state_pass_fwd_wide", 128, 64)
-    # 2 × 16 × 2 = 64 programs would leave SMs idle: NARROW_BV's columns (the reverse pass 32, the forward 16)
-    assert state_pass.state_launch("state_pass_bwd", 32, 128, 128, cpu) == ("state_pass_bwd", 128, 32)
-    assert state_pass.state_launch("state_pass_fwd", 32, 128, 128, cpu) == ("state_pass_fwd", 128, 16)
-    assert state_pass.state_launch("iplr_state_pass_fwd", 32, 128, 128, cpu) == ("iplr_state_pass_fwd", 128, 32)
+    assert launch("state_pass_fwd", 128, 128, 128) == ("state_pass_fwd_wide", 128, 64)
+    # 2 × 16 × 2 = 64 programs would leave SMs idle: NARROW_BV's columns (the forward 16), 32 for the passes it
+    # does not list (the reverse pass, IPLR's forward)
+    assert state_pass.NARROW_BV == {"state_pass_fwd": 16}
+    assert launch("state_pass_bwd", 32, 128, 128) == ("state_pass_bwd", 128, 32)
+    assert launch("state_pass_fwd", 32, 128, 128) == ("state_pass_fwd", 128, 16)
+    assert launch("iplr_state_pass_fwd", 32, 128, 128) == ("iplr_state_pass_fwd", 128, 32)
     # wide keys stay narrow; narrow values take V when it is below the narrow width (V >= 16: tl.dot tiles)
-    assert state_pass.state_launch("state_pass_bwd", 512, 256, 128, cpu) == ("state_pass_bwd", 256, 32)
-    assert state_pass.state_launch("state_pass_bwd", 512, 64, 16, cpu) == ("state_pass_bwd", 64, 16)
-    monkeypatch.setattr(state_pass, "NARROW_BV", {})
-    assert state_pass.state_launch("state_pass_fwd", 32, 128, 128, cpu) == ("state_pass_fwd", 128, 32)
+    assert launch("state_pass_bwd", 512, 256, 128) == ("state_pass_bwd", 256, 32)
+    assert launch("state_pass_bwd", 512, 64, 16) == ("state_pass_bwd", 64, 16)
+    # the interpreter counts one SM: wide whenever V allows it
+    assert state_pass.state_launch("state_pass_bwd", 1, 128, 128, cpu) == ("state_pass_bwd_wide", 128, 64)
+
+
+# The kernels that carry the recurrence, which take the ops' recurrence_dot (common/precision.py), and the others.
+RECURRENCE_KERNELS = {"common.wy": "gated_wy_fwd_kernel", "common.wy_bwd": "gated_wy_bwd_kernel",
+                      "common.state_pass": ("state_pass_fwd_kernel", "state_pass_bwd_kernel")}
+OTHER_KERNELS = {"common.state_pass": ("local_dv_kernel",), "gated_delta_rule.chunk_fwd": ("chunk_output_fwd_kernel",),
+                 "gated_delta_rule.chunk_bwd": ("chunk_dqkwg_kernel",),
+                 "gated_delta_product.chunk_output": ("strided_output_fwd_kernel",)}
+RECURRENCE_OPS = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_gated_delta_product",
+                  "fused_recurrent_gated_delta_product"]
+
+
+def recurrence_op_call(op: str, device):
+    """(call(**kwargs) -> (o, final state), leaves): `op` on fresh bf16 inputs, T = 50 (sub-steps for the product,
+    n_h = 2), K = V = 32 (the narrow state passes on the interpreter: local_dv_kernel runs too)."""
+    import importlib
+
+    package = "gated_delta_product" if op.endswith("product") else "gated_delta_rule"
+    fn = getattr(importlib.import_module(f"rltrain_kernels.ops.{package}"), op)
+    n_h = 2 if package == "gated_delta_product" else 1
+    T, D = 50, 32
+    q = torch.randn(1, T // n_h, 1, D, device=device)
+    k = F.normalize(torch.randn(1, T, 1, D, device=device), dim=-1)
+    v = torch.randn(1, T, 1, D, device=device)
+    g = F.logsigmoid(torch.randn(1, T // n_h, 1, device=device))
+    beta = torch.rand(1, T, 1, device=device)
+    leaves = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v, g, beta)]
+    h0 = torch.randn(1, 1, D, D, device=device, requires_grad=True)
+    leaves.append(h0)
+    extra = (n_h,) if n_h > 1 else ()
+
+    def call(**kwargs):
+        return fn(*leaves[:5], *extra, initial_state=h0, output_final_state=True, **kwargs)
+    return call, leaves
+
+
+@pytest.mark.parametrize("op", RECURRENCE_OPS)
+def test_recurrence_dot_reaches_the_wy_and_state_pass_launches(op, device, monkeypatch):
+    """recurrence_dot="tf32" on bf16 inputs launches the WY and state-pass kernels with tf32 dots, forward and backward
+    (the fused-recurrent ops' backward runs the chunked kernels), T stored fp32 for them, every other kernel (and the
+    reverse pass's chunk-local Pᵀ dO) with its bf16 dots; without the argument, bf16 everywhere. A spy on the
+    launches: the interpreter ignores input_precision, so only the gradients' bf16 rounding shows it."""
+    import importlib
+
+    launched: dict[str, set] = {}
+
+    def record(name):
+        def run(args, kwargs):
+            launched.setdefault(name, set()).add(kwargs["DOT_PREC"].removesuffix("_interpreted"))
+            if "LOCAL_PREC" in kwargs:
+                launched.setdefault("LOCAL_PREC", set()).add(kwargs["LOCAL_PREC"].removesuffix("_interpreted"))
+            if name == "gated_wy_fwd_kernel":
+                launched.setdefault("T dtype", set()).add(args[3].dtype)
+        return run
+
+    for table in (RECURRENCE_KERNELS, OTHER_KERNELS):
+        for module_name, names in table.items():
+            module = importlib.import_module(f"rltrain_kernels.ops.{module_name}")
+            for name in (names,) if isinstance(names, str) else names:
+                spy_launches(monkeypatch, module, name, record(name))
+    recurrence = {"gated_wy_fwd_kernel", "gated_wy_bwd_kernel", "state_pass_fwd_kernel", "state_pass_bwd_kernel"}
+    chunked_forward = op.startswith("chunk")
+    gradients = {}
+    for mode, dot_prec in (("auto", "bf16"), ("tf32", "tf32")):
+        call, leaves = recurrence_op_call(op, device)
+        kwargs = {} if mode == "auto" else {"recurrence_dot": mode}
+        launched.clear()
+        o, ht = call(**kwargs)
+        forward = dict(launched)
+        launched.clear()
+        (o.float().square().sum() + ht.sum()).backward()
+        backward = dict(launched)
+        # the chunked forward solves for T and runs the forward state pass; the fused-recurrent one runs no dots
+        assert recurrence & forward.keys() == ({"gated_wy_fwd_kernel", "state_pass_fwd_kernel"} if chunked_forward
+                                                else set()), forward
+        # the backward recomputes the states (and T, after a fused-recurrent forward), then the reverse passes
+        assert {"state_pass_fwd_kernel", "state_pass_bwd_kernel", "gated_wy_bwd_kernel", "local_dv_kernel",
+                "chunk_dqkwg_kernel"} <= backward.keys(), backward
+        for phase in (forward, backward):
+            for name, values in phase.items():
+                if name == "T dtype":
+                    assert values == {torch.float32 if mode == "tf32" else torch.bfloat16}, (mode, values)
+                else:
+                    assert values == ({dot_prec} if name in recurrence else {"bf16"}), (mode, name, values)
+        gradients[mode] = [t.grad for t in leaves]
+    assert any(not torch.equal(a, b) for a, b in zip(gradients["auto"], gradients["tf32"]))  # it does something
+
+
+@pytest.mark.parametrize("op", RECURRENCE_OPS)
+@pytest.mark.parametrize("bad", ["fp8", "TF32", None])
+def test_recurrence_dot_is_validated_naming_the_argument(op, bad):
+    call, _ = recurrence_op_call(op, "cpu")
+    with pytest.raises(ValueError, match=rf"recurrence_dot must be one of auto, bf16, tf32; got {bad!r}"):
+        call(recurrence_dot=bad)

@@ -249,7 +249,7 @@ def test_common_cumsum_and_wy_match_torch(device):
     g = F.logsigmoid(torch.randn(sum(lengths), HV, device=device))
     beta = torch.rand(sum(lengths), HV, device=device)
     G = chunk_local_cumsum(g, layout)
-    Ai = gated_wy_fwd(k, beta, G, layout)
+    Ai = gated_wy_fwd(k, beta, G, layout, dot_prec="ieee")  # fp32 inputs' DOT_PREC
     G_reverse = chunk_local_cumsum(g, layout, reverse=True)
     for s, e in [(0, 64), (64, 70), (70, 75), (75, 139)]:
         n = e - s
@@ -287,7 +287,7 @@ def test_common_state_pass_matches_torch(gated, device):
         gamma = G[s:e, 0].double().exp() if gated else 1.0
         u[s:e, 0] = (Tc @ (v[s:e, 0].double() * beta[s:e].double())).float()
         w[s:e, 0] = (Tc @ (k[s:e, 0].double() * (beta[s:e, 0].double() * gamma)[:, None])).float()
-    h, v_new, ht = state_pass_fwd(k, v, beta, Ai, G, h0, True, layout)
+    h, v_new, ht = state_pass_fwd(k, v, beta, Ai, G, h0, True, layout, dot_prec="ieee")  # fp32 inputs' DOT_PREC
     S = h0[0, 0].double()
     for i, (s, e) in enumerate(chunks):
         assert_rel_close(h[i, 0], S, threshold=1e-6, name=f"h[{i}]")

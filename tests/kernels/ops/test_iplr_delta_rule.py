@@ -339,19 +339,24 @@ def test_chunk_backward_writes_gradients_in_the_inputs_dtypes(dtype, device):
 
 @pytest.mark.parametrize("blocks", [(128, 64), (128, 128), (32, 32)])
 def test_output_pass_blocks_change_no_result(blocks, device, monkeypatch):
-    """chunk_fwd.OUTPUT_BLOCKS (the output pass's key / value blocks, a tuning knob) reaches the launch and gives
-    the same outputs as the shipped blocks, up to fp32 summation order."""
+    """iplr_output_fwd's blocks (the output pass's key / value tiles, a tuning knob; default chunk_fwd.OUTPUT_BLOCKS,
+    which the op takes) reach the launch and give the same outputs as the shipped blocks, up to fp32 summation order,
+    on the intermediates of the op's forward."""
+    from rltrain_kernels.ops.common.chunking import chunk_layout
     from rltrain_kernels.ops.iplr_delta_rule import chunk_fwd
 
     launched = []  # each launch's (BK, BV)
     spy_launches(monkeypatch, chunk_fwd, "iplr_output_fwd_kernel",
                  lambda args, kwargs: launched.append((kwargs["BK"], kwargs["BV"])))
-    shipped = chunk_fwd.OUTPUT_BLOCKS  # K = V = 128: no cap below
-    q, k, v, a, b, h0 = make_inputs(1, 70, 1, 128, 128, device=device, initial_state=True)
-    base = chunk_iplr_delta_rule(q, k, v, a, b, initial_state=h0)[0]
-    monkeypatch.setattr(chunk_fwd, "OUTPUT_BLOCKS", blocks)
-    assert_rel_close(chunk_iplr_delta_rule(q, k, v, a, b, initial_state=h0)[0], base, threshold=1e-6, name="o")
-    assert launched == [tuple(shipped), blocks]
+    *tensors, h0 = make_inputs(1, 70, 1, 128, 128, device=device, initial_state=True)
+    q, k, v, a, b = (t.flatten(0, 1) for t in tensors)  # [tokens, H, *], as the op's forward flattens them
+    layout = chunk_layout(1, 70, None, chunk_fwd.CHUNK_SIZE, q.device)
+    Ai, Ak = chunk_fwd.iplr_solve(k, a, b, layout)
+    h, x, _ = chunk_fwd.iplr_state_pass_fwd(k, v, a, b, Ai, Ak, h0, False, layout)
+    base = chunk_fwd.iplr_output_fwd(q, k, v, b, x, h, 128 ** -0.5, layout, v.dtype)
+    o = chunk_fwd.iplr_output_fwd(q, k, v, b, x, h, 128 ** -0.5, layout, v.dtype, blocks=blocks)
+    assert_rel_close(o, base, threshold=1e-6, name="o")
+    assert launched == [tuple(chunk_fwd.OUTPUT_BLOCKS), blocks]  # K = V = 128: no cap below
 
 
 @pytest.mark.parametrize("regime", REGIMES)

@@ -386,16 +386,14 @@ def test_metrics_mapping():
 
 
 @pytest.mark.parametrize("scale", [1.0, -0.37, float("nan")])
-def test_scale_unless_one(scale, device, monkeypatch):
+def test_scale_unless_one(scale, device):
     """The backward's in-place scaling of a stored gradient: skipped on the device when the upstream gradient is 1,
     else an fp32 product rounded once; two programs walk 3 blocks (the grid-stride loop), the last one partial."""
     from rltrain_kernels.ops.policy_loss import kernel
 
-    monkeypatch.setattr(kernel, "SCALE_BLOCK", 64)
-    monkeypatch.setattr(kernel, "SCALE_PROGRAMS", 2)
     grad = torch.randn(3 * 64 - 5, device=device).to(torch.bfloat16)
     expected = (grad.float() * scale).to(torch.bfloat16)
-    kernel.TritonLossOps.scale_unless_one(grad, torch.tensor(scale, device=device))
+    kernel.TritonLossOps.scale_unless_one(grad, torch.tensor(scale, device=device), block=64, programs=2)
     if math.isnan(scale):
         assert grad.isnan().all()
     elif device == "cpu":   # the interpreter's fp32 → bf16 cast truncates: within one bf16 ulp

@@ -11,8 +11,10 @@ DOT_PREC)` accumulates into acc in the dot itself. The modes:
   half the operand registers and shared memory. Computed operands (T, w, u, h, δ) are rounded to bf16 there, as
   fla does throughout.
 Accumulation is fp32 in every mode, and the state recurrences keep their running state in fp32 registers. The
-gated delta rule's and product's WY and state-pass kernels take `recurrence_dot_precision` (RECURRENCE_DOT), which
-can keep them in tf32 while the rest runs bf16; the IPLR kernels take `iplr_dot_precision`.
+gated delta rule's and product's WY and state-pass kernels take `recurrence_dot_precision(dtype, recurrence_dot)`,
+from the ops' `recurrence_dot` argument (auto | bf16 | tf32; the registry binds kernel_config.delta_rule_recurrence_dot
+into the swapped layers' calls), which can keep them in tf32 while the rest runs bf16: the op resolves it once and
+hands the DOT_PREC string down to those launches, forward and backward. The IPLR kernels take `iplr_dot_precision`.
 
 Triton 3.4–3.7.0 miscompiles, on Hopper, a tensor-core dot whose operand is tl.trans of another tensor-core dot's
 result (fla #640): that gave dk off by 10–15% here with "tf32". No kernel of ours does that (the transposed product
@@ -49,13 +51,12 @@ LOW_PRECISION_DOT = "bf16"
 # 5.3e-3 gradients) and bf16 H16 K=V=128 fwd+bwd runs 3.94 ms at B8 T2048, 4.20 at B2 T8192, against 6.35 and 7.10
 # with "tf32". It needs the state passes at 2+ stages: at 1 stage Triton 3.6 miscompiles them (common/launch.py).
 IPLR_LOW_PRECISION_DOT = "bf16"
-# The dots of the kernels that carry the recurrence (the WY forward and backward, both state passes) of the gated
-# delta rule and product, for bf16 inputs: None follows LOW_PRECISION_DOT; "tf32" keeps bf16 rounding out of what
-# the state accumulates chunk after chunk (T, w, dδ and dw, which feed those dots, are then stored fp32). For the
-# gated delta product with β up to 2 and nothing forgetting it takes the outputs' error from 5.6e-3 to 3.5e-3 at
-# +28% forward+backward time, where all-tf32 dots (LOW_PRECISION_DOT) cost +36% (H100; RESULTS.md).
-RECURRENCE_DOT: str | None = None
-# The config form of RECURRENCE_DOT (kernel_config.delta_rule_recurrence_dot; set_recurrence_dot).
+# The ops' recurrence_dot argument (kernel_config.delta_rule_recurrence_dot): the dots of the kernels that carry the
+# recurrence (the WY forward and backward, both state passes) of the gated delta rule and product, for bf16 inputs.
+# "auto" follows LOW_PRECISION_DOT; "tf32" keeps bf16 rounding out of what the state accumulates chunk after chunk
+# (T, w, dδ and dw, which feed those dots, are then stored fp32). For the gated delta product with β up to 2 and
+# nothing forgetting it takes the outputs' error from 5.6e-3 to 3.5e-3 at +28% forward+backward time, where all-tf32
+# dots (LOW_PRECISION_DOT) cost +36% (H100; RESULTS.md).
 RECURRENCE_DOT_CHOICES = ("auto", "bf16", "tf32")
 # The solve's merges in "tf32x3" (three tf32 products: ≈ fp32 accuracy on tensor cores) instead of "ieee": forward
 # 3.80 → 2.30 ms, fwd+bwd 8.82 → 7.40 ms (H200, bf16 B8 T2048 H16 K=V=128), gradients unchanged (2.6e-3).
@@ -77,19 +78,18 @@ def iplr_dot_precision(dtype: torch.dtype) -> str:
     return dot_precision(dtype, IPLR_LOW_PRECISION_DOT)
 
 
-def set_recurrence_dot(mode: str) -> None:
-    """RECURRENCE_DOT from its config form: "auto" (None: follow LOW_PRECISION_DOT), "bf16" or "tf32". Process-wide:
-    every gated delta rule / product call after it, in this process, runs its recurrence kernels so."""
-    if mode not in RECURRENCE_DOT_CHOICES:
-        raise ValueError(f"kernel_config.delta_rule_recurrence_dot must be one of {', '.join(RECURRENCE_DOT_CHOICES)}; "
-                         f"got {mode!r}")
-    global RECURRENCE_DOT
-    RECURRENCE_DOT = None if mode == "auto" else mode
+def check_recurrence_dot(recurrence_dot: str) -> str:
+    """`recurrence_dot` itself when it is one of RECURRENCE_DOT_CHOICES, else a ValueError naming the argument."""
+    if not isinstance(recurrence_dot, str) or recurrence_dot not in RECURRENCE_DOT_CHOICES:
+        raise ValueError(f"recurrence_dot must be one of {', '.join(RECURRENCE_DOT_CHOICES)}; got {recurrence_dot!r}")
+    return recurrence_dot
 
 
-def recurrence_dot_precision(dtype: torch.dtype) -> str:
-    """DOT_PREC of the WY and state-pass kernels (RECURRENCE_DOT, else LOW_PRECISION_DOT, for bf16 inputs)."""
-    return dot_precision(dtype, RECURRENCE_DOT)
+def recurrence_dot_precision(dtype: torch.dtype, recurrence_dot: str) -> str:
+    """DOT_PREC of the WY and state-pass kernels for inputs of `dtype` under `recurrence_dot` (auto | bf16 | tf32: for
+    bf16 inputs, "auto" gives LOW_PRECISION_DOT's dots, the others their own; fp32 and fp16 inputs as dot_precision)."""
+    check_recurrence_dot(recurrence_dot)
+    return dot_precision(dtype, None if recurrence_dot == "auto" else recurrence_dot)
 
 
 def _interpreted() -> bool:
@@ -130,11 +130,6 @@ def operand_dtype(dtype: torch.dtype, dot_prec: str | None = None) -> torch.dtyp
 def iplr_operand_dtype(dtype: torch.dtype) -> torch.dtype:
     """operand_dtype for the IPLR kernels' dots (iplr_dot_precision)."""
     return operand_dtype(dtype, iplr_dot_precision(dtype))
-
-
-def recurrence_operand_dtype(dtype: torch.dtype) -> torch.dtype:
-    """operand_dtype for the WY and state-pass kernels' dots (T, w, dδ, dw: recurrence_dot_precision)."""
-    return operand_dtype(dtype, recurrence_dot_precision(dtype))
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:

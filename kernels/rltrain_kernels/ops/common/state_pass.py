@@ -17,7 +17,8 @@ kernel (local_dv_kernel) computes it first (once per chunk, not once per V block
 With a query stride NH > 1 (the gated delta product's n_h sub-steps per token) q and dO hold one row per token,
 the query of row t·NH + NH − 1 of the expanded axis, and the other rows' queries are zero: the backward kernels
 read them in place (query_rows) instead of from zero-scattered expanded copies.
-See common/wy.py for the dot precision choice (DOT_PREC).
+Dot precision: both passes take the recurrence's DOT_PREC as `dot_prec` from the op (common/precision.py
+recurrence_dot_precision; IPLR its own), as the WY kernels do (common/wy.py).
 """
 
 from __future__ import annotations
@@ -35,9 +36,8 @@ from .precision import (
     dot_precision,
     mm,
     mma,
+    operand_dtype,
     raw_precision,
-    recurrence_dot_precision,
-    recurrence_operand_dtype,
     work_dtype,
 )
 from .wy import gated_wy_fwd
@@ -258,16 +258,18 @@ VALUE_BLOCK = "auto"
 NARROW_BV: dict[str, int] = {"state_pass_fwd": 16}
 
 
-def state_launch(name: str, programs: int, K: int, V: int, device: torch.device) -> tuple[str, int, int]:
+def state_launch(name: str, programs: int, K: int, V: int, device: torch.device,
+                 sm_count: int | None = None) -> tuple[str, int, int]:
     """(LAUNCH entry, BK, BV) for a state pass over `programs` sequence-heads: the whole key dim in registers, and
     64 value columns per program (the entry's *_wide settings) when K ≤ 128 and programs × V/64 still fill every
-    SM (or VALUE_BLOCK says "wide"), else NARROW_BV's (a [128, 32] fp32 state tile plus [64, 128] operand tiles fit
-    4 warps without spilling at K=128)."""
+    SM (`sm_count`, default the device's: 1 on the interpreter) or VALUE_BLOCK says "wide", else NARROW_BV's (a
+    [128, 32] fp32 state tile plus [64, 128] operand tiles fit 4 warps without spilling at K=128)."""
     if K > 256:
         raise ValueError(f"the chunked state pass keeps the whole key dim in registers: K={K} must be <= 256")
     BK = triton.next_power_of_2(K)
     # swept at K=128 only: a [256, 64] fp32 state tile would spill at the *_wide warps, so wider keys stay at 32
-    fills = VALUE_BLOCK == "wide" or (VALUE_BLOCK == "auto" and programs * triton.cdiv(V, 64) >= _sm_count(device))
+    sm_count = _sm_count(device) if sm_count is None else sm_count
+    fills = VALUE_BLOCK == "wide" or (VALUE_BLOCK == "auto" and programs * triton.cdiv(V, 64) >= sm_count)
     if BK <= 128 and V >= 64 and fills:
         return f"{name}_wide", BK, 64
     return name, BK, min(NARROW_BV.get(name, 32), triton.next_power_of_2(V))
@@ -280,10 +282,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def state_pass_fwd(k, v, beta, Ai, G, initial_state, output_final_state: bool, layout: ChunkLayout):
+def state_pass_fwd(k, v, beta, Ai, G, initial_state, output_final_state: bool, layout: ChunkLayout, *,
+                   dot_prec: str):
     """k [tokens, H, K], v [tokens, HV, V], beta [tokens, HV], the T matrices Ai [tokens, HV, BT] → (h [chunks, HV,
     K, V] chunk-start states, v_new [tokens, HV, V] (both in work_dtype(k.dtype)), final state (fp32) or None);
-    δ = T diag(β)(V − diag(γ) K S) formed in the pass."""
+    δ = T diag(β)(V − diag(γ) K S) formed in the pass. dot_prec: the recurrence's DOT_PREC (the WY kernel's)."""
     TT, H, K = k.shape
     HV, V = v.shape[1:]
     N = layout.num_seqs
@@ -299,34 +302,34 @@ def state_pass_fwd(k, v, beta, Ai, G, initial_state, output_final_state: bool, l
         k, v, beta, Ai, G, h, v_new, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, HV=HV,
         K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
-        DOT_PREC=recurrence_dot_precision(k.dtype), **launch(name))
+        DOT_PREC=dot_prec, **launch(name))
     return h, v_new, ht
 
 
-def chunk_states_fwd(k, v, beta, G, initial_state, output_final_state: bool, layout: ChunkLayout, Ai=None):
+def chunk_states_fwd(k, v, beta, G, initial_state, output_final_state: bool, layout: ChunkLayout, Ai=None, *,
+                     dot_prec: str):
     """The WY kernel's solve (skipped with Ai given: the backward's recomputation) then the forward state pass →
-    (Ai, h, v_new, final state or None)."""
+    (Ai, h, v_new, final state or None), both in the recurrence's DOT_PREC `dot_prec`."""
     if Ai is None:
-        Ai = gated_wy_fwd(k, beta, G, layout)
-    h, v_new, ht = state_pass_fwd(k, v, beta, Ai, G, initial_state, output_final_state, layout)
+        Ai = gated_wy_fwd(k, beta, G, layout, dot_prec=dot_prec)
+    h, v_new, ht = state_pass_fwd(k, v, beta, Ai, G, initial_state, output_final_state, layout, dot_prec=dot_prec)
     return Ai, h, v_new, ht
 
 
-def state_pass_bwd(q, k, G, do, dht, scale: float, need_dh0: bool, layout: ChunkLayout, Ai, beta=None, a=None,
-                   dot_prec: str | None = None, dh_dtype: torch.dtype | None = None,
+def state_pass_bwd(q, k, G, do, dht, scale: float, need_dh0: bool, layout: ChunkLayout, Ai, beta=None, a=None, *,
+                   dot_prec: str, local_prec: str | None = None, dh_dtype: torch.dtype | None = None,
                    dv_dtype: torch.dtype | None = None, query_stride: int = 1):
     """→ (dh [chunks, HV, K, V] in dh_dtype (default work_dtype(k.dtype)): gradient of each chunk's end state,
-    dv [tokens, HV, V] in dv_dtype (default recurrence_operand_dtype(k.dtype)): ∂L/∂δ, dh0 [N, HV, K, V] fp32 or
-    None). dot_prec: both kernels' DOT_PREC, by default dot_precision for the chunk-local Pᵀ dO and
-    recurrence_dot_precision for the reverse pass. dv feeds only dots downstream, so storing it in their operand
-    dtype changes no number; its chunk-local part is formed in the reverse pass (wide launch) or by local_dv_kernel
-    into dv first (narrow launch).
+    dv [tokens, HV, V] in dv_dtype (default operand_dtype(k.dtype, dot_prec)): ∂L/∂δ, dh0 [N, HV, K, V] fp32 or
+    None). dot_prec: the reverse pass's DOT_PREC (the recurrence's, the forward's); local_prec: the chunk-local
+    Pᵀ dO's (default dot_precision(q.dtype), the output pass's). dv feeds only dots downstream, so storing it in their
+    operand dtype changes no number; its chunk-local part is formed in the reverse pass (wide launch) or by
+    local_dv_kernel into dv first (narrow launch).
     query_stride NH: q [tokens / NH, H, K] and do [tokens / NH, HV, V] hold the queries of every NH-th row (see the
     module docstring); k, G and the outputs span every row.
     w is formed from Ai (T): the gated WY's w = T diag(β γ) K with beta, or with `a` [tokens, H, K] given instead
     (IPLR, no gate) w = −T A: then dS gets Aᵀ Y and dv holds Y = Tᵀ dδ instead of dδ."""
-    local_prec = dot_prec or dot_precision(q.dtype)
-    state_prec = dot_prec or recurrence_dot_precision(q.dtype)
+    local_prec = local_prec or dot_precision(q.dtype)
     TT, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     N = layout.num_seqs
@@ -341,7 +344,7 @@ def state_pass_bwd(q, k, G, do, dht, scale: float, need_dh0: bool, layout: Chunk
     if dht is not None:
         dht = dht.contiguous()  # read as dense [N, HV, K, V]; autograd may hand it in expanded or strided
     dh = torch.empty(layout.num_chunks, HV, K, V, dtype=dh_dtype or work_dtype(k.dtype), device=k.device)
-    dv = torch.empty(TT, HV, V, dtype=dv_dtype or recurrence_operand_dtype(k.dtype), device=k.device)
+    dv = torch.empty(TT, HV, V, dtype=dv_dtype or operand_dtype(k.dtype, dot_prec), device=k.device)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if need_dh0 else None
     fuse_local = name.endswith("_wide")  # Pᵀ dO formed in the reverse pass: see the note above state_pass_fwd_kernel
     if layout.num_chunks and not fuse_local:
@@ -352,7 +355,7 @@ def state_pass_bwd(q, k, G, do, dht, scale: float, need_dh0: bool, layout: Chunk
     state_pass_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
         q, k, Ai, beta, a, G, do, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H,
         HV=HV, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None,
-        USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=state_prec,
+        USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=dot_prec,
         NH=query_stride, W_FROM_A=a is not None,
         A_IN_REGISTERS=K > 128 or IPLR_A_IN_REGISTERS["wide" if name.endswith("_wide") else "narrow"],
         FUSE_LOCAL=fuse_local, LOCAL_PREC=local_prec, RAW_PREC=raw_precision(q.dtype), **launch(name))

@@ -8,9 +8,10 @@ This module builds A and solves for T in registers (forward substitution, one ro
 ([tokens, heads, chunk]); w and u are never stored: the state passes form their products from T (common/state_pass.py),
 and the backward reuses T without the solve.
 
-Dot precision: common/precision.py (recurrence_dot_precision: this kernel, its backward and the state passes may
-run tf32 dots where the rest runs bf16). T feeds only those dots, so it is stored in the dots' operand dtype
-(recurrence_operand_dtype: bf16 with bf16 dots, which round it so anyway).
+Dot precision: common/precision.py (recurrence_dot_precision: this kernel, its backward and the state passes take
+the op's recurrence DOT_PREC as `dot_prec`, which may be tf32 where the rest runs bf16). T feeds only those dots, so
+it is stored in the dots' operand dtype (operand_dtype(k.dtype, dot_prec): bf16 with bf16 dots, which round it so
+anyway).
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ from .launch import launch
 from .precision import (
     cast_for_store,
     mm,
+    operand_dtype,
     raw_precision,
-    recurrence_dot_precision,
-    recurrence_operand_dtype,
     solve_precision,
 )
 
@@ -94,18 +94,18 @@ def gated_wy_fwd_kernel(
     tl.store(p_Ai, cast_for_store(b_T, Ai, DOT_PREC), mask=m_t[:, None])
 
 
-def gated_wy_fwd(k, beta, G, layout: ChunkLayout):
+def gated_wy_fwd(k, beta, G, layout: ChunkLayout, *, dot_prec: str):
     """k [tokens, H, K], beta/G [tokens, HV] (G fp32 chunk-local cumsum or None) → Ai [tokens, HV, BT] = T in
-    recurrence_operand_dtype(k.dtype)."""
+    operand_dtype(k.dtype, dot_prec); dot_prec: the recurrence's DOT_PREC (precision.recurrence_dot_precision)."""
     TT, H, K = k.shape
     HV = beta.shape[1]
     BT = layout.chunk_size
     if BT % 16 or not 16 <= BT <= 64:
         raise ValueError(f"chunk_size must be 16, 32, 48 or 64 (the solve works in 16-row blocks), got {BT}")
-    Ai = torch.empty(TT, HV, BT, dtype=recurrence_operand_dtype(k.dtype), device=k.device)
+    Ai = torch.empty(TT, HV, BT, dtype=operand_dtype(k.dtype, dot_prec), device=k.device)
     if layout.num_chunks:
         gated_wy_fwd_kernel[(layout.num_chunks, HV)](
             k, beta, G, Ai, layout.cu_seqlens, layout.chunk_indices, H=H, HV=HV, K=K, BT=BT,
-            BK=min(64, triton.next_power_of_2(K)), USE_G=G is not None, DOT_PREC=recurrence_dot_precision(k.dtype),
+            BK=min(64, triton.next_power_of_2(K)), USE_G=G is not None, DOT_PREC=dot_prec,
             RAW_PREC=raw_precision(k.dtype), SOLVE_PREC=solve_precision(k.dtype), **launch("wy_fwd"))
     return Ai

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .chunking import ChunkLayout
 from .launch import launch
-from .precision import cast_for_store, mm, mma, raw_precision, recurrence_dot_precision, recurrence_operand_dtype
+from .precision import cast_for_store, mm, mma, operand_dtype, raw_precision
 from .scratch import scratch_tiles, transpose_via_scratch
 
 
@@ -103,20 +103,21 @@ def gated_wy_bwd_kernel(
         tl.store(dG + o_t * HV + i_hv, b_dG, mask=m_t)
 
 
-def gated_wy_bwd(k, v, beta, G, Ai, dw, du, dk, dG, layout: ChunkLayout, dk_final: bool = False):
+def gated_wy_bwd(k, v, beta, G, Ai, dw, du, dk, dG, layout: ChunkLayout, dk_final: bool = False, *, dot_prec: str):
     """Adds the WY backward into dk [tokens, HV, K] fp32 and dG [tokens, HV] fp32; returns (dk, dv [tokens, HV, V]
     in v's dtype, dbeta [tokens, HV] in beta's): final gradients written once, no cast kernels after. With dk_final
-    dk comes back in k's dtype (a new tensor); else the fp32 dk, summed further by the caller (GVA)."""
+    dk comes back in k's dtype (a new tensor); else the fp32 dk, summed further by the caller (GVA). dot_prec: the
+    recurrence's DOT_PREC, the forward's (precision.recurrence_dot_precision)."""
     TT, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dv = torch.empty(TT, HV, V, dtype=v.dtype, device=k.device)
     dbeta = torch.empty(TT, HV, dtype=beta.dtype, device=k.device)
     dk_out = torch.empty_like(dk, dtype=k.dtype) if dk_final and k.dtype != dk.dtype else dk
     if layout.num_chunks:
-        scratch = scratch_tiles(layout, HV, recurrence_operand_dtype(k.dtype), k.device)
+        scratch = scratch_tiles(layout, HV, operand_dtype(k.dtype, dot_prec), k.device)
         gated_wy_bwd_kernel[(layout.num_chunks, HV)](
             k, v, beta, G, Ai, dw, du, dk, dk_out, dv, dbeta, dG, scratch, layout.cu_seqlens, layout.chunk_indices,
             H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=min(64, triton.next_power_of_2(K)),
             BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None,
-            DOT_PREC=recurrence_dot_precision(k.dtype), RAW_PREC=raw_precision(k.dtype), **launch("wy_bwd"))
+            DOT_PREC=dot_prec, RAW_PREC=raw_precision(k.dtype), **launch("wy_bwd"))
     return dk_out, dv, dbeta

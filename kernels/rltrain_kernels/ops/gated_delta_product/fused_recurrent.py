@@ -4,7 +4,7 @@ token's output once. Built for decoding (T = 1 with the cache state in and out) 
 
 Backward: this path is forward-only by itself. When gradients are required, its autograd Function recomputes
 through the chunked path (`chunk.chunk_gated_delta_product`, same maths) and differentiates that; the forward
-values still come from this kernel.
+values still come from this kernel. `recurrence_dot` is that backward's (the forward runs no dots).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.precision import check_recurrence_dot
 from .inputs import check_inputs
 
 
@@ -93,12 +94,12 @@ class FusedRecurrentGatedDeltaProductFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, num_householder, scale, initial_state, output_final_state, cu_seqlens,
-                use_qk_l2norm):
+                use_qk_l2norm, recurrence_dot):
         o, ht = fused_recurrent_gated_delta_product_fwd(q, k, v, g, beta, num_householder, scale, initial_state,
                                                         output_final_state, cu_seqlens, use_qk_l2norm)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
         ctx.num_householder, ctx.scale, ctx.use_qk_l2norm = num_householder, scale, use_qk_l2norm
-        ctx.output_final_state = output_final_state
+        ctx.output_final_state, ctx.recurrence_dot = output_final_state, recurrence_dot
         return o, ht
 
     @staticmethod
@@ -109,7 +110,8 @@ class FusedRecurrentGatedDeltaProductFunction(torch.autograd.Function):
         inputs = [None if t is None else t.detach().requires_grad_() for t in (q, k, v, g, beta, initial_state)]
         with torch.enable_grad():
             o, ht = chunk_gated_delta_product(*inputs[:5], ctx.num_householder, ctx.scale, inputs[5],
-                                              ctx.output_final_state, cu_seqlens, ctx.use_qk_l2norm)
+                                              ctx.output_final_state, cu_seqlens, ctx.use_qk_l2norm,
+                                              ctx.recurrence_dot)
             outputs, grads = [o], [do]
             if ht is not None and dht is not None:
                 outputs.append(ht)
@@ -117,7 +119,7 @@ class FusedRecurrentGatedDeltaProductFunction(torch.autograd.Function):
             wrt = [t for t in inputs if t is not None]
             computed = iter(torch.autograd.grad(outputs, wrt, grads, allow_unused=True))
         dq, dk, dv, dg, dbeta, dh0 = (None if t is None else next(computed) for t in inputs)
-        return dq, dk, dv, dg, dbeta, None, None, dh0, None, None, None
+        return dq, dk, dv, dg, dbeta, None, None, dh0, None, None, None, None
 
 
 def fused_recurrent_gated_delta_product(
@@ -132,15 +134,19 @@ def fused_recurrent_gated_delta_product(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    recurrence_dot: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta product, token by token in one kernel (decoding: T = 1 with the cache state in and out).
 
     Same arguments, layout and returns as `chunk_gated_delta_product`: q [B, T, H, K]; k [B, T·n_h, H, K];
     v [B, T·n_h, HV, V]; beta [B, T·n_h, HV]; g [B, T, HV] or None; initial_state [N, HV, K, V] fp32;
-    cu_seqlens [N+1] token offsets of q with B = 1. Returns (o [B, T, HV, V], final_state or None).
+    cu_seqlens [N+1] token offsets of q with B = 1; recurrence_dot (auto | bf16 | tf32) for the backward, which
+    runs the chunked kernels. Returns (o [B, T, HV, V], final_state or None).
     """
+    check_recurrence_dot(recurrence_dot)
     _, _, scale = check_inputs(q, k, v, g, beta, num_householder, scale, initial_state, cu_seqlens)
     if initial_state is not None and initial_state.dtype != torch.float32:
         initial_state = initial_state.float()
     return FusedRecurrentGatedDeltaProductFunction.apply(q, k, v, g, beta, num_householder, scale, initial_state,
-                                                         output_final_state, cu_seqlens, use_qk_l2norm_in_kernel)
+                                                         output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                                                         recurrence_dot)

@@ -28,7 +28,6 @@ from ..common.precision import (
     mma,
     operand_dtype,
     raw_precision,
-    recurrence_operand_dtype,
     sixteen_bit_dots,
 )
 from ..common.scratch import scratch_tiles, transpose_via_scratch
@@ -114,15 +113,15 @@ def chunk_dqkwg_kernel(
 
 
 def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout, dq_dtype=torch.float32,
-                query_stride: int = 1):
+                query_stride: int = 1, *, recurrence_prec: str):
     """→ dq (per value head [tokens / query_stride, HV, K] in dq_dtype: the query rows, common/state_pass.py), dk
-    (fp32, still lacking the WY part), dw (in recurrence_operand_dtype(q.dtype): it feeds only the WY backward's
-    dots), dG (partial, fp32)."""
+    (fp32, still lacking the WY part), dw (in operand_dtype(q.dtype, recurrence_prec): it feeds only the WY
+    backward's dots, in the recurrence's DOT_PREC), dG (partial, fp32)."""
     TT, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     dq = torch.empty(q.shape[0], HV, K, dtype=dq_dtype, device=q.device)
     dk = torch.empty(TT, HV, K, dtype=torch.float32, device=q.device)
-    dw = torch.empty_like(dk, dtype=recurrence_operand_dtype(q.dtype))
+    dw = torch.empty_like(dk, dtype=operand_dtype(q.dtype, recurrence_prec))
     dG = torch.empty(TT, HV, dtype=torch.float32, device=q.device)
     if K > 256:
         raise ValueError(f"K={K} > 256 is not supported by the chunked backward")
@@ -139,21 +138,24 @@ def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout
 
 
 def chunk_gated_delta_rule_bwd(q, k, v, beta, scale: float, initial_state, G, Ai, do, dht, layout: ChunkLayout,
-                               query_stride: int = 1):
+                               query_stride: int = 1, *, recurrence_prec: str):
     """Flattened inputs (as chunk_gated_delta_rule_fwd) and the saved G, Ai → (dq [tokens, H, K], dk, dv
     [tokens, HV, V], dg [tokens, HV], dbeta [tokens, HV], dh0 or None). dv and dbeta come in v's and beta's dtype,
     dq and dk in q's and k's unless value heads share them (GVA: summed in fp32, returned fp32), written so by the
     kernels (no cast afterwards); dg and dh0 fp32. query_stride NH > 1 (the gated delta product): q, do and dq hold
-    only the query of every NH-th row, the others being zero (common/state_pass.py)."""
+    only the query of every NH-th row, the others being zero (common/state_pass.py). recurrence_prec: the WY and
+    state-pass kernels' DOT_PREC, the forward's (chunk_gated_delta_rule_fwd)."""
     TT, H, K = k.shape
     HV = v.shape[1]
     gva = HV != H
-    _, h, v_new, _ = chunk_states_fwd(k, v, beta, G, initial_state, False, layout, Ai=Ai)
+    _, h, v_new, _ = chunk_states_fwd(k, v, beta, G, initial_state, False, layout, Ai=Ai, dot_prec=recurrence_prec)
     dh, dv_new, dh0 = state_pass_bwd(q, k, G, do, dht, scale, initial_state is not None, layout, Ai, beta=beta,
-                                     query_stride=query_stride)
+                                     dot_prec=recurrence_prec, query_stride=query_stride)
     dq, dk, dw, dG = chunk_dqkwg(q, k, v_new, h, dh, do, dv_new, G, scale, layout,
-                                 dq_dtype=torch.float32 if gva else q.dtype, query_stride=query_stride)
-    dk, dv, dbeta = gated_wy_bwd(k, v, beta, G, Ai, dw, dv_new, dk, dG, layout, dk_final=not gva)
+                                 dq_dtype=torch.float32 if gva else q.dtype, query_stride=query_stride,
+                                 recurrence_prec=recurrence_prec)
+    dk, dv, dbeta = gated_wy_bwd(k, v, beta, G, Ai, dw, dv_new, dk, dG, layout, dk_final=not gva,
+                                 dot_prec=recurrence_prec)
     dg = chunk_local_cumsum(dG, layout, reverse=True)
     if gva:  # value heads hv = h·(HV/H) + j share q/k head h
         dq = dq.view(dq.shape[0], H, HV // H, K).sum(2)

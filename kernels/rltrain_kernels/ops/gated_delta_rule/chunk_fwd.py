@@ -66,11 +66,15 @@ def chunk_output_fwd_kernel(
     tl.store(o + p_v, cast_for_store(b_o, o, DOT_PREC), mask=m_t[:, None] & m_v[None, :])
 
 
-def chunk_output_fwd(q, k, v_new, h, G, scale: float, layout: ChunkLayout, out_dtype) -> torch.Tensor:
+def chunk_output_fwd(q, k, v_new, h, G, scale: float, layout: ChunkLayout, out_dtype,
+                     blocks: tuple[int, int] | None = None) -> torch.Tensor:
+    """The output pass → o [tokens, HV, V] in out_dtype, in (BK, BV) = `blocks` tiles (default OUTPUT_BLOCKS) capped
+    at K's and V's powers of two."""
+    blocks = blocks or OUTPUT_BLOCKS
     TT, H, K = q.shape
     HV, V = v_new.shape[1], v_new.shape[2]
     o = torch.empty(TT, HV, V, dtype=out_dtype, device=q.device)
-    BK, BV = min(OUTPUT_BLOCKS[0], triton.next_power_of_2(K)), min(OUTPUT_BLOCKS[1], triton.next_power_of_2(V))
+    BK, BV = min(blocks[0], triton.next_power_of_2(K)), min(blocks[1], triton.next_power_of_2(V))
     if layout.num_chunks:
         chunk_output_fwd_kernel[(layout.num_chunks, triton.cdiv(V, BV), HV)](
             q, k, v_new, h, G, o, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,
@@ -81,11 +85,13 @@ def chunk_output_fwd(q, k, v_new, h, G, scale: float, layout: ChunkLayout, out_d
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool,
-                               layout: ChunkLayout):
+                               layout: ChunkLayout, *, recurrence_prec: str):
     """Flattened inputs q, k [tokens, H, K], v [tokens, HV, V], g, beta [tokens, HV] (contiguous) →
     (o [tokens, HV, V] in v's dtype, final state or None, G fp32 chunk-local gate cumsum, Ai: the T matrices in
-    recurrence_operand_dtype(k.dtype))."""
+    operand_dtype(k.dtype, recurrence_prec)). recurrence_prec: the WY and state-pass kernels' DOT_PREC
+    (common/precision.py recurrence_dot_precision); the output pass takes dot_precision's."""
     G = chunk_local_cumsum(g, layout)
-    Ai, h, v_new, ht = chunk_states_fwd(k, v, beta, G, initial_state, output_final_state, layout)
+    Ai, h, v_new, ht = chunk_states_fwd(k, v, beta, G, initial_state, output_final_state, layout,
+                                        dot_prec=recurrence_prec)
     o = chunk_output_fwd(q, k, v_new, h, G, scale, layout, v.dtype)
     return o, ht, G, Ai

@@ -3,7 +3,7 @@ the fp32 state tile in registers. Built for decoding (T = 1 with the cache state
 
 Backward: this path is forward-only by itself. When gradients are required, its autograd Function delegates the
 backward to the chunked kernels (`chunk.chunk_gated_delta_rule_bwd`), which compute the same maths; the forward
-values still come from this kernel.
+values still come from this kernel. `recurrence_dot` is that backward's (the forward runs no dots).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.precision import check_recurrence_dot, recurrence_dot_precision
 from .inputs import check_inputs
 
 
@@ -87,11 +88,12 @@ class FusedRecurrentGatedDeltaRuleFunction(torch.autograd.Function):
     """Forward through the recurrent kernel; backward through the chunked backward (same maths, recomputed)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+                recurrence_prec):
         o, ht = fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                      cu_seqlens, use_qk_l2norm)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
-        ctx.scale, ctx.use_qk_l2norm = scale, use_qk_l2norm
+        ctx.scale, ctx.use_qk_l2norm, ctx.recurrence_prec = scale, use_qk_l2norm, recurrence_prec
         return o, ht
 
     @staticmethod
@@ -100,8 +102,9 @@ class FusedRecurrentGatedDeltaRuleFunction(torch.autograd.Function):
 
         q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd_with_l2norm(
-            q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, ctx.use_qk_l2norm, do, dht)
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None
+            q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, ctx.use_qk_l2norm, do, dht,
+            recurrence_prec=ctx.recurrence_prec)
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None
 
 
 def fused_recurrent_gated_delta_rule(
@@ -115,14 +118,18 @@ def fused_recurrent_gated_delta_rule(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    recurrence_dot: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule, token by token in one kernel (decoding: T = 1 with the cache state in and out).
 
     Same arguments, layout and returns as `chunk_gated_delta_rule`: q, k [B, T, H, K]; v [B, T, HV, V];
-    g, beta [B, T, HV]; initial_state [N, HV, K, V] fp32; cu_seqlens [N+1] with B = 1. Returns (o, final_state).
+    g, beta [B, T, HV]; initial_state [N, HV, K, V] fp32; cu_seqlens [N+1] with B = 1; recurrence_dot (auto | bf16 |
+    tf32) for the backward, which runs the chunked kernels. Returns (o, final_state).
     """
+    check_recurrence_dot(recurrence_dot)
     _, _, scale = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if initial_state is not None and initial_state.dtype != torch.float32:
         initial_state = initial_state.float()
     return FusedRecurrentGatedDeltaRuleFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                      cu_seqlens, use_qk_l2norm_in_kernel)
+                                                      cu_seqlens, use_qk_l2norm_in_kernel,
+                                                      recurrence_dot_precision(q.dtype, recurrence_dot))

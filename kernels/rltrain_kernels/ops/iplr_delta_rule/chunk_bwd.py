@@ -178,8 +178,9 @@ def chunk_iplr_delta_rule_bwd(q, k, v, a, b, scale: float, initial_state, Ai, Ak
     dht (or None) → (dq, dk, dv, da, db [tokens, H, *] in the inputs' dtypes, dh0 [N, H, K, V] fp32 or None)."""
     h, x, _ = iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, False, layout)
     # The shared reverse state pass: X plays δ, b plays k, w = −T A comes from T and a; it hands back Y = Tᵀ dX.
+    dot_prec = iplr_dot_precision(q.dtype)
     dh, y, dh0 = state_pass_bwd(q, b, None, do, dht, scale, initial_state is not None, layout, Ai, a=a,
-                                dot_prec=iplr_dot_precision(q.dtype), dh_dtype=iplr_operand_dtype(q.dtype),
+                                dot_prec=dot_prec, local_prec=dot_prec, dh_dtype=iplr_operand_dtype(q.dtype),
                                 dv_dtype=iplr_operand_dtype(q.dtype))
     dq, dk, dv, da, db = iplr_bwd_chunks(q, k, v, a, b, x, h, dh, do, y, scale, layout)
     return dq, dk, dv, da, db, dh0

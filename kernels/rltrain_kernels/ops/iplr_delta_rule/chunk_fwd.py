@@ -209,11 +209,15 @@ def iplr_output_fwd_kernel(
     tl.store(o + p_v, cast_for_store(b_o * scale, o, DOT_PREC), mask=m_tv)
 
 
-def iplr_output_fwd(q, k, v, b, x, h, scale: float, layout: ChunkLayout, out_dtype) -> torch.Tensor:
+def iplr_output_fwd(q, k, v, b, x, h, scale: float, layout: ChunkLayout, out_dtype,
+                    blocks: tuple[int, int] | None = None) -> torch.Tensor:
+    """The output pass → o [tokens, H, V] in out_dtype, in (BK, BV) = `blocks` tiles (default OUTPUT_BLOCKS) capped
+    at K's and V's powers of two."""
+    blocks = blocks or OUTPUT_BLOCKS
     TT, H, K = q.shape
     V = v.shape[-1]
     o = torch.empty(TT, H, V, dtype=out_dtype, device=q.device)
-    BK, BV = min(OUTPUT_BLOCKS[0], triton.next_power_of_2(K)), min(OUTPUT_BLOCKS[1], triton.next_power_of_2(V))
+    BK, BV = min(blocks[0], triton.next_power_of_2(K)), min(blocks[1], triton.next_power_of_2(V))
     if layout.num_chunks:
         iplr_output_fwd_kernel[(layout.num_chunks, triton.cdiv(V, BV), H)](
             q, k, v, b, x, h, o, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,

@@ -211,10 +211,13 @@ class TritonLossOps:
             _sequence_loss_kernel[(n // seq_len,)](*args, seq_len, *scalars, **flags, BLOCK=block, num_warps=4)
 
     @staticmethod
-    def scale_unless_one(grad: torch.Tensor, scale: torch.Tensor) -> None:
+    def scale_unless_one(grad: torch.Tensor, scale: torch.Tensor, block: int | None = None,
+                         programs: int | None = None) -> None:
         """grad (contiguous) *= scale (a one-element tensor on grad's device) in place, skipped on the GPU when
-        scale == 1: no host sync."""
+        scale == 1: no host sync. At most `programs` (default SCALE_PROGRAMS) programs of `block` (SCALE_BLOCK)
+        elements, striding over the rest."""
         n = grad.numel()
+        block, programs = block or SCALE_BLOCK, programs or SCALE_PROGRAMS
         if n:
-            grid = (min(triton.cdiv(n, SCALE_BLOCK), SCALE_PROGRAMS),)
-            _scale_unless_one_kernel[grid](grad, scale, n, BLOCK=SCALE_BLOCK, num_warps=8)
+            grid = (min(triton.cdiv(n, block), programs),)
+            _scale_unless_one_kernel[grid](grad, scale, n, BLOCK=block, num_warps=8)
