@@ -3,15 +3,18 @@ previous checkpoint intact; loading never unpickles arbitrary objects (safetenso
 and JSON only).
 
     <output_dir>/checkpoints/step_000010/
-        hf/               the policy in HF format (model.safetensors + config + tokenizer): transformers and vLLM load it
+        hf/               the policy in HF format (model.safetensors + config + tokenizer): transformers and vLLM load it;
+                          with actor.lora, its adapters in PEFT's format instead (adapter_model.safetensors +
+                          adapter_config.json naming the base model's directory, + tokenizer): PeftModel.from_pretrained
+                          loads them, `python -m rltrain.export_lora` merges them into a full HF model
         optimizer.pt      optimizer state (tensors and numbers only)
         trainer_state.json  step, data position, RNG states, the actor's LR schedule position
 
 RNG states are the controller's: Python's `random`, numpy's global generator, torch's CPU generator and, where this
 process has initialised CUDA, every visible GPU's generator, all as JSON lists of integers. The workers' generators
 are not saved: each sampling call seeds its own from (trainer.seed, step, round), which is what makes a resumed run
-replay an uninterrupted one; the actor's update draws no random numbers (no dropout in the supported models) but
-the mini-batch order, which it seeds from (trainer.seed, step, pass) alike.
+replay an uninterrupted one; the actor seeds its update's draws (the mini-batch order; LoRA dropout) from (trainer.seed,
+step, pass) alike.
 """
 
 from __future__ import annotations
@@ -88,15 +91,25 @@ def save_checkpoint(output_dir: str, step: int, save_policy, optimizer_state: di
     return final
 
 
+MODEL_FILE, ADAPTER_FILE = "model.safetensors", "adapter_model.safetensors"
+
+
+def holds_adapters(path: Path) -> bool:
+    """Whether a checkpoint directory holds LoRA adapters (actor.lora) rather than a full model."""
+    return (Path(path) / "hf" / ADAPTER_FILE).is_file()
+
+
 def load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
-    """(policy state_dict, optimizer state, trainer state) of a checkpoint directory."""
+    """(policy state_dict, or the LoRA adapters in PEFT's format where the checkpoint holds them (holds_adapters);
+    optimizer state; trainer state) of a checkpoint directory."""
     from safetensors.torch import load_file
 
     path = Path(path)
-    for needed in ("hf/model.safetensors", "optimizer.pt", "trainer_state.json"):
+    weights = f"hf/{ADAPTER_FILE if holds_adapters(path) else MODEL_FILE}"
+    for needed in (weights, "optimizer.pt", "trainer_state.json"):
         if not (path / needed).is_file():
             raise FileNotFoundError(f"checkpoint {path} is incomplete: {needed} is missing")
-    model_state = load_file(path / "hf" / "model.safetensors")
+    model_state = load_file(path / weights)
     optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     return model_state, optimizer_state, trainer_state

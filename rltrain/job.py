@@ -88,6 +88,12 @@ class JobConfig:
                 "GDN), and rltrain registers none of this family's layers (gated delta rule, gated delta product, "
                 "IPLR) with it; use rollout.engine=hf, which decodes with the fused-recurrent kernels",
                 self.rollout.engine)
+        lora = self.actor.lora.rank
+        require(not lora or self.rollout.engine == "hf", "rollout.engine", f"'vllm' cannot take actor.lora's adapters "
+                f"(actor.lora.rank = {lora}): rltrain pushes only the LoRA tensors after each update and does not yet "
+                "load them into a running vLLM engine (vLLM's LoRA path), nor merge them into its weights; use "
+                "rollout.engine=hf, which runs the same PEFT model and takes the adapters every step, or "
+                "actor.lora.rank=0", self.rollout.engine)
 
     def _validate_rollout_layout(self, device: str, ranks: int) -> None:
         """The rollout replicas (rltrain/workers/rollout_group.py): on GPU one per rollout.tensor_parallel_size of

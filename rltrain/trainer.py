@@ -33,6 +33,7 @@ from rltrain.tracking import Tracker
 from rltrain.validation import validation_metrics
 from rltrain.workers.actor import ActorWorker, FSDPActorWorker
 from rltrain.workers.group import kill, place_model_roles, start_role
+from rltrain.workers.lora import check_target_modules_of
 from rltrain.workers.reference import FSDPReferenceWorker, ReferenceWorker
 from rltrain.workers.reward import RewardWorker
 from rltrain.workers.rollout_group import RolloutReplicas
@@ -79,6 +80,7 @@ class GRPOTrainer:
             raise ConfigError("trainer.device: 'cuda' was asked for but this machine shows no CUDA device")
         self.device = resolve_device(device)
         self.model_dir, train_rows, val_rows = resolve_model_and_data(job)
+        check_target_modules_of(self.model_dir, job.actor.lora)
         self.tokenizer = load_tokenizer(self.model_dir, padding_side="left")
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -102,8 +104,10 @@ class GRPOTrainer:
         # The model roles are colocated: rank r of the actor and the reference and rollout process r share placement
         # bundle r, one GPU (or CPU), each asking a fraction of it, since Ray hides the GPU from an actor that asks
         # for none. trainer.nnodes × n_gpus_per_node bundles; actor.strategy=fsdp2 puts a rank on each, the rollout
-        # one engine per rollout.tensor_parallel_size of them (rltrain/workers/rollout_group.py).
-        model_roles = 3 if job.algorithm.loss.kl_coef > 0 else 2
+        # one engine per rollout.tensor_parallel_size of them (rltrain/workers/rollout_group.py). With actor.lora on
+        # the reference is the actor's own base (adapters disabled): no reference role.
+        needs_reference = job.algorithm.loss.kl_coef > 0 and not job.actor.lora.enabled
+        model_roles = 3 if needs_reference else 2
         share, sharded = 1 / model_roles, job.actor.strategy == "fsdp2"
         self.placement = place_model_roles(job.trainer.nnodes, job.trainer.n_gpus_per_node, self.device,
                                            job.ray.placement_timeout_s)
@@ -114,9 +118,10 @@ class GRPOTrainer:
                                 config=job.actor, loss=job.algorithm.actor_loss(job.rollout.max_new_tokens),
                                 temperature=temperature, seed=job.trainer.seed,
                                 total_steps=job.trainer.total_steps, **common)
-        self.rollout = RolloutReplicas(job.rollout, self.placement, share, job.ray.placement_timeout_s, **common)
+        self.rollout = RolloutReplicas(job.rollout, self.placement, share, job.ray.placement_timeout_s,
+                                       lora=job.actor.lora, **common)
         self.reference = None
-        if job.algorithm.loss.kl_coef > 0:
+        if needs_reference:
             self.reference = start_role(FSDPReferenceWorker if sharded else ReferenceWorker, self.placement, share,
                                         sharded, temperature=temperature, batching=job.actor.micro_batching,
                                         **(dict(fsdp=job.actor.fsdp) if sharded else {}), **common)
@@ -176,9 +181,9 @@ class GRPOTrainer:
             batch["old_logprobs"] = ray.get(self.actor.compute_logprobs.remote(batch))
         metrics.update(apply_rollout_correction(batch, job.algorithm.rollout_correction))
         timer.add("ref", 0.0)
-        if self.reference is not None:
+        if job.algorithm.loss.kl_coef > 0:
             with timer.phase("ref"):
-                batch["ref_logprobs"] = ray.get(self.reference.compute_logprobs.remote(batch))
+                batch["ref_logprobs"] = ray.get(self._reference_logprobs(batch))
         batch["advantages"], advantage_metrics = batch_advantages(batch, job.algorithm)
         metrics.update(advantage_metrics)
         with timer.phase("update"):
@@ -197,6 +202,13 @@ class GRPOTrainer:
             values = [e[key] for e in extras if key in e]
             record[f"reward/{key}_mean"] = sum(values) / len(values)
         return record
+
+    def _reference_logprobs(self, batch: TensorDict) -> ray.ObjectRef:
+        """The reference policy's log-probs: the ReferenceWorker's, or with actor.lora the actor's base model's
+        (its adapters disabled)."""
+        if self.reference is None:
+            return self.actor.compute_ref_logprobs.remote(batch)
+        return self.reference.compute_logprobs.remote(batch)
 
     def _shape_rewards(self, batch: TensorDict, response_len: torch.Tensor) -> dict:
         """DAPO's soft overlong punishment (algorithm.overlong_buffer) added to batch["rewards"], after dynamic
@@ -263,11 +275,16 @@ class GRPOTrainer:
             return
         if not path.is_dir():
             raise FileNotFoundError(f"trainer.resume: no checkpoint directory {str(path)!r}")
+        lora = self.job.actor.lora.enabled
+        if ckpt.holds_adapters(path) != lora:
+            held = "LoRA adapters" if not lora else "a full model, no LoRA adapters"
+            raise ConfigError(f"trainer.resume: checkpoint {str(path)!r} holds {held}, but actor.lora.rank is "
+                              f"{self.job.actor.lora.rank}; resume with the run's actor.lora, or trainer.resume=never")
         model_state, optimizer_state, state = ckpt.load_checkpoint(path)
         ray.get(self.actor.load_checkpoint.remote(model_state, optimizer_state))
         # checkpoints from before the schedule was saved: one update per step
         ray.get(self.actor.load_lr_scheduler_state.remote(state.get("lr_scheduler", {"updates": state["step"]})))
-        self.rollout.load_state_dict(model_state)
+        self.push_weights()  # the checkpoint's weights (or adapters) from the actor into every rollout process
         self.sampler.load_state_dict(state["sampler"])
         ckpt.set_rng_state(state["rng"])
         self.step, self.initial_val = state["step"], state.get("initial_val")

@@ -6,6 +6,9 @@ for Qwen3 models built from config, side by side in one process:
     (b) trl+liger  (a) with Liger's model kernels and its fused linear GRPO loss (TRL's use_liger_kernel)
     (c) rltrain padded   ActorWorker, padded micro-batches of `--rows` rows (actor.use_remove_padding=false)
     (d) rltrain packed   ActorWorker, packed micro-batches of at most `--max-tokens` tokens (the default)
+    (e) rltrain packed lora   (d) with actor.lora: rank `--lora-rank` adapters on every linear layer but the LM head
+                   (PEFT), the base frozen; its MFU counts the full model's 8·N (the adapters' weight gradients are
+                   skipped, so it reads low)
 
 Batch: `--responses` responses after `--prompt-len`-token prompts, response lengths log-normal (σ = 1) with mean
 `--mean-len`, capped at `--max-len`, fixed seed; random token ids (timing does not depend on their values). Every
@@ -18,6 +21,7 @@ machine needs tensordict, pyvers, orjson and liger-kernel carried (kernels/bench
 
     python kernels/benchmarks/bench_actor_step.py --size 0.6b
     python kernels/benchmarks/bench_actor_step.py --size 1.7b --probe-lens 4096,8192,16384,32768
+    python kernels/benchmarks/bench_actor_step.py --size 1.7b --variants "rltrain packed,rltrain packed lora"
 """
 
 from __future__ import annotations
@@ -180,13 +184,16 @@ class TRLPath:
 
 # ---------------------------------------------------------------- (c), (d): rltrain's ActorWorker
 class RltrainPath:
-    def __init__(self, model_dir: str, rows: int, packed: bool, max_tokens: int, checkpointing: bool = False):
+    def __init__(self, model_dir: str, rows: int, packed: bool, max_tokens: int, checkpointing: bool = False,
+                 lora_rank: int = 0):
         from rltrain.algorithms.config import LossConfig
         from rltrain.workers.actor import ActorConfig, ActorWorker
+        from rltrain.workers.lora import LoraConfig
 
-        config = ActorConfig(lr=1e-6, micro_batch_size=rows, use_remove_padding=packed,
+        config = ActorConfig(lr=1e-5 if lora_rank else 1e-6, micro_batch_size=rows, use_remove_padding=packed,
                              max_tokens_per_micro_batch=max_tokens if packed else 0,
-                             gradient_checkpointing=checkpointing)
+                             gradient_checkpointing=checkpointing,
+                             lora=LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank or 16.0))
         self.actor = ActorWorker(config, LossConfig(clip_low=0.2, clip_high=0.2), model_dir, "bfloat16",
                                  {"name": "auto", "include_kernels": "auto"}, temperature=1.0, device="cuda")
         self.model, self.note = self.actor.model, ""
@@ -206,6 +213,8 @@ VARIANTS = {
     "rltrain padded": lambda d, a: RltrainPath(d, a.rows, packed=False, max_tokens=0, checkpointing=a.checkpointing),
     "rltrain packed": lambda d, a: RltrainPath(d, a.rows, packed=True, max_tokens=a.max_tokens,
                                                checkpointing=a.checkpointing),
+    "rltrain packed lora": lambda d, a: RltrainPath(d, a.rows, packed=True, max_tokens=a.max_tokens,
+                                                    checkpointing=a.checkpointing, lora_rank=a.lora_rank),
 }
 
 
@@ -278,6 +287,7 @@ def main():
     parser.add_argument("--rows", type=int, default=4, help="padded variants' micro-batch rows")
     parser.add_argument("--max-tokens", type=int, default=16384, help="packed variant's micro-batch token budget")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--lora-rank", type=int, default=32, help="the lora variant's adapter rank")
     parser.add_argument("--probe-lens", default="4096,8192,16384,32768")
     parser.add_argument("--no-probe", action="store_true")
     parser.add_argument("--no-timing", action="store_true", help="the length probe only")
@@ -313,11 +323,11 @@ def main():
                 pass
             path = None
             release_memory()
-            if name == "rltrain packed" or args_copy.rows == 1:
+            if name.startswith("rltrain packed") or args_copy.rows == 1:
                 raise RuntimeError(f"{name}: out of memory")
             args_copy.rows //= 2
             print(f"  {name}: out of memory, retrying with {args_copy.rows} rows per micro-batch", flush=True)
-        if name != "rltrain packed":
+        if not name.startswith("rltrain packed"):
             path.note = f"{args_copy.rows} rows/micro-batch" + (f"; {path.note}" if path.note else "")
         peak = torch.cuda.max_memory_allocated() / 2**30
         flops = model_flops(path.model, batch)

@@ -4,12 +4,14 @@
 An update makes actor.ppo_epochs passes over the batch, each in mini-batches of actor.mini_batch_size responses
 (an optimizer step each) drawn in an order seeded by (trainer.seed, step, pass), so a run replays; the learning rate
 of each update follows actor.lr_scheduler (LRSchedule), whose position, the number of updates done, is saved with
-every checkpoint. FSDPActorWorker is the same role sharded over the ranks of a WorkerGroup (actor.strategy=fsdp2;
-rltrain/workers/fsdp.py)."""
+every checkpoint. With actor.lora.rank > 0 only LoRA adapters train, and the reference log-probs come from this
+worker's own model with the adapters disabled (rltrain/workers/lora.py). FSDPActorWorker is the same role sharded over
+the ranks of a WorkerGroup (actor.strategy=fsdp2; rltrain/workers/fsdp.py)."""
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -23,6 +25,7 @@ from rltrain.config import require
 from rltrain.perf import ModelShape
 from rltrain.workers.batch import split
 from rltrain.workers.fsdp import FSDPConfig, ShardedPolicy, keyed_by_index, keyed_by_name
+from rltrain.workers.lora import LoraConfig, adapter_weights, attach_lora, load_adapters
 from rltrain.workers.packing import MicroBatching, Packing
 from rltrain.workers.policy import (
     load_policy, plan_buckets, policy_hidden, resolve_batching, response_logprobs, set_threads,
@@ -65,6 +68,7 @@ class ActorConfig:
     gradient_checkpointing: bool = False
     weight_bucket_mb: int = 256  # the weight push sends full tensors in buckets of about this size
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self):
         require(self.strategy in STRATEGIES, "strategy", f"must be one of {', '.join(STRATEGIES)}", self.strategy)
@@ -83,6 +87,8 @@ class ActorConfig:
         require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1", self.micro_batch_size)
         require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", "must be >= 0 (0 = by rows)",
                 self.max_tokens_per_micro_batch)
+        require(not self.lora.enabled or self.strategy == "single", "lora.rank",
+                "> 0 needs actor.strategy=single (LoRA under FSDP2 is not supported yet)", self.lora.rank)
 
     @property
     def micro_batching(self) -> MicroBatching:
@@ -129,6 +135,8 @@ def minibatch_order(size: int, seed: int, step: int, epoch: int) -> torch.Tensor
 
 
 class ActorWorker(WeightSource):
+    adapters = None  # the PeftModel wrapping self.model with actor.lora on (FSDPActorWorker: never)
+
     def __init__(self, config: ActorConfig, loss: LossConfig, model_path: str, dtype: str,
                  kernel_config: KernelConfig | None, temperature: float, device: str = "cpu", seed: int = 0,
                  attn_implementation: str = "auto", total_steps: int | None = None):
@@ -137,14 +145,36 @@ class ActorWorker(WeightSource):
         self.config, self.loss, self.temperature, self.device = config, loss, temperature, device
         self._start_schedule(seed, total_steps)
         self.model = load_policy(model_path, dtype, kernel_config, device, attn_implementation)
+        # LoRA: the adapters go in after the kernels; self.model stays the transformers model (with them inside)
+        self.adapters = attach_lora(self.model, config.lora) if config.lora.enabled else None
         self.batching = resolve_batching(self.model, config.micro_batching)
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=config.lr,
+                                           weight_decay=config.weight_decay)
+
+    @contextmanager
+    def _scoring(self):
+        """Eval mode while computing log-probs (LoRA dropout off), training mode after."""
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train()
 
     def compute_logprobs(self, batch: TensorDict) -> torch.Tensor:
-        return response_logprobs(self.model, batch, self.temperature, self.batching)
+        with self._scoring():
+            return response_logprobs(self.model, batch, self.temperature, self.batching)
+
+    def compute_ref_logprobs(self, batch: TensorDict) -> torch.Tensor:
+        """The reference policy's log-probs with actor.lora on: this model with its adapters disabled, i.e. the
+        frozen base it started from (what a ReferenceWorker would hold, without a second copy)."""
+        if self.adapters is None:
+            raise RuntimeError("compute_ref_logprobs needs actor.lora.rank > 0; without LoRA the reference is a "
+                               "ReferenceWorker")
+        with self.adapters.disable_adapter():
+            return self.compute_logprobs(batch)
 
     def _start_schedule(self, seed: int, total_steps: int | None) -> None:
         self.seed, self.schedule, self.updates = seed, LRSchedule.of(self.config, total_steps), 0
@@ -152,7 +182,9 @@ class ActorWorker(WeightSource):
     def update(self, batch: TensorDict, step: int = 0) -> dict[str, float]:
         """actor.ppo_epochs passes over `batch` in mini-batches (an optimizer step each; with more than one
         mini-batch the rows are shuffled every pass, seeded by the RL step), at this update's learning rate.
-        Returns the metrics averaged over the optimizer steps, and actor/lr."""
+        Returns the metrics averaged over the optimizer steps, and actor/lr. Random draws in the update (LoRA
+        dropout) are seeded by (trainer.seed, step), so a resumed run replays them."""
+        torch.manual_seed(self.seed * 1_000_003 + step * 101 + 17)
         size = batch.batch_size[0]
         mini = self.config.mini_batch_size or size
         lr = self.config.lr * self.schedule.factor(self.updates)
@@ -233,14 +265,18 @@ class ActorWorker(WeightSource):
         """What perf/actor_mfu counts FLOPs with (rltrain/perf.py); under FSDP2 the full model's counts."""
         return ModelShape.of(self.model)
 
+    def pushed_weights(self) -> dict[str, torch.Tensor]:
+        """What the weight push sends: the state_dict, or with LoRA the adapter parameters only."""
+        return self.model.state_dict() if self.adapters is None else adapter_weights(self.model)
+
     def bucket_names(self, bucket_mb: int) -> list[list[str]]:
-        """The state_dict's names in buckets of about bucket_mb MB, for the weight push (same on every rank)."""
-        return plan_buckets(self.model.state_dict(), bucket_mb)
+        """pushed_weights' names in buckets of about bucket_mb MB, for the weight push (same on every rank)."""
+        return plan_buckets(self.pushed_weights(), bucket_mb)
 
     def full_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Full tensors of these state_dict entries on the model's device (here: the parameters themselves). The
-        weight push exports one bucket of bucket_names at a time (rltrain/workers/weight_sync.py)."""
-        state = self.model.state_dict()
+        """Full tensors of these pushed_weights entries on the model's device (here: the parameters themselves).
+        The weight push exports one bucket of bucket_names at a time (rltrain/workers/weight_sync.py)."""
+        state = self.pushed_weights()
         return {name: state[name].detach() for name in names}
 
     def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
@@ -261,11 +297,17 @@ class ActorWorker(WeightSource):
         self.updates = int(state["updates"])
 
     def load_checkpoint(self, model_state: dict, optimizer_state: dict) -> None:
-        self.model.load_state_dict(model_state)
+        """model_state: the HF state_dict, or with LoRA the adapters in PEFT's format (save_pretrained's)."""
+        if self.adapters is None:
+            self.model.load_state_dict(model_state)
+        else:
+            load_adapters(self.adapters, model_state)
         self.optimizer.load_state_dict(optimizer_state)
 
     def save_pretrained(self, path: str) -> None:
-        self.model.save_pretrained(path)
+        """The policy in HF format, or with LoRA its adapters in PEFT's (adapter_config.json naming the base model's
+        directory, adapter_model.safetensors)."""
+        (self.model if self.adapters is None else self.adapters).save_pretrained(path)
 
 
 class FSDPActorWorker(ShardedPolicy, ActorWorker):

@@ -6,6 +6,8 @@ Engines (rollout.engine): "hf" = transformers' generate with a KV cache, batched
 prompts), below; "vllm" = a `vllm.LLM` (rltrain/workers/vllm_engine.py, imported only when chosen), which also
 reports the sampled tokens' log-probs (`rollout_logprobs`). Both take weights in buckets: begin_weight_update,
 load_weights (or load_bucket: an actor's export, rltrain/workers/weight_sync.py) per bucket, finish_weight_update.
+With actor.lora on, the hf engine holds the policy wrapped with the same LoRA adapters (unmerged: its base weights
+never change) and the buckets hold only the adapter tensors (rltrain/workers/lora.py); vllm refuses LoRA up front.
 
 Seeds: generate(..., seed, first_prompt) gets the step's seed and the index of its first prompt in the step's
 batch, so a replica given prompts [first_prompt, ...) draws the same seeds whatever the split (`response_seeds`).
@@ -25,6 +27,7 @@ from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
 
 from rltrain.config import require
+from rltrain.workers.lora import LoraConfig, attach_lora
 from rltrain.workers.policy import load_policy, set_threads
 from rltrain.workers.weight_sync import ExportedBucket, device_info, receive
 
@@ -81,18 +84,22 @@ def response_seeds(seed: int, first: int, count: int) -> torch.Tensor:
 
 class RolloutWorker:
     """One process of a rollout replica. `tensor_parallel` (vllm, tensor_parallel_size > 1): this process's rank in
-    its replica and the replica's rendezvous, {rank, world_size, master_addr, master_port}."""
+    its replica and the replica's rendezvous, {rank, world_size, master_addr, master_port}. `lora`: actor.lora (hf
+    engine only)."""
 
     def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: KernelConfig | None,
-                 device: str = "cpu", attn_implementation: str = "auto", tensor_parallel: dict | None = None):
+                 device: str = "cpu", attn_implementation: str = "auto", tensor_parallel: dict | None = None,
+                 lora: LoraConfig | None = None):
         set_threads(config.torch_threads)
         self.device = device
         if config.engine == "vllm":
             from rltrain.workers.vllm_engine import VLLMEngine
 
+            if lora is not None and lora.enabled:
+                raise ValueError("rollout.engine: 'vllm' cannot take actor.lora's adapters (rltrain/job.py says why)")
             self.engine = VLLMEngine(config, model_path, dtype, device, tensor_parallel)
         else:
-            self.engine = HFEngine(config, model_path, dtype, kernel_config, device, attn_implementation)
+            self.engine = HFEngine(config, model_path, dtype, kernel_config, device, attn_implementation, lora)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
                  seed: int, first_prompt: int = 0) -> TensorDict:
@@ -108,7 +115,8 @@ class RolloutWorker:
         self.engine.begin_weight_update()
 
     def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
-        """One bucket of the actor's state_dict (full tensors, HF names)."""
+        """One bucket of what the actor pushes (ActorWorker.pushed_weights: full tensors of its state_dict, HF
+        names, or its LoRA adapters)."""
         self.engine.load_weights(named_tensors.items())
 
     def load_bucket(self, bucket: ExportedBucket) -> str:
@@ -123,12 +131,6 @@ class RolloutWorker:
     def finish_weight_update(self) -> None:
         self.engine.finish_weight_update()
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """The whole model in one bucket (tests, resume)."""
-        self.begin_weight_update()
-        self.load_weights(state_dict)
-        self.finish_weight_update()
-
     def sleep(self) -> None:
         """Colocated mode: free the engine's memory while the actor trains (vLLM on GPU; a no-op otherwise)."""
         self.engine.sleep()
@@ -138,10 +140,12 @@ class HFEngine:
     keeps_loaded_tensors = False  # load_weights copies into the parameters at once
 
     def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: KernelConfig | None,
-                 device: str, attn_implementation: str = "auto"):
+                 device: str, attn_implementation: str = "auto", lora: LoraConfig | None = None):
         self.config = config
         self.model = load_policy(model_path, dtype, kernel_config, device, attn_implementation)
-        self.model.eval()
+        if lora is not None and lora.enabled:  # the actor's adapters, zero until the first push: the base's outputs
+            attach_lora(self.model, lora)
+        self.model.eval().requires_grad_(False)
         self.device = device
         generation = self.model.generation_config
         self.eos_token_id = generation.eos_token_id if generation.eos_token_id is not None \

@@ -39,6 +39,7 @@ from tensordict import TensorDict
 
 from rltrain.workers.batch import concat_batches
 from rltrain.workers.group import Placement, PlacementError, cluster_summary, rendezvous_address
+from rltrain.workers.lora import LoraConfig
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 
 logger = logging.getLogger(__name__)
@@ -87,8 +88,9 @@ class RolloutReplicas:
 
     def __init__(self, config: RolloutConfig, placement: Placement, share: float, timeout_s: float, *,
                  model_path: str, dtype: str, kernel_config: KernelConfig | None, device: str,
-                 attn_implementation: str = "auto"):
-        """`share` of each bundle's GPU (or CPU) per colocated process; timeout_s: ray.placement_timeout_s."""
+                 attn_implementation: str = "auto", lora: LoraConfig | None = None):
+        """`share` of each bundle's GPU (or CPU) per colocated process; timeout_s: ray.placement_timeout_s; lora:
+        actor.lora (the engines hold the same adapters, and the push sends only them)."""
         layout = replica_bundles(placement.world_size, config.tensor_parallel_size, config.replicas, device)
         if device != "cuda" and config.torch_threads == 0 and len(layout) > 1:
             config = dataclasses.replace(config, torch_threads=max(1, (os.cpu_count() or 1) // len(layout)))
@@ -111,7 +113,7 @@ class RolloutReplicas:
                     options = placement.options(bundle, share)
                 tensor_parallel = dict(rendezvous, rank=rank) if rendezvous else None
                 processes.append(worker.options(**options).remote(
-                    config, model_path, dtype, kernel_config, device, attn_implementation, tensor_parallel))
+                    config, model_path, dtype, kernel_config, device, attn_implementation, tensor_parallel, lora))
             self.replicas.append(processes)
         logger.info("rollout: %d replica(s) of %d process(es) (%s engine) on %s", len(self.replicas),
                     len(layout[0]), config.engine, device)
@@ -154,10 +156,6 @@ class RolloutReplicas:
 
     def finish_weight_update(self) -> None:
         self._on_every_process("finish_weight_update")
-
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """The whole model into every process (resume), put in the object store once."""
-        self._on_every_process("load_state_dict", ray.put(state_dict))
 
     def kill(self) -> None:
         for process in self.processes:

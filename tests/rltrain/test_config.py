@@ -124,6 +124,14 @@ def test_every_algorithm_preset_validates(preset):
     ("reward.name=nope", "reward.name: unknown built-in reward function 'nope'; known: "),
     ("reward.timeout_s=0", "reward.timeout_s: must be > 0 (got 0.0)"),
     ("reward.num_workers=0", "reward.num_workers: must be >= 1 (got 0)"),
+    ("actor.lora.rank=-1", "actor.lora.rank: must be >= 0 (got -1)"),
+    ("actor.lora.alpha=0", "actor.lora.alpha: must be > 0 (got 0.0)"),
+    ("actor.lora.dropout=1", "actor.lora.dropout: must be in [0, 1) (got 1.0)"),
+    ("actor.lora.target_modules=linear",
+     "actor.lora.target_modules: must be 'all-linear' or a list of module names (got 'linear')"),
+    ("actor.lora.target_modules=[]", "actor.lora.target_modules: must be a non-empty list of module names (got [])"),
+    ("actor.lora.rank=8 actor.strategy=fsdp2 trainer.n_gpus_per_node=2",
+     "actor.lora.rank: > 0 needs actor.strategy=single (LoRA under FSDP2 is not supported yet) (got 8)"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=re.sub(r"([()+\[\]])", r"\\\1", message)):
@@ -175,6 +183,24 @@ def test_vllm_engine_refuses_delta_rule_policies(monkeypatch, tmp_path):
                 load_job_config(_compose(*overrides))
         else:
             load_job_config(_compose(*overrides))
+
+
+def test_vllm_engine_refuses_lora(monkeypatch):
+    """actor.lora.rank > 0 with rollout.engine=vllm exits up front naming both keys and the way out (never a silent
+    fallback to hf or to full weights); rank 0 with vllm, and LoRA with hf, validate."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(ConfigError) as err:
+        load_job_config(_compose("rollout.engine=vllm", "actor.lora.rank=8"))
+    message = str(err.value)
+    assert message.startswith("rollout.engine: 'vllm' cannot take actor.lora's adapters (actor.lora.rank = 8)"), message
+    assert "use rollout.engine=hf" in message and "actor.lora.rank=0" in message
+    assert load_job_config(_compose("rollout.engine=vllm")).actor.lora.rank == 0
+    job = load_job_config(_compose("actor.lora.rank=8", "actor.lora.target_modules=[q_proj,v_proj]"))
+    assert job.actor.lora.target_modules == ["q_proj", "v_proj"] and job.actor.lora.enabled
 
 
 @pytest.mark.parametrize("overrides, message", [

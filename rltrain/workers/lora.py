@@ -1,0 +1,126 @@
+"""LoRA RL (`actor.lora`, rank > 0): the policy trains low-rank adapters (PEFT's LoRA) on a frozen base.
+
+What changes with it on (rank 0 is full fine-tuning, none of this):
+- the actor wraps its policy with `peft.get_peft_model` after loading it, so the registry's kernels are already
+  swapped in (swapping works on either side of the wrapping: tests/kernels/integrations/test_peft_models.py); only
+  the adapters (`lora_A` / `lora_B`) are trainable and in the optimizer, and the LM head stays frozen and outside
+  them, so `linear_logprobs` / `fused_policy_loss` take its weight as before;
+- the reference policy is that same model with its adapters disabled (`disable_adapter()`): no second copy and no
+  ReferenceWorker when algorithm.loss.kl_coef > 0 (ActorWorker.compute_ref_logprobs);
+- the weight push sends the adapter tensors only (`adapter_weights`), into an HF rollout engine that holds the same
+  PEFT model (vLLM: refused up front, rltrain/job.py);
+- checkpoints hold the adapters in PEFT's format (adapter_config.json + adapter_model.safetensors, loadable with
+  `PeftModel.from_pretrained`) plus the optimizer state; `python -m rltrain.export_lora` merges them into a full
+  HF model.
+
+The workers hold the transformers model itself (`PeftModel.get_base_model()`, with the LoRA layers inside its
+modules), so the code that runs a policy (packing, hidden states, the LM head) is the same with LoRA on or off. peft is
+imported only when LoRA is on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rltrain.config import ConfigError, require
+
+ALL_LINEAR = "all-linear"
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0              # adapter rank r; 0 = off (full fine-tuning)
+    alpha: float = 16.0        # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0       # dropout on the adapters' input during the update
+    target_modules: str | list[str] = ALL_LINEAR  # all-linear (every linear layer but the LM head) | names
+
+    def validate(self):
+        require(self.rank >= 0, "rank", "must be >= 0", self.rank)
+        require(self.alpha > 0, "alpha", "must be > 0", self.alpha)
+        require(0 <= self.dropout < 1, "dropout", "must be in [0, 1)", self.dropout)
+        if isinstance(self.target_modules, str):
+            require(self.target_modules == ALL_LINEAR, "target_modules",
+                    f"must be {ALL_LINEAR!r} or a list of module names", self.target_modules)
+        else:
+            require(bool(self.target_modules) and all(self.target_modules), "target_modules",
+                    "must be a non-empty list of module names", self.target_modules)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+def check_target_modules(model, config: LoraConfig) -> None:
+    """Every name in actor.lora.target_modules matches a module of `model` (PEFT's rule for a list: the module's
+    name, or its last components after a dot) and none matches the LM head, whose weight the fused log-prob and loss
+    kernels take alone. ConfigError naming the key otherwise. (all-linear: PEFT leaves the head out itself.)"""
+    if config.target_modules == ALL_LINEAR:
+        return
+    head = model.get_output_embeddings()
+    names = {module: name for name, module in model.named_modules()}
+    for target in config.target_modules:
+        matched = [name for name in names.values() if name == target or name.endswith("." + target)]
+        if not matched:
+            linear = sorted({name.rsplit(".", 1)[-1] for module, name in names.items()
+                             if isinstance(module, torch.nn.Linear) and module is not head})
+            raise ConfigError(f"actor.lora.target_modules: {target!r} matches no module of {type(model).__name__}; "
+                              f"its linear layers: {', '.join(linear)} (or use {ALL_LINEAR})")
+        if head is not None and names.get(head) in matched:
+            raise ConfigError(f"actor.lora.target_modules: {target!r} matches the LM head {names[head]!r}, which "
+                              "stays frozen and outside the adapters (the fused log-prob kernels take its weight alone)")
+
+
+def check_target_modules_of(model_dir: str, config: LoraConfig) -> None:
+    """check_target_modules on the model in `model_dir`, built on the meta device from its config (no weights
+    read), so a bad name stops the run before any worker starts."""
+    if not config.enabled or config.target_modules == ALL_LINEAR:
+        return
+    import transformers as tf
+    import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families with the Auto classes)
+
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(model_dir))
+    check_target_modules(model, config)
+
+
+def attach_lora(model, config: LoraConfig):
+    """Wrap `model` (a transformers causal LM, kernels already swapped in) with fresh LoRA adapters, in place: the
+    LoRA layers go inside its modules, its own parameters are frozen. Returns the PeftModel (its get_base_model() is
+    `model`). lora_B starts at zero, so the wrapped model computes what `model` did."""
+    import peft
+
+    check_target_modules(model, config)
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(
+        r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, bias="none",
+        target_modules=config.target_modules))
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    if trainable != set(adapter_weights(model)):
+        raise RuntimeError(f"LoRA left parameters outside the adapters trainable: "
+                           f"{sorted(trainable - set(adapter_weights(model)))[:5]}")
+    return wrapped
+
+
+def is_adapter_weight(name: str) -> bool:
+    """Whether a parameter name is a LoRA adapter's (lora_A / lora_B, the modules PEFT inserts)."""
+    return any(part.startswith("lora_") for part in name.split("."))
+
+
+def adapter_weights(model) -> dict[str, torch.Tensor]:
+    """The adapter parameters of a LoRA-wrapped transformers model, by their names in it
+    (`model.layers.0.self_attn.q_proj.lora_A.default.weight`): what the weight push sends, into the same names on the
+    rollout engine's model."""
+    return {name: param for name, param in model.named_parameters() if is_adapter_weight(name)}
+
+
+def load_adapters(wrapped, state: dict[str, torch.Tensor]) -> None:
+    """Adapters in PEFT's format (a checkpoint's adapter_model.safetensors) into a LoRA-wrapped model, in place;
+    every adapter of the model must be in `state` and nothing else."""
+    import peft
+
+    result = peft.set_peft_model_state_dict(wrapped, state)
+    missing = [name for name in result.missing_keys if is_adapter_weight(name)]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"LoRA adapters do not fit the model (actor.lora differs from the checkpoint's?): missing "
+                         f"{missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}")

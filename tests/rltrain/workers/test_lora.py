@@ -1,0 +1,248 @@
+"""LoRA RL (actor.lora, rltrain/workers/lora.py) in process, without Ray, on a small Qwen3 built from its config:
+
+- the actor trains the adapters only: over several updates every base weight stays bit-identical, the adapters
+  move, the optimizer holds exactly the adapters, and the weight push's buckets hold adapter tensors only;
+- the reference log-probs (compute_ref_logprobs: adapters disabled) equal a plain copy of the base model's;
+- after a push through export_weights / load_bucket (the CPU route) the hf rollout engine's log-probs equal the
+  actor's (and did not before), its greedy responses the actor's policy's (not the base's), its base unchanged;
+- the actor's checkpoint is PEFT's format (PeftModel.from_pretrained on the base reproduces the actor), a fresh actor
+  resumed from it (adapters + optimizer) makes the same next update as the original, and export_lora merges it into
+  a full HF model with the actor's log-probs;
+- log-probs are computed without LoRA dropout and the update's dropout draws are seeded by the step;
+- bad target_modules fail naming actor.lora.target_modules.
+
+Run: `pytest tests/rltrain/workers/test_lora.py` (CPU, about a minute).
+"""
+
+import json
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from rltrain.algorithms.advantages import compute_advantages
+from rltrain.algorithms.config import LossConfig
+from rltrain.config import ConfigError
+from rltrain.embedded.model import EmbeddedModelConfig, build_model
+from rltrain.embedded.tokenizer import build_char_tokenizer
+from rltrain.export_lora import export_lora
+from rltrain.export_lora import main as export_main
+from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.lora import LoraConfig, check_target_modules, check_target_modules_of, is_adapter_weight
+from rltrain.workers.packing import MicroBatching
+from rltrain.workers.policy import load_policy, response_logprobs
+from rltrain.workers.rollout import RolloutConfig, RolloutWorker
+
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("base")
+    tokenizer = build_char_tokenizer()
+    model = build_model(EmbeddedModelConfig(hidden_size=32, num_layers=2, num_heads=2, head_dim=16), tokenizer,
+                        seed=0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _actor(model_dir, lora=LORA, seed=0, **config) -> ActorWorker:
+    return ActorWorker(ActorConfig(torch_threads=1, lr=1e-2, lora=lora, **config), LossConfig(), model_dir,
+                       "float32", None, temperature=1.0, seed=seed)
+
+
+def _batch(vocab: int, seed: int = 0) -> TensorDict:
+    """3 prompts × 4 responses of random tokens (a few masked), rewarded so that GRPO's advantages are non-zero."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(4, vocab, (12, 5), generator=generator)
+    response_ids = torch.randint(4, vocab, (12, 6), generator=generator)
+    response_mask = torch.ones(12, 6, dtype=torch.long)
+    response_mask[1, 4:] = 0
+    response_mask[7, 2:] = 0
+    batch = TensorDict({"prompt_ids": prompt_ids, "prompt_mask": torch.ones(12, 5, dtype=torch.long),
+                        "response_ids": response_ids, "response_mask": response_mask,
+                        "group_ids": torch.arange(3).repeat_interleave(4)}, batch_size=[12])
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    batch["advantages"] = compute_advantages("grpo", rewards, response_mask, batch["group_ids"])
+    return batch
+
+
+def _train(actor: ActorWorker, steps: int, first_step: int = 1) -> list[dict]:
+    metrics = []
+    for step in range(first_step, first_step + steps):
+        batch = _batch(actor.model.config.vocab_size, seed=step)
+        batch["old_logprobs"] = actor.compute_logprobs(batch)
+        metrics.append(actor.update(batch, step))
+    return metrics
+
+
+def _base_weights(model) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in model.state_dict().items() if not is_adapter_weight(name)}
+
+
+def _plain_logprobs(model_dir, batch) -> torch.Tensor:
+    model = load_policy(model_dir, "float32", None, "cpu")
+    return response_logprobs(model.eval(), batch, 1.0, MicroBatching(rows=64, packed=False))
+
+
+def test_only_adapters_train_and_travel(model_dir):
+    actor = _actor(model_dir)
+    adapters = {name for name, _ in actor.model.named_parameters() if is_adapter_weight(name)}
+    assert adapters and all(".lora_A." in name or ".lora_B." in name for name in adapters)
+    assert not any("lm_head" in name for name in adapters)  # all-linear leaves the head out
+    assert {id(p) for group in actor.optimizer.param_groups for p in group["params"]} == \
+           {id(p) for name, p in actor.model.named_parameters() if name in adapters}
+    base = _base_weights(actor.model)
+    before = {name: p.detach().clone() for name, p in actor.model.named_parameters() if name in adapters}
+    metrics = _train(actor, 3)
+    assert all(m["actor/grad_norm"] > 0 for m in metrics)
+    after = _base_weights(actor.model)
+    assert after.keys() == base.keys() and all(torch.equal(after[name], base[name]) for name in base)
+    moved = [name for name, p in actor.model.named_parameters() if name in adapters
+             and not torch.equal(p.detach(), before[name])]
+    assert len(moved) == len(adapters)  # lora_B starts at 0 and every A gets a gradient once B is non-zero
+
+    names = [name for bucket in actor.bucket_names(1) for name in bucket]
+    assert set(names) == adapters and len(names) == len(adapters)
+    exported = actor.export_weights(names, ipc_ranks=[], host=True).host
+    assert set(exported) == adapters and all(is_adapter_weight(name) for name in exported)
+    live = dict(actor.model.named_parameters())
+    assert all(torch.equal(exported[name], live[name].detach()) for name in names)
+    full = _actor(model_dir, lora=LoraConfig())  # rank 0: the whole state_dict travels, as before
+    assert [n for bucket in full.bucket_names(256) for n in bucket] == list(full.model.state_dict())
+
+
+def test_reference_is_the_base_with_adapters_disabled(model_dir):
+    actor = _actor(model_dir)
+    _train(actor, 2)
+    batch = _batch(actor.model.config.vocab_size, seed=9)
+    valid = batch["response_mask"].bool()
+    reference, policy = actor.compute_ref_logprobs(batch), actor.compute_logprobs(batch)
+    plain = _plain_logprobs(model_dir, batch)
+    assert (reference - plain).abs()[valid].max() < 1e-6
+    assert (policy - plain).abs()[valid].mean() > 1e-2  # the adapters have moved the policy
+    assert torch.equal(actor.compute_logprobs(batch), policy)  # adapters are back on after the reference
+    with pytest.raises(RuntimeError, match="needs actor.lora.rank > 0"):
+        _actor(model_dir, lora=LoraConfig()).compute_ref_logprobs(batch)
+
+
+def _greedy(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        out = model.generate(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], do_sample=False,
+                             max_new_tokens=6, pad_token_id=0, eos_token_id=model.config.eos_token_id)
+    return out[:, batch["prompt_ids"].shape[1]:]
+
+
+def test_push_makes_the_rollout_engine_equal_the_actor(model_dir, tmp_path):
+    actor = _actor(model_dir)
+    rollout = RolloutWorker(RolloutConfig(torch_threads=1), model_dir, "float32", None, lora=LORA)
+    engine_model = rollout.engine.model
+    base = _base_weights(engine_model)
+    _train(actor, 2)
+    batch = _batch(actor.model.config.vocab_size, seed=5)
+    valid = batch["response_mask"].bool()
+    batching = MicroBatching(rows=64, packed=False)
+    actor_logprobs = actor.compute_logprobs(batch)
+    stale = response_logprobs(engine_model, batch, 1.0, batching)
+    assert (stale - actor_logprobs).abs()[valid].mean() > 1e-2  # the check discriminates
+
+    rollout.begin_weight_update()
+    for names in actor.bucket_names(1):
+        assert rollout.load_bucket(actor.export_weights(names, ipc_ranks=[], host=True)) == "host"
+    rollout.finish_weight_update()
+    pushed = response_logprobs(engine_model, batch, 1.0, batching)
+    assert (pushed - actor_logprobs).abs()[valid].max() < 1e-6
+    after = _base_weights(engine_model)
+    assert all(torch.equal(after[name], base[name]) for name in base)  # the engine's base is untouched too
+    # greedy responses: the actor's model runs packed rows only, so its policy generates as PEFT loads it
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    actor.save_pretrained(str(tmp_path))
+    policy = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(tmp_path)).eval()
+    greedy = _greedy(engine_model, batch)
+    assert torch.equal(greedy, _greedy(policy, batch))
+    assert not torch.equal(greedy, _greedy(AutoModelForCausalLM.from_pretrained(model_dir).eval(), batch))
+
+
+def test_checkpoint_is_peft_format_resumes_and_exports(model_dir, tmp_path):
+    import peft
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    actor = _actor(model_dir)
+    _train(actor, 2)
+    checkpoint = tmp_path / "step_000002"
+    actor.save_pretrained(str(checkpoint / "hf"))
+    files = {p.name for p in (checkpoint / "hf").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= files and "model.safetensors" not in files
+    config = json.loads((checkpoint / "hf" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == model_dir and config["r"] == 4 and config["lora_alpha"] == 8
+    batch = _batch(actor.model.config.vocab_size, seed=7)
+    valid = batch["response_mask"].bool()
+    expected = actor.compute_logprobs(batch)
+
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(checkpoint / "hf"))
+    got = response_logprobs(loaded.get_base_model().eval(), batch, 1.0, MicroBatching(rows=64, packed=False))
+    assert (got - expected).abs()[valid].max() < 1e-6
+
+    resumed = _actor(model_dir, seed=1)  # other initial adapters: everything must come from the checkpoint
+    torch.save(actor.optimizer_state(), checkpoint / "optimizer.pt")  # as the trainer saves it (a copy)
+    resumed.load_checkpoint(load_file(checkpoint / "hf" / "adapter_model.safetensors"),
+                            torch.load(checkpoint / "optimizer.pt", weights_only=True))
+    assert torch.equal(resumed.compute_logprobs(batch), expected)
+    _train(actor, 1, first_step=3)
+    _train(resumed, 1, first_step=3)
+    state, again = dict(actor.model.named_parameters()), dict(resumed.model.named_parameters())
+    assert all(torch.equal(state[name], again[name]) for name in state)
+
+    merged_dir = export_lora(checkpoint, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    assert not any(is_adapter_weight(name) or "base_layer" in name for name in merged.state_dict())
+    assert merged.state_dict().keys() == AutoModelForCausalLM.from_pretrained(model_dir).state_dict().keys()
+    merged_logprobs = response_logprobs(merged.eval(), batch, 1.0, MicroBatching(rows=64, packed=False))
+    assert (merged_logprobs - expected).abs()[valid].max() < 1e-4
+    assert (merged_logprobs - _plain_logprobs(model_dir, batch)).abs()[valid].mean() > 1e-2
+
+
+def test_export_rejects_what_is_not_a_lora_checkpoint(model_dir, tmp_path, capsys):
+    (tmp_path / "full" / "hf").mkdir(parents=True)
+    (tmp_path / "full" / "hf" / "model.safetensors").write_text("")
+    assert export_main([str(tmp_path / "full"), str(tmp_path / "out")]) == 2
+    assert "holds a full model (a run without actor.lora)" in capsys.readouterr().err
+    assert export_main([str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
+    assert "no adapter_config.json" in capsys.readouterr().err
+    adapters = tmp_path / "moved" / "hf"
+    adapters.mkdir(parents=True)
+    (adapters / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone")}))
+    assert export_main([str(tmp_path / "moved"), str(tmp_path / "out")]) == 2
+    assert "is not a transformers model directory" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_dropout_stays_out_of_log_probs_and_is_seeded_in_the_update(model_dir):
+    lora = LoraConfig(rank=4, alpha=8.0, dropout=0.5)
+    first, second = _actor(model_dir, lora=lora), _actor(model_dir, lora=lora)
+    _train(first, 1)
+    batch = _batch(first.model.config.vocab_size, seed=3)
+    assert torch.equal(first.compute_logprobs(batch), first.compute_logprobs(batch))  # eval mode: no dropout
+    torch.manual_seed(123)  # the global stream differs between the two runs; the update seeds its own
+    _train(second, 1)
+    state, again = dict(first.model.named_parameters()), dict(second.model.named_parameters())
+    assert all(torch.equal(state[name], again[name]) for name in state)
+
+
+def test_target_modules_are_checked_against_the_model(model_dir):
+    model = load_policy(model_dir, "float32", None, "cpu")
+    check_target_modules(model, LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ConfigError, match=r"actor.lora.target_modules: 'qkv_proj' matches no module of "
+                                          r"Qwen3ForCausalLM; its linear layers: down_proj, gate_proj, k_proj"):
+        check_target_modules(model, LoraConfig(rank=4, target_modules=["q_proj", "qkv_proj"]))
+    with pytest.raises(ConfigError, match=r"actor.lora.target_modules: 'lm_head' matches the LM head 'lm_head'"):
+        check_target_modules(model, LoraConfig(rank=4, target_modules=["lm_head"]))
+    with pytest.raises(ConfigError, match=r"'o' matches no module"):  # on the meta device, from the directory
+        check_target_modules_of(model_dir, LoraConfig(rank=4, target_modules=["o"]))
+    check_target_modules_of(model_dir, LoraConfig(rank=0, target_modules=["o"]))  # LoRA off: not checked
+    actor = _actor(model_dir, lora=LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]))
+    assert {name.split(".")[-4] for name in dict(actor.model.named_parameters()) if is_adapter_weight(name)} == \
+           {"q_proj", "v_proj"}
