@@ -113,6 +113,17 @@ def test_only_adapters_train_and_travel(model_dir):
     assert [n for bucket in full.bucket_names(256) for n in bucket] == list(full.model.state_dict())
 
 
+def test_adapters_take_the_models_dtype(model_dir):
+    """bf16 policy, bf16 adapters (PEFT's default would make them fp32 and keep an fp32 copy of every adapted
+    layer's input for the backward); the adapted layers' outputs stay bf16."""
+    actor = ActorWorker(ActorConfig(torch_threads=1, lora=LORA), LossConfig(), model_dir, "bfloat16", None,
+                        temperature=1.0)
+    adapters = {name: p for name, p in actor.model.named_parameters() if is_adapter_weight(name)}
+    assert adapters and {p.dtype for p in adapters.values()} == {torch.bfloat16}
+    layer = actor.model.model.layers[0].mlp.down_proj
+    assert layer(torch.randn(3, layer.in_features, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
 def test_reference_is_the_base_with_adapters_disabled(model_dir):
     actor = _actor(model_dir)
     _train(actor, 2)
