@@ -25,6 +25,7 @@ from rltrain.workers.group import RayConfig
 from rltrain.workers.policy import ModelConfig
 from rltrain.workers.reward import RewardConfig
 from rltrain.workers.rollout import RolloutConfig
+from rltrain.workers.vllm_lora import VLLM_LORA_RANKS
 
 
 @dataclass
@@ -88,12 +89,12 @@ class JobConfig:
                 "GDN), and rltrain registers none of this family's layers (gated delta rule, gated delta product, "
                 "IPLR) with it; use rollout.engine=hf, which decodes with the fused-recurrent kernels",
                 self.rollout.engine)
+        # LoRA with vLLM (rltrain/workers/vllm_lora.py): ranks up to vLLM's largest max_lora_rank; target modules
+        # vLLM does not wrap are refused when the engine starts. (Tensor parallelism cannot meet LoRA: that needs
+        # several GPUs per node, i.e. actor.strategy=fsdp2, which LoRA refuses.)
         lora = self.actor.lora.rank
-        require(not lora or self.rollout.engine == "hf", "rollout.engine", f"'vllm' cannot take actor.lora's adapters "
-                f"(actor.lora.rank = {lora}): rltrain pushes only the LoRA tensors after each update and does not yet "
-                "load them into a running vLLM engine (vLLM's LoRA path), nor merge them into its weights; use "
-                "rollout.engine=hf, which runs the same PEFT model and takes the adapters every step, or "
-                "actor.lora.rank=0", self.rollout.engine)
+        require(self.rollout.engine != "vllm" or lora <= VLLM_LORA_RANKS[-1], "actor.lora.rank",
+                f"must be <= {VLLM_LORA_RANKS[-1]} with rollout.engine=vllm (vLLM 0.32's largest max_lora_rank)", lora)
 
     def _validate_rollout_layout(self, device: str, ranks: int) -> None:
         """The rollout replicas (rltrain/workers/rollout_group.py): on GPU one per rollout.tensor_parallel_size of

@@ -7,8 +7,9 @@ What changes with it on (rank 0 is full fine-tuning, none of this):
   them, so `linear_logprobs` / `fused_policy_loss` take its weight as before;
 - the reference policy is that same model with its adapters disabled (`disable_adapter()`): no second copy and no
   ReferenceWorker when algorithm.loss.kl_coef > 0 (ActorWorker.compute_ref_logprobs);
-- the weight push sends the adapter tensors only (`adapter_weights`), into an HF rollout engine that holds the same
-  PEFT model (vLLM: refused up front, rltrain/job.py);
+- the weight push sends the adapter tensors only (`adapter_weights`): into an HF rollout engine that holds the same
+  PEFT model, or into a vLLM engine, which loads them as a LoRA adapter from a PEFT-format directory
+  (`save_peft_adapter`; rltrain/workers/vllm_lora.py);
 - checkpoints hold the adapters in PEFT's format (adapter_config.json + adapter_model.safetensors, loadable with
   `PeftModel.from_pretrained`) plus the optimizer state; `python -m rltrain.export_lora` merges them into a full
   HF model.
@@ -72,17 +73,38 @@ def check_target_modules(model, config: LoraConfig) -> None:
                               "stays frozen and outside the adapters (the fused log-prob kernels take its weight alone)")
 
 
-def check_target_modules_of(model_dir: str, config: LoraConfig) -> None:
-    """check_target_modules on the model in `model_dir`, built on the meta device from its config (no weights
-    read), so a bad name stops the run before any worker starts."""
-    if not config.enabled or config.target_modules == ALL_LINEAR:
-        return
+def _meta_model(model_dir: str):
+    """The transformers model in `model_dir` built on the meta device from its config: no weights read."""
     import transformers as tf
     import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families with the Auto classes)
 
     with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(model_dir))
-    check_target_modules(model, config)
+        return tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(model_dir))
+
+
+def check_target_modules_of(model_dir: str, config: LoraConfig) -> None:
+    """check_target_modules on the model in `model_dir` (on the meta device), so a bad name stops the run before any
+    worker starts."""
+    if not config.enabled or config.target_modules == ALL_LINEAR:
+        return
+    check_target_modules(_meta_model(model_dir), config)
+
+
+def adapter_modules_of(model_dir: str, config: LoraConfig) -> set[str]:
+    """The last name component of every module PEFT puts adapters on under `config` (`q_proj`, `embed_tokens`, ...),
+    found by wrapping the model in `model_dir` on the meta device: what a rollout engine must take adapters on."""
+    with torch.device("meta"):
+        model = _meta_model(model_dir)
+        attach_lora(model, config)
+    return {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in adapter_weights(model)}
+
+
+def peft_config(config: LoraConfig, base_model: str | None = None):
+    """actor.lora as PEFT's LoraConfig (what attach_lora wraps with and every adapter_config.json holds)."""
+    import peft
+
+    return peft.LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, bias="none",
+                           target_modules=config.target_modules, base_model_name_or_path=base_model)
 
 
 def attach_lora(model, config: LoraConfig):
@@ -95,9 +117,7 @@ def attach_lora(model, config: LoraConfig):
     import peft
 
     check_target_modules(model, config)
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(
-        r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, bias="none",
-        target_modules=config.target_modules), autocast_adapter_dtype=False)
+    wrapped = peft.get_peft_model(model, peft_config(config), autocast_adapter_dtype=False)
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
     if trainable != set(adapter_weights(model)):
         raise RuntimeError(f"LoRA left parameters outside the adapters trainable: "
@@ -115,6 +135,33 @@ def adapter_weights(model) -> dict[str, torch.Tensor]:
     (`model.layers.0.self_attn.q_proj.lora_A.default.weight`): what the weight push sends, into the same names on the
     rollout engine's model."""
     return {name: param for name, param in model.named_parameters() if is_adapter_weight(name)}
+
+
+def peft_checkpoint_name(name: str, adapter: str = "default") -> str:
+    """The name PEFT saves an adapter tensor under (get_peft_model_state_dict / save_pretrained), from its name in
+    the wrapped transformers model: `base_model.model.` in front, the adapter-name segment after `lora_A` / `lora_B` /
+    `lora_embedding_A` ... dropped (`model.layers.0.mlp.up_proj.lora_A.default.weight` ->
+    `base_model.model.model.layers.0.mlp.up_proj.lora_A.weight`)."""
+    parts = name.split(".")
+    kept = [part for i, part in enumerate(parts)
+            if not (part == adapter and i > 0 and parts[i - 1].startswith("lora_"))]
+    return "base_model.model." + ".".join(kept)
+
+
+def save_peft_adapter(directory: str, adapters: dict[str, torch.Tensor], config: LoraConfig,
+                      base_model: str | None = None) -> None:
+    """Adapters (adapter_weights' names and tensors) as a PEFT adapter directory: adapter_config.json and
+    adapter_model.safetensors, loadable by `PeftModel.from_pretrained` and by vLLM's LoRARequest. The tensors file
+    is written beside and renamed into place, so a reader never sees half of it."""
+    import os
+
+    from safetensors.torch import save_file
+
+    tensors = {peft_checkpoint_name(name): tensor.detach().contiguous() for name, tensor in adapters.items()}
+    peft_config(config, base_model).save_pretrained(directory)
+    path = os.path.join(directory, "adapter_model.safetensors")
+    save_file(tensors, path + ".partial", metadata={"format": "pt"})
+    os.replace(path + ".partial", path)
 
 
 def load_adapters(wrapped, state: dict[str, torch.Tensor]) -> None:

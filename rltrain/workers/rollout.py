@@ -6,8 +6,9 @@ Engines (rollout.engine): "hf" = transformers' generate with a KV cache, batched
 prompts), below; "vllm" = a `vllm.LLM` (rltrain/workers/vllm_engine.py, imported only when chosen), which also
 reports the sampled tokens' log-probs (`rollout_logprobs`). Both take weights in buckets: begin_weight_update,
 load_weights (or load_bucket: an actor's export, rltrain/workers/weight_sync.py) per bucket, finish_weight_update.
-With actor.lora on, the hf engine holds the policy wrapped with the same LoRA adapters (unmerged: its base weights
-never change) and the buckets hold only the adapter tensors (rltrain/workers/lora.py); vllm refuses LoRA up front.
+With actor.lora on, the buckets hold only the adapter tensors (rltrain/workers/lora.py) and neither engine's base
+weights ever change: the hf engine holds the policy wrapped with the same LoRA adapters (unmerged), the vllm engine
+loads each push as a vLLM LoRA adapter (rltrain/workers/vllm_lora.py).
 
 Seeds: generate(..., seed, first_prompt) gets the step's seed and the index of its first prompt in the step's
 batch, so a replica given prompts [first_prompt, ...) draws the same seeds whatever the split (`response_seeds`).
@@ -84,8 +85,8 @@ def response_seeds(seed: int, first: int, count: int) -> torch.Tensor:
 
 class RolloutWorker:
     """One process of a rollout replica. `tensor_parallel` (vllm, tensor_parallel_size > 1): this process's rank in
-    its replica and the replica's rendezvous, {rank, world_size, master_addr, master_port}. `lora`: actor.lora (hf
-    engine only)."""
+    its replica and the replica's rendezvous, {rank, world_size, master_addr, master_port}. `lora`: actor.lora (the
+    engine serves its adapters, zero until the first push)."""
 
     def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: KernelConfig | None,
                  device: str = "cpu", attn_implementation: str = "auto", tensor_parallel: dict | None = None,
@@ -95,9 +96,7 @@ class RolloutWorker:
         if config.engine == "vllm":
             from rltrain.workers.vllm_engine import VLLMEngine
 
-            if lora is not None and lora.enabled:
-                raise ValueError("rollout.engine: 'vllm' cannot take actor.lora's adapters (rltrain/job.py says why)")
-            self.engine = VLLMEngine(config, model_path, dtype, device, tensor_parallel)
+            self.engine = VLLMEngine(config, model_path, dtype, device, tensor_parallel, lora)
         else:
             self.engine = HFEngine(config, model_path, dtype, kernel_config, device, attn_implementation, lora)
 

@@ -22,6 +22,11 @@ the model without serialisation, there is no engine subprocess to outlive the Ra
 needed. Buckets opened through CUDA IPC are cloned first (`keeps_loaded_tensors`): the layerwise reload holds a
 layer's tensors until the layer is complete, which may be after the sender has moved on to its next bucket.
 
+LoRA (actor.lora.rank > 0): the engine starts with vLLM's LoRA support on and keeps its base weights; each push
+brings only the adapters, which become a new vLLM LoRA adapter that generation passes with every request
+(rltrain/workers/vllm_lora.py); before the first push it generates with the base. At start it checks that vLLM
+took LoRA on every module PEFT wraps (`rltrain_lora_modules`), naming actor.lora.target_modules if not.
+
 Tensor parallelism (rollout.tensor_parallel_size = tp > 1, GPU only): vLLM's "external_launcher" executor, as verl
 runs it. A replica is tp RolloutWorker processes, one per placement bundle (rltrain/workers/rollout_group.py), each
 seeing its own GPU (Ray sets CUDA_VISIBLE_DEVICES per bundle, so LOCAL_RANK is 0) and holding its shard of one
@@ -43,7 +48,9 @@ import torch
 from tensordict import TensorDict
 
 from rltrain.config import ConfigError
+from rltrain.workers.lora import LoraConfig, adapter_modules_of
 from rltrain.workers.rollout import response_seeds
+from rltrain.workers.vllm_lora import PushedAdapter, check_adapter_modules, engine_lora_args, max_lora_rank
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +83,30 @@ class WeightSyncExtension:
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
 
+    def rltrain_lora_modules(self) -> tuple[str, list[str]]:
+        """(the model's class name, the modules vLLM put LoRA layers on: last name components, its fused ones
+        expanded to HF's names through packed_modules_mapping, e.g. qkv_proj -> q_proj, k_proj, v_proj)."""
+        from vllm.lora.layers import BaseLayerWithLoRA
+
+        model = self.model_runner.get_model()
+        packed = getattr(model, "packed_modules_mapping", {})
+        taken = set()
+        for name, module in model.named_modules():
+            if isinstance(module, BaseLayerWithLoRA):
+                suffix = name.rsplit(".", 1)[-1]
+                taken.update(packed.get(suffix, [suffix]))
+        return type(model).__name__, sorted(taken)
+
 
 class VLLMEngine:
-    keeps_loaded_tensors = True  # the layerwise reload may hold a bucket's tensors past load_weights (see above)
+    """`lora`: actor.lora; with rank > 0 the engine serves the pushed adapters on its fixed base."""
 
-    def __init__(self, config, model_path: str, dtype: str, device: str, tensor_parallel: dict | None = None):
+    def __init__(self, config, model_path: str, dtype: str, device: str, tensor_parallel: dict | None = None,
+                 lora: LoraConfig | None = None):
         tp = config.tensor_parallel_size
+        lora = lora if lora is not None and lora.enabled else None
+        # the layerwise reload may hold a bucket's tensors past load_weights (see above); adapters are copied at once
+        self.keeps_loaded_tensors = lora is None
         if tp > 1:
             if device != "cuda":
                 raise ConfigError(f"rollout.tensor_parallel_size: {tp} needs GPUs (trainer.device resolves to "
@@ -109,12 +134,18 @@ class VLLMEngine:
                             kv_cache_memory_bytes=kv_cache, enable_sleep_mode=self.sleeps,
                             worker_extension_cls=EXTENSION, tensor_parallel_size=tp,
                             distributed_executor_backend="uni" if tp == 1 else "external_launcher",
-                            disable_log_stats=True)
+                            disable_log_stats=True, **(engine_lora_args(lora) if lora is not None else {}))
+        self.adapter = None
+        if lora is not None:
+            architecture, taken = self.llm.collective_rpc("rltrain_lora_modules")[0]
+            check_adapter_modules(adapter_modules_of(model_path, lora), set(taken), architecture)
+            self.adapter = PushedAdapter(self.llm, lora, model_path)
         tokenizer = self.llm.get_tokenizer()
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.asleep = False
-        logger.info("vLLM %s engine for %s (%s) on %s, tensor parallel %d; sleep mode %s", vllm.__version__,
-                    model_path, dtype, current_platform.device_type, tp, "on" if self.sleeps else "off")
+        logger.info("vLLM %s engine for %s (%s) on %s, tensor parallel %d; sleep mode %s; LoRA %s", vllm.__version__,
+                    model_path, dtype, current_platform.device_type, tp, "on" if self.sleeps else "off",
+                    "off" if lora is None else f"rank {lora.rank} (vLLM max_lora_rank {max_lora_rank(lora.rank)})")
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
                  seed: int, first_prompt: int = 0) -> TensorDict:
@@ -133,7 +164,8 @@ class VLLMEngine:
         params = [SamplingParams(n=1, temperature=temperature, top_p=config.top_p if temperature > 0 else 1.0,
                                  max_tokens=config.max_new_tokens, stop=list(config.stop) or None, seed=int(s),
                                  logprobs=0, detokenize=bool(config.stop)) for s in seeds]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False,
+                                    lora_request=None if self.adapter is None else self.adapter.request)
         completions = [out.outputs[0] for out in outputs]
         width = max(1, max(len(c.token_ids) for c in completions))
         size = len(completions)
@@ -156,13 +188,22 @@ class VLLMEngine:
     def begin_weight_update(self) -> None:
         if self.asleep:  # weights first: the KV cache is reallocated after they are in (vLLM's RLHF order)
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("rltrain_begin_weight_update")
+        if self.adapter is not None:
+            self.adapter.begin()
+        else:
+            self.llm.collective_rpc("rltrain_begin_weight_update")
 
     def load_weights(self, named_tensors) -> None:
-        self.llm.collective_rpc("rltrain_load_weights", args=(list(named_tensors),))
+        if self.adapter is not None:
+            self.adapter.receive(named_tensors)
+        else:
+            self.llm.collective_rpc("rltrain_load_weights", args=(list(named_tensors),))
 
     def finish_weight_update(self) -> None:
-        self.llm.collective_rpc("rltrain_finish_weight_update")
+        if self.adapter is not None:
+            self.adapter.finish()
+        else:
+            self.llm.collective_rpc("rltrain_finish_weight_update")
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False

@@ -185,22 +185,24 @@ def test_vllm_engine_refuses_delta_rule_policies(monkeypatch, tmp_path):
             load_job_config(_compose(*overrides))
 
 
-def test_vllm_engine_refuses_lora(monkeypatch):
-    """actor.lora.rank > 0 with rollout.engine=vllm exits up front naming both keys and the way out (never a silent
-    fallback to hf or to full weights); rank 0 with vllm, and LoRA with hf, validate."""
+def test_vllm_engine_takes_lora_within_its_limits(monkeypatch):
+    """actor.lora with rollout.engine=vllm validates (the engine loads the pushed adapters,
+    tests/rltrain/workers/test_vllm_lora.py) up to vLLM's largest LoRA rank; above it, and with a tensor-parallel
+    engine (which needs FSDP2 ranks, which LoRA refuses), it exits up front naming the key."""
     import importlib.util
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
-    with pytest.raises(ConfigError) as err:
-        load_job_config(_compose("rollout.engine=vllm", "actor.lora.rank=8"))
-    message = str(err.value)
-    assert message.startswith("rollout.engine: 'vllm' cannot take actor.lora's adapters (actor.lora.rank = 8)"), message
-    assert "use rollout.engine=hf" in message and "actor.lora.rank=0" in message
-    assert load_job_config(_compose("rollout.engine=vllm")).actor.lora.rank == 0
-    job = load_job_config(_compose("actor.lora.rank=8", "actor.lora.target_modules=[q_proj,v_proj]"))
-    assert job.actor.lora.target_modules == ["q_proj", "v_proj"] and job.actor.lora.enabled
+    job = load_job_config(_compose("rollout.engine=vllm", "actor.lora.rank=512", "actor.lora.target_modules=[q_proj]"))
+    assert job.actor.lora.rank == 512 and job.rollout.engine == "vllm"
+    with pytest.raises(ConfigError, match=re.escape("actor.lora.rank: must be <= 512 with rollout.engine=vllm (vLLM "
+                                                    "0.32's largest max_lora_rank) (got 513)")):
+        load_job_config(_compose("rollout.engine=vllm", "actor.lora.rank=513"))
+    assert load_job_config(_compose("actor.lora.rank=513")).actor.lora.rank == 513  # the hf engine has no such limit
+    with pytest.raises(ConfigError, match=r"^actor.lora.rank: > 0 needs actor.strategy=single"):
+        load_job_config(_compose("trainer.device=cuda", "trainer.n_gpus_per_node=2", "actor.strategy=fsdp2",
+                                 "rollout.engine=vllm", "rollout.tensor_parallel_size=2", "actor.lora.rank=8"))
 
 
 @pytest.mark.parametrize("overrides, message", [

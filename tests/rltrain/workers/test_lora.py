@@ -9,7 +9,10 @@
   resumed from it (adapters + optimizer) makes the same next update as the original, and export_lora merges it into
   a full HF model with the actor's log-probs;
 - log-probs are computed without LoRA dropout and the update's dropout draws are seeded by the step;
-- bad target_modules fail naming actor.lora.target_modules.
+- bad target_modules fail naming actor.lora.target_modules;
+- save_peft_adapter (the directory the vLLM engine loads the pushed adapters from) writes PEFT's own tensor names
+  and config, and PeftModel.from_pretrained on it reproduces the actor; adapter_modules_of finds the modules PEFT
+  wraps without reading weights.
 
 Run: `pytest tests/rltrain/workers/test_lora.py` (CPU, about a minute).
 """
@@ -28,7 +31,8 @@ from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.export_lora import export_lora
 from rltrain.export_lora import main as export_main
 from rltrain.workers.actor import ActorConfig, ActorWorker
-from rltrain.workers.lora import LoraConfig, check_target_modules, check_target_modules_of, is_adapter_weight
+from rltrain.workers.lora import (LoraConfig, adapter_modules_of, check_target_modules, check_target_modules_of,
+                                  is_adapter_weight, peft_checkpoint_name, save_peft_adapter)
 from rltrain.workers.packing import MicroBatching
 from rltrain.workers.policy import load_policy, response_logprobs
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
@@ -257,3 +261,57 @@ def test_target_modules_are_checked_against_the_model(model_dir):
     actor = _actor(model_dir, lora=LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]))
     assert {name.split(".")[-4] for name in dict(actor.model.named_parameters()) if is_adapter_weight(name)} == \
            {"q_proj", "v_proj"}
+
+
+def test_peft_checkpoint_names():
+    assert peft_checkpoint_name("model.layers.0.mlp.up_proj.lora_A.default.weight") == \
+        "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"
+    assert peft_checkpoint_name("model.embed_tokens.lora_embedding_B.default") == \
+        "base_model.model.model.embed_tokens.lora_embedding_B"
+    # only the segment right after a lora_ module is the adapter's name
+    assert peft_checkpoint_name("model.default.q_proj.lora_B.default.weight") == \
+        "base_model.model.model.default.q_proj.lora_B.weight"
+
+
+def test_saved_adapters_are_peft_format(model_dir, tmp_path):
+    """What the vLLM engine loads: save_peft_adapter's file has exactly the tensors PEFT's save_pretrained writes (same
+    names), its config the same LoRA settings, and PeftModel.from_pretrained on it computes the actor's log-probs.
+    Embedding adapters (lora_embedding_A/B, no .weight) included."""
+    import peft
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=["embed_tokens", "q_proj", "v_proj", "down_proj"])
+    actor = _actor(model_dir, lora=lora)
+    _train(actor, 2)
+    save_peft_adapter(str(tmp_path / "ours"), actor.pushed_weights(), lora, model_dir)
+    actor.save_pretrained(str(tmp_path / "peft"))
+    ours = load_file(tmp_path / "ours" / "adapter_model.safetensors")
+    theirs = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    # with embed_tokens targeted PEFT also saves that layer's base weight (save_embedding_layers); the push sends
+    # adapters only, the engine has the base
+    assert [name for name in theirs if name not in ours] == ["base_model.model.model.embed_tokens.base_layer.weight"]
+    theirs.pop("base_model.model.model.embed_tokens.base_layer.weight")
+    assert ours.keys() == theirs.keys() and any("lora_embedding_A" in name for name in ours)
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+    assert {p.name for p in (tmp_path / "ours").iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    config, expected = (json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("ours", "peft"))
+    for key in ("peft_type", "r", "lora_alpha", "lora_dropout", "bias", "base_model_name_or_path", "use_rslora",
+                "use_dora", "modules_to_save"):
+        assert config[key] == expected[key], key
+    assert sorted(config["target_modules"]) == sorted(expected["target_modules"])
+
+    batch = _batch(actor.model.config.vocab_size, seed=4)
+    valid = batch["response_mask"].bool()
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(tmp_path / "ours"))
+    got = response_logprobs(loaded.get_base_model().eval(), batch, 1.0, MicroBatching(rows=64, packed=False))
+    expected_logprobs = actor.compute_logprobs(batch)
+    assert (got - expected_logprobs).abs()[valid].max() < 1e-6
+    assert (got - _plain_logprobs(model_dir, batch)).abs()[valid].mean() > 1e-2  # the adapters are in it
+
+
+def test_adapter_modules_are_found_on_the_meta_device(model_dir):
+    assert adapter_modules_of(model_dir, LORA) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"}  # all-linear: not the LM head
+    assert adapter_modules_of(model_dir, LoraConfig(rank=2, target_modules=["embed_tokens", "v_proj"])) == \
+        {"embed_tokens", "v_proj"}
