@@ -212,7 +212,7 @@ class ToolPool:
 
     def close(self) -> None:
         for worker in self._workers:
-            if worker.state == "idle":
+            if worker.state in ("idle", "starting"):  # a starting one reads the None after loading the tools
                 try:
                     worker.conn.send(None)
                 except OSError:

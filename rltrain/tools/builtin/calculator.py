@@ -62,7 +62,7 @@ def _binary(op, left, right):
     try:
         if op is ast.Pow:
             return _power(left, right, exact)
-        if op is ast.Mult and exact and _bits(left) + _bits(right) > MAX_BITS:
+        if op is ast.Mult and exact and _bits(left) + _bits(right) > MAX_BITS + 1:  # a product has sum-1 or sum bits
             raise CalculatorError(f"result would exceed {MAX_BITS} bits")
         if op is ast.Div:
             result = Fraction(left) / Fraction(right) if exact else left / right
@@ -83,7 +83,8 @@ def _power(base, exponent, exact):
         exponent = int(exponent)
         if abs(exponent) > MAX_EXPONENT:
             raise CalculatorError(f"exponent {exponent} is beyond ±{MAX_EXPONENT}")
-        if _bits(base) * abs(exponent) > MAX_BITS:
+        largest = max(abs(Fraction(base).numerator), Fraction(base).denominator, 1)
+        if abs(exponent) * math.log2(largest) > MAX_BITS:  # the result's bit count, before computing it
             raise CalculatorError(f"result would exceed {MAX_BITS} bits")
         return Fraction(base) ** exponent if exponent < 0 or isinstance(base, Fraction) else base ** exponent
     if float(base) < 0 and float(exponent) != int(float(exponent)):
