@@ -11,7 +11,8 @@ through `tokenizer.apply_chat_template(messages, tools=...)`):
 
 or a plain function beside a module-level `SCHEMA` (one schema dict, or a list of them matched by "name"), or a
 class with a `schema` attribute and `__call__` (instantiated once per worker process). The model calls it with
-keyword arguments; a non-string return value is sent back as JSON.
+keyword arguments, checked against the schema before the tool runs (required names present, no unknown names unless
+the schema sets "additionalProperties": true, top-level JSON types); a non-string return value is sent back as JSON.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def validate_schema(schema) -> dict:
         raise ValueError(f"the schema must be a dict with name, description, parameters, got {type(schema).__name__}")
     name = schema.get("name")
     if not isinstance(name, str) or not TOOL_NAME.match(name):
-        raise ValueError(f"schema 'name' must be a identifier-like string of at most 64 characters, got {name!r}")
+        raise ValueError(f"schema 'name' must be an identifier-like string of at most 64 characters, got {name!r}")
     if not isinstance(schema.get("description"), str) or not schema["description"].strip():
         raise ValueError(f"schema of {name!r}: 'description' must be a non-empty string (the model reads it)")
     params = schema.get("parameters", {"type": "object", "properties": {}})

@@ -12,7 +12,7 @@ deadline), the parent owns one pipe per worker: a call past `timeout_s` gets its
 stuck in: a sleep, a C loop, a child it waits on) and only that worker is replaced, while the others keep running;
 a worker that dies (os._exit, a segfault) is noticed at once through its process sentinel. Workers come from a
 forkserver (spawn where there is none): safe inside Ray actors and threaded parents, and a replacement starts in
-milliseconds instead of re-importing the interpreter.
+milliseconds instead of re-importing the interpreter. One thread drives a pool: call_many is not re-entrant.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class ToolPool:
         self.timeout_s, self.num_workers, self.max_output_chars = timeout_s, num_workers, max_output_chars
         methods = mp.get_all_start_methods()
         self._ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
-        if "forkserver" in methods:
+        if "forkserver" in methods:  # process-wide, and only heeded if the server is not running yet
             self._ctx.set_forkserver_preload(["rltrain.tools.pool"])
         self._workers: list[_Worker] = []
         self._logged: set[str] = set()
