@@ -1,0 +1,1 @@
+"""Built-in tools: `calculator` (safe arithmetic) and `python` (a sandboxed interpreter); see BUILTIN_TOOLS."""

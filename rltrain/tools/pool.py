@@ -1,0 +1,229 @@
+"""ToolPool: runs tool calls in worker processes, concurrently, each with a timeout, an output cap and its exceptions
+captured, so a tool that hangs, crashes or floods never stalls or kills the rollout step.
+
+    with ToolPool([{"builtin": "calculator"}], timeout_s=10, num_workers=4) as pool:
+        results = pool.call_many(calls)        # one ToolResult per ToolCall, same order
+        metrics = pool.pop_metrics(episodes=len(batch))   # tool/calls, tool/errors, tool/timeouts, ...
+
+The multi-turn loop gathers every episode's calls of one turn into one `call_many`, so episodes wait for their tools
+together. Calls go to idle workers as they free up (at most `num_workers` at a time) and each call's clock starts
+when its worker takes it. Unlike rltrain/rewards/pool.py (an mp.Pool, a timer inside the worker and a batch
+deadline), the parent owns one pipe per worker: a call past `timeout_s` gets its worker SIGKILLed (whatever it is
+stuck in: a sleep, a C loop, a child it waits on) and only that worker is replaced, while the others keep running;
+a worker that dies (os._exit, a segfault) is noticed at once through its process sentinel. Workers come from a
+forkserver (spawn where there is none): safe inside Ray actors and threaded parents, and a replacement starts in
+milliseconds instead of re-importing the interpreter. One thread drives a pool: call_many is not re-entrant.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import wait
+
+from rltrain.tools.base import ToolCall, ToolResult, check_arguments
+from rltrain.tools.loader import TOOLS_KEY, ToolSpec, load_tools
+
+logger = logging.getLogger(__name__)
+START_TIMEOUT_S = 60.0   # a worker importing the tools (torch-heavy plug-ins) on a loaded node
+
+
+def truncate(text: str, max_chars: int) -> str:
+    if len(text) <= max_chars:
+        return text
+    return f"{text[:max_chars]}\n[output truncated: {len(text) - max_chars} more characters]"
+
+
+def _run_tool(fn, arguments: dict, max_chars: int) -> tuple[str, str]:
+    """In a worker: ('ok', text) | ('error', 'ExceptionType: message')."""
+    try:
+        value = fn(**arguments)
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt from a tool are its errors, not the worker's
+        return "error", truncate(f"{type(exc).__name__}: {exc}", max_chars)
+    if isinstance(value, str):
+        return "ok", truncate(value, max_chars)
+    try:
+        return "ok", truncate(json.dumps(value, ensure_ascii=False), max_chars)
+    except (TypeError, ValueError):
+        return "error", f"the tool returned a {type(value).__name__}, which is neither text nor JSON-serializable"
+
+
+def _serve(conn, specs: list[ToolSpec], max_chars: int) -> None:
+    """A worker's main loop: load the tools, then answer (name, arguments) jobs until None or the pipe closes."""
+    try:
+        tools = {name: loaded.fn for name, loaded in load_tools(specs).items()}
+    except BaseException as exc:
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", ""))
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        name, arguments = job
+        conn.send(_run_tool(tools[name], arguments, max_chars))
+
+
+class _Worker:
+    def __init__(self, ctx, specs, max_chars):
+        self.conn, child_conn = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child_conn, specs, max_chars), daemon=True,
+                                   name="rltrain-tool-worker")
+        self.process.start()
+        child_conn.close()
+        self.state, self.job, self.deadline = "starting", -1, time.monotonic() + START_TIMEOUT_S
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+class ToolPool:
+    def __init__(self, tools: Sequence[ToolSpec | Mapping], timeout_s: float = 10.0, num_workers: int = 4,
+                 max_output_chars: int = 4000):
+        if timeout_s <= 0 or num_workers < 1 or max_output_chars < 1:
+            raise ValueError(f"ToolPool needs timeout_s > 0, num_workers >= 1, max_output_chars >= 1 (got "
+                             f"{timeout_s!r}, {num_workers!r}, {max_output_chars!r})")
+        self.specs = [ToolSpec.from_entry(entry, f"{TOOLS_KEY}[{i}]") for i, entry in enumerate(tools)]
+        self.schemas = {name: loaded.schema for name, loaded in load_tools(self.specs).items()}  # fail here, early
+        self.timeout_s, self.num_workers, self.max_output_chars = timeout_s, num_workers, max_output_chars
+        methods = mp.get_all_start_methods()
+        self._ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
+        if "forkserver" in methods:  # process-wide, and only heeded if the server is not running yet
+            self._ctx.set_forkserver_preload(["rltrain.tools.pool"])
+        self._workers: list[_Worker] = []
+        self._logged: set[str] = set()
+        self._counts = dict.fromkeys(("calls", "errors", "timeouts", "invalid_calls", "seconds"), 0.0)
+
+    # -- the batched call ---------------------------------------------------------------------------------------
+
+    def call_many(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
+        """Run the calls concurrently over the workers; one ToolResult per call, in order. Never raises for what a
+        tool does (only if a worker cannot start at all)."""
+        results: list[ToolResult | None] = [None] * len(calls)
+        queue = deque()
+        for i, call in enumerate(calls):
+            problem = call.error or self._problem(call)
+            if problem:
+                results[i] = self._finish(call, "invalid", problem, 0.0)
+            else:
+                queue.append(i)
+        if queue:
+            self._ensure_workers()
+        started: dict[int, float] = {}
+        while queue or any(w.state == "busy" for w in self._workers):
+            for worker in self._workers:
+                if worker.state == "idle" and queue:
+                    i = queue.popleft()
+                    try:
+                        worker.conn.send((calls[i].name, calls[i].arguments))
+                    except OSError:  # it died since; the next wait sees its sentinel and answers the call
+                        pass
+                    started[i], worker.state, worker.job = time.monotonic(), "busy", i
+                    worker.deadline = started[i] + self.timeout_s
+            self._wait_and_collect(calls, results, started)
+        return results
+
+    def _wait_and_collect(self, calls, results, started) -> None:
+        active = [w for w in self._workers if w.state in ("busy", "starting")]
+        timeout = max(0.0, min(w.deadline for w in active) - time.monotonic())
+        wait([w.conn for w in active] + [w.process.sentinel for w in active], timeout=timeout)
+        now = time.monotonic()
+        for index, worker in enumerate(self._workers):
+            if worker.state not in ("busy", "starting"):
+                continue
+            message = None
+            if worker.conn.poll():
+                try:
+                    message = worker.conn.recv()
+                except (EOFError, OSError):
+                    message = None
+            if message is None and worker.process.is_alive() and now < worker.deadline:
+                continue
+            if worker.state == "starting":
+                self._started(index, worker, message)
+                continue
+            call, elapsed = calls[worker.job], now - started[worker.job]
+            if message is not None:
+                status, content = message
+                worker.state = "idle"
+            else:
+                dead = not worker.process.is_alive()
+                status = "error" if dead else "timeout"
+                content = (f"the tool's worker process died (exit code {worker.process.exitcode}) while running it"
+                           if dead else f"the tool did not finish within {self.timeout_s:g} s and was stopped")
+                worker.kill()
+                self._workers[index] = _Worker(self._ctx, self.specs, self.max_output_chars)
+            results[worker.job] = self._finish(call, status, content, elapsed)
+
+    def _started(self, index: int, worker: _Worker, message) -> None:
+        if message is not None and message[0] == "ready":
+            worker.state = "idle"
+            return
+        worker.kill()
+        self.close()
+        reason = message[1] if message else ("it died" if not worker.process.is_alive() else
+                                             f"it did not start within {START_TIMEOUT_S:g} s")
+        raise RuntimeError(f"a tool worker process could not load the tools ({reason})")
+
+    def _ensure_workers(self) -> None:
+        while len(self._workers) < self.num_workers:
+            self._workers.append(_Worker(self._ctx, self.specs, self.max_output_chars))
+
+    def _problem(self, call: ToolCall) -> str | None:
+        schema = self.schemas.get(call.name)
+        if schema is None:
+            return f"there is no tool named {call.name!r}; tools: {', '.join(self.schemas)}"
+        return check_arguments(schema, call.arguments)
+
+    def _finish(self, call: ToolCall, status: str, content: str, elapsed: float) -> ToolResult:
+        self._counts["calls"] += 1
+        self._counts["seconds"] += elapsed
+        if status != "ok":
+            self._counts[{"error": "errors", "timeout": "timeouts", "invalid": "invalid_calls"}[status]] += 1
+            content = truncate(f"Error: {content}", self.max_output_chars)
+            if content not in self._logged:
+                self._logged.add(content)
+                logger.warning("tool call %s(%s) -> %s: %s. Further identical failures are counted in tool/*, not "
+                               "logged.", call.name or "?", json.dumps(call.arguments)[:200], status, content)
+        return ToolResult(call.name, content, status, call.id, elapsed)
+
+    # -- metrics and lifetime -----------------------------------------------------------------------------------
+
+    def pop_metrics(self, episodes: int | None = None) -> dict[str, float]:
+        """The counts since the last pop: tool/calls, tool/errors (raised or crashed), tool/timeouts,
+        tool/invalid_calls (malformed or not matching a schema; the model was told why), tool/mean_seconds, and
+        tool/calls_per_episode when `episodes` is given."""
+        counts, calls = self._counts, self._counts["calls"]
+        metrics = {f"tool/{k}": counts[k] for k in ("calls", "errors", "timeouts", "invalid_calls")}
+        metrics["tool/mean_seconds"] = counts["seconds"] / calls if calls else 0.0
+        if episodes:
+            metrics["tool/calls_per_episode"] = calls / episodes
+        self._counts = dict.fromkeys(counts, 0.0)
+        return metrics
+
+    def close(self) -> None:
+        for worker in self._workers:
+            if worker.state in ("idle", "starting"):  # a starting one reads the None after loading the tools
+                try:
+                    worker.conn.send(None)
+                except OSError:
+                    pass
+        for worker in self._workers:
+            worker.process.join(timeout=1.0)
+            worker.kill()
+        self._workers = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
