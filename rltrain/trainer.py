@@ -32,6 +32,7 @@ from rltrain.perf import StepTimer, actor_step_flops, mfu, peak_flops
 from rltrain.tracking import Tracker
 from rltrain.validation import validation_metrics
 from rltrain.workers.actor import ActorWorker, FSDPActorWorker
+from rltrain.workers.agent_loop import episode_metrics, prompt_tools
 from rltrain.workers.group import kill, place_model_roles, start_role
 from rltrain.workers.lora import check_target_modules_of
 from rltrain.workers.reference import FSDPReferenceWorker, ReferenceWorker
@@ -90,6 +91,7 @@ class GRPOTrainer:
         self.val_rows = drop_long_prompts(val_rows, self.tokenizer, limit, "data.val_files") if val_rows else []
         if job.data.val_max_rows:
             self.val_rows = self.val_rows[:job.data.val_max_rows]
+        self.tools = prompt_tools(job.rollout.multi_turn)
         self._start_workers()
         self.tracker = Tracker(job.trainer.logger, str(self.output_dir), job.trainer.total_steps,
                                project=job.trainer.project, run_name=job.trainer.run_name or self.output_dir.name,
@@ -134,14 +136,16 @@ class GRPOTrainer:
     # ---------------------------------------------------------------- one step
     def _generate_and_score(self, rows, n: int, temperature: float, seed: int, timer: StepTimer | None = None):
         timer = timer or StepTimer()
-        ids, mask = encode_prompts(rows, self.tokenizer)
+        ids, mask = encode_prompts(rows, self.tokenizer, self.tools)
         with timer.phase("rollout"):
             batch = self.rollout.generate(ids, mask, n, temperature, seed)
         timer.count("rollout_tokens", batch["response_mask"].sum().item())
         response_rows = [row for row in rows for _ in range(n)]
+        messages = batch.pop("messages").tolist() if "messages" in batch.keys() else None  # multi-turn episodes
         with timer.phase("reward"):
             rewards, extras, errors, _ = ray.get(self.reward.score.remote(batch["response_ids"],
-                                                                           batch["response_mask"], response_rows))
+                                                                           batch["response_mask"], response_rows,
+                                                                           messages))
         batch["rewards"] = rewards
         return batch, extras, errors
 
@@ -196,7 +200,7 @@ class GRPOTrainer:
                   "train/response_len_mean": response_len.mean().item(),
                   "train/truncated_frac": batch["truncated"].float().mean().item(),
                   "train/groups_kept": batch.batch_size[0] / job.rollout.n / job.data.batch_size,
-                  "train/prompts_sampled": prompts_seen, **metrics, "reward/errors": errors,
+                  "train/prompts_sampled": prompts_seen, **metrics, **episode_metrics(batch), "reward/errors": errors,
                   **self._perf(batch, timer), "time/step_s": elapsed, "perf/tokens_per_s": tokens / elapsed}
         for key in sorted({k for e in extras for k in e}):
             values = [e[key] for e in extras if key in e]
@@ -246,7 +250,7 @@ class GRPOTrainer:
         record = {"step": step, "val/reward_mean": batch["rewards"].mean().item(), "val/n": n,
                   **validation_metrics(batch["rewards"], n, [row.data_source for row in self.val_rows]),
                   "val/response_len_mean": batch["response_mask"].sum(1).float().mean().item(),
-                  "val/reward_errors": errors}
+                  "val/reward_errors": errors, **episode_metrics(batch, "val/tool")}
         self.tracker.log(record)
         return record
 

@@ -104,8 +104,9 @@ def load_rows(files: str | list[str]) -> list[PromptRow]:
     return rows
 
 
-def render_prompt(prompt: str | list[dict], tokenizer) -> str:
-    """A row's prompt as text: strings as they are, messages through the tokenizer's chat template."""
+def render_prompt(prompt: str | list[dict], tokenizer, tools: list[dict] | None = None) -> str:
+    """A row's prompt as text: strings as they are, messages through the tokenizer's chat template (with `tools`,
+    the multi-turn rollout's tool schemas, for templates that show them)."""
     if isinstance(prompt, str):
         return prompt
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)

@@ -79,9 +79,10 @@ def drop_long_prompts(rows: list[PromptRow], tokenizer, max_prompt_length: int, 
     return kept
 
 
-def encode_prompts(rows: list[PromptRow], tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt ids and mask, [len(rows), longest prompt]."""
-    encoded = [tokenizer(render_prompt(row.prompt, tokenizer)).input_ids for row in rows]
+def encode_prompts(rows: list[PromptRow], tokenizer, tools: list[dict] | None = None) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+    """Left-padded prompt ids and mask, [len(rows), longest prompt]; `tools`: see render_prompt."""
+    encoded = [tokenizer(render_prompt(row.prompt, tokenizer, tools)).input_ids for row in rows]
     width = max(map(len, encoded))
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)

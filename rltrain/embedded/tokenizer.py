@@ -11,11 +11,13 @@ SPECIAL = ["<pad>", "<eos>", "<unk>"]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
-def build_char_tokenizer():
+def build_char_tokenizer(extra_chars: str = ""):
+    """`extra_chars`: characters added after the default ones (tests of tool calls need `<>{}"_/`)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(SPECIAL + CHARS)}
+    vocab = {token: i for i, token in enumerate(SPECIAL + CHARS + [c for c in dict.fromkeys(extra_chars)
+                                                                      if c not in CHARS])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()

@@ -4,6 +4,8 @@ Fields (B responses; P prompt width, left-padded; R response width, right-padded
   prompt_ids [B,P], prompt_mask [B,P], response_ids [B,R], response_mask [B,R], group_ids [B], truncated [B],
   rewards [B], advantages [B,R], old_logprobs [B,R], ref_logprobs [B,R], rollout_logprobs [B,R] (engines that
   report them), rollout_is_weights [B,R] (algorithm.rollout_correction).
+Multi-turn rollouts (rltrain/workers/agent_loop.py) add [B] episode counts (turns, tool_calls, ...) and `messages`
+(non-tensor); their response_mask is 0 on tool tokens inside a response, which the model still reads.
 """
 
 from __future__ import annotations
@@ -14,10 +16,21 @@ from tensordict import TensorDict
 IGNORE_INDEX = -100
 
 
+def response_context(response_mask: torch.Tensor) -> torch.Tensor:
+    """[B, R] 1 on the response tokens the model reads: every position up to the last nonzero response_mask entry.
+    The mask itself can be 0 inside a response (multi-turn: tool output; token-level rollout correction), where the
+    token still stands in the context; past the last one nothing is trained, so nothing needs reading."""
+    nonzero = (response_mask != 0).long()
+    last = (nonzero * torch.arange(1, nonzero.shape[1] + 1, device=nonzero.device)).amax(1, keepdim=True) \
+        if nonzero.shape[1] else nonzero.sum(1, keepdim=True)
+    return (torch.arange(nonzero.shape[1], device=nonzero.device) < last).long()
+
+
 def model_inputs(batch: TensorDict):
-    """input_ids, attention_mask and position_ids for the concatenated prompt + response."""
+    """input_ids, attention_mask and position_ids for the concatenated prompt + response (the response as far as
+    response_context reads it, the same tokens the packed path runs: rltrain/workers/packing.py)."""
     input_ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1).long()
+    attention_mask = torch.cat([batch["prompt_mask"], response_context(batch["response_mask"])], dim=1).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return input_ids, attention_mask, position_ids
 

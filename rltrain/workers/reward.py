@@ -10,6 +10,7 @@ import torch
 from rltrain.config import ConfigError
 from rltrain.data.rows import PromptRow
 from rltrain.rewards.pool import RewardInput, RewardPool, check_reward_settings
+from rltrain.workers.batch import response_context
 
 
 @dataclass
@@ -33,12 +34,18 @@ class RewardWorker:
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.pool = RewardPool(config.path, config.name, config.timeout_s, config.num_workers)
 
-    def score(self, response_ids: torch.Tensor, response_mask: torch.Tensor, rows: list[PromptRow]):
-        """rows[i] is the prompt row of response i. Returns (rewards [B], per-sample metrics, errors, texts)."""
-        texts = [self.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
-                 for ids, mask in zip(response_ids, response_mask)]
-        items = [RewardInput(row.data_source, text, row.ground_truth, row.extra_info)
-                 for row, text in zip(rows, texts)]
+    def score(self, response_ids: torch.Tensor, response_mask: torch.Tensor, rows: list[PromptRow],
+              messages: list[list[dict]] | None = None):
+        """rows[i] is the prompt row of response i. Returns (rewards [B], per-sample metrics, errors, texts).
+        The text is the whole response (a multi-turn episode's tool output included: response_context); messages
+        (multi-turn): each episode's chat messages, passed to the reward function as extra_info["messages"]."""
+        context = response_context(response_mask).bool()
+        texts = [self.tokenizer.decode(ids[keep].tolist(), skip_special_tokens=True)
+                 for ids, keep in zip(response_ids, context)]
+        infos = [row.extra_info for row in rows] if messages is None else \
+            [{**(row.extra_info or {}), "messages": episode} for row, episode in zip(rows, messages)]
+        items = [RewardInput(row.data_source, text, row.ground_truth, info)
+                 for row, text, info in zip(rows, texts, infos)]
         result = self.pool.score(items)
         return torch.tensor(result.scores, dtype=torch.float32), result.metrics, result.errors, texts
 

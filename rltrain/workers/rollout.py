@@ -28,6 +28,7 @@ from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
 
 from rltrain.config import require
+from rltrain.tools.config import MultiTurnConfig
 from rltrain.workers.lora import LoraConfig, attach_lora
 from rltrain.workers.policy import load_policy, set_threads
 from rltrain.workers.weight_sync import ExportedBucket, device_info, receive
@@ -52,9 +53,12 @@ class RolloutConfig:
     sleep_while_training: bool = True     # vllm: free its memory while the actor trains, where it has sleep mode
     tensor_parallel_size: int = 1  # vllm on GPU: GPUs per engine; replicas = trainer.nnodes × n_gpus_per_node / this
     replicas: int = 1              # CPU runs: rollout engines, each a process with its own CPU (GPU: set by the above)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # tool-using episodes: agent_loop.py
 
     def validate(self):
         require(self.engine in ENGINES, "engine", f"must be one of {', '.join(ENGINES)}", self.engine)
+        require(not self.multi_turn.enabled or self.engine == "hf", "multi_turn.enabled",
+                "needs rollout.engine=hf (the vllm engine has no multi-turn loop yet)", self.multi_turn.enabled)
         require(self.engine != "vllm" or importlib.util.find_spec("vllm") is not None, "engine",
                 "'vllm' needs the vllm package, which is not installed: pip install rltrain[vllm]", self.engine)
         require(self.n >= 1, "n", "must be >= 1", self.n)
@@ -99,12 +103,19 @@ class RolloutWorker:
             self.engine = VLLMEngine(config, model_path, dtype, device, tensor_parallel, lora)
         else:
             self.engine = HFEngine(config, model_path, dtype, kernel_config, device, attn_implementation, lora)
+        self.agent_loop = None
+        if config.multi_turn.enabled:  # tool-using episodes through the same engine (rltrain/workers/agent_loop.py)
+            from rltrain.workers.agent_loop import AgentLoop, HFTurns
+            from rltrain.workers.policy import load_tokenizer
+
+            self.agent_loop = AgentLoop(config.multi_turn, HFTurns(self.engine), load_tokenizer(model_path),
+                                        config.max_new_tokens)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
                  seed: int, first_prompt: int = 0) -> TensorDict:
         """n responses per prompt, grouped consecutively; group_ids[i] = index of the prompt (in this call).
         first_prompt: where these prompts start in the step's batch (their seeds: response_seeds)."""
-        return self.engine.generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt)
+        return (self.agent_loop or self.engine).generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt)
 
     def device_info(self):
         """This process's GPU (uuid, name), or None on CPU: the weight push pairs it with an actor rank by uuid."""

@@ -1,0 +1,234 @@
+"""The multi-turn agent loop (rollout.multi_turn.enabled, issue 29): episodes in which the model calls tools and
+reads their answers, batched across episodes, on the rollout engine through one small API.
+
+    loop = AgentLoop(config.multi_turn, HFTurns(engine), tokenizer, max_new_tokens=config.max_new_tokens)
+    batch = loop.generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt)   # the engines' TensorDict
+
+One turn: every open episode generates its next assistant turn in one batched engine call (`Turns.generate`: token
+contexts in, each with its own token budget); each turn's text goes through the tool-call parser
+(rollout.multi_turn.parser); the calls of all episodes of that turn go to ONE `ToolPool.call_many`, so episodes wait
+for their tools together; each answer becomes a tool turn appended to its episode, and the episodes still open
+generate their next turn together. An episode ends at a turn without calls, at max_turns (the last turn's calls get
+no answers), or when its response reaches rollout.max_new_tokens, which counts every response token, the tools'
+included; a tool turn that would leave no token for the model's answer ends the episode instead (`truncated`).
+
+Tool turns: rendered through the tokenizer's chat template where it has one (the tokens the template adds for the
+tool messages and the next assistant header, found by rendering a fixed one-message conversation with and without
+them), else in the plain Hermes form `\\n<tool_response>\\n{content}\\n</tool_response>\\n` per result. Each tool
+answer is cut to max_tool_response_tokens tokens before rendering.
+
+Output: the single-turn fields (rltrain/workers/batch.py) with response_ids holding every turn, and response_mask 1
+exactly on the tokens the model sampled (its turns, each with its closing <eos>) and 0 on tool output, template
+tokens and padding, so the loss, advantages and log-probs cover model tokens only; rollout_logprobs where the
+engine reports them (0 where the mask is 0). Per episode: `turns`, `tool_calls`, `tool_errors` (raised or crashed),
+`tool_timeouts`, `tool_invalid_calls` ([B] tensors; `episode_metrics` turns them into tool/* metrics) and
+`messages`, the episode after its prompt as chat messages (assistant turns with their tool_calls, then one tool
+message per answer), which the reward function receives as extra_info["messages"].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from tensordict import NonTensorStack, TensorDict
+
+from rltrain.tools.chat import assistant_message, tool_message
+from rltrain.tools.config import MultiTurnConfig
+from rltrain.tools.parsers import PARSERS
+from rltrain.tools.pool import ToolPool
+from rltrain.workers.rollout import response_seeds
+
+PLAIN_TOOL_TURN = "\n<tool_response>\n{content}\n</tool_response>\n"
+_TEMPLATE_BASE = [{"role": "user", "content": "."}]   # the fixed conversation tool turns are rendered after
+EPISODE_FIELDS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_invalid_calls")
+
+
+@dataclass
+class Turn:
+    """One generated turn: the sampled tokens (through the first <eos> if any), their log-probs if the engine
+    reports them, and whether it ended with <eos> (False: it used up its budget)."""
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finished: bool
+
+
+class HFTurns:
+    """The hf engine (rltrain/workers/rollout.py HFEngine) as a Turns API: left-pads the contexts, runs transformers'
+    generate for the largest budget, then cuts each row at its own budget and first <eos>. No log-probs."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        eos = engine.eos_token_id
+        self.eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+
+    @torch.no_grad()
+    def generate(self, contexts: list[list[int]], budgets: list[int], temperature: float,
+                 seeds: list[int]) -> list[Turn]:
+        engine, config = self.engine, self.engine.config
+        sampling = dict(do_sample=True, temperature=temperature, top_p=config.top_p, top_k=0) \
+            if temperature > 0 else dict(do_sample=False)
+        turns = []
+        for start in range(0, len(contexts), config.micro_batch_size):
+            chunk, limits = contexts[start:start + config.micro_batch_size], budgets[start:start + config.micro_batch_size]
+            width = max(map(len, chunk))
+            ids = torch.full((len(chunk), width), engine.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for i, context in enumerate(chunk):
+                ids[i, width - len(context):] = torch.tensor(context)
+                mask[i, width - len(context):] = 1
+            out = engine.model.generate(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device),
+                                        max_new_tokens=max(limits), eos_token_id=engine.eos_token_id,
+                                        pad_token_id=engine.pad_token_id, **sampling)[:, width:].cpu().tolist()
+            for tokens, limit in zip(out, limits):
+                tokens = tokens[:limit]
+                end = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
+                turns.append(Turn(tokens if end is None else tokens[:end + 1], None, end is not None))
+        return turns
+
+
+@dataclass
+class Episode:
+    context: list[int]                                   # prompt + response so far: the next turn's input
+    response: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)        # 1 = sampled by the model
+    logprobs: list[float] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)
+    counts: dict = field(default_factory=lambda: dict.fromkeys(EPISODE_FIELDS, 0))
+    done: bool = False
+    truncated: bool = False
+
+    def append(self, tokens: list[int], model: bool, logprobs: list[float] | None = None) -> None:
+        self.context += tokens
+        self.response += tokens
+        self.mask += [int(model)] * len(tokens)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
+
+
+class ToolTurns:
+    """Tool answers → the tokens of the tool turn that joins the context (see the module docstring)."""
+
+    def __init__(self, tokenizer, max_tokens: int):
+        self.tokenizer, self.max_tokens = tokenizer, max_tokens
+        self.templated = bool(getattr(tokenizer, "chat_template", None))
+
+    def cut(self, content: str) -> str:
+        ids = self.tokenizer(content, add_special_tokens=False).input_ids
+        return content if len(ids) <= self.max_tokens else self.tokenizer.decode(ids[:self.max_tokens])
+
+    def render(self, messages: list[dict]) -> list[int]:
+        text = None
+        if self.templated:
+            base = self.tokenizer.apply_chat_template(_TEMPLATE_BASE, tokenize=False)
+            full = self.tokenizer.apply_chat_template(_TEMPLATE_BASE + messages, tokenize=False,
+                                                      add_generation_prompt=True)
+            text = full[len(base):] if full.startswith(base) else None
+        if text is None:  # no template, or one that renders the base differently once more messages follow
+            text = "".join(PLAIN_TOOL_TURN.format(content=m["content"]) for m in messages)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+
+class AgentLoop:
+    """Batched multi-turn episodes on one engine (`turns`: a Turns API such as HFTurns) with one ToolPool."""
+
+    def __init__(self, config: MultiTurnConfig, turns, tokenizer, max_new_tokens: int, pool: ToolPool | None = None):
+        self.config, self.turns, self.tokenizer, self.max_new_tokens = config, turns, tokenizer, max_new_tokens
+        self.parse = PARSERS.get(config.parser)
+        self.pool = pool if pool is not None else config.build_pool()
+        self.tool_turns = ToolTurns(tokenizer, config.max_tool_response_tokens)
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float, seed: int,
+            first_prompt: int = 0) -> TensorDict:
+        """n episodes per prompt, grouped consecutively (the engines' generate() contract, same seeding: one torch
+        stream per call for hf, one seed per episode and turn for engines that seed requests)."""
+        torch.manual_seed(seed if first_prompt == 0 else int(response_seeds(seed, first_prompt * n, 1)))
+        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0)
+        seeds = response_seeds(seed, first_prompt * n, prompt_ids.shape[0]).tolist()
+        episodes = [Episode(ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids, prompt_mask)]
+        for turn in range(self.config.max_turns):
+            active = [(i, e) for i, e in enumerate(episodes) if not e.done]
+            if not active:
+                break
+            outs = self.turns.generate([e.context for _, e in active],
+                                       [self.max_new_tokens - len(e.response) for _, e in active], temperature,
+                                       [(seeds[i] + 7919 * turn) % 2**31 for i, _ in active])
+            calling = []
+            for (_, episode), out in zip(active, outs):
+                episode.append(out.token_ids, model=True, logprobs=out.logprobs)
+                parsed = self.parse(self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
+                episode.messages.append(assistant_message(parsed))
+                episode.counts["turns"] += 1
+                if not out.finished:  # the turn used up the episode's budget
+                    episode.done = episode.truncated = True
+                elif not parsed.calls or turn == self.config.max_turns - 1:
+                    episode.done = True
+                else:
+                    calling.append((episode, parsed.calls))
+            if not calling:
+                continue
+            # one call_many for every episode's calls of this turn: they wait for their tools together
+            results = iter(self.pool.call_many([call for _, calls in calling for call in calls]))
+            for episode, calls in calling:
+                self._answer(episode, [next(results) for _ in calls])
+        return self._batch(prompt_ids, prompt_mask, episodes, n)
+
+    def _answer(self, episode: Episode, results) -> None:
+        """Append the tool turn of `results`, or end the episode when it would leave the model no token."""
+        messages = []
+        for result in results:
+            episode.counts["tool_calls"] += 1
+            key = {"error": "tool_errors", "timeout": "tool_timeouts", "invalid": "tool_invalid_calls"}.get(
+                result.status)
+            if key:
+                episode.counts[key] += 1
+            messages.append(tool_message(result) | {"content": self.tool_turns.cut(result.content)})
+        tokens = self.tool_turns.render(messages)
+        episode.messages += messages
+        if len(episode.response) + len(tokens) >= self.max_new_tokens:
+            episode.done = episode.truncated = True
+            return
+        episode.append(tokens, model=False)
+
+    def _batch(self, prompt_ids, prompt_mask, episodes: list[Episode], n: int) -> TensorDict:
+        size, width = len(episodes), max(1, max(len(e.response) for e in episodes))
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        response_ids = torch.full((size, width), pad, dtype=torch.long)
+        response_mask = torch.zeros((size, width), dtype=torch.long)
+        logprobs = torch.zeros((size, width), dtype=torch.float32)
+        for i, e in enumerate(episodes):
+            response_ids[i, :len(e.response)] = torch.tensor(e.response, dtype=torch.long)
+            response_mask[i, :len(e.mask)] = torch.tensor(e.mask, dtype=torch.long)
+            logprobs[i, :len(e.logprobs)] = torch.tensor(e.logprobs, dtype=torch.float32)
+        fields = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+                  "response_mask": response_mask, "group_ids": torch.arange(size // n).repeat_interleave(n),
+                  "truncated": torch.tensor([e.truncated for e in episodes]),
+                  "messages": NonTensorStack.from_list([e.messages for e in episodes]),
+                  **{key: torch.tensor([e.counts[key] for e in episodes]) for key in EPISODE_FIELDS}}
+        if any(e.logprobs and any(e.logprobs) for e in episodes):
+            fields["rollout_logprobs"] = logprobs * response_mask
+        return TensorDict(fields, batch_size=[size])
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def episode_metrics(batch: TensorDict, prefix: str = "tool") -> dict[str, float]:
+    """tool/calls, tool/errors, tool/timeouts, tool/invalid_calls (sums), tool/calls_per_episode and
+    tool/turns_per_episode of a multi-turn batch; {} for a single-turn one."""
+    if "tool_calls" not in batch.keys():
+        return {}
+    episodes = max(batch.batch_size[0], 1)
+    metrics = {f"{prefix}/{key.removeprefix('tool_')}": float(batch[key].sum()) for key in EPISODE_FIELDS[1:]}
+    metrics[f"{prefix}/calls_per_episode"] = float(batch["tool_calls"].sum()) / episodes
+    metrics[f"{prefix}/turns_per_episode"] = float(batch["turns"].sum()) / episodes
+    return metrics
+
+
+def prompt_tools(config: MultiTurnConfig) -> list[dict] | None:
+    """The tools' schemas in the form chat templates take (rendered into chat-format prompts), None when off."""
+    from rltrain.tools.chat import chat_template_tools
+    from rltrain.tools.loader import load_tools
+
+    if not config.enabled:
+        return None
+    return chat_template_tools(tool.schema for tool in load_tools(config.tool_specs()).values())
