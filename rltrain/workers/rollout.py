@@ -57,8 +57,12 @@ class RolloutConfig:
 
     def validate(self):
         require(self.engine in ENGINES, "engine", f"must be one of {', '.join(ENGINES)}", self.engine)
-        require(not self.multi_turn.enabled or self.engine == "hf", "multi_turn.enabled",
-                "needs rollout.engine=hf (the vllm engine has no multi-turn loop yet)", self.multi_turn.enabled)
+        # vllm: a turn that ends at a stop string has no <eos>, and tensor-parallel ranks would each call the tools
+        # (an answer that differs between ranks, e.g. a timeout on one, would split their schedules)
+        require(not (self.multi_turn.enabled and self.stop), "stop", "must be empty with rollout.multi_turn.enabled "
+                "(a turn ends at <eos>)", self.stop)
+        require(not (self.multi_turn.enabled and self.tensor_parallel_size > 1), "tensor_parallel_size",
+                "must be 1 with rollout.multi_turn.enabled (every rank would run the tools)", self.tensor_parallel_size)
         require(self.engine != "vllm" or importlib.util.find_spec("vllm") is not None, "engine",
                 "'vllm' needs the vllm package, which is not installed: pip install rltrain[vllm]", self.engine)
         require(self.n >= 1, "n", "must be >= 1", self.n)
@@ -108,7 +112,11 @@ class RolloutWorker:
             from rltrain.workers.agent_loop import AgentLoop, HFTurns
             from rltrain.workers.policy import load_tokenizer
 
-            self.agent_loop = AgentLoop(config.multi_turn, HFTurns(self.engine), load_tokenizer(model_path),
+            if config.engine == "vllm":
+                from rltrain.workers.vllm_engine import VLLMTurns as turns
+            else:
+                turns = HFTurns
+            self.agent_loop = AgentLoop(config.multi_turn, turns(self.engine), load_tokenizer(model_path),
                                         config.max_new_tokens)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,

@@ -9,6 +9,10 @@ run replays exactly, and a response's seed does not depend on the replica that g
 "processed_logprobs": log-softmax of the logits after temperature (and top_p), i.e. of the distribution the token was
 drawn from, the quantity the actor recomputes as `old_logprobs` (equal when top_p = 1).
 
+Multi-turn episodes (rollout.multi_turn): `VLLMTurns` (below) runs the agent loop of rltrain/workers/agent_loop.py on
+this engine through the same request path (`sample`): each open episode's whole context is one request, with its
+remaining budget, its turn's seed and the current adapter; vLLM's prefix cache keeps the re-sent contexts cheap.
+
 Weights: LLM(worker_extension_cls=...) mixes `WeightSyncExtension` into vLLM's worker, and `LLM.collective_rpc`
 calls its methods on every worker: begin → one call per bucket → finish. It follows vLLM 0.32's own in-place
 reload (`Worker.reload_weights`, vllm/model_executor/model_loader/reload), split over calls so that a bucket may cut
@@ -147,8 +151,9 @@ class VLLMEngine:
                     model_path, dtype, current_platform.device_type, tp, "on" if self.sleeps else "off",
                     "off" if lora is None else f"rank {lora.rank} (vLLM max_lora_rank {max_lora_rank(lora.rank)})")
 
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
-                 seed: int, first_prompt: int = 0) -> TensorDict:
+    def sample(self, contexts: list[list[int]], max_tokens: list[int], temperature: float, seeds) -> list:
+        """One request per token context, each with its own max_tokens and seed, through the current adapter (if
+        any): vLLM's completions in order. Both generate() and VLLMTurns send their requests here."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -156,17 +161,20 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+        params = [SamplingParams(n=1, temperature=temperature, top_p=config.top_p if temperature > 0 else 1.0,
+                                 max_tokens=limit, stop=list(config.stop) or None, seed=int(s), logprobs=0,
+                                 detokenize=bool(config.stop)) for limit, s in zip(max_tokens, seeds)]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=c) for c in contexts], params, use_tqdm=False,
+                                    lora_request=None if self.adapter is None else self.adapter.request)
+        return [out.outputs[0] for out in outputs]
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
+                 seed: int, first_prompt: int = 0) -> TensorDict:
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
         seeds = response_seeds(seed, first_prompt * n, prompt_ids.shape[0])
-        prompts = [TokensPrompt(prompt_token_ids=ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids,
-                                                                                                  prompt_mask)]
-        params = [SamplingParams(n=1, temperature=temperature, top_p=config.top_p if temperature > 0 else 1.0,
-                                 max_tokens=config.max_new_tokens, stop=list(config.stop) or None, seed=int(s),
-                                 logprobs=0, detokenize=bool(config.stop)) for s in seeds]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False,
-                                    lora_request=None if self.adapter is None else self.adapter.request)
-        completions = [out.outputs[0] for out in outputs]
+        contexts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        completions = self.sample(contexts, [self.config.max_new_tokens] * len(contexts), temperature, seeds)
         width = max(1, max(len(c.token_ids) for c in completions))
         size = len(completions)
         response_ids = torch.full((size, width), self.pad_token_id, dtype=torch.long)
@@ -176,8 +184,7 @@ class VLLMEngine:
             length = len(c.token_ids)
             response_ids[i, :length] = torch.tensor(c.token_ids, dtype=torch.long)
             response_mask[i, :length] = 1
-            rollout_logprobs[i, :length] = torch.tensor([step[token].logprob for step, token in
-                                                         zip(c.logprobs, c.token_ids)])
+            rollout_logprobs[i, :length] = torch.tensor(sampled_logprobs(c))
         truncated = torch.tensor([c.finish_reason == "length" for c in completions])
         groups = torch.arange(size // n).repeat_interleave(n)
         return TensorDict({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
@@ -214,3 +221,24 @@ class VLLMEngine:
         if self.sleeps and not self.asleep:
             self.llm.sleep(level=1)
             self.asleep = True
+
+
+def sampled_logprobs(completion) -> list[float]:
+    """The log-probs vLLM reports for the tokens it sampled (logprobs=0: each step holds the sampled token)."""
+    return [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+
+
+class VLLMTurns:
+    """The vLLM engine as the agent loop's Turns API (rltrain/workers/agent_loop.py): one request per open episode,
+    its whole token context as the prompt (vLLM's prefix cache, on by default for these models, finds the blocks of
+    the context it computed last turn, so a turn prefills only the new tool tokens), each with its episode's
+    remaining budget as max_tokens and the turn's seed; the sampled tokens' log-probs come back with the turn."""
+
+    def __init__(self, engine: VLLMEngine):
+        self.engine = engine
+
+    def generate(self, contexts: list[list[int]], budgets: list[int], temperature: float, seeds: list[int]) -> list:
+        from rltrain.workers.agent_loop import Turn
+
+        return [Turn(list(c.token_ids), sampled_logprobs(c), c.finish_reason == "stop")  # "length": out of budget
+                for c in self.engine.sample(contexts, budgets, temperature, seeds)]

@@ -10,7 +10,8 @@
 - the real hf engine: RolloutWorker with multi_turn on draws what the single-turn engine draws when the model calls
   no tool; HFTurns keeps each context's own budget;
 - tool turns through a chat template; the reward gets the whole episode text and extra_info["messages"];
-- config: the section loads from config/grpo.yaml, rollout.engine=vllm with it is refused naming the key.
+- config: the section loads from config/grpo.yaml; rollout.stop and tensor_parallel_size > 1 with it are refused
+  naming the key (rollout.engine=vllm runs it: tests/rltrain/workers/test_vllm_turns.py).
 
 Run: `pytest tests/rltrain/workers/test_agent_loop.py` (CPU, about half a minute).
 """
@@ -318,8 +319,10 @@ def test_config_section_and_engine_check():
     assert load_job_config(compose()).rollout.multi_turn == MultiTurnConfig()
     job = load_job_config(compose("rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[{builtin: calculator}]"))
     assert job.rollout.multi_turn.enabled and job.rollout.multi_turn.tools == [{"builtin": "calculator"}]
-    with pytest.raises(ConfigError, match=r"^rollout\.multi_turn\.enabled: needs rollout\.engine=hf"):
-        load_job_config(compose("rollout.engine=vllm", "rollout.multi_turn.enabled=true",
-                                "rollout.multi_turn.tools=[{builtin: calculator}]"))
+    on = ("rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[{builtin: calculator}]")
+    with pytest.raises(ConfigError, match=r"^rollout\.stop: must be empty with rollout\.multi_turn\.enabled"):
+        load_job_config(compose(*on, "rollout.stop=[x]"))
+    with pytest.raises(ConfigError, match=r"^rollout\.tensor_parallel_size: must be 1 with rollout\.multi_turn"):
+        load_job_config(compose(*on, "rollout.tensor_parallel_size=2"))
     with pytest.raises(ConfigError, match=r"^rollout\.multi_turn\.tools: must list at least one tool"):
         load_job_config(compose("rollout.multi_turn.enabled=true"))
