@@ -2,7 +2,8 @@
 the vLLM engine taking the actor's weights in place after each update; every step writes the train-vs-rollout
 mismatch metrics, which stay at fp32 rounding (a missed weight push shows up in step 2), and the truncated
 importance-sampling correction runs. With actor.lora the same run pushes only the adapters, which the engine loads as
-a vLLM LoRA adapter on its fixed base, and the mismatch stays as small."""
+a vLLM LoRA adapter on its fixed base, and the mismatch stays as small. With rollout.multi_turn on, the same run goes
+through the agent loop on the vLLM engine (VLLMTurns), logs tool/* and keeps the mismatch at fp32 rounding."""
 
 import json
 
@@ -59,5 +60,21 @@ def test_lora_grpo_steps_with_the_vllm_engine(tmp_path):
     assert list(train) == [1, 2]
     assert train[2]["actor/ref_kl"] != 0  # the policy has left its base: step 2 samples from moved adapters
     for record in train.values():
+        assert record["rollout/logprob_abs_diff_max"] < 1e-3, record
+        assert 0 <= record["rollout/kl"] < 1e-6, record
+
+
+def test_multi_turn_grpo_steps_with_the_vllm_engine(tmp_path):
+    job = tiny_job(tmp_path, model={"embedded": {"hidden_size": 64, "num_heads": 2, "head_dim": 64}},
+                   rollout={"engine": "vllm", "kv_cache_gb": 1.0, "enforce_eager": True, "max_new_tokens": 8,
+                            "multi_turn": {"enabled": True, "tools": [{"builtin": "calculator"}], "num_workers": 1,
+                                           "max_turns": 2}},
+                   actor={"lr": 0.01}, algorithm={"loss": {"entropy_coef": 0.01}})
+    assert run(job)["step"] == 2
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "train/reward_mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for record in train:
+        assert record["tool/turns_per_episode"] >= 1, record  # the agent loop made the rollout
         assert record["rollout/logprob_abs_diff_max"] < 1e-3, record
         assert 0 <= record["rollout/kl"] < 1e-6, record
