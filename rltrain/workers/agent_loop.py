@@ -4,6 +4,8 @@ reads their answers, batched across episodes, on the rollout engine through one 
     loop = AgentLoop(config.multi_turn, HFTurns(engine), tokenizer, max_new_tokens=config.max_new_tokens)
     batch = loop.generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt)   # the engines' TensorDict
 
+The Turns APIs: HFTurns (below) and VLLMTurns (rltrain/workers/vllm_engine.py, which also reports log-probs).
+
 One turn: every open episode generates its next assistant turn in one batched engine call (`Turns.generate`: token
 contexts in, each with its own token budget); each turn's text goes through the tool-call parser
 (rollout.multi_turn.parser); the calls of all episodes of that turn go to ONE `ToolPool.call_many`, so episodes wait
