@@ -242,7 +242,7 @@ def tune_fused(n, vocab, hidden_size, rate, iters):
     from dataclasses import replace
 
     from gemm_floor import bare_gemms
-    from rltrain_kernels.ops.linear_logprobs import fused
+    from rltrain_kernels.ops.common import vocab_tiles as fused
 
     hidden, weight, labels = make_inputs(n, vocab, hidden_size)
     floor1 = 2 * n * hidden_size * vocab / rate * 1e3

@@ -192,7 +192,7 @@ def tune_fused(B, T, H, V, warmup, repeats):
     after them (queued timing)."""
     from dataclasses import replace
 
-    from rltrain_kernels.ops.linear_logprobs import fused
+    from rltrain_kernels.ops.common import vocab_tiles as fused
 
     inputs = make_inputs(B, T, H, V)
     inputs["hidden"].requires_grad_()

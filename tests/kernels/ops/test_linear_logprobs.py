@@ -281,10 +281,10 @@ def test_fused_epilogue_variants(subtile, flatten, device, monkeypatch):
     (TMA fills the rest with zeros)."""
     from dataclasses import replace
 
-    from rltrain_kernels.ops.linear_logprobs import fused
+    from rltrain_kernels.ops.common.vocab_tiles import GemmConfig
 
-    default = fused.GemmConfig.default()
-    monkeypatch.setattr(fused.GemmConfig, "default",
+    default = GemmConfig.default()
+    monkeypatch.setattr(GemmConfig, "default",
                         staticmethod(lambda: replace(default, subtile=subtile, flatten=flatten)))
     hidden, weight, labels = make_inputs((37,), 1007, 40, torch.bfloat16, device, logit_std=10.0)
     check(hidden, weight, labels, 0.6, "fused", TILED, forward_threshold=REL_THRESHOLD[torch.float32])
@@ -316,7 +316,8 @@ def test_fused_input_errors(device):
 def test_wave_fitted_vocab_chunks():
     """The backward's vocabulary split: whole column blocks, within the workspace bound, covering V once; at the
     benchmark shape the launches fill whole waves of 132 SMs."""
-    from rltrain_kernels.ops.linear_logprobs.fused import GemmConfig, wave_fitted_bounds
+    from rltrain_kernels.ops.common.vocab_tiles import GemmConfig
+    from rltrain_kernels.ops.linear_logprobs.fused import wave_fitted_bounds
 
     gemm = GemmConfig()
     bounds = wave_fitted_bounds(151936, 2048, 2 * 16384, gemm, 132)
@@ -334,14 +335,14 @@ def test_wave_fitted_vocab_chunks():
 def test_gemm_fallbacks_when_fp32_output_is_missing(monkeypatch):
     """The CUDA-only fp32-output GEMMs (mm/baddbmm `out_dtype`) fall back, with a warning, when torch lacks them:
     exercised on CPU by routing bf16 CPU tensors into that branch (where the overloads do not exist)."""
-    from rltrain_kernels.ops.linear_logprobs import chunk
+    from rltrain_kernels.ops.common import vocab_tiles
 
-    monkeypatch.setattr(chunk, "_half_on_cuda", lambda a: a.dtype in (torch.bfloat16, torch.float16))
-    monkeypatch.setattr(chunk, "_NATIVE", {"mm": True, "accumulate": True})
+    monkeypatch.setattr(vocab_tiles, "_half_on_cuda", lambda a: a.dtype in (torch.bfloat16, torch.float16))
+    monkeypatch.setattr(vocab_tiles, "_NATIVE", {"mm": True, "accumulate": True})
     hidden, weight, labels = make_inputs((37,), 1007, 64, torch.bfloat16, "cpu", logit_std=5.0)
     with pytest.warns(RuntimeWarning, match="fp32-output GEMM"):
         check(hidden, weight, labels, 1.0, "torch", TILED)
-    assert chunk._NATIVE == {"mm": False, "accumulate": False}
+    assert vocab_tiles._NATIVE == {"mm": False, "accumulate": False}
 
 
 def test_input_errors(device):
@@ -468,7 +469,7 @@ def test_gpu_fused_adversarial(case):
 def test_gpu_auto_picks_fused_for_half_inputs():
     from rltrain_kernels.ops.linear_logprobs import function
     from rltrain_kernels.ops.linear_logprobs.fused import FusedTiles
-    from rltrain_kernels.ops.linear_logprobs.kernel import TritonTiles
+    from rltrain_kernels.ops.common.row_pass import TritonTiles
 
     hidden, weight, _ = make_inputs((8,), 100, 64, torch.bfloat16, "cuda")
     expected = FusedTiles if torch.cuda.get_device_capability()[0] >= 9 else TritonTiles

@@ -18,7 +18,7 @@ import torch
 from rltrain_kernels.ops.policy_loss import (
     LOSS_AGGS, PolicyLossChunkConfig, fused_policy_loss, reference_policy_loss, workspace_bytes,
 )
-from rltrain_kernels.ops.linear_logprobs.chunk import shifted_row_bytes
+from rltrain_kernels.ops.policy_loss.chunk import shifted_row_bytes
 from tests.helpers import REL_THRESHOLD, assert_rel_close, case_id, dtype_id, rel_error
 
 IMPLS = ["torch", "triton", "fused"]
@@ -423,11 +423,10 @@ def test_fused_kept_logits_variants(kept, subtile, y_tma, device, monkeypatch):
     shapes (an entropy bonus) and for bf16 E (scaled.py)."""
     from dataclasses import replace
 
-    from rltrain_kernels.ops.linear_logprobs import fused
+    from rltrain_kernels.ops.common.vocab_tiles import GemmConfig
 
-    config = replace(fused.GemmConfig.default(), subtile=subtile, y_tma=y_tma, grad_rows=2, grad_cols=128,
-                     grad_warps=2)
-    monkeypatch.setattr(fused.GemmConfig, "default", staticmethod(lambda: config))
+    config = replace(GemmConfig.default(), subtile=subtile, y_tma=y_tma, grad_rows=2, grad_cols=128, grad_warps=2)
+    monkeypatch.setattr(GemmConfig, "default", staticmethod(lambda: config))
     opts = OPTION_CASES["all"] if kept == "shifted" else dict(OPTION_CASES["all"], entropy_coef=0.0)
     inputs = inputs_for("fused", device=device)
     assert_matches(run(inputs, "fused", chunk_config=CHUNKS, **opts), run_reference(inputs, **opts),
@@ -437,9 +436,9 @@ def test_fused_kept_logits_variants(kept, subtile, y_tma, device, monkeypatch):
 def test_fused_keeps_scaled_logits_when_it_can(device):
     """impl="fused" keeps bf16 E = e^(z − R) for the gradient GEMMs (no dlogits pass) for bf16 without an entropy
     bonus; fp16 (E would overflow its 5 exponent bits) and an entropy bonus keep fp16 y and the dlogits pass."""
-    from rltrain_kernels.ops.policy_loss.chunk import ShiftedChunkLogits
     from rltrain_kernels.ops.policy_loss.function import _backends
     from rltrain_kernels.ops.policy_loss.scaled import ScaledChunkLogits
+    from rltrain_kernels.ops.policy_loss.shifted import ShiftedChunkLogits
 
     def kept(dtype, entropy_bonus):
         h, w = (torch.randn(n, 64, device=device, dtype=dtype) for n in (16, 100))
@@ -513,9 +512,10 @@ def test_gpu_real_sizes(case, name, impl, device):
 def test_gpu_auto_picks_fused_for_half_inputs(device):
     """impl="auto" on an sm_90+ GPU: fused for bf16/fp16 (the same numbers as impl="fused"; bf16 E without an
     entropy bonus, fp16 y), cuBLAS + row passes for fp32 and for operands TMA cannot address."""
-    from rltrain_kernels.ops.policy_loss.chunk import DenseChunkLogits, ShiftedChunkLogits
+    from rltrain_kernels.ops.policy_loss.chunk import DenseChunkLogits
     from rltrain_kernels.ops.policy_loss.function import _backends
     from rltrain_kernels.ops.policy_loss.scaled import ScaledChunkLogits
+    from rltrain_kernels.ops.policy_loss.shifted import ShiftedChunkLogits
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the fused path needs sm_90+")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from rltrain_kernels.ops.common.vocab_tiles import TorchTiles
 from rltrain_kernels.ops.policy_loss.chunk import (
-    DEFAULT_CHUNKS, DenseChunkLogits, LossBuffers, PolicyLossChunkConfig, ShiftedChunkLogits, TorchLossOps,
-    aggregation_weights, loss_and_metrics, policy_loss_chunks,
+    DEFAULT_CHUNKS, DenseChunkLogits, LossBuffers, PolicyLossChunkConfig, TorchLossOps, aggregation_weights,
+    loss_and_metrics, policy_loss_chunks,
 )
 from rltrain_kernels.ops.policy_loss.options import (
     Metrics, PolicyLossOptions, PolicyLossOutput, check_inputs, check_label_range,
@@ -23,30 +24,30 @@ _REFERENCE_MAX_LOGITS = 1 << 22
 
 def _backends(impl: str, hidden2d: torch.Tensor, weight: torch.Tensor, config: PolicyLossChunkConfig,
               entropy_bonus: bool = False):
-    """(chunk logits, loss ops) of a chunked path: "fused" (linear_logprobs' Triton GEMM with the statistics in its
-    epilogue; keeping bf16 E = e^(z − R) for the gradient GEMMs, scaled.py, unless the weights are fp16 or an
-    entropy bonus needs log p per logit: then fp16 y and a dlogits pass), "triton" (cuBLAS + Triton row passes),
-    "auto" (on CUDA: fused where it can run, else triton) or "torch". Triton is imported here, not at package
-    import."""
-    from rltrain_kernels.ops.linear_logprobs.chunk import TorchTiles
-
+    """(chunk logits, loss ops) of a chunked path: "fused" (the fused Triton GEMM, ops/common/vocab_gemm.py, with
+    the statistics in its epilogue; keeping bf16 E = e^(z − R) for the gradient GEMMs, scaled.py, unless the weights
+    are fp16 or an entropy bonus needs log p per logit: then fp16 y and a dlogits pass, shifted.py), "triton"
+    (cuBLAS + Triton row passes), "auto" (on CUDA: fused where it can run, else triton) or "torch". Triton is
+    imported here, not at package import."""
     if impl == "torch":
         return DenseChunkLogits(TorchTiles()), TorchLossOps()
-    from rltrain_kernels.ops.linear_logprobs import fused
-    from rltrain_kernels.ops.linear_logprobs.kernel import TritonTiles, check_runnable
+    from rltrain_kernels.ops.common import row_pass, vocab_gemm
     from rltrain_kernels.ops.policy_loss.kernel import TritonLossOps
 
-    check_runnable(hidden2d.device)
+    row_pass.check_runnable(hidden2d.device)
     if impl == "auto":
-        impl = "fused" if fused.supports(hidden2d, weight) else "triton"
+        impl = "fused" if vocab_gemm.supports(hidden2d, weight) else "triton"
     if impl == "triton":
-        return DenseChunkLogits(TritonTiles(config.block_v)), TritonLossOps()
-    fused.check_runnable(hidden2d, weight)
+        return DenseChunkLogits(row_pass.TritonTiles(config.block_v)), TritonLossOps()
+    vocab_gemm.check_runnable(hidden2d, weight)
+    fused = vocab_gemm.FusedGemm()
     if weight.dtype == torch.bfloat16 and not entropy_bonus:
         from rltrain_kernels.ops.policy_loss.scaled import ScaledChunkLogits
 
-        return ScaledChunkLogits(fused.FusedTiles()), TritonLossOps()
-    return ShiftedChunkLogits(fused.FusedTiles()), TritonLossOps()
+        return ScaledChunkLogits(fused), TritonLossOps()
+    from rltrain_kernels.ops.policy_loss.shifted import ShiftedChunkLogits
+
+    return ShiftedChunkLogits(fused), TritonLossOps()
 
 
 def _resolve_impl(impl: str, hidden: torch.Tensor, vocab: int) -> str:
