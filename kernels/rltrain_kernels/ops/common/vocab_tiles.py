@@ -68,52 +68,64 @@ class GemmConfig:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# GEMMs with an fp32 result. On CUDA, half inputs go through cuBLAS' fp32-output mode (`out_dtype`, torch ≥ 2.8):
-# fp32 accumulate and no rounding of the logits to bf16, which at logit std 10 would cost ~3% relative error in
-# entropy and gradients. Elsewhere (CPU, NPU) the small operands are upcast instead.
-_NATIVE = {"mm": True, "accumulate": True}
+class Fp32OutputGemms:
+    """GEMMs with an fp32 result. On CUDA, half inputs go through cuBLAS' fp32-output mode (`out_dtype`, torch ≥
+    2.8): fp32 accumulate and no rounding of the logits to bf16, which at logit std 10 would cost ~3% relative
+    error in entropy and gradients. Elsewhere (CPU, NPU) the small operands are upcast instead. A torch without
+    those overloads falls back, with one warning per kind, which `native` then remembers.
 
+    native_device: the device type whose half inputs take the fp32-output overloads ("cuda"; a test routes CPU
+    tensors there to exercise the fallback, the overloads not existing on CPU)."""
 
-def _fall_back(kind: str, err: Exception) -> None:
-    _NATIVE[kind] = False
-    warnings.warn(f"cuBLAS fp32-output GEMM ({kind}) unavailable in this torch ({type(err).__name__}: {err}); "
-                  "using a slower fallback", RuntimeWarning, stacklevel=3)
+    def __init__(self, native_device: str = "cuda"):
+        self.native_device = native_device
+        self.native = {"mm": True, "accumulate": True}
 
+    def _fall_back(self, kind: str, err: Exception) -> None:
+        self.native[kind] = False
+        warnings.warn(f"cuBLAS fp32-output GEMM ({kind}) unavailable in this torch ({type(err).__name__}: {err}); "
+                      "using a slower fallback", RuntimeWarning, stacklevel=3)
 
-def _half_on_cuda(a: torch.Tensor) -> bool:
-    return a.is_cuda and a.dtype in (torch.bfloat16, torch.float16)
+    def _native_half(self, a: torch.Tensor) -> bool:
+        return a.device.type == self.native_device and a.dtype in (torch.bfloat16, torch.float16)
 
-
-def mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out (fp32) = a @ b."""
-    if a.dtype == torch.float32:
-        return torch.mm(a, b, out=out)
-    if _half_on_cuda(a) and _NATIVE["mm"]:
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32, out=out)
-        except (RuntimeError, TypeError, NotImplementedError) as err:
-            _fall_back("mm", err)
-    return torch.mm(a.float(), b.float(), out=out)
-
-
-def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float) -> torch.Tensor:
-    """acc (fp32) = beta·acc + a @ b; beta=0 ignores acc's contents (NaN included).
-
-    On CUDA through baddbmm's fp32-output overload (addmm's requires self in the input dtype); if this torch lacks
-    it, the product is rounded to the input dtype once per call and added (one extra rounding per vocab chunk)."""
-    if a.dtype == torch.float32:
-        return torch.addmm(acc, a, b, beta=beta, out=acc)
-    if _half_on_cuda(a):
-        if _NATIVE["accumulate"]:
+    def mm(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out (fp32) = a @ b."""
+        if a.dtype == torch.float32:
+            return torch.mm(a, b, out=out)
+        if self._native_half(a) and self.native["mm"]:
             try:
-                acc3 = acc.unsqueeze(0)
-                torch.baddbmm(acc3, a.unsqueeze(0), b.unsqueeze(0), out_dtype=torch.float32, beta=beta, out=acc3)
-                return acc
+                return torch.mm(a, b, out_dtype=torch.float32, out=out)
             except (RuntimeError, TypeError, NotImplementedError) as err:
-                _fall_back("accumulate", err)
-        product = torch.mm(a, b)
-        return acc.copy_(product) if beta == 0 else acc.add_(product)
-    return torch.addmm(acc, a.float(), b.float(), beta=beta, out=acc)
+                self._fall_back("mm", err)
+        return torch.mm(a.float(), b.float(), out=out)
+
+    def addmm(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float) -> torch.Tensor:
+        """acc (fp32) = beta·acc + a @ b; beta=0 ignores acc's contents (NaN included).
+
+        On CUDA through baddbmm's fp32-output overload (addmm's requires self in the input dtype); if this torch
+        lacks it, the product is rounded to the input dtype once per call and added (one extra rounding per vocab
+        chunk)."""
+        if a.dtype == torch.float32:
+            return torch.addmm(acc, a, b, beta=beta, out=acc)
+        if self._native_half(a):
+            if self.native["accumulate"]:
+                try:
+                    acc3 = acc.unsqueeze(0)
+                    torch.baddbmm(acc3, a.unsqueeze(0), b.unsqueeze(0), out_dtype=torch.float32, beta=beta,
+                                  out=acc3)
+                    return acc
+                except (RuntimeError, TypeError, NotImplementedError) as err:
+                    self._fall_back("accumulate", err)
+            product = torch.mm(a, b)
+            return acc.copy_(product) if beta == 0 else acc.add_(product)
+        return torch.addmm(acc, a.float(), b.float(), beta=beta, out=acc)
+
+
+# The ops' fp32-output GEMMs: one process-wide instance, so a torch without the overloads warns once per kind.
+_FP32_GEMMS = Fp32OutputGemms()
+mm_fp32 = _FP32_GEMMS.mm
+addmm_fp32 = _FP32_GEMMS.addmm
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ class ChunkConfig:
     vocab_chunk: int = 16384
     block_v: int = 2048        # Triton row-pass block: 8 fp32 per thread at num_warps=8 (two 16 B loads)
     align: int = 128           # chunk sizes are rounded up to this (GEMM tile edge), capped by the limits above
+    gemm: GemmConfig | None = None   # the fused path's blocks and launch; None: GemmConfig.default()
 
     def __post_init__(self):
         for key in ("token_chunk", "vocab_chunk", "block_v", "align"):
@@ -53,6 +54,8 @@ class ChunkConfig:
                 raise ValueError(f"ChunkConfig.{key} must be >= 1, got {getattr(self, key)}")
         if self.block_v & (self.block_v - 1):
             raise ValueError(f"ChunkConfig.block_v must be a power of two, got {self.block_v}")
+        if self.gemm is not None and not isinstance(self.gemm, GemmConfig):
+            raise TypeError(f"ChunkConfig.gemm must be a GemmConfig or None, got {type(self.gemm).__name__}")
 
 
 DEFAULT_CHUNKS = ChunkConfig()
@@ -68,13 +71,13 @@ def workspace_bytes(n_tokens: int, vocab: int, hidden_size: int, dtype: torch.dt
                     config: ChunkConfig = DEFAULT_CHUNKS, backward: bool = True) -> int:
     """Bytes of scratch the CUDA paths allocate beyond inputs, outputs, gradients and O(N) row statistics: the
     larger of the cuBLAS path's fp32 tile and the fused path's half dlogits tile (≤ 2·vocab_chunk columns of whole
-    GemmConfig.block_n-column blocks) or stats partials, plus the fp32 grad_hidden accumulator. Bounded by
-    config.token_chunk · (config.vocab_chunk + hidden_size) · 4 for every n_tokens."""
+    column blocks, config.gemm's block_n or the shipped GemmConfig's) or stats partials, plus the fp32 grad_hidden
+    accumulator. Bounded by config.token_chunk · (config.vocab_chunk + hidden_size) · 4 for every n_tokens."""
     rows = max((b - a for a, b in balanced_bounds(n_tokens, config.token_chunk, config.align)), default=0)
     cols = max((b - a for a, b in balanced_bounds(vocab, config.vocab_chunk, config.align)), default=0)
     tile = rows * cols * 4
     if dtype != torch.float32:   # the fused path (fused.py)
-        block_n = GemmConfig.block_n
+        block_n = (config.gemm or GemmConfig()).block_n
         blocks = -(-vocab // block_n)
         dlogits_cols = min(max(block_n, 2 * config.vocab_chunk // block_n * block_n), blocks * block_n)
         partials = 3 * rows * min(blocks, fused_forward_blocks(config.vocab_chunk)) * 4

@@ -35,7 +35,7 @@ def _tiles(impl: str, hidden: torch.Tensor, weight: torch.Tensor, config: ChunkC
     from rltrain_kernels.ops.linear_logprobs.fused import FusedTiles
 
     vocab_gemm.check_runnable(hidden, weight)
-    return FusedTiles()
+    return FusedTiles(config.gemm)
 
 
 class LinearLogprobsFunction(torch.autograd.Function):
@@ -124,7 +124,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         impl: "auto" (on CUDA: "fused" for bf16/fp16 on sm_90+, else "triton"; "torch" elsewhere), "fused"
             (Triton GEMMs with the row passes in their epilogues), "triton" (cuBLAS GEMMs + Triton row passes)
             or "torch" (chunked torch). "fused"/"triton" on CPU tensors need TRITON_INTERPRET=1.
-        chunk_config: tile sizes (see ChunkConfig; they bound the workspace).
+        chunk_config: tile sizes (see ChunkConfig; they bound the workspace) and the fused path's GemmConfig.
 
     Returns:
         (logprobs, entropy): fp32 with labels' shape; entropy is None when return_entropy=False.

@@ -36,21 +36,25 @@ from rltrain_kernels.ops.policy_loss.options import PolicyLossOptions
 
 @dataclass(frozen=True)
 class PolicyLossChunkConfig:
-    """How many tokens one chunk holds. The workspace is rows·V·4 B (the fp32 logits tile, turned into dlogits in
-    place) whatever B·T is; plus O(B·T) fp32 per-token vectors (~60 B/token)."""
+    """How many tokens one chunk holds (and the kernels' blocks). The workspace is rows·V·4 B (the fp32 logits tile,
+    turned into dlogits in place) whatever B·T is; plus O(B·T) fp32 per-token vectors (~60 B/token)."""
 
     workspace_bytes: int = 640 * 2**20   # → rows = 1024 at V=151936 (see module docstring)
     token_chunk: int | None = None       # explicit rows per chunk (overrides workspace_bytes)
     align: int = 128                     # rows are a multiple of this (GEMM tile edge)
     block_v: int = 2048                  # Triton row-pass block (linear_logprobs' choice: 8 fp32 per thread)
+    gemm: GemmConfig | None = None       # the fused path's blocks and launch; None: GemmConfig.default()
 
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if f.name != "gemm" and value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"PolicyLossChunkConfig.{f.name} must be a positive int, got {value!r}")
         if self.block_v & (self.block_v - 1):
             raise ValueError(f"PolicyLossChunkConfig.block_v must be a power of two, got {self.block_v}")
+        if self.gemm is not None and not isinstance(self.gemm, GemmConfig):
+            raise TypeError(f"PolicyLossChunkConfig.gemm must be a GemmConfig or None, got "
+                            f"{type(self.gemm).__name__}")
 
     def rows(self, vocab: int, row_bytes: int | None = None) -> int:
         """Tokens per chunk: token_chunk, else as many whole `align`s as fit workspace_bytes at row_bytes per row
@@ -73,9 +77,10 @@ def shifted_row_bytes(vocab: int, block_n: int = GemmConfig.block_n) -> int:
 def workspace_bytes(n_tokens: int, vocab: int, config: PolicyLossChunkConfig = DEFAULT_CHUNKS) -> int:
     """Bytes of the logits workspace (the only allocation that grows with V) on whichever path is larger: the
     fp32 tile (rows·V·4 B) or the fused path's fp16 y + block statistics (~rows·V·2 B, twice the rows). Without
-    token_chunk both fit config.workspace_bytes, for any n_tokens."""
-    return max(min(n_tokens, config.rows(vocab)) * vocab * 4,
-               min(n_tokens, config.rows(vocab, shifted_row_bytes(vocab))) * shifted_row_bytes(vocab))
+    token_chunk both fit config.workspace_bytes, for any n_tokens. The fused path's blocks: config.gemm's, else the
+    shipped GemmConfig's."""
+    kept = shifted_row_bytes(vocab, (config.gemm or GemmConfig()).block_n)
+    return max(min(n_tokens, config.rows(vocab)) * vocab * 4, min(n_tokens, config.rows(vocab, kept)) * kept)
 
 
 @dataclass

@@ -94,7 +94,12 @@ def _label_column_kernel(e_ptr, stride_e, labels_ptr, logp_ptr, m_ptr, log_sum_p
 class ScaledChunkLogits(ShiftedChunkLogits):
     """shifted.ShiftedChunkLogits' workspace (2 B per logit, here bf16 E instead of fp16 y) with the module
     docstring's form of the gradient: `dlogits` returns (E', a) and the chunk driver scales rows around its
-    GEMMs. Needs bf16 weights and no entropy bonus (function._backends checks)."""
+    GEMMs. Needs bf16 weights and no entropy bonus (function._backends checks). safe_gap: lse − R beyond which a
+    row is recomputed with R = lse (default SAFE_GAP)."""
+
+    def __init__(self, fused, safe_gap: float = SAFE_GAP):
+        super().__init__(fused)
+        self.safe_gap = safe_gap
 
     def workspace(self, rows: int, vocab: int, device):
         y, part = super().workspace(rows, vocab, device)
@@ -119,7 +124,8 @@ class ScaledChunkLogits(ShiftedChunkLogits):
         rows = e.shape[0]
         grid = (triton.cdiv(rows, ROW_BLOCK),)
         flag.zero_()
-        _check_rows_kernel[grid](c.m, c.log_sum, ref, c.mask, flag, rows, SAFE_GAP, BLOCK=ROW_BLOCK, num_warps=4)
+        _check_rows_kernel[grid](c.m, c.log_sum, ref, c.mask, flag, rows, self.safe_gap, BLOCK=ROW_BLOCK,
+                                 num_warps=4)
         # the recompute for rows that took R = lse: the same GEMM 1, skipped on the GPU while the flag is 0
         self.fold_and_keep(hidden_c, weight, e, part, labels_c, inv_temp, c.m, c.u, None, c.label_z, fold=False,
                            ref=ref, run=flag)
