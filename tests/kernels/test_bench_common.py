@@ -9,6 +9,7 @@ On the CPU through the Triton interpreter (native on a GPU), at small shapes in 
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import sys
 
@@ -47,16 +48,14 @@ def restore_launchers(monkeypatch):
         monkeypatch.setattr(cls, "run", cls.run)
 
 
-def test_override_changes_only_the_named_kernel(device, restore_launchers, monkeypatch):
-    from rltrain_kernels.ops.common import precision
-
-    monkeypatch.setattr(precision, "IPLR_LOW_PRECISION_DOT", "tf32")  # the host's choice, which the override undercuts
+def test_override_changes_only_the_named_kernel(device, restore_launchers):
+    tf32 = functools.partial(chunk_iplr_delta_rule, dot="tf32")  # the host's choice, which the override undercuts
     inputs, do = iplr_inputs(device)
     names = ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"]
-    base = dict(zip(names, outputs_and_grads(chunk_iplr_delta_rule, inputs, do)))
+    base = dict(zip(names, outputs_and_grads(tf32, inputs, do)))
     applied = override_dot_precision(["iplr_bwd_query_kernel=bf16"])
     assert applied == set()
-    mixed = dict(zip(names, outputs_and_grads(chunk_iplr_delta_rule, inputs, do)))
+    mixed = dict(zip(names, outputs_and_grads(tf32, inputs, do)))
     assert applied == {"iplr_bwd_query_kernel"}
     check_overrides_applied(["iplr_bwd_query_kernel=bf16"], applied)
     # The forward and every other backward kernel are untouched, bit for bit; da and dq come only from the query-side
@@ -67,7 +66,7 @@ def test_override_changes_only_the_named_kernel(device, restore_launchers, monke
     rel = ((mixed["da"].float() - base["da"].float()).norm() / base["da"].float().norm()).item()
     assert rel < 2e-2  # bf16 operand rounding, not garbage
     restore_dot_precision()
-    again = outputs_and_grads(chunk_iplr_delta_rule, inputs, do)
+    again = outputs_and_grads(tf32, inputs, do)
     assert all(torch.equal(x, y) for x, y in zip(again, base.values()))  # the host's DOT_PREC again
 
 
@@ -198,8 +197,8 @@ def test_output_blocks_bench_reference_matches_the_kernels(op, blocks, device):
     module_name, launcher_name, _ = OPS[op]
     module = importlib.import_module(module_name)
     torch.manual_seed(0)
-    args, ref = make_case(op, 2, 128, 2, 32, device=device)
-    out = getattr(module, launcher_name)(*args, blocks=blocks)
+    args, kwargs, ref = make_case(op, 2, 128, 2, 32, device=device)
+    out = getattr(module, launcher_name)(*args, **kwargs, blocks=blocks)
     assert out.shape == ref.shape
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < 5e-3, f"{op} output pass at {blocks}: {err:.1e} from the bench's float64 reference"

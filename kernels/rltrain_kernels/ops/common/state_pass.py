@@ -33,7 +33,6 @@ from .chunking import ChunkLayout
 from .launch import launch
 from .precision import (
     cast_for_store,
-    dot_precision,
     mm,
     mma,
     operand_dtype,
@@ -317,19 +316,18 @@ def chunk_states_fwd(k, v, beta, G, initial_state, output_final_state: bool, lay
 
 
 def state_pass_bwd(q, k, G, do, dht, scale: float, need_dh0: bool, layout: ChunkLayout, Ai, beta=None, a=None, *,
-                   dot_prec: str, local_prec: str | None = None, dh_dtype: torch.dtype | None = None,
+                   dot_prec: str, local_prec: str, dh_dtype: torch.dtype | None = None,
                    dv_dtype: torch.dtype | None = None, query_stride: int = 1):
     """→ (dh [chunks, HV, K, V] in dh_dtype (default work_dtype(k.dtype)): gradient of each chunk's end state,
     dv [tokens, HV, V] in dv_dtype (default operand_dtype(k.dtype, dot_prec)): ∂L/∂δ, dh0 [N, HV, K, V] fp32 or
     None). dot_prec: the reverse pass's DOT_PREC (the recurrence's, the forward's); local_prec: the chunk-local
-    Pᵀ dO's (default dot_precision(q.dtype), the output pass's). dv feeds only dots downstream, so storing it in their
+    Pᵀ dO's (the output pass's). dv feeds only dots downstream, so storing it in their
     operand dtype changes no number; its chunk-local part is formed in the reverse pass (wide launch) or by
     local_dv_kernel into dv first (narrow launch).
     query_stride NH: q [tokens / NH, H, K] and do [tokens / NH, HV, V] hold the queries of every NH-th row (see the
     module docstring); k, G and the outputs span every row.
     w is formed from Ai (T): the gated WY's w = T diag(β γ) K with beta, or with `a` [tokens, H, K] given instead
     (IPLR, no gate) w = −T A: then dS gets Aᵀ Y and dv holds Y = Tᵀ dδ instead of dδ."""
-    local_prec = local_prec or dot_precision(q.dtype)
     TT, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     N = layout.num_seqs
