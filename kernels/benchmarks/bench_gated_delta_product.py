@@ -19,7 +19,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from delta_rule_bench_common import check_against_reference, outputs_and_grads, rel, switched
+from delta_rule_bench_common import check_against_reference, outputs_and_grads, rel
 from triton.testing import do_bench
 
 from rltrain_kernels.ops.gated_delta_product import (
@@ -132,18 +132,18 @@ ACCURACY_REGIMES = {
     "g = None, β ∈ (0, 1)": (None, 1.0),
     "g = None, β ∈ (0, 2)": (None, 2.0),
 }
-# Precision settings: (ops/common/precision.py globals, the op's recurrence_dot argument).
+# Precision settings: the op's precision arguments (ops/common/precision.py).
 ACCURACY_SETTINGS = {
-    "shipped": ({}, "auto"),
-    "tf32 WY + state passes (recurrence_dot=tf32)": ({}, "tf32"),
-    "all tf32 (LOW_PRECISION_DOT)": ({"LOW_PRECISION_DOT": "tf32"}, "auto"),
+    "shipped": {},
+    "tf32 WY + state passes (recurrence_dot=tf32)": {"recurrence_dot": "tf32"},
+    "all tf32 (dot=tf32)": {"dot": "tf32"},
 }
 
 
 def accuracy_errors(regime: str, n_h: int, device: str = "cuda", B=1, T=512, H=2, D=128,
-                    recurrence_dot: str = "auto") -> tuple[float, float]:
-    """(worst of o and the final state, worst gradient) relative errors of ours (bf16, the op's recurrence_dot) vs
-    the fp32 naive recurrence in one of ACCURACY_REGIMES."""
+                    **dots: str) -> tuple[float, float]:
+    """(worst of o and the final state, worst gradient) relative errors of ours (bf16, the op's precision arguments
+    `dots`: recurrence_dot, dot) vs the fp32 naive recurrence in one of ACCURACY_REGIMES."""
     gate, beta_max = ACCURACY_REGIMES[regime]
     q = torch.randn(B, T, H, D, device=device)
     k = F.normalize(torch.randn(B, T * n_h, H, D, device=device), dim=-1)
@@ -154,7 +154,7 @@ def accuracy_errors(regime: str, n_h: int, device: str = "cuda", B=1, T=512, H=2
     h0 = torch.randn(B, H, D, D, device=device)
     do = torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
 
-    ours_fn = functools.partial(chunk_gated_delta_product, recurrence_dot=recurrence_dot)
+    ours_fn = functools.partial(chunk_gated_delta_product, **dots)
     ours = outputs_and_grads(with_householder(ours_fn, n_h), inputs + [h0], do)
     ref = outputs_and_grads(with_householder(naive_recurrent_gated_delta_product, n_h),
                             [None if t is None else t.float() for t in inputs] + [h0], do)
@@ -164,15 +164,11 @@ def accuracy_errors(regime: str, n_h: int, device: str = "cuda", B=1, T=512, H=2
 
 def accuracy_sweep(n_h: int) -> None:
     """Every ACCURACY_SETTINGS × ACCURACY_REGIMES: errors (B1 T512 H2 K=V=128) and fwd+bwd time at B8 T2048."""
-    from rltrain_kernels.ops.common import precision
-
     print("| setting | " + " | ".join(ACCURACY_REGIMES) + " | fwd+bwd ms (B8 T2048) |")
     print("| --- |" + " ---: |" * (len(ACCURACY_REGIMES) + 1))
-    for setting, (switches, recurrence_dot) in ACCURACY_SETTINGS.items():
-        with switched([(precision, name, value) for name, value in switches.items()]):
-            cells = [accuracy_errors(regime, n_h, recurrence_dot=recurrence_dot) for regime in ACCURACY_REGIMES]
-            fn = functools.partial(chunk_gated_delta_product, recurrence_dot=recurrence_dot)
-            t = time_product(fn, 8, 2048, 16, 128, n_h)[1]
+    for setting, dots in ACCURACY_SETTINGS.items():
+        cells = [accuracy_errors(regime, n_h, **dots) for regime in ACCURACY_REGIMES]
+        t = time_product(functools.partial(chunk_gated_delta_product, **dots), 8, 2048, 16, 128, n_h)[1]
         print(f"| {setting} | " + " | ".join(f"{o:.1e} / {g:.1e}" for o, g in cells) + f" | {t:.3f} |", flush=True)
     print("(cells: worst output error / worst gradient error vs the fp32 naive recurrence; bars 5e-3 / 1e-2)")
 

@@ -13,6 +13,7 @@ trusted. A markdown table is printed last.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -141,21 +142,20 @@ def precision_checks():
 
 
 def sweep_precision(fla_chunk, H=16, D=128):
-    """Each dot precision of ops/common/precision.py for bf16 inputs (LOW_PRECISION_DOT): gradients against the fp32
+    """Each dot precision of ops/common/precision.py for bf16 inputs (the op's `dot`): gradients against the fp32
     naive recurrence (bf16 inputs; B1 T300 H2 and B2 T1024 H4, K=V=128), then forward and fwd+bwd at both timed
-    shapes, fla side by side. The first row is the shipped default."""
-    from rltrain_kernels.ops.common import precision
+    shapes, fla side by side. The first row is the shipped default (dot="auto")."""
+    from rltrain_kernels.ops.common.precision import LOW_PRECISION_DOT
 
-    default = precision.LOW_PRECISION_DOT
     checks, references = precision_checks()
     rows = []
-    for dot in [default] + [d for d in ("bf16", "tf32") if d != default]:
-        precision.LOW_PRECISION_DOT = dot
-        out_err, grad_err = worst_errors(chunk_gated_delta_rule, checks, references)
-        times = [t for B, T in ((8, 2048), (2, 8192)) for t in time_chunk(chunk_gated_delta_rule, B, T, H, D)]
-        rows.append((f"dots {dot}" + (" (default)" if dot == default else ""), out_err, grad_err, *times))
+    for dot in ["auto"] + [d for d in ("bf16", "tf32") if d != LOW_PRECISION_DOT]:
+        fn = functools.partial(chunk_gated_delta_rule, dot=dot)
+        out_err, grad_err = worst_errors(fn, checks, references)
+        times = [t for B, T in ((8, 2048), (2, 8192)) for t in time_chunk(fn, B, T, H, D)]
+        name = f"dots {LOW_PRECISION_DOT} (default)" if dot == "auto" else f"dots {dot}"
+        rows.append((name, out_err, grad_err, *times))
         print("  " + " | ".join(f"{x:.3g}" if isinstance(x, float) else str(x) for x in rows[-1]), flush=True)
-    precision.LOW_PRECISION_DOT = default
     if fla_chunk is not None:  # its errors by the same measure (its gradients on Hopper: see the module docstring)
         times = [t for B, T in ((8, 2048), (2, 8192)) for t in time_chunk(fla_chunk, B, T, H, D)]
         rows.append(("fla 0.6 (bwd guard bypassed)", *worst_errors(fla_chunk, checks, references), *times))

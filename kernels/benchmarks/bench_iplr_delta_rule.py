@@ -18,6 +18,7 @@ A markdown table is printed last.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -56,14 +57,15 @@ def make_inputs(B, T, H, K, V, dtype=torch.bfloat16, requires_grad=False, N=None
     return tensors, h0
 
 
-def check_against_naive(B=1, T=300, H=2):
-    """Ours vs the fp32 naive recurrence (K=V=128, bf16 inputs), forward and every gradient."""
+def check_against_naive(ours, B=1, T=300, H=2):
+    """Ours (chunk_iplr_delta_rule at the run's --dot) vs the fp32 naive recurrence (K=V=128, bf16 inputs), forward
+    and every gradient."""
     (q, k, v, a, b), h0 = make_inputs(B, T, H, 128, 128)
     do = torch.randn(B, T, H, 128, device="cuda", dtype=torch.bfloat16)
     inputs = (q, k, v, a, b, h0)
     check_against_reference(f"ours vs naive fp32 (bf16 inputs, B{B} T{T} H{H})",
                             ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"],
-                            outputs_and_grads(chunk_iplr_delta_rule, inputs, do),
+                            outputs_and_grads(ours, inputs, do),
                             outputs_and_grads(naive_recurrent_iplr_delta_rule, inputs, do))
 
 
@@ -102,10 +104,10 @@ def time_gated_delta_rule(B, T, H, D, cu_seqlens=None, N=None):
     return t_fwd, t_all
 
 
-def forward_agreement(fla_chunk, B, T, H, D, cu_seqlens=None, N=None) -> float:
+def forward_agreement(ours, fla_chunk, B, T, H, D, cu_seqlens=None, N=None) -> float:
     (q, k, v, a, b), h0 = make_inputs(B, T, H, D, D, N=N)
     kwargs = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
-    o, ht = chunk_iplr_delta_rule(q, k, v, a, b, **kwargs)
+    o, ht = ours(q, k, v, a, b, **kwargs)
     o_fla, ht_fla = fla_chunk(q, k, v, a, b, **kwargs)
     return max(rel(o, o_fla), rel(ht, ht_fla))
 
@@ -120,7 +122,7 @@ def set_output_blocks(spec: str) -> None:
     chunk_fwd.OUTPUT_BLOCKS = tuple(int(p) for p in parts)
 
 
-def profile_kernels(fla_chunk, B=8, T=2048, H=16, D=128):
+def profile_kernels(ours, fla_chunk, B=8, T=2048, H=16, D=128):
     """Per-kernel CUDA time of one call on the same inputs: our forward and forward+backward, fla's forward (it has
     no chunked IPLR backward), after warm-ups, then the configs fla's autotuner picked."""
     from kernel_profile import print_autotune_picks, print_kernel_times
@@ -133,10 +135,10 @@ def profile_kernels(fla_chunk, B=8, T=2048, H=16, D=128):
     def fwd_bwd():
         for t in (q, k, v, a, b):
             t.grad = None
-        chunk_iplr_delta_rule(q, k, v, a, b, **kwargs)[0].backward(do)
+        ours(q, k, v, a, b, **kwargs)[0].backward(do)
 
     with torch.no_grad():
-        print_kernel_times(f"ours forward {shape}", lambda: chunk_iplr_delta_rule(q, k, v, a, b, **kwargs))
+        print_kernel_times(f"ours forward {shape}", lambda: ours(q, k, v, a, b, **kwargs))
         if fla_chunk is not None:
             print_kernel_times(f"fla 0.6 forward {shape}", lambda: fla_chunk(q, k, v, a, b, **kwargs))
     print_kernel_times(f"ours forward+backward {shape}", fwd_bwd, top=14)
@@ -156,11 +158,12 @@ VARIANTS = [
 ]
 
 
-def compare_variants(H=16, D=128):
-    """The shipped kernels, then each of VARIANTS: the worst output and gradient errors against the fp32 naive
-    recurrence (B1 T300 H2 and B2 T1024 H4; three runs), and the forward+backward kernel time (torch.profiler sums,
-    kernel_profile.py) at B8 T2048 and B2 T8192, with the kernels that moved most against the shipped run; then our
-    gated delta rule's at the same shapes and the shipped IPLR's ratio to it (issue 6's goal: ≤ 1.2×)."""
+def compare_variants(ours, H=16, D=128):
+    """The shipped kernels (ours: chunk_iplr_delta_rule at the run's --dot), then each of VARIANTS: the worst output
+    and gradient errors against the fp32 naive recurrence (B1 T300 H2 and B2 T1024 H4; three runs), and the
+    forward+backward kernel time (torch.profiler sums, kernel_profile.py) at B8 T2048 and B2 T8192, with the kernels
+    that moved most against the shipped run; then our gated delta rule's at the same shapes and the shipped IPLR's
+    ratio to it (issue 6's goal: ≤ 1.2×)."""
     import importlib
 
     from kernel_profile import kernel_times
@@ -180,7 +183,7 @@ def compare_variants(H=16, D=128):
         def step(q=q, k=k, v=v, a=a, b=b, h0=h0, do=do):
             for t in (q, k, v, a, b):
                 t.grad = None
-            chunk_iplr_delta_rule(q, k, v, a, b, initial_state=h0, output_final_state=True)[0].backward(do)
+            ours(q, k, v, a, b, initial_state=h0, output_final_state=True)[0].backward(do)
 
         steps.append(step)
     rows, base = [], None
@@ -191,7 +194,7 @@ def compare_variants(H=16, D=128):
         LAUNCH.update({name: dict(num_warps=w, num_stages=s) for name, (w, s) in launches.items()})
         try:
             with switched(assignments):
-                errs = [worst_errors(chunk_iplr_delta_rule, checks, references) for _ in range(3)]
+                errs = [worst_errors(ours, checks, references) for _ in range(3)]
                 # the lower of two profiled calls per shape (one call's kernel sums vary by a few µs per kernel)
                 totals = [min((kernel_times(step)[0] for _ in range(2)), key=lambda t: sum(t.values()))
                           for step in steps]
@@ -243,8 +246,9 @@ def main():
     parser.add_argument("--quick", action="store_true", help="one small shape (smoke run)")
     parser.add_argument("--check-only", action="store_true",
                         help="only the checks against the naive recurrence (B1 T300 H2 and B2 T1024 H4), no timing")
-    parser.add_argument("--dot", choices=["tf32", "bf16"],
-                        help="the IPLR kernels' dot precision for bf16 inputs (precision.IPLR_LOW_PRECISION_DOT)")
+    parser.add_argument("--dot", choices=["auto", "tf32", "bf16"], default="auto",
+                        help="the IPLR kernels' dot precision for bf16 inputs (the op's dot argument; auto: "
+                             "precision.IPLR_LOW_PRECISION_DOT)")
     add_launch_arguments(parser, "iplr_bwd_key=8,2",
                          "sweep warps x stages of these launch.py entries (none listed = the iplr_* ones), each "
                          "checked against the naive recurrence at B2 T1024 H4, and exit",
@@ -264,10 +268,7 @@ def main():
                              "iplr_bwd_key_kernel=bf16; the stored intermediates keep their dtype")
     args = parser.parse_args()
     torch.manual_seed(0)
-    if args.dot:
-        from rltrain_kernels.ops.common import precision
-
-        precision.IPLR_LOW_PRECISION_DOT = args.dot
+    ours = functools.partial(chunk_iplr_delta_rule, dot=args.dot)
     apply_launch_overrides(args.launch)
     apply_switches(args.set)
     force_value_block(args.value_block)
@@ -276,27 +277,27 @@ def main():
     overridden = override_dot_precision(args.dot_per_kernel)
     print(f"device: {torch.cuda.get_device_name()}")
     if args.compare_variants:
-        return compare_variants()
+        return compare_variants(ours)
     if args.sweep_launch is not None:
         from rltrain_kernels.ops.common.launch import LAUNCH
 
         (q, k, v, a, b), h0 = make_inputs(2, 1024, 4, 128, 128)  # the shape the bf16 GPU test failed at
         inputs, do = (q, k, v, a, b, h0), torch.randn_like(v)
         sweep_launch(args.sweep_launch or [n for n in LAUNCH if n.startswith("iplr_")],
-                     lambda: outputs_and_grads(chunk_iplr_delta_rule, inputs, do),
+                     lambda: outputs_and_grads(ours, inputs, do),
                      outputs_and_grads(naive_recurrent_iplr_delta_rule, inputs, do),
-                     lambda: time_iplr(chunk_iplr_delta_rule, 8, 2048, 16, 128), "B8 T2048", args.sweep_warps,
+                     lambda: time_iplr(ours, 8, 2048, 16, 128), "B8 T2048", args.sweep_warps,
                      args.isolate)
         check_overrides_applied(args.dot_per_kernel, overridden)
         return
-    check_against_naive()
-    check_against_naive(2, 1024, 4)
+    check_against_naive(ours)
+    check_against_naive(ours, 2, 1024, 4)
     check_overrides_applied(args.dot_per_kernel, overridden)
     if args.check_only:
         return
     fla_chunk = load_fla()
     if args.profile:
-        profile_kernels(fla_chunk)
+        profile_kernels(ours, fla_chunk)
 
     H, D = 16, 128
     shapes = [("B8 T2048", 8, 2048, None), ("B2 T8192", 2, 8192, None)] if not args.quick else \
@@ -308,9 +309,9 @@ def main():
     for label, B, T, cu_seqlens in shapes:
         N = None if cu_seqlens is None else cu_seqlens.numel() - 1
         if fla_chunk is not None:
-            err = forward_agreement(fla_chunk, B, T, H, D, cu_seqlens=cu_seqlens, N=N)
+            err = forward_agreement(ours, fla_chunk, B, T, H, D, cu_seqlens=cu_seqlens, N=N)
             print(f"{label}: ours vs fla forward rel err {err:.1e}")
-        add_row(rows, (label, "ours chunk_iplr_delta_rule", *time_iplr(chunk_iplr_delta_rule, B, T, H, D,
+        add_row(rows, (label, "ours chunk_iplr_delta_rule", *time_iplr(ours, B, T, H, D,
                                                                       cu_seqlens=cu_seqlens, N=N)))
         if fla_chunk is not None:
             add_row(rows, (label, "fla 0.6 chunk_iplr_delta_rule (no backward)",

@@ -231,7 +231,7 @@ def tune(n, vocab, hidden_size, rate, iters):
               f"| {both_ms / bare_both:.3f} | {extra / GiB:.3f} |")
 
 
-# fused.GemmConfig overrides timed by --tune-fused, the default first
+# GemmConfig overrides timed by --tune-fused (ChunkConfig.gemm), the default first
 FUSED_CONFIGS = [dict(), dict(flatten=False), dict(warp_specialize=True, flatten=False), dict(subtile=False),
                  dict(group_m=8), dict(num_stages=4)]
 
@@ -242,25 +242,21 @@ def tune_fused(n, vocab, hidden_size, rate, iters):
     from dataclasses import replace
 
     from gemm_floor import bare_gemms
-    from rltrain_kernels.ops.linear_logprobs import fused
+    from rltrain_kernels.ops.common.vocab_tiles import GemmConfig
 
     hidden, weight, labels = make_inputs(n, vocab, hidden_size)
     floor1 = 2 * n * hidden_size * vocab / rate * 1e3
     floor_fn = bare(bare_gemms(recompute=True))
-    shipped = fused.GemmConfig.default
     bare_runs = [measure(floor_fn, hidden, weight, labels, iters, idle=False)[:2]]
     rows = []
-    try:
-        for overrides in FUSED_CONFIGS:
-            config = replace(shipped(), **overrides)
-            fused.GemmConfig.default = staticmethod(lambda config=config: config)
-            fwd_ms, both_ms, extra, _ = measure(ours(True, impl="fused"), hidden, weight, labels, iters, idle=False)
-            lp_only_ms = measure(ours(False, impl="fused"), hidden, weight, labels, iters, idle=False)[0]
-            rows.append((overrides, fwd_ms, lp_only_ms, both_ms, extra))
-            print(f"{overrides or 'default'}: fwd {fwd_ms:.2f} ms (logprob only {lp_only_ms:.2f}), "
-                  f"fwd+bwd {both_ms:.2f} ms", flush=True)
-    finally:
-        fused.GemmConfig.default = shipped
+    for overrides in FUSED_CONFIGS:
+        config = ChunkConfig(gemm=replace(GemmConfig.default(), **overrides))
+        fwd_ms, both_ms, extra, _ = measure(ours(True, config, impl="fused"), hidden, weight, labels, iters,
+                                            idle=False)
+        lp_only_ms = measure(ours(False, config, impl="fused"), hidden, weight, labels, iters, idle=False)[0]
+        rows.append((overrides, fwd_ms, lp_only_ms, both_ms, extra))
+        print(f"{overrides or 'default'}: fwd {fwd_ms:.2f} ms (logprob only {lp_only_ms:.2f}), "
+              f"fwd+bwd {both_ms:.2f} ms", flush=True)
     bare_runs.append(measure(floor_fn, hidden, weight, labels, iters, idle=False)[:2])
     bare_fwd, bare_both = (statistics.mean(b[i] for b in bare_runs) for i in (0, 1))
     print(f"\nN={n}; bare cuBLAS: fwd {bare_fwd:.2f} ms, fwd+bwd {bare_both:.2f} ms "

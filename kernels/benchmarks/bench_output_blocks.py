@@ -24,6 +24,7 @@ from triton.testing import do_bench
 
 from rltrain_kernels.ops.common import launch as launch_table
 from rltrain_kernels.ops.common.chunking import chunk_layout
+from rltrain_kernels.ops.common.precision import iplr_dot_precision, op_dot_precision
 
 OPS = {  # op: (module holding OUTPUT_BLOCKS and the launcher, launcher name, LAUNCH entry)
     "gated_delta_rule": ("rltrain_kernels.ops.gated_delta_rule.chunk_fwd", "chunk_output_fwd", "output_fwd"),
@@ -32,8 +33,8 @@ OPS = {  # op: (module holding OUTPUT_BLOCKS and the launcher, launcher name, LA
 
 
 def make_case(op: str, B: int, T: int, H: int, D: int, BT: int = 64, device="cuda"):
-    """(the launcher's arguments, float64 reference output [B·T, H, D]) for B sequences of T tokens (T a multiple of
-    BT)."""
+    """(the launcher's arguments, its keyword arguments (the op's default dot precision), float64 reference output
+    [B·T, H, D]) for B sequences of T tokens (T a multiple of BT)."""
     layout = chunk_layout(B, T, None, BT, device)
     TT, NT = B * T, T // BT
     bf = dict(device=device, dtype=torch.bfloat16)
@@ -54,20 +55,22 @@ def make_case(op: str, B: int, T: int, H: int, D: int, BT: int = 64, device="cud
         decay = torch.exp(gd[:, :, :, None, :] - gd[:, :, None, :, :]).permute(0, 1, 4, 2, 3)  # [B, NT, H, i, j]
         P = torch.einsum("bniha,bnjha->bnhij", qc, kc) * decay * causal
         ref = torch.exp(gd)[..., None] * inter + torch.einsum("bnhij,bnjhv->bnihv", P, c(vals))
-        return (q, k, vals, h, G, scale, layout, torch.bfloat16), (scale * ref).reshape(TT, H, D)
+        return ((q, k, vals, h, G, scale, layout, torch.bfloat16),
+                dict(dot_prec=op_dot_precision(torch.bfloat16, "auto")), (scale * ref).reshape(TT, H, D))
     b = F.normalize(torch.randn(TT, H, D, device=device), dim=-1).to(torch.bfloat16)
     v = torch.randn(TT, H, D, **bf)
     Pb = torch.einsum("bniha,bnjha->bnhij", qc, c(b)) * causal
     Pk = torch.einsum("bniha,bnjha->bnhij", qc, kc) * causal
     ref = inter + torch.einsum("bnhij,bnjhv->bnihv", Pb, c(vals)) + torch.einsum("bnhij,bnjhv->bnihv", Pk, c(v))
-    return (q, k, v, b, vals, h, scale, layout, torch.bfloat16), (scale * ref).reshape(TT, H, D)
+    return ((q, k, v, b, vals, h, scale, layout, torch.bfloat16), dict(dot_prec=iplr_dot_precision(torch.bfloat16)),
+            (scale * ref).reshape(TT, H, D))
 
 
 def sweep(op: str, B: int, T: int, blocks: list[tuple[int, int]], warps: list[int], stages: list[int]) -> list:
     module_name, launcher_name, entry = OPS[op]
     module = importlib.import_module(module_name)
     launcher = getattr(module, launcher_name)
-    args, ref = make_case(op, B, T, 16, 128)
+    args, kwargs, ref = make_case(op, B, T, 16, 128)
     shipped = (tuple(module.OUTPUT_BLOCKS), launch_table.LAUNCH[entry]["num_warps"],
                launch_table.LAUNCH[entry]["num_stages"])
     rows = []
@@ -75,8 +78,8 @@ def sweep(op: str, B: int, T: int, blocks: list[tuple[int, int]], warps: list[in
         setting = dict(num_warps=w, num_stages=s)
         with switched([(launch_table, "LAUNCH", {**launch_table.LAUNCH, entry: setting})]):
             try:
-                err = rel(launcher(*args, blocks=(bk, bv)), ref)
-                ms = (do_bench(lambda: launcher(*args, blocks=(bk, bv)), warmup=25, rep=200) if err < 5e-3
+                err = rel(launcher(*args, **kwargs, blocks=(bk, bv)), ref)
+                ms = (do_bench(lambda: launcher(*args, **kwargs, blocks=(bk, bv)), warmup=25, rep=200) if err < 5e-3
                       else float("nan"))
                 note = "" if err < 5e-3 else "over the 5e-3 bar"
             except Exception as exc:  # out of shared memory and the like: the row says so, the sweep goes on

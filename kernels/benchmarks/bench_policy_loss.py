@@ -188,32 +188,27 @@ FUSED_CONFIGS = [dict(), dict(warp_specialize=True, flatten=False), dict(flatten
 
 
 def tune_fused(B, T, H, V, warmup, repeats):
-    """impl="fused" at the main size with each of FUSED_CONFIGS, beside the 3 bare cuBLAS GEMMs timed before and
-    after them (queued timing)."""
+    """impl="fused" at the main size with each of FUSED_CONFIGS (PolicyLossChunkConfig.gemm), beside the 3 bare
+    cuBLAS GEMMs timed before and after them (queued timing)."""
     from dataclasses import replace
 
-    from rltrain_kernels.ops.linear_logprobs import fused
+    from rltrain_kernels.ops.common.vocab_tiles import GemmConfig
 
     inputs = make_inputs(B, T, H, V)
     inputs["hidden"].requires_grad_()
     inputs["weight"].requires_grad_()
-    shipped = fused.GemmConfig.default
     bare_runs = [measure(bare(), inputs, warmup, repeats)[0]]
     rows, first = [], None
-    try:
-        for overrides in FUSED_CONFIGS:
-            config = replace(shipped(), **overrides)
-            fused.GemmConfig.default = staticmethod(lambda config=config: config)
-            grads = grads_of(ours(None, impl="fused"), inputs)
-            first = first or grads
-            err = max(rel(g, f) for g, f in zip(grads, first))   # vs the shipped config's gradients
-            del grads
-            ms, idle_ms, _ = measure(ours(None, impl="fused"), inputs, warmup, repeats)
-            rows.append((overrides, ms, idle_ms, err))
-            print(f"  {overrides or 'default'}: {ms:.2f} ms (from idle {idle_ms:.2f}), grads vs default {err:.1e}",
-                  flush=True)
-    finally:
-        fused.GemmConfig.default = shipped
+    for overrides in FUSED_CONFIGS:
+        config = PolicyLossChunkConfig(gemm=replace(GemmConfig.default(), **overrides))
+        grads = grads_of(ours(config, impl="fused"), inputs)
+        first = first or grads
+        err = max(rel(g, f) for g, f in zip(grads, first))   # vs the shipped config's gradients
+        del grads
+        ms, idle_ms, _ = measure(ours(config, impl="fused"), inputs, warmup, repeats)
+        rows.append((overrides, ms, idle_ms, err))
+        print(f"  {overrides or 'default'}: {ms:.2f} ms (from idle {idle_ms:.2f}), grads vs default {err:.1e}",
+              flush=True)
     bare_runs.append(measure(bare(), inputs, warmup, repeats)[0])
     bare_ms = sum(bare_runs) / 2
     print(f"\nB={B} T={T}: 3 bare cuBLAS GEMMs {bare_ms:.2f} ms (before/after {bare_runs[0]:.2f} / {bare_runs[1]:.2f})")

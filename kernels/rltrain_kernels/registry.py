@@ -235,12 +235,12 @@ class KernelConfig:
 
     def __post_init__(self):
         # precision imports triton, which this module must not need at import time
-        from .ops.common.precision import RECURRENCE_DOT_CHOICES
+        from .ops.common.precision import DOT_CHOICES
 
         _require(self.name == "auto" or self.name in DEVICES, "name",
                  f"must be auto, {', '.join(DEVICES[:-1])} or {DEVICES[-1]}", self.name)
-        _require(self.delta_rule_recurrence_dot in RECURRENCE_DOT_CHOICES, "delta_rule_recurrence_dot",
-                 f"must be {', '.join(RECURRENCE_DOT_CHOICES)}", self.delta_rule_recurrence_dot)
+        _require(self.delta_rule_recurrence_dot in DOT_CHOICES, "delta_rule_recurrence_dot",
+                 f"must be {', '.join(DOT_CHOICES)}", self.delta_rule_recurrence_dot)
         try:
             wanted = parse_include_kernels(self.include_kernels)
         except TypeError:

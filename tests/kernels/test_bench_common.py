@@ -1,15 +1,18 @@
 """kernels/benchmarks' measuring tools that GPU decisions rest on: the per-kernel dot-precision override (the
 bisection of IPLR's bf16 failure, scripts/gpu_check.sh iplr-bf16; the precision settings of the gated delta
 product's --accuracy sweep) must change exactly the kernel it names and undo cleanly, and the accuracy measurement
-must run. --value-block must force the state passes' launch it names, and an isolated launch sweep must survive a
-setting that kills its process.
+must run. --value-block must force the state passes' launch it names and --set the setting it names, for the bench's
+whole process (checked in child processes, so that this one keeps the shipped settings), and an isolated launch
+sweep must survive a setting that kills its process.
 
 On the CPU through the Triton interpreter (native on a GPU), at small shapes in bf16.
 """
 
 from __future__ import annotations
 
+import functools
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -47,16 +50,14 @@ def restore_launchers(monkeypatch):
         monkeypatch.setattr(cls, "run", cls.run)
 
 
-def test_override_changes_only_the_named_kernel(device, restore_launchers, monkeypatch):
-    from rltrain_kernels.ops.common import precision
-
-    monkeypatch.setattr(precision, "IPLR_LOW_PRECISION_DOT", "tf32")  # the host's choice, which the override undercuts
+def test_override_changes_only_the_named_kernel(device, restore_launchers):
+    tf32 = functools.partial(chunk_iplr_delta_rule, dot="tf32")  # the host's choice, which the override undercuts
     inputs, do = iplr_inputs(device)
     names = ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"]
-    base = dict(zip(names, outputs_and_grads(chunk_iplr_delta_rule, inputs, do)))
+    base = dict(zip(names, outputs_and_grads(tf32, inputs, do)))
     applied = override_dot_precision(["iplr_bwd_query_kernel=bf16"])
     assert applied == set()
-    mixed = dict(zip(names, outputs_and_grads(chunk_iplr_delta_rule, inputs, do)))
+    mixed = dict(zip(names, outputs_and_grads(tf32, inputs, do)))
     assert applied == {"iplr_bwd_query_kernel"}
     check_overrides_applied(["iplr_bwd_query_kernel=bf16"], applied)
     # The forward and every other backward kernel are untouched, bit for bit; da and dq come only from the query-side
@@ -67,7 +68,7 @@ def test_override_changes_only_the_named_kernel(device, restore_launchers, monke
     rel = ((mixed["da"].float() - base["da"].float()).norm() / base["da"].float().norm()).item()
     assert rel < 2e-2  # bf16 operand rounding, not garbage
     restore_dot_precision()
-    again = outputs_and_grads(chunk_iplr_delta_rule, inputs, do)
+    again = outputs_and_grads(tf32, inputs, do)
     assert all(torch.equal(x, y) for x, y in zip(again, base.values()))  # the host's DOT_PREC again
 
 
@@ -107,21 +108,43 @@ def test_reference_check_and_switches():
     assert module.SWITCH is False
 
 
+def in_a_bench_process(code: str) -> list[str]:
+    """The lines `code` prints, run in a child Python with the benchmarks importable: the bench tools set
+    process-wide settings of the kernels, which this process must not keep."""
+    benchmarks = str(pathlib.Path(__file__).resolve().parents[2] / "kernels" / "benchmarks")
+    proc = subprocess.run([sys.executable, "-c", f"import sys\nsys.path.insert(0, {benchmarks!r})\n{code}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.splitlines()
+
+
 @pytest.mark.parametrize("mode", ["wide", "narrow"])
-def test_force_value_block(mode, monkeypatch):
-    """--value-block wide/narrow: the state passes take the *_wide LAUNCH entries (BV=64) or the narrow ones (BV=32)
-    whatever the program count; auto leaves the host's occupancy rule; a bad mode is named."""
+def test_state_launch_value_block(mode):
+    """state_launch's value_block wide/narrow (--value-block's setting): the *_wide LAUNCH entries (BV=64) or the
+    narrow ones (BV=32) whatever the program count; auto leaves the occupancy rule (as on an H100: 132 SMs)."""
     from rltrain_kernels.ops.common import state_pass
 
-    monkeypatch.setattr(state_pass, "VALUE_BLOCK", "auto")  # restored after the test
-    cuda = torch.device("cuda")
-    force_value_block("auto")  # the occupancy rule, as on an H100 (132 SMs)
-    assert state_pass.state_launch("state_pass_bwd", 1, 128, 128, cuda, sm_count=132)[2] == 32  # too few programs
-    assert state_pass.state_launch("state_pass_bwd", 4096, 128, 128, cuda, sm_count=132)[2] == 64
-    force_value_block(mode)
+    def launch(programs, value_block):
+        return state_pass.state_launch("state_pass_bwd", programs, 128, 128, torch.device("cuda"), sm_count=132,
+                                       value_block=value_block)
+    assert launch(1, "auto")[2] == 32 and launch(4096, "auto")[2] == 64   # too few programs, then enough
     for programs in (1, 4096):
-        name, BK, BV = state_pass.state_launch("state_pass_bwd", programs, 128, 128, cuda, sm_count=132)
-        assert (name, BK, BV) == (("state_pass_bwd_wide", 128, 64) if mode == "wide" else ("state_pass_bwd", 128, 32))
+        assert launch(programs, mode) == (("state_pass_bwd_wide", 128, 64) if mode == "wide"
+                                          else ("state_pass_bwd", 128, 32))
+
+
+def test_force_value_block():
+    """--value-block sets the state passes' value_block for the bench's whole process (a child process here), whose
+    launches then take it whatever the program count; a bad mode is named."""
+    lines = in_a_bench_process(
+        "import torch\n"
+        "from delta_rule_bench_common import force_value_block\n"
+        "from rltrain_kernels.ops.common import state_pass\n"
+        "for mode in ('wide', 'narrow', 'auto'):\n"
+        "    force_value_block(mode)\n"
+        "    print(state_pass.VALUE_BLOCK, *state_pass.state_launch('state_pass_bwd', 4, 128, 128, "
+        "torch.device('cuda'), sm_count=132))")
+    assert lines == ["wide state_pass_bwd_wide 128 64", "narrow state_pass_bwd 128 32", "auto state_pass_bwd 128 32"]
     with pytest.raises(SystemExit, match="--value-block 'half'"):
         force_value_block("half")
 
@@ -154,8 +177,6 @@ sweep_launch(["wy_fwd"], grads, [torch.ones(2)] * 3, timings, "fake", warps_opti
 
 
 def fake_sweep(tmp_path, isolate: bool):
-    import subprocess
-
     benchmarks = str(pathlib.Path(__file__).resolve().parents[2] / "kernels" / "benchmarks")
     script = tmp_path / "sweep.py"
     script.write_text(SWEEP_SCRIPT.format(benchmarks=benchmarks, isolate=isolate))
@@ -198,25 +219,26 @@ def test_output_blocks_bench_reference_matches_the_kernels(op, blocks, device):
     module_name, launcher_name, _ = OPS[op]
     module = importlib.import_module(module_name)
     torch.manual_seed(0)
-    args, ref = make_case(op, 2, 128, 2, 32, device=device)
-    out = getattr(module, launcher_name)(*args, blocks=blocks)
+    args, kwargs, ref = make_case(op, 2, 128, 2, 32, device=device)
+    out = getattr(module, launcher_name)(*args, **kwargs, blocks=blocks)
     assert out.shape == ref.shape
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < 5e-3, f"{op} output pass at {blocks}: {err:.1e} from the bench's float64 reference"
 
 
-def test_set_switches_by_name(monkeypatch):
-    """The benches' --set MODULE.NAME=VALUE: sets an ops/common or an op module's global to a Python literal, and
-    refuses an unknown module or name and a value of another type, naming the argument."""
+def test_set_switches_by_name():
+    """The benches' --set MODULE.NAME=VALUE: sets an ops/common or an op module's global to a Python literal for the
+    bench's whole process (a child process here), and refuses an unknown module or name and a value of another type,
+    naming the argument, before setting anything."""
     from delta_rule_bench_common import apply_switches
 
-    from rltrain_kernels.ops.common import state_pass
-    from rltrain_kernels.ops.gated_delta_rule import chunk_fwd
-
-    monkeypatch.setattr(state_pass, "NARROW_BV", state_pass.NARROW_BV)
-    monkeypatch.setattr(chunk_fwd, "OUTPUT_BLOCKS", chunk_fwd.OUTPUT_BLOCKS)
-    apply_switches(["state_pass.NARROW_BV={}", "gated_delta_rule.chunk_fwd.OUTPUT_BLOCKS=(32, 16)"])
-    assert state_pass.NARROW_BV == {} and chunk_fwd.OUTPUT_BLOCKS == (32, 16)
+    lines = in_a_bench_process(
+        "from delta_rule_bench_common import apply_switches\n"
+        "from rltrain_kernels.ops.common import state_pass\n"
+        "from rltrain_kernels.ops.gated_delta_rule import chunk_fwd\n"
+        "apply_switches(['state_pass.NARROW_BV={}', 'gated_delta_rule.chunk_fwd.OUTPUT_BLOCKS=(32, 16)'])\n"
+        "print(state_pass.NARROW_BV, chunk_fwd.OUTPUT_BLOCKS)")
+    assert lines == ["{} (32, 16)"]
     for bad, words in (("nowhere.X=1", "no switch 'nowhere.X'"), ("state_pass.NOPE=1", "no switch"),
                        ("state_pass.NARROW_BV=1", "is a dict, got int"),
                        ("state_pass.NARROW_BV=yes", "not a Python literal")):

@@ -97,7 +97,8 @@ def test_state_pass_value_block():
     assert state_pass.state_launch("state_pass_bwd", 1, 128, 128, cpu) == ("state_pass_bwd_wide", 128, 64)
 
 
-# The kernels that carry the recurrence, which take the ops' recurrence_dot (common/precision.py), and the others.
+# The kernels that carry the recurrence, which take the ops' recurrence_dot (common/precision.py), and the others,
+# which take their dot.
 RECURRENCE_KERNELS = {"common.wy": "gated_wy_fwd_kernel", "common.wy_bwd": "gated_wy_bwd_kernel",
                       "common.state_pass": ("state_pass_fwd_kernel", "state_pass_bwd_kernel")}
 OTHER_KERNELS = {"common.state_pass": ("local_dv_kernel",), "gated_delta_rule.chunk_fwd": ("chunk_output_fwd_kernel",),
@@ -135,8 +136,9 @@ def recurrence_op_call(op: str, device):
 def test_recurrence_dot_reaches_the_wy_and_state_pass_launches(op, device, monkeypatch):
     """recurrence_dot="tf32" on bf16 inputs launches the WY and state-pass kernels with tf32 dots, forward and backward
     (the fused-recurrent ops' backward runs the chunked kernels), T stored fp32 for them, every other kernel (and the
-    reverse pass's chunk-local Pᵀ dO) with its bf16 dots; without the argument, bf16 everywhere. A spy on the
-    launches: the interpreter ignores input_precision, so only the gradients' bf16 rounding shows it."""
+    reverse pass's chunk-local Pᵀ dO) with its bf16 dots; dot="tf32" launches every kernel with tf32 dots (the
+    recurrence's "auto" follows it); without the arguments, bf16 everywhere. A spy on the launches: the interpreter
+    ignores input_precision, so only the gradients' bf16 rounding shows it."""
     import importlib
 
     launched: dict[str, set] = {}
@@ -158,9 +160,11 @@ def test_recurrence_dot_reaches_the_wy_and_state_pass_launches(op, device, monke
     recurrence = {"gated_wy_fwd_kernel", "gated_wy_bwd_kernel", "state_pass_fwd_kernel", "state_pass_bwd_kernel"}
     chunked_forward = op.startswith("chunk")
     gradients = {}
-    for mode, dot_prec in (("auto", "bf16"), ("tf32", "tf32")):
+    # mode: (arguments, the recurrence kernels' dots, the others')
+    modes = {"auto": ({}, "bf16", "bf16"), "tf32": ({"recurrence_dot": "tf32"}, "tf32", "bf16"),
+             "dot-tf32": ({"dot": "tf32"}, "tf32", "tf32")}
+    for mode, (kwargs, dot_prec, other_prec) in modes.items():
         call, leaves = recurrence_op_call(op, device)
-        kwargs = {} if mode == "auto" else {"recurrence_dot": mode}
         launched.clear()
         o, ht = call(**kwargs)
         forward = dict(launched)
@@ -176,16 +180,18 @@ def test_recurrence_dot_reaches_the_wy_and_state_pass_launches(op, device, monke
         for phase in (forward, backward):
             for name, values in phase.items():
                 if name == "T dtype":
-                    assert values == {torch.float32 if mode == "tf32" else torch.bfloat16}, (mode, values)
+                    assert values == {torch.float32 if dot_prec == "tf32" else torch.bfloat16}, (mode, values)
                 else:
-                    assert values == ({dot_prec} if name in recurrence else {"bf16"}), (mode, name, values)
+                    assert values == ({dot_prec} if name in recurrence else {other_prec}), (mode, name, values)
         gradients[mode] = [t.grad for t in leaves]
-    assert any(not torch.equal(a, b) for a, b in zip(gradients["auto"], gradients["tf32"]))  # it does something
+    for mode in ("tf32", "dot-tf32"):  # each does something
+        assert any(not torch.equal(a, b) for a, b in zip(gradients["auto"], gradients[mode])), mode
 
 
 @pytest.mark.parametrize("op", RECURRENCE_OPS)
+@pytest.mark.parametrize("argument", ["recurrence_dot", "dot"])
 @pytest.mark.parametrize("bad", ["fp8", "TF32", None])
-def test_recurrence_dot_is_validated_naming_the_argument(op, bad):
+def test_dot_arguments_are_validated_naming_the_argument(op, argument, bad):
     call, _ = recurrence_op_call(op, "cpu")
-    with pytest.raises(ValueError, match=rf"recurrence_dot must be one of auto, bf16, tf32; got {bad!r}"):
-        call(recurrence_dot=bad)
+    with pytest.raises(ValueError, match=rf"{argument} must be one of auto, bf16, tf32; got {bad!r}"):
+        call(**{argument: bad})

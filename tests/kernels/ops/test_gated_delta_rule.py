@@ -8,6 +8,7 @@ the `gpu`-marked tests run real sizes in bf16 on a CUDA machine.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -435,27 +436,25 @@ def test_chunk_low_precision_inputs(dtype, device):
     check_gradients(chunk_gated_delta_rule, *inputs, threshold=(5e-3, 1e-2))
 
 
-def test_chunk_tf32_dots(device, monkeypatch):
-    """LOW_PRECISION_DOT = "tf32", the other dot precision of ops/common/precision.py for bf16 inputs (the benchmark's
-    --precision sweep times it; the default is bf16 dots), stays within the issue's bf16 bar, the chunk states stored
-    bf16 either way."""
-    from rltrain_kernels.ops.common import precision
-    from rltrain_kernels.ops.gated_delta_rule import chunk_fwd
+def test_chunk_tf32_dots(device):
+    """dot="tf32", the other dot precision of ops/common/precision.py for bf16 inputs (the benchmark's --precision
+    sweep times it; the default is bf16 dots), stays within the issue's bf16 bar, the chunk states stored bf16 either
+    way (test_delta_rule_common checks that it reaches every launch)."""
+    from rltrain_kernels.ops.common.chunking import chunk_layout
+    from rltrain_kernels.ops.common.cumsum import chunk_local_cumsum
+    from rltrain_kernels.ops.common.precision import op_dot_precision
+    from rltrain_kernels.ops.common.state_pass import chunk_states_fwd
 
-    monkeypatch.setattr(precision, "LOW_PRECISION_DOT", "tf32")
-    dtypes = []
-    real_states = chunk_fwd.chunk_states_fwd
-
-    def spy(*args, **kwargs):
-        Ai, h, v_new, ht = real_states(*args, **kwargs)
-        dtypes.append((h.dtype, v_new.dtype))
-        return Ai, h, v_new, ht
-
-    monkeypatch.setattr(chunk_fwd, "chunk_states_fwd", spy)
     inputs = make_inputs(1, 80, 1, 16, 16, HV=2, dtype=torch.bfloat16, device=device, initial_state=True,
                          requires_grad=True)
-    check_gradients(chunk_gated_delta_rule, *inputs, threshold=(5e-3, 1e-2))
-    assert set(dtypes) == {(torch.bfloat16,) * 2}
+    check_gradients(functools.partial(chunk_gated_delta_rule, dot="tf32"), *inputs, threshold=(5e-3, 1e-2))
+    _, k, v, g, beta, h0 = (t.detach() for t in inputs)
+    layout = chunk_layout(1, 80, None, 64, k.device)
+    G = chunk_local_cumsum(g.flatten(0, 1).contiguous(), layout)
+    flat = [t.flatten(0, 1).contiguous() for t in (k, v, beta)]
+    _, h, v_new, _ = chunk_states_fwd(*flat, G, h0, False, layout,
+                                      dot_prec=op_dot_precision(torch.bfloat16, "tf32"))
+    assert h.dtype == v_new.dtype == torch.bfloat16
 
 
 def test_fused_recurrent_gradients_via_chunk_backward(device):

@@ -8,6 +8,8 @@ the `gpu`-marked tests run real sizes in bf16 on a CUDA machine.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -324,14 +326,16 @@ def test_chunk_backward_writes_gradients_in_the_inputs_dtypes(dtype, device):
     """The backward kernels write dq, dk, dv, da, db in q's, k's, v's, a's, b's dtype themselves (autograd would
     cast a mismatched one silently, costing a pass over each), and those agree with the backward of the same inputs
     in fp32 (whose dots run at full precision: hence a bar at the dtype's level, not bit equality)."""
+    from rltrain_kernels.ops.common.precision import iplr_dot_precision
     from rltrain_kernels.ops.iplr_delta_rule.chunk import chunk_iplr_delta_rule_bwd_recompute
 
     q, k, v, a, b, h0 = make_inputs(1, 80, 2, 16, 16, dtype=dtype, device=device, initial_state=True)
     do = torch.randn_like(v)
-    grads = chunk_iplr_delta_rule_bwd_recompute(q, k, v, a, b, 0.25, h0, None, do, None)
+    grads = chunk_iplr_delta_rule_bwd_recompute(q, k, v, a, b, 0.25, h0, None, do, None,
+                                                dot_prec=iplr_dot_precision(dtype))
     assert [g.dtype for g in grads] == [dtype] * 5 + [torch.float32]
     full = chunk_iplr_delta_rule_bwd_recompute(*(t.float() for t in (q, k, v, a, b)), 0.25, h0, None, do.float(),
-                                               None)
+                                               None, dot_prec=iplr_dot_precision(torch.float32))
     bar = 1e-2 if dtype == torch.bfloat16 else 1e-3  # bf16: the issue's gradient bar (seen 7e-3); fp16: seen 2e-4
     for name, g, ref in zip(("dq", "dk", "dv", "da", "db"), grads, full):
         assert_rel_close(g.float(), ref, threshold=bar, name=name)
@@ -343,6 +347,7 @@ def test_output_pass_blocks_change_no_result(blocks, device, monkeypatch):
     which the op takes) reach the launch and give the same outputs as the shipped blocks, up to fp32 summation order,
     on the intermediates of the op's forward."""
     from rltrain_kernels.ops.common.chunking import chunk_layout
+    from rltrain_kernels.ops.common.precision import iplr_dot_precision
     from rltrain_kernels.ops.iplr_delta_rule import chunk_fwd
 
     launched = []  # each launch's (BK, BV)
@@ -351,10 +356,11 @@ def test_output_pass_blocks_change_no_result(blocks, device, monkeypatch):
     *tensors, h0 = make_inputs(1, 70, 1, 128, 128, device=device, initial_state=True)
     q, k, v, a, b = (t.flatten(0, 1) for t in tensors)  # [tokens, H, *], as the op's forward flattens them
     layout = chunk_layout(1, 70, None, chunk_fwd.CHUNK_SIZE, q.device)
-    Ai, Ak = chunk_fwd.iplr_solve(k, a, b, layout)
-    h, x, _ = chunk_fwd.iplr_state_pass_fwd(k, v, a, b, Ai, Ak, h0, False, layout)
-    base = chunk_fwd.iplr_output_fwd(q, k, v, b, x, h, 128 ** -0.5, layout, v.dtype)
-    o = chunk_fwd.iplr_output_fwd(q, k, v, b, x, h, 128 ** -0.5, layout, v.dtype, blocks=blocks)
+    dot_prec = iplr_dot_precision(q.dtype)
+    Ai, Ak = chunk_fwd.iplr_solve(k, a, b, layout, dot_prec=dot_prec)
+    h, x, _ = chunk_fwd.iplr_state_pass_fwd(k, v, a, b, Ai, Ak, h0, False, layout, dot_prec=dot_prec)
+    base = chunk_fwd.iplr_output_fwd(q, k, v, b, x, h, 128 ** -0.5, layout, v.dtype, dot_prec=dot_prec)
+    o = chunk_fwd.iplr_output_fwd(q, k, v, b, x, h, 128 ** -0.5, layout, v.dtype, blocks=blocks, dot_prec=dot_prec)
     assert_rel_close(o, base, threshold=1e-6, name="o")
     assert launched == [tuple(chunk_fwd.OUTPUT_BLOCKS), blocks]  # K = V = 128: no cap below
 
@@ -365,21 +371,31 @@ def test_bf16_dots_within_the_bars(regime, device):
     T, w, h, X, dh, dX, dw stored bf16 (they feed nothing but dots that round to bf16 anyway)."""
     from rltrain_kernels.ops.common import precision
 
-    assert precision.iplr_operand_dtype(torch.bfloat16) == torch.bfloat16
+    assert precision.operand_dtype(torch.bfloat16, precision.iplr_dot_precision(torch.bfloat16)) == torch.bfloat16
     inputs = make_inputs(1, 100, 2, 32, 16, dtype=torch.bfloat16, regime=regime, device=device,
                          initial_state=True, requires_grad=True)
     check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(5e-3, 1e-2))
 
 
-def test_tf32_dots_setting_for_bf16_inputs(device, monkeypatch):
-    """IPLR_LOW_PRECISION_DOT = "tf32" (a setting): fp32 intermediates, within the bf16 bars."""
-    from rltrain_kernels.ops.common import precision
+def test_tf32_dots_argument_for_bf16_inputs(device, monkeypatch):
+    """dot="tf32": every IPLR launch, forward and backward, takes tf32 dots; fp32 intermediates; within the bf16
+    bars."""
+    from rltrain_kernels.ops.common import precision, state_pass
+    from rltrain_kernels.ops.iplr_delta_rule import chunk_bwd, chunk_fwd
 
-    monkeypatch.setattr(precision, "IPLR_LOW_PRECISION_DOT", "tf32")
-    assert precision.iplr_operand_dtype(torch.bfloat16) == torch.float32
+    assert precision.operand_dtype(torch.bfloat16, precision.iplr_dot_precision(torch.bfloat16, "tf32")) == (
+        torch.float32)
+    launched = {}  # kernel → the DOT_PREC values it was launched with
+    for module, names in ((chunk_fwd, ("iplr_solve_kernel", "iplr_state_pass_fwd_kernel", "iplr_output_fwd_kernel")),
+                          (chunk_bwd, ("iplr_bwd_query_kernel", "iplr_bwd_key_kernel")),
+                          (state_pass, ("state_pass_bwd_kernel",))):
+        for name in names:
+            spy_launches(monkeypatch, module, name, lambda args, kwargs, name=name: launched.setdefault(
+                name, set()).add(kwargs["DOT_PREC"].removesuffix("_interpreted")))
     inputs = make_inputs(1, 100, 2, 32, 16, dtype=torch.bfloat16, device=device, initial_state=True,
                          requires_grad=True)
-    check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(5e-3, 1e-2))
+    check_gradients(functools.partial(chunk_iplr_delta_rule, dot="tf32"), *inputs, threshold=(5e-3, 1e-2))
+    assert len(launched) == 6 and all(values == {"tf32"} for values in launched.values()), launched
 
 
 def test_fused_recurrent_gradients_via_chunk_backward(device):

@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rltrain_kernels.ops.linear_logprobs import ChunkConfig, linear_logprobs, naive_linear_logprobs, workspace_bytes
-from tests.helpers import REL_THRESHOLD, ON_GPU, assert_finite, assert_rel_close, case_id, dtype_id
+from tests.helpers import REL_THRESHOLD, ON_GPU, assert_finite, assert_rel_close, case_id, dtype_id, spy_launches
 
 IGNORE = -100
 # Small tiles so CPU shapes cross token-chunk, vocab-chunk and block edges: 37 rows → chunks of 13/13/11,
@@ -277,17 +277,20 @@ def test_fused_matches_reference(dtype, shape, vocab, hidden_size, temperature, 
 @pytest.mark.parametrize("subtile,flatten", [(False, False), (True, True)])
 def test_fused_epilogue_variants(subtile, flatten, device, monkeypatch):
     """The forward epilogue over the whole block and in two column halves (the default; V = 1007 leaves the last
-    block's second half past the end), with and without a flattened persistent loop; H = 40 ends in half a K block
-    (TMA fills the rest with zeros)."""
+    block's second half past the end), with and without a flattened persistent loop (ChunkConfig.gemm, seen to
+    reach the launches); H = 40 ends in half a K block (TMA fills the rest with zeros)."""
     from dataclasses import replace
 
-    from rltrain_kernels.ops.linear_logprobs import fused
+    from rltrain_kernels.ops.common import vocab_gemm
+    from rltrain_kernels.ops.common.vocab_tiles import GemmConfig
 
-    default = fused.GemmConfig.default()
-    monkeypatch.setattr(fused.GemmConfig, "default",
-                        staticmethod(lambda: replace(default, subtile=subtile, flatten=flatten)))
+    launched = set()
+    spy_launches(monkeypatch, vocab_gemm, "_gemm_stats_kernel",
+                 lambda args, kwargs: launched.add((kwargs["SUBTILE"], kwargs["FLATTEN"])))
+    config = replace(TILED, gemm=replace(GemmConfig.default(), subtile=subtile, flatten=flatten))
     hidden, weight, labels = make_inputs((37,), 1007, 40, torch.bfloat16, device, logit_std=10.0)
-    check(hidden, weight, labels, 0.6, "fused", TILED, forward_threshold=REL_THRESHOLD[torch.float32])
+    check(hidden, weight, labels, 0.6, "fused", config, forward_threshold=REL_THRESHOLD[torch.float32])
+    assert launched == {(subtile, flatten)}
 
 
 @pytest.mark.parametrize("case", ADVERSARIAL)
@@ -316,7 +319,8 @@ def test_fused_input_errors(device):
 def test_wave_fitted_vocab_chunks():
     """The backward's vocabulary split: whole column blocks, within the workspace bound, covering V once; at the
     benchmark shape the launches fill whole waves of 132 SMs."""
-    from rltrain_kernels.ops.linear_logprobs.fused import GemmConfig, wave_fitted_bounds
+    from rltrain_kernels.ops.common.vocab_tiles import GemmConfig
+    from rltrain_kernels.ops.linear_logprobs.fused import wave_fitted_bounds
 
     gemm = GemmConfig()
     bounds = wave_fitted_bounds(151936, 2048, 2 * 16384, gemm, 132)
@@ -331,17 +335,32 @@ def test_wave_fitted_vocab_chunks():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-def test_gemm_fallbacks_when_fp32_output_is_missing(monkeypatch):
-    """The CUDA-only fp32-output GEMMs (mm/baddbmm `out_dtype`) fall back, with a warning, when torch lacks them:
-    exercised on CPU by routing bf16 CPU tensors into that branch (where the overloads do not exist)."""
-    from rltrain_kernels.ops.linear_logprobs import chunk
+def test_gemm_fallbacks_when_fp32_output_is_missing():
+    """The CUDA-only fp32-output GEMMs (mm/baddbmm `out_dtype`) fall back, with one warning per kind, when torch
+    lacks them: exercised on CPU by GEMMs that take CPU half tensors for the native path (where the overloads do
+    not exist). The fallbacks: mm upcasts (fp32 products of bf16 inputs: exact but for the fp32 sum), the
+    accumulation adds the product rounded to bf16."""
+    import warnings
 
-    monkeypatch.setattr(chunk, "_half_on_cuda", lambda a: a.dtype in (torch.bfloat16, torch.float16))
-    monkeypatch.setattr(chunk, "_NATIVE", {"mm": True, "accumulate": True})
-    hidden, weight, labels = make_inputs((37,), 1007, 64, torch.bfloat16, "cpu", logit_std=5.0)
-    with pytest.warns(RuntimeWarning, match="fp32-output GEMM"):
-        check(hidden, weight, labels, 1.0, "torch", TILED)
-    assert chunk._NATIVE == {"mm": False, "accumulate": False}
+    from rltrain_kernels.ops.common.vocab_tiles import Fp32OutputGemms
+
+    gemms = Fp32OutputGemms(native_device="cpu")
+    a, b = torch.randn(37, 64, dtype=torch.bfloat16), torch.randn(64, 45, dtype=torch.bfloat16)
+    exact = a.double() @ b.double()
+    out = torch.full((37, 45), math.nan)
+    with pytest.warns(RuntimeWarning, match=r"fp32-output GEMM \(mm\)"):
+        gemms.mm(a, b, out)
+    assert_rel_close(out, exact, threshold=1e-6, name="mm fallback")
+    acc = torch.full((37, 45), math.nan)
+    with pytest.warns(RuntimeWarning, match=r"fp32-output GEMM \(accumulate\)"):
+        gemms.addmm(acc, a, b, beta=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # each kind warns once
+        gemms.addmm(acc, a, b, beta=1.0)
+        gemms.mm(a, b, out)
+    # bf16 rounding of each product: 1.7e-3 relative here, not the exact sum
+    assert 1e-4 < assert_rel_close(acc, 2 * exact, threshold=4e-3, name="accumulate fallback")
+    assert gemms.native == {"mm": False, "accumulate": False}
 
 
 def test_input_errors(device):
@@ -468,7 +487,7 @@ def test_gpu_fused_adversarial(case):
 def test_gpu_auto_picks_fused_for_half_inputs():
     from rltrain_kernels.ops.linear_logprobs import function
     from rltrain_kernels.ops.linear_logprobs.fused import FusedTiles
-    from rltrain_kernels.ops.linear_logprobs.kernel import TritonTiles
+    from rltrain_kernels.ops.common.row_pass import TritonTiles
 
     hidden, weight, _ = make_inputs((8,), 100, 64, torch.bfloat16, "cuda")
     expected = FusedTiles if torch.cuda.get_device_capability()[0] >= 9 else TritonTiles

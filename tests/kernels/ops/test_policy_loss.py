@@ -18,8 +18,8 @@ import torch
 from rltrain_kernels.ops.policy_loss import (
     LOSS_AGGS, PolicyLossChunkConfig, fused_policy_loss, reference_policy_loss, workspace_bytes,
 )
-from rltrain_kernels.ops.linear_logprobs.chunk import shifted_row_bytes
-from tests.helpers import REL_THRESHOLD, assert_rel_close, case_id, dtype_id, rel_error
+from rltrain_kernels.ops.policy_loss.chunk import shifted_row_bytes
+from tests.helpers import REL_THRESHOLD, assert_rel_close, case_id, dtype_id, rel_error, spy_launches
 
 IMPLS = ["torch", "triton", "fused"]
 # 8-token chunks: B·T = 15 tokens → chunks 8/7; T = 5 ≤ 8, so GSPO chunks hold whole sequences. V = 257 with
@@ -407,6 +407,8 @@ def test_chunk_config_checks():
         PolicyLossChunkConfig(token_chunk=0)
     with pytest.raises(ValueError, match="block_v must be a power of two"):
         PolicyLossChunkConfig(block_v=100)
+    with pytest.raises(TypeError, match="PolicyLossChunkConfig.gemm must be a GemmConfig or None, got dict"):
+        PolicyLossChunkConfig(gemm={"block_n": 128})
     assert PolicyLossChunkConfig().rows(151936) == 1024
     # the fused path's ~2 B per logit (fp16 y + 12 B per 256 columns) fits twice the rows in the same bytes
     assert shifted_row_bytes(151936) == 2 * 151936 + 12 * 594
@@ -420,26 +422,30 @@ def test_chunk_config_checks():
 def test_fused_kept_logits_variants(kept, subtile, y_tma, device, monkeypatch):
     """GEMM 1's other ways to keep the logits (the default, halves through TMA, runs in every fused case above):
     the whole block at once, and plain stores instead of TMA; for fp16 y with a dlogits pass of other program
-    shapes (an entropy bonus) and for bf16 E (scaled.py)."""
+    shapes (an entropy bonus) and for bf16 E (scaled.py). Set through PolicyLossChunkConfig.gemm, seen to reach
+    the launches that keep logits."""
     from dataclasses import replace
 
-    from rltrain_kernels.ops.linear_logprobs import fused
+    from rltrain_kernels.ops.common import vocab_gemm
+    from rltrain_kernels.ops.common.vocab_tiles import GemmConfig
 
-    config = replace(fused.GemmConfig.default(), subtile=subtile, y_tma=y_tma, grad_rows=2, grad_cols=128,
-                     grad_warps=2)
-    monkeypatch.setattr(fused.GemmConfig, "default", staticmethod(lambda: config))
+    launched = set()
+    spy_launches(monkeypatch, vocab_gemm, "_gemm_stats_kernel", lambda args, kwargs: kwargs["STORE_Y"] and
+                 launched.add((kwargs["SUBTILE"], kwargs["Y_TMA"])))
+    gemm = replace(GemmConfig.default(), subtile=subtile, y_tma=y_tma, grad_rows=2, grad_cols=128, grad_warps=2)
     opts = OPTION_CASES["all"] if kept == "shifted" else dict(OPTION_CASES["all"], entropy_coef=0.0)
     inputs = inputs_for("fused", device=device)
-    assert_matches(run(inputs, "fused", chunk_config=CHUNKS, **opts), run_reference(inputs, **opts),
-                   torch.bfloat16, loss_tol=1e-5)
+    assert_matches(run(inputs, "fused", chunk_config=replace(CHUNKS, gemm=gemm), **opts),
+                   run_reference(inputs, **opts), torch.bfloat16, loss_tol=1e-5)
+    assert launched == {(subtile, y_tma)}
 
 
 def test_fused_keeps_scaled_logits_when_it_can(device):
     """impl="fused" keeps bf16 E = e^(z − R) for the gradient GEMMs (no dlogits pass) for bf16 without an entropy
     bonus; fp16 (E would overflow its 5 exponent bits) and an entropy bonus keep fp16 y and the dlogits pass."""
-    from rltrain_kernels.ops.policy_loss.chunk import ShiftedChunkLogits
     from rltrain_kernels.ops.policy_loss.function import _backends
     from rltrain_kernels.ops.policy_loss.scaled import ScaledChunkLogits
+    from rltrain_kernels.ops.policy_loss.shifted import ShiftedChunkLogits
 
     def kept(dtype, entropy_bonus):
         h, w = (torch.randn(n, 64, device=device, dtype=dtype) for n in (16, 100))
@@ -450,16 +456,31 @@ def test_fused_keeps_scaled_logits_when_it_can(device):
     assert kept(torch.float16, False) is ShiftedChunkLogits
 
 
-@pytest.mark.parametrize("case", ["every-row", "unlikely-label"])
-def test_fused_scaled_rows_recomputed(case, device, monkeypatch):
-    """A row whose label the policy gives p < e^-SAFE_GAP would overflow E = e^(z − z_label): it takes R = lse and
-    GEMM 1 is recomputed for its chunk (a launch the GPU runs only then). Every row (SAFE_GAP = 0), or one token
-    whose label is its least likely token and whose logits spread ×40 (logp ≈ −800) among rows that need nothing."""
-    from rltrain_kernels.ops.policy_loss import scaled
+def run_scaled(inputs, safe_gap, **opts):
+    """`run` on the fused path's bf16 E (scaled.py) with its recompute threshold at safe_gap, through the chunked
+    driver below fused_policy_loss's path choice."""
+    from rltrain_kernels.ops.common.vocab_gemm import FusedGemm
+    from rltrain_kernels.ops.policy_loss.function import chunked_policy_loss
+    from rltrain_kernels.ops.policy_loss.kernel import TritonLossOps
+    from rltrain_kernels.ops.policy_loss.options import PolicyLossOptions
+    from rltrain_kernels.ops.policy_loss.scaled import ScaledChunkLogits
 
+    hidden = inputs["hidden"].detach().clone().requires_grad_()
+    weight = inputs["weight"].detach().clone().requires_grad_()
+    args = {k: v for k, v in inputs.items() if k not in ("hidden", "weight")}
+    out = chunked_policy_loss(hidden.flatten(0, 1), weight, **args, opts=PolicyLossOptions(**opts), cu_seqlens=None,
+                              config=CHUNKS, chunk_logits=ScaledChunkLogits(FusedGemm(), safe_gap=safe_gap),
+                              loss_ops=TritonLossOps())
+    out.loss.backward()
+    return out, hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("case", ["every-row", "unlikely-label"])
+def test_fused_scaled_rows_recomputed(case, device):
+    """A row whose label the policy gives p < e^-SAFE_GAP would overflow E = e^(z − z_label): it takes R = lse and
+    GEMM 1 is recomputed for its chunk (a launch the GPU runs only then). Every row (safe_gap = 0), or one token
+    whose label is its least likely token and whose logits spread ×40 (logp ≈ −800) among rows that need nothing."""
     inputs = inputs_for("fused", device=device)
-    if case == "every-row":
-        monkeypatch.setattr(scaled, "SAFE_GAP", 0.0)
     opts = dict(kl_coef=0.1, temperature=0.9)
     if case == "unlikely-label":
         inputs["hidden"][0, 0] *= 40
@@ -470,7 +491,15 @@ def test_fused_scaled_rows_recomputed(case, device, monkeypatch):
     expected = run_reference(inputs, **opts)
     # a logp of ≈ −800 carries ~1e-4 of fp32 rounding into its ratio, and so into the loss
     loss_tol = 1e-5 if case == "every-row" else 1e-4
-    assert_matches(run(inputs, "fused", chunk_config=CHUNKS, **opts), expected, torch.bfloat16, loss_tol=loss_tol)
+    if case == "every-row":
+        from rltrain_kernels.ops.policy_loss.scaled import SAFE_GAP
+
+        actual = run_scaled(inputs, 0.0, **opts)
+        # the threshold reaches the kernels: E = p instead of e^(z − z_label) rounds grad_weight differently
+        assert not torch.equal(actual[2], run_scaled(inputs, SAFE_GAP, **opts)[2])
+    else:
+        actual = run(inputs, "fused", chunk_config=CHUNKS, **opts)
+    assert_matches(actual, expected, torch.bfloat16, loss_tol=loss_tol)
 
 
 def test_fused_input_errors(device):
@@ -513,9 +542,10 @@ def test_gpu_real_sizes(case, name, impl, device):
 def test_gpu_auto_picks_fused_for_half_inputs(device):
     """impl="auto" on an sm_90+ GPU: fused for bf16/fp16 (the same numbers as impl="fused"; bf16 E without an
     entropy bonus, fp16 y), cuBLAS + row passes for fp32 and for operands TMA cannot address."""
-    from rltrain_kernels.ops.policy_loss.chunk import DenseChunkLogits, ShiftedChunkLogits
+    from rltrain_kernels.ops.policy_loss.chunk import DenseChunkLogits
     from rltrain_kernels.ops.policy_loss.function import _backends
     from rltrain_kernels.ops.policy_loss.scaled import ScaledChunkLogits
+    from rltrain_kernels.ops.policy_loss.shifted import ShiftedChunkLogits
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the fused path needs sm_90+")

@@ -1,5 +1,12 @@
-"""Chunk machinery shared by the delta-rule family (gated delta rule, IPLR, gated delta product).
+"""Machinery shared across ops: the chunks of the delta-rule family, and the vocabulary tiles of the LM-head ops.
 
+The LM-head ops (linear_logprobs, policy_loss) share, without importing each other:
+- `vocab_tiles`: chunk bounds, fp32-output GEMMs, the tile backends' contract, the torch row passes (the CPU/NPU
+  path) and GemmConfig; imports no Triton.
+- `row_pass`: the Triton row passes over an fp32 logits tile (`TritonTiles`).
+- `vocab_gemm`: the persistent TMA GEMM with the row statistics (and the kept logits) in its epilogue (`FusedGemm`).
+
+The delta-rule family (gated delta rule, IPLR, gated delta product):
 - `chunking`: chunk bookkeeping for packed variable-length batches (cu_seqlens → per-chunk sequence/offset).
 - `cumsum`: chunk-local (reverse) cumulative sums of log gates.
 - `wy`: the WY representation of a chunk's Householder products (A, the UT transform
@@ -9,8 +16,8 @@
 - `launch`: warps and pipeline stages of these kernels (and the gated delta rule's), in one table.
 - `inputs`: the argument checks they share (cu_seqlens packing, the initial state's shape and device).
 
-Everything works on the flattened token axis: [1, total_tokens, heads, dim] with cu_seqlens (a non-varlen batch
-is the packed batch with equal lengths). For reuse (IPLR, gated delta product): `solve_unit_lower` is a
-`@triton.jit` helper any kernel can call on its own strictly lower [64, 64] tile; the state pass takes w, u, k and
-an optional gate cumsum (G=None for ungated ops).
+The delta-rule machinery works on the flattened token axis: [1, total_tokens, heads, dim] with cu_seqlens (a
+non-varlen batch is the packed batch with equal lengths). For reuse (IPLR, gated delta product): `solve_unit_lower`
+is a `@triton.jit` helper any kernel can call on its own strictly lower [64, 64] tile; the state pass takes w, u, k
+and an optional gate cumsum (G=None for ungated ops).
 """

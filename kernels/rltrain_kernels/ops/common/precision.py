@@ -11,10 +11,12 @@ DOT_PREC)` accumulates into acc in the dot itself. The modes:
   half the operand registers and shared memory. Computed operands (T, w, u, h, δ) are rounded to bf16 there, as
   fla does throughout.
 Accumulation is fp32 in every mode, and the state recurrences keep their running state in fp32 registers. The
-gated delta rule's and product's WY and state-pass kernels take `recurrence_dot_precision(dtype, recurrence_dot)`,
-from the ops' `recurrence_dot` argument (auto | bf16 | tf32; the registry binds kernel_config.delta_rule_recurrence_dot
-into the swapped layers' calls), which can keep them in tf32 while the rest runs bf16: the op resolves it once and
-hands the DOT_PREC string down to those launches, forward and backward. The IPLR kernels take `iplr_dot_precision`.
+chunked ops take the dots' precision for bf16 inputs as arguments (auto | bf16 | tf32), resolved once per call into
+DOT_PREC strings handed down to the launches, forward and backward: `dot` for the chunk kernels
+(`op_dot_precision`: "auto" is LOW_PRECISION_DOT, IPLR's IPLR_LOW_PRECISION_DOT) and, for the gated delta rule and
+product, `recurrence_dot` for the WY and state-pass kernels (`recurrence_dot_precision`: "auto" follows `dot`; the
+registry binds kernel_config.delta_rule_recurrence_dot into the swapped layers' calls), which can keep them in tf32
+while the rest runs bf16.
 
 Triton 3.4–3.7.0 miscompiles, on Hopper, a tensor-core dot whose operand is tl.trans of another tensor-core dot's
 result (fla #640): that gave dk off by 10–15% here with "tf32". No kernel of ours does that (the transposed product
@@ -39,25 +41,26 @@ import triton.language as tl
 #   tf32 / bf16 / bf16                       2.9e-3   2.9e-3     0.856  3.97                1.02  4.64
 #   bf16 / bf16 / fp32                       3.6e-3   4.5e-3     0.876  3.76                0.99  4.09
 #   bf16 / bf16 / bf16  (default)            3.6e-3   4.5e-3     0.752  3.41                0.90  3.90
-# The chunk products' dots for bf16 inputs: "bf16" or "tf32" (fp16 inputs always use "tf32": fp16's range would
-# overflow computed operands such as the chunk states; fp32 inputs always "ieee").
+# The chunk products' dots for bf16 inputs under dot="auto" (the ops' `dot` argument: "bf16" or "tf32"; fp16 inputs
+# always use "tf32": fp16's range would overflow computed operands such as the chunk states; fp32 inputs "ieee").
 LOW_PRECISION_DOT = "bf16"
 # Products of two raw bf16/fp16 inputs run in their own dtype (raw_precision: exact, where tf32 would cost the rate
 # the table's "raw q,k dots" column shows); h, δ and dh are stored bf16 for bf16 inputs (work_dtype: half the bytes of
 # the passes between kernels); T, w, dδ and dw, which only ever feed DOT_PREC dots, are stored in the dots' operand
 # dtype (operand_dtype: rounded once on the store instead of in every dot that reads them, the same numbers at half
 # the bytes).
-# The IPLR kernels' dots for bf16 inputs (H100): every IPLR GPU test passes (worst B2 T1024 errors 3.4e-3 outputs,
-# 5.3e-3 gradients) and bf16 H16 K=V=128 fwd+bwd runs 3.94 ms at B8 T2048, 4.20 at B2 T8192, against 6.35 and 7.10
-# with "tf32". It needs the state passes at 2+ stages: at 1 stage Triton 3.6 miscompiles them (common/launch.py).
+# The IPLR kernels' dots for bf16 inputs under dot="auto" (H100): every IPLR GPU test passes (worst B2 T1024 errors
+# 3.4e-3 outputs, 5.3e-3 gradients) and bf16 H16 K=V=128 fwd+bwd runs 3.94 ms at B8 T2048, 4.20 at B2 T8192, against
+# 6.35 and 7.10 with "tf32". It needs the state passes at 2+ stages: at 1 stage Triton 3.6 miscompiles them
+# (common/launch.py).
 IPLR_LOW_PRECISION_DOT = "bf16"
 # The ops' recurrence_dot argument (kernel_config.delta_rule_recurrence_dot): the dots of the kernels that carry the
 # recurrence (the WY forward and backward, both state passes) of the gated delta rule and product, for bf16 inputs.
-# "auto" follows LOW_PRECISION_DOT; "tf32" keeps bf16 rounding out of what the state accumulates chunk after chunk
+# "auto" follows the op's `dot`; "tf32" keeps bf16 rounding out of what the state accumulates chunk after chunk
 # (T, w, dδ and dw, which feed those dots, are then stored fp32). For the gated delta product with β up to 2 and
 # nothing forgetting it takes the outputs' error from 5.6e-3 to 3.5e-3 at +28% forward+backward time, where all-tf32
-# dots (LOW_PRECISION_DOT) cost +36% (H100; RESULTS.md).
-RECURRENCE_DOT_CHOICES = ("auto", "bf16", "tf32")
+# dots (dot="tf32") cost +36% (H100; RESULTS.md). The choices of both arguments:
+DOT_CHOICES = ("auto", "bf16", "tf32")
 # The solve's merges in "tf32x3" (three tf32 products: ≈ fp32 accuracy on tensor cores) instead of "ieee": forward
 # 3.80 → 2.30 ms, fwd+bwd 8.82 → 7.40 ms (H200, bf16 B8 T2048 H16 K=V=128), gradients unchanged (2.6e-3).
 LOW_PRECISION_SOLVE = "tf32x3"
@@ -73,23 +76,35 @@ def dot_precision(dtype: torch.dtype, low: str | None = None) -> str:
     return (low or LOW_PRECISION_DOT) + ("_interpreted" if _interpreted() else "")
 
 
-def iplr_dot_precision(dtype: torch.dtype) -> str:
-    """DOT_PREC of the IPLR kernels (IPLR_LOW_PRECISION_DOT for bf16 inputs)."""
-    return dot_precision(dtype, IPLR_LOW_PRECISION_DOT)
+def check_dot(value: str, argument: str = "dot") -> str:
+    """`value` itself when it is one of DOT_CHOICES, else a ValueError naming the argument."""
+    if not isinstance(value, str) or value not in DOT_CHOICES:
+        raise ValueError(f"{argument} must be one of {', '.join(DOT_CHOICES)}; got {value!r}")
+    return value
 
 
 def check_recurrence_dot(recurrence_dot: str) -> str:
-    """`recurrence_dot` itself when it is one of RECURRENCE_DOT_CHOICES, else a ValueError naming the argument."""
-    if not isinstance(recurrence_dot, str) or recurrence_dot not in RECURRENCE_DOT_CHOICES:
-        raise ValueError(f"recurrence_dot must be one of {', '.join(RECURRENCE_DOT_CHOICES)}; got {recurrence_dot!r}")
-    return recurrence_dot
+    """check_dot for the `recurrence_dot` argument."""
+    return check_dot(recurrence_dot, "recurrence_dot")
 
 
-def recurrence_dot_precision(dtype: torch.dtype, recurrence_dot: str) -> str:
+def op_dot_precision(dtype: torch.dtype, dot: str, auto: str | None = None) -> str:
+    """DOT_PREC of an op's chunk kernels for inputs of `dtype` under its `dot` argument (auto | bf16 | tf32, checked;
+    for bf16 inputs "auto" is `auto`, default LOW_PRECISION_DOT; fp32 and fp16 inputs as dot_precision)."""
+    return dot_precision(dtype, auto if check_dot(dot) == "auto" else dot)
+
+
+def iplr_dot_precision(dtype: torch.dtype, dot: str = "auto") -> str:
+    """op_dot_precision of the IPLR kernels ("auto": IPLR_LOW_PRECISION_DOT)."""
+    return op_dot_precision(dtype, dot, IPLR_LOW_PRECISION_DOT)
+
+
+def recurrence_dot_precision(dtype: torch.dtype, recurrence_dot: str, dot: str = "auto") -> str:
     """DOT_PREC of the WY and state-pass kernels for inputs of `dtype` under `recurrence_dot` (auto | bf16 | tf32: for
-    bf16 inputs, "auto" gives LOW_PRECISION_DOT's dots, the others their own; fp32 and fp16 inputs as dot_precision)."""
-    check_recurrence_dot(recurrence_dot)
-    return dot_precision(dtype, None if recurrence_dot == "auto" else recurrence_dot)
+    bf16 inputs, "auto" gives the op's `dot` precision, the others their own; fp32 and fp16 inputs as dot_precision)."""
+    if check_recurrence_dot(recurrence_dot) == "auto":
+        return op_dot_precision(dtype, dot)
+    return dot_precision(dtype, recurrence_dot)
 
 
 def _interpreted() -> bool:
@@ -117,19 +132,12 @@ def sixteen_bit_dots(dot_prec: str) -> bool:
     return dot_prec.startswith(("bf16", "fp16"))
 
 
-def operand_dtype(dtype: torch.dtype, dot_prec: str | None = None) -> torch.dtype:
+def operand_dtype(dtype: torch.dtype, dot_prec: str) -> torch.dtype:
     """Storage dtype of the intermediates that only ever feed DOT_PREC dots (T, w, dδ, dw; in IPLR also h, X, dh)
-    for inputs of `dtype` and dots in `dot_prec` (default dot_precision(dtype)): the dots' own operand dtype, bf16
-    when the dots are bf16 (stored through cast_for_store, they round exactly as the dot's own cast would), else
-    fp32."""
-    dot_prec = dot_prec or dot_precision(dtype)
+    for inputs of `dtype` and dots in `dot_prec`: the dots' own operand dtype, bf16 when the dots are bf16 (stored
+    through cast_for_store, they round exactly as the dot's own cast would), else fp32."""
     low = dtype == torch.bfloat16 and dot_prec.startswith("bf16")
     return torch.bfloat16 if low else torch.float32
-
-
-def iplr_operand_dtype(dtype: torch.dtype) -> torch.dtype:
-    """operand_dtype for the IPLR kernels' dots (iplr_dot_precision)."""
-    return operand_dtype(dtype, iplr_dot_precision(dtype))
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -33,7 +33,6 @@ from .chunking import ChunkLayout
 from .launch import launch
 from .precision import (
     cast_for_store,
-    dot_precision,
     mm,
     mma,
     operand_dtype,
@@ -248,8 +247,8 @@ def state_pass_bwd_kernel(
 # stored (False), which Triton copies into shared memory ahead, one buffer per pipeline stage. Always True for K > 128,
 # where the stored tiles take the pass to 233 KiB of shared memory at bf16 K = 256, over Hopper's 227 (185 KiB so).
 IPLR_A_IN_REGISTERS = {"wide": True, "narrow": False}
-# The state passes' value columns per program: "auto" (the occupancy rule of state_launch), or "wide" / "narrow"
-# whatever the batch, for the tests and benchmarks that must reach both launches (`--value-block`).
+# The state passes' value columns per program, state_launch's value_block when not given: "auto" (its occupancy
+# rule), or "wide" / "narrow" whatever the batch, which a benchmark run sets for its whole process (`--value-block`).
 VALUE_BLOCK = "auto"
 # Value columns per program of the narrow launch, per pass (32 where not listed). The narrow launch is latency-bound
 # (fewer programs than SMs at 64 columns): more, thinner programs shorten each chunk's chain. The forward pass at 16
@@ -258,18 +257,20 @@ VALUE_BLOCK = "auto"
 NARROW_BV: dict[str, int] = {"state_pass_fwd": 16}
 
 
-def state_launch(name: str, programs: int, K: int, V: int, device: torch.device,
-                 sm_count: int | None = None) -> tuple[str, int, int]:
+def state_launch(name: str, programs: int, K: int, V: int, device: torch.device, sm_count: int | None = None,
+                 value_block: str | None = None) -> tuple[str, int, int]:
     """(LAUNCH entry, BK, BV) for a state pass over `programs` sequence-heads: the whole key dim in registers, and
     64 value columns per program (the entry's *_wide settings) when K ≤ 128 and programs × V/64 still fill every
-    SM (`sm_count`, default the device's: 1 on the interpreter) or VALUE_BLOCK says "wide", else NARROW_BV's (a
-    [128, 32] fp32 state tile plus [64, 128] operand tiles fit 4 warps without spilling at K=128)."""
+    SM (`sm_count`, default the device's: 1 on the interpreter) or `value_block` (default VALUE_BLOCK) says "wide",
+    else NARROW_BV's (a [128, 32] fp32 state tile plus [64, 128] operand tiles fit 4 warps without spilling at
+    K=128)."""
     if K > 256:
         raise ValueError(f"the chunked state pass keeps the whole key dim in registers: K={K} must be <= 256")
     BK = triton.next_power_of_2(K)
     # swept at K=128 only: a [256, 64] fp32 state tile would spill at the *_wide warps, so wider keys stay at 32
     sm_count = _sm_count(device) if sm_count is None else sm_count
-    fills = VALUE_BLOCK == "wide" or (VALUE_BLOCK == "auto" and programs * triton.cdiv(V, 64) >= sm_count)
+    value_block = value_block or VALUE_BLOCK
+    fills = value_block == "wide" or (value_block == "auto" and programs * triton.cdiv(V, 64) >= sm_count)
     if BK <= 128 and V >= 64 and fills:
         return f"{name}_wide", BK, 64
     return name, BK, min(NARROW_BV.get(name, 32), triton.next_power_of_2(V))
@@ -317,19 +318,18 @@ def chunk_states_fwd(k, v, beta, G, initial_state, output_final_state: bool, lay
 
 
 def state_pass_bwd(q, k, G, do, dht, scale: float, need_dh0: bool, layout: ChunkLayout, Ai, beta=None, a=None, *,
-                   dot_prec: str, local_prec: str | None = None, dh_dtype: torch.dtype | None = None,
+                   dot_prec: str, local_prec: str, dh_dtype: torch.dtype | None = None,
                    dv_dtype: torch.dtype | None = None, query_stride: int = 1):
     """→ (dh [chunks, HV, K, V] in dh_dtype (default work_dtype(k.dtype)): gradient of each chunk's end state,
     dv [tokens, HV, V] in dv_dtype (default operand_dtype(k.dtype, dot_prec)): ∂L/∂δ, dh0 [N, HV, K, V] fp32 or
     None). dot_prec: the reverse pass's DOT_PREC (the recurrence's, the forward's); local_prec: the chunk-local
-    Pᵀ dO's (default dot_precision(q.dtype), the output pass's). dv feeds only dots downstream, so storing it in their
+    Pᵀ dO's (the output pass's). dv feeds only dots downstream, so storing it in their
     operand dtype changes no number; its chunk-local part is formed in the reverse pass (wide launch) or by
     local_dv_kernel into dv first (narrow launch).
     query_stride NH: q [tokens / NH, H, K] and do [tokens / NH, HV, V] hold the queries of every NH-th row (see the
     module docstring); k, G and the outputs span every row.
     w is formed from Ai (T): the gated WY's w = T diag(β γ) K with beta, or with `a` [tokens, H, K] given instead
     (IPLR, no gate) w = −T A: then dS gets Aᵀ Y and dv holds Y = Tᵀ dδ instead of dδ."""
-    local_prec = local_prec or dot_precision(q.dtype)
     TT, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     N = layout.num_seqs

@@ -15,7 +15,7 @@ import torch
 
 from ..common.chunking import chunk_layout
 from ..common.cumsum import chunk_local_cumsum
-from ..common.precision import check_recurrence_dot, recurrence_dot_precision
+from ..common.precision import check_dot, check_recurrence_dot, op_dot_precision, recurrence_dot_precision
 from ..common.state_pass import chunk_states_fwd
 from ..gated_delta_rule import chunk_gated_delta_rule
 from ..gated_delta_rule.chunk_bwd import chunk_gated_delta_rule_bwd
@@ -40,7 +40,7 @@ def to_first_substep(x: torch.Tensor, num_householder: int) -> torch.Tensor:
 class ChunkGatedDeltaProductFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, num_householder, scale, initial_state, output_final_state, cu_seqlens,
-                recurrence_prec):
+                dot_prec, recurrence_prec):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         n_h = num_householder
@@ -50,9 +50,10 @@ class ChunkGatedDeltaProductFunction(torch.autograd.Function):
         G = chunk_local_cumsum(_flat(g_sub), layout)
         Ai, h, v_new, ht = chunk_states_fwd(k_f, v_f, beta_f, G, initial_state, output_final_state, layout,
                                             dot_prec=recurrence_prec)
-        o = strided_output_fwd(_flat(q), k_f, v_new, h, G, scale, n_h, layout, v.dtype)
+        o = strided_output_fwd(_flat(q), k_f, v_new, h, G, scale, n_h, layout, v.dtype, dot_prec=dot_prec)
         ctx.save_for_backward(q, k, v, beta, initial_state, G, Ai)
-        ctx.layout, ctx.scale, ctx.num_householder, ctx.recurrence_prec = layout, scale, n_h, recurrence_prec
+        ctx.layout, ctx.scale, ctx.num_householder = layout, scale, n_h
+        ctx.dot_prec, ctx.recurrence_prec = dot_prec, recurrence_prec
         ctx.g_dtype = None if g is None else g.dtype
         return o.view(B, T, HV, V), ht
 
@@ -63,12 +64,12 @@ class ChunkGatedDeltaProductFunction(torch.autograd.Function):
         n_h = ctx.num_householder
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
             _flat(q), _flat(k), _flat(v), _flat(beta), ctx.scale, initial_state, G, Ai, _flat(do),
-            None if dht is None else dht.contiguous(), ctx.layout, query_stride=n_h,
+            None if dht is None else dht.contiguous(), ctx.layout, query_stride=n_h, dot_prec=ctx.dot_prec,
             recurrence_prec=ctx.recurrence_prec)
         dq = dq.view(B, T, H, K).to(q.dtype)
         dg = None if ctx.g_dtype is None else dg.view(B, T, n_h, -1)[:, :, 0].to(ctx.g_dtype)
         return (dq, dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype), dg,
-                dbeta.view(beta.shape).to(beta.dtype), None, None, dh0, None, None, None)
+                dbeta.view(beta.shape).to(beta.dtype), None, None, dh0, None, None, None, None)
 
 
 def chunk_gated_delta_product(
@@ -84,6 +85,7 @@ def chunk_gated_delta_product(
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     recurrence_dot: str = "auto",
+    dot: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta product, chunked, differentiable w.r.t. q, k, v, g, beta and initial_state.
 
@@ -91,16 +93,18 @@ def chunk_gated_delta_product(
     sub-step j of token t); g (log gate, ≤ 0): [B, T, HV] or None (no decay); scale: default K^-0.5;
     initial_state: [N, HV, K, V] fp32; cu_seqlens: [N+1] token offsets of q with B = 1. 16 ≤ K ≤ 256, V ≥ 16.
     recurrence_dot: auto | bf16 | tf32, the dots of the WY and state-pass kernels for bf16 inputs, as
-    chunk_gated_delta_rule's (with β up to 2 and no decay "tf32" takes the outputs' error from 5.6e-3 to 3.5e-3).
+    chunk_gated_delta_rule's (with β up to 2 and no decay "tf32" takes the outputs' error from 5.6e-3 to 3.5e-3);
+    dot: auto | bf16 | tf32, the other chunk kernels' dots, as chunk_gated_delta_rule's.
     Returns o [B, T, HV, V] in v's dtype and the final state [N, HV, K, V] fp32 (None unless output_final_state).
     """
     check_recurrence_dot(recurrence_dot)
+    check_dot(dot)
     _, _, scale = check_inputs(q, k, v, g, beta, num_householder, scale, initial_state, cu_seqlens)
     if num_householder == 1:  # no expansion: this is the gated delta rule itself
         if g is None:
             g = beta.new_zeros(beta.shape)
         return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                      use_qk_l2norm_in_kernel, recurrence_dot)
+                                      use_qk_l2norm_in_kernel, recurrence_dot, dot)
     if not 16 <= q.shape[-1] <= 256 or v.shape[-1] < 16:
         raise ValueError(f"the chunked kernels need 16 <= K <= 256 and V >= 16 (tl.dot tiles), got "
                          f"K={q.shape[-1]} (q/k) and V={v.shape[-1]} (v)")
@@ -115,5 +119,5 @@ def chunk_gated_delta_product(
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     return ChunkGatedDeltaProductFunction.apply(q, k, v, g, beta, num_householder, scale, initial_state,
-                                                output_final_state, cu_seqlens,
-                                                recurrence_dot_precision(q.dtype, recurrence_dot))
+                                                output_final_state, cu_seqlens, op_dot_precision(q.dtype, dot),
+                                                recurrence_dot_precision(q.dtype, recurrence_dot, dot))

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.precision import check_recurrence_dot
+from ..common.precision import check_dot, check_recurrence_dot
 from .inputs import check_inputs
 
 
@@ -94,12 +94,12 @@ class FusedRecurrentGatedDeltaProductFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, num_householder, scale, initial_state, output_final_state, cu_seqlens,
-                use_qk_l2norm, recurrence_dot):
+                use_qk_l2norm, recurrence_dot, dot):
         o, ht = fused_recurrent_gated_delta_product_fwd(q, k, v, g, beta, num_householder, scale, initial_state,
                                                         output_final_state, cu_seqlens, use_qk_l2norm)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
         ctx.num_householder, ctx.scale, ctx.use_qk_l2norm = num_householder, scale, use_qk_l2norm
-        ctx.output_final_state, ctx.recurrence_dot = output_final_state, recurrence_dot
+        ctx.output_final_state, ctx.recurrence_dot, ctx.dot = output_final_state, recurrence_dot, dot
         return o, ht
 
     @staticmethod
@@ -111,7 +111,7 @@ class FusedRecurrentGatedDeltaProductFunction(torch.autograd.Function):
         with torch.enable_grad():
             o, ht = chunk_gated_delta_product(*inputs[:5], ctx.num_householder, ctx.scale, inputs[5],
                                               ctx.output_final_state, cu_seqlens, ctx.use_qk_l2norm,
-                                              ctx.recurrence_dot)
+                                              ctx.recurrence_dot, ctx.dot)
             outputs, grads = [o], [do]
             if ht is not None and dht is not None:
                 outputs.append(ht)
@@ -119,7 +119,7 @@ class FusedRecurrentGatedDeltaProductFunction(torch.autograd.Function):
             wrt = [t for t in inputs if t is not None]
             computed = iter(torch.autograd.grad(outputs, wrt, grads, allow_unused=True))
         dq, dk, dv, dg, dbeta, dh0 = (None if t is None else next(computed) for t in inputs)
-        return dq, dk, dv, dg, dbeta, None, None, dh0, None, None, None, None
+        return dq, dk, dv, dg, dbeta, None, None, dh0, None, None, None, None, None
 
 
 def fused_recurrent_gated_delta_product(
@@ -135,18 +135,20 @@ def fused_recurrent_gated_delta_product(
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     recurrence_dot: str = "auto",
+    dot: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta product, token by token in one kernel (decoding: T = 1 with the cache state in and out).
 
     Same arguments, layout and returns as `chunk_gated_delta_product`: q [B, T, H, K]; k [B, T·n_h, H, K];
     v [B, T·n_h, HV, V]; beta [B, T·n_h, HV]; g [B, T, HV] or None; initial_state [N, HV, K, V] fp32;
-    cu_seqlens [N+1] token offsets of q with B = 1; recurrence_dot (auto | bf16 | tf32) for the backward, which
-    runs the chunked kernels. Returns (o [B, T, HV, V], final_state or None).
+    cu_seqlens [N+1] token offsets of q with B = 1; recurrence_dot and dot (auto | bf16 | tf32) for the backward,
+    which runs the chunked kernels. Returns (o [B, T, HV, V], final_state or None).
     """
     check_recurrence_dot(recurrence_dot)
+    check_dot(dot)
     _, _, scale = check_inputs(q, k, v, g, beta, num_householder, scale, initial_state, cu_seqlens)
     if initial_state is not None and initial_state.dtype != torch.float32:
         initial_state = initial_state.float()
     return FusedRecurrentGatedDeltaProductFunction.apply(q, k, v, g, beta, num_householder, scale, initial_state,
                                                          output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-                                                         recurrence_dot)
+                                                         recurrence_dot, dot)

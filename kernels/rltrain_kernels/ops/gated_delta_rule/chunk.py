@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..common.chunking import chunk_layout
-from ..common.precision import check_recurrence_dot, recurrence_dot_precision
+from ..common.precision import check_dot, check_recurrence_dot, op_dot_precision, recurrence_dot_precision
 from .chunk_bwd import chunk_gated_delta_rule_bwd
 from .chunk_fwd import CHUNK_SIZE, chunk_gated_delta_rule_fwd
 from .inputs import check_inputs, l2norm
@@ -24,15 +24,17 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, recurrence_prec):
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dot_prec,
+                recurrence_prec):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         layout = chunk_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
         o, ht, G, Ai = chunk_gated_delta_rule_fwd(_flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), scale,
-                                                  initial_state, output_final_state, layout,
+                                                  initial_state, output_final_state, layout, dot_prec=dot_prec,
                                                   recurrence_prec=recurrence_prec)
         ctx.save_for_backward(q, k, v, beta, initial_state, G, Ai)
-        ctx.layout, ctx.scale, ctx.g_dtype, ctx.recurrence_prec = layout, scale, g.dtype, recurrence_prec
+        ctx.layout, ctx.scale, ctx.g_dtype = layout, scale, g.dtype
+        ctx.dot_prec, ctx.recurrence_prec = dot_prec, recurrence_prec
         return o.view(B, T, HV, V), ht
 
     @staticmethod
@@ -41,16 +43,18 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         B, T = q.shape[:2]
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
             _flat(q), _flat(k), _flat(v), _flat(beta), ctx.scale, initial_state, G, Ai, _flat(do),
-            None if dht is None else dht.contiguous(), ctx.layout, recurrence_prec=ctx.recurrence_prec)
+            None if dht is None else dht.contiguous(), ctx.layout, dot_prec=ctx.dot_prec,
+            recurrence_prec=ctx.recurrence_prec)
         shape = lambda x, like: x.view(like.shape).to(like.dtype)  # noqa: E731
         return (shape(dq, q), shape(dk, k), shape(dv, v), dg.view(B, T, -1).to(ctx.g_dtype), shape(dbeta, beta),
-                None, dh0, None, None, None)
+                None, dh0, None, None, None, None)
 
 
 def chunk_gated_delta_rule_bwd_with_l2norm(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm,
-                                           do, dht, *, recurrence_prec: str):
+                                           do, dht, *, dot_prec: str, recurrence_prec: str):
     """Gradients of (o, final_state) w.r.t. (q, k, v, g, beta, initial_state), recomputing the forward chunk
-    pieces with the WY and state-pass kernels in `recurrence_prec`; used by the fused-recurrent path's backward.
+    pieces with the WY and state-pass kernels in `recurrence_prec`, the others in `dot_prec`; used by the
+    fused-recurrent path's backward.
     Returns (dq, dk, dv, dg, dbeta, dh0)."""
     with torch.enable_grad():
         q0, k0 = q.detach().requires_grad_(use_qk_l2norm), k.detach().requires_grad_(use_qk_l2norm)
@@ -59,10 +63,11 @@ def chunk_gated_delta_rule_bwd_with_l2norm(q, k, v, g, beta, scale, initial_stat
         layout = chunk_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
         _, _, G, Ai = chunk_gated_delta_rule_fwd(_flat(qn.detach()), _flat(kn.detach()), _flat(v), _flat(g),
                                                  _flat(beta), scale, initial_state, False, layout,
-                                                 recurrence_prec=recurrence_prec)
+                                                 dot_prec=dot_prec, recurrence_prec=recurrence_prec)
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
             _flat(qn.detach()), _flat(kn.detach()), _flat(v), _flat(beta), scale, initial_state, G, Ai,
-            _flat(do), None if dht is None else dht.contiguous(), layout, recurrence_prec=recurrence_prec)
+            _flat(do), None if dht is None else dht.contiguous(), layout, dot_prec=dot_prec,
+            recurrence_prec=recurrence_prec)
         dq, dk = dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype)
         if use_qk_l2norm:
             dq, dk = torch.autograd.grad((qn, kn), (q0, k0), (dq, dk))
@@ -82,6 +87,7 @@ def chunk_gated_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     recurrence_dot: str = "auto",
+    dot: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule, chunked (chunk size 64), differentiable w.r.t. q, k, v, g, beta and initial_state.
 
@@ -89,11 +95,13 @@ def chunk_gated_delta_rule(
     scale: default K^-0.5; initial_state: [N, HV, K, V] (fp32; N = B, or the number of sequences with
     cu_seqlens); cu_seqlens: [N+1] int offsets of packed sequences with B = 1. K ≤ 256.
     recurrence_dot: auto | bf16 | tf32, the dots of the kernels that carry the recurrence (WY and state passes,
-    forward and backward) for bf16 inputs; "auto" is the rest's (bf16), "tf32" costs ~+28% forward+backward time for
-    less rounding in the state (common/precision.py). fp32 and fp16 inputs ignore it.
+    forward and backward) for bf16 inputs; "auto" is `dot`'s, "tf32" costs ~+28% forward+backward time for less
+    rounding in the state. dot: auto | bf16 | tf32, the other chunk kernels' dots for bf16 inputs ("auto": bf16;
+    "tf32" for every dot costs ~+36%; common/precision.py). fp32 and fp16 inputs ignore both.
     Returns o [B, T, HV, V] in v's dtype and the final state [N, HV, K, V] fp32 (None unless output_final_state).
     """
     check_recurrence_dot(recurrence_dot)
+    check_dot(dot)
     _, _, scale = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if not 16 <= q.shape[-1] <= 256 or v.shape[-1] < 16:
         raise ValueError(f"the chunked kernels need 16 <= K <= 256 and V >= 16 (tl.dot tiles), got "
@@ -110,4 +118,5 @@ def chunk_gated_delta_rule(
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     return ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                             cu_seqlens, recurrence_dot_precision(q.dtype, recurrence_dot))
+                                             cu_seqlens, op_dot_precision(q.dtype, dot),
+                                             recurrence_dot_precision(q.dtype, recurrence_dot, dot))

@@ -23,7 +23,6 @@ from ..common.launch import launch
 from ..common.state_pass import chunk_states_fwd, query_rows, state_pass_bwd
 from ..common.precision import (
     cast_for_store,
-    dot_precision,
     mm,
     mma,
     operand_dtype,
@@ -113,10 +112,10 @@ def chunk_dqkwg_kernel(
 
 
 def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout, dq_dtype=torch.float32,
-                query_stride: int = 1, *, recurrence_prec: str):
+                query_stride: int = 1, *, dot_prec: str, recurrence_prec: str):
     """→ dq (per value head [tokens / query_stride, HV, K] in dq_dtype: the query rows, common/state_pass.py), dk
     (fp32, still lacking the WY part), dw (in operand_dtype(q.dtype, recurrence_prec): it feeds only the WY
-    backward's dots, in the recurrence's DOT_PREC), dG (partial, fp32)."""
+    backward's dots, in the recurrence's DOT_PREC), dG (partial, fp32); its own dots in dot_prec."""
     TT, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     dq = torch.empty(q.shape[0], HV, K, dtype=dq_dtype, device=q.device)
@@ -126,9 +125,8 @@ def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout
     if K > 256:
         raise ValueError(f"K={K} > 256 is not supported by the chunked backward")
     if layout.num_chunks:
-        dot_prec = dot_precision(q.dtype)
         wide = sixteen_bit_dots(dot_prec)  # see DQKWG_BV
-        scratch = scratch_tiles(layout, HV, operand_dtype(q.dtype), q.device)
+        scratch = scratch_tiles(layout, HV, operand_dtype(q.dtype, dot_prec), q.device)
         chunk_dqkwg_kernel[(layout.num_chunks, HV)](
             q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, scratch, layout.cu_seqlens, layout.chunk_indices,
             layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size,
@@ -138,22 +136,22 @@ def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout
 
 
 def chunk_gated_delta_rule_bwd(q, k, v, beta, scale: float, initial_state, G, Ai, do, dht, layout: ChunkLayout,
-                               query_stride: int = 1, *, recurrence_prec: str):
+                               query_stride: int = 1, *, dot_prec: str, recurrence_prec: str):
     """Flattened inputs (as chunk_gated_delta_rule_fwd) and the saved G, Ai → (dq [tokens, H, K], dk, dv
     [tokens, HV, V], dg [tokens, HV], dbeta [tokens, HV], dh0 or None). dv and dbeta come in v's and beta's dtype,
     dq and dk in q's and k's unless value heads share them (GVA: summed in fp32, returned fp32), written so by the
     kernels (no cast afterwards); dg and dh0 fp32. query_stride NH > 1 (the gated delta product): q, do and dq hold
-    only the query of every NH-th row, the others being zero (common/state_pass.py). recurrence_prec: the WY and
-    state-pass kernels' DOT_PREC, the forward's (chunk_gated_delta_rule_fwd)."""
+    only the query of every NH-th row, the others being zero (common/state_pass.py). dot_prec, recurrence_prec: the
+    forward's DOT_PRECs (chunk_gated_delta_rule_fwd): the chunk-local kernels', the WY and state-pass kernels'."""
     TT, H, K = k.shape
     HV = v.shape[1]
     gva = HV != H
     _, h, v_new, _ = chunk_states_fwd(k, v, beta, G, initial_state, False, layout, Ai=Ai, dot_prec=recurrence_prec)
     dh, dv_new, dh0 = state_pass_bwd(q, k, G, do, dht, scale, initial_state is not None, layout, Ai, beta=beta,
-                                     dot_prec=recurrence_prec, query_stride=query_stride)
+                                     dot_prec=recurrence_prec, local_prec=dot_prec, query_stride=query_stride)
     dq, dk, dw, dG = chunk_dqkwg(q, k, v_new, h, dh, do, dv_new, G, scale, layout,
                                  dq_dtype=torch.float32 if gva else q.dtype, query_stride=query_stride,
-                                 recurrence_prec=recurrence_prec)
+                                 dot_prec=dot_prec, recurrence_prec=recurrence_prec)
     dk, dv, dbeta = gated_wy_bwd(k, v, beta, G, Ai, dw, dv_new, dk, dG, layout, dk_final=not gva,
                                  dot_prec=recurrence_prec)
     dg = chunk_local_cumsum(dG, layout, reverse=True)

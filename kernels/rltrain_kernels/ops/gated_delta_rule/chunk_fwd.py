@@ -16,7 +16,7 @@ from ..common.chunking import ChunkLayout
 from ..common.cumsum import chunk_local_cumsum
 from ..common.launch import launch
 from ..common.state_pass import chunk_states_fwd
-from ..common.precision import cast_for_store, dot_precision, mma, raw_precision
+from ..common.precision import cast_for_store, mma, raw_precision
 
 CHUNK_SIZE = 64
 # (BK, BV) of the output pass, capped at K's and V's powers of two. bench_output_blocks.py (every BK, BV in 64, 128
@@ -67,9 +67,9 @@ def chunk_output_fwd_kernel(
 
 
 def chunk_output_fwd(q, k, v_new, h, G, scale: float, layout: ChunkLayout, out_dtype,
-                     blocks: tuple[int, int] | None = None) -> torch.Tensor:
+                     blocks: tuple[int, int] | None = None, *, dot_prec: str) -> torch.Tensor:
     """The output pass → o [tokens, HV, V] in out_dtype, in (BK, BV) = `blocks` tiles (default OUTPUT_BLOCKS) capped
-    at K's and V's powers of two."""
+    at K's and V's powers of two; dot_prec: its DOT_PREC (the op's `dot`, common/precision.py op_dot_precision)."""
     blocks = blocks or OUTPUT_BLOCKS
     TT, H, K = q.shape
     HV, V = v_new.shape[1], v_new.shape[2]
@@ -78,20 +78,19 @@ def chunk_output_fwd(q, k, v_new, h, G, scale: float, layout: ChunkLayout, out_d
     if layout.num_chunks:
         chunk_output_fwd_kernel[(layout.num_chunks, triton.cdiv(V, BV), HV)](
             q, k, v_new, h, G, o, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,
-            H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, DOT_PREC=dot_precision(q.dtype),
-            RAW_PREC=raw_precision(q.dtype),
-            **launch("output_fwd"))
+            H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, DOT_PREC=dot_prec,
+            RAW_PREC=raw_precision(q.dtype), **launch("output_fwd"))
     return o
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool,
-                               layout: ChunkLayout, *, recurrence_prec: str):
+                               layout: ChunkLayout, *, dot_prec: str, recurrence_prec: str):
     """Flattened inputs q, k [tokens, H, K], v [tokens, HV, V], g, beta [tokens, HV] (contiguous) →
     (o [tokens, HV, V] in v's dtype, final state or None, G fp32 chunk-local gate cumsum, Ai: the T matrices in
     operand_dtype(k.dtype, recurrence_prec)). recurrence_prec: the WY and state-pass kernels' DOT_PREC
-    (common/precision.py recurrence_dot_precision); the output pass takes dot_precision's."""
+    (common/precision.py recurrence_dot_precision); dot_prec: the output pass's (op_dot_precision)."""
     G = chunk_local_cumsum(g, layout)
     Ai, h, v_new, ht = chunk_states_fwd(k, v, beta, G, initial_state, output_final_state, layout,
                                         dot_prec=recurrence_prec)
-    o = chunk_output_fwd(q, k, v_new, h, G, scale, layout, v.dtype)
+    o = chunk_output_fwd(q, k, v_new, h, G, scale, layout, v.dtype, dot_prec=dot_prec)
     return o, ht, G, Ai

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.precision import check_recurrence_dot, recurrence_dot_precision
+from ..common.precision import check_dot, check_recurrence_dot, op_dot_precision, recurrence_dot_precision
 from .inputs import check_inputs
 
 
@@ -89,11 +89,12 @@ class FusedRecurrentGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
-                recurrence_prec):
+                dot_prec, recurrence_prec):
         o, ht = fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                      cu_seqlens, use_qk_l2norm)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
-        ctx.scale, ctx.use_qk_l2norm, ctx.recurrence_prec = scale, use_qk_l2norm, recurrence_prec
+        ctx.scale, ctx.use_qk_l2norm = scale, use_qk_l2norm
+        ctx.dot_prec, ctx.recurrence_prec = dot_prec, recurrence_prec
         return o, ht
 
     @staticmethod
@@ -103,8 +104,8 @@ class FusedRecurrentGatedDeltaRuleFunction(torch.autograd.Function):
         q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd_with_l2norm(
             q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, ctx.use_qk_l2norm, do, dht,
-            recurrence_prec=ctx.recurrence_prec)
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None
+            dot_prec=ctx.dot_prec, recurrence_prec=ctx.recurrence_prec)
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None, None
 
 
 def fused_recurrent_gated_delta_rule(
@@ -119,17 +120,20 @@ def fused_recurrent_gated_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     recurrence_dot: str = "auto",
+    dot: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule, token by token in one kernel (decoding: T = 1 with the cache state in and out).
 
     Same arguments, layout and returns as `chunk_gated_delta_rule`: q, k [B, T, H, K]; v [B, T, HV, V];
-    g, beta [B, T, HV]; initial_state [N, HV, K, V] fp32; cu_seqlens [N+1] with B = 1; recurrence_dot (auto | bf16 |
-    tf32) for the backward, which runs the chunked kernels. Returns (o, final_state).
+    g, beta [B, T, HV]; initial_state [N, HV, K, V] fp32; cu_seqlens [N+1] with B = 1; recurrence_dot and dot (auto |
+    bf16 | tf32) for the backward, which runs the chunked kernels. Returns (o, final_state).
     """
     check_recurrence_dot(recurrence_dot)
+    check_dot(dot)
     _, _, scale = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if initial_state is not None and initial_state.dtype != torch.float32:
         initial_state = initial_state.float()
     return FusedRecurrentGatedDeltaRuleFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                       cu_seqlens, use_qk_l2norm_in_kernel,
-                                                      recurrence_dot_precision(q.dtype, recurrence_dot))
+                                                      op_dot_precision(q.dtype, dot),
+                                                      recurrence_dot_precision(q.dtype, recurrence_dot, dot))

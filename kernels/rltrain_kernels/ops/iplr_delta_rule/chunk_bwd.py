@@ -24,8 +24,7 @@ import triton.language as tl
 
 from ..common.chunking import ChunkLayout
 from ..common.launch import launch
-from ..common.precision import (cast_for_store, iplr_dot_precision, iplr_operand_dtype, mm, mma, raw_precision,
-                                sixteen_bit_dots)
+from ..common.precision import cast_for_store, mm, mma, operand_dtype, raw_precision, sixteen_bit_dots
 from ..common.state_pass import state_pass_bwd
 from .chunk_fwd import iplr_state_pass_fwd
 
@@ -149,8 +148,9 @@ def iplr_bwd_key_kernel(
     tl.store(dk + p_k, cast_for_store(b_dk, dk, DOT_PREC), mask=m_tk)
 
 
-def iplr_bwd_chunks(q, k, v, a, b, x, h, dh, do, y, scale: float, layout: ChunkLayout):
-    """The two chunk-parallel kernels → (dq, dk, dv, da, db), each in its input's dtype (final)."""
+def iplr_bwd_chunks(q, k, v, a, b, x, h, dh, do, y, scale: float, layout: ChunkLayout, *, dot_prec: str):
+    """The two chunk-parallel kernels → (dq, dk, dv, da, db), each in its input's dtype (final); their dots in
+    dot_prec (the forward's)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     if K > 256:
@@ -158,7 +158,6 @@ def iplr_bwd_chunks(q, k, v, a, b, x, h, dh, do, y, scale: float, layout: ChunkL
     dq, dk, da, db = (torch.empty_like(t) for t in (q, k, a, b))
     dv = torch.empty_like(v)
     if layout.num_chunks:
-        dot_prec = iplr_dot_precision(q.dtype)
         wide = sixteen_bit_dots(dot_prec) and K <= 128
         bv = {kernel: min(bv if wide else 32, triton.next_power_of_2(V)) for kernel, bv in BWD_BV.items()}
         common = dict(H=H, K=K, V=V, BT=layout.chunk_size, BK=triton.next_power_of_2(K), DOT_PREC=dot_prec)
@@ -172,15 +171,15 @@ def iplr_bwd_chunks(q, k, v, a, b, x, h, dh, do, y, scale: float, layout: ChunkL
     return dq, dk, dv, da, db
 
 
-def chunk_iplr_delta_rule_bwd(q, k, v, a, b, scale: float, initial_state, Ai, Ak, do, dht, layout: ChunkLayout):
+def chunk_iplr_delta_rule_bwd(q, k, v, a, b, scale: float, initial_state, Ai, Ak, do, dht, layout: ChunkLayout, *,
+                              dot_prec: str):
     """Flattened contiguous inputs (as chunk_iplr_delta_rule_fwd), the saved T and strict(A Kᵀ) tiles Ai, Ak, do
-    [tokens, H, V] and
-    dht (or None) → (dq, dk, dv, da, db [tokens, H, *] in the inputs' dtypes, dh0 [N, H, K, V] fp32 or None)."""
-    h, x, _ = iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, False, layout)
+    [tokens, H, V] and dht (or None) → (dq, dk, dv, da, db [tokens, H, *] in the inputs' dtypes, dh0 [N, H, K, V]
+    fp32 or None); dot_prec: the forward's DOT_PREC."""
+    h, x, _ = iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, False, layout, dot_prec=dot_prec)
     # The shared reverse state pass: X plays δ, b plays k, w = −T A comes from T and a; it hands back Y = Tᵀ dX.
-    dot_prec = iplr_dot_precision(q.dtype)
     dh, y, dh0 = state_pass_bwd(q, b, None, do, dht, scale, initial_state is not None, layout, Ai, a=a,
-                                dot_prec=dot_prec, local_prec=dot_prec, dh_dtype=iplr_operand_dtype(q.dtype),
-                                dv_dtype=iplr_operand_dtype(q.dtype))
-    dq, dk, dv, da, db = iplr_bwd_chunks(q, k, v, a, b, x, h, dh, do, y, scale, layout)
+                                dot_prec=dot_prec, local_prec=dot_prec, dh_dtype=operand_dtype(q.dtype, dot_prec),
+                                dv_dtype=operand_dtype(q.dtype, dot_prec))
+    dq, dk, dv, da, db = iplr_bwd_chunks(q, k, v, a, b, x, h, dh, do, y, scale, layout, dot_prec=dot_prec)
     return dq, dk, dv, da, db, dh0

@@ -7,8 +7,9 @@ Per chunk (local rows i, j; Q, K, V, A, B the chunk's q, k, v, a, b rows; S the 
 The state pass forms X from T and the raw inputs: no WY factors (w = −T A, u = T strict(A Kᵀ) V) go through memory,
 so the backward, which reruns this pass for S and X, recomputes nothing but it. Everything runs on the flattened
 token axis with a ChunkLayout (common/chunking.py). T, strict(A Kᵀ), the states h and X, which feed nothing but dots,
-are stored in those dots' operand dtype (precision.iplr_operand_dtype: fp32 unless the IPLR dots run in bf16, when
-storing them in bf16 changes no number). Products of two raw inputs (a bᵀ, a kᵀ, q kᵀ, q bᵀ, kᵀ v; k qᵀ, k aᵀ in
+are stored in those dots' operand dtype (precision.operand_dtype: fp32 unless the IPLR dots run in bf16, when
+storing them in bf16 changes no number). The dots' precision dot_prec is the op's `dot` (precision.iplr_dot_precision),
+handed to every launch. Products of two raw inputs (a bᵀ, a kᵀ, q kᵀ, q bᵀ, kᵀ v; k qᵀ, k aᵀ in
 the backward) take RAW_PREC, the inputs' own dtype on the tensor cores, where they are exact. No dot operand is the
 transpose of a dot result (the Hopper miscompile pattern of fla #640, see common/scratch.py).
 """
@@ -21,8 +22,7 @@ import triton.language as tl
 
 from ..common.chunking import ChunkLayout
 from ..common.launch import launch
-from ..common.precision import (cast_for_store, iplr_dot_precision, iplr_operand_dtype, mm, mma, raw_precision,
-                                solve_precision)
+from ..common.precision import cast_for_store, mm, mma, operand_dtype, raw_precision, solve_precision
 from ..common.state_pass import state_launch
 from ..common.wy import solve_unit_lower
 
@@ -77,16 +77,16 @@ def iplr_solve_kernel(
     tl.store(Ai + p_A, cast_for_store(b_T, Ai, DOT_PREC), mask=m_t[:, None])
 
 
-def iplr_solve(k, a, b, layout: ChunkLayout):
+def iplr_solve(k, a, b, layout: ChunkLayout, *, dot_prec: str):
     """k, a, b [tokens, H, K] → (Ai, Ak) [tokens, H, BT]: each chunk's T and strict(A Kᵀ), in
-    iplr_operand_dtype(a.dtype) (they feed only dots)."""
+    operand_dtype(a.dtype, dot_prec) (they feed only dots)."""
     TT, H, K = a.shape
     BT = layout.chunk_size
-    Ai, Ak = (torch.empty(TT, H, BT, dtype=iplr_operand_dtype(a.dtype), device=a.device) for _ in range(2))
+    Ai, Ak = (torch.empty(TT, H, BT, dtype=operand_dtype(a.dtype, dot_prec), device=a.device) for _ in range(2))
     if layout.num_chunks:
         iplr_solve_kernel[(layout.num_chunks, H)](
             k, a, b, Ai, Ak, layout.cu_seqlens, layout.chunk_indices, H=H, K=K, BT=BT,
-            BK=min(64, triton.next_power_of_2(K)), DOT_PREC=iplr_dot_precision(a.dtype),
+            BK=min(64, triton.next_power_of_2(K)), DOT_PREC=dot_prec,
             RAW_PREC=raw_precision(a.dtype), SOLVE_PREC=solve_precision(a.dtype), **launch("iplr_solve"))
     return Ai, Ak
 
@@ -138,17 +138,18 @@ def iplr_state_pass_fwd_kernel(
         tl.store(ht + (i_n * H + i_h).to(tl.int64) * K * V + state_offset, b_h, mask=m_h)
 
 
-def iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, output_final_state: bool, layout: ChunkLayout):
-    """→ (h [chunks, H, K, V] chunk-start states, x [tokens, H, V] a-reads, both in iplr_operand_dtype(k.dtype),
-    final state (fp32) or None)."""
+def iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, output_final_state: bool, layout: ChunkLayout, *,
+                        dot_prec: str):
+    """→ (h [chunks, H, K, V] chunk-start states, x [tokens, H, V] a-reads, both in operand_dtype(k.dtype,
+    dot_prec), final state (fp32) or None)."""
     TT, H, K = k.shape
     V = v.shape[-1]
     N = layout.num_seqs
     # BV (and the K ≤ 256 check) by common/state_pass.py's occupancy rule: 64 value columns per program
     # (iplr_state_pass_fwd_wide) when the programs still fill every SM, else 32.
     name, BK, BV = state_launch("iplr_state_pass_fwd", N * H, K, V, k.device)
-    h = torch.empty(layout.num_chunks, H, K, V, dtype=iplr_operand_dtype(k.dtype), device=k.device)
-    x = torch.empty(TT, H, V, dtype=iplr_operand_dtype(k.dtype), device=k.device)
+    h = torch.empty(layout.num_chunks, H, K, V, dtype=operand_dtype(k.dtype, dot_prec), device=k.device)
+    x = torch.empty(TT, H, V, dtype=operand_dtype(k.dtype, dot_prec), device=k.device)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
     if initial_state is not None:
         initial_state = initial_state.contiguous()  # addressed as dense [N, H, K, V], whatever the caller's layout
@@ -160,7 +161,7 @@ def iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, output_final_state: b
         iplr_state_pass_fwd_kernel[(N * H, triton.cdiv(V, BV))](
             k, v, a, b, Ai, Ak, h, x, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, K=K, V=V,
             BT=layout.chunk_size, BK=BK, BV=BV, USE_INITIAL_STATE=initial_state is not None,
-            STORE_FINAL_STATE=output_final_state, DOT_PREC=iplr_dot_precision(k.dtype),
+            STORE_FINAL_STATE=output_final_state, DOT_PREC=dot_prec,
             RAW_PREC=raw_precision(k.dtype), RAW_IN_REGISTERS=in_registers, **launch(name, large_tiles))
     return h, x, ht
 
@@ -210,9 +211,9 @@ def iplr_output_fwd_kernel(
 
 
 def iplr_output_fwd(q, k, v, b, x, h, scale: float, layout: ChunkLayout, out_dtype,
-                    blocks: tuple[int, int] | None = None) -> torch.Tensor:
+                    blocks: tuple[int, int] | None = None, *, dot_prec: str) -> torch.Tensor:
     """The output pass → o [tokens, H, V] in out_dtype, in (BK, BV) = `blocks` tiles (default OUTPUT_BLOCKS) capped
-    at K's and V's powers of two."""
+    at K's and V's powers of two, its dots in dot_prec."""
     blocks = blocks or OUTPUT_BLOCKS
     TT, H, K = q.shape
     V = v.shape[-1]
@@ -221,16 +222,17 @@ def iplr_output_fwd(q, k, v, b, x, h, scale: float, layout: ChunkLayout, out_dty
     if layout.num_chunks:
         iplr_output_fwd_kernel[(layout.num_chunks, triton.cdiv(V, BV), H)](
             q, k, v, b, x, h, o, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,
-            H=H, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, DOT_PREC=iplr_dot_precision(q.dtype),
+            H=H, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, DOT_PREC=dot_prec,
             RAW_PREC=raw_precision(q.dtype), **launch("iplr_output_fwd"))
     return o
 
 
 def chunk_iplr_delta_rule_fwd(q, k, v, a, b, scale: float, initial_state, output_final_state: bool,
-                              layout: ChunkLayout):
+                              layout: ChunkLayout, *, dot_prec: str):
     """Flattened contiguous inputs q, k, a, b [tokens, H, K], v [tokens, H, V] → (o [tokens, H, V] in v's dtype,
-    final state or None, (Ai, Ak): each chunk's T and strict(A Kᵀ), for the backward)."""
-    Ai, Ak = iplr_solve(k, a, b, layout)
-    h, x, ht = iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, output_final_state, layout)
-    o = iplr_output_fwd(q, k, v, b, x, h, scale, layout, v.dtype)
+    final state or None, (Ai, Ak): each chunk's T and strict(A Kᵀ), for the backward); dot_prec: every kernel's
+    DOT_PREC (precision.iplr_dot_precision)."""
+    Ai, Ak = iplr_solve(k, a, b, layout, dot_prec=dot_prec)
+    h, x, ht = iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, output_final_state, layout, dot_prec=dot_prec)
+    o = iplr_output_fwd(q, k, v, b, x, h, scale, layout, v.dtype, dot_prec=dot_prec)
     return o, ht, (Ai, Ak)

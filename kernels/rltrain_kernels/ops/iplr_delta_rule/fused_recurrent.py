@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.precision import check_dot, iplr_dot_precision
 from .inputs import check_inputs
 
 
@@ -79,11 +80,11 @@ class FusedRecurrentIPLRDeltaRuleFunction(torch.autograd.Function):
     """Forward through the recurrent kernel; backward through the chunked backward (same maths, recomputed)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens):
+    def forward(ctx, q, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, dot_prec):
         o, ht = fused_recurrent_iplr_delta_rule_fwd(q, k, v, a, b, scale, initial_state, output_final_state,
                                                     cu_seqlens)
         ctx.save_for_backward(q, k, v, a, b, initial_state, cu_seqlens)
-        ctx.scale = scale
+        ctx.scale, ctx.dot_prec = scale, dot_prec
         return o, ht
 
     @staticmethod
@@ -91,8 +92,9 @@ class FusedRecurrentIPLRDeltaRuleFunction(torch.autograd.Function):
         from .chunk import chunk_iplr_delta_rule_bwd_recompute
 
         q, k, v, a, b, initial_state, cu_seqlens = ctx.saved_tensors
-        grads = chunk_iplr_delta_rule_bwd_recompute(q, k, v, a, b, ctx.scale, initial_state, cu_seqlens, do, dht)
-        return (*grads[:5], None, grads[5], None, None)
+        grads = chunk_iplr_delta_rule_bwd_recompute(q, k, v, a, b, ctx.scale, initial_state, cu_seqlens, do, dht,
+                                                    dot_prec=ctx.dot_prec)
+        return (*grads[:5], None, grads[5], None, None, None)
 
 
 def fused_recurrent_iplr_delta_rule(
@@ -105,15 +107,18 @@ def fused_recurrent_iplr_delta_rule(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    dot: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """IPLR delta rule, token by token in one kernel (decoding: T = 1 with the cache state in and out).
 
     Same arguments, layout and returns as `chunk_iplr_delta_rule`: q, k, a, b [B, T, H, K]; v [B, T, H, V];
-    initial_state [N, H, K, V] fp32; cu_seqlens [N+1] with B = 1. Returns (o, final_state).
-    Differentiable (the backward runs the chunked backward kernels; needs 16 <= K <= 256, V >= 16).
+    initial_state [N, H, K, V] fp32; cu_seqlens [N+1] with B = 1; dot (auto | bf16 | tf32) for the backward.
+    Returns (o, final_state). Differentiable (the backward runs the chunked backward kernels; needs 16 <= K <= 256,
+    V >= 16).
     """
+    check_dot(dot)
     _, scale = check_inputs(q, k, v, a, b, scale, initial_state, cu_seqlens)
     if initial_state is not None and initial_state.dtype != torch.float32:
         initial_state = initial_state.float()
     return FusedRecurrentIPLRDeltaRuleFunction.apply(q, k, v, a, b, scale, initial_state, output_final_state,
-                                                     cu_seqlens)
+                                                     cu_seqlens, iplr_dot_precision(q.dtype, dot))

@@ -3,8 +3,10 @@
     from rltrain_kernels.ops.linear_logprobs import linear_logprobs
     logprobs, entropy = linear_logprobs(hidden, lm_head.weight, labels, temperature=0.7)
 
-Layers: kernel.py (Triton row passes, imported lazily) → chunk.py (tiling drivers, torch row passes, GEMMs) →
-function.py (autograd Function, checks, public function); naive.py is the dense float64 ground truth.
+Layers: the vocabulary tiling shared with the policy loss in ops/common/ (vocab_tiles.py: tile backends, torch row
+passes, fp32-output GEMMs; row_pass.py: Triton row passes; vocab_gemm.py: the fused GEMM) → fused.py (this op's
+tile backend on the fused GEMM, imported lazily) → chunk.py (tiling drivers) → function.py (autograd Function,
+checks, public function); naive.py is the dense float64 ground truth.
 README.md has the maths and the memory bound.
 """
 

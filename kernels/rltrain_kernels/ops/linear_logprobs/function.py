@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from rltrain_kernels.ops.common.vocab_tiles import TorchTiles
 from rltrain_kernels.ops.linear_logprobs.chunk import (
-    DEFAULT_CHUNKS, ChunkConfig, TorchTiles, VocabShard, backward_chunks, forward_chunks, vocab_shard,
+    DEFAULT_CHUNKS, ChunkConfig, VocabShard, backward_chunks, forward_chunks, vocab_shard,
 )
 
 IMPLS = ("auto", "fused", "triton", "torch")
@@ -20,20 +21,21 @@ def _tiles(impl: str, hidden: torch.Tensor, weight: torch.Tensor, config: ChunkC
         if hidden.device.type != "cuda":
             impl = "torch"
         else:
-            from rltrain_kernels.ops.linear_logprobs import fused
+            from rltrain_kernels.ops.common import vocab_gemm
 
-            impl = "fused" if fused.supports(hidden, weight) else "triton"
+            impl = "fused" if vocab_gemm.supports(hidden, weight) else "triton"
     if impl == "torch":
         return TorchTiles()
-    from rltrain_kernels.ops.linear_logprobs import kernel
+    from rltrain_kernels.ops.common import row_pass
 
-    kernel.check_runnable(hidden.device)
+    row_pass.check_runnable(hidden.device)
     if impl == "triton":
-        return kernel.TritonTiles(config.block_v)
-    from rltrain_kernels.ops.linear_logprobs import fused
+        return row_pass.TritonTiles(config.block_v)
+    from rltrain_kernels.ops.common import vocab_gemm
+    from rltrain_kernels.ops.linear_logprobs.fused import FusedTiles
 
-    fused.check_runnable(hidden, weight)
-    return fused.FusedTiles()
+    vocab_gemm.check_runnable(hidden, weight)
+    return FusedTiles(config.gemm)
 
 
 class LinearLogprobsFunction(torch.autograd.Function):
@@ -122,7 +124,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         impl: "auto" (on CUDA: "fused" for bf16/fp16 on sm_90+, else "triton"; "torch" elsewhere), "fused"
             (Triton GEMMs with the row passes in their epilogues), "triton" (cuBLAS GEMMs + Triton row passes)
             or "torch" (chunked torch). "fused"/"triton" on CPU tensors need TRITON_INTERPRET=1.
-        chunk_config: tile sizes (see ChunkConfig; they bound the workspace).
+        chunk_config: tile sizes (see ChunkConfig; they bound the workspace) and the fused path's GemmConfig.
 
     Returns:
         (logprobs, entropy): fp32 with labels' shape; entropy is None when return_entropy=False.

@@ -6,12 +6,13 @@ never materialised beyond one token chunk.
                             clip_low=0.2, clip_high=0.28, kl_coef=0.001, loss_agg="token-mean")
     out.loss.backward(); out.logprobs, out.entropy, out.metrics["clipfrac"]
 
-Layers: kernel.py (Triton token kernels; the vocab-wide row passes are linear_logprobs') → chunk.py (chunk driver,
-torch twins of the kernels) → function.py (checks, path choice, autograd Function, public function); scaled.py is
-the fused path's bf16 form of the kept logits (no dlogits pass); reference.py is the dense ground truth with the
-same signature; options.py holds the shared options, checks and output types; accumulation.py how a mini-batch's
-loss splits over micro-batches. README.md has the maths, the GEMM
-count and the memory bound.
+Layers: the vocabulary tiling shared with linear_logprobs in ops/common/ (vocab_tiles.py, row_pass.py: the
+vocab-wide row passes; vocab_gemm.py: the fused GEMM) and kernel.py (Triton token kernels) → chunk.py (chunk driver,
+torch twins of the kernels) → function.py (checks, path choice, autograd Function, public function); shifted.py is
+the fused path's kept logits and their dlogits pass, scaled.py their bf16 form (no dlogits pass); reference.py is
+the dense ground truth with the same signature; options.py holds the shared options, checks and output types;
+accumulation.py how a mini-batch's loss splits over micro-batches. README.md has the maths, the GEMM count and the
+memory bound.
 """
 
 from rltrain_kernels.ops.policy_loss.accumulation import LossAccumulation

@@ -3,7 +3,7 @@
 Per chunk of `rows` tokens, over the whole vocabulary at once (README.md has the maths):
 
     logits = hidden_c @ weight.T, kept     GEMM 1 + the row statistics  (DenseChunkLogits: cuBLAS fp32 tile, then
-                                           a row pass; ShiftedChunkLogits: the statistics in a Triton GEMM's
+                                           a row pass; shifted.py: the statistics in the fused Triton GEMM's
                                            epilogue, which keeps y = z − block max in fp16)
     logp, entropy, log Σ; per-token loss, ∂L/∂logp    O(rows) kernels (kernel.py / TorchLossOps below)
     kept logits → dlogits in place (weight dtype)     a row pass
@@ -30,27 +30,31 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from rltrain_kernels.ops.linear_logprobs.chunk import _balanced_bounds, mm_fp32, shifted_row_bytes
+from rltrain_kernels.ops.common.vocab_tiles import GemmConfig, balanced_bounds, mm_fp32
 from rltrain_kernels.ops.policy_loss.options import PolicyLossOptions
 
 
 @dataclass(frozen=True)
 class PolicyLossChunkConfig:
-    """How many tokens one chunk holds. The workspace is rows·V·4 B (the fp32 logits tile, turned into dlogits in
-    place) whatever B·T is; plus O(B·T) fp32 per-token vectors (~60 B/token)."""
+    """How many tokens one chunk holds (and the kernels' blocks). The workspace is rows·V·4 B (the fp32 logits tile,
+    turned into dlogits in place) whatever B·T is; plus O(B·T) fp32 per-token vectors (~60 B/token)."""
 
     workspace_bytes: int = 640 * 2**20   # → rows = 1024 at V=151936 (see module docstring)
     token_chunk: int | None = None       # explicit rows per chunk (overrides workspace_bytes)
     align: int = 128                     # rows are a multiple of this (GEMM tile edge)
     block_v: int = 2048                  # Triton row-pass block (linear_logprobs' choice: 8 fp32 per thread)
+    gemm: GemmConfig | None = None       # the fused path's blocks and launch; None: GemmConfig.default()
 
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if f.name != "gemm" and value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"PolicyLossChunkConfig.{f.name} must be a positive int, got {value!r}")
         if self.block_v & (self.block_v - 1):
             raise ValueError(f"PolicyLossChunkConfig.block_v must be a power of two, got {self.block_v}")
+        if self.gemm is not None and not isinstance(self.gemm, GemmConfig):
+            raise TypeError(f"PolicyLossChunkConfig.gemm must be a GemmConfig or None, got "
+                            f"{type(self.gemm).__name__}")
 
     def rows(self, vocab: int, row_bytes: int | None = None) -> int:
         """Tokens per chunk: token_chunk, else as many whole `align`s as fit workspace_bytes at row_bytes per row
@@ -64,12 +68,19 @@ class PolicyLossChunkConfig:
 DEFAULT_CHUNKS = PolicyLossChunkConfig()
 
 
+def shifted_row_bytes(vocab: int, block_n: int = GemmConfig.block_n) -> int:
+    """Workspace bytes per row of the fused path's kept logits (shifted.ShiftedChunkLogits, scaled.py): fp16 y with
+    its row stride padded to 16 B, plus 12 B of block statistics per block_n columns (the GemmConfig's)."""
+    return 2 * -(-vocab // 8) * 8 + 12 * -(-vocab // block_n)
+
+
 def workspace_bytes(n_tokens: int, vocab: int, config: PolicyLossChunkConfig = DEFAULT_CHUNKS) -> int:
     """Bytes of the logits workspace (the only allocation that grows with V) on whichever path is larger: the
     fp32 tile (rows·V·4 B) or the fused path's fp16 y + block statistics (~rows·V·2 B, twice the rows). Without
-    token_chunk both fit config.workspace_bytes, for any n_tokens."""
-    return max(min(n_tokens, config.rows(vocab)) * vocab * 4,
-               min(n_tokens, config.rows(vocab, shifted_row_bytes(vocab))) * shifted_row_bytes(vocab))
+    token_chunk both fit config.workspace_bytes, for any n_tokens. The fused path's blocks: config.gemm's, else the
+    shipped GemmConfig's."""
+    kept = shifted_row_bytes(vocab, (config.gemm or GemmConfig()).block_n)
+    return max(min(n_tokens, config.rows(vocab)) * vocab * 4, min(n_tokens, config.rows(vocab, kept)) * kept)
 
 
 @dataclass
@@ -223,8 +234,8 @@ def _sequence_bounds(n_seqs: int, seq_len: int, rows: int) -> list[tuple[int, in
 
 class DenseChunkLogits:
     """A chunk's logits as an fp32 [rows, V] tile from cuBLAS (CPU: upcast operands), then `tiles`' row passes
-    over it (linear_logprobs' TorchTiles / kernel.TritonTiles): the statistics pass reads the tile, the dlogits
-    pass reads it again and writes dlogits over it in the weight dtype. 4 B per logit of workspace."""
+    over it (ops/common: vocab_tiles.TorchTiles / row_pass.TritonTiles): the statistics pass reads the tile, the
+    dlogits pass reads it again and writes dlogits over it in the weight dtype. 4 B per logit of workspace."""
 
     def __init__(self, tiles):
         self.tiles = tiles
@@ -251,37 +262,6 @@ class DenseChunkLogits:
         """(dlogits [rows, V] in the weight dtype, None): the gradient GEMMs' operand and its row scale (none)."""
         return self.tiles.logits_grad_in_place(tile, weight.dtype, labels_c, 0, inv_temp, c.m, c.log_sum, c.entropy,
                                                c.g_logp, c.g_entropy), None
-
-
-class ShiftedChunkLogits:
-    """A chunk's logits through linear_logprobs' fused GEMM (fused.FusedTiles: Triton, bf16/fp16 on sm_90+), whose
-    epilogue folds the row statistics and keeps y = z − (its block's max) in fp16; the dlogits pass reads y and
-    the block maxes and writes dlogits over y. ~2 B per logit of workspace (so twice the rows of the dense tile
-    in the same bytes) and no statistics pass over memory: GEMM 1 ends with the statistics known."""
-
-    def __init__(self, fused_tiles):
-        self.fused = fused_tiles
-
-    def row_bytes(self, vocab: int) -> int:
-        return self.fused.row_bytes(vocab)
-
-    def workspace(self, rows: int, vocab: int, device):
-        return self.fused.shifted_workspace(rows, vocab, device)
-
-    def logits(self, workspace, hidden_c, weight, labels_c, c: "LossBuffers", inv_temp, fold: bool,
-               keep: bool = True):
-        """keep=False (statistics only: no gradient pass follows, or GSPO's first pass) skips storing y."""
-        y, part = workspace
-        y = y[: hidden_c.shape[0]]
-        self.fused.fold_and_keep(hidden_c, weight, y if keep else None, part, labels_c, inv_temp, c.m, c.u, c.t,
-                                 c.label_z, fold=fold)
-        return y, part
-
-    def dlogits(self, kept, weight, labels_c, c: "LossBuffers", inv_temp):
-        y, part = kept
-        return self.fused.logits_grad_from_kept(y, part, y.view(weight.dtype), labels_c, inv_temp, row_max=c.m,
-                                                log_sum=c.log_sum, entropy=c.entropy, g_logprob=c.g_logp,
-                                                g_entropy=c.g_entropy), None
 
 
 def _chunk_grads(dlogits, row_scale, weight, hidden_c, grad_hidden_c, grad_weight, first: bool,
@@ -315,7 +295,7 @@ def _chunk_grads(dlogits, row_scale, weight, hidden_c, grad_hidden_c, grad_weigh
 def policy_loss_chunks(hidden, weight, labels, b: LossBuffers, seq_len: int, opts: PolicyLossOptions, chunk_logits,
                        loss_ops, config: PolicyLossChunkConfig, need_grad_hidden: bool, need_grad_weight: bool):
     """hidden [N, H], weight [V, H], labels [N] int64, b: LossBuffers over N = n_seqs·seq_len tokens;
-    chunk_logits: DenseChunkLogits, ShiftedChunkLogits or scaled.ScaledChunkLogits. Fills b and returns
+    chunk_logits: DenseChunkLogits, shifted.ShiftedChunkLogits or scaled.ScaledChunkLogits. Fills b and returns
     (grad_hidden [N, H] or None, grad_weight [V, H] or None) of loss = Σ b.contrib."""
     n, v = hidden.shape[0], weight.shape[0]
     inv_temp = 1.0 / opts.temperature
@@ -325,7 +305,7 @@ def policy_loss_chunks(hidden, weight, labels, b: LossBuffers, seq_len: int, opt
     if sequence and one_pass:
         bounds = _sequence_bounds(n // max(seq_len, 1), seq_len, rows) if n else []
     else:
-        bounds = _balanced_bounds(n, rows, config.align)
+        bounds = balanced_bounds(n, rows, config.align)
     grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
     grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_grad_weight else None
     if not bounds:

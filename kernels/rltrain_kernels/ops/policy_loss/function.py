@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from rltrain_kernels.ops.common.vocab_tiles import TorchTiles
 from rltrain_kernels.ops.policy_loss.chunk import (
-    DEFAULT_CHUNKS, DenseChunkLogits, LossBuffers, PolicyLossChunkConfig, ShiftedChunkLogits, TorchLossOps,
-    aggregation_weights, loss_and_metrics, policy_loss_chunks,
+    DEFAULT_CHUNKS, DenseChunkLogits, LossBuffers, PolicyLossChunkConfig, TorchLossOps, aggregation_weights,
+    loss_and_metrics, policy_loss_chunks,
 )
 from rltrain_kernels.ops.policy_loss.options import (
     Metrics, PolicyLossOptions, PolicyLossOutput, check_inputs, check_label_range,
@@ -23,30 +24,30 @@ _REFERENCE_MAX_LOGITS = 1 << 22
 
 def _backends(impl: str, hidden2d: torch.Tensor, weight: torch.Tensor, config: PolicyLossChunkConfig,
               entropy_bonus: bool = False):
-    """(chunk logits, loss ops) of a chunked path: "fused" (linear_logprobs' Triton GEMM with the statistics in its
-    epilogue; keeping bf16 E = e^(z − R) for the gradient GEMMs, scaled.py, unless the weights are fp16 or an
-    entropy bonus needs log p per logit: then fp16 y and a dlogits pass), "triton" (cuBLAS + Triton row passes),
-    "auto" (on CUDA: fused where it can run, else triton) or "torch". Triton is imported here, not at package
-    import."""
-    from rltrain_kernels.ops.linear_logprobs.chunk import TorchTiles
-
+    """(chunk logits, loss ops) of a chunked path: "fused" (the fused Triton GEMM, ops/common/vocab_gemm.py, with
+    the statistics in its epilogue; keeping bf16 E = e^(z − R) for the gradient GEMMs, scaled.py, unless the weights
+    are fp16 or an entropy bonus needs log p per logit: then fp16 y and a dlogits pass, shifted.py), "triton"
+    (cuBLAS + Triton row passes), "auto" (on CUDA: fused where it can run, else triton) or "torch". Triton is
+    imported here, not at package import."""
     if impl == "torch":
         return DenseChunkLogits(TorchTiles()), TorchLossOps()
-    from rltrain_kernels.ops.linear_logprobs import fused
-    from rltrain_kernels.ops.linear_logprobs.kernel import TritonTiles, check_runnable
+    from rltrain_kernels.ops.common import row_pass, vocab_gemm
     from rltrain_kernels.ops.policy_loss.kernel import TritonLossOps
 
-    check_runnable(hidden2d.device)
+    row_pass.check_runnable(hidden2d.device)
     if impl == "auto":
-        impl = "fused" if fused.supports(hidden2d, weight) else "triton"
+        impl = "fused" if vocab_gemm.supports(hidden2d, weight) else "triton"
     if impl == "triton":
-        return DenseChunkLogits(TritonTiles(config.block_v)), TritonLossOps()
-    fused.check_runnable(hidden2d, weight)
+        return DenseChunkLogits(row_pass.TritonTiles(config.block_v)), TritonLossOps()
+    vocab_gemm.check_runnable(hidden2d, weight)
+    fused = vocab_gemm.FusedGemm(config.gemm)
     if weight.dtype == torch.bfloat16 and not entropy_bonus:
         from rltrain_kernels.ops.policy_loss.scaled import ScaledChunkLogits
 
-        return ScaledChunkLogits(fused.FusedTiles()), TritonLossOps()
-    return ShiftedChunkLogits(fused.FusedTiles()), TritonLossOps()
+        return ScaledChunkLogits(fused), TritonLossOps()
+    from rltrain_kernels.ops.policy_loss.shifted import ShiftedChunkLogits
+
+    return ShiftedChunkLogits(fused), TritonLossOps()
 
 
 def _resolve_impl(impl: str, hidden: torch.Tensor, vocab: int) -> str:
@@ -119,8 +120,8 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
             to 4M logits, chunked torch beyond), "fused" (Triton GEMM with the row statistics in its epilogue,
             fp16 shifted logits kept for the gradient pass), "triton" (cuBLAS + Triton row passes over an fp32
             tile; CPU tensors need TRITON_INTERPRET=1 for both), "torch" (chunked) or "reference" (dense).
-        chunk_config: tokens per chunk (bounds the workspace: rows·V·4 B, ~rows·V·2 B fused), see
-            PolicyLossChunkConfig.
+        chunk_config: tokens per chunk (bounds the workspace: rows·V·4 B, ~rows·V·2 B fused) and the fused path's
+            GemmConfig, see PolicyLossChunkConfig.
 
     Definitions (m = mask; masked tokens contribute nothing and get logp = entropy = 0):
         logp = log_softmax(h·Wᵀ / temperature)[label], entropy = −Σ p log p, ratio = exp(logp − old).
@@ -154,8 +155,22 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
                                      cu_seqlens=cu_seqlens, **{k: getattr(opts, k) for k in opts.__dataclass_fields__})
     config = chunk_config or DEFAULT_CHUNKS
     B, T, H = hidden.shape
-    valid = mask != 0
-    check_label_range(labels, valid, weight.shape[0])
+    check_label_range(labels, mask != 0, weight.shape[0])
+    hidden2d = hidden.reshape(B * T, H)
+    if hidden2d.stride(-1) != 1 or hidden2d.stride(0) != H:
+        hidden2d = hidden2d.contiguous()
+    chunk_logits, loss_ops = _backends(impl, hidden2d, weight, config, entropy_bonus=opts.entropy_coef != 0.0)
+    return chunked_policy_loss(hidden2d, weight, labels, mask, advantages, old_logprobs, ref_logprobs, opts,
+                               cu_seqlens, config, chunk_logits, loss_ops)
+
+
+def chunked_policy_loss(hidden2d, weight, labels, mask, advantages, old_logprobs, ref_logprobs,
+                        opts: PolicyLossOptions, cu_seqlens, config: PolicyLossChunkConfig, chunk_logits,
+                        loss_ops) -> PolicyLossOutput:
+    """fused_policy_loss on a chunked path past its checks: hidden2d [B·T, H] (rows of H contiguous), the other
+    tensors as fused_policy_loss takes them, and the path's (chunk logits, loss ops) as `_backends` builds them
+    (tests build them with other settings: scaled.ScaledChunkLogits' safe_gap)."""
+    B, T = mask.shape
 
     def flat(x):
         return x.reshape(-1).to(torch.float32).contiguous()
@@ -166,13 +181,9 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     buffers = LossBuffers(mask=flat(m), adv=flat(adv), old=flat(old_logprobs),
                           ref=None if ref_logprobs is None else flat(ref_logprobs), weight=flat(w),
                           g_entropy=None if opts.entropy_coef == 0.0 else flat(-opts.entropy_coef * w))
-    hidden2d = hidden.reshape(B * T, H)
-    if hidden2d.stride(-1) != 1 or hidden2d.stride(0) != H:
-        hidden2d = hidden2d.contiguous()
-    chunk_logits, loss_ops = _backends(impl, hidden2d, weight, config, entropy_bonus=opts.entropy_coef != 0.0)
     labels1d = labels.reshape(-1).to(torch.int64).contiguous()
     args = (hidden2d, weight, labels1d, buffers, T, opts, chunk_logits, loss_ops, config)
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+    if torch.is_grad_enabled() and (hidden2d.requires_grad or weight.requires_grad):
         loss, logp, entropy, metrics = FusedPolicyLossFunction.apply(*args)
     else:
         policy_loss_chunks(*args, need_grad_hidden=False, need_grad_weight=False)

@@ -1,4 +1,4 @@
-"""Triton kernels for the O(tokens) steps of the policy loss (the vocab-wide row passes are linear_logprobs'), and
+"""Triton kernels for the O(tokens) steps of the policy loss (the vocab-wide row passes are ops/common/'s), and
 `TritonLossOps`, the same contract as chunk.TorchLossOps.
 
 Imported only when the Triton path is chosen, so `import rltrain_kernels` works without triton. They run on CPU

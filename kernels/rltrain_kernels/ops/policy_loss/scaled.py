@@ -13,7 +13,7 @@ so the per-element work left after GEMM 1 is one store per row (the label column
 (E = 0, a = 0). bf16 keeps fp32's exponent range: E stays finite while lse − R ≤ 88, i.e. while p(label) >
 e^-88. A row beyond SAFE_GAP (a token the policy gives p < e^-64) switches to R = lse (then E = p) and GEMM 1 is
 recomputed for its chunk — by a launch the GPU skips when no row needed it (no host sync). fp16 (5 exponent bits)
-and an entropy bonus (whose gradient needs log p per logit) keep chunk.ShiftedChunkLogits.
+and an entropy bonus (whose gradient needs log p per logit) keep shifted.ShiftedChunkLogits.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rltrain_kernels.ops.policy_loss.chunk import ShiftedChunkLogits
+from rltrain_kernels.ops.policy_loss.shifted import ShiftedChunkLogits
 
 SAFE_GAP = 64.0      # lse − R beyond which a row is recomputed with R = lse (E ≤ e^64·p: far inside bf16's range)
 ROW_BLOCK = 1024     # rows per program of the O(rows) kernels
@@ -92,12 +92,17 @@ def _label_column_kernel(e_ptr, stride_e, labels_ptr, logp_ptr, m_ptr, log_sum_p
 
 
 class ScaledChunkLogits(ShiftedChunkLogits):
-    """chunk.ShiftedChunkLogits' workspace (2 B per logit, here bf16 E instead of fp16 y) with the module
+    """shifted.ShiftedChunkLogits' workspace (2 B per logit, here bf16 E instead of fp16 y) with the module
     docstring's form of the gradient: `dlogits` returns (E', a) and the chunk driver scales rows around its
-    GEMMs. Needs bf16 weights and no entropy bonus (function._backends checks)."""
+    GEMMs. Needs bf16 weights and no entropy bonus (function._backends checks). safe_gap: lse − R beyond which a
+    row is recomputed with R = lse (default SAFE_GAP)."""
+
+    def __init__(self, fused, safe_gap: float = SAFE_GAP):
+        super().__init__(fused)
+        self.safe_gap = safe_gap
 
     def workspace(self, rows: int, vocab: int, device):
-        y, part = self.fused.shifted_workspace(rows, vocab, device)
+        y, part = super().workspace(rows, vocab, device)
         return (y.view(torch.bfloat16), part, torch.empty(rows, dtype=torch.float32, device=device),
                 torch.empty(rows, dtype=torch.float32, device=device), torch.zeros(1, dtype=torch.int32, device=device))
 
@@ -110,8 +115,8 @@ class ScaledChunkLogits(ShiftedChunkLogits):
             _label_logit_kernel[(rows,)](hidden_c, weight, labels_c, c.mask, ref, weight.shape[0], hidden_c.shape[1],
                                          hidden_c.stride(0), weight.stride(0), inv_temp,
                                          BLOCK_H=min(DOT_BLOCK, triton.next_power_of_2(hidden_c.shape[1])))
-        self.fused.fold_and_keep(hidden_c, weight, e if keep else None, part, labels_c, inv_temp, c.m, c.u, c.t,
-                                 c.label_z, fold=fold, ref=ref if keep else None)
+        self.fold_and_keep(hidden_c, weight, e if keep else None, part, labels_c, inv_temp, c.m, c.u, c.t, c.label_z,
+                           fold=fold, ref=ref if keep else None)
         return e, part, ref, scale[:rows], flag, hidden_c
 
     def dlogits(self, kept, weight, labels_c, c, inv_temp):
@@ -119,10 +124,11 @@ class ScaledChunkLogits(ShiftedChunkLogits):
         rows = e.shape[0]
         grid = (triton.cdiv(rows, ROW_BLOCK),)
         flag.zero_()
-        _check_rows_kernel[grid](c.m, c.log_sum, ref, c.mask, flag, rows, SAFE_GAP, BLOCK=ROW_BLOCK, num_warps=4)
+        _check_rows_kernel[grid](c.m, c.log_sum, ref, c.mask, flag, rows, self.safe_gap, BLOCK=ROW_BLOCK,
+                                 num_warps=4)
         # the recompute for rows that took R = lse: the same GEMM 1, skipped on the GPU while the flag is 0
-        self.fused.fold_and_keep(hidden_c, weight, e, part, labels_c, inv_temp, c.m, c.u, None, c.label_z,
-                                 fold=False, ref=ref, run=flag)
+        self.fold_and_keep(hidden_c, weight, e, part, labels_c, inv_temp, c.m, c.u, None, c.label_z, fold=False,
+                           ref=ref, run=flag)
         _label_column_kernel[grid](e, e.stride(0), labels_c, c.logp, c.m, c.log_sum, ref, c.g_logp, scale, rows,
                                    e.shape[1], inv_temp, BLOCK=ROW_BLOCK, num_warps=4)
         return e, scale

@@ -1,6 +1,8 @@
-"""Triton row passes for `linear_logprobs` (the CUDA path) and their host launchers (`TritonTiles`).
+"""Triton row passes over an fp32 logits tile (the LM-head ops' `impl="triton"` path: cuBLAS GEMM, then these) and
+their host launchers (`TritonTiles`, a vocab_tiles tile backend); `merge_lanes` and `dlogits_of` are also the
+fused GEMM's (vocab_gemm.py) and its dlogits kernels'.
 
-Imported only when the Triton path is chosen, so `import rltrain_kernels` works without triton. The same kernels run
+Imported only when a Triton path is chosen, so `import rltrain_kernels` works without triton. The same kernels run
 on CPU tensors under TRITON_INTERPRET=1, which is how CI tests them. One program per tile row, looping over the
 row in BLOCK_V columns; every offset inside a tile is < token_chunk·vocab_chunk (2^25 by default), and the row
 offset is computed in int64, so N·V > 2^31 never reaches a 32-bit index.
@@ -15,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from rltrain_kernels.ops.linear_logprobs.chunk import GemmThenRowPass
+from rltrain_kernels.ops.common.vocab_tiles import GemmThenRowPass
 from rltrain_kernels.utils import triton_interpreted
 
 
@@ -26,7 +28,7 @@ def _fold_stats_kernel(
     n_cols, vocab_start, inv_temp,
     BLOCK_V: tl.constexpr, WITH_ENTROPY: tl.constexpr,
 ):
-    """Fold one tile into the running per-row statistics of z = logits·inv_temp (see chunk.TorchTiles):
+    """Fold one tile into the running per-row statistics of z = logits·inv_temp (see vocab_tiles.TorchTiles):
     m = max z, u = Σ exp(z − m) − 1 (kept without the leading 1 so that log1p(u) stays exact when one logit
     dominates), t = Σ exp(z − m)·(z − m), label_z = z[label].
 
@@ -79,7 +81,7 @@ def merge_lanes(lane_m, lane_u, lane_t, m_old, u_old, t_old, WITH_ENTROPY: tl.co
     (m, u = Σexp − 1, t = Σexp·(z − m)) relative to its own max, (−inf, −1, 0) if it saw nothing. Σexp =
     Σ (u + 1)·α with α = e^(m − M); the lanes (and the running state) at the max contribute their 1 as an exact
     count, so log1p(u) keeps its precision when one logit dominates. t_old / the returned t are ignored without
-    entropy. Used by the row pass's lanes here and by fused.py's per-block partials."""
+    entropy. Used by the row pass's lanes here and by vocab_gemm.py's per-block partials."""
     m_new = tl.maximum(tl.max(lane_m, axis=0), m_old)
     shift = lane_m - m_new
     alpha = tl.exp(shift)                                   # 0 for lanes that saw nothing
@@ -139,7 +141,8 @@ def _logits_grad_kernel(
 @triton.jit
 def dlogits_of(log_p, is_label, g_lp, c0, g_ent, inv_temp, HAS_G_LOGPROB: tl.constexpr, HAS_G_ENTROPY: tl.constexpr):
     """∂loss/∂logits from log p: (g_lp·(δ_label − p) − g_ent·p·(log p + H))·inv_temp, with c0 = g_lp + g_ent·H
-    (the per-row scalars broadcast against log_p). Shared by every dlogits kernel (this row pass and fused.py's)."""
+    (the per-row scalars broadcast against log_p). Shared by every dlogits kernel: this row pass,
+    linear_logprobs/fused.py's and policy_loss/shifted.py's."""
     p = tl.exp(log_p)
     if HAS_G_ENTROPY:
         d = -p * (c0 + g_ent * log_p)
@@ -158,7 +161,7 @@ def _launch_config(block_v: int, n_cols: int) -> tuple[int, int]:
 
 
 class TritonTiles(GemmThenRowPass):
-    """Row passes in Triton after cuBLAS GEMMs, same contract as chunk.TorchTiles (no temporaries)."""
+    """Row passes in Triton after cuBLAS GEMMs, same contract as vocab_tiles.TorchTiles (no temporaries)."""
 
     def __init__(self, block_v: int):
         self.block_v = block_v
