@@ -63,6 +63,19 @@ def check_lag(mode: str, max_staleness: int, step: int, first_version: int, vers
     return lags
 
 
+def warn_uncorrected(job) -> None:
+    """One log line when an off-policy run has nothing correcting for the stale behaviour policy (algorithm.old_logprobs
+    actor with neither algorithm.loss.decoupled nor algorithm.rollout_correction): its ratio is then against the
+    actor's recomputed policy only, as if the responses had been sampled by it."""
+    algorithm = job.algorithm
+    if algorithm.old_logprobs == "actor" and not algorithm.loss.decoupled and algorithm.rollout_correction.mode is None:
+        logger.warning("trainer.mode=%s trains on responses sampled up to %d weight version(s) back, with the ratio "
+                       "against the actor's recomputed log-probs and no behaviour-policy correction: set "
+                       "algorithm.loss.decoupled=true (AReaL), algorithm.rollout_correction.mode (TIS / MIS) or "
+                       "algorithm.old_logprobs=rollout", job.trainer.mode,
+                       staleness_bound(job.trainer.mode, job.trainer.max_staleness))
+
+
 def lag_metrics(lags: torch.Tensor) -> dict[str, float]:
     return {"rollout/version_lag_mean": float(lags.double().mean()), "rollout/version_lag_max": float(lags.max())}
 

@@ -105,8 +105,9 @@ class JobConfig:
     @property
     def rollout_reports_logprobs(self) -> bool:
         """Whether the rollout engines must report the sampled tokens' log-probs (vllm always does; the hf engine
-        on request): off-policy modes, whose behaviour policy is not the one the actor recomputes."""
-        return self.trainer.mode != "sync"
+        on request): off-policy modes, whose behaviour policy is not the one the actor recomputes, old log-probs
+        taken from the engine, and AReaL's decoupled objective, which weights by the behaviour policy."""
+        return self.trainer.mode != "sync" or self.algorithm.old_logprobs == "rollout" or self.algorithm.loss.decoupled
 
     def _validate_rollout_layout(self, device: str, ranks: int) -> None:
         """The rollout replicas (rltrain/workers/rollout_group.py): colocated, on GPU one per

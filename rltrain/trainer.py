@@ -29,7 +29,9 @@ from rltrain import checkpoint as ckpt
 from rltrain.algorithms.advantages import batch_advantages
 from rltrain.algorithms.dapo import collect_groups, mask_truncated, overlong_penalty
 from rltrain.algorithms.rollout_correction import apply_rollout_correction
-from rltrain.async_rollout import ProducedBatch, RolloutProducer, check_lag, dropped_on_resume, lag_metrics
+from rltrain.async_rollout import (
+    ProducedBatch, RolloutProducer, check_lag, dropped_on_resume, lag_metrics, warn_uncorrected,
+)
 from rltrain.config import ConfigError
 from rltrain.data.rows import load_rows
 from rltrain.data.sampler import PromptSampler, drop_long_prompts, encode_prompts
@@ -222,9 +224,10 @@ class GRPOTrainer:
         metrics = {**lag_metrics(lags), **self._shape_rewards(batch, response_len)}
         if job.algorithm.overlong_filter:
             batch["response_mask"] = mask_truncated(batch["response_mask"], batch["truncated"])
-        with timer.phase("old_logprob"):
-            batch["old_logprobs"] = ray.get(self.actor.compute_logprobs.remote(batch))
-        metrics.update(apply_rollout_correction(batch, job.algorithm.rollout_correction))
+        with timer.phase("old_logprob"):  # algorithm.old_logprobs=rollout: the sampling engine's, no recompute
+            batch["old_logprobs"] = batch["rollout_logprobs"].clone() if job.algorithm.old_logprobs == "rollout" \
+                else ray.get(self.actor.compute_logprobs.remote(batch))
+        metrics.update(apply_rollout_correction(batch, job.algorithm.rollout_correction, job.algorithm.loss.decoupled))
         timer.add("ref", 0.0)
         if job.algorithm.loss.kl_coef > 0:
             with timer.phase("ref"):
@@ -358,6 +361,7 @@ class GRPOTrainer:
             self.initial_val = record["val/reward_mean"] if record else None
         final_val, self.first_version = None, self.step
         if job.mode != "sync":
+            warn_uncorrected(self.job)
             self.producer = RolloutProducer(self._produce, self.weight_push.load_snapshot,
                                             range(self.step + 1, job.total_steps + 1), self.step, job.mode,
                                             job.max_staleness).start()

@@ -2,8 +2,9 @@
 one_step_off samples step t's batch by exactly version t − 2, async by one at most k versions old, the queue stays
 within k, a weight load never overlaps a generation, validation gets the newest weights between batches, errors reach
 the trainer. Then through the real trainer (Ray actors on 2 CPUs, rollout.placement=separate: one CPU each):
-one_step_off and async k=2 train the embedded default end to end with the lags the modes promise, read back from
-metrics.jsonl, the rollout on a CPU of its own; a run SIGKILLed mid-way resumes, dropping its queue with a log line.
+one_step_off (with AReaL's decoupled objective) and async k=2 (old log-probs from the engine, TIS) train the embedded
+default end to end with the lags the modes promise, read back from metrics.jsonl, the rollout on a CPU of its own; a
+run SIGKILLed mid-way resumes, dropping its queue with a log line.
 
     .venv/bin/python -m pytest tests/rltrain/test_async.py -x -q     # about 2 minutes on 2 cores
 """
@@ -167,14 +168,20 @@ def _processes_placement_groups(handles) -> list[str]:
                     for h in handles])
 
 
-@pytest.mark.parametrize("mode, k", [("one_step_off", 1), ("async", 2)])
-def test_modes_train_end_to_end_with_bounded_lag(tmp_path, ray_session, mode, k):
+@pytest.mark.parametrize("mode, k, algorithm", [
+    ("one_step_off", 1, {"loss": {"decoupled": True}}),
+    ("async", 2, {"old_logprobs": "rollout", "rollout_correction": {"mode": "truncate", "high": 1.5}}),
+], ids=["one_step_off-decoupled", "async-2-rollout-old-logprobs"])
+def test_modes_train_end_to_end_with_bounded_lag(tmp_path, ray_session, mode, k, algorithm):
     """The embedded default (tiny) for 5 steps: the rollout on a CPU of its own; the lags in metrics.jsonl are the
-    mode's (one_step_off: 0 then exactly 1; async: within k, reaching it); the engine reports the behaviour
-    policy's log-probs, which differ from the actor's once the sampling weights are a version behind."""
+    mode's (one_step_off: 0 then exactly 1; async: within k, reaching it). The engine reports the behaviour policy's
+    log-probs: with the actor's recomputed old log-probs (decoupled) they differ once the sampling weights are a
+    version behind, and AReaL's weights π_prox/π_behaviour move off 1; with algorithm.old_logprobs=rollout they are
+    the old log-probs (no recompute, ratios 1)."""
     out = tmp_path / "run"
     job = tiny_job(out, trainer={"total_steps": 5, "mode": mode, "max_staleness": k, "val_every": 2},
-                   rollout={"placement": "separate", "temperature": 1.5}, reward=_reward_plugin(tmp_path))
+                   rollout={"placement": "separate", "temperature": 1.5}, reward=_reward_plugin(tmp_path),
+                   algorithm=algorithm)
     trainer = GRPOTrainer(job)
     try:
         actor_group, = _processes_placement_groups([trainer.actor])
@@ -197,7 +204,12 @@ def test_modes_train_end_to_end_with_bounded_lag(tmp_path, ray_session, mode, k)
     for step, record in train.items():
         assert record["actor/grad_norm"] > 0 and "time/rollout_wait_s" in record
         stale = record["rollout/version_lag_max"] > 0
-        assert (record["rollout/kl"] > 1e-8) == stale, (step, record["rollout/kl"])  # fp32 recompute: ~1e-14
+        if algorithm.get("old_logprobs") == "rollout":  # taken from the batch: no actor pass
+            assert record["rollout/kl"] == 0 and record["rollout/is_ratio_max"] == 1.0
+            assert record["time/old_logprob_s"] < 0.01
+        else:  # fp32 recompute of the same weights: ~1e-14
+            assert (record["rollout/kl"] > 1e-8) == stale, (step, record["rollout/kl"])
+            assert (abs(record["rollout/is_weight_mean"] - 1) > 1e-6) == stale, (step, record)
 
 
 def test_killed_async_run_resumes_and_drops_its_queue(tmp_path, ray_session, caplog):
