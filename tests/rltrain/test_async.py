@@ -189,6 +189,10 @@ def test_modes_train_end_to_end_with_bounded_lag(tmp_path, ray_session, mode, k,
         assert rollout_groups == [trainer.rollout_placement.groups[0].id.hex()] != [actor_group]
         assert ray.get(trainer.rollout.processes[0].__ray_call__.remote(lambda self: torch.get_num_threads())) == 1
         result = trainer.fit()
+        # the final validation ran on the last version: the engine holds the actor's weights, loaded from a snapshot
+        engine = ray.get(trainer.rollout.processes[0].__ray_call__.remote(lambda self: self.engine.model.state_dict()))
+        actor = ray.get(trainer.actor.state_dict.remote())
+        assert engine.keys() == actor.keys() and all(torch.equal(engine[name], actor[name]) for name in actor)
     finally:
         trainer.close()
     assert result["step"] == 5
