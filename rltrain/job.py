@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from rltrain_kernels.registry import KernelConfig
 
 from rltrain.algorithms.config import AlgorithmConfig
+from rltrain.async_rollout import MODES
 from rltrain.config import from_mapping, require
 from rltrain.data.sampler import DataConfig
 from rltrain.tracking import LOGGERS
@@ -43,6 +44,8 @@ class TrainerConfig:
     device: str = "auto"             # auto | cpu | cuda
     nnodes: int = 1                  # nodes the model roles span (one placement group each)
     n_gpus_per_node: int = 1         # GPUs used per node (CPU runs: processes, one CPU each); FSDP2 ranks = product
+    mode: str = "sync"               # sync | one_step_off | async (rltrain/async_rollout.py)
+    max_staleness: int = 1           # async: a response trains at most this many weight versions after its own
 
     def validate(self):
         require(self.nnodes >= 1, "nnodes", "must be >= 1", self.nnodes)
@@ -55,6 +58,10 @@ class TrainerConfig:
         for name in self.logger:
             require(name in LOGGERS, "logger", f"entries must be among {', '.join(LOGGERS)}", name)
         require(self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda", self.device)
+        require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}", self.mode)
+        require(self.max_staleness >= 1, "max_staleness", "must be >= 1", self.max_staleness)
+        require(self.max_staleness == 1 or self.mode == "async", "max_staleness",
+                "applies to trainer.mode=async only (one_step_off is 1, sync 0)", self.max_staleness)
 
 
 @dataclass
@@ -95,12 +102,35 @@ class JobConfig:
         lora = self.actor.lora.rank
         require(self.rollout.engine != "vllm" or lora <= VLLM_LORA_RANKS[-1], "actor.lora.rank",
                 f"must be <= {VLLM_LORA_RANKS[-1]} with rollout.engine=vllm (vLLM 0.32's largest max_lora_rank)", lora)
+        # multi-turn episodes on the hf engine carry no rollout log-probs (agent_loop.HFTurns), which the off-policy
+        # settings need as the behaviour policy; vllm reports them per turn
+        require(not (self.rollout.multi_turn.enabled and self.rollout.engine == "hf" and self.rollout_reports_logprobs),
+                "rollout.multi_turn.enabled", "with rollout.engine=hf needs trainer.mode=sync, "
+                "algorithm.old_logprobs=actor and algorithm.loss.decoupled=false (its episodes carry no rollout "
+                "log-probs); use rollout.engine=vllm for off-policy multi-turn runs", True)
+
+    @property
+    def rollout_reports_logprobs(self) -> bool:
+        """Whether the rollout engines must report the sampled tokens' log-probs (vllm always does; the hf engine
+        on request): off-policy modes, whose behaviour policy is not the one the actor recomputes, old log-probs
+        taken from the engine, and AReaL's decoupled objective, which weights by the behaviour policy."""
+        return self.trainer.mode != "sync" or self.algorithm.old_logprobs == "rollout" or self.algorithm.loss.decoupled
 
     def _validate_rollout_layout(self, device: str, ranks: int) -> None:
-        """The rollout replicas (rltrain/workers/rollout_group.py): on GPU one per rollout.tensor_parallel_size of
-        the ranks' GPUs, on CPU rollout.replicas processes with a CPU each."""
-        tp, replicas = self.rollout.tensor_parallel_size, self.rollout.replicas
+        """The rollout replicas (rltrain/workers/rollout_group.py): colocated, on GPU one per
+        rollout.tensor_parallel_size of the ranks' GPUs, on CPU rollout.replicas processes with a CPU each;
+        rollout.placement=separate, rollout.replicas × rollout.tensor_parallel_size GPUs (CPUs) beside the ranks'.
+        trainer.mode one_step_off / async overlap generation with training, which on GPU needs separate devices."""
+        tp, replicas, separate = self.rollout.tensor_parallel_size, self.rollout.replicas, \
+            self.rollout.placement == "separate"
         if device == "cuda":
+            require(self.trainer.mode == "sync" or separate, "rollout.placement", f"trainer.mode="
+                    f"{self.trainer.mode} generates while the actor trains, so on GPU the rollout needs GPUs of its "
+                    "own: set rollout.placement=separate (rollout.replicas × rollout.tensor_parallel_size GPUs beside "
+                    "the actor's trainer.nnodes × trainer.n_gpus_per_node)", self.rollout.placement)
+            if separate:
+                self._require_devices("GPUs", device, ranks + replicas * tp, replicas * tp)
+                return
             per_node = self.trainer.n_gpus_per_node
             require(per_node % tp == 0, "rollout.tensor_parallel_size", f"must divide trainer.n_gpus_per_node = "
                     f"{per_node} (a replica's GPUs are on one node)", tp)
@@ -110,10 +140,31 @@ class JobConfig:
             return
         require(tp == 1, "rollout.tensor_parallel_size", f"must be 1 on CPU (trainer.device resolves to {device}); "
                 "CPU runs scale the rollout with rollout.replicas", tp)
-        if self.ray.address is None:  # a local Ray: its CPUs are known now (a cluster's: when placing)
+        if separate:
+            self._require_devices("CPUs", device, ranks + replicas, replicas)
+        elif self.ray.address is None:  # a local Ray: its CPUs are known now (a cluster's: when placing)
             cpus = self.ray.num_cpus or os.cpu_count() or 1
             held = f"ray.num_cpus = {cpus}" if self.ray.num_cpus else f"this machine has {cpus} (ray.num_cpus unset)"
             require(replicas <= cpus, "rollout.replicas", f"each CPU replica holds a CPU, and {held}", replicas)
+
+    def _require_devices(self, kind: str, device: str, needed: int, rollout: int) -> None:
+        """rollout.placement=separate: the model roles' devices plus the rollout's fit a local Ray's (a cluster's
+        are checked when placing: a PlacementError naming the keys)."""
+        if self.ray.address is not None:
+            return
+        if kind == "CPUs":
+            have = self.ray.num_cpus or os.cpu_count() or 1
+            held = f"ray.num_cpus = {have}" if self.ray.num_cpus else f"this machine has {have} (ray.num_cpus unset)"
+        else:
+            import torch
+
+            if not torch.cuda.is_available():  # trainer.device=cuda here: the trainer says the GPUs are missing
+                return
+            have = torch.cuda.device_count()
+            held = f"this machine shows {have}"
+        require(needed <= have, "rollout.replicas", f"rollout.placement=separate gives the rollout {rollout} {kind} "
+                f"of its own (rollout.replicas × rollout.tensor_parallel_size) beside the {needed - rollout} of "
+                f"trainer.nnodes × trainer.n_gpus_per_node, {needed} in all, and {held}", self.rollout.replicas)
 
 
 def resolve_device(device: str) -> str:

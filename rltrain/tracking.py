@@ -16,7 +16,8 @@ from pathlib import Path
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # (label on the console, the record's key): the phases of a train step, in order
-PHASES = (("rollout", "time/rollout_s"), ("reward", "time/reward_s"), ("old_lp", "time/old_logprob_s"),
+PHASES = (("wait", "time/rollout_wait_s"),  # asynchronous modes: the step waiting for the producer's batch
+          ("rollout", "time/rollout_s"), ("reward", "time/reward_s"), ("old_lp", "time/old_logprob_s"),
           ("ref", "time/ref_s"), ("update", "time/update_s"), ("sync", "time/weight_sync_s"))
 
 

@@ -7,12 +7,17 @@ Validation (trainer.val_n responses per prompt, by default one, greedy) runs at 
 steps and at the end; checkpoints every trainer.save_every steps and at the end. Each step's record says where its
 time went (time/*_s: rollout, reward, old_logprob, ref, update, weight_sync, step) and how fast the rollout and the
 actor ran (perf/*; rltrain/perf.py).
+trainer.mode one_step_off / async hand the sampling, rollout and scoring to a RolloutProducer thread
+(rltrain/async_rollout.py) that runs while the actor trains; the step takes its batch from the producer's queue and
+publishes each update's weights to it instead of pushing them. Every response carries the weight version that
+sampled it (weight_version), logged as rollout/version_lag_mean and _max.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -24,6 +29,9 @@ from rltrain import checkpoint as ckpt
 from rltrain.algorithms.advantages import batch_advantages
 from rltrain.algorithms.dapo import collect_groups, mask_truncated, overlong_penalty
 from rltrain.algorithms.rollout_correction import apply_rollout_correction
+from rltrain.async_rollout import (
+    ProducedBatch, RolloutProducer, check_lag, dropped_on_resume, lag_metrics, warn_uncorrected,
+)
 from rltrain.config import ConfigError
 from rltrain.data.rows import load_rows
 from rltrain.data.sampler import PromptSampler, drop_long_prompts, encode_prompts
@@ -37,7 +45,7 @@ from rltrain.workers.group import kill, place_model_roles, start_role
 from rltrain.workers.lora import check_target_modules_of
 from rltrain.workers.reference import FSDPReferenceWorker, ReferenceWorker
 from rltrain.workers.reward import RewardWorker
-from rltrain.workers.rollout_group import RolloutReplicas
+from rltrain.workers.rollout_group import RolloutReplicas, place_rollout
 from rltrain.workers.weight_sync import WeightPush
 
 logger = logging.getLogger(__name__)
@@ -97,6 +105,8 @@ class GRPOTrainer:
                                project=job.trainer.project, run_name=job.trainer.run_name or self.output_dir.name,
                                config=dataclasses.asdict(job))
         self.step, self.initial_val = 0, None
+        self.producer: RolloutProducer | None = None   # trainer.mode one_step_off / async, while fit() runs
+        self.first_version, self.trained_sampler_state = 0, None
 
     def _start_workers(self) -> None:
         job = self.job
@@ -108,20 +118,29 @@ class GRPOTrainer:
         # for none. trainer.nnodes × n_gpus_per_node bundles; actor.strategy=fsdp2 puts a rank on each, the rollout
         # one engine per rollout.tensor_parallel_size of them (rltrain/workers/rollout_group.py). With actor.lora on
         # the reference is the actor's own base (adapters disabled): no reference role.
+        # rollout.placement=separate: the rollout replicas hold devices of their own (place_rollout), so the engines
+        # can generate while the actor trains, and the model roles share only their bundles
         needs_reference = job.algorithm.loss.kl_coef > 0 and not job.actor.lora.enabled
-        model_roles = 3 if needs_reference else 2
+        separate = job.rollout.placement == "separate"
+        model_roles = (3 if needs_reference else 2) - separate
         share, sharded = 1 / model_roles, job.actor.strategy == "fsdp2"
         self.placement = place_model_roles(job.trainer.nnodes, job.trainer.n_gpus_per_node, self.device,
                                            job.ray.placement_timeout_s)
+        self.rollout_placement = place_rollout(job.rollout, self.device, job.ray.placement_timeout_s) \
+            if separate else None
         common = dict(model_path=self.model_dir, dtype=job.model.dtype, kernel_config=job.kernel_config,
                       device=self.device, attn_implementation=job.model.attn_implementation)
-        temperature = job.rollout.temperature
+        temperature, actor_config = job.rollout.temperature, job.actor
+        if separate and self.device != "cuda" and actor_config.torch_threads == 0:  # the cores the rollout leaves
+            threads = max(1, ((os.cpu_count() or 1) - job.rollout.replicas) // self.placement.world_size)
+            actor_config = dataclasses.replace(actor_config, torch_threads=threads)
         self.actor = start_role(FSDPActorWorker if sharded else ActorWorker, self.placement, share, sharded,
-                                config=job.actor, loss=job.algorithm.actor_loss(job.rollout.max_new_tokens),
+                                config=actor_config, loss=job.algorithm.actor_loss(job.rollout.max_new_tokens),
                                 temperature=temperature, seed=job.trainer.seed,
                                 total_steps=job.trainer.total_steps, **common)
-        self.rollout = RolloutReplicas(job.rollout, self.placement, share, job.ray.placement_timeout_s,
-                                       lora=job.actor.lora, **common)
+        self.rollout = RolloutReplicas(job.rollout, self.rollout_placement or self.placement,
+                                       1.0 if separate else share, job.ray.placement_timeout_s, lora=job.actor.lora,
+                                       logprobs=job.rollout_reports_logprobs, **common)
         self.reference = None
         if needs_reference:
             self.reference = start_role(FSDPReferenceWorker if sharded else ReferenceWorker, self.placement, share,
@@ -169,21 +188,50 @@ class GRPOTrainer:
                                        job.algorithm.dynamic_sampling_max_rounds)
         return batch, extras, errors, rounds * want
 
+    def _produce(self, step: int) -> ProducedBatch:
+        """The producer's work for one step (on its thread): _collect, timed apart from the trainer's step."""
+        timer = StepTimer()
+        batch, extras, errors, prompts = self._collect(step, timer)
+        return ProducedBatch(step, batch, extras, errors, prompts, timer.seconds, timer.counts,
+                             self.sampler.state_dict())
+
+    def _take(self, step: int, timer: StepTimer):
+        """Step `step`'s batch from the producer's queue, like _collect's; its phases join the step's record and the
+        wait for it is time/rollout_wait_s."""
+        with timer.phase("rollout_wait"):
+            item = self.producer.take(step)
+        for name, seconds in item.seconds.items():
+            timer.add(name, seconds)
+        for name, amount in item.counts.items():
+            timer.count(name, amount)
+        self.trained_sampler_state = item.sampler_state
+        return item.batch, item.extras, item.errors, item.prompts
+
     def train_step(self, step: int) -> dict:
         job, start, timer = self.job, time.monotonic(), StepTimer()
-        batch, extras, errors, prompts_seen = self._collect(step, timer)
+        if self.producer is None:
+            batch, extras, errors, prompts_seen = self._collect(step, timer)
+            batch["weight_version"] = torch.full((batch.batch_size[0],), step - 1, dtype=torch.long)
+        else:
+            batch, extras, errors, prompts_seen = self._take(step, timer)
+        lags = check_lag(job.trainer.mode, job.trainer.max_staleness, step, self.first_version,
+                         batch["weight_version"])
         if batch.batch_size[0] == 0:
             logger.warning("step %d: dynamic sampling kept no group (all rewards equal in every group); skipped",
                            step)
+            if self.producer is not None:  # the same weights as version `step`: the producer may wait for it
+                timer.add("weight_sync", self.push_weights(step))
             return {"step": step, "train/groups_kept": 0.0, "reward/errors": errors, **timer.record()}
-        self.rollout.sleep()  # colocated: the engines free their memory until the weight push
+        if self.producer is None:
+            self.rollout.sleep()  # colocated: the engines free their memory until the weight push
         response_len, scores = batch["response_mask"].sum(1).float(), batch["rewards"]
-        metrics = self._shape_rewards(batch, response_len)
+        metrics = {**lag_metrics(lags), **self._shape_rewards(batch, response_len)}
         if job.algorithm.overlong_filter:
             batch["response_mask"] = mask_truncated(batch["response_mask"], batch["truncated"])
-        with timer.phase("old_logprob"):
-            batch["old_logprobs"] = ray.get(self.actor.compute_logprobs.remote(batch))
-        metrics.update(apply_rollout_correction(batch, job.algorithm.rollout_correction))
+        with timer.phase("old_logprob"):  # algorithm.old_logprobs=rollout: the sampling engine's, no recompute
+            batch["old_logprobs"] = batch["rollout_logprobs"].clone() if job.algorithm.old_logprobs == "rollout" \
+                else ray.get(self.actor.compute_logprobs.remote(batch))
+        metrics.update(apply_rollout_correction(batch, job.algorithm.rollout_correction, job.algorithm.loss.decoupled))
         timer.add("ref", 0.0)
         if job.algorithm.loss.kl_coef > 0:
             with timer.phase("ref"):
@@ -192,7 +240,7 @@ class GRPOTrainer:
         metrics.update(advantage_metrics)
         with timer.phase("update"):
             metrics.update(ray.get(self.actor.update.remote(batch, step)))
-        timer.add("weight_sync", self.push_weights())
+        timer.add("weight_sync", self.push_weights(step))
         elapsed = time.monotonic() - start
         tokens = batch["prompt_mask"].sum().item() + batch["response_mask"].sum().item()
         record = {"step": step, "train/reward_mean": scores.mean().item(),
@@ -245,8 +293,12 @@ class GRPOTrainer:
         if not self.val_rows:
             return None
         job, n = self.job, self.job.trainer.val_n
-        batch, _, errors = self._generate_and_score(self.val_rows, n, job.rollout.val_temperature,
-                                                    seed=job.trainer.seed + 7)
+
+        def generate():
+            return self._generate_and_score(self.val_rows, n, job.rollout.val_temperature, seed=job.trainer.seed + 7)
+
+        # asynchronous modes: between two of the producer's batches, on this step's weights
+        batch, _, errors = generate() if self.producer is None else self.producer.with_weights(step, generate)
         record = {"step": step, "val/reward_mean": batch["rewards"].mean().item(), "val/n": n,
                   **validation_metrics(batch["rewards"], n, [row.data_source for row in self.val_rows]),
                   "val/response_len_mean": batch["response_mask"].sum(1).float().mean().item(),
@@ -254,16 +306,24 @@ class GRPOTrainer:
         self.tracker.log(record)
         return record
 
-    def push_weights(self) -> float:
+    def push_weights(self, version: int | None = None) -> float:
         """The actor's new weights into every rollout process, in place, bucket by bucket (by CUDA IPC from the
-        colocated actor rank on GPU, through the object store on CPU: rltrain/workers/weight_sync.py); seconds."""
-        return self.weight_push.push()
+        colocated actor rank on GPU, through the object store on CPU: rltrain/workers/weight_sync.py); seconds.
+        With a producer running: a snapshot of them, published as `version` for it to load between batches."""
+        if self.producer is None:
+            return self.weight_push.push()
+        start = time.monotonic()
+        self.producer.publish(version, self.weight_push.snapshot())
+        return time.monotonic() - start
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, step: int) -> Path:
         actor = self.actor
-        state = {"sampler": self.sampler.state_dict(), "initial_val": self.initial_val,
-                 "lr_scheduler": ray.get(actor.lr_scheduler_state.remote())}
+        # asynchronous modes: the sampler as of the last trained batch, and the steps queued or in flight, which a
+        # resumed run drops (and generates again from the same prompts)
+        state = {"sampler": self.trained_sampler_state or self.sampler.state_dict(), "initial_val": self.initial_val,
+                 "lr_scheduler": ray.get(actor.lr_scheduler_state.remote()), "mode": self.job.trainer.mode,
+                 "pending": self.producer.pending() if self.producer is not None else {}}
         path = ckpt.save_checkpoint(str(self.output_dir), step, lambda p: ray.get(actor.save_pretrained.remote(p)),
                                     ray.get(actor.optimizer_state.remote()), self.tokenizer, state)
         logger.info("saved checkpoint %s", path)
@@ -293,6 +353,8 @@ class GRPOTrainer:
         ckpt.set_rng_state(state["rng"])
         self.step, self.initial_val = state["step"], state.get("initial_val")
         logger.info("resumed from %s at step %d", path, self.step)
+        if state.get("pending"):
+            logger.warning(dropped_on_resume(state, self.job.rollout.n))
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> dict:
@@ -301,16 +363,25 @@ class GRPOTrainer:
         if self.step == 0:
             record = self.validate(0)
             self.initial_val = record["val/reward_mean"] if record else None
-        final_val = None
-        for step in range(self.step + 1, job.total_steps + 1):
-            self.tracker.log(self.train_step(step))
-            self.step = step
-            last = step == job.total_steps
-            if last or (job.val_every and step % job.val_every == 0):
-                record = self.validate(step)
-                final_val = record["val/reward_mean"] if record and last else final_val
-            if last or (job.save_every and step % job.save_every == 0):
-                self.save(step)
+        final_val, self.first_version = None, self.step
+        if job.mode != "sync":
+            warn_uncorrected(self.job)
+            self.producer = RolloutProducer(self._produce, self.weight_push.load_snapshot,
+                                            range(self.step + 1, job.total_steps + 1), self.step, job.mode,
+                                            job.max_staleness).start()
+        try:
+            for step in range(self.step + 1, job.total_steps + 1):
+                self.tracker.log(self.train_step(step))
+                self.step = step
+                last = step == job.total_steps
+                if last or (job.val_every and step % job.val_every == 0):
+                    record = self.validate(step)
+                    final_val = record["val/reward_mean"] if record and last else final_val
+                if last or (job.save_every and step % job.save_every == 0):
+                    self.save(step)
+        finally:
+            if self.producer is not None:
+                self.producer.stop()
         if self.initial_val is not None and final_val is not None:
             print(f"held-out reward: {self.initial_val:.3f} before RL -> {final_val:.3f} after "
                   f"({100 * (final_val - self.initial_val):+.1f} points)", flush=True)
@@ -323,3 +394,5 @@ class GRPOTrainer:
         for handle in (self.actor, self.reference, self.reward):
             kill(handle)
         self.placement.remove()
+        if self.rollout_placement is not None:
+            self.rollout_placement.remove()

@@ -2,8 +2,9 @@
 rltrain_kernels.fused_policy_loss), the DAPO switches and the rollout importance correction.
 
 `algorithm.loss` is the loss's own spec: its keys are fused_policy_loss's options (the kernel's PolicyLossOptions,
-less the per-call temperature and normalisers), and validate() runs that class's checks, so the choices and bounds
-live once, beside the loss."""
+less the per-call temperature and normalisers; `kernel_options()`), and validate() runs that class's checks, so the
+choices and bounds live once, beside the loss; `decoupled` (AReaL's objective) is the trainer's, a per-token weight
+on the policy-gradient term (rltrain/algorithms/rollout_correction.py), not a kernel option."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from rltrain.algorithms.advantages import ADVANTAGES
 from rltrain.algorithms.rollout_correction import RolloutCorrectionConfig
 from rltrain.config import require
+
+
+OLD_LOGPROBS = ("actor", "rollout")
 
 
 @dataclass
@@ -25,13 +29,20 @@ class LossConfig:
     loss_agg: str = "token-mean"
     importance_level: str = "token"  # "sequence" = GSPO
     norm_len: int | None = None      # seq-mean-token-sum-norm's constant length; None = rollout.max_new_tokens
+    decoupled: bool = False          # AReaL: clip against π_prox (old_logprobs), pg term × π_prox / π_behaviour
+
+    def kernel_options(self) -> dict:
+        """The options fused_policy_loss takes (all but decoupled)."""
+        options = asdict(self)
+        del options["decoupled"]
+        return options
 
     def validate(self):
         from rltrain_kernels.ops.policy_loss import PolicyLossOptions
 
         require(self.kl_coef >= 0, "kl_coef", "must be >= 0 (> 0 adds the KL penalty)", self.kl_coef)
         try:
-            PolicyLossOptions(**asdict(self))
+            PolicyLossOptions(**self.kernel_options())
         except (TypeError, ValueError) as err:   # the kernel's message names the option: report it as the key
             message = str(err)
             key = next((f.name for f in fields(self) if f.name in message.split()[:2]
@@ -60,6 +71,7 @@ class AlgorithmConfig:
     overlong_filter: bool = False         # DAPO: mask out truncated responses (no <eos> within max_new_tokens)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO: soft punishment
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)  # TIS / MIS
+    old_logprobs: str = "actor"           # actor (recomputed before the update) | rollout (the sampling engine's)
 
     def actor_loss(self, max_new_tokens: int) -> LossConfig:
         """The loss the actor trains with: Dr.GRPO's constant length resolved (norm_len, by default the generation
@@ -82,3 +94,9 @@ class AlgorithmConfig:
                 "applies to adv_estimator=reinforce_pp only", self.gamma)
         require(self.dynamic_sampling_max_rounds >= 0, "dynamic_sampling_max_rounds", "must be >= 0",
                 self.dynamic_sampling_max_rounds)
+        require(self.old_logprobs in OLD_LOGPROBS, "old_logprobs", f"must be one of {', '.join(OLD_LOGPROBS)}",
+                self.old_logprobs)
+        require(not self.loss.decoupled or self.old_logprobs == "actor", "loss.decoupled",
+                "needs algorithm.old_logprobs=actor: the proximal policy it clips against is the actor's recomputed "
+                "one (with old_logprobs=rollout it would be the behaviour policy itself, every weight 1)",
+                self.loss.decoupled)

@@ -15,6 +15,13 @@ The behaviour policy is the rollout engine's log-probs where it reports them (`r
 actor's own recomputed `old_logprobs`: then every ratio is 1 and the correction changes nothing, so one config runs
 on either engine.
 
+AReaL's decoupled objective (Fu et al., 2025; `algorithm.loss.decoupled`), for responses sampled by older weights
+(trainer.mode one_step_off / async): the surrogate clips against the proximal policy π_prox, the actor's recomputed
+`old_logprobs`, and weights each token by π_prox / π_behaviour, the same ratio: so it is this module's weighting with
+the ratio itself as the weight, exp(old − behaviour) per token (or response, level `sequence`), uncapped; with mode
+`mask` the tokens outside [low, high] also leave the loss (AReaL's behaviour-weight cap), with mode `truncate` the
+weight is capped at `high` (which is TIS).
+
     metrics = rollout_mismatch_metrics(old_logprobs, rollout_logprobs, response_mask)
     weights, mask, metrics = rollout_correction(old_logprobs, behaviour_logprobs, response_mask, config)
     metrics = apply_rollout_correction(batch, config)   # the trainer: both, into the batch
@@ -89,35 +96,45 @@ def _stats(values: torch.Tensor) -> dict[str, float]:
 
 
 def rollout_correction(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, response_mask: torch.Tensor,
-                       config: RolloutCorrectionConfig) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
-    """(per-token weights [B, R] fp32 for truncate, else None; the response mask with the dropped tokens zeroed for
-    mask, else None; metrics). Metrics are over the units of config.level (tokens, or responses holding a token):
-    the ratio's mean, std, min and max, and truncate's weight mean and capped share, or mask's dropped share."""
+                       config: RolloutCorrectionConfig, decoupled: bool = False
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
+    """(per-token weights [B, R] fp32 for truncate or decoupled, else None; the response mask with the dropped tokens
+    zeroed for mask, else None; metrics). Metrics are over the units of config.level (tokens, or responses holding a
+    token): the ratio's mean, std, min and max, the weight's mean (and truncate's capped share), mask's dropped
+    share. decoupled: the weight is the ratio (AReaL's π_prox / π_behaviour), capped by truncate, on mask's kept
+    tokens; config.mode may then be None."""
     ratio, valid = importance_ratios(old_logprobs, behaviour_logprobs, response_mask, config.level)
     metrics = {f"rollout/is_ratio_{key}": value for key, value in _stats(ratio[valid]).items()}
     per_token = (lambda x: x) if config.level == "token" else (lambda x: x[:, None].expand(response_mask.shape))
     tokens = response_mask != 0
+    weights, new_mask = None, None
     if config.mode == "truncate":
         weights = ratio.clamp(max=config.high)
-        metrics["rollout/is_weight_mean"] = float(weights[valid].mean()) if valid.any() else 1.0
         metrics["rollout/is_capped_frac"] = _masked_mean((ratio > config.high).double(), valid)
-        return torch.where(tokens, per_token(weights), 1.0).float(), None, metrics
-    keep = (ratio >= config.lower) & (ratio <= config.high)
-    metrics["rollout/is_masked_frac"] = _masked_mean((~keep).double(), valid)
-    return None, response_mask * per_token(keep).to(response_mask.dtype), metrics
+    elif decoupled:
+        weights = ratio
+    if config.mode == "mask":
+        keep = (ratio >= config.lower) & (ratio <= config.high)
+        metrics["rollout/is_masked_frac"] = _masked_mean((~keep).double(), valid)
+        new_mask = response_mask * per_token(keep).to(response_mask.dtype)
+        valid = valid & keep
+    if weights is None:
+        return None, new_mask, metrics
+    metrics["rollout/is_weight_mean"] = float(weights[valid].mean()) if valid.any() else 1.0
+    return torch.where(tokens, per_token(weights), 1.0).float(), new_mask, metrics
 
 
-def apply_rollout_correction(batch, config: RolloutCorrectionConfig) -> dict[str, float]:
+def apply_rollout_correction(batch, config: RolloutCorrectionConfig, decoupled: bool = False) -> dict[str, float]:
     """The trainer's hook, after old_logprobs: the mismatch metrics where the engine reported log-probs and, with a
-    mode, the correction against them (else against old_logprobs: ratios 1), into batch["rollout_is_weights"]
-    (truncate) or batch["response_mask"] (mask)."""
+    mode or decoupled (algorithm.loss.decoupled), the correction against them (else against old_logprobs: ratios
+    1), into batch["rollout_is_weights"] (truncate, decoupled) and batch["response_mask"] (mask)."""
     old, mask = batch["old_logprobs"], batch["response_mask"]
     reported = "rollout_logprobs" in batch.keys()
     metrics = rollout_mismatch_metrics(old, batch["rollout_logprobs"], mask) if reported else {}
-    if config.mode is None:
+    if config.mode is None and not decoupled:
         return metrics
     weights, new_mask, correction_metrics = rollout_correction(
-        old, batch["rollout_logprobs"] if reported else old, mask, config)
+        old, batch["rollout_logprobs"] if reported else old, mask, config, decoupled)
     if weights is not None:
         batch["rollout_is_weights"] = weights
     if new_mask is not None:

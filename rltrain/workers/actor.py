@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -229,7 +229,7 @@ class ActorWorker(WeightSource):
         from rltrain_kernels import fused_policy_loss
 
         loss_cfg = self.loss
-        options = {**asdict(loss_cfg), "temperature": self.temperature, **norm}
+        options = {**loss_cfg.kernel_options(), "temperature": self.temperature, **norm}
         fields = [micro["response_ids"], micro["response_mask"], weighted_advantages(micro), micro["old_logprobs"],
                   micro["ref_logprobs"] if "ref_logprobs" in micro.keys() else None]
         packing = Packing.of(micro) if self.batching.packed else None

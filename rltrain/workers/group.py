@@ -88,22 +88,28 @@ def place_model_roles(nnodes: int, ranks_per_node: int, device: str, timeout_s: 
     resource = "GPU" if device == "cuda" else "CPU"
     asked = (f"trainer.nnodes={nnodes} × trainer.n_gpus_per_node={ranks_per_node} asks for {nnodes} placement "
              f"group(s) of {ranks_per_node} {resource} on one node each (trainer.device resolved to {device})")
+    placement = reserve(nnodes, ranks_per_node, resource, asked, timeout_s)
+    logger.info("placed %d rank(s) on node(s) %s", placement.world_size,
+                ", ".join(n[:8] for n in placement.node_ids()))
+    return placement
+
+
+def reserve(count: int, per_group: int, resource: str, asked: str, timeout_s: float) -> Placement:
+    """`count` STRICT_PACK placement groups of `per_group` one-`resource` bundles (a Placement over them), or a
+    PlacementError starting with `asked` (what the config asks for, naming its keys)."""
     # nodes can hold several groups: count how many groups each node's total could ever hold
-    fits = sum(int(node["Resources"].get(resource, 0) // ranks_per_node) for node in ray.nodes() if node.get("Alive"))
-    if fits < nnodes:
+    fits = sum(int(node["Resources"].get(resource, 0) // per_group) for node in ray.nodes() if node.get("Alive"))
+    if fits < count:
         raise PlacementError(f"{asked}, but the cluster could hold only {fits}; it has {cluster_summary()}")
-    groups = [placement_group([{resource: 1}] * ranks_per_node, strategy="STRICT_PACK") for _ in range(nnodes)]
-    ready, pending = ray.wait([g.ready() for g in groups], num_returns=nnodes, timeout=timeout_s)
+    groups = [placement_group([{resource: 1}] * per_group, strategy="STRICT_PACK") for _ in range(count)]
+    ready, pending = ray.wait([g.ready() for g in groups], num_returns=count, timeout=timeout_s)
     if pending:
         for group in groups:
             remove_placement_group(group)
         raise PlacementError(f"{asked}; {len(pending)} of them could not be reserved within "
                              f"ray.placement_timeout_s={timeout_s:g} s (resources held by other jobs?). "
                              f"Available now: {ray.available_resources()}; the cluster has {cluster_summary()}")
-    placement = Placement(groups, ranks_per_node, resource)
-    logger.info("placed %d rank(s) on node(s) %s", placement.world_size,
-                ", ".join(n[:8] for n in placement.node_ids()))
-    return placement
+    return Placement(groups, per_group, resource)
 
 
 @ray.remote(num_cpus=0)

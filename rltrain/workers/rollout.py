@@ -34,6 +34,7 @@ from rltrain.workers.policy import load_policy, set_threads
 from rltrain.workers.weight_sync import ExportedBucket, device_info, receive
 
 ENGINES = ("hf", "vllm")
+PLACEMENTS = ("colocated", "separate")
 
 
 @dataclass
@@ -54,6 +55,7 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # vllm on GPU: GPUs per engine; replicas = trainer.nnodes × n_gpus_per_node / this
     replicas: int = 1              # CPU runs: rollout engines, each a process with its own CPU (GPU: set by the above)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # tool-using episodes: agent_loop.py
+    placement: str = "colocated"   # colocated (share the actor's GPUs, take turns) | separate (devices of their own)
 
     def validate(self):
         require(self.engine in ENGINES, "engine", f"must be one of {', '.join(ENGINES)}", self.engine)
@@ -82,6 +84,7 @@ class RolloutConfig:
                 "must be 1 with rollout.engine=hf (one process per replica; rollout.engine=vllm shards a replica "
                 "over GPUs)", self.tensor_parallel_size)
         require(self.replicas >= 1, "replicas", "must be >= 1", self.replicas)
+        require(self.placement in PLACEMENTS, "placement", f"must be one of {', '.join(PLACEMENTS)}", self.placement)
 
 
 def response_seeds(seed: int, first: int, count: int) -> torch.Tensor:
@@ -94,11 +97,12 @@ def response_seeds(seed: int, first: int, count: int) -> torch.Tensor:
 class RolloutWorker:
     """One process of a rollout replica. `tensor_parallel` (vllm, tensor_parallel_size > 1): this process's rank in
     its replica and the replica's rendezvous, {rank, world_size, master_addr, master_port}. `lora`: actor.lora (the
-    engine serves its adapters, zero until the first push)."""
+    engine serves its adapters, zero until the first push). `logprobs`: the hf engine reports the sampled tokens'
+    log-probs too (vllm always does)."""
 
     def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: KernelConfig | None,
                  device: str = "cpu", attn_implementation: str = "auto", tensor_parallel: dict | None = None,
-                 lora: LoraConfig | None = None):
+                 lora: LoraConfig | None = None, logprobs: bool = False):
         set_threads(config.torch_threads)
         self.device = device
         if config.engine == "vllm":
@@ -106,7 +110,8 @@ class RolloutWorker:
 
             self.engine = VLLMEngine(config, model_path, dtype, device, tensor_parallel, lora)
         else:
-            self.engine = HFEngine(config, model_path, dtype, kernel_config, device, attn_implementation, lora)
+            self.engine = HFEngine(config, model_path, dtype, kernel_config, device, attn_implementation, lora,
+                                   logprobs)
         self.agent_loop = None
         if config.multi_turn.enabled:  # tool-using episodes through the same engine (rltrain/workers/agent_loop.py)
             from rltrain.workers.agent_loop import AgentLoop, HFTurns
@@ -155,11 +160,16 @@ class RolloutWorker:
 
 
 class HFEngine:
+    """transformers' generate. With `logprobs` it also returns rollout_logprobs: the log-softmax of generate's
+    processed scores (after temperature and top_p, the distribution each token was drawn from, like vLLM's
+    processed_logprobs) at the sampled tokens, 0 past a response's end."""
+
     keeps_loaded_tensors = False  # load_weights copies into the parameters at once
 
     def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: KernelConfig | None,
-                 device: str, attn_implementation: str = "auto", lora: LoraConfig | None = None):
-        self.config = config
+                 device: str, attn_implementation: str = "auto", lora: LoraConfig | None = None,
+                 logprobs: bool = False):
+        self.config, self.logprobs = config, logprobs
         self.model = load_policy(model_path, dtype, kernel_config, device, attn_implementation)
         if lora is not None and lora.enabled:  # the actor's adapters, zero until the first push: the base's outputs
             attach_lora(self.model, lora)
@@ -192,23 +202,32 @@ class HFEngine:
         torch.manual_seed(seed if first_prompt == 0 else int(response_seeds(seed, first_prompt * n, 1)))
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0).to(self.device)
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0).to(self.device)
-        outputs = []
+        outputs, logprobs = [], []
+        report = self.logprobs and temperature > 0
         for start in range(0, prompt_ids.shape[0], self.config.micro_batch_size):
             ids = prompt_ids[start:start + self.config.micro_batch_size]
             mask = prompt_mask[start:start + self.config.micro_batch_size]
             sampling = dict(do_sample=True, temperature=temperature, top_p=self.config.top_p, top_k=0) \
                 if temperature > 0 else dict(do_sample=False)
             out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.config.max_new_tokens,
-                                      eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id, **sampling)
-            outputs.append(out[:, ids.shape[1]:])
+                                      eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
+                                      output_scores=report, return_dict_in_generate=True, **sampling)
+            outputs.append(out.sequences[:, ids.shape[1]:])
+            if report:
+                scores = torch.stack(out.scores, 1).float().log_softmax(-1)   # [b, generated, V]
+                logprobs.append(scores.gather(-1, outputs[-1].unsqueeze(-1)).squeeze(-1))
         width = max(o.shape[1] for o in outputs)
         response_ids = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=self.pad_token_id)
                                   for o in outputs])
         response_mask, truncated = response_mask_and_truncation(response_ids, self.eos_token_id)
         groups = torch.arange(prompt_ids.shape[0] // n).repeat_interleave(n)
-        return TensorDict({"prompt_ids": prompt_ids.cpu(), "prompt_mask": prompt_mask.cpu(),
-                           "response_ids": response_ids.cpu(), "response_mask": response_mask.cpu(),
-                           "group_ids": groups, "truncated": truncated.cpu()}, batch_size=[prompt_ids.shape[0]])
+        fields = {"prompt_ids": prompt_ids.cpu(), "prompt_mask": prompt_mask.cpu(),
+                  "response_ids": response_ids.cpu(), "response_mask": response_mask.cpu(),
+                  "group_ids": groups, "truncated": truncated.cpu()}
+        if report:  # past <eos> a finished row's pad token may lie outside top_p (-inf): zeroed, never read
+            logp = torch.cat([torch.nn.functional.pad(lp, (0, width - lp.shape[1])) for lp in logprobs])
+            fields["rollout_logprobs"] = torch.where(response_mask.bool(), logp, 0.0).cpu()
+        return TensorDict(fields, batch_size=[prompt_ids.shape[0]])
 
 
 def response_mask_and_truncation(response_ids: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,10 @@ beyond the bundles reserve one more CPU each, in a placement group of their own 
 roles' groups, so a cluster that cannot hold them gives a PlacementError naming rollout.replicas, never a hang).
 Two replicas thus run side by side on a 2-CPU machine beside one trainer rank. With rollout.torch_threads = 0, CPU
 replicas take cores / R threads each instead of all cores, so that they do not oversubscribe the machine.
+rollout.placement=separate (`place_rollout`): the replicas get devices of their own, rollout.replicas placement groups
+of rollout.tensor_parallel_size GPUs (one CPU on CPU runs) beside the model roles', so the engines can generate while
+the actor trains (trainer.mode one_step_off / async); a CPU replica then takes one thread (rollout.torch_threads = 0),
+and the engines never sleep (nothing else uses their memory). The weights reach them through host memory.
 
 Generation. A step's prompts are cut into contiguous runs, as even as possible, one per replica: all n responses of
 a prompt stay on one engine, whose prefix cache then holds the prompt once. Every process of a replica gets the same
@@ -38,7 +42,7 @@ from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
 
 from rltrain.workers.batch import concat_batches
-from rltrain.workers.group import Placement, PlacementError, cluster_summary, rendezvous_address
+from rltrain.workers.group import Placement, PlacementError, cluster_summary, rendezvous_address, reserve
 from rltrain.workers.lora import LoraConfig
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 
@@ -82,18 +86,31 @@ def reserve_cpus(count: int, world_size: int, replicas: int, timeout_s: float) -
     return group
 
 
+def place_rollout(config: RolloutConfig, device: str, timeout_s: float) -> Placement:
+    """rollout.placement=separate: rollout.replicas placement groups of rollout.tensor_parallel_size one-GPU (one-CPU)
+    bundles of the rollout's own, or a PlacementError naming the keys."""
+    resource, tp = ("GPU" if device == "cuda" else "CPU"), config.tensor_parallel_size
+    asked = (f"rollout.placement=separate with rollout.replicas={config.replicas} × rollout.tensor_parallel_size={tp} "
+             f"asks for {config.replicas} placement group(s) of {tp} {resource} beside the model roles' "
+             f"(trainer.device resolved to {device})")
+    return reserve(config.replicas, tp, resource, asked, timeout_s)
+
+
 class RolloutReplicas:
     """The rollout role: replicas of RolloutWorker processes (see the module docstring). Methods block until every
     process is done."""
 
     def __init__(self, config: RolloutConfig, placement: Placement, share: float, timeout_s: float, *,
                  model_path: str, dtype: str, kernel_config: KernelConfig | None, device: str,
-                 attn_implementation: str = "auto", lora: LoraConfig | None = None):
-        """`share` of each bundle's GPU (or CPU) per colocated process; timeout_s: ray.placement_timeout_s; lora:
-        actor.lora (the engines hold the same adapters, and the push sends only them)."""
+                 attn_implementation: str = "auto", lora: LoraConfig | None = None, logprobs: bool = False):
+        """`share` of each bundle's GPU (or CPU) per colocated process (rollout.placement=separate: `placement` is
+        place_rollout's, share 1); timeout_s: ray.placement_timeout_s; lora: actor.lora (the engines hold the same
+        adapters, and the push sends only them); logprobs: the hf engine reports rollout_logprobs too."""
         layout = replica_bundles(placement.world_size, config.tensor_parallel_size, config.replicas, device)
-        if device != "cuda" and config.torch_threads == 0 and len(layout) > 1:
-            config = dataclasses.replace(config, torch_threads=max(1, (os.cpu_count() or 1) // len(layout)))
+        self.separate = config.placement == "separate"
+        if device != "cuda" and config.torch_threads == 0 and (len(layout) > 1 or self.separate):
+            threads = 1 if self.separate else max(1, (os.cpu_count() or 1) // len(layout))
+            config = dataclasses.replace(config, torch_threads=threads)
         extra = sum(bundle is None for bundles in layout for bundle in bundles)
         self.extra_cpus = reserve_cpus(extra, placement.world_size, len(layout), timeout_s) if extra else None
         worker, next_extra = ray.remote(RolloutWorker), 0
@@ -113,7 +130,8 @@ class RolloutReplicas:
                     options = placement.options(bundle, share)
                 tensor_parallel = dict(rendezvous, rank=rank) if rendezvous else None
                 processes.append(worker.options(**options).remote(
-                    config, model_path, dtype, kernel_config, device, attn_implementation, tensor_parallel, lora))
+                    config, model_path, dtype, kernel_config, device, attn_implementation, tensor_parallel, lora,
+                    logprobs))
             self.replicas.append(processes)
         logger.info("rollout: %d replica(s) of %d process(es) (%s engine) on %s", len(self.replicas),
                     len(layout[0]), config.engine, device)
@@ -141,7 +159,9 @@ class RolloutReplicas:
         return batch
 
     def sleep(self) -> None:
-        self._on_every_process("sleep")
+        """Free the engines' memory while the actor trains: colocated only (separate engines keep theirs)."""
+        if not self.separate:
+            self._on_every_process("sleep")
 
     def device_infos(self) -> list[tuple[str, str] | None]:
         """Each process's GPU (uuid, name), or None on CPU."""

@@ -22,6 +22,13 @@ Memory per bucket: the actor side holds the gathered tensors and the flat buffer
 gathered tensors are its parameters themselves), the rollout side its parameters plus, for vLLM, a clone of the
 buffer (the engine's layerwise reload may keep a partly loaded layer's tensors past the call).
 
+Snapshots (trainer.mode one_step_off / async, rltrain/async_rollout.py): the engines may be generating when an
+update ends, so the push is split in two. `snapshot()` has actor rank 0 export every bucket as host tensors, which
+Ray copies into its object store as the call returns (a consistent copy of this version, whatever the actor does
+next); `load_snapshot(refs)` loads them into every rollout process later, between two of the producer's batches.
+Host route only: asynchronous modes put the rollout on devices of its own (rollout.placement=separate), where no
+rollout process shares a GPU with an actor rank anyway.
+
 The worker-side parts (WeightSource, receive, the buffer layout) import without Ray, so an actor and a rollout
 engine can exchange buckets in plain processes (tests/rltrain/workers/test_weight_sync.py runs the IPC route on a
 GPU that way); WeightPush, the controller's loop, imports Ray where it runs.
@@ -217,5 +224,29 @@ class WeightPush:
             self.rollout.load_buckets([exports[rank] for rank in taken])  # waits: the next export drops the buffer
             ray.get([ref for rank, ref in enumerate(exports) if rank not in taken])  # None each; raises their errors
         ray.get(call_each_rank(self.actor, "release_weights"))
+        self.rollout.finish_weight_update()
+        return time.monotonic() - start
+
+    def snapshot(self) -> list:
+        """The actor's current weights, one ObjectRef per bucket (rank 0's host export), complete when this returns:
+        a later update does not change them."""
+        import ray
+
+        from rltrain.workers.group import call_each_rank
+
+        refs = []
+        for names in self.buckets:
+            exports = call_each_rank(self.actor, "export_weights", names, [], True)
+            refs.append(exports[0])
+            ray.get(exports[1:])  # the other ranks' part of the gather: None each; raises their errors
+        ray.wait(refs, num_returns=len(refs), fetch_local=False)
+        return refs
+
+    def load_snapshot(self, refs: list) -> float:
+        """A snapshot() into every rollout process, bucket by bucket; returns the seconds it took."""
+        start = time.monotonic()
+        self.rollout.begin_weight_update()
+        for ref in refs:
+            self.rollout.load_buckets([ref] * len(self.sources))
         self.rollout.finish_weight_update()
         return time.monotonic() - start

@@ -290,3 +290,52 @@ def test_cli_rejects_values_that_used_to_fail_inside_ray_actors(tmp_path, overri
     assert result.returncode == 2, result.stderr
     assert f"config error: {message.format(**paths)}" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out" / "warmstart").exists()  # failed before any work
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ("trainer.mode=pipeline", "trainer.mode: must be one of sync, one_step_off, async (got 'pipeline')"),
+    ("trainer.mode=async trainer.max_staleness=0", "trainer.max_staleness: must be >= 1 (got 0)"),
+    ("trainer.max_staleness=2",
+     "trainer.max_staleness: applies to trainer.mode=async only (one_step_off is 1, sync 0) (got 2)"),
+    ("rollout.placement=apart", "rollout.placement: must be one of colocated, separate (got 'apart')"),
+    ("trainer.device=cuda trainer.mode=one_step_off",
+     "rollout.placement: trainer.mode=one_step_off generates while the actor trains, so on GPU the rollout needs "
+     "GPUs of its own: set rollout.placement=separate"),
+    ("trainer.device=cuda trainer.mode=async trainer.max_staleness=2",
+     "rollout.placement: trainer.mode=async generates while the actor trains"),
+    ("trainer.device=cpu rollout.placement=separate ray.num_cpus=1",
+     "rollout.replicas: rollout.placement=separate gives the rollout 1 CPUs of its own (rollout.replicas × "
+     "rollout.tensor_parallel_size) beside the 1 of trainer.nnodes × trainer.n_gpus_per_node, 2 in all, and "
+     "ray.num_cpus = 1 (got 1)"),
+    ("trainer.device=cpu trainer.mode=one_step_off rollout.placement=separate rollout.replicas=2 ray.num_cpus=2",
+     "rollout.replicas: rollout.placement=separate gives the rollout 2 CPUs of its own"),
+], ids=["mode-unknown", "staleness-0", "staleness-without-async", "placement-unknown", "gpu-one-step-off-colocated",
+        "gpu-async-colocated", "cpu-separate-beyond-cpus", "cpu-separate-replicas-beyond-cpus"])
+def test_asynchronous_mode_and_placement_errors_name_the_key(overrides, message):
+    """trainer.mode, trainer.max_staleness and rollout.placement are checked up front: on GPU the asynchronous modes
+    need the rollout on GPUs of its own; separate CPU replicas need a CPU each beside the model roles'."""
+    with pytest.raises(ConfigError) as err:
+        load_job_config(_compose(*overrides.split()))
+    assert str(err.value).startswith(message), err.value
+
+
+def test_asynchronous_modes_validate_on_two_cpus_and_separate_gpus():
+    """2 CPUs: 1 for the rollout and 1 for the actor; GPU runs with the rollout separate (the trainer, not the config,
+    finds GPUs missing on this machine); on CPU the modes may also share the CPU (colocated)."""
+    for mode in ("one_step_off", "async trainer.max_staleness=2"):
+        job = load_job_config(_compose("trainer.device=cpu", "rollout.placement=separate", "ray.num_cpus=2",
+                                       *f"trainer.mode={mode}".split()))
+        assert job.rollout.placement == "separate" and job.rollout_reports_logprobs
+        assert load_job_config(_compose("trainer.device=cuda", "rollout.placement=separate",
+                                        *f"trainer.mode={mode}".split())).trainer.mode == mode.split()[0]
+        assert load_job_config(_compose("trainer.device=cpu", *f"trainer.mode={mode}".split()))
+    sync = load_job_config(_compose())
+    assert (sync.trainer.mode, sync.trainer.max_staleness, sync.rollout.placement) == ("sync", 1, "colocated")
+    assert not sync.rollout_reports_logprobs
+
+
+def test_cli_rejects_a_bad_mode_with_exit_2(tmp_path):
+    result = _cli(f"trainer.output_dir={tmp_path / 'out'}", "trainer.device=cuda", "trainer.mode=one_step_off")
+    assert result.returncode == 2, result.stderr
+    assert "config error: rollout.placement: trainer.mode=one_step_off" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out" / "warmstart").exists()

@@ -78,3 +78,28 @@ def test_multi_turn_grpo_steps_with_the_vllm_engine(tmp_path):
         assert record["tool/turns_per_episode"] >= 1, record  # the agent loop made the rollout
         assert record["rollout/logprob_abs_diff_max"] < 1e-3, record
         assert 0 <= record["rollout/kl"] < 1e-6, record
+
+
+@pytest.mark.parametrize("mode, k", [("one_step_off", 1), ("async", 2)])
+def test_asynchronous_modes_with_the_vllm_engine(tmp_path, mode, k):
+    """trainer.mode one_step_off / async k=2 with a vLLM engine on a CPU of its own (rollout.placement=separate):
+    the weights reach the running engine as snapshots between its batches, the lags are the mode's, and the engine's
+    log-probs are the behaviour policy: at fp32 rounding from the actor's when the version matches (step 1), apart
+    once it lags (the weights move every step)."""
+    job = tiny_job(tmp_path, trainer={"total_steps": 4, "mode": mode, "max_staleness": k},
+                   model={"embedded": {"hidden_size": 64, "num_heads": 2, "head_dim": 64}},
+                   rollout={"engine": "vllm", "kv_cache_gb": 1.0, "enforce_eager": True, "placement": "separate"},
+                   actor={"lr": 0.01, "weight_bucket_mb": 1},
+                   algorithm={"loss": {"decoupled": True, "entropy_coef": 0.01}})
+    result = run(job)
+    assert result["step"] == 4
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = {r["step"]: r for r in records if "train/reward_mean" in r}
+    lags = [train[s]["rollout/version_lag_max"] for s in range(1, 5)]
+    assert lags == [0, 1, 1, 1] if mode == "one_step_off" else (lags[0] == 0 and 0 < max(lags) <= k), lags
+    for step, record in train.items():
+        assert record["actor/grad_norm"] > 0
+        if record["rollout/version_lag_max"] == 0:
+            assert record["rollout/kl"] < 1e-6 and record["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        else:
+            assert record["rollout/logprob_abs_diff_max"] > 1e-3, (step, record)

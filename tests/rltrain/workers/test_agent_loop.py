@@ -326,3 +326,6 @@ def test_config_section_and_engine_check():
         load_job_config(compose(*on, "rollout.tensor_parallel_size=2"))
     with pytest.raises(ConfigError, match=r"^rollout\.multi_turn\.tools: must list at least one tool"):
         load_job_config(compose("rollout.multi_turn.enabled=true"))
+    for off_policy in ("trainer.mode=one_step_off", "algorithm.old_logprobs=rollout", "algorithm.loss.decoupled=true"):
+        with pytest.raises(ConfigError, match=r"^rollout\.multi_turn\.enabled: with rollout\.engine=hf needs"):
+            load_job_config(compose(*on, off_policy, "rollout.placement=separate"))
