@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict
@@ -105,7 +104,6 @@ class ProducedBatch:
     counts: dict[str, float]       # rollout_tokens
     sampler_state: dict            # the prompt sampler right after this batch's prompts
     version: int = -1              # the weights that sampled it
-    generated_at: float = field(default_factory=time.monotonic)
 
 
 class RolloutProducer:
@@ -127,7 +125,7 @@ class RolloutProducer:
         self._in_flight: int | None = None        # the step being generated, and the version it was given
         self._chosen: int | None = None
         self._error: BaseException | None = None
-        self._stopping = False
+        self._stopping = self._finished = False
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
 
     def start(self) -> RolloutProducer:
@@ -164,6 +162,9 @@ class RolloutProducer:
             logger.exception("rollout producer failed")
             with self._cond:
                 self._error, self._in_flight = err, None
+        finally:  # a take() waiting for a batch that will not come wakes up and says so
+            with self._cond:
+                self._finished = True
                 self._cond.notify_all()
 
     def _ensure_loaded(self, version: int) -> float:
@@ -199,7 +200,7 @@ class RolloutProducer:
     def take(self, step: int) -> ProducedBatch:
         """Step `step`'s batch, waiting for it; re-raises the producer's error."""
         with self._cond:
-            self._cond.wait_for(lambda: self._queue or self._error is not None or not self._thread.is_alive())
+            self._cond.wait_for(lambda: self._queue or self._error is not None or self._finished)
             if self._error is not None:
                 raise RuntimeError("the rollout producer failed (its traceback is logged above)") from self._error
             if not self._queue:

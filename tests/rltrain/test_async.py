@@ -120,6 +120,14 @@ def test_producer_errors_reach_the_trainer():
     assert isinstance(err.value.__cause__, ValueError)
 
 
+def test_take_beyond_the_last_step_says_so():
+    engines = FakeEngines(0.0)
+    producer = RolloutProducer(engines.generate, engines.load, range(1, 2), 0, "async", 1).start()
+    assert producer.take(1).step == 1
+    with pytest.raises(RuntimeError, match="stopped before step 2's batch"):
+        producer.take(2)
+
+
 def test_check_lag_enforces_each_mode():
     versions = torch.tensor([2, 2, 3])
     assert check_lag("async", 2, 5, 0, versions).tolist() == [2, 2, 1]
