@@ -68,8 +68,15 @@ def test_packed_equals_rows(impl, loss_agg):
 
 def test_packed_seq_mean_counts_sequences_not_rows():
     """seq-mean-token-mean over a packed row divides by its sequences with tokens (2 here), not by B = 1: the
-    failure an aggregation that ignored cu_seqlens would show."""
+    failure an aggregation that ignored cu_seqlens would show. Only where the two sequences hold different numbers of
+    tokens: with equal counts both aggregations are the same number, so row 2 loses a token where the draw made them
+    equal (and a draw leaving one token in each, where that cannot help, is redrawn)."""
     inputs = make_inputs(B=3, T=4, masked_rows=(1,))
+    while inputs["mask"][0].sum() == inputs["mask"][2].sum() == 1:
+        inputs = make_inputs(B=3, T=4, masked_rows=(1,))
+    if inputs["mask"][0].sum() == inputs["mask"][2].sum():
+        last = int(inputs["mask"][2].nonzero().max())
+        inputs["mask"][2, last], inputs["labels"][2, last] = False, -100
     packed, cu_seqlens = packed_from_rows(inputs, [4, 4, 4])
     packed["mask"][0, 4:8] = False
     with torch.no_grad():
