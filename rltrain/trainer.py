@@ -94,12 +94,13 @@ class GRPOTrainer:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         limit = job.data.max_prompt_length
-        self.sampler = PromptSampler(drop_long_prompts(train_rows, self.tokenizer, limit, "data.train_files"),
-                                     job.trainer.seed)
-        self.val_rows = drop_long_prompts(val_rows, self.tokenizer, limit, "data.val_files") if val_rows else []
+        self.tools = prompt_tools(job.rollout.multi_turn)  # chat prompts carry the tools' schemas: measured with them
+        self.sampler = PromptSampler(drop_long_prompts(train_rows, self.tokenizer, limit, "data.train_files",
+                                                       self.tools), job.trainer.seed)
+        self.val_rows = drop_long_prompts(val_rows, self.tokenizer, limit, "data.val_files", self.tools) \
+            if val_rows else []
         if job.data.val_max_rows:
             self.val_rows = self.val_rows[:job.data.val_max_rows]
-        self.tools = prompt_tools(job.rollout.multi_turn)
         self._start_workers()
         self.tracker = Tracker(job.trainer.logger, str(self.output_dir), job.trainer.total_steps,
                                project=job.trainer.project, run_name=job.trainer.run_name or self.output_dir.name,

@@ -68,9 +68,12 @@ class PromptSampler:
         self._order = self._permutation(self.epoch)
 
 
-def drop_long_prompts(rows: list[PromptRow], tokenizer, max_prompt_length: int, what: str) -> list[PromptRow]:
-    """Rows whose rendered prompt fits max_prompt_length tokens; logs how many were dropped."""
-    kept = [row for row in rows if len(tokenizer(render_prompt(row.prompt, tokenizer)).input_ids) <= max_prompt_length]
+def drop_long_prompts(rows: list[PromptRow], tokenizer, max_prompt_length: int, what: str,
+                      tools: list[dict] | None = None) -> list[PromptRow]:
+    """Rows whose prompt, rendered as the rollout gets it (with `tools`: see render_prompt), fits max_prompt_length
+    tokens; logs how many were dropped."""
+    kept = [row for row in rows
+            if len(tokenizer(render_prompt(row.prompt, tokenizer, tools)).input_ids) <= max_prompt_length]
     if len(kept) < len(rows):
         logger.warning("%s: dropped %d of %d rows longer than data.max_prompt_length=%d tokens",
                        what, len(rows) - len(kept), len(rows), max_prompt_length)

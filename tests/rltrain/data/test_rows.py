@@ -102,3 +102,25 @@ def test_task_split_is_disjoint_and_prompts_left_padded():
     tokenizer = build_char_tokenizer()
     ids, mask = encode_prompts([train[0], val[0]], tokenizer)
     assert mask[:, -1].all() and tokenizer.decode(ids[0][mask[0].bool()]) == train[0].prompt
+
+
+def test_long_prompts_are_measured_with_the_tools_they_carry():
+    """Multi-turn chat prompts render the tools' schemas into the prompt (render_prompt's tools): drop_long_prompts
+    counts them, so a prompt that fits alone but not with its tools is dropped, as the rollout would receive it."""
+    from rltrain.data.rows import PromptRow
+    from rltrain.data.sampler import drop_long_prompts
+    from rltrain.tools import chat_template_tools
+    from rltrain.tools.builtin.calculator import calculator
+    from tests.rltrain.tools.test_chat import QWEN_STYLE
+
+    tokenizer = build_char_tokenizer(extra_chars='<>{}"_|#')
+    tokenizer.chat_template = QWEN_STYLE
+    tools = chat_template_tools([calculator.schema])
+    rows = [PromptRow([{"role": "user", "content": "1+2="}], "arith", "3")]
+    alone = len(tokenizer(render_prompt(rows[0].prompt, tokenizer)).input_ids)
+    with_tools = len(tokenizer(render_prompt(rows[0].prompt, tokenizer, tools)).input_ids)
+    assert with_tools > alone
+    assert drop_long_prompts(rows, tokenizer, alone, "data.train_files") == rows
+    with pytest.raises(DataError, match="every row is longer than data.max_prompt_length"):
+        drop_long_prompts(rows, tokenizer, alone, "data.train_files", tools)
+    assert drop_long_prompts(rows, tokenizer, with_tools, "data.train_files", tools) == rows
