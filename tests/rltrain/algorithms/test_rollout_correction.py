@@ -87,8 +87,11 @@ def test_masking_drops_tokens_or_responses_outside_the_bounds(level, low, kept, 
 
 def test_apply_uses_the_actors_log_probs_when_the_engine_reports_none():
     """hf engine: no rollout_logprobs, so the behaviour policy is old_logprobs: ratios 1, nothing capped or dropped,
-    no mismatch metrics; with the engine's log-probs the weights and mismatch metrics are the functions' own."""
+    no mismatch metrics; with the engine's log-probs the weights and mismatch metrics are the functions' own. Two
+    tokens are pinned, one at ratio 1 and one at e, so the [1/1.1, 1.1] bounds below cap or drop some tokens but not
+    all whatever the draw (9 drawn ratios all fell outside them about 1 draw in 13)."""
     old, rollout, mask = _logprobs()
+    rollout[1, 0], rollout[1, 1] = old[1, 0], old[1, 1] - 1.0
     for mode in ("truncate", "mask"):
         batch = TensorDict({"old_logprobs": old, "response_mask": mask}, batch_size=[3])
         metrics = apply_rollout_correction(batch, RolloutCorrectionConfig(mode, level="sequence", high=1.01))
