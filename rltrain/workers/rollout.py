@@ -162,7 +162,9 @@ class RolloutWorker:
 class HFEngine:
     """transformers' generate. With `logprobs` it also returns rollout_logprobs: the log-softmax of generate's
     processed scores (after temperature and top_p, the distribution each token was drawn from, like vLLM's
-    processed_logprobs) at the sampled tokens, 0 past a response's end."""
+    processed_logprobs) at the sampled tokens, 0 past a response's end. generate keeps every step's scores until it
+    returns, micro_batch_size × max_new_tokens × vocab fp32 values (256 × 1024 × 152k: 160 GB), so with a real
+    vocabulary cut rollout.micro_batch_size, or use vllm."""
 
     keeps_loaded_tensors = False  # load_weights copies into the parameters at once
 
