@@ -85,11 +85,16 @@ def drop_long_prompts(rows: list[PromptRow], tokenizer, max_prompt_length: int, 
 def encode_prompts(rows: list[PromptRow], tokenizer, tools: list[dict] | None = None) -> tuple[torch.Tensor,
                                                                                              torch.Tensor]:
     """Left-padded prompt ids and mask, [len(rows), longest prompt]; `tools`: see render_prompt."""
-    encoded = [tokenizer(render_prompt(row.prompt, tokenizer, tools)).input_ids for row in rows]
-    width = max(map(len, encoded))
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, seq in enumerate(encoded):
-        ids[i, width - len(seq):] = torch.tensor(seq)
+    return left_pad([tokenizer(render_prompt(row.prompt, tokenizer, tools)).input_ids for row in rows],
+                    tokenizer.pad_token_id)
+
+
+def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists as left-padded ids and mask, [len(sequences), longest]: the layout generate takes."""
+    width = max(map(len, sequences))
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
         mask[i, width - len(seq):] = 1
     return ids, mask

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from tensordict import NonTensorStack, TensorDict
 
+from rltrain.data.sampler import left_pad
 from rltrain.tools.chat import assistant_message, tool_message
 from rltrain.tools.config import MultiTurnConfig
 from rltrain.tools.parsers import PARSERS
@@ -68,17 +69,12 @@ class HFTurns:
     def generate(self, contexts: list[list[int]], budgets: list[int], temperature: float,
                  seeds: list[int]) -> list[Turn]:
         engine, config = self.engine, self.engine.config
-        sampling = dict(do_sample=True, temperature=temperature, top_p=config.top_p, top_k=0) \
-            if temperature > 0 else dict(do_sample=False)
+        sampling = engine.sampling(temperature)
         turns = []
         for start in range(0, len(contexts), config.micro_batch_size):
             chunk, limits = contexts[start:start + config.micro_batch_size], budgets[start:start + config.micro_batch_size]
-            width = max(map(len, chunk))
-            ids = torch.full((len(chunk), width), engine.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for i, context in enumerate(chunk):
-                ids[i, width - len(context):] = torch.tensor(context)
-                mask[i, width - len(context):] = 1
+            ids, mask = left_pad(chunk, engine.pad_token_id)
+            width = ids.shape[1]
             out = engine.model.generate(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device),
                                         max_new_tokens=max(limits), eos_token_id=engine.eos_token_id,
                                         pad_token_id=engine.pad_token_id, **sampling)[:, width:].cpu().tolist()

@@ -197,6 +197,12 @@ class HFEngine:
         pass
 
     @torch.no_grad()
+    def sampling(self, temperature: float) -> dict:
+        """generate's sampling arguments: temperature and rollout.top_p (no top-k), or greedy at temperature 0."""
+        if temperature > 0:
+            return dict(do_sample=True, temperature=temperature, top_p=self.config.top_p, top_k=0)
+        return dict(do_sample=False)
+
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
                  seed: int, first_prompt: int = 0) -> TensorDict:
         # one stream per call: the step's seed for the run from prompt 0 (what a single engine has always drawn, so
@@ -209,11 +215,10 @@ class HFEngine:
         for start in range(0, prompt_ids.shape[0], self.config.micro_batch_size):
             ids = prompt_ids[start:start + self.config.micro_batch_size]
             mask = prompt_mask[start:start + self.config.micro_batch_size]
-            sampling = dict(do_sample=True, temperature=temperature, top_p=self.config.top_p, top_k=0) \
-                if temperature > 0 else dict(do_sample=False)
             out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.config.max_new_tokens,
                                       eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
-                                      output_scores=report, return_dict_in_generate=True, **sampling)
+                                      output_scores=report, return_dict_in_generate=True,
+                                      **self.sampling(temperature))
             outputs.append(out.sequences[:, ids.shape[1]:])
             if report:
                 scores = torch.stack(out.scores, 1).float().log_softmax(-1)   # [b, generated, V]

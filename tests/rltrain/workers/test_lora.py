@@ -26,8 +26,6 @@ from tensordict import TensorDict
 from rltrain.algorithms.advantages import compute_advantages
 from rltrain.algorithms.config import LossConfig
 from rltrain.config import ConfigError
-from rltrain.embedded.model import EmbeddedModelConfig, build_model
-from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.export_lora import export_lora
 from rltrain.export_lora import main as export_main
 from rltrain.workers.actor import ActorConfig, ActorWorker
@@ -36,6 +34,7 @@ from rltrain.workers.lora import (LoraConfig, adapter_modules_of, check_target_m
 from rltrain.workers.packing import MicroBatching
 from rltrain.workers.policy import load_policy, response_logprobs
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
+from tests.rltrain.tiny_job import save_tiny_policy
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 
@@ -43,11 +42,7 @@ LORA = LoraConfig(rank=4, alpha=8.0)
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("base")
-    tokenizer = build_char_tokenizer()
-    model = build_model(EmbeddedModelConfig(hidden_size=32, num_layers=2, num_heads=2, head_dim=16), tokenizer,
-                        seed=0)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_tiny_policy(path)
     return str(path)
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from rltrain.algorithms.config import LossConfig
-from rltrain.embedded.model import EmbeddedModelConfig, build_model
 from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.workers.actor import ActorConfig, ActorWorker
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
+from tests.rltrain.tiny_job import save_tiny_policy
 
 pytestmark = pytest.mark.vllm
 
@@ -24,11 +24,8 @@ TEMPERATURE = 0.7
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    path = tmp_path_factory.mktemp("vllm_model")
     tokenizer = build_char_tokenizer()
-    model = build_model(EmbeddedModelConfig(hidden_size=64, num_layers=2, num_heads=2, head_dim=64), tokenizer, seed=0)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    path = save_tiny_policy(tmp_path_factory.mktemp("vllm_model"), tokenizer, hidden_size=64, head_dim=64)
     config = RolloutConfig(engine="vllm", n=3, temperature=TEMPERATURE, max_new_tokens=6, kv_cache_gb=1.0,
                            enforce_eager=True, torch_threads=1)
     logs = _LogRecords()

@@ -22,12 +22,12 @@ import torch
 
 from rltrain.algorithms.config import LossConfig
 from rltrain.config import ConfigError
-from rltrain.embedded.model import EmbeddedModelConfig, build_model
 from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.workers.actor import ActorConfig, ActorWorker
 from rltrain.workers.lora import LoraConfig, adapter_modules_of, peft_checkpoint_name
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from rltrain.workers.vllm_lora import VLLM_LORA_RANKS, adapter_directory, check_adapter_modules, max_lora_rank
+from tests.rltrain.tiny_job import save_tiny_policy
 
 TEMPERATURE = 0.7
 LORA = LoraConfig(rank=4, alpha=8.0)
@@ -59,11 +59,8 @@ def test_adapter_directory_is_in_memory_and_goes_away():
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """(rollout worker with LoRA on, model dir, prompt ids, mask, the batch it generated before any push)."""
-    path = tmp_path_factory.mktemp("vllm_lora_model")
     tokenizer = build_char_tokenizer()
-    model = build_model(EmbeddedModelConfig(hidden_size=64, num_layers=2, num_heads=2, head_dim=64), tokenizer, seed=0)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    path = save_tiny_policy(tmp_path_factory.mktemp("vllm_lora_model"), tokenizer, hidden_size=64, head_dim=64)
     config = RolloutConfig(engine="vllm", n=3, temperature=TEMPERATURE, max_new_tokens=6, kv_cache_gb=1.0,
                            enforce_eager=True, torch_threads=1)
     rollout = RolloutWorker(config, str(path), "float32", None, lora=LORA)

@@ -14,12 +14,11 @@ import torch
 from tensordict import TensorDict
 
 from rltrain.algorithms.config import LossConfig
-from rltrain.embedded.model import EmbeddedModelConfig, build_model
-from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.workers.actor import ActorConfig, ActorWorker
 from rltrain.workers.weight_sync import (
     ALIGN_BYTES, ExportedBucket, IpcBuffer, pack, plan_layout, plan_sources, receive, unpack,
 )
+from tests.rltrain.tiny_job import save_tiny_policy
 
 
 def test_flat_buffer_round_trips_dtypes_and_shapes():
@@ -56,11 +55,7 @@ def test_a_bucket_on_an_unseen_gpu_falls_back_to_its_host_copy():
 
 
 def _model_dir(path) -> str:
-    tokenizer = build_char_tokenizer()
-    model = build_model(EmbeddedModelConfig(hidden_size=32, num_layers=2, num_heads=2, head_dim=16), tokenizer,
-                        seed=0)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_tiny_policy(path)
     return str(path)
 
 
