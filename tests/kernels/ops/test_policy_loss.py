@@ -631,3 +631,13 @@ def test_gpu_benchmark_shape_gradients_within_bf16_bound(device):
             print(f"{impl}: {name} relative error {rel_error(a, e):.2e}")   # in the log even when it passes
         assert_matches(actual, expected, torch.bfloat16)
         del actual
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_id)
+def test_gpu_fused_one_token(dtype, device):
+    """A one-token micro-batch on the fused path at the default chunking: Triton turns an int argument equal to 1
+    into a constant, and the GEMM kernels' row count must survive that (the interpreter never specialises)."""
+    inputs = make_inputs(B=1, T=1, H=256, V=32000, dtype=dtype, device=device, masked_rows=())
+    opts = dict(kl_coef=0.1, entropy_coef=0.01)
+    assert_matches(run(inputs, "fused", **opts), run_reference(inputs, **opts), dtype)

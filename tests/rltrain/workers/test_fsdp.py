@@ -6,7 +6,8 @@ the KL term, gradient checkpointing, and packed micro-batches cut by a token bud
 sharded reference packed against the single process's padded one); two of them again on a delta-rule policy
 (Gated DeltaNet + attention). One spawn runs every case (~30 s in all on 2 cores, mostly process start and
 imports). With 2 GPUs (@pytest.mark.gpu) the same cases run over NCCL, fp32 and bf16 mixed precision, the latter
-also with the shards, gradients and optimizer state offloaded to the CPU (actor.fsdp.cpu_offload)."""
+also with the shards, gradients and optimizer state offloaded to the CPU (actor.fsdp.cpu_offload), and the hybrid
+cases in bf16. kernels/benchmarks/bench_multi_gpu.py does the same at real sizes with the fused kernels."""
 
 import copy
 import socket
@@ -196,10 +197,13 @@ def test_fsdp2_shards_a_delta_rule_policy(cpu_hybrid_results, case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-cpu-offload"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-cpu-offload", "bf16-hybrid"])
 def test_fsdp2_over_nccl_matches_single_process(tmp_path, precision):
-    results = run_cases(tmp_path, "cuda", mixed_precision=precision != "fp32", cpu_offload="offload" in precision)
-    for case in CASES:
+    hybrid = precision.endswith("hybrid")
+    cases = HYBRID_CASES if hybrid else list(CASES)
+    results = run_cases(tmp_path, "cuda", mixed_precision=precision != "fp32", cpu_offload="offload" in precision,
+                        arch="hybrid" if hybrid else "qwen3", cases=cases)
+    for case in cases:
         check_case(*results[case], TOLERANCES["cuda-fp32" if precision == "fp32" else "cuda-bf16"])
 
 

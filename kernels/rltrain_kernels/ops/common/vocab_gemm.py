@@ -80,7 +80,9 @@ def label_in_block(labels_ptr, rows, row_ok, vocab_start, n_cols):
     return tl.where((local >= 0) & (local < n_cols), local, -1).to(tl.int32)
 
 
-@triton.jit
+# n_rows is never specialised: Triton turns an int argument equal to 1 into a constant, on which .to() fails (a
+# one-row micro-batch raised a CompilationError on the GPU; the interpreter does not specialise, so CI missed it)
+@triton.jit(do_not_specialize=["n_rows"])
 def _gemm_stats_kernel(
     a_desc, b_desc, y_desc, y_ptr, stride_y, ref_ptr, run_ptr, labels_ptr, part_ptr, label_z_ptr,
     n_rows, n_cols, hidden_size, n_blocks, vocab_start, inv_temp,
@@ -188,7 +190,7 @@ def _fold_block(acc, cols, n_cols, local, inv_temp):
     return block_max, rest, n_max, sum_t, y_label
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])   # as _gemm_stats_kernel
 def _merge_partials_kernel(part_ptr, n_rows, n_blocks, m_ptr, u_ptr, t_ptr, BLOCK: tl.constexpr,
                            WITH_ENTROPY: tl.constexpr):
     """Fold row r's partials into its running (m, u, t) in place, BLOCK partials at a time, as the row pass merges
