@@ -17,8 +17,10 @@
 #   bash scripts/gpu_check.sh fsdp             # 2+ GPUs: FSDP2 over NCCL against one process (fp32, bf16, bf16 with
 #                                              # CPU offload), no Ray; needs the tensordict, pyvers, omegaconf,
 #                                              # hydra-core and antlr4 wheels in .whl/ (antlr4-python3-runtime 4.9.3
-#                                              # is an sdist only: `pip wheel` it here); all three passed on 2 H200 on
-#                                              # 2026-11-23
+#                                              # is an sdist only: `pip wheel` it here), and ray, whose wheel is too
+#                                              # big to carry to the lent machines (tests/rltrain/tiny_job.py imports
+#                                              # the job config, which imports rltrain.workers.group); there use
+#                                              # kernels/benchmarks/bench_multi_gpu.py, which needs no Ray
 #
 # Logs go to $OUT (the device tool's return folder) or /tmp/gpu_check.
 set -uo pipefail

@@ -19,6 +19,7 @@ For each arch:
 
     python kernels/benchmarks/bench_multi_gpu.py                           # 2 GPUs, qwen3 0.6B + hybrid 1B
     python kernels/benchmarks/bench_multi_gpu.py --archs qwen3 --world 2
+    python kernels/benchmarks/bench_multi_gpu.py --gradients-only         # section 1 alone
     python kernels/benchmarks/bench_multi_gpu.py --tiny --device cpu      # a CPU dry run over gloo (host route)
 
 Needs tensordict, pyvers and orjson on the GPU machine (kernels/benchmarks/README.md).
@@ -148,7 +149,7 @@ def compare(grads: dict, old: torch.Tensor, expected_grads: dict, expected_old: 
 
 
 # ---------------------------------------------------------------- single process (one GPU)
-def single_main(model_dir: str, tiny: bool, device: str, out: str, arch: str, vocab: int) -> None:
+def single_main(model_dir: str, tiny: bool, device: str, out: str, arch: str, vocab: int, timing: bool) -> None:
     """The one-GPU side: fp32 gradients of the check batch; the bf16 actor step timed."""
     from rltrain.algorithms.config import LossConfig
     from rltrain.workers.actor import ActorWorker
@@ -162,6 +163,8 @@ def single_main(model_dir: str, tiny: bool, device: str, out: str, arch: str, vo
     actor = ActorWorker(actor_config(tiny, False), LossConfig(), model_dir, "bfloat16", AUTO, 1.0, device=device)
     _, old = timed_step(actor, check, device, sharded=False)
     torch.save({"grads": full_grads(actor, False), "old": old}, f"{out}/single_bf16_grads.pt")
+    if not timing:
+        return
     for batch in warm:
         timed_step(actor, batch, device, sharded=False)
     if device == "cuda":
@@ -173,7 +176,7 @@ def single_main(model_dir: str, tiny: bool, device: str, out: str, arch: str, vo
 
 # ---------------------------------------------------------------- FSDP2 ranks (+ rollout replicas)
 def rank_main(rank: int, world: int, port: int, model_dir: str, tiny: bool, device: str, out: str, arch: str,
-              vocab: int, connections: list, push_repeats: int) -> None:
+              vocab: int, connections: list, push_repeats: int, timing: bool) -> None:
     import torch.distributed as dist
 
     from rltrain.algorithms.config import LossConfig
@@ -191,6 +194,10 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, tiny: bool, devi
         if rank == 0:
             result[f"grads_{precision}"], result[f"old_{precision}"] = grads, old
         actor = None
+    if not timing:
+        if rank == 0:
+            torch.save(result, f"{out}/fsdp{world}.pt")
+        return
     # 2. the timed step (bf16 mixed precision, the default)
     actor = FSDPActorWorker(rank, world, "127.0.0.1", port, actor_config(tiny, True), LossConfig(), model_dir,
                             "float32", AUTO, 1.0, device=device)
@@ -307,14 +314,15 @@ def free_port() -> int:
 
 def run_world(world: int, model_dir: str, args, out: str, arch: str, vocab: int, replicas: bool) -> dict:
     context = mp.get_context("spawn")
-    pipes = [context.Pipe() for _ in range(world)] if replicas else []
+    pipes = [context.Pipe() for _ in range(world)] if replicas and args.timing else []
     servers = [context.Process(target=replica_main, args=(i, model_dir, args.tiny, args.device, child))
                for i, (_, child) in enumerate(pipes)]
     for server in servers:
         server.start()
     port = free_port()
     ranks = [context.Process(target=rank_main, args=(r, world, port, model_dir, args.tiny, args.device, out, arch,
-                                                     vocab, [parent for parent, _ in pipes], args.push_repeats))
+                                                     vocab, [parent for parent, _ in pipes], args.push_repeats,
+                                                     args.timing))
              for r in range(world)]
     for process in ranks:
         process.start()
@@ -341,6 +349,8 @@ def main():
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true", help="small models and batches (a dry run)")
     parser.add_argument("--push-repeats", type=int, default=3)
+    parser.add_argument("--gradients-only", dest="timing", action="store_false",
+                        help="section 1 alone (no timed step, no weight push)")
     args = parser.parse_args()
     if args.world < 2:
         sys.exit("--world must be >= 2 (one GPU is the baseline every run measures)")
@@ -358,12 +368,13 @@ def main():
         _, timed, _ = batches(args.tiny, arch, vocab)
         tokens = int(timed["prompt_mask"].sum() + timed["response_mask"].sum())
         context = mp.get_context("spawn")
-        single = context.Process(target=single_main, args=(model_dir, args.tiny, args.device, out, arch, vocab))
+        single = context.Process(target=single_main, args=(model_dir, args.tiny, args.device, out, arch, vocab,
+                                                           args.timing))
         single.start()
         single.join()
         if single.exitcode != 0:
             raise RuntimeError(f"{arch}: the single-process run failed (exit {single.exitcode})")
-        reference, one = torch.load(f"{out}/single_grads.pt"), torch.load(f"{out}/single_step.pt")
+        reference = torch.load(f"{out}/single_grads.pt")
         fsdp1 = run_world(1, model_dir, args, out, arch, vocab, replicas=False)
         fsdpn = run_world(args.world, model_dir, args, out, arch, vocab, replicas=True)
         single_bf16 = torch.load(f"{out}/single_bf16_grads.pt")
@@ -377,10 +388,12 @@ def main():
         for label, result, precision, expected in pairs:
             checks.append((arch, label) + compare(result[f"grads_{precision}"], result[f"old_{precision}"],
                                                   expected["grads"], expected["old"]))
-        for name, result, gpus in (("single, bf16", one, 1), ("fsdp2 x1", fsdp1, 1),
-                                   (f"fsdp2 x{args.world}", fsdpn, args.world)):
-            rows.append((arch, name, gpus, tokens / result["seconds"], result["seconds"], result["peak"]))
-        pushes.append((arch, fsdpn))
+        if args.timing:
+            one = torch.load(f"{out}/single_step.pt")
+            for name, result, gpus in (("single, bf16", one, 1), ("fsdp2 x1", fsdp1, 1),
+                                       (f"fsdp2 x{args.world}", fsdpn, args.world)):
+                rows.append((arch, name, gpus, tokens / result["seconds"], result["seconds"], result["peak"]))
+            pushes.append((arch, fsdpn))
         print(f"  {arch}: done ({tokens} tokens in the timed batch)", flush=True)
 
     print(f"\n### Gradients after one update (same kernels), {device_name}\n")
@@ -388,6 +401,8 @@ def main():
     print("|---|---|---:|---:|---|---:|")
     for arch, label, old_err, every, worst, worst_err in checks:
         print(f"| {arch} | {label} | {old_err:.1e} | {every:.1e} | {worst} | {worst_err:.1e} |")
+    if not args.timing:
+        return
     print(f"\n### Actor step (old log-probs + update, packed), {device_name}\n")
     print("| arch | variant | GPUs | tokens/s | tokens/s per GPU | scaling efficiency | step s | peak GiB per GPU |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
