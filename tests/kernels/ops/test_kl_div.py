@@ -163,6 +163,29 @@ def test_all_tokens_ignored(reduction, impl, device):
     assert (out == 0).all() and (gh == 0).all() and (gw == 0).all()
 
 
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_no_tokens(reduction, device):
+    hidden, weight, teacher_hidden, teacher_weight, labels = make_inputs((0,), 300, 16, 24, torch.float32, device)
+    out, gh, gw = run((hidden, weight, teacher_hidden, teacher_weight, labels),
+                      upstream("dense", reduction, (0,), device), "torch", reduction=reduction)
+    assert out.shape == ((0,) if reduction == "none" else ()) and (out == 0).all()
+    assert gh.shape == (0, 16) and (gw == 0).all()
+
+
+@pytest.mark.parametrize("reduction,teacher_gemms", [("sum", 3), ("none", 6)])
+def test_teacher_gemms_per_chunk(reduction, teacher_gemms, monkeypatch):
+    """A reduced loss runs the teacher's GEMM once per chunk (the gradients come from the forward); "none" runs it
+    again in the backward. 3 chunks of 7 tokens; the teacher's hidden size (24) tells its GEMMs apart."""
+    from rltrain_kernels.ops.kl_div import chunk
+
+    calls = []
+    real = chunk.mm_fp32
+    monkeypatch.setattr(chunk, "mm_fp32", lambda a, b, out: calls.append(a.shape[1]) or real(a, b, out=out))
+    inputs = make_inputs((21,), 300, 32, 24, torch.float32, "cpu")
+    run(inputs, upstream("dense", reduction, (21,), "cpu"), "torch", reduction=reduction)
+    assert calls.count(24) == teacher_gemms, calls
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_identical_teacher_gives_exact_zero(direction, impl, device):
@@ -216,6 +239,22 @@ def test_float16(impl, device):
     inputs = make_inputs((11,), 700, 32, 48, torch.float16, device, std=4.0)
     check(inputs, impl, temperature=0.8, direction="forward", reduction="mean")
 
+
+
+def test_grad_weight_fp32_accumulation():
+    """bf16 inputs over 48 chunks: grad_weight summed in bf16 rounds once per chunk (~6.5e-3 off float64 here),
+    with grad_weight_fp32 once in all (~2.8e-3, what dlogits' own bf16 rounding leaves); grad_hidden unchanged."""
+    inputs = make_inputs((96,), 300, 32, 24, torch.bfloat16, "cpu", ignore_frac=0.0)
+    g = upstream("one", "sum", None, "cpu")
+    _, ref_gh, ref_gw = reference(inputs, g, reduction="sum")
+    errors = {}
+    for fp32 in (False, True):
+        config = KLDivChunkConfig(token_chunk=2, align=1, grad_weight_fp32=fp32)
+        _, gh, gw = run(inputs, g, "torch", config, reduction="sum")
+        assert gw.dtype == torch.bfloat16
+        assert_rel_close(gh, ref_gh, name="grad_hidden")
+        errors[fp32] = assert_rel_close(gw, ref_gw, name="grad_weight")
+    assert errors[True] < 4e-3 and errors[False] > 1.5 * errors[True], errors
 
 # ----------------------------------------------------------------------------------------------------------------
 def test_no_grad_frozen_weight_and_module(device):
@@ -311,12 +350,17 @@ def test_chunk_config_and_workspace_bound():
         assert workspace_bytes(n, 151936, 2048, torch.bfloat16) == 2 * 640 * 151936 * 4 + 640 * 2048 * 4
     assert workspace_bytes(8192, 151936, 2048, torch.bfloat16) < 2**30 < 8192 * 151936 * 4 / 4
     assert workspace_bytes(100, 1000, 64, torch.float32) == 2 * 100 * 1000 * 4   # fp32: no accumulator
+    fp32_weight = KLDivChunkConfig(grad_weight_fp32=True)
+    assert (workspace_bytes(8192, 151936, 2048, torch.bfloat16, fp32_weight)
+            == workspace_bytes(8192, 151936, 2048, torch.bfloat16) + 151936 * 2048 * 4)
     assert KLDivChunkConfig(token_chunk=300).rows(151936) == 300
     assert KLDivChunkConfig(workspace_bytes=1).rows(151936) == 128
     with pytest.raises(ValueError, match="KLDivChunkConfig.token_chunk must be a positive int"):
         KLDivChunkConfig(token_chunk=0)
     with pytest.raises(ValueError, match="KLDivChunkConfig.block_v must be a power of two"):
         KLDivChunkConfig(block_v=300)
+    with pytest.raises(ValueError, match="KLDivChunkConfig.grad_weight_fp32 must be a bool"):
+        KLDivChunkConfig(grad_weight_fp32=1)
 
 
 class _LargestStorage(TorchDispatchMode):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from rltrain_kernels.ops.common.vocab_tiles import balanced_bounds, mm_fp32
+from rltrain_kernels.ops.common.vocab_tiles import addmm_fp32, balanced_bounds, mm_fp32
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,22 @@ class KLDivChunkConfig:
     workspace_bytes: int = 768 * 2**20
     token_chunk: int | None = None    # explicit rows per chunk (overrides workspace_bytes)
     align: int = 128                  # rows are a multiple of this (GEMM tile edge)
-    block_v: int = 2048               # Triton row-pass block: 8 fp32 per thread at 8 warps
+    # Triton row-pass block, 8 fp32 per thread: 1024 → 4 warps. The pass keeps six lane vectors: 84–88 registers
+    # (sm_90, Triton 3.6), so 5 programs of 4 warps share an SM and 640 rows run in one wave on 132 SMs; at 2048 /
+    # 8 warps only 2 fit (2.4 waves, the last 40% idle), and each program is a whole row of V columns.
+    block_v: int = 1024
+    # Half inputs: accumulate grad_weight over the chunks in an fp32 [V, H] buffer (V·H·4 B: 1.16 GiB at V=151936,
+    # H=2048), rounded once, instead of in the weight dtype (one rounding per chunk: ~4e-3 relative error after 13
+    # bf16 roundings, ~8e-3 after 52, for independent chunk contributions).
+    grad_weight_fp32: bool = False
 
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if f.name == "grad_weight_fp32":
+                if not isinstance(value, bool):
+                    raise ValueError(f"KLDivChunkConfig.grad_weight_fp32 must be a bool, got {value!r}")
+            elif value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"KLDivChunkConfig.{f.name} must be a positive int, got {value!r}")
         if self.block_v & (self.block_v - 1):
             raise ValueError(f"KLDivChunkConfig.block_v must be a power of two, got {self.block_v}")
@@ -64,11 +74,14 @@ DEFAULT_CHUNKS = KLDivChunkConfig()
 def workspace_bytes(n_tokens: int, vocab: int, hidden_size: int, dtype: torch.dtype,
                     config: KLDivChunkConfig = DEFAULT_CHUNKS) -> int:
     """Bytes of scratch one call allocates beyond its inputs, outputs, gradients and O(tokens) vectors: the two fp32
-    tiles of the largest chunk, plus the fp32 grad_hidden accumulator for half inputs."""
+    tiles of the largest chunk, plus for half inputs the fp32 grad_hidden accumulator (and grad_weight's, with
+    grad_weight_fp32)."""
     bounds = balanced_bounds(n_tokens, config.rows(vocab), config.align)
     rows = max((b - a for a, b in bounds), default=0)
-    accumulator = rows * hidden_size * 4 if dtype != torch.float32 else 0
-    return 2 * rows * vocab * 4 + accumulator
+    half = dtype != torch.float32
+    accumulators = (rows * hidden_size * 4 if half else 0) + (vocab * hidden_size * 4 if half and rows and
+                                                              config.grad_weight_fp32 else 0)
+    return 2 * rows * vocab * 4 + accumulators
 
 
 class TorchKLRows:
@@ -130,8 +143,10 @@ def kl_div_chunks(hidden, weight, teacher_hidden, teacher_weight, valid, scale, 
     tiles = torch.empty(2, max_rows * v, **f32)
     # fp32 inputs write grad_hidden straight from the GEMM; half inputs through one fp32 [rows, H] buffer, so the
     # K = V reduction is rounded once (a bf16-output GEMM may reduce cuBLAS' split-K partials in bf16)
-    accumulator = (torch.empty(max_rows * h, **f32) if grad_hidden is not None and hidden.dtype != torch.float32
-                   else None)
+    half = hidden.dtype != torch.float32
+    accumulator = torch.empty(max_rows * h, **f32) if grad_hidden is not None and half else None
+    weight_acc = (torch.empty(v, h, **f32) if grad_weight is not None and half and config.grad_weight_fp32
+                  else None)
     for i, (r0, r1) in enumerate(bounds):
         rows = r1 - r0
         hidden_c = hidden[r0:r1]
@@ -147,6 +162,10 @@ def kl_div_chunks(hidden, weight, teacher_hidden, teacher_weight, valid, scale, 
                 torch.mm(dlogits, weight, out=grad_hidden[r0:r1])
             else:
                 grad_hidden[r0:r1].copy_(mm_fp32(dlogits, weight, out=accumulator[: rows * h].view(rows, h)))
-        if grad_weight is not None:
+        if weight_acc is not None:
+            addmm_fp32(weight_acc, dlogits.t(), hidden_c, beta=0.0 if i == 0 else 1.0)
+        elif grad_weight is not None:
             torch.addmm(grad_weight, dlogits.t(), hidden_c, beta=0.0 if i == 0 else 1.0, out=grad_weight)
+    if weight_acc is not None:
+        grad_weight.copy_(weight_acc)
     return kl, grad_hidden, grad_weight

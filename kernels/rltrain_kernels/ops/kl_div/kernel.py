@@ -120,9 +120,9 @@ def _kl_rows_kernel(
 
 
 def _launch_config(block_v: int, n_cols: int) -> tuple[int, int]:
+    """(block, warps): 8 fp32 per thread per tile and block (two 16 B loads each)."""
     block = min(block_v, triton.next_power_of_2(max(n_cols, 16)))
-    # 8 warps × 32 lanes × 8 fp32 = 2048: two 16 B loads per thread per tile and block
-    return block, (8 if block >= 2048 else 4)
+    return block, max(1, min(8, block // 256))
 
 
 class TritonKLRows:
