@@ -234,8 +234,8 @@ def main():
     for shape in shapes:
         table.append((shape, *run_case(*shape, methods, rates, warmup, repeats)))
 
-    print("\n| N | method | fwd+bwd ms | × 5-GEMM floor (measured) | × computed floor, burst / sustained | from idle ms "
-          "| extra peak GiB | beyond grads GiB | max rel err vs fp32 |")
+    print("\n| N | method | fwd+bwd ms | × 5-GEMM floor (measured) | × computed floor, burst / sustained "
+          "| from idle ms | extra peak GiB | beyond grads GiB | max rel err vs fp32 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for (n, h, h_teacher, v), rows, floors, floor_ms, grad_bytes in table:
         for name, ms, idle_ms, peak, err in rows:
