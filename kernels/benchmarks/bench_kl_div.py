@@ -165,23 +165,25 @@ def run_case(n, h, h_teacher, v, methods, rates, warmup, repeats):
     grad_bytes = (inputs["hidden"].numel() + inputs["weight"].numel()) * 2
     rows = []
     for name, fn in methods:
-        oom = False
+        failure = None
         try:
             err = None if name.startswith("bare") else check(name, fn, expected, inputs)
             ms, idle_ms, peak = measure(fn, inputs, warmup, repeats)
         except torch.cuda.OutOfMemoryError:
-            oom = True   # freed below, once the exception (and the frames it holds) is gone
-        if oom:
-            print(f"  {name}: OOM", flush=True)
+            failure = "OOM"   # freed below, once the exception (and the frames it holds) is gone
+        except Exception as error:   # noqa: BLE001  (a peer that fails to run: its row says so, the rest go on)
+            failure = f"failed ({type(error).__name__}: {str(error)[:200]})"
+        if failure:
+            print(f"  {name}: {failure}", flush=True)
             reset_grads(inputs)
             free_memory()
-            rows.append((name, None, None, None, None))
+            rows.append((name, failure, None, None, None))
             continue
         print(f"  {name}: {ms:.1f} ms (from idle {idle_ms:.1f}), extra peak {peak / GiB:.2f} GiB "
               f"({(peak - grad_bytes) / GiB:.2f} beyond the grads)", flush=True)
         rows.append((name, ms, idle_ms, peak, err))
         free_memory()
-    floor_ms = next((ms for name, ms, *_ in rows if name.startswith("bare 5") and ms), None)
+    floor_ms = next((ms for name, ms, *_ in rows if name.startswith("bare 5") and not isinstance(ms, str)), None)
     del inputs
     free_memory()
     return rows, floors, floor_ms, grad_bytes
@@ -239,8 +241,8 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|")
     for (n, h, h_teacher, v), rows, floors, floor_ms, grad_bytes in table:
         for name, ms, idle_ms, peak, err in rows:
-            if ms is None:
-                print(f"| {n} | {name} | OOM | | | | | | |")
+            if isinstance(ms, str):
+                print(f"| {n} | {name} | {ms.split(' (')[0]} | | | | | | |")
                 continue
             measured = f"{ms / floor_ms:.2f}" if floor_ms else "—"
             err_s = "—" if err is None else f"{err:.1e}"
