@@ -8,5 +8,6 @@
 
 __version__ = "0.1.0"
 
+from rltrain_kernels.ops.kl_div import linear_kl_div  # noqa: F401
 from rltrain_kernels.ops.linear_logprobs import linear_logprobs  # noqa: F401
 from rltrain_kernels.ops.policy_loss import fused_policy_loss  # noqa: F401

@@ -1,10 +1,12 @@
 """Machinery shared across ops: the chunks of the delta-rule family, and the vocabulary tiles of the LM-head ops.
 
-The LM-head ops (linear_logprobs, policy_loss) share, without importing each other:
+The LM-head ops (linear_logprobs, policy_loss, kl_div) share, without importing each other:
 - `vocab_tiles`: chunk bounds, fp32-output GEMMs, the tile backends' contract, the torch row passes (the CPU/NPU
   path) and GemmConfig; imports no Triton.
 - `row_pass`: the Triton row passes over an fp32 logits tile (`TritonTiles`).
 - `vocab_gemm`: the persistent TMA GEMM with the row statistics (and the kept logits) in its epilogue (`FusedGemm`).
+- `scale`: the backward's in-place scaling of gradients computed in the forward, skipped on the GPU when the
+  upstream gradient is 1 (policy_loss, kl_div).
 
 The delta-rule family (gated delta rule, IPLR, gated delta product):
 - `chunking`: chunk bookkeeping for packed variable-length batches (cu_seqlens → per-chunk sequence/offset).

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rltrain_kernels.ops.common.scale import scale_unless_one
 from rltrain_kernels.ops.policy_loss.chunk import LossBuffers
 from rltrain_kernels.ops.policy_loss.options import PolicyLossOptions
 
@@ -167,25 +168,6 @@ def _sequence_loss_kernel(logp_ptr, entropy_ptr, mask_ptr, adv_ptr, old_ptr, ref
         tl.store(g_logp_ptr + offs, w * g_kl + scale * msk, mask=inb)
 
 
-@triton.jit
-def _scale_unless_one_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
-    """x *= scale in place (fp32 product, rounded once to x's dtype), unless scale == 1: then each program stops
-    after one 4-byte load. The backward's upstream gradient is 1 in the usual `loss.backward()`, and reading it on
-    the host would be a sync; this way the GPU decides and the 2·V·H·2 B pass over grad_weight runs only when
-    needed. A grid-stride loop over BLOCK-element blocks."""
-    scale = tl.load(scale_ptr).to(tl.float32)
-    if scale != 1.0:
-        for block in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
-            offs = block * tl.full([], BLOCK, tl.int64) + tl.arange(0, BLOCK)   # int64: V·H may pass 2³¹
-            inb = offs < n
-            x = tl.load(x_ptr + offs, mask=inb, other=0.0)
-            tl.store(x_ptr + offs, (x.to(tl.float32) * scale).to(x_ptr.dtype.element_ty), mask=inb)
-
-
-SCALE_BLOCK = 4096       # elements per block of _scale_unless_one_kernel: 16 per thread at 8 warps
-SCALE_PROGRAMS = 1024    # its grid at most (~8 per H100/H200 multiprocessor): a few µs when the scale is 1
-
-
 class TritonLossOps:
     """finalize / loss on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1)."""
 
@@ -213,11 +195,5 @@ class TritonLossOps:
     @staticmethod
     def scale_unless_one(grad: torch.Tensor, scale: torch.Tensor, block: int | None = None,
                          programs: int | None = None) -> None:
-        """grad (contiguous) *= scale (a one-element tensor on grad's device) in place, skipped on the GPU when
-        scale == 1: no host sync. At most `programs` (default SCALE_PROGRAMS) programs of `block` (SCALE_BLOCK)
-        elements, striding over the rest."""
-        n = grad.numel()
-        block, programs = block or SCALE_BLOCK, programs or SCALE_PROGRAMS
-        if n:
-            grid = (min(triton.cdiv(n, block), programs),)
-            _scale_unless_one_kernel[grid](grad, scale, n, BLOCK=block, num_warps=8)
+        """grad (contiguous) *= scale in place, skipped on the GPU when scale == 1 (ops/common/scale.py)."""
+        scale_unless_one(grad, scale, block, programs)
