@@ -84,17 +84,20 @@ def assert_bitwise_equal(first: list, second: list, names: list[str], what: str)
         assert torch.equal(a, b), f"{name} changed with {what}: {(a.float() - b.float()).abs().max()}"
 
 
-def force_state_pass_value_block(monkeypatch, value_block: str, device) -> None:
-    """Make ops/common/state_pass.py launch its state passes with 64 value columns per program ("wide") or its
-    NARROW_BV ("narrow") whatever the batch. The host code takes the wide launches only when the programs fill every
-    SM (as at the timed B8 H16), beyond the GPU tests' sizes; Triton 3.6 miscompiled one launch setting of a state
-    pass on Hopper (1 stage, bf16 dots, no gate: ops/common/launch.py), so the tests hold every launch the host can
-    pick."""
+def state_pass_batch(value_block: str, heads: int, V: int, device) -> int:
+    """The batch size (sequences of `heads` heads, `V` value columns) at which ops/common/state_pass.py launches its
+    state passes with 64 value columns per program ("wide": enough sequence-heads to fill every SM, as at the timed
+    B8 H16) or its NARROW_BV ("narrow": 2 sequences), chosen by the shape as the host code chooses, and asserted.
+    Triton 3.6 miscompiled one launch setting of a state pass on Hopper (1 stage, bf16 dots, no gate:
+    ops/common/launch.py), so the GPU tests hold every launch the host can pick."""
     from rltrain_kernels.ops.common import state_pass
 
-    monkeypatch.setattr(state_pass, "VALUE_BLOCK", value_block)
-    name = state_pass.state_launch("state_pass_bwd", 8, 128, 128, torch.device(device))[0]
-    assert name.endswith("_wide") == (value_block == "wide"), name
+    device = torch.device(device)
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    batch = -(-sm_count // (heads * -(-V // 64))) if value_block == "wide" else 2
+    name = state_pass.state_launch("state_pass_bwd", batch * heads, 128, V, device)[0]
+    assert name.endswith("_wide") == (value_block == "wide"), (value_block, batch, name)
+    return batch
 
 
 def spy_launches(monkeypatch, module, name: str, record) -> None:

@@ -18,7 +18,7 @@ from rltrain_kernels.ops.gated_delta_product import (
     naive_recurrent_gated_delta_product,
 )
 from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
-from tests.helpers import assert_rel_close, case_id, force_state_pass_value_block
+from tests.helpers import assert_rel_close, case_id, state_pass_batch
 
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
@@ -338,11 +338,10 @@ def test_chunk_bf16_real_size_without_gate(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("value_block", ["wide", "narrow"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
-def test_chunk_bf16_both_state_pass_launches(value_block, gated, device, monkeypatch):
-    """The state passes' wide and narrow launches (tests/helpers.py: force_state_pass_value_block) at a real K = V =
+def test_chunk_bf16_both_state_pass_launches(value_block, gated, device):
+    """The state passes' wide and narrow launches (tests/helpers.py: state_pass_batch) at a real K = V =
     128, with and without a gate."""
-    force_state_pass_value_block(monkeypatch, value_block, device)
-    q, k, v, g, beta, h0 = make_inputs(2, 1024, 4, 128, 128, 2, dtype=torch.bfloat16, device=device, gated=gated,
+    q, k, v, g, beta, h0 = make_inputs(state_pass_batch(value_block, 4, 128, device), 1024, 4, 128, 128, 2, dtype=torch.bfloat16, device=device, gated=gated,
                                        initial_state=True)
     if not gated:
         beta = beta / 2  # β ∈ (0, 1): see test_chunk_bf16_real_size_without_gate

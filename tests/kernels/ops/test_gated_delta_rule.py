@@ -22,7 +22,7 @@ from rltrain_kernels.ops.gated_delta_rule import (
 from tests.helpers import (
     assert_rel_close,
     case_id,
-    force_state_pass_value_block,
+    state_pass_batch,
     spy_launches,
 )
 
@@ -531,12 +531,11 @@ def test_chunk_bf16_real_sizes(B, T, H, HV, K, V, l2norm, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("value_block", ["wide", "narrow"])
-def test_chunk_bf16_reruns_are_bit_identical(value_block, device, monkeypatch):
-    """The state passes' wide and narrow launches (tests/helpers.py: force_state_pass_value_block) at a real K = V =
+def test_chunk_bf16_reruns_are_bit_identical(value_block, device):
+    """The state passes' wide and narrow launches (tests/helpers.py: state_pass_batch) at a real K = V =
     128 on the GPU: within the bars, and the same gradients on a rerun (for the scratch tile of common/scratch.py: a barrier that fails to order its store before the transposed load would show
     as a moving result)."""
-    force_state_pass_value_block(monkeypatch, value_block, device)
-    inputs = make_inputs(2, 1000, 4, 128, 128, HV=8, dtype=torch.bfloat16, device=device, initial_state=True,
+    inputs = make_inputs(state_pass_batch(value_block, 8, 128, device), 1000, 4, 128, 128, HV=8, dtype=torch.bfloat16, device=device, initial_state=True,
                          requires_grad=True)
     grads = []
     for _ in range(2):  # the same upstream gradients twice: no atomics anywhere, so bit-identical results

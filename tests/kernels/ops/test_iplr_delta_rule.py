@@ -23,7 +23,7 @@ from rltrain_kernels.ops.iplr_delta_rule import (
 from tests.helpers import (
     assert_rel_close,
     case_id,
-    force_state_pass_value_block,
+    state_pass_batch,
     spy_launches,
 )
 
@@ -419,21 +419,19 @@ def test_chunk_bf16_real_sizes(B, T, H, K, V, regime, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("value_block", ["wide", "narrow"])
-def test_chunk_bf16_both_state_pass_launches(value_block, device, monkeypatch):
+def test_chunk_bf16_both_state_pass_launches(value_block, device):
     """The state passes' wide and narrow launches (the forward one and the shared reverse one; tests/helpers.py:
-    force_state_pass_value_block) at a real K = V = 128."""
-    force_state_pass_value_block(monkeypatch, value_block, device)
-    inputs = make_inputs(2, 1024, 4, 128, 128, dtype=torch.bfloat16, device=device, initial_state=True,
+    state_pass_batch) at a real K = V = 128."""
+    inputs = make_inputs(state_pass_batch(value_block, 4, 128, device), 1024, 4, 128, 128, dtype=torch.bfloat16, device=device, initial_state=True,
                          requires_grad=True)
     check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(5e-3, 1e-2))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("value_block", ["wide", "narrow"])
-def test_chunk_fp16_real_sizes(value_block, device, monkeypatch):
+def test_chunk_fp16_real_sizes(value_block, device):
     # fp16 inputs: raw products in fp16, the rest tf32 with fp32 intermediates (precision.py)
-    force_state_pass_value_block(monkeypatch, value_block, device)
-    inputs = make_inputs(2, 300, 4, 128, 128, dtype=torch.float16, device=device, initial_state=True,
+    inputs = make_inputs(state_pass_batch(value_block, 4, 128, device), 300, 4, 128, 128, dtype=torch.float16, device=device, initial_state=True,
                          requires_grad=True)
     check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(5e-3, 1e-2))
 
@@ -447,11 +445,9 @@ def test_chunk_fp32_real_sizes(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("value_block", ["wide", "narrow"])
-def test_chunk_bf16_wide_keys(value_block, device, monkeypatch):
+def test_chunk_bf16_wide_keys(device):
     """K = V = 256, the widest key dim: the register paths for K > 128 keep every kernel within Hopper's shared
-    memory."""
-    force_state_pass_value_block(monkeypatch, value_block, device)
+    memory (the state passes take their narrow launch at every K > 128)."""
     inputs = make_inputs(2, 300, 4, 256, 256, dtype=torch.bfloat16, device=device, initial_state=True,
                          requires_grad=True)
     check_gradients(chunk_iplr_delta_rule, *inputs, threshold=(5e-3, 1e-2))
@@ -467,10 +463,10 @@ def test_chunk_wide_keys_in_other_dtypes_raise_a_clear_error(dtype, device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("value_block", ["narrow", "wide"])
-def test_chunk_bf16_varlen_real_sizes(value_block, device, monkeypatch):
-    # uneven lengths: the wide forward state pass loads its raw tiles as stored there (chunk_fwd.py BALANCED)
-    force_state_pass_value_block(monkeypatch, value_block, device)
-    lengths = [15, 256, 500, 1, 300]
+def test_chunk_bf16_varlen_real_sizes(value_block, device):
+    # uneven lengths: the wide forward state pass loads its raw tiles as stored there (chunk_fwd.py BALANCED); the
+    # five lengths repeated until the sequence-heads pick the launch
+    lengths = [15, 256, 500, 1, 300] * state_pass_batch(value_block, 5 * 4, 128, device)
     inputs = make_inputs(1, sum(lengths), 4, 128, 128, dtype=torch.bfloat16, device=device, N=len(lengths),
                          initial_state=True, requires_grad=True)
     check_gradients(chunk_iplr_delta_rule, *inputs, cu_seqlens=cu_seqlens_of(lengths, device),
