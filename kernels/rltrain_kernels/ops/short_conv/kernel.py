@@ -20,12 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-# Tile of the forward and backward kernels: BT tokens × BD channels, 4 warps (BD = 128 bf16 channels are 256 bytes
-# per row, two 16-byte vectors per thread-row at 4 warps). Benchmarks may override them (short_conv_forward's
-# block_t / block_d / num_warps).
-BLOCK_T = 32
-BLOCK_D = 128
-NUM_WARPS = 4
+# Tile of the forward kernel: (BT tokens, BD channels, warps). Registers per thread, Triton 3.6 for sm_90, bf16
+# W = 4 with SiLU, without / with an initial state: 16×128×4 70 / 100, 32×128×4 104 / 174. (The backward's tile is
+# kernel_bwd.BACKWARD_TILE.) bench_short_conv.py --sweep times others.
+FORWARD_TILE = (16, 128, 4)
+BLOCK_D = 128  # the small kernels' channels per program (final state, decode step, state gradients)
 # Widest kernel the kernels take (the backward unrolls W² shifted loads).
 MAX_WIDTH = 8
 ACTIVATIONS = (None, "silu", "swish")
@@ -59,17 +58,17 @@ def row_offset(b, t, stride_b, stride_t):
 
 
 @triton.jit
-def load_tap(x, x_off, stride_xt, k: tl.constexpr, p, live, state, state_row, stride_sw, cols, col_mask,
+def load_tap(x, x_off, stride_xt, k: tl.constexpr, p, n, live, state, C, cols, col_mask,
              HAS_STATE: tl.constexpr, W: tl.constexpr):
-    """[BT, BD] fp32 input at position p + k of each row (k < 0 reads earlier tokens): x where p + k ≥ 0, else the
-    state's column W − 1 + p + k (state_row: the [BT, BD] offsets of each row's sequence and channel in the state),
-    0 where `live` is false."""
+    """[BT, BD] fp32 input at position p + k of each row (k < 0 reads earlier tokens): x where p + k ≥ 0, else row
+    W − 1 + p + k of sequence n's state ([N, W − 1, C] rows), 0 where `live` is false."""
     q = p + k
     v = tl.load(x + (x_off + k * stride_xt)[:, None] + cols[None, :],
                 mask=(live & (q >= 0))[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
     if HAS_STATE:
         if k < 0:
-            v += tl.load(state + state_row + ((W - 1 + q) * stride_sw)[:, None],
+            s_off = (n.to(tl.int64) * (W - 1) + (W - 1 + q)) * C
+            v += tl.load(state + s_off[:, None] + cols[None, :],
                          mask=(live & (q < 0))[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
     return v
 
@@ -79,7 +78,7 @@ def _short_conv_fwd_kernel(
     x, stride_xb, stride_xt,
     weight, bias,
     residual, stride_rb, stride_rt,
-    state, stride_sn, stride_sc, stride_sw,
+    state,
     seq_ids, cu_seqlens,
     y,
     n_rows, T, C,
@@ -98,14 +97,13 @@ def _short_conv_fwd_kernel(
     g = i_t * BT + tl.arange(0, BT)
     valid, n, p, L, b, t = row_info(g, n_rows, T, seq_ids, cu_seqlens, IS_VARLEN)
     x_off = row_offset(b, t, stride_xb, stride_xt)
-    state_row = n.to(tl.int64)[:, None] * stride_sn + cols[None, :].to(tl.int64) * stride_sc
     acc = tl.zeros([BT, BD], dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     for w in tl.static_range(W):
         w_tap = tl.load(weight + cols * W + w, mask=col_mask, other=0.0).to(tl.float32)
-        acc += w_tap[None, :] * load_tap(x, x_off, stride_xt, w - (W - 1), p, valid, state, state_row, stride_sw,
-                                         cols, col_mask, HAS_STATE, W)
+        acc += w_tap[None, :] * load_tap(x, x_off, stride_xt, w - (W - 1), p, n, valid, state, C, cols,
+                                         col_mask, HAS_STATE, W)
     if SILU:
         acc = acc * tl.sigmoid(acc)
     mask = valid[:, None] & col_mask[None, :]
@@ -118,7 +116,7 @@ def _short_conv_fwd_kernel(
 @triton.jit
 def _final_state_kernel(
     x, stride_xb, stride_xt,
-    state, stride_sn, stride_sc, stride_sw,
+    state,
     cu_seqlens,
     final,
     T, C,
@@ -147,8 +145,7 @@ def _final_state_kernel(
     v = tl.load(x + x_off[:, None] + cols[None, :],
                 mask=(in_window & (q >= 0))[:, None] & col_mask[None, :], other=0.0)
     if HAS_STATE:
-        v += tl.load(state + i_n.to(tl.int64) * stride_sn + cols[None, :].to(tl.int64) * stride_sc
-                     + ((W - 1 + q) * stride_sw)[:, None],
+        v += tl.load(state + ((i_n * (W - 1)).to(tl.int64) + (W - 1 + q))[:, None] * C + cols[None, :],
                      mask=(in_window & (q < 0))[:, None] & col_mask[None, :], other=0.0).to(v.dtype)
     tl.store(final + (i_n * C).to(tl.int64) * (W - 1) + cols[None, :] * (W - 1) + j[:, None],
              v.to(final.dtype.element_ty), mask=in_window[:, None] & col_mask[None, :])
@@ -204,24 +201,27 @@ def channel_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
-def state_window(initial_state: torch.Tensor | None, W: int) -> torch.Tensor | None:
-    """The last W − 1 columns of an initial state [N, C, S ≥ W − 1] (a view)."""
-    return None if initial_state is None else initial_state[..., initial_state.shape[-1] - (W - 1):]
+def state_rows(initial_state: torch.Tensor | None, W: int) -> torch.Tensor | None:
+    """The last W − 1 columns of an initial state [N, C, S ≥ W − 1] as contiguous rows [N, W − 1, C]: the inputs
+    before each sequence in x's layout, so the kernels read them as they read x (a copy of N·C·(W − 1) values)."""
+    if initial_state is None:
+        return None
+    return initial_state[..., initial_state.shape[-1] - (W - 1):].transpose(1, 2).contiguous()
 
 
 def short_conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        residual: torch.Tensor | None, initial_state: torch.Tensor | None, output_final_state: bool,
                        activation: str | None, cu_seqlens: torch.Tensor | None, seq_ids: torch.Tensor | None,
-                       num_sequences: int, block_t: int = BLOCK_T, block_d: int = BLOCK_D,
-                       num_warps: int = NUM_WARPS):
+                       num_sequences: int, tile: tuple[int, int, int] | None = None):
     """(y [B, T, C] contiguous in x's dtype, final state [N, C, W − 1] in x's dtype or None). x's channel stride is
-    1 (channel_rows); weight [C, W] contiguous; seq_ids from sequence_ids when packed."""
+    1 (channel_rows); weight [C, W] contiguous; seq_ids from sequence_ids when packed; tile overrides
+    FORWARD_TILE."""
+    block_t, block_d, num_warps = tile or FORWARD_TILE
     B, T, C = x.shape
     W = weight.shape[1]
     n_rows = B * T
     y = torch.empty((B, T, C), dtype=x.dtype, device=x.device)
-    state = state_window(initial_state, W)
-    state_args = (state, *state.stride()) if state is not None else (x, 0, 0, 0)
+    state = state_rows(initial_state, W)
     block_d = min(block_d, triton.next_power_of_2(C))
     if n_rows > 0:
         res_args = (residual, residual.stride(0), residual.stride(1)) if residual is not None else (x, 0, 0)
@@ -230,7 +230,7 @@ def short_conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             x, x.stride(0), x.stride(1),
             weight, bias if bias is not None else weight,
             *res_args,
-            *state_args,
+            state if state is not None else x,
             seq_ids if seq_ids is not None else x, cu_seqlens if cu_seqlens is not None else x,
             y,
             n_rows, T, C,
@@ -245,7 +245,7 @@ def short_conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             BD = min(BLOCK_D, triton.next_power_of_2(C))
             _final_state_kernel[(triton.cdiv(C, BD), num_sequences)](
                 x, x.stride(0), x.stride(1),
-                *state_args,
+                state if state is not None else x,
                 cu_seqlens if cu_seqlens is not None else x,
                 final,
                 T, C,

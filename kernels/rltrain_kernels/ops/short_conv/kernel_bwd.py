@@ -23,8 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernel import BLOCK_D, BLOCK_T, NUM_WARPS, load_tap, row_info, row_offset, state_window
+from .kernel import BLOCK_D, load_tap, row_info, row_offset, state_rows
 
+# Tile of the main backward kernel: (BT tokens, BD channels, warps). It holds the W² + W shifted loads of a tile in
+# flight at once: registers per thread (Triton 3.6, sm_90, bf16 W = 4 with SiLU, without / with an initial state)
+# 16×128×4 193 / 219, 8×128×4 147, 32×128×4 255 with spills. bench_short_conv.py --sweep times others.
+BACKWARD_TILE = (16, 128, 4)
 # Programs per SM of the backward grid (channel blocks × token groups), so each SM has several tiles in flight while
 # the token groups stay few (their dweight partials are [groups, C, W] fp32: 1 MB at C = 8192, W = 4, 8 groups).
 PROGRAMS_PER_SM = 4
@@ -33,9 +37,8 @@ INTERPRETER_GROUPS = 2
 
 
 @triton.jit
-def _dz_at(x, x_off, stride_xt, dy, dy_off, stride_dyt, s: tl.constexpr, p, live, weight, bias, state, state_row,
-           stride_sw, cols, col_mask, W: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr,
-           HAS_STATE: tl.constexpr):
+def _dz_at(x, x_off, stride_xt, dy, dy_off, stride_dyt, s: tl.constexpr, p, n, live, weight, bias, state, C, cols,
+           col_mask, W: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr):
     """dz = dy · act'(z) at position p + s of each row ([BT, BD] fp32, 0 where `live` is false); z recomputed."""
     dys = tl.load(dy + (dy_off + s * stride_dyt)[:, None] + cols[None, :],
                   mask=live[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
@@ -45,8 +48,8 @@ def _dz_at(x, x_off, stride_xt, dy, dy_off, stride_dyt, s: tl.constexpr, p, live
             z += tl.load(bias + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         for w in tl.static_range(W):
             w_tap = tl.load(weight + cols * W + w, mask=col_mask, other=0.0).to(tl.float32)
-            z += w_tap[None, :] * load_tap(x, x_off, stride_xt, s - (W - 1) + w, p, live, state, state_row,
-                                           stride_sw, cols, col_mask, HAS_STATE, W)
+            z += w_tap[None, :] * load_tap(x, x_off, stride_xt, s - (W - 1) + w, p, n, live, state, C, cols,
+                                           col_mask, HAS_STATE, W)
         sig = tl.sigmoid(z)
         dys = dys * sig * (1.0 + z * (1.0 - sig))
     return dys
@@ -57,7 +60,7 @@ def _short_conv_bwd_kernel(
     x, stride_xb, stride_xt,
     dy, stride_dyb, stride_dyt,
     weight, bias,
-    state, stride_sn, stride_sc, stride_sw,
+    state,
     dfinal,
     seq_ids, cu_seqlens,
     dx, dw_partial, db_partial,
@@ -85,13 +88,12 @@ def _short_conv_bwd_kernel(
         valid, n, p, L, b, t = row_info(g, n_rows, T, seq_ids, cu_seqlens, IS_VARLEN)
         x_off = row_offset(b, t, stride_xb, stride_xt)
         dy_off = row_offset(b, t, stride_dyb, stride_dyt)
-        state_row = n.to(tl.int64)[:, None] * stride_sn + cols[None, :].to(tl.int64) * stride_sc
         mask = valid[:, None] & col_mask[None, :]
         x0 = tl.load(x + x_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dx_acc = tl.zeros([BT, BD], dtype=tl.float32)
         for s in tl.static_range(W):
-            dz = _dz_at(x, x_off, stride_xt, dy, dy_off, stride_dyt, s, p, valid & (p + s < L), weight, bias,
-                        state, state_row, stride_sw, cols, col_mask, W, SILU, HAS_BIAS, HAS_STATE)
+            dz = _dz_at(x, x_off, stride_xt, dy, dy_off, stride_dyt, s, p, n, valid & (p + s < L), weight, bias,
+                        state, C, cols, col_mask, W, SILU, HAS_BIAS, HAS_STATE)
             w_tap = tl.load(weight + cols * W + (W - 1 - s), mask=col_mask, other=0.0).to(tl.float32)
             dx_acc += w_tap[None, :] * dz
             if COMPUTE_DW:
@@ -117,7 +119,7 @@ def _state_bwd_kernel(
     x, stride_xb, stride_xt,
     dy, stride_dyb, stride_dyt,
     weight, bias,
-    state, stride_sn, stride_sc, stride_sw,
+    state,
     dfinal,
     cu_seqlens,
     dstate, dw_state,
@@ -147,9 +149,8 @@ def _state_bwd_kernel(
         L = T
         b = tl.zeros_like(j) + i_n
     n = tl.zeros_like(j) + i_n
-    state_row = n.to(tl.int64)[:, None] * stride_sn + cols[None, :].to(tl.int64) * stride_sc
-    st = tl.load(state + state_row + (j * stride_sw)[:, None], mask=in_window[:, None] & col_mask[None, :],
-                 other=0.0).to(tl.float32)
+    st = tl.load(state + ((i_n * (W - 1)).to(tl.int64) + j)[:, None] * C + cols[None, :],
+                 mask=in_window[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
     taps = tl.arange(0, BW)
     dst = tl.zeros([BJ, BD], dtype=tl.float32)
     dw_acc = tl.zeros([BW, BD], dtype=tl.float32)
@@ -160,8 +161,8 @@ def _state_bwd_kernel(
         row = bos + p
         x_off = row_offset(b, row, stride_xb, stride_xt)
         dy_off = row_offset(b, row, stride_dyb, stride_dyt)
-        dz = _dz_at(x, x_off, stride_xt, dy, dy_off, stride_dyt, 0, p, live, weight, bias, state, state_row,
-                    stride_sw, cols, col_mask, W, SILU, HAS_BIAS, True)
+        dz = _dz_at(x, x_off, stride_xt, dy, dy_off, stride_dyt, 0, p, n, live, weight, bias, state, C, cols,
+                    col_mask, W, SILU, HAS_BIAS, True)
         w_tap = tl.load(weight + cols * W + w, mask=col_mask, other=0.0).to(tl.float32)
         dst += w_tap[None, :] * dz
         if COMPUTE_DW:
@@ -189,15 +190,16 @@ def short_conv_backward(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.
                         bias: torch.Tensor | None, initial_state: torch.Tensor | None, activation: str | None,
                         cu_seqlens: torch.Tensor | None, seq_ids: torch.Tensor | None, num_sequences: int,
                         compute_dw: bool, compute_db: bool, compute_dstate: bool,
-                        block_t: int = BLOCK_T, block_d: int = BLOCK_D, num_warps: int = NUM_WARPS):
+                        tile: tuple[int, int, int] | None = None):
     """(dx [B, T, C] in x's dtype, dweight [C, W] fp32 or None, dbias [C] fp32 or None, dstate [N, C, W − 1] fp32
-    or None). dy has x's shape with unit channel stride (any batch/token strides); dfinal [N, C, W − 1] or None."""
+    or None). dy has x's shape with unit channel stride (any batch/token strides); dfinal [N, C, W − 1] or None;
+    tile overrides BACKWARD_TILE."""
+    block_t, block_d, num_warps = tile or BACKWARD_TILE
     B, T, C = x.shape
     W = weight.shape[1]
     n_rows = B * T
     device = x.device
-    state = state_window(initial_state, W)
-    state_args = (state, *state.stride()) if state is not None else (x, 0, 0, 0)
+    state = state_rows(initial_state, W)
     dfinal = dfinal.contiguous() if dfinal is not None else None
     block_d = min(block_d, triton.next_power_of_2(C))
     channel_blocks = triton.cdiv(C, block_d)
@@ -215,7 +217,7 @@ def short_conv_backward(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.
             x, x.stride(0), x.stride(1),
             dy, dy.stride(0), dy.stride(1),
             weight, bias if bias is not None else weight,
-            *state_args,
+            state if state is not None else x,
             dfinal if dfinal is not None else x,
             seq_ids if seq_ids is not None else x, cu_seqlens if cu_seqlens is not None else x,
             dx, dw_partial if compute_dw else x, db_partial if compute_db else x,
@@ -239,7 +241,7 @@ def short_conv_backward(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.
                 x, x.stride(0), x.stride(1),
                 dy, dy.stride(0), dy.stride(1),
                 weight, bias if bias is not None else weight,
-                *state_args,
+                state if state is not None else x,
                 dfinal if dfinal is not None else x,
                 cu_seqlens if cu_seqlens is not None else x,
                 dstate, dw_state if compute_dw else x,
