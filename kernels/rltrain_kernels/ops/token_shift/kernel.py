@@ -16,10 +16,22 @@ import torch
 import triton
 import triton.language as tl
 
+from rltrain_kernels.ops.common.precision import round_to_bf16
 from rltrain_kernels.ops.short_conv.kernel import row_info, row_offset
+from rltrain_kernels.utils import triton_interpreted
 
 # Tile (BT tokens, BD channels, warps): 4096 values per program, 32 per thread at 4 warps.
 TILE = (32, 128, 4)
+
+
+@triton.jit
+def _store_rounded(ptr, v, mask, INTERPRETED: tl.constexpr):
+    """Store fp32 v in ptr's element type, rounded to nearest: the interpreter's own fp32 → bf16 cast truncates, so
+    there the rounding is done first (round_to_bf16), which keeps the results equal to the reference's."""
+    if INTERPRETED:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            v = round_to_bf16(v)
+    tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -32,6 +44,7 @@ def _token_shift_fwd_kernel(
     HAS_CACHE: tl.constexpr,
     OUTPUT_CACHE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    INTERPRETED: tl.constexpr,
     BT: tl.constexpr,
     BD: tl.constexpr,
 ):
@@ -44,12 +57,13 @@ def _token_shift_fwd_kernel(
     mask = valid[:, None] & col_mask[None, :]
     cur = tl.load(x + x_off[:, None] + cols[None, :], mask=mask, other=0.0)
     prev = tl.load(x + (x_off - stride_xt)[:, None] + cols[None, :], mask=(valid & (p > 0))[:, None] & col_mask[None, :],
-                   other=0.0)
+                   other=0.0).to(tl.float32)
     cache_rows = n.to(tl.int64)[:, None] * D + cols[None, :]
-    if HAS_CACHE:
+    if HAS_CACHE:  # in x's dtype, as the reference takes it (exact unless the cache is wider)
         prev += tl.load(cache + cache_rows, mask=(valid & (p == 0))[:, None] & col_mask[None, :],
-                        other=0.0).to(prev.dtype)
-    tl.store(y + g.to(tl.int64)[:, None] * D + cols[None, :], (prev - cur).to(y.dtype.element_ty), mask=mask)
+                        other=0.0).to(x.dtype.element_ty).to(tl.float32)
+    # the exact difference of two values of x's dtype, rounded once: as the reference's subtraction in that dtype
+    _store_rounded(y + g.to(tl.int64)[:, None] * D + cols[None, :], prev - cur.to(tl.float32), mask, INTERPRETED)
     if OUTPUT_CACHE:
         tl.store(cache_out + cache_rows, cur.to(cache_out.dtype.element_ty),
                  mask=(valid & (p == L - 1))[:, None] & col_mask[None, :])
@@ -65,6 +79,7 @@ def _token_shift_bwd_kernel(
     HAS_DCACHE_OUT: tl.constexpr,
     COMPUTE_DCACHE: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    INTERPRETED: tl.constexpr,
     BT: tl.constexpr,
     BD: tl.constexpr,
 ):
@@ -77,23 +92,23 @@ def _token_shift_bwd_kernel(
     mask = valid[:, None] & col_mask[None, :]
     cur = tl.load(dy + dy_off[:, None] + cols[None, :], mask=mask, other=0.0)
     nxt = tl.load(dy + (dy_off + stride_dyt)[:, None] + cols[None, :],
-                  mask=(valid & (p + 1 < L))[:, None] & col_mask[None, :], other=0.0)
+                  mask=(valid & (p + 1 < L))[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
     cache_rows = n.to(tl.int64)[:, None] * D + cols[None, :]
     if HAS_DCACHE_OUT:
         nxt += tl.load(dcache_out + cache_rows, mask=(valid & (p == L - 1))[:, None] & col_mask[None, :],
-                       other=0.0).to(nxt.dtype)
-    tl.store(dx + g.to(tl.int64)[:, None] * D + cols[None, :], (nxt - cur).to(dx.dtype.element_ty), mask=mask)
+                       other=0.0).to(tl.float32)
+    _store_rounded(dx + g.to(tl.int64)[:, None] * D + cols[None, :], nxt - cur.to(tl.float32), mask, INTERPRETED)
     if COMPUTE_DCACHE:
-        tl.store(dcache + cache_rows, cur.to(dcache.dtype.element_ty),
-                 mask=(valid & (p == 0))[:, None] & col_mask[None, :])
+        _store_rounded(dcache + cache_rows, cur.to(tl.float32), (valid & (p == 0))[:, None] & col_mask[None, :],
+                       INTERPRETED)
 
 
 def _launch(kernel, n_rows: int, D: int, tile, *args, **constexprs) -> None:
     block_t, block_d, num_warps = tile or TILE
     block_d = min(block_d, triton.next_power_of_2(D))
     if n_rows:
-        kernel[(triton.cdiv(D, block_d), triton.cdiv(n_rows, block_t))](*args, BT=block_t, BD=block_d,
-                                                                      num_warps=num_warps, **constexprs)
+        kernel[(triton.cdiv(D, block_d), triton.cdiv(n_rows, block_t))](
+            *args, INTERPRETED=triton_interpreted(), BT=block_t, BD=block_d, num_warps=num_warps, **constexprs)
 
 
 def token_shift_forward(x: torch.Tensor, cu_seqlens: torch.Tensor | None, seq_ids: torch.Tensor | None,
