@@ -5,7 +5,9 @@ Layout: tokens are the flattened [B·T] rows of x [B, T, C] (channels contiguous
 a channel slice of a fused qkv projection is read in place). A program takes a [BT tokens, BD channels] tile; for
 each row it knows its sequence n, its position p in it and the sequence's length L (`row_info`): from B and T, or
 for a packed row (cu_seqlens, B = 1) from a per-token sequence index. A tap reading position p − k < 0 reads the
-initial state's column W − 1 + p − k instead (zero without one), so no tap reaches into the previous sequence.
+initial state's column W − 1 + p − k instead (zero without one), so no tap reaches into the previous sequence; the
+host hands the kernels that state as rows [N, W − 1, C] (`state_rows`), so it is read like x, channels contiguous
+(its [N, C, W − 1] layout read in place took a Hopper compile from ~100 to 255 registers with spills).
 
 Why this shape: the op is memory-bound (W ≤ 8 multiply-adds per element), so the forward reads x once from DRAM
 and writes y once; the W shifted loads of a tile overlap in L1. The per-token sequence index costs 4 bytes per token
