@@ -209,6 +209,18 @@ def test_strided_inputs_and_one_output_unused(device):
         assert results[0][4][..., :3].abs().max() == 0, "state columns before the window get no gradient"
 
 
+def test_fully_expanded_upstream_gradient(device):
+    """y.sum() hands backward a gradient with every stride 0 (verl's kernel asserts contiguity there; ours copes)."""
+    x, weight, bias, _, h0 = make_inputs(2, 9, 16, 3, torch.bfloat16, device, state=True)
+    got = torch.autograd.grad(short_conv(x, weight, bias, initial_state=h0, activation="silu")[0].sum(),
+                              (x, weight, bias, h0))
+    leaves = [as_float64(t) for t in (x, weight, bias, h0)]
+    want = torch.autograd.grad(naive_short_conv(*leaves[:3], initial_state=leaves[3], activation="silu")[0].sum(),
+                               leaves)
+    for name, a, b in zip(["dx", "dweight", "dbias", "dstate"], got, want, strict=True):
+        assert_rel_close(a, b, dtype=torch.bfloat16, name=name)
+
+
 def test_float64_falls_back_to_the_reference(device):
     x, weight = torch.randn(2, 7, 5, dtype=torch.float64, device=device), torch.randn(5, 3, device=device)
     got = short_conv(x, weight, activation="silu", output_final_state=True)

@@ -105,6 +105,15 @@ def test_one_output_unused(used, device):
         assert torch.equal(a, b), name
 
 
+def test_fully_expanded_upstream_gradient(device):
+    """out.sum() hands backward a gradient with every stride 0."""
+    x = torch.randn(2, 7, 12, dtype=torch.bfloat16, device=device, requires_grad=True)
+    (got,) = torch.autograd.grad(token_shift(x).sum(), x)
+    xs = fresh(x)
+    (want,) = torch.autograd.grad(naive_token_shift(xs).sum(), xs)
+    assert torch.equal(got, want)
+
+
 def test_float64_and_plain_output(device):
     x = torch.randn(2, 5, 3, dtype=torch.float64, device=device)
     assert torch.equal(token_shift(x), naive_token_shift(x))

@@ -147,9 +147,9 @@ def _final_state_kernel(
     v = tl.load(x + x_off[:, None] + cols[None, :],
                 mask=(in_window & (q >= 0))[:, None] & col_mask[None, :], other=0.0)
     if HAS_STATE:
-        v += tl.load(state + ((i_n * (W - 1)).to(tl.int64) + (W - 1 + q))[:, None] * C + cols[None, :],
+        v += tl.load(state + (i_n.to(tl.int64) * (W - 1) + (W - 1 + q))[:, None] * C + cols[None, :],
                      mask=(in_window & (q < 0))[:, None] & col_mask[None, :], other=0.0).to(v.dtype)
-    tl.store(final + (i_n * C).to(tl.int64) * (W - 1) + cols[None, :] * (W - 1) + j[:, None],
+    tl.store(final + i_n.to(tl.int64) * C * (W - 1) + cols[None, :] * (W - 1) + j[:, None],
              v.to(final.dtype.element_ty), mask=in_window[:, None] & col_mask[None, :])
 
 

@@ -29,9 +29,12 @@ from .kernel import BLOCK_D, load_tap, row_info, row_offset, state_rows
 # flight at once: registers per thread (Triton 3.6, sm_90, bf16 W = 4 with SiLU, without / with an initial state)
 # 16×128×4 193 / 219, 8×128×4 147, 32×128×4 255 with spills. bench_short_conv.py --sweep times others.
 BACKWARD_TILE = (16, 128, 4)
-# Programs per SM of the backward grid (channel blocks × token groups), so each SM has several tiles in flight while
-# the token groups stay few (their dweight partials are [groups, C, W] fp32: 1 MB at C = 8192, W = 4, 8 groups).
-PROGRAMS_PER_SM = 4
+# Programs per SM of the backward grid (channel blocks × token groups). Each program walks a long run of token
+# blocks, so the grid's last wave decides the tail: at 2 resident programs per SM (the default tile's registers),
+# 4 per SM would make 2.2 waves (the third 20% full, ~25% of the time idle), 16 per SM 8 waves. The token groups'
+# dweight partials stay small: [groups, C, W] fp32, 4.3 MB at C = 8192, W = 4, 33 groups on 132 SMs (0.3% of a
+# fwd+bwd's bytes at B4 T4096).
+PROGRAMS_PER_SM = 16
 # Token groups under the CPU interpreter: 2, so the tests cover a program walking several blocks and a partial sum.
 INTERPRETER_GROUPS = 2
 
@@ -108,10 +111,10 @@ def _short_conv_bwd_kernel(
                               other=0.0).to(tl.float32)
         tl.store(dx + g.to(tl.int64)[:, None] * C + cols[None, :], dx_acc.to(dx.dtype.element_ty), mask=mask)
     if COMPUTE_DW:
-        tl.store(dw_partial + (i_g * C).to(tl.int64) * W + cols[None, :] * W + taps[:, None], dw_acc,
+        tl.store(dw_partial + i_g.to(tl.int64) * C * W + cols[None, :] * W + taps[:, None], dw_acc,
                  mask=(taps < W)[:, None] & col_mask[None, :])
     if COMPUTE_DB:
-        tl.store(db_partial + (i_g * C).to(tl.int64) + cols, db_acc, mask=col_mask)
+        tl.store(db_partial + i_g.to(tl.int64) * C + cols, db_acc, mask=col_mask)
 
 
 @triton.jit
@@ -149,7 +152,7 @@ def _state_bwd_kernel(
         L = T
         b = tl.zeros_like(j) + i_n
     n = tl.zeros_like(j) + i_n
-    st = tl.load(state + ((i_n * (W - 1)).to(tl.int64) + j)[:, None] * C + cols[None, :],
+    st = tl.load(state + (i_n.to(tl.int64) * (W - 1) + j)[:, None] * C + cols[None, :],
                  mask=in_window[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
     taps = tl.arange(0, BW)
     dst = tl.zeros([BJ, BD], dtype=tl.float32)
@@ -170,12 +173,12 @@ def _state_bwd_kernel(
     if HAS_DFINAL:
         # a sequence shorter than W − 1 passes state column j on to final-state column j − L
         jf = j - L
-        dst += tl.load(dfinal + (i_n * C).to(tl.int64) * (W - 1) + cols[None, :] * (W - 1) + jf[:, None],
+        dst += tl.load(dfinal + i_n.to(tl.int64) * C * (W - 1) + cols[None, :] * (W - 1) + jf[:, None],
                        mask=(in_window & (jf >= 0))[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-    tl.store(dstate + (i_n * C).to(tl.int64) * (W - 1) + cols[None, :] * (W - 1) + j[:, None], dst,
+    tl.store(dstate + i_n.to(tl.int64) * C * (W - 1) + cols[None, :] * (W - 1) + j[:, None], dst,
              mask=in_window[:, None] & col_mask[None, :])
     if COMPUTE_DW:
-        tl.store(dw_state + (i_n * C).to(tl.int64) * W + cols[None, :] * W + taps[:, None], dw_acc,
+        tl.store(dw_state + i_n.to(tl.int64) * C * W + cols[None, :] * W + taps[:, None], dw_acc,
                  mask=(taps < W)[:, None] & col_mask[None, :])
 
 
