@@ -51,7 +51,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 class ShortConvolution(nn.Module):
     """Causal depthwise Conv1d (no bias) followed by SiLU, over [B, T, channels], with a rolling state: the
     previous conv_size − 1 inputs (zeros at the start of a sequence). forward(x, state) -> (y, new_state).
-    On CUDA it runs ops/short_conv's kernels (`fused_forward`), elsewhere the shifted multiply-adds below."""
+    On CUDA it runs ops/short_conv's kernels (`fused_forward`), elsewhere `plain_forward`'s shifted multiply-adds."""
 
     def __init__(self, channels: int, conv_size: int = 4):
         super().__init__()
@@ -62,9 +62,13 @@ class ShortConvolution(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv1d's default
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.is_cuda:
-            return self.fused_forward(x, state, cu_seqlens)
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        forward = self.fused_forward if x.is_cuda else self.plain_forward
+        return forward(x, state, cu_seqlens)
+
+    def plain_forward(self, x: torch.Tensor, state: torch.Tensor | None = None,
+                      cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward in plain PyTorch (what it runs off CUDA); the new state is None for a packed call."""
         B, T, C = x.shape
         weight = self.weight[:, 0].to(x.dtype)                           # [C, W]: tap W − 1 is the current token
         if cu_seqlens is not None:
@@ -81,8 +85,9 @@ class ShortConvolution(nn.Module):
 
     def fused_forward(self, x: torch.Tensor, state: torch.Tensor | None = None,
                       cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """forward through ops/short_conv (what forward runs on CUDA; on CPU under the Triton interpreter in tests):
-        the same results, with fp32 accumulation and the weight as stored (the plain path rounds it to x's dtype)."""
+        """forward through ops/short_conv (what it runs on CUDA; on CPU tensors the op takes the Triton interpreter
+        when TRITON_INTERPRET=1, else its reference): plain_forward's results, with fp32 accumulation and the weight as
+        stored (plain_forward rounds it to x's dtype)."""
         return short_conv(x, self.weight[:, 0], initial_state=state, output_final_state=cu_seqlens is None,
                           activation="silu", cu_seqlens=cu_seqlens)
 
