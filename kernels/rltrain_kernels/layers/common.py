@@ -1,6 +1,9 @@
 """Pieces shared by the linear-attention layers (GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention): the decoding
-cache, the short causal depthwise convolution with its rolling state, the padding-mask and packed-row rules and the
-output head.
+cache, the short causal depthwise convolution with its rolling state, the q/k l2 normalisation, the padding-mask and
+packed-row rules and the output head.
+
+On CUDA the convolution and the l2 normalisation run as the fused kernels of ops/short_conv and ops/l2norm; elsewhere
+as the plain-PyTorch forms below (the same functions).
 
 Padding: a padded token must leave the recurrent state and the conv window as if it were absent. The layers zero
 the padded tokens' hidden states (so the conv reads zeros, exactly a fresh conv state for left padding) and make
@@ -21,7 +24,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rltrain_kernels.ops.gated_delta_rule.inputs import l2norm as plain_l2norm
+from rltrain_kernels.ops.l2norm import l2norm as fused_l2norm
 from rltrain_kernels.ops.rmsnorm import gated_rms_norm
+from rltrain_kernels.ops.short_conv import short_conv
 
 
 @dataclass
@@ -36,9 +42,16 @@ class LinearAttentionCache:
     seen_tokens: int
 
 
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(Σx² + eps) over the last dim in fp32, cast back (fla's convention): the fused kernel on CUDA
+    (ops/l2norm), the plain form elsewhere."""
+    return fused_l2norm(x, eps) if x.is_cuda else plain_l2norm(x, eps)
+
+
 class ShortConvolution(nn.Module):
     """Causal depthwise Conv1d (no bias) followed by SiLU, over [B, T, channels], with a rolling state: the
-    previous conv_size − 1 inputs (zeros at the start of a sequence). forward(x, state) -> (y, new_state)."""
+    previous conv_size − 1 inputs (zeros at the start of a sequence). forward(x, state) -> (y, new_state).
+    On CUDA it runs ops/short_conv's kernels (`fused_forward`), elsewhere `plain_forward`'s shifted multiply-adds."""
 
     def __init__(self, channels: int, conv_size: int = 4):
         super().__init__()
@@ -49,7 +62,13 @@ class ShortConvolution(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Conv1d's default
 
     def forward(self, x: torch.Tensor, state: torch.Tensor | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        forward = self.fused_forward if x.is_cuda else self.plain_forward
+        return forward(x, state, cu_seqlens)
+
+    def plain_forward(self, x: torch.Tensor, state: torch.Tensor | None = None,
+                      cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward in plain PyTorch (what it runs off CUDA); the new state is None for a packed call."""
         B, T, C = x.shape
         weight = self.weight[:, 0].to(x.dtype)                           # [C, W]: tap W − 1 is the current token
         if cu_seqlens is not None:
@@ -63,6 +82,14 @@ class ShortConvolution(nn.Module):
         for shift in range(1, self.conv_size):
             y = y + full[:, self.conv_size - 1 - shift: self.conv_size - 1 - shift + T] * weight[:, -1 - shift]
         return F.silu(y), full[:, -(self.conv_size - 1):].transpose(1, 2)
+
+    def fused_forward(self, x: torch.Tensor, state: torch.Tensor | None = None,
+                      cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward through ops/short_conv (what it runs on CUDA; on CPU tensors the op takes the Triton interpreter
+        when TRITON_INTERPRET=1, else its reference): plain_forward's results, with fp32 accumulation and the weight as
+        stored (plain_forward rounds it to x's dtype)."""
+        return short_conv(x, self.weight[:, 0], initial_state=state, output_final_state=cu_seqlens is None,
+                          activation="silu", cu_seqlens=cu_seqlens)
 
     def _packed(self, row: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """The conv (before SiLU) of row [T, C], sequences packed at cu_seqlens: each token sees only its own

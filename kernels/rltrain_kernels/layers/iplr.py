@@ -28,9 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from rltrain_kernels.ops.gated_delta_rule.inputs import l2norm
 
-from .common import LinearAttentionCache, ShortConvolution, check_packed_call, gated_output, padding_mask
+from .common import LinearAttentionCache, ShortConvolution, check_packed_call, gated_output, l2norm, padding_mask
 from .chunked import chunked_iplr_delta_rule
 from .recurrence import recurrent_iplr_delta_rule
 

@@ -17,8 +17,9 @@ import torch
 
 from rltrain_kernels.ops.gated_delta_product.inputs import check_inputs as check_product_inputs
 from rltrain_kernels.ops.gated_delta_rule.inputs import check_inputs as check_rule_inputs
-from rltrain_kernels.ops.gated_delta_rule.inputs import l2norm
 from rltrain_kernels.ops.iplr_delta_rule.inputs import check_inputs as check_iplr_inputs
+
+from .common import l2norm
 
 
 class _Rows:

@@ -233,3 +233,78 @@ def test_short_convolution_matches_conv1d_streams_and_packs():
     packed, _ = conv(row, cu_seqlens=torch.tensor([0, 2, 11, 11, 18]))
     alone = torch.cat([conv(x[:1, :2])[0], y[1:], conv(x[:1, 2:])[0]], 1)
     assert_rel_close(packed, alone, threshold=1e-6, name="packed conv")
+
+
+@pytest.mark.parametrize("call", ["whole", "streamed", "packed"])
+def test_short_convolution_fused_forward_matches_the_plain_path(call, device):
+    """fused_forward (ops/short_conv: what forward runs on CUDA; on CPU through the interpreter) against
+    plain_forward: outputs, new state and the gradients of x, the weight and the incoming state."""
+    conv = ShortConvolution(20, conv_size=4).to(device)
+    x = torch.randn(2, 9, 20, device=device, requires_grad=True)
+    state = torch.randn(2, 20, 3, device=device, requires_grad=True)
+    dy = torch.randn(2, 9, 20, device=device)
+
+    def run(forward):
+        if call == "whole":
+            y, new_state = forward(x)
+        elif call == "streamed":
+            y, new_state = forward(x, state)
+        else:
+            row = torch.cat([x[0, :2], x[1], x[0, 2:]])[None]  # sequences of 2, 9 (and an empty one) and 7 tokens
+            y, new_state = forward(row, cu_seqlens=torch.tensor([0, 2, 11, 11, 18], device=device))
+        loss = (y * dy.reshape(y.shape)).sum() + (new_state.square().sum() if new_state is not None else 0)
+        leaves = [x, conv.weight] + ([state] if call == "streamed" else [])
+        return [y, new_state, *torch.autograd.grad(loss, leaves)]
+
+    plain, fused = run(conv.plain_forward), run(conv.fused_forward)
+    assert (plain[1] is None) == (fused[1] is None) == (call == "packed")
+    for name, a, b in zip(["y", "state", "dx", "dweight", "dstate"], fused, plain):
+        if b is not None:
+            assert_rel_close(a, b, threshold=1e-5, name=name)
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+def test_layer_on_the_fused_conv_and_l2norm_equals_the_plain_path(kind, monkeypatch, device):
+    """What an unswapped layer runs on CUDA besides its delta-rule op: the short convolutions through ops/short_conv
+    and the q/k (and IPLR's erase direction) l2 normalisation through ops/l2norm (on CPU through the interpreter).
+    Outputs, the cache after prefill and decoding, a packed row and every parameter's gradient equal those of the
+    plain forms."""
+    from rltrain_kernels.layers import iplr, recurrence
+    from rltrain_kernels.ops.gated_delta_rule.inputs import l2norm as plain_l2norm
+    from rltrain_kernels.ops.l2norm import l2norm as fused_l2norm
+
+    layer = make_layer(kind).to(device)
+    x, weights = torch.randn(2, 12, HIDDEN, device=device), torch.randn(2, 12, HIDDEN, device=device)
+    row, cu_seqlens = torch.cat([x[0, :5], x[1]])[None], torch.tensor([0, 5, 17], device=device)
+
+    def run():
+        layer.zero_grad()
+        out, cache = decode(layer, x, [8, 1, 3])
+        packed, _ = layer(row, cu_seqlens=cu_seqlens)
+        ((out * weights).sum() + packed.square().sum()).backward()
+        tensors = {"output": out, "packed output": packed, "recurrent state": cache.recurrent_state,
+                   **{f"conv state {name}": state for name, state in cache.conv_states.items()}}
+        return ({name: t.detach() for name, t in tensors.items()},
+                {name: p.grad.clone() for name, p in layer.named_parameters()})
+
+    calls = {"conv": 0, "l2norm": 0}
+
+    def counted(name, fn):
+        return lambda *args, **kwargs: calls.__setitem__(name, calls[name] + 1) or fn(*args, **kwargs)
+
+    def use(conv, norm):
+        monkeypatch.setattr(ShortConvolution, "forward", counted("conv", conv))
+        for module in (iplr, recurrence):
+            monkeypatch.setattr(module, "l2norm", counted("l2norm", norm))
+
+    use(ShortConvolution.plain_forward, plain_l2norm)
+    plain_outputs, plain_grads = run()
+    calls.update(conv=0, l2norm=0)
+    use(ShortConvolution.fused_forward, fused_l2norm)
+    fused_outputs, fused_grads = run()
+    assert calls["conv"] == 3 * 4 and calls["l2norm"] > 0, calls  # q, k, v convs in 3 decode calls and the packed one
+    assert fused_outputs.keys() == plain_outputs.keys()
+    for name, value in fused_outputs.items():
+        assert_rel_close(value, plain_outputs[name], threshold=1e-5, name=name)
+    for name, grad in fused_grads.items():
+        assert_rel_close(grad, plain_grads[name], threshold=1e-4, name=f"grad {name}")

@@ -1,0 +1,256 @@
+"""The short convolution's backward Triton kernels and host function: gradients for x, weight, bias and the initial
+state, with the SiLU's pre-activation recomputed from x instead of saved.
+
+Maths, per sequence (xx = [state, x], z = bias + Σ_w weight[w] · xx[p − (W − 1) + w], y = act(z), dz = dy · act'(z)):
+
+    dx[p]      = Σ_s weight[W − 1 − s] · dz[p + s]          (s = 0 .. W − 1, p + s < L)   (+ d final[p − L + W − 1])
+    dweight[w] = Σ_p dz[p + W − 1 − w] · x[p]                (real inputs; the state's part below)
+               + Σ_i dz[i − w] · state[i]                    (state column i = 0 .. W − 2, 0 ≤ i − w < L)
+    dbias      = Σ_p dz[p]
+    dstate[i]  = Σ_w weight[w] · dz[i − w]                                                (+ d final[i − L], i ≥ L)
+
+The main kernel recomputes z at the W positions p .. p + W − 1 of each row from W shifted loads of x each (W² tile
+loads that hit L1 after the first pass over a tile), so a fwd+bwd reads x twice and dy once from DRAM and writes
+y and dx once: nothing but x is saved for backward, and no z or y is written and read back (fla's backward runs the
+convolution again to materialise z, then reads it W times). Each program walks a contiguous range of token blocks
+for its channels and keeps its dweight/dbias partials in registers; the host sums the [programs, C, W] partials.
+A second, small kernel handles what touches the initial state (first W − 1 positions of each sequence).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .kernel import BLOCK_D, load_tap, row_info, row_offset, state_rows
+
+# Tile of the main backward kernel: (BT tokens, BD channels, warps). It holds the W² + W shifted loads of a tile in
+# flight at once: registers per thread (Triton 3.6, sm_90, bf16 W = 4 with SiLU, without / with an initial state)
+# 16×128×4 193 / 219, 8×128×4 147, 32×128×4 255 with spills. bench_short_conv.py --sweep times others.
+BACKWARD_TILE = (16, 128, 4)
+# Programs per SM of the backward grid (channel blocks × token groups). Each program walks a long run of token
+# blocks, so the grid's last wave decides the tail: at 2 resident programs per SM (the default tile's registers),
+# 4 per SM would make 2.2 waves (the third 20% full, ~25% of the time idle), 16 per SM 8 waves. The token groups'
+# dweight partials stay small: [groups, C, W] fp32, 4.3 MB at C = 8192, W = 4, 33 groups on 132 SMs (0.3% of a
+# fwd+bwd's bytes at B4 T4096).
+PROGRAMS_PER_SM = 16
+# Token groups under the CPU interpreter: 2, so the tests cover a program walking several blocks and a partial sum.
+INTERPRETER_GROUPS = 2
+
+
+@triton.jit
+def _dz_at(x, x_off, stride_xt, dy, dy_off, stride_dyt, s: tl.constexpr, p, n, live, weight, bias, state, C, cols,
+           col_mask, W: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr):
+    """dz = dy · act'(z) at position p + s of each row ([BT, BD] fp32, 0 where `live` is false); z recomputed."""
+    dys = tl.load(dy + (dy_off + s * stride_dyt)[:, None] + cols[None, :],
+                  mask=live[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+    if SILU:
+        z = tl.zeros_like(dys)
+        if HAS_BIAS:
+            z += tl.load(bias + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        for w in tl.static_range(W):
+            w_tap = tl.load(weight + cols * W + w, mask=col_mask, other=0.0).to(tl.float32)
+            z += w_tap[None, :] * load_tap(x, x_off, stride_xt, s - (W - 1) + w, p, n, live, state, C, cols,
+                                           col_mask, HAS_STATE, W)
+        sig = tl.sigmoid(z)
+        dys = dys * sig * (1.0 + z * (1.0 - sig))
+    return dys
+
+
+@triton.jit
+def _short_conv_bwd_kernel(
+    x, stride_xb, stride_xt,
+    dy, stride_dyb, stride_dyt,
+    weight, bias,
+    state,
+    dfinal,
+    seq_ids, cu_seqlens,
+    dx, dw_partial, db_partial,
+    n_rows, T, C, blocks_per_program,
+    W: tl.constexpr,
+    SILU: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    HAS_DFINAL: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    BW: tl.constexpr,
+):
+    i_d, i_g = tl.program_id(0), tl.program_id(1)
+    cols = i_d * BD + tl.arange(0, BD)
+    col_mask = cols < C
+    taps = tl.arange(0, BW)
+    dw_acc = tl.zeros([BW, BD], dtype=tl.float32)
+    db_acc = tl.zeros([BD], dtype=tl.float32)
+    for i in range(0, blocks_per_program):
+        g = (i_g * blocks_per_program + i) * BT + tl.arange(0, BT)
+        valid, n, p, L, b, t = row_info(g, n_rows, T, seq_ids, cu_seqlens, IS_VARLEN)
+        x_off = row_offset(b, t, stride_xb, stride_xt)
+        dy_off = row_offset(b, t, stride_dyb, stride_dyt)
+        mask = valid[:, None] & col_mask[None, :]
+        x0 = tl.load(x + x_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dx_acc = tl.zeros([BT, BD], dtype=tl.float32)
+        for s in tl.static_range(W):
+            dz = _dz_at(x, x_off, stride_xt, dy, dy_off, stride_dyt, s, p, n, valid & (p + s < L), weight, bias,
+                        state, C, cols, col_mask, W, SILU, HAS_BIAS, HAS_STATE)
+            w_tap = tl.load(weight + cols * W + (W - 1 - s), mask=col_mask, other=0.0).to(tl.float32)
+            dx_acc += w_tap[None, :] * dz
+            if COMPUTE_DW:
+                dw_acc += tl.where((taps == W - 1 - s)[:, None], tl.sum(dz * x0, 0)[None, :], 0.0)
+            if COMPUTE_DB:
+                if s == 0:
+                    db_acc += tl.sum(dz, 0)
+        if HAS_DFINAL:
+            j = p - L + (W - 1)  # the final-state column this input became
+            dx_acc += tl.load(dfinal + (n.to(tl.int64) * C)[:, None] * (W - 1) + cols[None, :] * (W - 1)
+                              + j[:, None], mask=(valid & (j >= 0))[:, None] & col_mask[None, :],
+                              other=0.0).to(tl.float32)
+        tl.store(dx + g.to(tl.int64)[:, None] * C + cols[None, :], dx_acc.to(dx.dtype.element_ty), mask=mask)
+    if COMPUTE_DW:
+        tl.store(dw_partial + i_g.to(tl.int64) * C * W + cols[None, :] * W + taps[:, None], dw_acc,
+                 mask=(taps < W)[:, None] & col_mask[None, :])
+    if COMPUTE_DB:
+        tl.store(db_partial + i_g.to(tl.int64) * C + cols, db_acc, mask=col_mask)
+
+
+@triton.jit
+def _state_bwd_kernel(
+    x, stride_xb, stride_xt,
+    dy, stride_dyb, stride_dyt,
+    weight, bias,
+    state,
+    dfinal,
+    cu_seqlens,
+    dstate, dw_state,
+    T, C,
+    W: tl.constexpr,
+    SILU: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_DFINAL: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    BJ: tl.constexpr,
+    BD: tl.constexpr,
+    BW: tl.constexpr,
+):
+    """Sequence i_n, BD channels: dstate [W − 1 columns] and the state's part of dweight (a per-sequence partial)."""
+    i_d, i_n = tl.program_id(0), tl.program_id(1)
+    cols = i_d * BD + tl.arange(0, BD)
+    col_mask = cols < C
+    j = tl.arange(0, BJ)  # state column
+    in_window = j < W - 1
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        L = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+        b = tl.zeros_like(j)
+    else:
+        bos = 0
+        L = T
+        b = tl.zeros_like(j) + i_n
+    n = tl.zeros_like(j) + i_n
+    st = tl.load(state + (i_n.to(tl.int64) * (W - 1) + j)[:, None] * C + cols[None, :],
+                 mask=in_window[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+    taps = tl.arange(0, BW)
+    dst = tl.zeros([BJ, BD], dtype=tl.float32)
+    dw_acc = tl.zeros([BW, BD], dtype=tl.float32)
+    for w in tl.static_range(W):
+        # tap w of the output at position p = j − w reads state column j
+        p = j - w
+        live = in_window & (p >= 0) & (p < L)
+        row = bos + p
+        x_off = row_offset(b, row, stride_xb, stride_xt)
+        dy_off = row_offset(b, row, stride_dyb, stride_dyt)
+        dz = _dz_at(x, x_off, stride_xt, dy, dy_off, stride_dyt, 0, p, n, live, weight, bias, state, C, cols,
+                    col_mask, W, SILU, HAS_BIAS, True)
+        w_tap = tl.load(weight + cols * W + w, mask=col_mask, other=0.0).to(tl.float32)
+        dst += w_tap[None, :] * dz
+        if COMPUTE_DW:
+            dw_acc += tl.where((taps == w)[:, None], tl.sum(dz * st, 0)[None, :], 0.0)
+    if HAS_DFINAL:
+        # a sequence shorter than W − 1 passes state column j on to final-state column j − L
+        jf = j - L
+        dst += tl.load(dfinal + i_n.to(tl.int64) * C * (W - 1) + cols[None, :] * (W - 1) + jf[:, None],
+                       mask=(in_window & (jf >= 0))[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+    tl.store(dstate + i_n.to(tl.int64) * C * (W - 1) + cols[None, :] * (W - 1) + j[:, None], dst,
+             mask=in_window[:, None] & col_mask[None, :])
+    if COMPUTE_DW:
+        tl.store(dw_state + i_n.to(tl.int64) * C * W + cols[None, :] * W + taps[:, None], dw_acc,
+                 mask=(taps < W)[:, None] & col_mask[None, :])
+
+
+def _token_groups(n_blocks: int, channel_blocks: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return max(1, min(n_blocks, INTERPRETER_GROUPS))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_blocks, triton.cdiv(PROGRAMS_PER_SM * sms, channel_blocks)))
+
+
+def short_conv_backward(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None, initial_state: torch.Tensor | None, activation: str | None,
+                        cu_seqlens: torch.Tensor | None, seq_ids: torch.Tensor | None, num_sequences: int,
+                        compute_dw: bool, compute_db: bool, compute_dstate: bool,
+                        tile: tuple[int, int, int] | None = None):
+    """(dx [B, T, C] in x's dtype, dweight [C, W] fp32 or None, dbias [C] fp32 or None, dstate [N, C, W − 1] fp32
+    or None). dy has x's shape with unit channel stride (any batch/token strides); dfinal [N, C, W − 1] or None;
+    tile overrides BACKWARD_TILE."""
+    block_t, block_d, num_warps = tile or BACKWARD_TILE
+    B, T, C = x.shape
+    W = weight.shape[1]
+    n_rows = B * T
+    device = x.device
+    state = state_rows(initial_state, W)
+    dfinal = dfinal.contiguous() if dfinal is not None else None
+    block_d = min(block_d, triton.next_power_of_2(C))
+    channel_blocks = triton.cdiv(C, block_d)
+    n_blocks = triton.cdiv(n_rows, block_t)
+    groups = _token_groups(n_blocks, channel_blocks, device)
+    per_program = triton.cdiv(n_blocks, groups) if n_blocks else 0
+    groups = triton.cdiv(n_blocks, per_program) if n_blocks else 1
+    dx = torch.empty((B, T, C), dtype=x.dtype, device=device)
+    dw_partial = torch.empty((groups, C, W), dtype=torch.float32, device=device) if compute_dw else None
+    db_partial = torch.empty((groups, C), dtype=torch.float32, device=device) if compute_db else None
+    common = dict(W=W, SILU=activation is not None, HAS_BIAS=bias is not None, HAS_DFINAL=dfinal is not None,
+                  IS_VARLEN=cu_seqlens is not None, COMPUTE_DW=compute_dw)
+    if n_rows > 0:
+        _short_conv_bwd_kernel[(channel_blocks, groups)](
+            x, x.stride(0), x.stride(1),
+            dy, dy.stride(0), dy.stride(1),
+            weight, bias if bias is not None else weight,
+            state if state is not None else x,
+            dfinal if dfinal is not None else x,
+            seq_ids if seq_ids is not None else x, cu_seqlens if cu_seqlens is not None else x,
+            dx, dw_partial if compute_dw else x, db_partial if compute_db else x,
+            n_rows, T, C, per_program,
+            HAS_STATE=state is not None, COMPUTE_DB=compute_db,
+            BT=block_t, BD=block_d, BW=triton.next_power_of_2(W), num_warps=num_warps, **common,
+        )
+    else:
+        for partial in (dw_partial, db_partial):
+            if partial is not None:
+                partial.zero_()
+    dw = dw_partial.sum(0) if compute_dw else None
+    db = db_partial.sum(0) if compute_db else None
+    dstate = None
+    if state is not None and (compute_dstate or compute_dw):
+        dstate = torch.empty((num_sequences, C, W - 1), dtype=torch.float32, device=device)
+        dw_state = torch.empty((num_sequences, C, W), dtype=torch.float32, device=device) if compute_dw else None
+        if num_sequences > 0:
+            BD = min(BLOCK_D, triton.next_power_of_2(C))
+            _state_bwd_kernel[(triton.cdiv(C, BD), num_sequences)](
+                x, x.stride(0), x.stride(1),
+                dy, dy.stride(0), dy.stride(1),
+                weight, bias if bias is not None else weight,
+                state if state is not None else x,
+                dfinal if dfinal is not None else x,
+                cu_seqlens if cu_seqlens is not None else x,
+                dstate, dw_state if compute_dw else x,
+                T, C,
+                BJ=triton.next_power_of_2(W - 1), BD=BD, BW=triton.next_power_of_2(W), **common,
+            )
+            if compute_dw:
+                dw = dw + dw_state.sum(0)
+    return dx, dw, db, (dstate if compute_dstate else None)
