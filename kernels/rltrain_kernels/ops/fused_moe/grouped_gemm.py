@@ -11,9 +11,10 @@ tensor-core tiles instead of a Python loop of small GEMMs.
                         gradient ⟨dh', h⟩ (per column block, summed after), dh = w·dh', and d(gate|up) through
                         SwiGLU from the stored gate|up
 
-Operands are gathered by index (x[token], dO[token]) with plain loads; weight columns past N and the rows past a
-tile's end are clamped to valid addresses instead of masked (their results are never stored), so only a ragged K
-needs masks (EVEN_K otherwise). The products of a tile accumulate in fp32 (precision.mma: bf16/fp16 operands on the
+Operands are gathered by index (x[token], dO[token]) with plain loads. The rows past a tile's end are clamped to valid
+addresses instead of masked (their results are never stored), so only a ragged N or K needs masks (EVEN_N, EVEN_K
+otherwise). A weight tile's columns are masked, never clamped: a clamp hides their contiguity from Triton, whose
+loads then go element by element and leave the software pipeline (sm_90 compile: no async copies of that tile). The products of a tile accumulate in fp32 (precision.mma: bf16/fp16 operands on the
 tensor cores, fp32 inputs in "ieee"); gate, up and h are rounded to the input dtype once, in the forward, and the
 backward recomputes h from the stored gate|up with the same rounding, so both passes see the same h.
 """
@@ -63,7 +64,7 @@ def _up_swiglu_kernel(
     order_ptr, tile_expert_ptr, tile_row_ptr, expert_start_ptr,
     gu_ptr, h_ptr, n_tiles, N, K, TOP_K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """gu[r] = [x[t] @ W[e, :N]ᵀ, x[t] @ W[e, N:]ᵀ] (rounded), h[r] = silu(gate) · up, for sorted rows r of token t."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), n_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -77,21 +78,24 @@ def _up_swiglu_kernel(
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tokens[:, None] * stride_x + ks[None, :]
-    g_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + tl.where(col_ok, cols, 0)[None, :] * stride_wn
-              + ks[:, None] * stride_wk)
+    g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
     up = N * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
-            bg = tl.load(g_ptrs)
-            bu = tl.load(g_ptrs + up)
+            b_ok = col_ok[None, :]
         else:
             k_ok = ks < K - k0
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            bg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-            bu = tl.load(g_ptrs + up, mask=k_ok[:, None], other=0.0)
+            b_ok = col_ok[None, :] & k_ok[:, None]
+        if EVEN_N and EVEN_K:
+            bg = tl.load(g_ptrs)
+            bu = tl.load(g_ptrs + up)
+        else:
+            bg = tl.load(g_ptrs, mask=b_ok, other=0.0)
+            bu = tl.load(g_ptrs + up, mask=b_ok, other=0.0)
         acc_g = mma(a, bg, acc_g, DOT_PREC)
         acc_u = mma(a, bu, acc_u, DOT_PREC)
         a_ptrs += BLOCK_K
@@ -113,7 +117,7 @@ def _scatter_gemm_kernel(
     order_ptr, weights_ptr, tile_expert_ptr, tile_row_ptr, expert_start_ptr,
     out_ptr, stride_out, n_tiles, N, K,
     SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """out[order[r]] = (w[order[r]] ·) a[r] @ W[e] for sorted rows r of expert e, W[e][k, n] at
     w_ptr + e·stride_we + k·stride_wk + n·stride_wn."""
@@ -127,17 +131,20 @@ def _scatter_gemm_kernel(
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + tl.where(row_ok, rows, 0).to(tl.int64)[:, None] * stride_a + ks[None, :]
-    b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk
-              + tl.where(col_ok, cols, 0)[None, :] * stride_wn)
+    b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+            b_ok = col_ok[None, :]
         else:
             k_ok = ks < K - k0
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            b_ok = col_ok[None, :] & k_ok[:, None]
+        if EVEN_N and EVEN_K:
+            b = tl.load(b_ptrs)
+        else:
+            b = tl.load(b_ptrs, mask=b_ok, other=0.0)
         acc = mma(a, b, acc, DOT_PREC)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_wk
@@ -154,7 +161,7 @@ def _down_backward_kernel(
     gu_ptr, order_ptr, weights_ptr, tile_expert_ptr, tile_row_ptr, expert_start_ptr,
     dgu_ptr, dw_part_ptr, n_tiles, N, K, TOP_K, ROUTED,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """dh' = dy[t] @ down[e] ([K = H] → [N = I]) for sorted rows r of token t; then dw_part[column block, order[r]] =
     ⟨dh', h⟩ over the block's columns, and dgu[r] = d(gate|up) of dh = w·dh' through h = silu(gate) · up."""
@@ -169,17 +176,20 @@ def _down_backward_kernel(
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = dy_ptr + (flat // TOP_K)[:, None] * stride_dy + ks[None, :]
-    b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk
-              + tl.where(col_ok, cols, 0)[None, :] * stride_wn)
+    b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+            b_ok = col_ok[None, :]
         else:
             k_ok = ks < K - k0
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            b_ok = col_ok[None, :] & k_ok[:, None]
+        if EVEN_N and EVEN_K:
+            b = tl.load(b_ptrs)
+        else:
+            b = tl.load(b_ptrs, mask=b_ok, other=0.0)
         acc = mma(a, b, acc, DOT_PREC)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_wk
@@ -208,7 +218,7 @@ def _launch(name: str, routing: Routing, n_cols: int, dtype: torch.dtype) -> tup
             num_stages = min(num_stages, 2)
     grid = (routing.n_tiles * triton.cdiv(n_cols, block_n),)
     return grid, dict(BLOCK_M=routing.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
-                      num_warps=num_warps, num_stages=num_stages)
+                      EVEN_N=n_cols % block_n == 0, num_warps=num_warps, num_stages=num_stages)
 
 
 def row_tile() -> int:
