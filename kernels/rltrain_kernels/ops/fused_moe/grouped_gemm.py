@@ -14,9 +14,10 @@ tensor-core tiles instead of a Python loop of small GEMMs.
 Operands are gathered by index (x[token], dO[token]) with plain loads. The rows past a tile's end are clamped to valid
 addresses instead of masked (their results are never stored), so only a ragged N or K needs masks (EVEN_N, EVEN_K
 otherwise). A weight tile's columns are masked, never clamped: a clamp hides their contiguity from Triton, whose
-loads then go element by element and leave the software pipeline (sm_90 compile: no async copies of that tile). The products of a tile accumulate in fp32 (precision.mma: bf16/fp16 operands on the
-tensor cores, fp32 inputs in "ieee"); gate, up and h are rounded to the input dtype once, in the forward, and the
-backward recomputes h from the stored gate|up with the same rounding, so both passes see the same h.
+loads then go element by element and leave the software pipeline (sm_90 compile: no async copies of that tile).
+The products of a tile accumulate in fp32 (precision.mma: bf16/fp16 operands on the tensor cores, fp32 inputs in
+"ieee"); gate, up and h are rounded to the input dtype once, in the forward, and the backward recomputes h from the
+stored gate|up with the same rounding, so both passes see the same h.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def _up_swiglu_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """gu[r] = [x[t] @ W[e, :N]ᵀ, x[t] @ W[e, N:]ᵀ] (rounded), h[r] = silu(gate) · up, for sorted rows r of token t."""
+    """gu[r] = [x[t] @ W[e, :N]ᵀ, x[t] @ W[e, N:]ᵀ] (rounded), h[r] = silu(gate) · up, for sorted rows r of
+    token t."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), n_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + pid_m)
     if expert < 0:

@@ -5,10 +5,10 @@
 
 one program per (expert, output tile), walking the expert's rows in chunks of BLOCK_K with the row operands gathered
 by index and the routing weight folded into the recomputed h. Columns past M or N are masked (only when the tile is
-ragged: EVEN_M, EVEN_N), never clamped, which would hide their contiguity and take the loads off the pipeline. The whole reduction of a tile stays in one program's
-fp32 accumulator (no split over rows, no atomics): deterministic, one rounding to the weight's dtype, and an expert
-no token picked writes zeros. Programs run expert-major, so the few experts in flight keep their rows in L2 while
-every output tile of theirs reads them.
+ragged: EVEN_M, EVEN_N), never clamped, which would hide their contiguity and take the loads off the pipeline. The
+whole reduction of a tile stays in one program's fp32 accumulator (no split over rows, no atomics): deterministic,
+one rounding to the weight's dtype, and an expert no token picked writes zeros. Programs run expert-major, so the
+few experts in flight keep their rows in L2 while every output tile of theirs reads them.
 """
 
 from __future__ import annotations
