@@ -118,6 +118,15 @@ def test_strided_inputs_and_partial_gradients(layout, device):
     check_against_reference(x, gate_up, down, index, weights, d_out, dtype)
 
 
+@pytest.mark.usefixtures("poison_allocations")
+def test_forward_without_gradient_is_the_same(device):
+    """Under no_grad (rollout, reference log-probs) the forward skips storing gate|up: the same output bits."""
+    x, gate_up, down, index, weights = make_inputs(*SHAPES[0], torch.bfloat16, device)
+    with torch.no_grad():
+        inference = fused_moe(x, gate_up, down, index, weights)
+    assert torch.equal(inference, fused_moe(x, gate_up, down, index, weights).detach())
+
+
 def test_naive_matches_transformers_qwen3_moe_experts(device):
     """naive_fused_moe is transformers' Qwen3MoeExperts (eager loop): same output and gradients in fp32, so the
     layout (gate rows before up rows, down [H, I]) and the weighting are transformers'."""

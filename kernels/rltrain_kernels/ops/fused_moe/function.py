@@ -8,8 +8,8 @@ Backward, for the upstream gradient dO:
     dgu, dw = down_backward(dO)                       dh' = dO[token] @ down_proj[e]; dw = ⟨dh', h⟩; d(gate|up)
     dx    = scatter_gemm(dgu, gate_up_proj).view(T, k, H).sum(1)
     d gate_up_proj, d down_proj                       weight_grad.py, per expert over its rows
-Saved for backward: the inputs and gate|up ([TK, 2I] in x's dtype; h is recomputed from it). Every reduction has a
-fixed order (no atomics): the results are deterministic.
+Saved for backward: the inputs and gate|up ([TK, 2I] in x's dtype; h is recomputed from it; a call that needs no
+gradient does not store it). Every reduction has a fixed order (no atomics): the results are deterministic.
 """
 
 from __future__ import annotations
@@ -38,16 +38,16 @@ def _sum_slots(rows: torch.Tensor, n_tokens: int) -> torch.Tensor:
 
 
 class FusedMoEFunction(torch.autograd.Function):
-    """apply(x [T, H], gate_up_proj [E, 2I, H], down_proj [E, H, I], top_k_index [T, k], top_k_weights [T, k])
-    -> out [T, H]."""
+    """apply(x [T, H], gate_up_proj [E, 2I, H], down_proj [E, H, I], top_k_index [T, k], top_k_weights [T, k],
+    differentiable) -> out [T, H]; differentiable=False (no gradient will be asked for) skips storing gate|up."""
 
     @staticmethod
-    def forward(ctx, x, gate_up_proj, down_proj, top_k_index, top_k_weights):
+    def forward(ctx, x, gate_up_proj, down_proj, top_k_index, top_k_weights, differentiable=True):
         x = _unit_columns(x)
         weights = top_k_weights.reshape(-1).contiguous()
         routing = sort_by_expert(top_k_index, gate_up_proj.shape[0], row_tile())
         dot_prec = raw_precision(x.dtype)
-        gu, h = up_swiglu_forward(x, gate_up_proj, routing, dot_prec)
+        gu, h = up_swiglu_forward(x, gate_up_proj, routing, dot_prec, store_gu=differentiable)
         out = _sum_slots(scatter_gemm(h, down_proj, 2, routing, dot_prec, scale=weights), x.shape[0])
         ctx.save_for_backward(x, gate_up_proj, down_proj, weights, gu, *routing.tensors())
         ctx.top_k, ctx.block_m, ctx.dot_prec = routing.top_k, routing.block_m, dot_prec
@@ -59,7 +59,7 @@ class FusedMoEFunction(torch.autograd.Function):
     def backward(ctx, d_out):
         x, gate_up_proj, down_proj, weights, gu, *routing_tensors = ctx.saved_tensors
         routing = Routing(*routing_tensors, top_k=ctx.top_k, block_m=ctx.block_m)
-        need_x, need_gate_up, need_down, _, need_weights = ctx.needs_input_grad
+        need_x, need_gate_up, need_down, _, need_weights, _ = ctx.needs_input_grad
         d_out = _unit_columns(d_out)
         dx = d_gate_up = d_down = d_weights = None
         if need_x or need_gate_up or need_weights:
@@ -72,7 +72,7 @@ class FusedMoEFunction(torch.autograd.Function):
                 d_gate_up = gate_up_weight_grad(dgu, x, routing, gate_up_proj.dtype, ctx.dot_prec)
         if need_down:
             d_down = down_weight_grad(d_out, gu, weights, routing, down_proj.dtype, ctx.dot_prec)
-        return dx, d_gate_up, d_down, None, d_weights
+        return dx, d_gate_up, d_down, None, d_weights, None
 
 
 def _check(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights) -> None:
@@ -117,6 +117,8 @@ def fused_moe(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
         return naive_fused_moe(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     top_k = top_k_index.shape[-1]
+    differentiable = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (hidden_states, gate_up_proj, down_proj, top_k_weights))
     out = FusedMoEFunction.apply(x, gate_up_proj, down_proj, top_k_index.reshape(-1, top_k),
-                                 top_k_weights.reshape(-1, top_k))
+                                 top_k_weights.reshape(-1, top_k), differentiable)
     return out.view(hidden_states.shape)

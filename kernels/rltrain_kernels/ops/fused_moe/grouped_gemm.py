@@ -64,11 +64,11 @@ def _up_swiglu_kernel(
     x_ptr, stride_x, w_ptr, stride_we, stride_wn, stride_wk,
     order_ptr, tile_expert_ptr, tile_row_ptr, expert_start_ptr,
     gu_ptr, h_ptr, n_tiles, N, K, TOP_K,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    STORE_GU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """gu[r] = [x[t] @ W[e, :N]ᵀ, x[t] @ W[e, N:]ᵀ] (rounded), h[r] = silu(gate) · up, for sorted rows r of
-    token t."""
+    """gu[r] = [x[t] @ W[e, :N]ᵀ, x[t] @ W[e, N:]ᵀ] (rounded; only with STORE_GU), h[r] = silu(gate) · up, for
+    sorted rows r of token t."""
     pid_m, pid_n = _grouped_tile(tl.program_id(0), n_tiles, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(tile_expert_ptr + pid_m)
     if expert < 0:
@@ -108,8 +108,9 @@ def _up_swiglu_kernel(
     h = g * tl.sigmoid(g) * upv.to(tl.float32)
     mask = row_ok[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)[:, None]
-    tl.store(gu_ptr + rows64 * (2 * N) + cols[None, :], gate, mask=mask)
-    tl.store(gu_ptr + rows64 * (2 * N) + N + cols[None, :], upv, mask=mask)
+    if STORE_GU:
+        tl.store(gu_ptr + rows64 * (2 * N) + cols[None, :], gate, mask=mask)
+        tl.store(gu_ptr + rows64 * (2 * N) + N + cols[None, :], upv, mask=mask)
     tl.store(h_ptr + rows64 * N + cols[None, :], cast_for_store(h, h_ptr, DOT_PREC), mask=mask)
 
 
@@ -228,16 +229,19 @@ def row_tile() -> int:
     return INTERPRETED_ROW_TILE if triton_interpreted() else ROW_TILE
 
 
-def up_swiglu_forward(x: torch.Tensor, gate_up_proj: torch.Tensor, routing: Routing, dot_prec: str):
-    """(gu [TK, 2I], h [TK, I]) in sorted row order, x's dtype; x [T, H] with unit column stride."""
+def up_swiglu_forward(x: torch.Tensor, gate_up_proj: torch.Tensor, routing: Routing, dot_prec: str,
+                      store_gu: bool = True):
+    """(gu [TK, 2I] or None without store_gu, h [TK, I]) in sorted row order, x's dtype; x [T, H] with unit column
+    stride. gu is what the backward needs: a forward without one skips its stores."""
     routed, n = routing.order.shape[0], gate_up_proj.shape[1] // 2
-    gu = torch.empty(routed, 2 * n, dtype=x.dtype, device=x.device)
     h = torch.empty(routed, n, dtype=x.dtype, device=x.device)
+    gu = torch.empty(routed, 2 * n, dtype=x.dtype, device=x.device) if store_gu else None
     grid, blocks = _launch("up_swiglu", routing, n, x.dtype)
     k = x.shape[1]
     _up_swiglu_kernel[grid](
-        x, x.stride(0), gate_up_proj, *gate_up_proj.stride(), *routing.tensors(), gu, h, routing.n_tiles, n, k,
-        routing.top_k, EVEN_K=k % blocks["BLOCK_K"] == 0, DOT_PREC=dot_prec, **blocks)
+        x, x.stride(0), gate_up_proj, *gate_up_proj.stride(), *routing.tensors(), h if gu is None else gu, h,
+        routing.n_tiles, n, k, routing.top_k, STORE_GU=store_gu, EVEN_K=k % blocks["BLOCK_K"] == 0,
+        DOT_PREC=dot_prec, **blocks)
     return gu, h
 
 
