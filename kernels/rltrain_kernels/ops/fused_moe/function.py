@@ -42,7 +42,7 @@ class FusedMoEFunction(torch.autograd.Function):
     differentiable) -> out [T, H]; differentiable=False (no gradient will be asked for) skips storing gate|up."""
 
     @staticmethod
-    def forward(ctx, x, gate_up_proj, down_proj, top_k_index, top_k_weights, differentiable=True):
+    def forward(ctx, x, gate_up_proj, down_proj, top_k_index, top_k_weights, differentiable):
         x = _unit_columns(x)
         weights = top_k_weights.reshape(-1).contiguous()
         routing = sort_by_expert(top_k_index, gate_up_proj.shape[0], row_tile())
