@@ -27,7 +27,9 @@ DIMS = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_he
 
 
 def tiny_moe(model_type: str, device="cpu", **overrides):
-    """Two sparse layers of 8 experts (I = 48, off the interpreter's blocks), top-2, eager attention."""
+    """Two sparse layers of 8 experts (I = 48, off the interpreter's blocks), top-2, eager attention; the unswapped
+    experts run transformers' per-expert loop (the path fused_moe replaces; its grouped_mm path takes bf16 only on
+    some torch builds)."""
     if model_type == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(**DIMS, intermediate_size=96, moe_intermediate_size=48, num_experts=8,
                                              num_experts_per_tok=2, norm_topk_prob=True, **overrides)
@@ -37,7 +39,9 @@ def tiny_moe(model_type: str, device="cpu", **overrides):
     else:
         raise ValueError(model_type)
     config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config)
+    assert model.config._experts_implementation == "eager"
     with torch.no_grad():   # routers start at zero in some versions: spread the routing
         for module in model.modules():
             if type(module).__name__.endswith("TopKRouter"):
