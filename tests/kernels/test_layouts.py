@@ -285,6 +285,17 @@ def rotate_half_inputs(device, real):
     return dict(x=torch.randn(2, 4, 512, 128, device=device) if real else torch.randn(2, 3, 8, device=device))
 
 
+def fused_moe_inputs(device, real):
+    """A softmax top-2 routing over E experts; the weights scaled for unit-size outputs."""
+    T, H, I, E, k = (512, 256, 128, 8, 2) if real else (5, 16, 16, 3, 2)
+    dtype = torch.bfloat16 if real else torch.float32
+    weights, index = torch.topk(torch.randn(T, E, device=device).softmax(-1), k)
+    return dict(hidden_states=torch.randn(T, H, device=device).to(dtype),
+                gate_up_proj=(torch.randn(E, 2 * I, H, device=device) / H ** 0.5).to(dtype),
+                down_proj=(torch.randn(E, H, I, device=device) / I ** 0.5).to(dtype),
+                top_k_index=index, top_k_weights=weights.to(dtype))
+
+
 _DELTA_GRADS = ("q", "k", "v", "g", "beta", "initial_state")
 _STATE_OUT = dict(output_final_state=True)
 _GDP = dict(num_householder=NUM_HOUSEHOLDER, output_final_state=True)
@@ -327,6 +338,8 @@ CASES = [
            dict(unsqueeze_dim=dim), variant="BHTD" if dim == 1 else "BTHD")
       for fn in ("apply_rotary_pos_emb", "naive_apply_rotary_pos_emb") for dim in (1, 2)),
     Case("rope.rotate_half", rotate_half_inputs, ("x",), outputs=lambda y: (y,)),
+    *(Case(f"fused_moe.{fn}", fused_moe_inputs, ("hidden_states", "gate_up_proj", "down_proj", "top_k_weights"),
+           outputs=lambda y: (y,)) for fn in ("fused_moe", "naive_fused_moe")),
 ]
 
 

@@ -2,6 +2,7 @@
 
 Every module here registers its per-device implementations with `@register_kernel` when imported;
 `rltrain_kernels.registry.discover_kernels()` imports them all. `families.py` is the table of supported model
-families (which classes are the RMSNorm, SwiGLU MLP and attention modules) and the class-swap helper they share.
+families (which classes are the RMSNorm, SwiGLU MLP, attention and MoE experts modules) and the class-swap helper
+they share.
 Kernels themselves live in `rltrain_kernels.ops`; nothing here computes anything.
 """

@@ -35,10 +35,13 @@ class ModelFamily:
     attention: tuple[str, ...] = ()  # attention classes whose forward calls the module's apply_rotary_pos_emb
     linear_attention: tuple[str, ...] = ()  # gated delta rule layers calling fla-named module functions
     gated_rmsnorm: tuple[str, ...] = ()  # gated RMSNorms: `weight`, `variance_epsilon`, forward(x, gate) = norm·silu
+    # routed experts of a sparse MoE block, transformers 5's fused modules: gate_up_proj [E, 2I, H], down_proj
+    # [E, H, I], forward(hidden_states, top_k_index, top_k_weights) (the router stays the block's own)
+    experts: tuple[str, ...] = ()
 
 
-def _family(prefix: str) -> ModelFamily:
-    return ModelFamily((f"{prefix}RMSNorm",), (f"{prefix}MLP",), (f"{prefix}Attention",))
+def _family(prefix: str, **roles) -> ModelFamily:
+    return ModelFamily((f"{prefix}RMSNorm",), (f"{prefix}MLP",), (f"{prefix}Attention",), **roles)
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -46,8 +49,11 @@ FAMILIES: dict[str, ModelFamily] = {
     "mistral": _family("Mistral"),
     "qwen2": _family("Qwen2"),
     "qwen3": _family("Qwen3"),
-    # Experts are one fused module in transformers 5 (no per-expert MLP); the shared/dense MLP class is swapped.
-    "qwen3_moe": _family("Qwen3Moe"),
+    # Experts are one fused module in transformers 5 (no per-expert MLP): fused_moe swaps it, fused_swiglu the dense
+    # layers' MLP class.
+    "qwen3_moe": _family("Qwen3Moe", experts=("Qwen3MoeExperts",)),
+    # Mixtral: every layer sparse, no dense MLP class.
+    "mixtral": ModelFamily(rmsnorm=("MixtralRMSNorm",), attention=("MixtralAttention",), experts=("MixtralExperts",)),
     # rltrain's hybrid delta-rule family (rltrain_kernels.models.hybrid_delta); its linear-attention layers are
     # rltrain_kernels.layers classes, which their kernels find in any model (layer_kernel_swap).
     "hybrid_delta": _family("HybridDelta"),

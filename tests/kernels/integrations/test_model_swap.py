@@ -29,7 +29,8 @@ def _expected_swaps(model_type):
     layers = 2
     norms = layers * (4 if model_type in ("qwen3", "qwen3_moe") else 2) + 1
     mlps = 1 if model_type == "qwen3_moe" else layers  # the MoE model's second layer is sparse
-    return {"fused_rmsnorm": norms, "fused_swiglu": mlps, "fused_rope": layers}
+    moe = {"fused_moe": 1} if model_type == "qwen3_moe" else {}   # its experts module
+    return {"fused_rmsnorm": norms, "fused_swiglu": mlps, "fused_rope": layers, **moe}
 
 
 @pytest.mark.parametrize("impl", ["cuda", "cpu"])
