@@ -90,19 +90,22 @@ def call(fn, leaves, options, cu_seqlens=None, **extra):
               cu_seqlens=cu_seqlens, **tensors, **options, **extra)
 
 
-def backward(o, ht, seed=0):
-    """Backward of ⟨o, do⟩ + ⟨ht, dht⟩ with fixed random upstream gradients (do non-contiguous)."""
-    gen = torch.Generator().manual_seed(seed)
-    do = torch.randn(o.shape[::-1], generator=gen).permute(*reversed(range(o.dim()))).to(o.device, o.dtype)
+def backward(o, ht, do_dtype=None):
+    """Backward of ⟨o, do⟩ + ⟨ht, dht⟩ with fixed random upstream gradients (do non-contiguous, rounded to do_dtype:
+    the dtype of the op's o, for the float64 reference too)."""
+    gen = torch.Generator().manual_seed(0)
+    do = torch.randn(o.shape[::-1], generator=gen).permute(*reversed(range(o.dim()))).to(do_dtype or o.dtype)
+    do = do.to(o.device, o.dtype)
     dht = torch.randn(ht.shape, generator=gen).to(ht.device)
     (o.float() * do.float()).sum().add((ht * dht).sum()).backward()
 
 
 def reference(leaves, options, cu_seqlens=None):
-    """The naive recurrence in float64 on the CPU, with the same keywords: (o, final state, {name: gradient})."""
-    ref = {name: t.detach().double().cpu().requires_grad_() for name, t in leaves.items()}
-    o, ht = call(naive_recurrent_gated_delta_rule, ref, options, None if cu_seqlens is None else cu_seqlens.cpu())
-    backward(o, ht)
+    """The naive recurrence in float64 with the same keywords, on the leaves' device (a GPU runs the real sizes' 2k
+    steps in about a second, the CPU in minutes): (o, final state, {name: gradient})."""
+    ref = {name: t.detach().double().requires_grad_() for name, t in leaves.items()}
+    o, ht = call(naive_recurrent_gated_delta_rule, ref, options, cu_seqlens)
+    backward(o, ht, do_dtype=leaves["v"].dtype)
     return o, ht, {name: t.grad for name, t in ref.items()}
 
 
@@ -181,28 +184,30 @@ def test_gate_kernels_match_torch(with_bias, device, poison_allocations):
     lengths, HV = [70, 1, 64, 5], 3
     cu = cu_seqlens_of(lengths, device)
     layout = chunk_layout(1, sum(lengths), cu, 64, device)
-    a = torch.randn(sum(lengths), HV, dtype=torch.float64) * 3
-    a[::7] = torch.rand(a[::7].shape, dtype=torch.float64) * 80 - 40  # a sprinkle of |a| up to 40
-    A_log = torch.randn(HV, dtype=torch.float64, requires_grad=True)
-    dt_bias = (torch.randn(HV, dtype=torch.float64) if with_bias else torch.zeros(HV, dtype=torch.float64))
+    a = torch.randn(sum(lengths), HV) * 3
+    a[::7] = torch.rand(a[::7].shape) * 80 - 40  # a sprinkle of |a| up to 40
+    A_log, dt_bias = torch.randn(HV), torch.randn(HV) if with_bias else torch.zeros(HV)
+    # the reference in float64 on the same fp32 values
+    a, A_log, dt_bias = a.double().requires_grad_(), A_log.double().requires_grad_(), dt_bias.double()
     dt_bias.requires_grad_(with_bias)
-    a.requires_grad_()
     g = naive_gdn_gate(a, A_log, dt_bias)
     G_ref = torch.cat([chunk.cumsum(0) for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())
                        for chunk in g[s:e].split(64)])
     G = gate_chunk_cumsum(a.detach().float().to(device), A_log.detach().float().to(device),
                           dt_bias.detach().float().to(device) if with_bias else None, layout)
     assert G.dtype == torch.float32
-    assert_rel_close(G, G_ref, threshold=1e-6, name="G")
-    dG = torch.randn_like(G_ref)
+    assert_rel_close(G, G_ref, threshold=2e-6, name="G")
+    dG = torch.randn_like(G_ref).float().double()
     G_ref.backward(dG)
     da, dA_log, ddt_bias = gate_bwd(dG.float().to(device), a.detach().float().to(device),
                                     A_log.detach().float().to(device),
                                     dt_bias.detach().float().to(device) if with_bias else None, layout)
-    assert_rel_close(da, a.grad, threshold=1e-6, name="da")
-    assert_rel_close(dA_log, A_log.grad, threshold=1e-6, name="dA_log")
+    assert_rel_close(da, a.grad, threshold=4e-6, name="da")
+    # (30 draws on the interpreter: worst G 2e-7, da 4e-7.) dA_log, ddt_bias sum terms of both signs over every token:
+    # cancellation lifts their fp32 error (worst 1e-6) above the elementwise one
+    assert_rel_close(dA_log, A_log.grad, threshold=2e-5, name="dA_log")
     if with_bias:
-        assert_rel_close(ddt_bias, dt_bias.grad, threshold=1e-6, name="ddt_bias")
+        assert_rel_close(ddt_bias, dt_bias.grad, threshold=2e-5, name="ddt_bias")
     else:
         assert ddt_bias is None
 
@@ -328,8 +333,8 @@ TOKENS = ("q", "k", "v", "g", "beta")
 
 
 def reference_forward(leaves, options, cu_seqlens=None):
-    """The naive recurrence in float64 on the CPU, forward only: (o, final state)."""
-    ref = {name: t.detach().double().cpu() for name, t in leaves.items()}
+    """The naive recurrence in float64 on the leaves' device, forward only: (o, final state)."""
+    ref = {name: t.detach().double() for name, t in leaves.items()}
     return call(naive_recurrent_gated_delta_rule, ref, options, cu_seqlens)
 
 
