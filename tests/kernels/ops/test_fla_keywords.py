@@ -313,8 +313,10 @@ def check_state_v_first_exact(impl, kv, options, exact=True):
 @pytest.mark.parametrize("impl", list(OPS))
 def test_state_v_first_is_the_transposed_state_exactly(impl, device):
     """K == V, so no shape tells the layouts apart: bit for bit the [K, V] call's results, transposed (fla's
-    test_chunk_state_v_first checks 1e-4)."""
-    check_state_v_first_exact(impl, keyword_inputs(2, 70, 1, 2, 16, 16, GATE, device=device), GATE)
+    test_chunk_state_v_first checks 1e-4); natively on a GPU, the fused-recurrent kernel within fp32 rounding
+    (test_state_v_first_exact_real_size)."""
+    check_state_v_first_exact(impl, keyword_inputs(2, 70, 1, 2, 16, 16, GATE, device=device), GATE,
+                              exact=impl == "chunk" or device == "cpu")
 
 
 @pytest.mark.parametrize("impl", list(OPS))
