@@ -44,7 +44,6 @@ CONFIGS = {
     "all": dict(GATE, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, state_v_first=True,
                 use_qk_l2norm_in_kernel=True),
 }
-LEAVES = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")
 # Relative-error bars against float64: (outputs, gradients, dA_log / ddt_bias). A_log's and dt_bias's gradients sum
 # dg_t·g_t and da_t over every token of a head, terms of both signs: the sum cancels, so their relative error is
 # a few times dg's (fp32 draws: up to 4e-5 where dg is 2e-6; fla's bar for them is 2e-2 in fp16, 2.5× its dg's).
@@ -101,8 +100,8 @@ def backward(o, ht, do_dtype=None):
 
 
 def reference(leaves, options, cu_seqlens=None):
-    """The naive recurrence in float64 with the same keywords, on the leaves' device (a GPU runs the real sizes' 2k
-    steps in about a second, the CPU in minutes): (o, final state, {name: gradient})."""
+    """The naive recurrence in float64 with the same keywords, on the leaves' device (on a GPU the real sizes' token
+    loop runs there, not on its host's CPU): (o, final state, {name: gradient})."""
     ref = {name: t.detach().double().requires_grad_() for name, t in leaves.items()}
     o, ht = call(naive_recurrent_gated_delta_rule, ref, options, cu_seqlens)
     backward(o, ht, do_dtype=leaves["v"].dtype)
@@ -110,9 +109,11 @@ def reference(leaves, options, cu_seqlens=None):
 
 
 def check_against_naive(fn, leaves, options, bars, *, cu_seqlens=None, dg_bar=None):
+    """fn with `options` on the leaves against the float64 reference: o, the final state (in the initial state's
+    layout, fp32) and every leaf's gradient (in the leaf's dtype), within bars (outputs, gradients, A_log / dt_bias;
+    dg_bar for g's where given)."""
     o, ht = call(fn, leaves, options, cu_seqlens)
-    v_first = options.get("state_v_first", False)
-    assert ht.shape == leaves["initial_state"].shape and ht.dtype == torch.float32, (ht.shape, v_first)
+    assert ht.shape == leaves["initial_state"].shape and ht.dtype == torch.float32, (tuple(ht.shape), ht.dtype)
     assert o.dtype == leaves["v"].dtype
     backward(o, ht)
     o_ref, ht_ref, grads = reference(leaves, options, cu_seqlens)
