@@ -14,7 +14,7 @@ gradients reaching every differentiable output are passed strided, transposed, o
 `.sum().backward()` hands them). A public function added without a case, or a tensor parameter no case passes,
 fails `test_every_public_op_has_a_layout_case`.
 
-Run: `pytest tests/kernels/test_layouts.py` (CPU, Triton interpreted: ~2 min on 2 cores); the `gpu`-marked tests
+Run: `pytest tests/kernels/test_layouts.py` (CPU, Triton interpreted: ~3 min on 2 cores); the `gpu`-marked tests
 repeat every case at real sizes on CUDA.
 """
 
@@ -166,6 +166,15 @@ def gated_delta_rule_inputs(device, real):
     return _in_dtype(inputs, s["dtype"])
 
 
+def gated_delta_rule_gate_inputs(device, real):
+    """fla's use_gate_in_kernel and use_beta_sigmoid_in_kernel: g holds the raw gate input and beta logits, with the
+    gate's parameters A_log and dt_bias [HV]."""
+    inputs = gated_delta_rule_inputs(device, real)
+    HV = inputs["g"].shape[-1]
+    return dict(inputs, g=torch.randn_like(inputs["g"]), beta=torch.randn_like(inputs["beta"]),
+                A_log=torch.rand(HV, device=device).add(0.5).log(), dt_bias=torch.randn(HV, device=device))
+
+
 def iplr_delta_rule_inputs(device, real):
     """b = k̂, a = −β k̂ with β ∈ (0, 1): the stable regime. One head is enough on the CPU (no [B, T, H] argument)."""
     s = _delta_sizes(real)
@@ -298,6 +307,10 @@ def fused_moe_inputs(device, real):
 
 _DELTA_GRADS = ("q", "k", "v", "g", "beta", "initial_state")
 _STATE_OUT = dict(output_final_state=True)
+# fla's keywords: the gate and β computed inside (A_log and dt_bias get gradients too), and the [N, HV, V, K] states
+# (K = V here: a transposed buffer is the other layout's values, which only the op's own reading can tell apart)
+_GATE_KEYWORDS = dict(_STATE_OUT, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+_V_FIRST = dict(_STATE_OUT, state_v_first=True)
 _GDP = dict(num_householder=NUM_HOUSEHOLDER, output_final_state=True)
 _PG = dict(clip_low=0.2, clip_high=0.28, kl_coef=0.1, entropy_coef=0.01)
 # impl="fused" asked for explicitly refuses a weight that TMA cannot address (unit inner stride, 16-byte aligned base
@@ -306,6 +319,11 @@ _TMA = "16-byte aligned with unit inner stride"
 _FUSED_REJECTS = {("weight", layout): _TMA for layout in INPUT_LAYOUTS}
 CASES = [
     *(Case(f"gated_delta_rule.{fn}", gated_delta_rule_inputs, _DELTA_GRADS, _STATE_OUT)
+      for fn in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "naive_recurrent_gated_delta_rule")),
+    *(Case(f"gated_delta_rule.{fn}", gated_delta_rule_gate_inputs, (*_DELTA_GRADS, "A_log", "dt_bias"),
+           _GATE_KEYWORDS, variant="gate-in-kernel")
+      for fn in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "naive_recurrent_gated_delta_rule")),
+    *(Case(f"gated_delta_rule.{fn}", gated_delta_rule_inputs, _DELTA_GRADS, _V_FIRST, variant="state-v-first")
       for fn in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "naive_recurrent_gated_delta_rule")),
     *(Case(f"iplr_delta_rule.{fn}", iplr_delta_rule_inputs, ("q", "k", "v", "a", "b", "initial_state"), _STATE_OUT)
       for fn in ("chunk_iplr_delta_rule", "fused_recurrent_iplr_delta_rule", "naive_recurrent_iplr_delta_rule")),

@@ -3,7 +3,11 @@ DeltaNet, and rltrain_kernels.layers.GatedDeltaNet in whatever model holds it) o
 prefill and training, fused-recurrent for decoding steps.
 
 transformers' GatedDeltaNet forward calls its modeling module's `torch_chunk_gated_delta_rule` and
-`torch_recurrent_gated_delta_rule` with fla's argument names plus keywords ours do not take (chunk_size, ...). As for
+`torch_recurrent_gated_delta_rule` with fla's argument names, plus attention keywords meant for other layers (the
+packed batch's cu_seq_lens_k, max_length_q, ...) that the adapters drop. fla's own keywords are passed on, never
+dropped: transformers 5.17-5.24 compute Qwen3-Next's gate and β in torch and pass neither, but a caller that hands
+the raw gate input with use_gate_in_kernel=True (and A_log, dt_bias), beta logits with use_beta_sigmoid_in_kernel,
+state_v_first or a chunk_size gets fla's meaning of them, not a silently different recurrence. As for
 RoPE, the swapped class runs a copy of the forward whose globals resolve those two names to the adapters below,
 leaving the module and every other model alone. rltrain's GatedDeltaNet layer calls the same two names (plain
 PyTorch until swapped), so the same adapters serve it. CUDA only: elsewhere transformers' own torch path (or the
@@ -20,23 +24,33 @@ from rltrain_kernels.integrations.families import (family_classes, holds_layers,
 from rltrain_kernels.registry import BaseKernel
 
 
+# fla's keywords both ops take (fla.ops.gated_delta_rule, 0.6): passed through whenever the caller gives them.
+FLA_KEYWORDS = ("scale", "use_gate_in_kernel", "A_log", "dt_bias", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+                "state_v_first", "transpose_state_layout")
+
+
+def _fla_keywords(kwargs: dict) -> dict:
+    return {name: kwargs[name] for name in FLA_KEYWORDS if name in kwargs}
+
+
 def chunk_adapter(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-                  use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, recurrence_dot, **_ignored):
+                  use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, recurrence_dot, **kwargs):
     from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
 
     return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, recurrence_dot=recurrence_dot)
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, recurrence_dot=recurrence_dot,
+                                  chunk_size=chunk_size, **_fla_keywords(kwargs))
 
 
 def recurrent_adapter(query, key, value, g, beta, initial_state=None, output_final_state=False,
-                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, recurrence_dot, **_ignored):
+                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, recurrence_dot, **kwargs):
     from rltrain_kernels.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     return fused_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
                                             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                            recurrence_dot=recurrence_dot)
+                                            recurrence_dot=recurrence_dot, **_fla_keywords(kwargs))
 
 
 ADAPTERS = (chunk_adapter, recurrent_adapter)

@@ -62,7 +62,7 @@ class ChunkGatedDeltaProductFunction(torch.autograd.Function):
         q, k, v, beta, initial_state, G, Ai = ctx.saved_tensors
         B, T, H, K = q.shape
         n_h = ctx.num_householder
-        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
+        dq, dk, dv, dg, dbeta, dh0, _ = chunk_gated_delta_rule_bwd(
             _flat(q), _flat(k), _flat(v), _flat(beta), ctx.scale, initial_state, G, Ai, _flat(do),
             None if dht is None else dht.contiguous(), ctx.layout, query_stride=n_h, dot_prec=ctx.dot_prec,
             recurrence_prec=ctx.recurrence_prec)

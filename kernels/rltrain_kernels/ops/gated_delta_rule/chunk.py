@@ -4,6 +4,10 @@ Forward kernels in chunk_fwd.py, backward kernels in chunk_bwd.py, the shared ch
 The backward stores only G (the fp32 chunk-local gate cumsum) and T = (I + A)⁻¹ from the forward and recomputes
 w, u, the chunk states and δ (cheaper than keeping [chunks, HV, K, V] states alive between forward and backward).
 use_qk_l2norm_in_kernel normalises q and k in fp32 with torch ops before the kernels (autograd differentiates it).
+fla's keywords: use_gate_in_kernel runs gate.py's kernels in place of the gate cumsum (forward) and its reverse
+(backward), so A_log and dt_bias get their gradients there; use_beta_sigmoid_in_kernel is one torch sigmoid before the
+kernels (the pass a caller would make); state_v_first transposes the [N, HV, V, K] states at the boundary (a
+transposed view in, a contiguous copy out: the state pass keeps its [K, V] tiles).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from ..common.chunking import chunk_layout
 from ..common.precision import check_dot, check_recurrence_dot, op_dot_precision, recurrence_dot_precision
 from .chunk_bwd import chunk_gated_delta_rule_bwd
 from .chunk_fwd import CHUNK_SIZE, chunk_gated_delta_rule_fwd
-from .inputs import check_inputs, l2norm
+from .inputs import check_chunk_size, check_inputs, check_preprocess, l2norm, resolve_state_v_first
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -24,55 +28,72 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dot_prec,
-                recurrence_prec):
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, cu_seqlens,
+                chunk_size, dot_prec, recurrence_prec):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
-        layout = chunk_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
+        layout = chunk_layout(B, T, cu_seqlens, chunk_size, q.device)
+        gate = None if A_log is None else (A_log, dt_bias)  # g is then the raw a (gate.py)
         o, ht, G, Ai = chunk_gated_delta_rule_fwd(_flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), scale,
-                                                  initial_state, output_final_state, layout, dot_prec=dot_prec,
-                                                  recurrence_prec=recurrence_prec)
-        ctx.save_for_backward(q, k, v, beta, initial_state, G, Ai)
+                                                  initial_state, output_final_state, layout, gate,
+                                                  dot_prec=dot_prec, recurrence_prec=recurrence_prec)
+        ctx.save_for_backward(q, k, v, beta, initial_state, G, Ai, *((g, A_log, dt_bias) if gate else ()))
         ctx.layout, ctx.scale, ctx.g_dtype = layout, scale, g.dtype
         ctx.dot_prec, ctx.recurrence_prec = dot_prec, recurrence_prec
         return o.view(B, T, HV, V), ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, beta, initial_state, G, Ai = ctx.saved_tensors
+        q, k, v, beta, initial_state, G, Ai, *gate = ctx.saved_tensors
         B, T = q.shape[:2]
-        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
+        if gate:
+            gate[0] = _flat(gate[0])
+        dq, dk, dv, dg, dbeta, dh0, gate_grads = chunk_gated_delta_rule_bwd(
             _flat(q), _flat(k), _flat(v), _flat(beta), ctx.scale, initial_state, G, Ai, _flat(do),
-            None if dht is None else dht.contiguous(), ctx.layout, dot_prec=ctx.dot_prec,
+            None if dht is None else dht.contiguous(), ctx.layout, gate=gate or None, dot_prec=ctx.dot_prec,
             recurrence_prec=ctx.recurrence_prec)
+        dA_log, ddt_bias = gate_grads or (None, None)
         shape = lambda x, like: x.view(like.shape).to(like.dtype)  # noqa: E731
         return (shape(dq, q), shape(dk, k), shape(dv, v), dg.view(B, T, -1).to(ctx.g_dtype), shape(dbeta, beta),
-                None, dh0, None, None, None, None)
+                dA_log, ddt_bias, None, dh0, None, None, None, None, None)
 
 
-def chunk_gated_delta_rule_bwd_with_l2norm(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm,
-                                           do, dht, *, dot_prec: str, recurrence_prec: str):
-    """Gradients of (o, final_state) w.r.t. (q, k, v, g, beta, initial_state), recomputing the forward chunk
-    pieces with the WY and state-pass kernels in `recurrence_prec`, the others in `dot_prec`; used by the
-    fused-recurrent path's backward.
-    Returns (dq, dk, dv, dg, dbeta, dh0)."""
+def chunk_gated_delta_rule_bwd_recompute(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, *,
+                                         use_qk_l2norm: bool, gate, beta_scale: float, state_v_first: bool,
+                                         dot_prec: str, recurrence_prec: str):
+    """Gradients of (o, final_state) w.r.t. (q, k, v, g, beta, initial_state, A_log, dt_bias) of the op with its
+    preprocessing (l2norm of q, k; gate: (A_log, dt_bias) making g from the raw a, or None; beta_scale: β =
+    beta_scale·sigmoid(beta), or 0; state_v_first: [N, HV, V, K] states), recomputing the forward chunk pieces with
+    the WY and state-pass kernels in `recurrence_prec`, the others in `dot_prec`; used by the fused-recurrent path's
+    backward. Returns (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias), the last two None without a gate."""
     with torch.enable_grad():
         q0, k0 = q.detach().requires_grad_(use_qk_l2norm), k.detach().requires_grad_(use_qk_l2norm)
         qn, kn = (l2norm(q0), l2norm(k0)) if use_qk_l2norm else (q0, k0)
-        B, T = q.shape[:2]
-        layout = chunk_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
-        _, _, G, Ai = chunk_gated_delta_rule_fwd(_flat(qn.detach()), _flat(kn.detach()), _flat(v), _flat(g),
-                                                 _flat(beta), scale, initial_state, False, layout,
-                                                 dot_prec=dot_prec, recurrence_prec=recurrence_prec)
-        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(
-            _flat(qn.detach()), _flat(kn.detach()), _flat(v), _flat(beta), scale, initial_state, G, Ai,
-            _flat(do), None if dht is None else dht.contiguous(), layout, dot_prec=dot_prec,
-            recurrence_prec=recurrence_prec)
-        dq, dk = dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype)
-        if use_qk_l2norm:
-            dq, dk = torch.autograd.grad((qn, kn), (q0, k0), (dq, dk))
-    return (dq, dk, dv.view(v.shape).to(v.dtype), dg.view(g.shape).to(g.dtype), dbeta.view(beta.shape).to(beta.dtype),
-            dh0)
+        beta0 = beta.detach().requires_grad_(bool(beta_scale))
+        beta_n = beta_scale * torch.sigmoid(beta0.float()) if beta_scale else beta0
+    if state_v_first:
+        initial_state = None if initial_state is None else initial_state.transpose(-1, -2).contiguous()
+        dht = None if dht is None else dht.transpose(-1, -2)
+    B, T = q.shape[:2]
+    layout = chunk_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
+    flat = [_flat(x.detach()) for x in (qn, kn, v, g, beta_n)]
+    _, _, G, Ai = chunk_gated_delta_rule_fwd(*flat, scale, initial_state, False, layout, gate,
+                                             dot_prec=dot_prec, recurrence_prec=recurrence_prec)
+    dq, dk, dv, dg, dbeta, dh0, gate_grads = chunk_gated_delta_rule_bwd(
+        flat[0], flat[1], flat[2], flat[4], scale, initial_state, G, Ai, _flat(do),
+        None if dht is None else dht.contiguous(), layout, gate=None if gate is None else (flat[3], *gate),
+        dot_prec=dot_prec, recurrence_prec=recurrence_prec)
+    dq, dk = dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype)
+    if use_qk_l2norm:
+        dq, dk = torch.autograd.grad((qn, kn), (q0, k0), (dq, dk))
+    dbeta = dbeta.view(beta.shape)
+    if beta_scale:
+        dbeta, = torch.autograd.grad(beta_n, beta0, dbeta.to(beta_n.dtype))
+    if state_v_first and dh0 is not None:
+        dh0 = dh0.transpose(-1, -2).contiguous()
+    dA_log, ddt_bias = gate_grads or (None, None)
+    return (dq, dk, dv.view(v.shape).to(v.dtype), dg.view(g.shape).to(g.dtype), dbeta.to(beta.dtype), dh0,
+            dA_log, ddt_bias)
 
 
 def chunk_gated_delta_rule(
@@ -88,8 +109,17 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     recurrence_dot: str = "auto",
     dot: str = "auto",
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    chunk_size: int = CHUNK_SIZE,
+    transpose_state_layout: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gated delta rule, chunked (chunk size 64), differentiable w.r.t. q, k, v, g, beta and initial_state.
+    """Gated delta rule, chunked, differentiable w.r.t. q, k, v, g, beta, initial_state (and A_log, dt_bias).
 
     q, k: [B, T, H, K]; v: [B, T, HV, V] with HV a multiple of H (GVA); g (log gate, ≤ 0), beta: [B, T, HV];
     scale: default K^-0.5; initial_state: [N, HV, K, V] (fp32; N = B, or the number of sequences with
@@ -98,11 +128,22 @@ def chunk_gated_delta_rule(
     forward and backward) for bf16 inputs; "auto" is `dot`'s, "tf32" costs ~+28% forward+backward time for less
     rounding in the state. dot: auto | bf16 | tf32, the other chunk kernels' dots for bf16 inputs ("auto": bf16;
     "tf32" for every dot costs ~+36%; common/precision.py). fp32 and fp16 inputs ignore both.
+    fla's keywords (keyword-only), with fla's meaning:
+      use_gate_in_kernel: g is the raw a [B, T, HV] of Qwen3-Next's gate g = −exp(A_log) softplus(a + dt_bias),
+        computed inside (gate.py); A_log (required) and dt_bias (optional): HV values each, ignored without it.
+      use_beta_sigmoid_in_kernel: beta holds logits, β = sigmoid(beta) (2·sigmoid(beta) with allow_neg_eigval,
+        which needs it).
+      state_v_first: initial_state and the final state are [N, HV, V, K] (inference engines' layout);
+        transpose_state_layout is its deprecated name.
+      chunk_size: 16, 32 or 64 (the default, the one the kernels are tuned and timed at).
     Returns o [B, T, HV, V] in v's dtype and the final state [N, HV, K, V] fp32 (None unless output_final_state).
     """
     check_recurrence_dot(recurrence_dot)
     check_dot(dot)
-    _, _, scale = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    state_v_first = resolve_state_v_first(state_v_first, transpose_state_layout)
+    chunk_size = check_chunk_size(chunk_size)
+    _, _, scale = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+    pre = check_preprocess(g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     if not 16 <= q.shape[-1] <= 256 or v.shape[-1] < 16:
         raise ValueError(f"the chunked kernels need 16 <= K <= 256 and V >= 16 (tl.dot tiles), got "
                          f"K={q.shape[-1]} (q/k) and V={v.shape[-1]} (v)")
@@ -111,12 +152,26 @@ def chunk_gated_delta_rule(
         # naive recurrence computes exactly this function in float64.
         from rltrain_kernels.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 
-        return naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                cu_seqlens, use_qk_l2norm_in_kernel)
-    if initial_state is not None and initial_state.dtype != torch.float32:
-        initial_state = initial_state.float()
+        return naive_recurrent_gated_delta_rule(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            state_v_first=state_v_first)
+    if initial_state is not None:
+        if state_v_first:  # a transposed view: the state pass reads it densely (contiguous) as [N, HV, K, V]
+            initial_state = initial_state.transpose(-1, -2)
+        if initial_state.dtype != torch.float32:
+            initial_state = initial_state.float()
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    return ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                             cu_seqlens, op_dot_precision(q.dtype, dot),
-                                             recurrence_dot_precision(q.dtype, recurrence_dot, dot))
+    if pre.beta_scale:
+        beta = torch.sigmoid(beta.float())
+        if pre.beta_scale != 1.0:
+            beta = beta * pre.beta_scale
+    A_log, dt_bias = pre.gate or (None, None)
+    o, final_state = ChunkGatedDeltaRuleFunction.apply(
+        q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
+        op_dot_precision(q.dtype, dot), recurrence_dot_precision(q.dtype, recurrence_dot, dot))
+    if state_v_first and final_state is not None:
+        final_state = final_state.transpose(-1, -2).contiguous()
+    return o, final_state

@@ -1,7 +1,7 @@
 """Chunked gated delta rule, backward: recompute the chunk states S and δ (from the stored T); run the reverse state
 pass (dS per chunk, dδ, dh0; it forms wᵀ dδ from T too, common/state_pass.py); the per-chunk pass below (dq, dk, dw,
-dG); the WY backward (dk, dv, dβ, dG); the reverse chunk-local cumsum dG → dg; and sum dq, dk over each GVA group
-of value heads.
+dG); the WY backward (dk, dv, dβ, dG); the reverse chunk-local cumsum dG → dg (with the gate's derivative when the
+op made g from a raw a: gate.py); and sum dq, dk over each GVA group of value heads.
 
 Per chunk, with S the chunk-start state, dS' the gradient of the chunk-end state, P_ij = scale q_iᵀk_j e^{G_i−G_j}
 (j ≤ i) and γ = exp(G), γ_L its last entry:
@@ -31,6 +31,7 @@ from ..common.precision import (
 )
 from ..common.scratch import scratch_tiles, transpose_via_scratch
 from ..common.wy_bwd import gated_wy_bwd
+from .gate import gate_bwd
 
 
 # Value columns per step of chunk_dqkwg_kernel's loop when its dots take 16-bit operands (bf16 inputs); 32 with fp32
@@ -136,9 +137,11 @@ def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout
 
 
 def chunk_gated_delta_rule_bwd(q, k, v, beta, scale: float, initial_state, G, Ai, do, dht, layout: ChunkLayout,
-                               query_stride: int = 1, *, dot_prec: str, recurrence_prec: str):
+                               query_stride: int = 1, gate=None, *, dot_prec: str, recurrence_prec: str):
     """Flattened inputs (as chunk_gated_delta_rule_fwd) and the saved G, Ai → (dq [tokens, H, K], dk, dv
-    [tokens, HV, V], dg [tokens, HV], dbeta [tokens, HV], dh0 or None). dv and dbeta come in v's and beta's dtype,
+    [tokens, HV, V], dg [tokens, HV], dbeta [tokens, HV], dh0 or None, gate_grads). gate: (a [tokens, HV], A_log,
+    dt_bias or None) when the forward made g from the raw a (gate.py): dg is then a's gradient and gate_grads
+    (dA_log, ddt_bias or None), else None. dv and dbeta come in v's and beta's dtype,
     dq and dk in q's and k's unless value heads share them (GVA: summed in fp32, returned fp32), written so by the
     kernels (no cast afterwards); dg and dh0 fp32. query_stride NH > 1 (the gated delta product): q, do and dq hold
     only the query of every NH-th row, the others being zero (common/state_pass.py). dot_prec, recurrence_prec: the
@@ -154,8 +157,11 @@ def chunk_gated_delta_rule_bwd(q, k, v, beta, scale: float, initial_state, G, Ai
                                  dot_prec=dot_prec, recurrence_prec=recurrence_prec)
     dk, dv, dbeta = gated_wy_bwd(k, v, beta, G, Ai, dw, dv_new, dk, dG, layout, dk_final=not gva,
                                  dot_prec=recurrence_prec)
-    dg = chunk_local_cumsum(dG, layout, reverse=True)
+    if gate is None:
+        dg, gate_grads = chunk_local_cumsum(dG, layout, reverse=True), None
+    else:
+        dg, *gate_grads = gate_bwd(dG, *gate, layout)
     if gva:  # value heads hv = h·(HV/H) + j share q/k head h
         dq = dq.view(dq.shape[0], H, HV // H, K).sum(2)
         dk = dk.view(TT, H, HV // H, K).sum(2)
-    return dq, dk, dv, dg, dbeta, dh0
+    return dq, dk, dv, dg, dbeta, dh0, gate_grads

@@ -17,6 +17,7 @@ from ..common.cumsum import chunk_local_cumsum
 from ..common.launch import launch
 from ..common.state_pass import chunk_states_fwd
 from ..common.precision import cast_for_store, mma, raw_precision
+from .gate import gate_chunk_cumsum
 
 CHUNK_SIZE = 64
 # (BK, BV) of the output pass, capped at K's and V's powers of two. bench_output_blocks.py (every BK, BV in 64, 128
@@ -84,12 +85,13 @@ def chunk_output_fwd(q, k, v_new, h, G, scale: float, layout: ChunkLayout, out_d
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool,
-                               layout: ChunkLayout, *, dot_prec: str, recurrence_prec: str):
+                               layout: ChunkLayout, gate=None, *, dot_prec: str, recurrence_prec: str):
     """Flattened inputs q, k [tokens, H, K], v [tokens, HV, V], g, beta [tokens, HV] (contiguous) →
     (o [tokens, HV, V] in v's dtype, final state or None, G fp32 chunk-local gate cumsum, Ai: the T matrices in
-    operand_dtype(k.dtype, recurrence_prec)). recurrence_prec: the WY and state-pass kernels' DOT_PREC
-    (common/precision.py recurrence_dot_precision); dot_prec: the output pass's (op_dot_precision)."""
-    G = chunk_local_cumsum(g, layout)
+    operand_dtype(k.dtype, recurrence_prec)). gate: (A_log, dt_bias or None) when g is the raw a of
+    g = −exp(A_log) softplus(a + dt_bias) (gate.py), else None. recurrence_prec: the WY and state-pass kernels'
+    DOT_PREC (common/precision.py recurrence_dot_precision); dot_prec: the output pass's (op_dot_precision)."""
+    G = chunk_local_cumsum(g, layout) if gate is None else gate_chunk_cumsum(g, *gate, layout)
     Ai, h, v_new, ht = chunk_states_fwd(k, v, beta, G, initial_state, output_final_state, layout,
                                         dot_prec=recurrence_prec)
     o = chunk_output_fwd(q, k, v_new, h, G, scale, layout, v.dtype, dot_prec=dot_prec)

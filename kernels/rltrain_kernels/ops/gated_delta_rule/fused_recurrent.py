@@ -4,6 +4,11 @@ the fp32 state tile in registers. Built for decoding (T = 1 with the cache state
 Backward: this path is forward-only by itself. When gradients are required, its autograd Function delegates the
 backward to the chunked kernels (`chunk.chunk_gated_delta_rule_bwd`), which compute the same maths; the forward
 values still come from this kernel. `recurrence_dot` is that backward's (the forward runs no dots).
+
+fla's keywords run inside the kernel, as fla's own does, so a decoding step reads the raw inputs and the cache state
+once: the gate −exp(A_log) softplus(a + dt_bias) (use_gate_in_kernel), β = sigmoid(beta) (·2 with allow_neg_eigval)
+and the state in the transposed layout [N, HV, V, K] (state_v_first: only the addresses change; the tile in
+registers stays [K, V]).
 """
 
 from __future__ import annotations
@@ -13,14 +18,16 @@ import triton
 import triton.language as tl
 
 from ..common.precision import check_dot, check_recurrence_dot, op_dot_precision, recurrence_dot_precision
-from .inputs import check_inputs
+from .gate import softplus
+from .inputs import check_inputs, check_preprocess, resolve_state_v_first
 
 
 @triton.jit
 def fused_recurrent_gated_delta_rule_fwd_kernel(
-    q, k, v, g, beta, o, h0, ht, cu_seqlens, scale,
+    q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, scale, beta_scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+    USE_GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, STATE_V_FIRST: tl.constexpr,
 ):
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences × heads on axis 0 (no 65535 limit)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -31,7 +38,15 @@ def fused_recurrent_gated_delta_rule_fwd_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     mask_k, mask_v = o_k < K, o_v < V
     mask_h = mask_k[:, None] & mask_v[None, :]
-    state_offset = (i_n * HV + i_hv).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    # The [BK, BV] register tile is S[k, v] either way; state_v_first stores S transposed ([V, K] per head).
+    if STATE_V_FIRST:
+        state_offset = (i_n * HV + i_hv).to(tl.int64) * K * V + o_v[None, :] * K + o_k[:, None]
+    else:
+        state_offset = (i_n * HV + i_hv).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    if USE_GATE:
+        b_neg_A = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+        if HAS_DT_BIAS:
+            b_dt_bias = tl.load(dt_bias + i_hv).to(tl.float32)
 
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
@@ -42,6 +57,12 @@ def fused_recurrent_gated_delta_rule_fwd_kernel(
         b_v = tl.load(v + (t * HV + i_hv) * V + o_v, mask=mask_v, other=0.0).to(tl.float32)
         b_g = tl.load(g + t * HV + i_hv).to(tl.float32)
         b_beta = tl.load(beta + t * HV + i_hv).to(tl.float32)
+        if USE_GATE:  # g holds the raw a: g = −exp(A_log) softplus(a + dt_bias)
+            if HAS_DT_BIAS:
+                b_g += b_dt_bias
+            b_g = b_neg_A * softplus(b_g)
+        if BETA_SIGMOID:  # beta holds logits
+            b_beta = beta_scale * tl.sigmoid(b_beta)
         if USE_QK_L2NORM:
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
@@ -56,8 +77,11 @@ def fused_recurrent_gated_delta_rule_fwd_kernel(
 
 
 def fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                         cu_seqlens, use_qk_l2norm_in_kernel):
-    """Host function: flatten the batch, launch one program per (V block, sequence × value head)."""
+                                         cu_seqlens, use_qk_l2norm_in_kernel, gate=None, beta_scale: float = 0.0,
+                                         state_v_first: bool = False):
+    """Host function: flatten the batch, launch one program per (V block, sequence × value head). gate: (A_log,
+    dt_bias or None) when g is the raw a; beta_scale: β = beta_scale·sigmoid(beta), or 0 for β = beta;
+    state_v_first: initial and final states [N, HV, V, K]."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     # No chunk layout needed here: only the sequence offsets (built on the device, no host sync, for decoding).
@@ -72,14 +96,18 @@ def fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state,
     # programs (16k at B=256, HV=16, V=128) to cover the GPU; untuned on the device, see the benchmark's sweep.
     BV = min(triton.next_power_of_2(V), 32)
     o = torch.empty(B, T, HV, V, dtype=v.dtype, device=v.device)
-    ht = torch.empty(N, HV, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
+    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    ht = torch.empty(state_shape, dtype=torch.float32, device=q.device) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
+    A_log, dt_bias = gate or (None, None)
     grid = (N * HV, triton.cdiv(V, BV))
     fused_recurrent_gated_delta_rule_fwd_kernel[grid](
-        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), o, h0, ht,
-        offsets, scale, H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+        None if A_log is None else A_log.contiguous(), None if dt_bias is None else dt_bias.contiguous(),
+        o, h0, ht, offsets, scale, float(beta_scale), H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
         USE_INITIAL_STATE=h0 is not None, STORE_FINAL_STATE=output_final_state,
-        USE_QK_L2NORM=use_qk_l2norm_in_kernel, num_warps=2,
+        USE_QK_L2NORM=use_qk_l2norm_in_kernel, USE_GATE=A_log is not None, HAS_DT_BIAS=dt_bias is not None,
+        BETA_SIGMOID=bool(beta_scale), STATE_V_FIRST=state_v_first, num_warps=2,
     )
     return o, ht
 
@@ -88,24 +116,27 @@ class FusedRecurrentGatedDeltaRuleFunction(torch.autograd.Function):
     """Forward through the recurrent kernel; backward through the chunked backward (same maths, recomputed)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
-                dot_prec, recurrence_prec):
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, cu_seqlens,
+                use_qk_l2norm, beta_scale, state_v_first, dot_prec, recurrence_prec):
+        gate = None if A_log is None else (A_log, dt_bias)
         o, ht = fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                     cu_seqlens, use_qk_l2norm)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
-        ctx.scale, ctx.use_qk_l2norm = scale, use_qk_l2norm
+                                                     cu_seqlens, use_qk_l2norm, gate, beta_scale, state_v_first)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+        ctx.scale, ctx.use_qk_l2norm, ctx.beta_scale, ctx.state_v_first = scale, use_qk_l2norm, beta_scale, \
+            state_v_first
         ctx.dot_prec, ctx.recurrence_prec = dot_prec, recurrence_prec
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        from .chunk import chunk_gated_delta_rule_bwd_with_l2norm
+        from .chunk import chunk_gated_delta_rule_bwd_recompute
 
-        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd_with_l2norm(
-            q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, ctx.use_qk_l2norm, do, dht,
-            dot_prec=ctx.dot_prec, recurrence_prec=ctx.recurrence_prec)
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None, None
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = chunk_gated_delta_rule_bwd_recompute(
+            q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do, dht, use_qk_l2norm=ctx.use_qk_l2norm,
+            gate=None if A_log is None else (A_log, dt_bias), beta_scale=ctx.beta_scale,
+            state_v_first=ctx.state_v_first, dot_prec=ctx.dot_prec, recurrence_prec=ctx.recurrence_prec)
+        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, None, dh0, None, None, None, None, None, None, None
 
 
 def fused_recurrent_gated_delta_rule(
@@ -121,19 +152,33 @@ def fused_recurrent_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     recurrence_dot: str = "auto",
     dot: str = "auto",
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    transpose_state_layout: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule, token by token in one kernel (decoding: T = 1 with the cache state in and out).
 
     Same arguments, layout and returns as `chunk_gated_delta_rule`: q, k [B, T, H, K]; v [B, T, HV, V];
     g, beta [B, T, HV]; initial_state [N, HV, K, V] fp32; cu_seqlens [N+1] with B = 1; recurrence_dot and dot (auto |
-    bf16 | tf32) for the backward, which runs the chunked kernels. Returns (o, final_state).
+    bf16 | tf32) for the backward, which runs the chunked kernels; fla's keywords use_gate_in_kernel (A_log,
+    dt_bias), use_beta_sigmoid_in_kernel (allow_neg_eigval) and state_v_first (transpose_state_layout), computed
+    inside the kernel. No chunk_size (as fla's). Returns (o, final_state).
     """
     check_recurrence_dot(recurrence_dot)
     check_dot(dot)
-    _, _, scale = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    state_v_first = resolve_state_v_first(state_v_first, transpose_state_layout)
+    _, _, scale = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+    pre = check_preprocess(g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     if initial_state is not None and initial_state.dtype != torch.float32:
         initial_state = initial_state.float()
-    return FusedRecurrentGatedDeltaRuleFunction.apply(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                      cu_seqlens, use_qk_l2norm_in_kernel,
+    A_log, dt_bias = pre.gate or (None, None)
+    return FusedRecurrentGatedDeltaRuleFunction.apply(q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
+                                                      output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                                                      pre.beta_scale, state_v_first,
                                                       op_dot_precision(q.dtype, dot),
                                                       recurrence_dot_precision(q.dtype, recurrence_dot, dot))

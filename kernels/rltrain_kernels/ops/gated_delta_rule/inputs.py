@@ -1,8 +1,13 @@
 """Argument checks and small shared helpers for the three gated delta rule entry points (naive, fused recurrent,
-chunked), so every entry point rejects the same bad inputs with the same messages naming the argument.
+chunked), so every entry point rejects the same bad inputs with the same messages naming the argument, and reads
+fla's keywords (use_gate_in_kernel with A_log / dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first
+and its deprecated name transpose_state_layout, chunk_size) the same way.
 """
 
 from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -17,8 +22,10 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> tuple[int, int, float]:
-    """Validate shapes/dtypes/devices; return (number of sequences N, GVA group size HV // H, scale)."""
+def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first: bool = False
+                 ) -> tuple[int, int, float]:
+    """Validate shapes/dtypes/devices; return (number of sequences N, GVA group size HV // H, scale). The initial
+    state is [N, HV, K, V], or [N, HV, V, K] with state_v_first."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -40,7 +47,10 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> tuple[in
         if t.shape != (B, T, HV):
             raise ValueError(f"{name} must be [B, T, HV] = {(B, T, HV)}, got {tuple(t.shape)}")
     N = check_packing(B, T, cu_seqlens)
-    check_initial_state(initial_state, (N, HV, K, v.shape[-1]), "[N, HV, K, V]", q.device)
+    if state_v_first:
+        check_initial_state(initial_state, (N, HV, v.shape[-1], K), "[N, HV, V, K] (state_v_first)", q.device)
+    else:
+        check_initial_state(initial_state, (N, HV, K, v.shape[-1]), "[N, HV, K, V]", q.device)
     if scale is None:
         scale = K ** -0.5
     return N, HV // H, float(scale)
@@ -52,3 +62,60 @@ def sequence_bounds(B: int, T: int, cu_seqlens) -> list[tuple[int, int]]:
         return [(b * T, (b + 1) * T) for b in range(B)]
     offsets = cu_seqlens.tolist()
     return list(zip(offsets[:-1], offsets[1:]))
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """What the ops do to g and beta before the recurrence (fla's keywords). gate: (A_log, dt_bias or None) when g
+    holds the raw a of g = −exp(A_log) softplus(a + dt_bias), else None (g is the log gate). beta_scale: 0 when beta
+    is β itself, else β = beta_scale · sigmoid(beta) (1, or 2 with allow_neg_eigval)."""
+
+    gate: tuple[torch.Tensor, torch.Tensor | None] | None
+    beta_scale: float
+
+
+def check_preprocess(g, use_gate_in_kernel: bool, A_log, dt_bias, use_beta_sigmoid_in_kernel: bool,
+                     allow_neg_eigval: bool) -> Preprocess:
+    """fla's rules: A_log is required with use_gate_in_kernel (HV elements, as dt_bias), and both are ignored without
+    it; allow_neg_eigval needs use_beta_sigmoid_in_kernel. g must already have passed check_inputs ([B, T, HV])."""
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (it makes β = "
+                         "2·sigmoid(beta))")
+    beta_scale = (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else 0.0
+    if not use_gate_in_kernel:
+        return Preprocess(None, beta_scale)
+    HV = g.shape[-1]
+    if A_log is None:
+        raise ValueError("use_gate_in_kernel=True needs A_log (the decay parameter, HV values): the gate is "
+                         "g = -exp(A_log) * softplus(g + dt_bias)")
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be a float tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        if t.numel() != HV:
+            raise ValueError(f"{name} must have HV={HV} elements (one per value head), got shape {tuple(t.shape)}")
+        if t.device != g.device:
+            raise ValueError(f"{name} is on {t.device} but g is on {g.device}")
+    return Preprocess((A_log, dt_bias), beta_scale)
+
+
+def resolve_state_v_first(state_v_first: bool, transpose_state_layout: bool | None) -> bool:
+    """state_v_first, or fla's deprecated name for it (a DeprecationWarning; both at once is an error, as in fla)."""
+    if transpose_state_layout is None:
+        return bool(state_v_first)
+    if state_v_first:
+        raise ValueError("pass state_v_first or its deprecated name transpose_state_layout, not both")
+    warnings.warn("transpose_state_layout is deprecated: it is called state_v_first", DeprecationWarning,
+                  stacklevel=3)
+    return bool(transpose_state_layout)
+
+
+# Chunk sizes the chunked kernels take: the solve works in 16-row blocks of a power-of-two chunk (common/wy.py).
+CHUNK_SIZES = (16, 32, 64)
+
+
+def check_chunk_size(chunk_size: int) -> int:
+    if chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
+    return int(chunk_size)

@@ -3,14 +3,28 @@
     S_t = exp(g_t) (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ,    o_t = S_tᵀ (scale · q_t)
 
 computed in fp32 (float64 when the inputs are float64, which the gradient tests use); differentiable through
-autograd. See README.md for the maths and the chunked form.
+autograd. See README.md for the maths and the chunked form. fla's keywords are read here too, in plain torch ops:
+use_gate_in_kernel (g holds the raw a of g = −exp(A_log) softplus(a + dt_bias), `naive_gdn_gate`),
+use_beta_sigmoid_in_kernel (β = sigmoid(beta), 2·sigmoid with allow_neg_eigval) and state_v_first (states stored
+[N, HV, V, K]).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from .inputs import check_inputs, l2norm, sequence_bounds
+from .inputs import check_inputs, check_preprocess, l2norm, resolve_state_v_first, sequence_bounds
+
+
+def naive_gdn_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """g = −exp(A_log) · softplus(a + dt_bias) over the last dim (value heads), in fp32 (float64 for float64 a):
+    Qwen3-Next's gate, which use_gate_in_kernel computes inside the ops."""
+    acc = torch.float64 if torch.float64 in (a.dtype, A_log.dtype) else torch.float32
+    x = a.to(acc)
+    if dt_bias is not None:
+        x = x + dt_bias.to(acc).reshape(-1)
+    return -A_log.to(acc).reshape(-1).exp() * F.softplus(x)
 
 
 def naive_recurrent_gated_delta_rule(
@@ -24,20 +38,39 @@ def naive_recurrent_gated_delta_rule(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    transpose_state_layout: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Reference gated delta rule.
 
     q, k: [B, T, H, K]; v: [B, T, HV, V] (HV a multiple of H: grouped value heads share q/k head hv // (HV/H));
     g (log-space gate, ≤ 0), beta: [B, T, HV]; initial_state: [N, HV, K, V]; cu_seqlens: [N+1] with B = 1.
+    fla's keywords (chunk_gated_delta_rule's docstring): with use_gate_in_kernel g is the raw a and A_log, dt_bias
+    [HV] make the gate; with use_beta_sigmoid_in_kernel beta holds logits; with state_v_first both states are
+    [N, HV, V, K].
     Returns o [B, T, HV, V] in v's dtype and the final state [N, HV, K, V] (fp32, or float64 for float64 inputs)
     when output_final_state, else None.
     """
-    N, group, scale = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    state_v_first = resolve_state_v_first(state_v_first, transpose_state_layout)
+    N, group, scale = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+    pre = check_preprocess(g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     acc = torch.float64 if v.dtype == torch.float64 else torch.float32
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
+    if pre.gate is not None:
+        g = naive_gdn_gate(g, *pre.gate)
+    if pre.beta_scale:
+        beta = pre.beta_scale * torch.sigmoid(beta.to(acc))
+    if state_v_first and initial_state is not None:
+        initial_state = initial_state.transpose(-1, -2)
     # Flatten the batch into one token axis and expand q/k to the value heads (GVA).
     qf = q.to(acc).reshape(B * T, H, K).repeat_interleave(group, dim=1) * scale
     kf = k.to(acc).reshape(B * T, H, K).repeat_interleave(group, dim=1)
@@ -58,4 +91,6 @@ def naive_recurrent_gated_delta_rule(
         finals.append(state)
     o = torch.stack(outputs, 0).reshape(B, T, HV, V).to(v.dtype) if outputs else v.new_zeros(B, T, HV, V)
     final_state = torch.stack(finals, 0) if output_final_state else None
+    if state_v_first and final_state is not None:
+        final_state = final_state.transpose(-1, -2).contiguous()
     return o, final_state

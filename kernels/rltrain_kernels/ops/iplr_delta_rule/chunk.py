@@ -14,6 +14,7 @@ from ..common.chunking import chunk_layout
 from ..common.precision import check_dot, iplr_dot_precision
 from .chunk_bwd import chunk_iplr_delta_rule_bwd
 from .chunk_fwd import CHUNK_SIZE, chunk_iplr_delta_rule_fwd
+from ..gated_delta_rule.inputs import check_chunk_size
 from .inputs import check_inputs
 
 
@@ -24,10 +25,10 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 class ChunkIPLRDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, dot_prec):
+    def forward(ctx, q, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, chunk_size, dot_prec):
         B, T, H, _ = q.shape
         V = v.shape[-1]
-        layout = chunk_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
+        layout = chunk_layout(B, T, cu_seqlens, chunk_size, q.device)
         o, ht, (Ai, Ak) = chunk_iplr_delta_rule_fwd(_flat(q), _flat(k), _flat(v), _flat(a), _flat(b), scale,
                                                     initial_state, output_final_state, layout, dot_prec=dot_prec)
         ctx.save_for_backward(q, k, v, a, b, initial_state, Ai, Ak)
@@ -41,7 +42,7 @@ class ChunkIPLRDeltaRuleFunction(torch.autograd.Function):
                                           initial_state, Ai, Ak, _flat(do), None if dht is None else dht.contiguous(),
                                           ctx.layout, dot_prec=ctx.dot_prec)
         dq, dk, dv, da, db = (g.view(x.shape) for g, x in zip(grads[:5], (q, k, v, a, b)))  # in their dtypes
-        return dq, dk, dv, da, db, None, grads[5], None, None, None
+        return dq, dk, dv, da, db, None, grads[5], None, None, None, None
 
 
 def chunk_iplr_delta_rule_bwd_recompute(q, k, v, a, b, scale, initial_state, cu_seqlens, do, dht, *, dot_prec: str):
@@ -79,9 +80,11 @@ def chunk_iplr_delta_rule(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     dot: str = "auto",
+    *,
+    chunk_size: int | None = CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """IPLR delta rule S_t = S_{t−1} + b_t (a_tᵀ S_{t−1}) + k_t v_tᵀ, o_t = S_tᵀ (scale q_t), chunked (chunk size
-    64), differentiable w.r.t. q, k, v, a, b and initial_state.
+    """IPLR delta rule S_t = S_{t−1} + b_t (a_tᵀ S_{t−1}) + k_t v_tᵀ, o_t = S_tᵀ (scale q_t), chunked (chunk_size
+    16, 32 or 64, the default; None means 64, as fla's keyword), differentiable w.r.t. q, k, v, a, b and initial_state.
 
     q, k, a, b: [B, T, H, K]; v: [B, T, H, V]; scale: default K^-0.5; initial_state: [N, H, K, V] (fp32; N = B,
     or the number of sequences with cu_seqlens); cu_seqlens: [N+1] int offsets of packed sequences with B = 1.
@@ -92,6 +95,7 @@ def chunk_iplr_delta_rule(
     Stable when b_t = λ_t a_t with λ_t ‖a_t‖² ∈ [−2, 0] (see README.md).
     """
     check_dot(dot)
+    chunk_size = check_chunk_size(CHUNK_SIZE if chunk_size is None else chunk_size)
     _, scale = check_inputs(q, k, v, a, b, scale, initial_state, cu_seqlens)
     _check_chunk_dims(q, v)
     if q.dtype == torch.float64:
@@ -103,4 +107,4 @@ def chunk_iplr_delta_rule(
     if initial_state is not None and initial_state.dtype != torch.float32:
         initial_state = initial_state.float()
     return ChunkIPLRDeltaRuleFunction.apply(q, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
-                                            iplr_dot_precision(q.dtype, dot))
+                                            chunk_size, iplr_dot_precision(q.dtype, dot))
