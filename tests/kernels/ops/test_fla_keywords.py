@@ -289,12 +289,12 @@ def test_chunk_and_fused_recurrent_agree(device):
 def check_state_v_first_exact(impl, kv, options, exact=True):
     """The [N, HV, V, K] call on h0ᵀ against the [N, HV, K, V] call on h0 (the same leaves otherwise): its output,
     its final state transposed and every gradient (dh0 transposed, the upstream dht transposed), bit for bit where
-    `exact`, else within fp32 rounding (1e-6: a misread layout is off by O(1))."""
+    `exact`, else within fp32 rounding (1e-6; bf16 outputs 1e-4: a misread layout is off by O(1))."""
     def same(a, b, name):
         if exact:
             assert torch.equal(a, b), f"{name} differs between the state layouts"
-        else:
-            assert_rel_close(a, b, threshold=1e-6, name=name)
+        else:   # bf16 outputs: an fp32 difference at rounding flips a few elements by one bf16 step
+            assert_rel_close(a, b, threshold=1e-6 if a.dtype == torch.float32 else 1e-4, name=name)
 
     vk = {name: t.detach().clone().requires_grad_() for name, t in kv.items()}
     vk["initial_state"] = kv["initial_state"].detach().transpose(-1, -2).contiguous().requires_grad_()
@@ -573,8 +573,9 @@ def test_fused_recurrent_decode_keywords_real_size(dtype, device):
     o_kv, ht_kv = call(fused_recurrent_gated_delta_rule,
                        dict(leaves, initial_state=leaves["initial_state"].transpose(-1, -2).contiguous()),
                        kv_options)
-    # other state addresses, possibly another register layout for the reductions: fp32 rounding apart at most
-    assert_rel_close(o, o_kv, threshold=1e-6, name="o, [K, V] state")
+    # other state addresses, possibly another register layout for the reductions: fp32 rounding apart at most (a
+    # bf16 output then differs by one bf16 step in a few elements: 2e-5 to 4e-5 seen on an H100)
+    assert_rel_close(o, o_kv, threshold=1e-6 if dtype == torch.float32 else 1e-4, name="o, [K, V] state")
     assert_rel_close(ht, ht_kv.transpose(-1, -2), threshold=1e-6, name="final_state, [K, V] state")
 
 
