@@ -99,7 +99,8 @@ def test_tool_calls_round_trip_through_the_tokenizer(tokenizer, tmp_path):
     assert loaded(text).input_ids == tokenizer(text).input_ids and loaded.chat_template == tokenizer.chat_template
     # JSON outside the calculator's words still encodes, a character at a time
     other = '{"name": "python", "x": {}}'
-    assert tokenizer.decode(tokenizer(other).input_ids) == other and tokenizer.unk_token_id not in tokenizer(other).input_ids
+    encoded = tokenizer(other).input_ids
+    assert tokenizer.decode(encoded) == other and tokenizer.unk_token_id not in encoded
 
 
 def test_default_vocabulary_keeps_its_ids(tokenizer):
@@ -121,7 +122,8 @@ def test_chat_template_hands_over_the_calculator_and_renders_tool_turns(tokenize
     assert tokenizer.decode(turn) == "<tool_response>1665</tool_response>" == \
         tokenizer.decode(tool_task.tool_turn_ids(tokenizer, "1665"))
     messages = [{"role": "user", "content": "37*45="}, assistant_message(parse_hermes(CALL)),
-                tool_message(ToolResult("calculator", "1665", call_id="call_0")), {"role": "assistant", "content": "1665"}]
+                tool_message(ToolResult("calculator", "1665", call_id="call_0")),
+                {"role": "assistant", "content": "1665"}]
     assert tokenizer.apply_chat_template(messages, tokenize=False) == \
         f"37*45={CALL}<tool_response>1665</tool_response>1665"  # the episode renders back as the model wrote it
 
