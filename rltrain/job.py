@@ -109,6 +109,13 @@ class JobConfig:
                 "algorithm.old_logprobs=actor and algorithm.loss.decoupled=false (its episodes carry no rollout "
                 "log-probs); use rollout.engine=vllm for off-policy multi-turn runs", True)
 
+        # the embedded tool task's episodes need the calculator (its preset, config/task/tool_arithmetic.yaml, sets it)
+        multi_turn = self.rollout.multi_turn
+        require(not self.data.task.uses_tools or multi_turn.enabled and any(
+            spec.builtin == "calculator" for spec in multi_turn.tool_specs()), "data.task.kind", "'tool_arithmetic' "
+            "runs as multi-turn episodes with the calculator tool: select the preset task=tool_arithmetic, or set "
+            "rollout.multi_turn.enabled=true and rollout.multi_turn.tools=[{builtin: calculator}]", self.data.task.kind)
+
     @property
     def rollout_reports_logprobs(self) -> bool:
         """Whether the rollout engines must report the sampled tokens' log-probs (vllm always does; the hf engine

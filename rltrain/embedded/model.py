@@ -14,7 +14,9 @@ The warm start trains on the task's training prompts and answers until its greed
 training problems reaches `warmstart_target_accuracy` (checked every `warmstart_eval_every` steps), so RL starts
 from a model that is right about that often, whatever the seed: supervised learning on this task improves in
 sudden jumps, so a fixed step count gives starting points from 10% to 80% across seeds. The result is saved in HF format under
-`<output_dir>/warmstart/<hash>` and reused by later runs with the same settings.
+`<output_dir>/warmstart/<hash>` and reused by later runs with the same settings. The tool task
+(data.task.kind=tool_arithmetic) warm-starts on the examples of rltrain/embedded/tool_task.py instead, with the
+tokenizer's tool vocabulary, and its accuracy is that of episodes made to open with a calculator call.
 """
 
 from __future__ import annotations
@@ -122,27 +124,38 @@ def greedy_accuracy(model, tokenizer, rows: list[PromptRow]) -> float:
     return sum(arithmetic_reward(r.data_source, a, r.ground_truth) for a, r in zip(answers, rows)) / len(rows)
 
 
-def warm_start(model, tokenizer, rows: list[PromptRow], config: EmbeddedModelConfig, seed: int) -> float:
+def warm_start(model, tokenizer, rows: list[PromptRow], config: EmbeddedModelConfig, seed: int,
+               tools: bool = False) -> float:
     """Supervised training on prompt -> answer, in place, until the target accuracy (on 128 training problems)
-    or the step limit; returns the last measured accuracy."""
+    or the step limit; returns the last measured accuracy. `tools` (the tool task): the examples and the accuracy
+    of rltrain/embedded/tool_task.py instead (demonstrated calculator episodes, forced-call accuracy)."""
+    from rltrain.embedded import tool_task
+
     rng = random.Random(seed)
     probe = rng.sample(rows, min(128, len(rows)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.warmstart_lr, weight_decay=0.0)
+    measure, what = (tool_task.forced_call_accuracy, "forced-call accuracy") if tools else \
+        (greedy_accuracy, "greedy accuracy")
     accuracy = 0.0
     for step in range(1, config.warmstart_steps + 1):
         model.train()
-        ids, mask, labels = _sft_batch(rng.sample(rows, min(config.warmstart_batch_size, len(rows))), tokenizer)
+        sample = rng.sample(rows, min(config.warmstart_batch_size, len(rows)))
+        ids, mask, labels = tool_task.sft_batch(sample, tokenizer, rng) if tools else _sft_batch(sample, tokenizer)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         if step % config.warmstart_eval_every == 0 or step == config.warmstart_steps:
             model.eval()
-            accuracy = greedy_accuracy(model, tokenizer, probe)
-            logger.info("warm start step %d: loss %.3f, greedy accuracy %.2f (target %.2f)", step, loss.item(),
+            accuracy = measure(model, tokenizer, probe)
+            logger.info("warm start step %d: loss %.3f, %s %.2f (target %.2f)", step, loss.item(), what,
                         accuracy, config.warmstart_target_accuracy)
             if accuracy >= config.warmstart_target_accuracy:
                 break
+    if tools:
+        model.eval()
+        logger.info("warm start done: the model opens a calculator call with probability %.3f",
+                    tool_task.call_probability(model, tokenizer, probe))
     return accuracy
 
 
@@ -156,11 +169,11 @@ def embedded_policy_dir(output_dir: str, config: EmbeddedModelConfig, task_confi
     if (target / "config.json").is_file():
         logger.info("reusing the warm-started embedded model at %s", target)
         return target
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_char_tokenizer(tools=task_config.uses_tools)
     model = build_model(config, tokenizer, seed)
     train_rows, _ = make_rows(task_config)
     logger.info("warm-starting the embedded model (%d steps) -> %s", config.warmstart_steps, target)
-    warm_start(model, tokenizer, train_rows, config, seed)
+    warm_start(model, tokenizer, train_rows, config, seed, tools=task_config.uses_tools)
     tmp = target.with_name(target.name + ".tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

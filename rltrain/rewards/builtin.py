@@ -4,6 +4,8 @@
   the ground truth (numerically when both parse as numbers, else as normalised strings). 1.0 or 0.0.
 - `arithmetic`: the embedded task's scorer: the response's text up to the first newline or end-of-text must be the
   ground-truth integer.
+- `tool_arithmetic`: the embedded tool task's scorer: the same check on the final answer, the text after the last
+  `</tool_response>` (the whole response when no tool was called).
 - `default`: picks by `data_source` (known sources below), falling back to `math`.
 """
 
@@ -71,8 +73,14 @@ def arithmetic_reward(data_source, solution_str, ground_truth, extra_info=None) 
     return float(answer == str(ground_truth).strip())
 
 
+@BUILTIN_REWARDS.register("tool_arithmetic")
+def tool_arithmetic_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    return arithmetic_reward(data_source, solution_str.rpartition("</tool_response>")[2], ground_truth)
+
+
 DATA_SOURCE_REWARDS = {
     "rltrain/arithmetic": "arithmetic",
+    "rltrain/tool_arithmetic": "tool_arithmetic",
     "openai/gsm8k": "math",
     "lighteval/MATH": "math",
     "DigitalLearningGmbH/MATH-lighteval": "math",
