@@ -29,6 +29,9 @@ from rltrain.tools.base import ToolCall, ToolResult, check_arguments
 from rltrain.tools.loader import TOOLS_KEY, ToolSpec, load_tools
 
 logger = logging.getLogger(__name__)
+# distinct failure messages logged per (tool, status): a model's malformed calls all differ (each message quotes the
+# call), so a per-message filter alone logged hundreds of lines a run; the counts are in tool/* either way
+LOGGED_PER_KIND = 5
 START_TIMEOUT_S = 60.0   # a worker importing the tools (torch-heavy plug-ins) on a loaded node
 
 
@@ -100,7 +103,7 @@ class ToolPool:
         if "forkserver" in methods:  # process-wide, and only heeded if the server is not running yet
             self._ctx.set_forkserver_preload(["rltrain.tools.pool"])
         self._workers: list[_Worker] = []
-        self._logged: set[str] = set()
+        self._logged: dict[tuple[str, str], set[str]] = {}   # (tool, status) -> the failure messages logged
         self._counts = dict.fromkeys(("calls", "errors", "timeouts", "invalid_calls", "seconds"), 0.0)
 
     # -- the batched call ---------------------------------------------------------------------------------------
@@ -190,10 +193,13 @@ class ToolPool:
         if status != "ok":
             self._counts[{"error": "errors", "timeout": "timeouts", "invalid": "invalid_calls"}[status]] += 1
             content = truncate(f"Error: {content}", self.max_output_chars)
-            if content not in self._logged:
-                self._logged.add(content)
-                logger.warning("tool call %s(%s) -> %s: %s. Further identical failures are counted in tool/*, not "
-                               "logged.", call.name or "?", json.dumps(call.arguments)[:200], status, content)
+            logged = self._logged.setdefault((call.name, status), set())
+            if content not in logged and len(logged) < LOGGED_PER_KIND:
+                logged.add(content)
+                last = len(logged) == LOGGED_PER_KIND
+                logger.warning("tool call %s(%s) -> %s: %s.%s", call.name or "?", json.dumps(call.arguments)[:200],
+                               status, content, f" That is {LOGGED_PER_KIND} such failures of this tool: more are "
+                               "counted in tool/*, not logged." if last else "")
         return ToolResult(call.name, content, status, call.id, elapsed)
 
     # -- metrics and lifetime -----------------------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """ToolPool: results in order, captured exceptions, output cap, timeouts that kill only the stuck worker, a worker
 dying mid-call (os._exit), malformed and unknown calls answered without running, concurrency, and the counters."""
 
+import logging
 import textwrap
 import time
 
 import pytest
 
 from rltrain.tools import ToolCall, ToolPool
+from rltrain.tools.pool import LOGGED_PER_KIND
 
 TOOLS = '''
 import os, time
@@ -126,3 +128,15 @@ def test_bad_settings_and_tools_fail_at_construction(tmp_path):
         ToolPool([{"builtin": "calculator"}], timeout_s=0)
     with pytest.raises(ValueError, match=r"rollout.multi_turn.tools\[0\].builtin: unknown built-in tool 'calc'"):
         ToolPool([{"builtin": "calc"}])
+
+
+def test_failures_are_logged_a_few_times_per_tool_and_status(caplog):
+    """Each malformed call's message differs (it quotes the call): a handful per tool and status reach the log, the
+    rest only the counts."""
+    with ToolPool([{"builtin": "calculator"}], num_workers=1) as pool, caplog.at_level(logging.WARNING):
+        pool.call_many([ToolCall("calculator", {"expression": i}) for i in range(20)])    # invalid, 20 messages
+        pool.call_many([ToolCall("", error=f"the tool call is not valid JSON (#{i})") for i in range(3)])
+        assert pool.pop_metrics()["tool/invalid_calls"] == 23
+    warnings = [r.getMessage() for r in caplog.records if r.name == "rltrain.tools.pool"]
+    assert len(warnings) == LOGGED_PER_KIND + 3, warnings
+    assert sum("more are counted in tool/*" in w for w in warnings) == 1
