@@ -66,7 +66,9 @@ class Tracker:
             n = record.get("val/n", 1)
             passed = f" pass@{n} {record[f'val/pass@{n}']:.3f}" if n > 1 and f"val/pass@{n}" in record else ""
             samples = f" × {n}" if n > 1 else ""
-            print(f"[val  step {step:>4}] reward {record.get('val/reward_mean', float('nan')):.3f}{passed} "
+            calls = record.get("val/tool/calls_per_episode")
+            calls = "" if calls is None else f" calls {calls:.2f}"
+            print(f"[val  step {step:>4}] reward {record.get('val/reward_mean', float('nan')):.3f}{passed}{calls} "
                   f"({record.get('val/count', 0)} prompts{samples})", flush=True)
             return
         if self._first_step is None:
@@ -78,7 +80,8 @@ class Tracker:
         bar = "#" * filled + "." * (20 - filled)
         print(f"[train {step:>4}/{self.total_steps}] |{bar}| reward {record.get('train/reward_mean', 0):.3f} "
               f"kl {record.get('actor/ppo_kl', 0):+.4f} entropy {record.get('actor/entropy', 0):.3f} "
-              f"len {record.get('train/response_len_mean', 0):.1f} | {per_step:.1f} s/step, ETA {eta:.0f} s"
+              f"len {record.get('train/response_len_mean', 0):.1f}{tool_calls(record)} | {per_step:.1f} s/step, "
+              f"ETA {eta:.0f} s"
               f"{time_split(record)}", file=sys.stdout, flush=True)
 
     def close(self) -> None:
@@ -86,6 +89,12 @@ class Tracker:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def tool_calls(record: dict) -> str:
+    """' calls 0.43' (tool calls per episode) in multi-turn runs, else ''."""
+    calls = record.get("tool/calls_per_episode")
+    return "" if calls is None else f" calls {calls:.2f}"
 
 
 def time_split(record: dict) -> str:

@@ -98,3 +98,14 @@ def test_missing_backend_package_names_the_key(tmp_path, monkeypatch):
 def test_unknown_backend(tmp_path):
     with pytest.raises(ValueError, match="trainer.logger: unknown logger 'mlflow'"):
         Tracker(["mlflow"], str(tmp_path), total_steps=1)
+
+
+def test_console_shows_tool_calls_in_multi_turn_runs(tmp_path, capsys):
+    tracker = Tracker(["console"], str(tmp_path), total_steps=4)
+    tracker.log({**TRAIN, "tool/calls_per_episode": 0.4321})
+    tracker.log({**VAL, "val/tool/calls_per_episode": 1.0})
+    tracker.log({**TRAIN, "step": 2})
+    lines = capsys.readouterr().out.splitlines()
+    assert " calls 0.43 |" in lines[0]
+    assert lines[1] == "[val  step    1] reward 0.400 calls 1.00 (10 prompts)"
+    assert "calls" not in lines[2]   # single-turn runs log no tool metrics
