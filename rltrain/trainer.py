@@ -381,7 +381,8 @@ class GRPOTrainer:
             warn_uncorrected(self.job)
             self.producer = RolloutProducer(self._produce, self.weight_push.load_snapshot,
                                             range(self.step + 1, job.total_steps + 1), self.step, job.mode,
-                                            job.max_staleness).start()
+                                            job.max_staleness)
+            self.producer.start()  # after the assignment: its first batch reads self.producer (rollout.partial)
         try:
             for step in range(self.step + 1, job.total_steps + 1):
                 self.tracker.log(self.train_step(step))

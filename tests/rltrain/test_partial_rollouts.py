@@ -232,8 +232,17 @@ def test_async_partial_trains_end_to_end_with_every_tokens_lag_within_k(tmp_path
                             "partial_segment_tokens": 1},
                    reward={"path": str(plugin), "name": "score"},
                    algorithm={"old_logprobs": "rollout", "rollout_correction": {"mode": "truncate", "high": 1.5}})
+    produced = {}
     try:
         trainer = GRPOTrainer(job)
+        produce = trainer._produce
+
+        def recorded(step):  # each batch's token versions as the producer hands it over
+            item = produce(step)
+            produced[step] = (item.batch["token_versions"].clone(), item.batch["response_mask"].clone())
+            return item
+
+        trainer._produce = recorded
         try:
             result = trainer.fit()
         finally:
@@ -248,3 +257,12 @@ def test_async_partial_trains_end_to_end_with_every_tokens_lag_within_k(tmp_path
         assert 0 <= record["rollout/version_lag_mean"] <= record["rollout/version_lag_max"] <= k, record
         assert record["actor/grad_norm"] > 0
     assert train[0]["rollout/version_lag_max"] == 0
+    interrupted = 0
+    for record in train:  # the logged lags are over tokens: the producer's token_versions give them back
+        versions, mask = produced[record["step"]]
+        lags = (record["step"] - 1 - versions[mask.bool()]).double()
+        assert record["rollout/version_lag_mean"] == pytest.approx(float(lags.mean()))
+        assert record["rollout/version_lag_max"] == float(lags.max())
+        spread = torch.where(mask.bool(), versions, -1).amax(1) - oldest_versions(versions, mask)
+        interrupted += int((spread > 0).sum())
+    print(f"responses continued on newer weights: {interrupted}")
