@@ -29,6 +29,7 @@ from rltrain.embedded.model import embedded_policy_dir
 from rltrain.embedded.task import make_rows
 from rltrain.trainer import GRPOTrainer
 from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.batch import concat_batches
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from tests.rltrain.tiny_job import tiny_job
 
@@ -134,6 +135,16 @@ def test_the_producer_loads_the_newest_snapshot_between_segments():
     producer.stop()
     assert two.batch["token_versions"].tolist() == [[0, 1]] and two.batch["weight_version"].tolist() == [0]
     assert loaded == ["snapshot-1"] and two.seconds["weight_load"] == 0.5 and two.version == 0
+
+
+def test_dynamic_sampling_rounds_concatenate_token_versions_padded_with_zero():
+    def batch(width, version):
+        return TensorDict({"prompt_ids": torch.ones(1, 2, dtype=torch.long), "prompt_mask": torch.ones(1, 2),
+                           "response_ids": torch.ones(1, width, dtype=torch.long), "response_mask": torch.ones(1, width),
+                           "token_versions": torch.full((1, width), version)}, batch_size=[1])
+
+    both = concat_batches([batch(2, 3), batch(4, 5)])
+    assert both["token_versions"].tolist() == [[3, 3, 0, 0], [5, 5, 5, 5]]
 
 
 # ---------------------------------------------------------------- the hf engine, tiny embedded model
