@@ -167,8 +167,14 @@ class GRPOTrainer:
             if refresh is None:
                 batch = self.rollout.generate(ids, mask, n, temperature, seed)
             else:
+                def timed_refresh() -> int:  # its loads count as weight_load (the producer's), not as rollout
+                    start = time.monotonic()
+                    version = refresh()
+                    timer.add("rollout", start - time.monotonic())
+                    return version
+
                 rollout = self.job.rollout
-                batch = generate_in_segments(self.rollout.generate, refresh, ids, mask, n, temperature, seed,
+                batch = generate_in_segments(self.rollout.generate, timed_refresh, ids, mask, n, temperature, seed,
                                              rollout.max_new_tokens, rollout.partial_segment_tokens,
                                              self.tokenizer.pad_token_id)
         timer.count("rollout_tokens", batch["response_mask"].sum().item())

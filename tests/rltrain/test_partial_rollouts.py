@@ -267,6 +267,7 @@ def test_async_partial_trains_end_to_end_with_every_tokens_lag_within_k(tmp_path
     for record in train:  # the trainer's check_lag passed on every token; the logged numbers agree
         assert 0 <= record["rollout/version_lag_mean"] <= record["rollout/version_lag_max"] <= k, record
         assert record["actor/grad_norm"] > 0
+        assert record["time/rollout_s"] > 0 and record["time/weight_load_s"] >= 0  # loads between segments: the latter
     assert train[0]["rollout/version_lag_max"] == 0
     interrupted = 0
     for record in train:  # the logged lags are over tokens: the producer's token_versions give them back
