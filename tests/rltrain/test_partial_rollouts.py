@@ -140,7 +140,8 @@ def test_the_producer_loads_the_newest_snapshot_between_segments():
 def test_dynamic_sampling_rounds_concatenate_token_versions_padded_with_zero():
     def batch(width, version):
         return TensorDict({"prompt_ids": torch.ones(1, 2, dtype=torch.long), "prompt_mask": torch.ones(1, 2),
-                           "response_ids": torch.ones(1, width, dtype=torch.long), "response_mask": torch.ones(1, width),
+                           "response_ids": torch.ones(1, width, dtype=torch.long),
+                           "response_mask": torch.ones(1, width),
                            "token_versions": torch.full((1, width), version)}, batch_size=[1])
 
     both = concat_batches([batch(2, 3), batch(4, 5)])
@@ -228,7 +229,8 @@ def test_partial_config_errors_name_the_key(tmp_path, trainer, rollout, key):
 def test_partial_with_multi_turn_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout\.partial: cannot be combined with rollout\.multi_turn"):
         tiny_job(tmp_path, trainer={"mode": "async"},
-                 rollout={"partial": True, "placement": "separate", "multi_turn": {"enabled": True, "tools": [{"builtin": "calculator"}]}})
+                 rollout={"partial": True, "placement": "separate",
+                          "multi_turn": {"enabled": True, "tools": [{"builtin": "calculator"}]}})
 
 
 # ---------------------------------------------------------------- end to end
