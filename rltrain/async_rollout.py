@@ -17,6 +17,15 @@ the engine lock, which every generation holds too, so a push never races a gener
 under the same lock on the newest version (`with_weights`). The trainer checks every batch's lag against the mode's
 bound (`check_lag`) and logs rollout/version_lag_mean and _max; batch["weight_version"] holds each response's version.
 
+Partial rollouts (rollout.partial, async only). A batch is generated in segments of rollout.partial_segment_tokens
+new tokens (`generate_in_segments`); between two segments the producer loads the newest published version if the
+engines hold an older one (`RolloutProducer.refresh`, under the engine lock it already holds), and the unfinished
+responses continue from their prompt + the tokens so far on the new weights (the hf engine prefills that again).
+batch["token_versions"] [B, R] holds the version that sampled each token (0 past a response's end), and
+rollout_logprobs are each token's under that version: the behaviour policy the off-policy corrections need, token by
+token. weight_version is then a response's oldest token's version, which the bound k applies to (newer tokens lag
+less); the trainer checks every token's lag and logs rollout/version_lag_mean and _max over tokens.
+
 Checkpoints record the mode and the steps queued or in flight; a resumed run drops them (a log line says how many
 groups) and generates those steps again, from the same prompts (the checkpoint's sampler position is the last trained
 batch's), on the checkpoint's weights.
@@ -75,6 +84,66 @@ def warn_uncorrected(job) -> None:
                        staleness_bound(job.trainer.mode, job.trainer.max_staleness))
 
 
+def token_lags(mode: str, max_staleness: int, step: int, first_version: int, batch: TensorDict) -> torch.Tensor:
+    """The lags check_lag returns, per response (batch["weight_version"]), or with partial rollouts
+    (batch["token_versions"]) per response token, every token checked against the mode's bound."""
+    if "token_versions" not in batch.keys():
+        return check_lag(mode, max_staleness, step, first_version, batch["weight_version"])
+    return check_lag(mode, max_staleness, step, first_version,
+                     batch["token_versions"][batch["response_mask"].bool()])
+
+
+def oldest_versions(token_versions: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Each response's oldest token's version [B] (a response has at least one token)."""
+    big = torch.iinfo(torch.long).max
+    return torch.where(response_mask.bool(), token_versions.long(), big).amin(1)
+
+
+def generate_in_segments(generate: Callable[..., TensorDict], refresh: Callable[[], int], prompt_ids: torch.Tensor,
+                         prompt_mask: torch.Tensor, n: int, temperature: float, seed: int, max_new_tokens: int,
+                         segment_tokens: int, pad_token_id: int) -> TensorDict:
+    """A partial rollout: generate(ids, mask, n, temperature, seed, max_new_tokens) (RolloutReplicas.generate) in
+    segments of segment_tokens new tokens. Before every segment refresh() loads the newest weights if newer ones are
+    out and returns the version the engines hold; the unfinished responses (no <eos> yet, below max_new_tokens)
+    continue as one response each (n = 1) from prompt + tokens so far, seeded per segment. The batch is the engine's
+    fields plus token_versions [B, R] (0 past a response's end)."""
+    version = refresh()
+    first = generate(prompt_ids, prompt_mask, n, temperature, seed, min(segment_tokens, max_new_tokens))
+    rows = first.batch_size[0]
+    response = torch.full((rows, max_new_tokens), pad_token_id, dtype=first["response_ids"].dtype)
+    mask = torch.zeros((rows, max_new_tokens), dtype=first["response_mask"].dtype)
+    versions = torch.zeros((rows, max_new_tokens), dtype=torch.long)
+    logprobs = torch.zeros((rows, max_new_tokens)) if "rollout_logprobs" in first.keys() else None
+    truncated = first["truncated"].clone()
+    active, done, segment, out = torch.arange(rows), 0, 0, first
+    while True:
+        width = out["response_ids"].shape[1]
+        response[active, done:done + width] = out["response_ids"]
+        mask[active, done:done + width] = out["response_mask"]
+        versions[active, done:done + width] = version * out["response_mask"].long()
+        if logprobs is not None:
+            logprobs[active, done:done + width] = out["rollout_logprobs"].float()
+        truncated[active] = out["truncated"]
+        done += width
+        # still generating: no <eos> yet (an unfinished row got the segment's full width) and room left
+        active = active[out["truncated"]]
+        if done >= max_new_tokens or active.numel() == 0:
+            break
+        segment += 1
+        version = refresh()
+        ids = torch.cat([first["prompt_ids"][active], response[active, :done]], 1)
+        ids_mask = torch.cat([first["prompt_mask"][active], mask[active, :done].to(first["prompt_mask"].dtype)], 1)
+        out = generate(ids, ids_mask, 1, temperature, seed * 1_000_003 + segment,
+                       min(segment_tokens, max_new_tokens - done))
+    width = int(mask.sum(1).max()) if rows else 0
+    fields = {key: first[key] for key in ("prompt_ids", "prompt_mask", "group_ids")}
+    fields.update(response_ids=response[:, :width], response_mask=mask[:, :width], truncated=truncated,
+                  token_versions=versions[:, :width])
+    if logprobs is not None:
+        fields["rollout_logprobs"] = logprobs[:, :width]
+    return TensorDict(fields, batch_size=[rows])
+
+
 def lag_metrics(lags: torch.Tensor) -> dict[str, float]:
     return {"rollout/version_lag_mean": float(lags.double().mean()), "rollout/version_lag_max": float(lags.max())}
 
@@ -109,6 +178,7 @@ class ProducedBatch:
 class RolloutProducer:
     """Generates steps[0], steps[1], ... in order on a thread of its own. generate(step) -> ProducedBatch (the
     trainer's sampling, rollout and scoring of that step); load_weights(snapshot) -> seconds, into the engines.
+    generate may call refresh() between the segments of a partial rollout (the newest weights, loaded).
     The trainer calls publish(version, snapshot) after each update, take(step) for each step's batch,
     with_weights(version, fn) to run fn on the engines with that version loaded, and stop() at the end."""
 
@@ -125,6 +195,7 @@ class RolloutProducer:
         self._in_flight: int | None = None        # the step being generated, and the version it was given
         self._chosen: int | None = None
         self._error: BaseException | None = None
+        self._refresh_s = 0.0                     # seconds of the batch in flight's loads between segments
         self._stopping = self._finished = False
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
 
@@ -149,10 +220,15 @@ class RolloutProducer:
                     version = need if self.mode == "one_step_off" else self._published
                     self._in_flight, self._chosen = step, version
                 with self._engine:
+                    self._refresh_s = 0.0
                     load_s = self._ensure_loaded(version)
                     item = self.generate(step)
-                item.version, item.seconds["weight_load"] = version, load_s
-                item.batch["weight_version"] = torch.full((item.batch.batch_size[0],), version, dtype=torch.long)
+                item.version, item.seconds["weight_load"] = version, load_s + self._refresh_s
+                if "token_versions" in item.batch.keys():  # partial rollouts: a response's oldest token's version
+                    item.batch["weight_version"] = oldest_versions(item.batch["token_versions"],
+                                                                   item.batch["response_mask"])
+                else:
+                    item.batch["weight_version"] = torch.full((item.batch.batch_size[0],), version, dtype=torch.long)
                 with self._cond:
                     self._queue.append(item)
                     self._in_flight = self._chosen = None
@@ -176,6 +252,17 @@ class RolloutProducer:
         seconds = self.load_weights(snapshot)
         self._loaded = version
         return seconds
+
+    def refresh(self) -> int:
+        """Partial rollouts, between two segments of the producer's generation (on its thread, the engine lock held):
+        load the newest published version if the engines hold an older one; the version they hold."""
+        with self._cond:  # the snapshot is taken with the version: a publish meanwhile may prune it
+            newest = self._published
+            snapshot = self._snapshots[newest] if newest > self._loaded else None
+        if snapshot is not None:
+            self._refresh_s += self.load_weights(snapshot)
+            self._loaded = newest
+        return self._loaded
 
     def _prune(self, next_step: int) -> None:
         """Drop snapshots nobody will load: below what the next batch needs (one_step_off), or all but the newest

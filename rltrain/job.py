@@ -90,6 +90,11 @@ class JobConfig:
             require(device == "cuda", "actor.fsdp.cpu_offload", f"needs a CUDA device (trainer.device resolves to "
                     f"{device})")
         self._validate_rollout_layout(device, ranks)
+        # partial rollouts load newer weights between a batch's segments: only async's bound (on a response's oldest
+        # token) allows that; one_step_off promises exactly version t - 2, sync the weights the step starts from
+        require(not self.rollout.partial or self.trainer.mode == "async", "rollout.partial", "needs "
+                f"trainer.mode=async (a weight push interrupts the generations in flight; trainer.mode="
+                f"{self.trainer.mode} has no push during a generation)", self.rollout.partial)
         policy = delta_rule_policy(self.model) if self.rollout.engine == "vllm" else None
         require(policy is None, "rollout.engine", f"'vllm' cannot serve the delta-rule policy {policy}: vLLM 0.32 "
                 "runs hybrid models only through its own linear-attention layers and state cache (Mamba, Qwen3-Next's "

@@ -10,7 +10,9 @@ actor ran (perf/*; rltrain/perf.py).
 trainer.mode one_step_off / async hand the sampling, rollout and scoring to a RolloutProducer thread
 (rltrain/async_rollout.py) that runs while the actor trains; the step takes its batch from the producer's queue and
 publishes each update's weights to it instead of pushing them. Every response carries the weight version that
-sampled it (weight_version), logged as rollout/version_lag_mean and _max.
+sampled it (weight_version), logged as rollout/version_lag_mean and _max; with rollout.partial every token carries
+its own (token_versions: a push interrupts the generation in flight, which goes on with the new weights) and the
+lags are over tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from rltrain.algorithms.advantages import batch_advantages
 from rltrain.algorithms.dapo import collect_groups, mask_truncated, overlong_penalty
 from rltrain.algorithms.rollout_correction import apply_rollout_correction
 from rltrain.async_rollout import (
-    ProducedBatch, RolloutProducer, check_lag, dropped_on_resume, lag_metrics, warn_uncorrected,
+    ProducedBatch, RolloutProducer, dropped_on_resume, generate_in_segments, lag_metrics, token_lags,
+    warn_uncorrected,
 )
 from rltrain.config import ConfigError
 from rltrain.data.rows import load_rows
@@ -154,11 +157,26 @@ class GRPOTrainer:
         self.peak_flops = peak_flops(actor_device[1]) if actor_device else None
 
     # ---------------------------------------------------------------- one step
-    def _generate_and_score(self, rows, n: int, temperature: float, seed: int, timer: StepTimer | None = None):
+    def _generate_and_score(self, rows, n: int, temperature: float, seed: int, timer: StepTimer | None = None,
+                            refresh=None):
+        """refresh: rollout.partial's RolloutProducer.refresh (training batches): generate in segments, newer weights
+        loaded between them (rltrain/async_rollout.py)."""
         timer = timer or StepTimer()
         ids, mask = encode_prompts(rows, self.tokenizer, self.tools)
         with timer.phase("rollout"):
-            batch = self.rollout.generate(ids, mask, n, temperature, seed)
+            if refresh is None:
+                batch = self.rollout.generate(ids, mask, n, temperature, seed)
+            else:
+                def timed_refresh() -> int:  # its loads count as weight_load (the producer's), not as rollout
+                    start = time.monotonic()
+                    version = refresh()
+                    timer.add("rollout", start - time.monotonic())
+                    return version
+
+                rollout = self.job.rollout
+                batch = generate_in_segments(self.rollout.generate, timed_refresh, ids, mask, n, temperature, seed,
+                                             rollout.max_new_tokens, rollout.partial_segment_tokens,
+                                             self.tokenizer.pad_token_id)
         timer.count("rollout_tokens", batch["response_mask"].sum().item())
         response_rows = [row for row in rows for _ in range(n)]
         messages = batch.pop("messages").tolist() if "messages" in batch.keys() else None  # multi-turn episodes
@@ -175,12 +193,13 @@ class GRPOTrainer:
         job = self.job
         want, n = job.data.batch_size, job.rollout.n
         extras, errors = [], 0
+        refresh = self.producer.refresh if job.rollout.partial and self.producer is not None else None
 
         def generate_round(round_: int) -> TensorDict:
             nonlocal errors
             batch, round_extras, round_errors = self._generate_and_score(
                 self.sampler.next(want), n, job.rollout.temperature,
-                seed=job.trainer.seed * 1_000_003 + step * 101 + round_, timer=timer)
+                seed=job.trainer.seed * 1_000_003 + step * 101 + round_, timer=timer, refresh=refresh)
             extras.extend(round_extras)
             errors += round_errors
             return batch
@@ -215,8 +234,7 @@ class GRPOTrainer:
             batch["weight_version"] = torch.full((batch.batch_size[0],), step - 1, dtype=torch.long)
         else:
             batch, extras, errors, prompts_seen = self._take(step, timer)
-        lags = check_lag(job.trainer.mode, job.trainer.max_staleness, step, self.first_version,
-                         batch["weight_version"])
+        lags = token_lags(job.trainer.mode, job.trainer.max_staleness, step, self.first_version, batch)
         if batch.batch_size[0] == 0:
             logger.warning("step %d: dynamic sampling kept no group (all rewards equal in every group); skipped",
                            step)
@@ -369,7 +387,8 @@ class GRPOTrainer:
             warn_uncorrected(self.job)
             self.producer = RolloutProducer(self._produce, self.weight_push.load_snapshot,
                                             range(self.step + 1, job.total_steps + 1), self.step, job.mode,
-                                            job.max_staleness).start()
+                                            job.max_staleness)
+            self.producer.start()  # after the assignment: its first batch reads self.producer (rollout.partial)
         try:
             for step in range(self.step + 1, job.total_steps + 1):
                 self.tracker.log(self.train_step(step))

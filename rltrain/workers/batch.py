@@ -3,7 +3,8 @@
 Fields (B responses; P prompt width, left-padded; R response width, right-padded):
   prompt_ids [B,P], prompt_mask [B,P], response_ids [B,R], response_mask [B,R], group_ids [B], truncated [B],
   rewards [B], advantages [B,R], old_logprobs [B,R], ref_logprobs [B,R], rollout_logprobs [B,R] (engines that
-  report them), rollout_is_weights [B,R] (algorithm.rollout_correction).
+  report them), rollout_is_weights [B,R] (algorithm.rollout_correction), token_versions [B,R] (rollout.partial: the
+  weight version that sampled each token, 0 past the end; rltrain/async_rollout.py).
 Multi-turn rollouts (rltrain/workers/agent_loop.py) add [B] episode counts (turns, tool_calls, ...) and `messages`
 (non-tensor); their response_mask is 0 on tool tokens inside a response, which the model still reads.
 """
@@ -62,7 +63,8 @@ def concat_batches(batches: list[TensorDict]) -> TensorDict:
         fields["prompt_mask"] = torch.nn.functional.pad(b["prompt_mask"], (dp, 0))
         fields["response_ids"] = torch.nn.functional.pad(b["response_ids"], (0, dr))
         fields["response_mask"] = torch.nn.functional.pad(b["response_mask"], (0, dr))
-        if "rollout_logprobs" in fields:
-            fields["rollout_logprobs"] = torch.nn.functional.pad(b["rollout_logprobs"], (0, dr))
+        for key in ("rollout_logprobs", "token_versions"):
+            if key in fields:
+                fields[key] = torch.nn.functional.pad(b[key], (0, dr))
         padded.append(TensorDict(fields, batch_size=b.batch_size))
     return torch.cat(padded) if len(padded) > 1 else padded[0]

@@ -56,9 +56,17 @@ class RolloutConfig:
     replicas: int = 1              # CPU runs: rollout engines, each a process with its own CPU (GPU: set by the above)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # tool-using episodes: agent_loop.py
     placement: str = "colocated"   # colocated (share the actor's GPUs, take turns) | separate (devices of their own)
+    partial: bool = False          # trainer.mode=async: a weight push interrupts generations (rltrain/async_rollout.py)
+    partial_segment_tokens: int = 16  # partial: new tokens per segment; newer weights load between segments
 
     def validate(self):
         require(self.engine in ENGINES, "engine", f"must be one of {', '.join(ENGINES)}", self.engine)
+        require(self.partial_segment_tokens >= 1, "partial_segment_tokens", "must be >= 1",
+                self.partial_segment_tokens)
+        require(not self.partial or self.engine == "hf", "partial", "needs rollout.engine=hf (the segment loop "
+                "resumes through transformers' generate; vllm is not wired to it)", self.partial)
+        require(not (self.partial and self.multi_turn.enabled), "partial", "cannot be combined with "
+                "rollout.multi_turn.enabled (an episode's turns are not split into segments)", self.partial)
         # vllm: a turn that ends at a stop string has no <eos>, and tensor-parallel ranks would each call the tools
         # (an answer that differs between ranks, e.g. a timeout on one, would split their schedules)
         require(not (self.multi_turn.enabled and self.stop), "stop", "must be empty with rollout.multi_turn.enabled "
@@ -125,9 +133,12 @@ class RolloutWorker:
                                         config.max_new_tokens)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
-                 seed: int, first_prompt: int = 0) -> TensorDict:
+                 seed: int, first_prompt: int = 0, max_new_tokens: int | None = None) -> TensorDict:
         """n responses per prompt, grouped consecutively; group_ids[i] = index of the prompt (in this call).
-        first_prompt: where these prompts start in the step's batch (their seeds: response_seeds)."""
+        first_prompt: where these prompts start in the step's batch (their seeds: response_seeds). max_new_tokens:
+        this call's limit instead of rollout.max_new_tokens (a segment of a partial rollout; hf engine only)."""
+        if max_new_tokens is not None:
+            return self.engine.generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt, max_new_tokens)
         return (self.agent_loop or self.engine).generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt)
 
     def device_info(self):
@@ -204,7 +215,7 @@ class HFEngine:
         return dict(do_sample=False)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
-                 seed: int, first_prompt: int = 0) -> TensorDict:
+                 seed: int, first_prompt: int = 0, max_new_tokens: int | None = None) -> TensorDict:
         # one stream per call: the step's seed for the run from prompt 0 (what a single engine has always drawn, so
         # earlier runs resume and replay unchanged), the seed of its first response for a run further in
         torch.manual_seed(seed if first_prompt == 0 else int(response_seeds(seed, first_prompt * n, 1)))
@@ -215,7 +226,8 @@ class HFEngine:
         for start in range(0, prompt_ids.shape[0], self.config.micro_batch_size):
             ids = prompt_ids[start:start + self.config.micro_batch_size]
             mask = prompt_mask[start:start + self.config.micro_batch_size]
-            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.config.max_new_tokens,
+            out = self.model.generate(input_ids=ids, attention_mask=mask,
+                                      max_new_tokens=max_new_tokens or self.config.max_new_tokens,
                                       eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
                                       output_scores=report, return_dict_in_generate=True,
                                       **self.sampling(temperature))

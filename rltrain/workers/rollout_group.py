@@ -145,13 +145,14 @@ class RolloutReplicas:
         return ray.get([getattr(process, name).remote(*args) for process in self.processes])
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
-                 seed: int) -> TensorDict:
-        """n responses per prompt, grouped consecutively in prompt order; group_ids[i] = index of the prompt."""
-        calls = []
+                 seed: int, max_new_tokens: int | None = None) -> TensorDict:
+        """n responses per prompt, grouped consecutively in prompt order; group_ids[i] = index of the prompt.
+        max_new_tokens: this call's limit instead of rollout.max_new_tokens (a partial rollout's segment)."""
+        calls, limit = [], () if max_new_tokens is None else (max_new_tokens,)
         for (start, stop), processes in zip(split_prompts(prompt_ids.shape[0], len(self.replicas)), self.replicas):
             if stop > start:
                 ids, mask = prompt_ids[start:stop], prompt_mask[start:stop]
-                calls.append([p.generate.remote(ids, mask, n, temperature, seed, start) for p in processes])
+                calls.append([p.generate.remote(ids, mask, n, temperature, seed, start, *limit) for p in processes])
         results = ray.get([ref for refs in calls for ref in refs])  # submitted together: the replicas run at once
         per_replica = len(calls[0])
         batch = concat_batches(results[::per_replica])
