@@ -9,7 +9,8 @@ turn is then passed as
   - transposed: its two innermost dims of size > 1 stored swapped (the issue's
                 `h.transpose(-1, -2).contiguous().transpose(-1, -2)`: a [N, H, K, V] view of a [N, H, V, K] buffer),
   - offset:     sliced out of a larger poisoned buffer (storage offset 1, rows padded by 2: a cache's slot),
-and every output and every input gradient must match the contiguous call's (fp32: relative error ≤ 1e-5). Then the
+and every output and every input gradient must match (and an input the op writes in place, `updated`, must end up
+the same) the contiguous call's (fp32: relative error ≤ 1e-5). Then the
 gradients reaching every differentiable output are passed strided, transposed, offset and expanded (stride 0, as
 `.sum().backward()` hands them). A public function added without a case, or a tensor parameter no case passes,
 fails `test_every_public_op_has_a_layout_case`.
@@ -35,7 +36,7 @@ import rltrain_kernels.ops
 from tests.helpers import rel_error
 
 # Public functions that take no tensor: nothing to lay out.
-NO_TENSOR_ARGUMENTS = {"linear_logprobs.workspace_bytes", "policy_loss.workspace_bytes"}
+NO_TENSOR_ARGUMENTS = {"linear_logprobs.workspace_bytes", "policy_loss.workspace_bytes", "kl_div.workspace_bytes"}
 # Relative error allowed against the contiguous call. The same values in another layout give the same numbers up to
 # the order of a sum (a GEMM on a transposed weight may pick another kernel): fp32 rounding; a 16-bit result may
 # differ by an ulp (2^-8 for bf16) in some elements. A misread layout gives errors of 0.1-1 or NaN.
@@ -123,6 +124,7 @@ class Case:
     outputs: Callable = tuple
     variant: str = ""
     rejects: dict = field(default_factory=dict)
+    updated: tuple[str, ...] = ()   # inputs the op writes in place: fresh each call, compared as outputs
 
     @property
     def id(self) -> str:
@@ -305,6 +307,55 @@ def fused_moe_inputs(device, real):
                 top_k_index=index, top_k_weights=weights.to(dtype))
 
 
+def short_conv_inputs(device, real, packed=False):
+    """x [B, T, C] with bias, residual and an initial state [N, C, W - 1]; packed: one row of 3 sequences."""
+    B, T, C, W = (2, 300, 256, 4) if real else (2, 5, 3, 4)
+    B, N = (1, 3) if packed else (B, B)
+    dtype = torch.bfloat16 if real else torch.float32
+    inputs = dict(x=torch.randn(B, T, C, device=device), weight=torch.randn(C, W, device=device) / 2,
+                  bias=torch.randn(C, device=device), initial_state=torch.randn(N, C, W - 1, device=device))
+    if packed:
+        inputs["cu_seqlens"] = _cu_seqlens(T, N, device)
+    else:
+        inputs["residual"] = torch.randn(B, T, C, device=device)
+    return {name: t if name == "cu_seqlens" else t.to(dtype) for name, t in inputs.items()}
+
+
+def short_conv_update_inputs(device, real):
+    B, C, W = (64, 256, 4) if real else (2, 3, 4)
+    dtype = torch.bfloat16 if real else torch.float32
+    return {name: t.to(dtype) for name, t in dict(
+        x=torch.randn(B, C, device=device), conv_state=torch.randn(B, C, W - 1, device=device),
+        weight=torch.randn(C, W, device=device) / 2, bias=torch.randn(C, device=device)).items()}
+
+
+def l2norm_inputs(device, real):
+    return dict(x=torch.randn(2, 512, 8, 128, device=device) if real else torch.randn(2, 3, 16, device=device))
+
+
+def token_shift_inputs(device, real, packed=False):
+    """x [B, T, D] and a cache [N, D] (the last token before each sequence); packed: one row of 3 sequences."""
+    B, T, D = (2, 300, 256) if real else (2, 5, 3)
+    B, N = (1, 3) if packed else (B, B)
+    inputs = dict(x=torch.randn(B, T, D, device=device), cache=torch.randn(N, D, device=device))
+    if packed:
+        inputs["cu_seqlens"] = _cu_seqlens(T, N, device)
+    return inputs
+
+
+def kl_div_inputs(device, real):
+    """A student (H) and a teacher (H_t != H) over one vocabulary, logits of std ≈ 3; a few ignored labels."""
+    B, T, H, H_t, vocab = (2, 256, 512, 768, 8192 + 3) if real else (2, 3, 16, 24, 40)
+    dtype = torch.bfloat16 if real else torch.float32
+    labels = torch.randint(0, vocab, (B, T), device=device)
+    labels[0, 0] = -100
+    return dict(hidden=torch.randn(B, T, H, device=device).to(dtype),
+                weight=(torch.randn(vocab, H, device=device) * (3.0 / H ** 0.5)).to(dtype),
+                teacher_hidden=torch.randn(B, T, H_t, device=device).to(dtype),
+                teacher_weight=(torch.randn(vocab, H_t, device=device) * (3.0 / H_t ** 0.5)).to(dtype),
+                labels=labels)
+
+
 _DELTA_GRADS = ("q", "k", "v", "g", "beta", "initial_state")
 _STATE_OUT = dict(output_final_state=True)
 # fla's keywords: the gate and β computed inside (A_log and dt_bias get gradients too), and the [N, HV, V, K] states
@@ -358,6 +409,22 @@ CASES = [
     Case("rope.rotate_half", rotate_half_inputs, ("x",), outputs=lambda y: (y,)),
     *(Case(f"fused_moe.{fn}", fused_moe_inputs, ("hidden_states", "gate_up_proj", "down_proj", "top_k_weights"),
            outputs=lambda y: (y,)) for fn in ("fused_moe", "naive_fused_moe")),
+    *(Case(f"short_conv.{fn}", short_conv_inputs, ("x", "weight", "bias", "residual", "initial_state"),
+           dict(output_final_state=True, activation="silu")) for fn in ("short_conv", "naive_short_conv")),
+    *(Case(f"short_conv.{fn}", lambda device, real: short_conv_inputs(device, real, packed=True),
+           ("x", "weight", "bias", "initial_state"), dict(output_final_state=True), variant="packed")
+      for fn in ("short_conv", "naive_short_conv")),
+    # the update writes conv_state in place: the kernel runs when no gradient is asked for (the reference otherwise)
+    *(Case(f"short_conv.{fn}", short_conv_update_inputs, (), dict(activation="silu"), lambda y: (y,),
+           updated=("conv_state",)) for fn in ("short_conv_update", "naive_short_conv_update")),
+    *(Case(f"l2norm.{fn}", l2norm_inputs, ("x",), outputs=lambda y: (y,))
+      for fn in ("l2norm", "l2_norm", "naive_l2norm")),
+    *(Case(f"token_shift.{fn}", token_shift_inputs, ("x", "cache"), dict(output_cache=True))
+      for fn in ("token_shift", "naive_token_shift")),
+    *(Case(f"token_shift.{fn}", lambda device, real: token_shift_inputs(device, real, packed=True), ("x", "cache"),
+           dict(output_cache=True), variant="packed") for fn in ("token_shift", "naive_token_shift")),
+    *(Case(f"kl_div.{fn}", kl_div_inputs, ("hidden", "weight"), dict(reduction="none"), lambda y: (y,))
+      for fn in ("linear_kl_div", "naive_linear_kl_div")),
 ]
 
 
@@ -408,11 +475,18 @@ def test_every_public_op_has_a_layout_case():
 # The checks
 # ---------------------------------------------------------------------------------------------------------------
 
+def _fresh_copy(t: torch.Tensor) -> torch.Tensor:
+    """t in a copy of its storage, in the same layout (strides, offset): an in-place update leaves t alone."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage().clone(), t.storage_offset(),
+                                                               t.size(), t.stride())
+
+
 def _run(case: Case, inputs: dict, upstream: list | None = None):
     """(outputs, input gradients, upstream gradients) of one call on `inputs` (any layout): the gradients of
     case.grads after a backward of the differentiable outputs with `upstream` (fresh contiguous normals if None)."""
+    inputs = {name: _fresh_copy(t) if name in case.updated else t for name, t in inputs.items()}
     leaves = {name: t.detach().requires_grad_() if name in case.grads else t for name, t in inputs.items()}
-    outputs = case.outputs(case.function()(**leaves, **case.options))
+    outputs = (*case.outputs(case.function()(**leaves, **case.options)), *(inputs[name] for name in case.updated))
     differentiable = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
     if upstream is None:
         upstream = [torch.randn_like(o) for o in differentiable]

@@ -57,7 +57,9 @@ def test_packed_equals_rows(impl, loss_agg):
     expected, grad_h_rows, grad_w_rows = forward_backward(rows, "reference", loss_agg=loss_agg, **kl, **norm)
     packed, cu_seqlens = packed_from_rows(inputs, lengths)
     out, grad_h, grad_w = forward_backward(packed, impl, loss_agg=loss_agg, cu_seqlens=cu_seqlens, **kl, **norm)
-    assert_rel_close(out.loss, expected.loss, name="loss")
+    # the loss is one number that cancels towards 0 (advantages of both signs): fp32 rounding relative to 1 + |loss|
+    # (a relative bound failed at 1.2e-5 on seq-mean-token-sum with RLTRAIN_TEST_SEED=201196417)
+    assert abs(out.loss.item() - expected.loss.item()) <= 1e-5 * (1 + abs(expected.loss.item())), "loss"
     assert_rel_close(grad_w, grad_w_rows, name="grad_weight")
     repacked, _ = packed_from_rows({"hidden": grad_h_rows, "logprobs": expected.logprobs, "weight": None}, lengths)
     assert_rel_close(grad_h, repacked["hidden"], name="grad_hidden")

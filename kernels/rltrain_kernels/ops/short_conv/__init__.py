@@ -46,6 +46,7 @@ class ShortConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, residual, initial_state, output_final_state, activation, cu_seqlens):
         B, T, _ = x.shape
+        cu_seqlens = None if cu_seqlens is None else cu_seqlens.contiguous()  # the kernels read it densely
         N = check_packing(B, T, cu_seqlens, "tokens of x")
         seq_ids = sequence_ids(cu_seqlens, T) if cu_seqlens is not None else None
         x, weight = channel_rows(x), weight.contiguous()
@@ -158,4 +159,5 @@ def short_conv_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.T
     if grad or not _kernel_supported(x, weight, bias, conv_state):
         return naive_short_conv_update(x, conv_state, weight, bias, activation)
     rows = channel_rows(x.reshape(B, C))
+    bias = bias.contiguous() if bias is not None else None   # the kernel reads weight and bias densely
     return short_conv_update_forward(rows, conv_state, weight.contiguous(), bias, activation).reshape(x.shape)

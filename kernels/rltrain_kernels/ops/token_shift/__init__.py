@@ -34,6 +34,7 @@ class TokenShiftFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cu_seqlens, cache, output_cache):
         B, T, _ = x.shape
+        cu_seqlens = None if cu_seqlens is None else cu_seqlens.contiguous()  # the kernels read it densely
         N = check_packing(B, T, cu_seqlens, "tokens of x")
         seq_ids = sequence_ids(cu_seqlens, T) if cu_seqlens is not None else None
         out, cache_out = token_shift_forward(channel_rows(x), cu_seqlens, seq_ids,
