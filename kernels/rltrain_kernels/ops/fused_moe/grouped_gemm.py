@@ -60,6 +60,30 @@ def _grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _rows_dot(a_ptrs, b_ptrs, col_ok, ks, K, stride_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Σ_k a[:, k] · b[k, :] over K in BLOCK_K steps (fp32): a's rows along a_ptrs (unit K stride), b's K rows
+    stride_wk apart; loads past K (and b's columns outside col_ok) masked to 0 unless the shape is even."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b_ok = col_ok[None, :]
+        else:
+            k_ok = ks < K - k0
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b_ok = col_ok[None, :] & k_ok[:, None]
+        if EVEN_N and EVEN_K:
+            b = tl.load(b_ptrs)
+        else:
+            b = tl.load(b_ptrs, mask=b_ok, other=0.0)
+        acc = mma(a, b, acc, DOT_PREC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit
 def _up_swiglu_kernel(
     x_ptr, stride_x, w_ptr, stride_we, stride_wn, stride_wk,
     order_ptr, tile_expert_ptr, tile_row_ptr, expert_start_ptr,
@@ -135,22 +159,7 @@ def _scatter_gemm_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + tl.where(row_ok, rows, 0).to(tl.int64)[:, None] * stride_a + ks[None, :]
     b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b_ok = col_ok[None, :]
-        else:
-            k_ok = ks < K - k0
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b_ok = col_ok[None, :] & k_ok[:, None]
-        if EVEN_N and EVEN_K:
-            b = tl.load(b_ptrs)
-        else:
-            b = tl.load(b_ptrs, mask=b_ok, other=0.0)
-        acc = mma(a, b, acc, DOT_PREC)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_wk
+    acc = _rows_dot(a_ptrs, b_ptrs, col_ok, ks, K, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, DOT_PREC)
     flat = tl.load(order_ptr + rows, mask=row_ok, other=0)
     if SCALE:
         acc = acc * tl.load(weights_ptr + flat, mask=row_ok, other=0.0).to(tl.float32)[:, None]
@@ -180,22 +189,7 @@ def _down_backward_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = dy_ptr + (flat // TOP_K)[:, None] * stride_dy + ks[None, :]
     b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b_ok = col_ok[None, :]
-        else:
-            k_ok = ks < K - k0
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b_ok = col_ok[None, :] & k_ok[:, None]
-        if EVEN_N and EVEN_K:
-            b = tl.load(b_ptrs)
-        else:
-            b = tl.load(b_ptrs, mask=b_ok, other=0.0)
-        acc = mma(a, b, acc, DOT_PREC)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_wk
+    acc = _rows_dot(a_ptrs, b_ptrs, col_ok, ks, K, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, DOT_PREC)
     mask = row_ok[:, None] & col_ok[None, :]
     gu = gu_ptr + rows.to(tl.int64)[:, None] * (2 * N) + cols[None, :]
     g = tl.load(gu, mask=mask, other=0.0).to(tl.float32)
