@@ -17,10 +17,9 @@
 #   bash scripts/gpu_check.sh fsdp             # 2+ GPUs: FSDP2 over NCCL against one process (fp32, bf16, bf16 with
 #                                              # CPU offload), no Ray; needs the tensordict, pyvers, omegaconf,
 #                                              # hydra-core and antlr4 wheels in .whl/ (antlr4-python3-runtime 4.9.3
-#                                              # is an sdist only: `pip wheel` it here), and ray, whose wheel is too
-#                                              # big to carry to the lent machines (tests/rltrain/tiny_job.py imports
-#                                              # the job config, which imports rltrain.workers.group); there use
-#                                              # kernels/benchmarks/bench_multi_gpu.py, which needs no Ray
+#                                              # is an sdist only: `pip wheel` it here), and ray (the job config
+#                                              # imports rltrain.workers.group): its runtime travels as
+#                                              # .raysite/ray-site.tgz (kernels/benchmarks/README.md), unpacked here
 #
 # Logs go to $OUT (the device tool's return folder) or /tmp/gpu_check.
 set -uo pipefail
@@ -33,6 +32,10 @@ shift || true
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || { echo "installing the carried wheels failed"; exit 1; }
+    export PYTHONPATH=/tmp/site
+fi
+if [[ -f .raysite/ray-site.tgz ]]; then
+    mkdir -p /tmp/site && tar xzf .raysite/ray-site.tgz -C /tmp/site || { echo "unpacking Ray failed"; exit 1; }
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD/kernels:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
