@@ -9,11 +9,13 @@ Maths, per sequence (xx = [state, x], z = bias + Σ_w weight[w] · xx[p − (W �
     dbias      = Σ_p dz[p]
     dstate[i]  = Σ_w weight[w] · dz[i − w]                                                (+ d final[i − L], i ≥ L)
 
-The main kernel recomputes z at the W positions p .. p + W − 1 of each row from W shifted loads of x each (W² tile
-loads that hit L1 after the first pass over a tile), so a fwd+bwd reads x twice and dy once from DRAM and writes
-y and dx once: nothing but x is saved for backward, and no z or y is written and read back (fla's backward runs the
-convolution again to materialise z, then reads it W times). Each program walks a contiguous range of token blocks
-for its channels and keeps its dweight/dbias partials in registers; the host sums the [programs, C, W] partials.
+The main kernel recomputes z from x (nothing but x is saved for backward) once per position: each program walks
+its contiguous range of token blocks backwards, computes the block's dz (W shifted loads of x, one of dy, one
+sigmoid per element) and parks it in a small per-program scratch ([BT + BW, BD] fp32, L2-resident) whose rows
+BT .. BT + W − 2 still hold the first W − 1 rows of the block after it (the previous iteration's); the W shifted
+reads of that scratch give dx and dweight. So a fwd+bwd reads x twice and dy once from DRAM and writes y and dx
+once, and no z or dz goes through DRAM (fla's backward runs the convolution again to materialise z, then reads it W
+times). Each program keeps its dweight/dbias partials in registers; the host sums the [programs, C, W] partials.
 A second, small kernel handles what touches the initial state (first W − 1 positions of each sequence).
 """
 
@@ -25,16 +27,13 @@ import triton.language as tl
 
 from .kernel import BLOCK_D, load_tap, row_info, row_offset, state_rows
 
-# Tile of the main backward kernel: (BT tokens, BD channels, warps). It holds the W² + W shifted loads of a tile in
-# flight at once: registers per thread (Triton 3.6, sm_90, bf16 W = 4 with SiLU, without / with an initial state)
-# 16×128×4 193 / 219, 8×128×4 147, 32×128×4 255 with spills. bench_short_conv.py --sweep times others.
+# Tile of the main backward kernel: (BT tokens, BD channels, warps). BT ≥ W (the scratch holds one block's dz and
+# the W − 1 rows after it). bench_short_conv.py --sweep times others.
 BACKWARD_TILE = (16, 128, 4)
 # Programs per SM of the backward grid (channel blocks × token groups). Each program walks a long run of token
-# blocks, so the grid's last wave decides the tail: at 2 resident programs per SM (the default tile's registers),
-# 4 per SM would make 2.2 waves (the third 20% full, ~25% of the time idle), 16 per SM 8 waves. The token groups'
-# dweight partials stay small: [groups, C, W] fp32, 4.3 MB at C = 8192, W = 4, 33 groups on 132 SMs (0.3% of a
-# fwd+bwd's bytes at B4 T4096).
-PROGRAMS_PER_SM = 16
+# blocks, so the grid's last wave decides the tail; more programs per SM shorten it but add scratch
+# ([programs, BT + BW, BD] fp32: 10.8 MB at 132 SMs) and dweight partials ([groups, C, W] fp32).
+PROGRAMS_PER_SM = 8
 # Token groups under the CPU interpreter: 2, so the tests cover a program walking several blocks and a partial sum.
 INTERPRETER_GROUPS = 2
 
@@ -66,8 +65,8 @@ def _short_conv_bwd_kernel(
     state,
     dfinal,
     seq_ids, cu_seqlens,
-    dx, dw_partial, db_partial,
-    n_rows, T, C, blocks_per_program,
+    dx, dw_partial, db_partial, scratch,
+    n_rows, T, C, n_blocks, blocks_per_program,
     W: tl.constexpr,
     SILU: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -83,33 +82,56 @@ def _short_conv_bwd_kernel(
     i_d, i_g = tl.program_id(0), tl.program_id(1)
     cols = i_d * BD + tl.arange(0, BD)
     col_mask = cols < C
+    rows = tl.arange(0, BT)
     taps = tl.arange(0, BW)
+    # this program's scratch: rows 0 .. BT − 1 the current block's dz, rows BT .. BT + W − 2 the next block's first
+    sc = (scratch + (i_g * tl.num_programs(0) + i_d).to(tl.int64) * (BT + BW) * BD
+          + rows[:, None] * BD + tl.arange(0, BD)[None, :])
+    head = (rows < W - 1)[:, None]
+    first = i_g * blocks_per_program
+    last = tl.minimum(first + blocks_per_program, n_blocks) - 1
+    # the W − 1 rows after the range (the next program's; zero past the end or the sequence, masked on reading)
+    g = (last + 1) * BT + rows
+    valid, n, p, L, b, t = row_info(g, n_rows, T, seq_ids, cu_seqlens, IS_VARLEN)
+    dz = _dz_at(x, row_offset(b, t, stride_xb, stride_xt), stride_xt, dy, row_offset(b, t, stride_dyb, stride_dyt),
+                stride_dyt, 0, p, n, valid & (rows < W - 1), weight, bias, state, C, cols, col_mask, W, SILU,
+                HAS_BIAS, HAS_STATE)
+    tl.store(sc + BT * BD, dz, mask=head)
     dw_acc = tl.zeros([BW, BD], dtype=tl.float32)
     db_acc = tl.zeros([BD], dtype=tl.float32)
-    for i in range(0, blocks_per_program):
-        g = (i_g * blocks_per_program + i) * BT + tl.arange(0, BT)
+    for i in range(0, last - first + 1):
+        g = (last - i) * BT + rows
         valid, n, p, L, b, t = row_info(g, n_rows, T, seq_ids, cu_seqlens, IS_VARLEN)
         x_off = row_offset(b, t, stride_xb, stride_xt)
         dy_off = row_offset(b, t, stride_dyb, stride_dyt)
         mask = valid[:, None] & col_mask[None, :]
-        x0 = tl.load(x + x_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dz = _dz_at(x, x_off, stride_xt, dy, dy_off, stride_dyt, 0, p, n, valid, weight, bias, state, C, cols,
+                    col_mask, W, SILU, HAS_BIAS, HAS_STATE)
+        tl.debug_barrier()  # the previous iteration's reads of rows 0 .. BT − 1 are done
+        tl.store(sc, dz)
+        tl.debug_barrier()
+        if COMPUTE_DW:
+            x0 = tl.load(x + x_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dx_acc = tl.zeros([BT, BD], dtype=tl.float32)
         for s in tl.static_range(W):
-            dz = _dz_at(x, x_off, stride_xt, dy, dy_off, stride_dyt, s, p, n, valid & (p + s < L), weight, bias,
-                        state, C, cols, col_mask, W, SILU, HAS_BIAS, HAS_STATE)
+            if s == 0:
+                dzs = dz
+            else:  # dz at p + s of the same sequence; L2 only (.cg): the scratch was just written
+                dzs = tl.load(sc + s * BD, mask=(valid & (p + s < L))[:, None], other=0.0, cache_modifier=".cg")
             w_tap = tl.load(weight + cols * W + (W - 1 - s), mask=col_mask, other=0.0).to(tl.float32)
-            dx_acc += w_tap[None, :] * dz
+            dx_acc += w_tap[None, :] * dzs
             if COMPUTE_DW:
-                dw_acc += tl.where((taps == W - 1 - s)[:, None], tl.sum(dz * x0, 0)[None, :], 0.0)
-            if COMPUTE_DB:
-                if s == 0:
-                    db_acc += tl.sum(dz, 0)
+                dw_acc += tl.where((taps == W - 1 - s)[:, None], tl.sum(dzs * x0, 0)[None, :], 0.0)
+        if COMPUTE_DB:
+            db_acc += tl.sum(dz, 0)
         if HAS_DFINAL:
             j = p - L + (W - 1)  # the final-state column this input became
             dx_acc += tl.load(dfinal + (n.to(tl.int64) * C)[:, None] * (W - 1) + cols[None, :] * (W - 1)
                               + j[:, None], mask=(valid & (j >= 0))[:, None] & col_mask[None, :],
                               other=0.0).to(tl.float32)
         tl.store(dx + g.to(tl.int64)[:, None] * C + cols[None, :], dx_acc.to(dx.dtype.element_ty), mask=mask)
+        tl.debug_barrier()  # this block's shifted reads are done before its head becomes the next block's tail
+        tl.store(sc + BT * BD, dz, mask=head)
     if COMPUTE_DW:
         tl.store(dw_partial + i_g.to(tl.int64) * C * W + cols[None, :] * W + taps[:, None], dw_acc,
                  mask=(taps < W)[:, None] & col_mask[None, :])
@@ -210,7 +232,11 @@ def short_conv_backward(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.
     groups = _token_groups(n_blocks, channel_blocks, device)
     per_program = triton.cdiv(n_blocks, groups) if n_blocks else 0
     groups = triton.cdiv(n_blocks, per_program) if n_blocks else 1
+    if block_t < W:
+        raise ValueError(f"short_conv backward: the tile's BT ({block_t}) must be at least the kernel width W ({W})")
+    bw = triton.next_power_of_2(W)
     dx = torch.empty((B, T, C), dtype=x.dtype, device=device)
+    scratch = torch.empty((channel_blocks * groups, block_t + bw, block_d), dtype=torch.float32, device=device)
     dw_partial = torch.empty((groups, C, W), dtype=torch.float32, device=device) if compute_dw else None
     db_partial = torch.empty((groups, C), dtype=torch.float32, device=device) if compute_db else None
     common = dict(W=W, SILU=activation is not None, HAS_BIAS=bias is not None, HAS_DFINAL=dfinal is not None,
@@ -223,10 +249,10 @@ def short_conv_backward(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.
             state if state is not None else x,
             dfinal if dfinal is not None else x,
             seq_ids if seq_ids is not None else x, cu_seqlens if cu_seqlens is not None else x,
-            dx, dw_partial if compute_dw else x, db_partial if compute_db else x,
-            n_rows, T, C, per_program,
+            dx, dw_partial if compute_dw else x, db_partial if compute_db else x, scratch,
+            n_rows, T, C, n_blocks, per_program,
             HAS_STATE=state is not None, COMPUTE_DB=compute_db,
-            BT=block_t, BD=block_d, BW=triton.next_power_of_2(W), num_warps=num_warps, **common,
+            BT=block_t, BD=block_d, BW=bw, num_warps=num_warps, **common,
         )
     else:
         for partial in (dw_partial, db_partial):
