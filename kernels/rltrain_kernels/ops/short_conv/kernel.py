@@ -27,7 +27,7 @@ import triton.language as tl
 # kernel_bwd.BACKWARD_TILE.) bench_short_conv.py --sweep times others.
 FORWARD_TILE = (16, 128, 4)
 BLOCK_D = 128  # the small kernels' channels per program (final state, decode step, state gradients)
-# Widest kernel the kernels take (the backward unrolls W² shifted loads).
+# Widest kernel the kernels take (the backward unrolls W shifted loads of x and of its scratch).
 MAX_WIDTH = 8
 ACTIVATIONS = (None, "silu", "swish")
 
