@@ -20,7 +20,8 @@ bound (`check_lag`) and logs rollout/version_lag_mean and _max; batch["weight_ve
 Partial rollouts (rollout.partial, async only). A batch is generated in segments of rollout.partial_segment_tokens
 new tokens (`generate_in_segments`); between two segments the producer loads the newest published version if the
 engines hold an older one (`RolloutProducer.refresh`, under the engine lock it already holds), and the unfinished
-responses continue from their prompt + the tokens so far on the new weights (the hf engine prefills that again).
+responses continue from their prompt + the tokens so far on the new weights (prefilled again; vLLM's prefix
+cache spares that between segments with no push between them).
 batch["token_versions"] [B, R] holds the version that sampled each token (0 past a response's end), and
 rollout_logprobs are each token's under that version: the behaviour policy the off-policy corrections need, token by
 token. weight_version is then a response's oldest token's version, which the bound k applies to (newer tokens lag

@@ -63,8 +63,8 @@ class RolloutConfig:
         require(self.engine in ENGINES, "engine", f"must be one of {', '.join(ENGINES)}", self.engine)
         require(self.partial_segment_tokens >= 1, "partial_segment_tokens", "must be >= 1",
                 self.partial_segment_tokens)
-        require(not self.partial or self.engine == "hf", "partial", "needs rollout.engine=hf (the segment loop "
-                "resumes through transformers' generate; vllm is not wired to it)", self.partial)
+        require(not (self.partial and self.stop), "partial", "cannot be combined with rollout.stop (a stop string "
+                "could straddle two segments and go unseen)", self.partial)
         require(not (self.partial and self.multi_turn.enabled), "partial", "cannot be combined with "
                 "rollout.multi_turn.enabled (an episode's turns are not split into segments)", self.partial)
         # vllm: a turn that ends at a stop string has no <eos>, and tensor-parallel ranks would each call the tools
@@ -136,7 +136,7 @@ class RolloutWorker:
                  seed: int, first_prompt: int = 0, max_new_tokens: int | None = None) -> TensorDict:
         """n responses per prompt, grouped consecutively; group_ids[i] = index of the prompt (in this call).
         first_prompt: where these prompts start in the step's batch (their seeds: response_seeds). max_new_tokens:
-        this call's limit instead of rollout.max_new_tokens (a segment of a partial rollout; hf engine only)."""
+        this call's limit instead of rollout.max_new_tokens (a segment of a partial rollout)."""
         if max_new_tokens is not None:
             return self.engine.generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt, max_new_tokens)
         return (self.agent_loop or self.engine).generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt)

@@ -218,9 +218,10 @@ def test_partial_false_generates_in_one_call_without_token_versions(tiny):
 @pytest.mark.parametrize("trainer, rollout, key", [
     ({"mode": "sync"}, {}, "rollout.partial: needs trainer.mode=async"),
     ({"mode": "one_step_off"}, {"placement": "separate"}, "rollout.partial: needs trainer.mode=async"),
-    ({"mode": "async"}, {"engine": "vllm", "placement": "separate"}, "rollout.partial: needs rollout.engine=hf"),
+    ({"mode": "async"}, {"engine": "vllm", "placement": "separate", "stop": ["\n"]},
+     "rollout.partial: cannot be combined with rollout.stop"),
     ({"mode": "async"}, {"placement": "separate", "partial_segment_tokens": 0}, "rollout.partial_segment_tokens"),
-], ids=["sync", "one_step_off", "vllm", "segment-0"])
+], ids=["sync", "one_step_off", "stop", "segment-0"])
 def test_partial_config_errors_name_the_key(tmp_path, trainer, rollout, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         tiny_job(tmp_path, trainer=trainer, rollout={"partial": True, **rollout})
