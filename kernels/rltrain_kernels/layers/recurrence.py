@@ -88,17 +88,33 @@ def _final(state: torch.Tensor | None, N: int, HV: int, K: int, V: int, acc, dev
 
 def _delta_steps(q, k, v, g, beta, state):
     """The delta rule with n sub-steps per position, over rows. q [L, M, K] (scaled), k [L, n, M, K],
-    v [L, n, M, V], beta [L, n, M], g [L, M] or None, state [M, K, V] (M = N·HV) → (o [L, M, V], state)."""
+    v [L, n, M, V], beta [L, n, M], g [L, M] or None, state [M, K, V] (M = N·HV) → (o [L, M, V], state).
+
+    Per position, with α = e^g and S the state before it: sub-step j writes δ_j = β_j (v_j − k_jᵀ S_{j−1}), where
+    k_jᵀ S_{j−1} = α k_jᵀ S + Σ_{i<j} (k_j·k_i) δ_i; then S' = α S + Σ_j k_j δ_jᵀ and o = S'ᵀ q = α Sᵀ q +
+    Σ_j (q·k_j) δ_j. So the state is read once (for every k_j and q) and written once per position, whatever n:
+    decoding is bound by those passes over [M, K, V]."""
     outputs = []
+    n = k.shape[1]
     for t in range(q.shape[0]):
-        if g is not None:
-            state = state * g[t].exp()[:, None, None]
-        for j in range(k.shape[1]):
-            key = k[t, j][:, :, None]                                             # [M, K, 1]
-            # β (v − Sᵀ k): what the state is missing for key k, scaled by the step's strength
-            delta = (v[t, j][:, None, :] - torch.bmm(key.transpose(1, 2), state)) * beta[t, j][:, None, None]
-            state = torch.baddbmm(state, key, delta)
-        outputs.append(torch.bmm(q[t][:, None, :], state)[:, 0])
+        keys = k[t].transpose(0, 1)                                               # [M, n, K]
+        reads = torch.bmm(torch.cat([keys, q[t][:, None]], 1), state)             # k_jᵀ S and qᵀ S: [M, n + 1, V]
+        decay = None if g is None else g[t].exp()[:, None, None]                  # [M, 1, 1]
+        if decay is not None:
+            reads = reads * decay
+        overlaps = torch.bmm(torch.cat([keys, q[t][:, None]], 1), keys.transpose(1, 2))   # k_j·k_i, q·k_i
+        deltas = []
+        for j in range(n):
+            delta = v[t, j] - reads[:, j]
+            for i in range(j):
+                delta = delta - overlaps[:, j, i, None] * deltas[i]
+            deltas.append(delta * beta[t, j][:, None])
+        delta = torch.stack(deltas, 1)                                            # [M, n, V]
+        if decay is None:
+            state = torch.baddbmm(state, keys.transpose(1, 2), delta)
+        else:
+            state = (state * decay).baddbmm_(keys.transpose(1, 2), delta)
+        outputs.append(reads[:, n] + torch.bmm(overlaps[:, n:], delta)[:, 0])
     return torch.stack(outputs) if outputs else q.new_zeros(0, q.shape[1], v.shape[-1]), state
 
 
@@ -160,15 +176,18 @@ def _product_steps(q, k, v, g, beta, state, final: bool):
 
 
 def _iplr_steps(q, k, v, a, b, state, final: bool):
-    """iplr_rows' core, one step per position: o [N, L, H, V]."""
+    """iplr_rows' core, one step per position: o [N, L, H, V]. S' = S + b (aᵀ S) + k vᵀ and o = S'ᵀ q = Sᵀ q +
+    (q·b) Sᵀ a + (q·k) v: one read of the state (for a and q) and one write per position."""
     N, L, H = q.shape[:3]
     state = _zero_state(q, v, state)
     q, k, v, a, b = (_heads_first(x) for x in (q, k, v, a, b))
     outputs = []
     for t in range(L):
-        read = torch.bmm(a[t][:, None, :], state)                                 # a_tᵀ S_{t−1}: [M, 1, V]
-        state = torch.baddbmm(torch.baddbmm(state, b[t][:, :, None], read), k[t][:, :, None], v[t][:, None, :])
-        outputs.append(torch.bmm(q[t][:, None, :], state)[:, 0])
+        reads = torch.bmm(torch.stack([a[t], q[t]], 1), state)                   # aᵀ S, qᵀ S: [M, 2, V]
+        written = torch.stack([reads[:, 0], v[t]], 1)                             # [M, 2, V]
+        columns = torch.stack([b[t], k[t]], 2)                                    # [M, K, 2]
+        state = torch.baddbmm(state, columns, written)
+        outputs.append(reads[:, 1] + torch.bmm(q[t][:, None], columns)[:, 0, :, None].mul(written).sum(1))
     o = torch.stack(outputs) if outputs else q.new_zeros(0, N * H, v.shape[-1])
     return o.reshape(L, N, H, -1).movedim(1, 0), state
 
