@@ -27,9 +27,10 @@ from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 # The full default of every arch must end within 10 minutes. The Qwen3's took 4.1 min (0.7 s/step), 3.5 of them in
 # its 300 steps, so an arch whose step costs at most 2.5x the Qwen3's ends within 0.6 + 2.5 * 3.5 < 10 min.
 # Measured here (2 cores, one thread; one thread's ratios are the higher): hybrid 1.85x, gdp 1.82x, iplr 1.45x,
-# whose full defaults took 6.0 / 6.8 / 5.2 min (1.1 / 1.2 / 0.9 s/step). The bounds sit ~25% above those, under
-# 2.5x: a hybrid training through the per-step recurrence instead of the chunked form measured 2.38x.
-MAX_RATIO = {"hybrid": 2.3, "gdp": 2.3, "iplr": 1.85}
+# whose full defaults took 6.0 / 6.8 / 5.2 min (1.1 / 1.2 / 0.9 s/step). The bounds sit ~20% above those (the
+# ratios moved by 2% between runs), under 2.5x: a hybrid training through the per-step recurrence instead of the
+# chunked form measured 2.38x; the layers before their CPU path was reworked, 2.11x / 2.24x / 1.71x.
+MAX_RATIO = {"hybrid": 2.2, "gdp": 2.2, "iplr": 1.75}
 REPEATS = 3
 
 
