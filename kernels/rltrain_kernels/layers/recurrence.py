@@ -6,8 +6,9 @@ which share this file's bodies (`gated_delta_product_rows`, `iplr_rows`) around 
 Same arguments, layout and results as the ops' chunked and fused-recurrent functions (`rltrain_kernels.ops.*`),
 so a layer calls either through one name. Unlike the ops' naive references (one Python step per token of every
 sequence: the ground truth), these step once per position for all sequences at once: a packed row (`cu_seqlens`)
-is gathered into [N, L] rows first, its padding steps made the identity (β = 0, no decay; b = k = 0 for IPLR), so
-outputs and final states are exact. Computed in fp32 (float64 for float64 inputs), differentiable by autograd.
+is gathered into [N, L] rows first, zeros at its padding steps, which makes them the identity (β = 0, no decay;
+b = k = 0 for IPLR), so outputs and final states are exact. A core takes no state for a zero initial state and
+returns none unless the final state is asked for, so the chunked forms skip the terms of either. Computed in fp32 (float64 for float64 inputs), differentiable by autograd.
 tests/kernels/layers/test_recurrence.py checks them against the naive references.
 """
 
@@ -52,9 +53,9 @@ class _Rows:
         starts, lengths = cu_seqlens[:-1].long(), cu_seqlens.diff().long()
         self.shape = (len(lengths), int(lengths.max()) if len(lengths) else 0)
         positions = torch.arange(self.shape[1], device=device)
-        self.valid = positions[None] < lengths[:, None]                                # [N, L]
-        valid = self.valid.flatten()
-        self.index = torch.where(self.valid, starts[:, None] + positions[None], 0).flatten()   # row entry ← token
+        valid = positions[None] < lengths[:, None]                                     # [N, L]
+        self.index = torch.where(valid, starts[:, None] + positions[None], 0).flatten()      # row entry ← token
+        valid = valid.flatten()
         self.blank = (~valid).nonzero()[:, 0]                                          # padding entries
         self.inverse = valid.nonzero()[:, 0]                                           # token ← row entry
 
@@ -98,11 +99,12 @@ def _delta_steps(q, k, v, g, beta, state):
     n = k.shape[1]
     for t in range(q.shape[0]):
         keys = k[t].transpose(0, 1)                                               # [M, n, K]
-        reads = torch.bmm(torch.cat([keys, q[t][:, None]], 1), state)             # k_jᵀ S and qᵀ S: [M, n + 1, V]
+        keys_and_query = torch.cat([keys, q[t][:, None]], 1)                      # [M, n + 1, K]
+        reads = torch.bmm(keys_and_query, state)                                  # k_jᵀ S and qᵀ S: [M, n + 1, V]
         decay = None if g is None else g[t].exp()[:, None, None]                  # [M, 1, 1]
         if decay is not None:
             reads = reads * decay
-        overlaps = torch.bmm(torch.cat([keys, q[t][:, None]], 1), keys.transpose(1, 2))   # k_j·k_i, q·k_i
+        overlaps = torch.bmm(keys_and_query, keys.transpose(1, 2))               # k_j·k_i and q·k_i: [M, n + 1, n]
         deltas = []
         for j in range(n):
             delta = v[t, j] - reads[:, j]
