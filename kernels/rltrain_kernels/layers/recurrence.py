@@ -9,7 +9,8 @@ sequence: the ground truth), these step once per position for all sequences at o
 is gathered into [N, L] rows first, zeros at its padding steps, which makes them the identity (β = 0, no decay;
 b = k = 0 for IPLR), so outputs and final states are exact. A core takes no state for a zero initial state and
 returns none unless the final state is asked for, so the chunked forms skip the terms of either. Computed in fp32
-(float64 for float64 inputs), differentiable by autograd. tests/kernels/layers/test_recurrence.py checks them against the naive references.
+(float64 for float64 inputs), differentiable by autograd. tests/kernels/layers/test_recurrence.py checks them against
+the naive references.
 """
 
 from __future__ import annotations
