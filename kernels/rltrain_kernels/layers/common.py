@@ -17,6 +17,7 @@ the same `cu_seqlens`. A packed call takes no attention_mask and returns no cach
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -48,6 +49,71 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return fused_l2norm(x, eps) if x.is_cuda else plain_l2norm(x, eps)
 
 
+def _cross_sequence_taps(cu_seqlens: torch.Tensor, T: int, W: int) -> list[torch.Tensor]:
+    """Per tap s = 1 .. W − 1 (s tokens back): the tokens of a packed row of T tokens whose tap s would read the
+    previous sequence (their index within their sequence is below s)."""
+    offsets, tokens = cu_seqlens.long(), torch.arange(T, device=cu_seqlens.device)
+    sequence = torch.searchsorted(offsets[1:], tokens, right=True)      # the sequence holding each token
+    position = tokens - offsets[sequence]                                # its index within that sequence
+    return [(position < shift).nonzero()[:, 0] for shift in range(1, W)]
+
+
+class _ShiftedConv(torch.autograd.Function):
+    """y[b, t] = Σ_s weight[:, W − 1 − s] · full[b, W − 1 + t − s] (s = 0 .. W − 1) for full [B, W − 1 + T, C] (the
+    left context, then the T tokens), weight [C, W] → y [B, T, C]; `skipped` (or None): per tap s ≥ 1, flat indices
+    b·T + t of the outputs whose tap s is left out (a packed row's taps into the previous sequence). W shifted
+    multiply-adds in place, forward and backward: CPU's depthwise conv1d backward ran ~100× slower at the embedded
+    default's sizes, and autograd through the shifts and masks kept 3× the passes over x."""
+
+    @staticmethod
+    def forward(ctx, full, weight, skipped):
+        W = weight.shape[1]
+        T = full.shape[1] - (W - 1)
+        taps = weight.t().contiguous()       # [W, C]: a strided column would slow every multiply ~3×
+        ctx.save_for_backward(full, taps)
+        ctx.skipped = skipped
+        y = full[:, W - 1:] * taps[-1]
+        for shift in range(1, W):
+            with _kept(y, None if skipped is None else skipped[shift - 1]):
+                y.addcmul_(full[:, W - 1 - shift: W - 1 - shift + T], taps[-1 - shift])
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        full, taps = ctx.saved_tensors
+        skipped, W, dy = ctx.skipped, taps.shape[0], dy.contiguous()
+        T = full.shape[1] - (W - 1)
+        dfull = torch.zeros_like(full) if ctx.needs_input_grad[0] else None
+        dtaps = torch.empty_like(taps) if ctx.needs_input_grad[1] else None
+        for shift in range(W):
+            rows = None if skipped is None or shift == 0 else skipped[shift - 1]
+            tap = slice(W - 1 - shift, W - 1 - shift + T)
+            if dfull is not None:
+                # the skipped outputs' taps read full row W − 1 − shift + t of the packed row (B = 1)
+                with _kept(dfull, None if rows is None else rows + (W - 1 - shift)):
+                    dfull[:, tap].addcmul_(dy, taps[-1 - shift])
+            if dtaps is not None:
+                product = dy * full[:, tap]
+                if rows is not None and rows.numel():
+                    product.view(-1, product.shape[-1]).index_fill_(0, rows, 0)
+                dtaps[-1 - shift] = product.sum((0, 1))
+        return dfull, None if dtaps is None else dtaps.t(), None
+
+
+@contextlib.contextmanager
+def _kept(x: torch.Tensor, rows: torch.Tensor | None):
+    """Rows (flat indices over x's leading dims) of x as they were on entry, restored on exit: the in-place update
+    inside skips them exactly."""
+    if rows is None or not rows.numel():
+        yield
+        return
+    flat = x.view(-1, x.shape[-1])
+    kept = flat.index_select(0, rows)
+    yield
+    flat.index_copy_(0, rows, kept)
+
+
 class ShortConvolution(nn.Module):
     """Causal depthwise Conv1d (no bias) followed by SiLU, over [B, T, channels], with a rolling state: the
     previous conv_size − 1 inputs (zeros at the start of a sequence). forward(x, state) -> (y, new_state).
@@ -71,17 +137,14 @@ class ShortConvolution(nn.Module):
         """forward in plain PyTorch (what it runs off CUDA); the new state is None for a packed call."""
         B, T, C = x.shape
         weight = self.weight[:, 0].to(x.dtype)                           # [C, W]: tap W − 1 is the current token
-        if cu_seqlens is not None:
-            return F.silu(self._packed(x[0], weight, cu_seqlens))[None], None
+        W = self.conv_size
+        if cu_seqlens is not None:   # one row, zeros in front; taps reaching into the previous sequence read zero
+            full = F.pad(x, (0, 0, W - 1, 0))
+            return F.silu(_ShiftedConv.apply(full, weight, _cross_sequence_taps(cu_seqlens, T, W))), None
         if state is None:
-            state = x.new_zeros(B, C, self.conv_size - 1)
+            state = x.new_zeros(B, C, W - 1)
         full = torch.cat([state.to(x.dtype).transpose(1, 2), x], dim=1)  # [B, W − 1 + T, C]
-        # token t sees t − W + 1 .. t: W shifted multiply-adds (CPU's depthwise conv1d backward ran ~100× slower
-        # than these at the embedded default's sizes; on GPU both are memory-bound, a few passes over x)
-        y = x * weight[:, -1]
-        for shift in range(1, self.conv_size):
-            y = y + full[:, self.conv_size - 1 - shift: self.conv_size - 1 - shift + T] * weight[:, -1 - shift]
-        return F.silu(y), full[:, -(self.conv_size - 1):].transpose(1, 2)
+        return F.silu(_ShiftedConv.apply(full, weight, None)), full[:, -(W - 1):].transpose(1, 2)
 
     def fused_forward(self, x: torch.Tensor, state: torch.Tensor | None = None,
                       cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -90,19 +153,6 @@ class ShortConvolution(nn.Module):
         stored (plain_forward rounds it to x's dtype)."""
         return short_conv(x, self.weight[:, 0], initial_state=state, output_final_state=cu_seqlens is None,
                           activation="silu", cu_seqlens=cu_seqlens)
-
-    def _packed(self, row: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """The conv (before SiLU) of row [T, C], sequences packed at cu_seqlens: each token sees only its own
-        sequence's earlier tokens, as if every sequence started from a zero state."""
-        T = row.shape[0]
-        offsets, tokens = cu_seqlens.long(), torch.arange(T, device=row.device)
-        sequence = torch.searchsorted(offsets[1:], tokens, right=True)   # the sequence holding each token
-        position = tokens - offsets[sequence]                             # its index within that sequence
-        y = row * weight[:, -1]
-        for shift in range(1, min(self.conv_size, T + 1)):
-            shifted = F.pad(row[:-shift], (0, 0, shift, 0))               # token t − shift at row t
-            y = y + shifted * (position >= shift)[:, None].to(row.dtype) * weight[:, -1 - shift]
-        return y
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, conv_size={self.conv_size}"

@@ -251,6 +251,48 @@ def test_short_convolution_matches_conv1d_streams_and_packs():
 
 
 @pytest.mark.parametrize("call", ["whole", "streamed", "packed"])
+def test_short_convolution_plain_gradients_match_conv1d(call):
+    """plain_forward's own backward (in-place shifted multiply-adds; a packed row's taps into the previous sequence
+    skipped) against autograd through F.conv1d in float64, one sequence at a time: y, the new state and the
+    gradients of x, the weight and the incoming state."""
+    conv = ShortConvolution(5, conv_size=4).double()
+    x = torch.randn(2, 9, 5, dtype=torch.float64, requires_grad=True)
+    state = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    dy, dstate = torch.randn(2, 9, 5, dtype=torch.float64), torch.randn(2, 5, 3, dtype=torch.float64)
+    # (row of x, first token, tokens) per sequence; packed: lengths 2, 9, 0, 7 (one shorter than the window)
+    pieces = [(0, 0, 2), (1, 0, 9), (0, 2, 0), (0, 2, 7)] if call == "packed" else [(0, 0, 9), (1, 0, 9)]
+    leaves = [x, conv.weight] + ([state] if call == "streamed" else [])
+
+    def reference():
+        ys, states = [], []
+        for b, start, length in pieces:
+            if length == 0:
+                continue
+            context = state[b] if call == "streamed" else x.new_zeros(5, 3)
+            full = torch.cat([context, x[b, start:start + length].T], 1)[None]   # [1, C, 3 + length]
+            ys.append(F.silu(F.conv1d(full, conv.weight, groups=5))[0].T)
+            states.append(full[0, :, -3:])
+        y = torch.cat(ys) if call == "packed" else torch.stack(ys)
+        return y, None if call == "packed" else torch.stack(states)
+
+    def plain():
+        if call == "packed":
+            row = torch.cat([x[b, start:start + length] for b, start, length in pieces])[None]
+            return conv(row, cu_seqlens=torch.tensor([0, 2, 11, 11, 18]))[0][0], None
+        return conv(x, state if call == "streamed" else None)
+
+    results = []
+    for run in (reference, plain):
+        y, new_state = run()
+        target = dy.reshape(-1, 5)[:y.numel() // 5].reshape(y.shape)
+        loss = (y * target).sum() + ((new_state * dstate).sum() if new_state is not None else 0)
+        results.append([y, new_state, *torch.autograd.grad(loss, leaves)])
+    for name, expected, actual in zip(["y", "state", "dx", "dweight", "dstate"], *results):
+        if expected is not None:
+            assert_rel_close(actual, expected, threshold=1e-12, name=name)
+
+
+@pytest.mark.parametrize("call", ["whole", "streamed", "packed"])
 def test_short_convolution_fused_forward_matches_the_plain_path(call, device):
     """fused_forward (ops/short_conv: what forward runs on CUDA; on CPU through the interpreter) against
     plain_forward: outputs, new state and the gradients of x, the weight and the incoming state."""
