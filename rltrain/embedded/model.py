@@ -9,11 +9,7 @@ Archs (`model.embedded.arch`), each with its own layer count unless num_layers i
     iplr     2 IPLR delta-rule layers, no attention
 The delta-rule archs keep Qwen3's attention, MLP and norms, and give their linear-attention layers num_heads heads
 of head_dim (keys and values). The layer counts keep each arch's full default (300 steps) within 10 minutes on a
-2-core CPU, Qwen3's budget; measured with seed 0 (held-out reward before -> after RL, wall clock; seed 1's gain):
-    qwen3    0.130 -> 0.715 (+58.5 points), 4.1 min (0.7 s/step)
-    hybrid   0.165 -> 0.740 (+57.5 points), 5.9 min (1.1 s/step); seed 1 +59.0. With 4 layers (3 : 1): +54.5 in 9.3 min
-    gdp      0.160 -> 0.790 (+63.0 points), 6.8 min (1.2 s/step); seed 1 +46.5
-    iplr     0.250 -> 0.720 (+47.0 points), 5.2 min (0.9 s/step); seed 1 +65.5
+2-core CPU, Qwen3's budget (README: the held-out gains per arch).
 tests/rltrain/embedded/test_archs.py keeps each delta-rule arch's step time within a bound of the Qwen3's.
 
 The warm start trains on the task's training prompts and answers until its greedy accuracy on a fixed sample of

@@ -39,10 +39,10 @@ INTERPRETER_GROUPS = 2
 
 
 @triton.jit
-def _dz_at(x, x_off, stride_xt, dy, dy_off, stride_dyt, s: tl.constexpr, p, n, live, weight, bias, state, C, cols,
-           col_mask, W: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr):
-    """dz = dy · act'(z) at position p + s of each row ([BT, BD] fp32, 0 where `live` is false); z recomputed."""
-    dys = tl.load(dy + (dy_off + s * stride_dyt)[:, None] + cols[None, :],
+def _dz(x, x_off, stride_xt, dy, dy_off, p, n, live, weight, bias, state, C, cols, col_mask, W: tl.constexpr,
+        SILU: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr):
+    """dz = dy · act'(z) at each row ([BT, BD] fp32, 0 where `live` is false); z recomputed from x."""
+    dys = tl.load(dy + dy_off[:, None] + cols[None, :],
                   mask=live[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
     if SILU:
         z = tl.zeros_like(dys)
@@ -50,7 +50,7 @@ def _dz_at(x, x_off, stride_xt, dy, dy_off, stride_dyt, s: tl.constexpr, p, n, l
             z += tl.load(bias + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         for w in tl.static_range(W):
             w_tap = tl.load(weight + cols * W + w, mask=col_mask, other=0.0).to(tl.float32)
-            z += w_tap[None, :] * load_tap(x, x_off, stride_xt, s - (W - 1) + w, p, n, live, state, C, cols,
+            z += w_tap[None, :] * load_tap(x, x_off, stride_xt, w - (W - 1), p, n, live, state, C, cols,
                                            col_mask, HAS_STATE, W)
         sig = tl.sigmoid(z)
         dys = dys * sig * (1.0 + z * (1.0 - sig))
@@ -93,9 +93,8 @@ def _short_conv_bwd_kernel(
     # the W − 1 rows after the range (the next program's; zero past the end or the sequence, masked on reading)
     g = (last + 1) * BT + rows
     valid, n, p, L, b, t = row_info(g, n_rows, T, seq_ids, cu_seqlens, IS_VARLEN)
-    dz = _dz_at(x, row_offset(b, t, stride_xb, stride_xt), stride_xt, dy, row_offset(b, t, stride_dyb, stride_dyt),
-                stride_dyt, 0, p, n, valid & (rows < W - 1), weight, bias, state, C, cols, col_mask, W, SILU,
-                HAS_BIAS, HAS_STATE)
+    dz = _dz(x, row_offset(b, t, stride_xb, stride_xt), stride_xt, dy, row_offset(b, t, stride_dyb, stride_dyt), p,
+             n, valid & (rows < W - 1), weight, bias, state, C, cols, col_mask, W, SILU, HAS_BIAS, HAS_STATE)
     tl.store(sc + BT * BD, dz, mask=head)
     dw_acc = tl.zeros([BW, BD], dtype=tl.float32)
     db_acc = tl.zeros([BD], dtype=tl.float32)
@@ -105,8 +104,8 @@ def _short_conv_bwd_kernel(
         x_off = row_offset(b, t, stride_xb, stride_xt)
         dy_off = row_offset(b, t, stride_dyb, stride_dyt)
         mask = valid[:, None] & col_mask[None, :]
-        dz = _dz_at(x, x_off, stride_xt, dy, dy_off, stride_dyt, 0, p, n, valid, weight, bias, state, C, cols,
-                    col_mask, W, SILU, HAS_BIAS, HAS_STATE)
+        dz = _dz(x, x_off, stride_xt, dy, dy_off, p, n, valid, weight, bias, state, C, cols, col_mask, W, SILU,
+                 HAS_BIAS, HAS_STATE)
         tl.debug_barrier()  # the previous iteration's reads of rows 0 .. BT − 1 are done
         tl.store(sc, dz)
         tl.debug_barrier()
@@ -186,8 +185,8 @@ def _state_bwd_kernel(
         row = bos + p
         x_off = row_offset(b, row, stride_xb, stride_xt)
         dy_off = row_offset(b, row, stride_dyb, stride_dyt)
-        dz = _dz_at(x, x_off, stride_xt, dy, dy_off, stride_dyt, 0, p, n, live, weight, bias, state, C, cols,
-                    col_mask, W, SILU, HAS_BIAS, True)
+        dz = _dz(x, x_off, stride_xt, dy, dy_off, p, n, live, weight, bias, state, C, cols, col_mask, W, SILU,
+                 HAS_BIAS, True)
         w_tap = tl.load(weight + cols * W + w, mask=col_mask, other=0.0).to(tl.float32)
         dst += w_tap[None, :] * dz
         if COMPUTE_DW:
