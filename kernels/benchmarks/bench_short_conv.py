@@ -181,9 +181,9 @@ def run_sweeps(cases: dict, ceiling: float) -> None:
     conv = cases["short conv"]
     sweep(conv, [(16, 128, 4), (32, 128, 4), (8, 128, 4), (16, 64, 4), (32, 64, 4), (16, 256, 8), (32, 128, 8)],
           setter(conv_kernel, "FORWARD_TILE"), "FORWARD_TILE (BT, BD, warps)", ceiling)
-    sweep(conv, [(16, 128, 4), (8, 128, 4), (8, 64, 4), (16, 64, 4), (32, 64, 4), (16, 128, 8), (8, 256, 8)],
+    sweep(conv, [(128, 64, 8), (64, 64, 4), (64, 64, 8), (128, 32, 4), (128, 128, 8), (256, 64, 8)],
           setter(conv_kernel_bwd, "BACKWARD_TILE"), "BACKWARD_TILE (BT, BD, warps)", ceiling)
-    sweep(conv, [4, 8, 16, 32], setter(conv_kernel_bwd, "PROGRAMS_PER_SM"), "backward PROGRAMS_PER_SM", ceiling)
+    sweep(conv, [8, 16, 32], setter(conv_kernel_bwd, "PROGRAMS_PER_SM"), "backward PROGRAMS_PER_SM", ceiling)
     sweep(cases["l2norm"], [1024, 2048, 4096, 8192, 16384], setter(l2norm_kernel, "TILE_ELEMENTS"),
           "TILE_ELEMENTS", ceiling)
     sweep(cases["token shift"], [(32, 128, 4), (16, 128, 4), (64, 128, 8), (32, 256, 8), (16, 256, 4)],

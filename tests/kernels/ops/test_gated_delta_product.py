@@ -67,11 +67,11 @@ def loop_reference(q, k, v, g, beta, n_h, scale, h0):
 
 
 def reference(q, k, v, g, beta, n_h, h0, cu_seqlens=None, l2norm=False, scale=None):
-    """The naive recurrence in float64 on the CPU."""
-    to64 = lambda t: None if t is None else t.detach().double().cpu()  # noqa: E731
+    """The naive recurrence in float64 on the inputs' device."""
+    to64 = lambda t: None if t is None else t.detach().double()  # noqa: E731
     return naive_recurrent_gated_delta_product(
         to64(q), to64(k), to64(v), to64(g), to64(beta), n_h, scale=scale, initial_state=to64(h0),
-        output_final_state=True, cu_seqlens=None if cu_seqlens is None else cu_seqlens.cpu(),
+        output_final_state=True, cu_seqlens=cu_seqlens,
         use_qk_l2norm_in_kernel=l2norm)
 
 
@@ -210,11 +210,11 @@ def check_gradients(fn, q, k, v, g, beta, h0, n_h, *, cu_seqlens=None, l2norm=Fa
     dht = torch.randn_like(ht)
     (o.float() * do.float()).sum().add((ht * dht).sum()).backward()
     inputs = [q, k, v, g, beta, h0]
-    ref_inputs = [None if t is None else t.detach().double().cpu().requires_grad_() for t in inputs]
+    ref_inputs = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
     o_ref, ht_ref = naive_recurrent_gated_delta_product(
         *ref_inputs[:5], n_h, initial_state=ref_inputs[5], output_final_state=True,
-        cu_seqlens=None if cu_seqlens is None else cu_seqlens.cpu(), use_qk_l2norm_in_kernel=l2norm)
-    (o_ref * do.double().cpu()).sum().add((ht_ref * dht.double().cpu()).sum()).backward()
+        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=l2norm)
+    (o_ref * do.double()).sum().add((ht_ref * dht.double()).sum()).backward()
     assert_rel_close(o, o_ref, threshold=threshold[0], name="o")
     assert_rel_close(ht, ht_ref, threshold=threshold[0], name="final_state")
     for name, t, r in zip(GRAD_NAMES, inputs, ref_inputs):

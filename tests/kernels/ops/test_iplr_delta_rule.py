@@ -73,11 +73,11 @@ def loop_reference(q, k, v, a, b, scale, h0):
 
 
 def reference(q, k, v, a, b, h0, cu_seqlens=None, scale=None):
-    """The naive recurrence in float64 on the CPU."""
-    to64 = lambda t: None if t is None else t.detach().double().cpu()  # noqa: E731
+    """The naive recurrence in float64 on the inputs' device."""
+    to64 = lambda t: None if t is None else t.detach().double()  # noqa: E731
     return naive_recurrent_iplr_delta_rule(
         to64(q), to64(k), to64(v), to64(a), to64(b), scale=scale, initial_state=to64(h0), output_final_state=True,
-        cu_seqlens=None if cu_seqlens is None else cu_seqlens.cpu())
+        cu_seqlens=cu_seqlens)
 
 
 NAIVE_SHAPES = [(2, 7, 1, 4, 4), (1, 5, 2, 3, 5), (2, 1, 2, 4, 2)]
@@ -251,11 +251,11 @@ def check_gradients(fn, q, k, v, a, b, h0, *, cu_seqlens=None, threshold):
     dht = torch.randn_like(ht)
     (o.float() * do.float()).sum().add((ht * dht).sum()).backward()
     inputs = [q, k, v, a, b, h0]
-    ref_inputs = [None if t is None else t.detach().double().cpu().requires_grad_() for t in inputs]
+    ref_inputs = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
     o_ref, ht_ref = naive_recurrent_iplr_delta_rule(
         *ref_inputs[:5], initial_state=ref_inputs[5], output_final_state=True,
-        cu_seqlens=None if cu_seqlens is None else cu_seqlens.cpu())
-    (o_ref * do.double().cpu()).sum().add((ht_ref * dht.double().cpu()).sum()).backward()
+        cu_seqlens=cu_seqlens)
+    (o_ref * do.double()).sum().add((ht_ref * dht.double()).sum()).backward()
     assert_rel_close(o, o_ref, threshold=threshold[0], name="o")
     assert_rel_close(ht, ht_ref, threshold=threshold[0], name="final_state")
     for name, t, r in zip(GRAD_NAMES, inputs, ref_inputs):

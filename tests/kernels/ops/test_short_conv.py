@@ -78,6 +78,33 @@ def test_short_conv_matches_float64_reference(shape, dtype, activation, device):
     check_against_float64(make_inputs(B, T, C, W, dtype, device, state=True), dtype, activation)
 
 
+@pytest.mark.parametrize("tile", [(8, 16, 2), (16, 32, 4)], ids=["BT8", "BT16"])
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_backward_small_tiles_match_float64(width, packed, tile, device):
+    """The backward's blocks overlap by W − 1 rows (each yields BT − (W − 1) rows of dx from one dz tile read at W
+    shifts; BT rises to 2W where smaller): small tiles, so blocks straddle sequence starts and ends and a program
+    walks several blocks. dx, dweight, dbias and dstate against float64 autograd through the naive convolution."""
+    from rltrain_kernels.ops.short_conv.kernel import sequence_ids
+    from rltrain_kernels.ops.short_conv.kernel_bwd import short_conv_backward
+
+    C = 20
+    cu = torch.tensor([0, 5, 5, 7, 30, 31, 48], device=device, dtype=torch.int32) if packed else None
+    B, T = (1, 48) if packed else (2, 23)
+    N = len(cu) - 1 if packed else B
+    x, weight, bias, _, state = make_inputs(B, T, C, width, torch.float32, device, state=True, N=N)
+    dy, dfinal = torch.randn_like(x), torch.randn(N, C, width - 1, device=device)
+    seq_ids = sequence_ids(cu, T) if packed else None
+    got = short_conv_backward(dy, dfinal, x.detach(), weight.detach(), bias.detach(), state.detach(), "silu", cu,
+                              seq_ids, N, compute_dw=True, compute_db=True, compute_dstate=True, tile=tile)
+    leaves = [as_float64(t) for t in (x, weight, bias, state)]
+    y, final = naive_short_conv(leaves[0], leaves[1], leaves[2], initial_state=leaves[3], output_final_state=True,
+                                activation="silu", cu_seqlens=cu)
+    want = torch.autograd.grad((y * dy.double()).sum() + (final * dfinal.double()).sum(), leaves)
+    for name, a, b in zip(["dx", "dweight", "dbias", "dstate"], got, want, strict=True):
+        assert_rel_close(a, b, dtype=torch.float32, name=name)
+
+
 @pytest.mark.usefixtures("poison_allocations")
 @pytest.mark.parametrize("state", [False, True], ids=["zero-state", "state"])
 def test_short_conv_residual_without_bias(state, device):

@@ -9,14 +9,14 @@ Maths, per sequence (xx = [state, x], z = bias + Σ_w weight[w] · xx[p − (W �
     dbias      = Σ_p dz[p]
     dstate[i]  = Σ_w weight[w] · dz[i − w]                                                (+ d final[i − L], i ≥ L)
 
-The main kernel recomputes z from x (nothing but x is saved for backward) once per position: each program walks
-its contiguous range of token blocks backwards, computes the block's dz (W shifted loads of x, one of dy, one
-sigmoid per element) and parks it in a small per-program scratch ([BT + BW, BD] fp32, L2-resident) whose rows
-BT .. BT + W − 2 still hold the first W − 1 rows of the block after it (the previous iteration's); the W shifted
-reads of that scratch give dx and dweight. So a fwd+bwd reads x twice and dy once from DRAM and writes y and dx
-once, and no z or dz goes through DRAM (fla's backward runs the convolution again to materialise z, then reads it W
-times). Each program keeps its dweight/dbias partials in registers; the host sums the [programs, C, W] partials.
-A second, small kernel handles what touches the initial state (first W − 1 positions of each sequence).
+The main kernel recomputes z from x (nothing but x is saved for backward): a block of BT rows computes dz once per
+row (W shifted loads of x, one of dy, one sigmoid per element) and reads it back at the W shifts with `tl.gather`
+(through shared memory), so it yields dx for its first BT − (W − 1) rows and blocks overlap by W − 1 rows (2.4% of
+the rows recomputed at BT = 128, W = 4). No block depends on another: no scratch, no barrier between blocks. A
+fwd+bwd thus reads x twice and dy once from DRAM and writes y and dx once; no z or dz goes through DRAM (fla's
+backward runs the convolution again to materialise z, then reads it W times). Each program sums its blocks'
+dweight/dbias in registers; the host sums the [programs, C, W] partials. A second, small kernel handles what
+touches the initial state (first W − 1 positions of each sequence).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import triton.language as tl
 
 from .kernel import BLOCK_D, load_tap, row_info, row_offset, state_rows
 
-# Tile of the main backward kernel: (BT tokens, BD channels, warps). BT ≥ W (the scratch holds one block's dz and
-# the W − 1 rows after it). bench_short_conv.py --sweep times others.
-BACKWARD_TILE = (16, 128, 4)
-# Programs per SM of the backward grid (channel blocks × token groups). Each program walks a long run of token
-# blocks, so the grid's last wave decides the tail; more programs per SM shorten it but add scratch
-# ([programs, BT + BW, BD] fp32: 10.8 MB at 132 SMs) and dweight partials ([groups, C, W] fp32).
-PROGRAMS_PER_SM = 8
+# Tile of the main backward kernel: (BT tokens, BD channels, warps); BT ≥ 2W (raised where smaller). H200, B4 T4096
+# C8192 W4 SiLU, backward alone: 128×64×8 1005 µs, 64×64×4 1087, 32×128×4 1452 (bench_short_conv.py --sweep).
+BACKWARD_TILE = (128, 64, 8)
+# Programs per SM of the backward grid (channel blocks × token groups): each program walks a run of token blocks
+# and keeps one [W, BD] dweight partial ([groups, C, W] fp32 for the host to sum), so fewer programs mean fewer
+# partials, more a shorter tail.
+PROGRAMS_PER_SM = 16
 # Token groups under the CPU interpreter: 2, so the tests cover a program walking several blocks and a partial sum.
 INTERPRETER_GROUPS = 2
 
@@ -65,7 +65,7 @@ def _short_conv_bwd_kernel(
     state,
     dfinal,
     seq_ids, cu_seqlens,
-    dx, dw_partial, db_partial, scratch,
+    dx, dw_partial, db_partial,
     n_rows, T, C, n_blocks, blocks_per_program,
     W: tl.constexpr,
     SILU: tl.constexpr,
@@ -84,53 +84,41 @@ def _short_conv_bwd_kernel(
     col_mask = cols < C
     rows = tl.arange(0, BT)
     taps = tl.arange(0, BW)
-    # this program's scratch: rows 0 .. BT − 1 the current block's dz, rows BT .. BT + W − 2 the next block's first
-    sc = (scratch + (i_g * tl.num_programs(0) + i_d).to(tl.int64) * (BT + BW) * BD
-          + rows[:, None] * BD + tl.arange(0, BD)[None, :])
-    head = (rows < W - 1)[:, None]
     first = i_g * blocks_per_program
-    last = tl.minimum(first + blocks_per_program, n_blocks) - 1
-    # the W − 1 rows after the range (the next program's; zero past the end or the sequence, masked on reading)
-    g = (last + 1) * BT + rows
-    valid, n, p, L, b, t = row_info(g, n_rows, T, seq_ids, cu_seqlens, IS_VARLEN)
-    dz = _dz(x, row_offset(b, t, stride_xb, stride_xt), stride_xt, dy, row_offset(b, t, stride_dyb, stride_dyt), p,
-             n, valid & (rows < W - 1), weight, bias, state, C, cols, col_mask, W, SILU, HAS_BIAS, HAS_STATE)
-    tl.store(sc + BT * BD, dz, mask=head)
+    last = tl.minimum(first + blocks_per_program, n_blocks)
+    S: tl.constexpr = BT - (W - 1)  # block stride: the tile's last W − 1 rows only feed the rows before them
+    out = rows < S
     dw_acc = tl.zeros([BW, BD], dtype=tl.float32)
     db_acc = tl.zeros([BD], dtype=tl.float32)
-    for i in range(0, last - first + 1):
-        g = (last - i) * BT + rows
+    for blk in range(first, last):  # independent blocks: only the dweight/dbias sums carry over
+        g = blk * S + rows
         valid, n, p, L, b, t = row_info(g, n_rows, T, seq_ids, cu_seqlens, IS_VARLEN)
         x_off = row_offset(b, t, stride_xb, stride_xt)
-        dy_off = row_offset(b, t, stride_dyb, stride_dyt)
-        mask = valid[:, None] & col_mask[None, :]
-        dz = _dz(x, x_off, stride_xt, dy, dy_off, p, n, valid, weight, bias, state, C, cols, col_mask, W, SILU,
-                 HAS_BIAS, HAS_STATE)
-        tl.debug_barrier()  # the previous iteration's reads of rows 0 .. BT − 1 are done
-        tl.store(sc, dz)
-        tl.debug_barrier()
+        dz = _dz(x, x_off, stride_xt, dy, row_offset(b, t, stride_dyb, stride_dyt), p, n, valid, weight, bias,
+                 state, C, cols, col_mask, W, SILU, HAS_BIAS, HAS_STATE)
+        mask = (valid & out)[:, None] & col_mask[None, :]
         if COMPUTE_DW:
             x0 = tl.load(x + x_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dx_acc = tl.zeros([BT, BD], dtype=tl.float32)
         for s in tl.static_range(W):
             if s == 0:
-                dzs = dz
-            else:  # dz at p + s of the same sequence; L2 only (.cg): the scratch was just written
-                dzs = tl.load(sc + s * BD, mask=(valid & (p + s < L))[:, None], other=0.0, cache_modifier=".cg")
+                dzs = tl.where(out[:, None], dz, 0.0)
+            else:  # dz at p + s: row r + s of the tile, 0 past the sequence's end
+                shifted = tl.gather(dz, tl.broadcast_to(tl.minimum(rows + s, BT - 1)[:, None], [BT, BD]), 0)
+                dzs = tl.where((out & (p + s < L))[:, None], shifted, 0.0)
             w_tap = tl.load(weight + cols * W + (W - 1 - s), mask=col_mask, other=0.0).to(tl.float32)
             dx_acc += w_tap[None, :] * dzs
             if COMPUTE_DW:
                 dw_acc += tl.where((taps == W - 1 - s)[:, None], tl.sum(dzs * x0, 0)[None, :], 0.0)
-        if COMPUTE_DB:
-            db_acc += tl.sum(dz, 0)
+            if COMPUTE_DB:
+                if s == 0:
+                    db_acc += tl.sum(dzs, 0)
         if HAS_DFINAL:
             j = p - L + (W - 1)  # the final-state column this input became
             dx_acc += tl.load(dfinal + (n.to(tl.int64) * C)[:, None] * (W - 1) + cols[None, :] * (W - 1)
-                              + j[:, None], mask=(valid & (j >= 0))[:, None] & col_mask[None, :],
+                              + j[:, None], mask=(valid & out & (j >= 0))[:, None] & col_mask[None, :],
                               other=0.0).to(tl.float32)
         tl.store(dx + g.to(tl.int64)[:, None] * C + cols[None, :], dx_acc.to(dx.dtype.element_ty), mask=mask)
-        tl.debug_barrier()  # this block's shifted reads are done before its head becomes the next block's tail
-        tl.store(sc + BT * BD, dz, mask=head)
     if COMPUTE_DW:
         tl.store(dw_partial + i_g.to(tl.int64) * C * W + cols[None, :] * W + taps[:, None], dw_acc,
                  mask=(taps < W)[:, None] & col_mask[None, :])
@@ -227,15 +215,13 @@ def short_conv_backward(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.
     dfinal = dfinal.contiguous() if dfinal is not None else None
     block_d = min(block_d, triton.next_power_of_2(C))
     channel_blocks = triton.cdiv(C, block_d)
-    n_blocks = triton.cdiv(n_rows, block_t)
+    block_t = max(block_t, triton.next_power_of_2(2 * W))  # a block yields BT − (W − 1) rows of dx
+    n_blocks = triton.cdiv(n_rows, block_t - (W - 1))
     groups = _token_groups(n_blocks, channel_blocks, device)
     per_program = triton.cdiv(n_blocks, groups) if n_blocks else 0
     groups = triton.cdiv(n_blocks, per_program) if n_blocks else 1
-    if block_t < W:
-        raise ValueError(f"short_conv backward: the tile's BT ({block_t}) must be at least the kernel width W ({W})")
     bw = triton.next_power_of_2(W)
     dx = torch.empty((B, T, C), dtype=x.dtype, device=device)
-    scratch = torch.empty((channel_blocks * groups, block_t + bw, block_d), dtype=torch.float32, device=device)
     dw_partial = torch.empty((groups, C, W), dtype=torch.float32, device=device) if compute_dw else None
     db_partial = torch.empty((groups, C), dtype=torch.float32, device=device) if compute_db else None
     common = dict(W=W, SILU=activation is not None, HAS_BIAS=bias is not None, HAS_DFINAL=dfinal is not None,
@@ -248,7 +234,7 @@ def short_conv_backward(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.
             state if state is not None else x,
             dfinal if dfinal is not None else x,
             seq_ids if seq_ids is not None else x, cu_seqlens if cu_seqlens is not None else x,
-            dx, dw_partial if compute_dw else x, db_partial if compute_db else x, scratch,
+            dx, dw_partial if compute_dw else x, db_partial if compute_db else x,
             n_rows, T, C, n_blocks, per_program,
             HAS_STATE=state is not None, COMPUTE_DB=compute_db,
             BT=block_t, BD=block_d, BW=bw, num_warps=num_warps, **common,
