@@ -47,8 +47,9 @@ CONFIGS = {
 # Relative-error bars against float64: (outputs, gradients, dA_log / ddt_bias). A_log's and dt_bias's gradients sum
 # dg_t·g_t and da_t over every token of a head, terms of both signs: the sum cancels, so their relative error is
 # a few times dg's (fp32 draws: up to 4e-5 where dg is 2e-6; fla's bar for them is 2e-2 in fp16, 2.5× its dg's).
+# bf16, 41 draws of test_keywords_bf16_inputs: median 5.5e-3, worst 2.5e-2 (dg 8e-3 in that draw), hence 5e-2.
 FP32_BARS = (1e-5, 2e-5, 1e-4)
-BF16_BARS = (5e-3, 1e-2, 2e-2)
+BF16_BARS = (5e-3, 1e-2, 5e-2)
 
 
 def keyword_inputs(B, T, H, HV, K, V, options, *, dtype=torch.float32, device="cpu", N=None, gates="mild",
