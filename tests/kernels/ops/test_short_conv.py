@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from rltrain_kernels.ops.short_conv import naive_short_conv, naive_short_conv_update, short_conv, short_conv_update
+from rltrain_kernels.ops.short_conv.kernel import sequence_ids
+from rltrain_kernels.ops.short_conv.kernel_bwd import short_conv_backward
 from tests.helpers import assert_rel_close, case_id, dtype_id
 
 # (B, T, C, W): awkward channel counts (two channel blocks at C = 130), sequences shorter than the window (T = 3 at
@@ -85,9 +87,6 @@ def test_backward_small_tiles_match_float64(width, packed, tile, device):
     """The backward's blocks overlap by W − 1 rows (each yields BT − (W − 1) rows of dx from one dz tile read at W
     shifts; BT rises to 2W where smaller): small tiles, so blocks straddle sequence starts and ends and a program
     walks several blocks. dx, dweight, dbias and dstate against float64 autograd through the naive convolution."""
-    from rltrain_kernels.ops.short_conv.kernel import sequence_ids
-    from rltrain_kernels.ops.short_conv.kernel_bwd import short_conv_backward
-
     C = 20
     cu = torch.tensor([0, 5, 5, 7, 30, 31, 48], device=device, dtype=torch.int32) if packed else None
     B, T = (1, 48) if packed else (2, 23)
