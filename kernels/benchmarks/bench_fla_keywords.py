@@ -1,7 +1,7 @@
 """Benchmark fla's keywords on the gated delta rule (Qwen3-Next's call: the gate and β from raw projections, the state
 in inference engines' [N, HV, V, K] layout) against the same maths as a separate torch pass and against fla 0.6.
 
-    PYTHONPATH=$PWD/kernels:$PWD python3 kernels/benchmarks/bench_fla_keywords.py [--quick]
+    PYTHONPATH=$PWD/kernels:$PWD python3 kernels/benchmarks/bench_fla_keywords.py [--quick | --decode-only]
 
 Correctness first, on fresh random inputs: ours with use_gate_in_kernel + use_beta_sigmoid_in_kernel +
 use_qk_l2norm_in_kernel against the float32 naive recurrence (B1 T300 H2 K=V=128, bf16 inputs: outputs and every
@@ -15,8 +15,10 @@ shape, and the decode step against the torch-pass variant. Then times (triton.te
     ours, precomputed  g and β given, no gate gradients: the floor of both
     fla 0.6, keywords  (its gated chunk backward is refused on Hopper with Triton 3.6, fla #640: the guard is bypassed
                        for timing only, its gradients are not trusted)
-  decode step, B=256, T=1, H=HV=16, K=V=128, fp32 state in [N, HV, V, K] (state_v_first), every keyword:
-    ours in the kernel / ours with a torch pass and the two state transposes / fla 0.6 in its kernel.
+  decode step, B=256, T=1, H=HV=16, K=V=128, fp32 state, GPU time of CUDA-graph replays, ours beside fla 0.6: the
+    state [N, HV, K, V] with g and β given; the same with every keyword; [N, HV, V, K] (state_v_first) with every
+    keyword, and there also ours with a torch pass and the two state transposes. % of copy: the state read and
+    written over a 1 GiB device copy's rate in the same run.
 
 A markdown table is printed last.
 """
@@ -28,7 +30,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 from delta_rule_bench_common import rel
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from rltrain_kernels.ops.gated_delta_rule import (
     chunk_gated_delta_rule,
@@ -130,33 +132,61 @@ def time_chunk(label, fn, x, g=None, beta=None, keywords=False):
     return label, t_fwd, do_bench(fwd_bwd, grad_to_none=leaves, return_mode="median")
 
 
+def copy_tbps() -> float:
+    """The device's copy rate (bytes read + written, TB/s) on a 1 GiB bf16 tensor."""
+    x = torch.empty(2**29, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    return 2 * x.numel() * 2 / do_bench(lambda: y.copy_(x), return_mode="median") / 1e9
+
+
 def time_decode(fla_fused, B=256, H=16, D=128):
-    """Decode rows: (implementation, ms); the three variants checked against each other first."""
-    x = make_inputs(B, 1, H, D, requires_grad=False, state_v_first=True)
-    ours = lambda: keywords_call(fused_recurrent_gated_delta_rule, x, state_v_first=True)  # noqa: E731
-    torch_pass = lambda: torch_pass_call(fused_recurrent_gated_delta_rule, x, state_v_first=True)  # noqa: E731
-    o, ht = ours()
-    o_ref, ht_ref = torch_pass()
-    print(f"decode: in-kernel vs torch pass: o {rel(o, o_ref):.1e}, state {rel(ht, ht_ref):.1e}")
-    rows = [("ours, keywords in the kernel", do_bench(ours, return_mode="median")),
-            ("ours, torch pass + state transposes", do_bench(torch_pass, return_mode="median"))]
-    if fla_fused is not None:
-        fla = lambda: keywords_call(fla_fused, x, state_v_first=True)  # noqa: E731
-        o_fla, ht_fla = fla()
-        print(f"decode: ours vs fla 0.6: o {rel(o, o_fla):.1e}, state {rel(ht, ht_fla):.1e}")
-        rows.append(("fla 0.6, keywords in its kernel", do_bench(fla, return_mode="median")))
+    """Decode rows: (state layout and inputs, implementation, µs, % of copy); each ours checked against fla's (and the
+    torch-pass variant) first."""
+    kv, vk = make_inputs(B, 1, H, D, requires_grad=False), make_inputs(B, 1, H, D, requires_grad=False,
+                                                                        state_v_first=True)
+    with torch.no_grad():
+        g, beta = naive_gdn_gate(kv["g"], kv["A_log"], kv["dt_bias"]), kv["beta"].sigmoid()
+    fused = fused_recurrent_gated_delta_rule
+
+    def given(fn):  # by name: fla's fifth positional argument is gk
+        return fn(q=kv["q"], k=kv["k"], v=kv["v"], g=g, beta=beta, initial_state=kv["initial_state"],
+                  output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    cases = [("[K, V], g and β given", "ours", lambda: given(fused), lambda: given(fla_fused)),
+             ("[K, V], every keyword", "ours, in the kernel", lambda: keywords_call(fused, kv),
+              lambda: keywords_call(fla_fused, kv)),
+             ("[V, K], every keyword", "ours, in the kernel", lambda: keywords_call(fused, vk, state_v_first=True),
+              lambda: keywords_call(fla_fused, vk, state_v_first=True))]
+    o, ht = cases[2][2]()
+    o_ref, ht_ref = torch_pass_call(fused, vk, state_v_first=True)
+    print(f"decode [V, K]: in-kernel vs torch pass: o {rel(o, o_ref):.1e}, state {rel(ht, ht_ref):.1e}")
+    state_bytes, ceiling = 2 * B * H * D * D * 4, copy_tbps()
+    rows = []
+    for layout, label, ours, fla in cases:
+        timed = [(label, ours)]
+        if layout.startswith("[V, K]"):
+            torch_pass = lambda: torch_pass_call(fused, vk, state_v_first=True)  # noqa: E731
+            timed.append(("ours, torch pass + state transposes", torch_pass))
+        if fla_fused is not None:
+            (o, ht), (o_fla, ht_fla) = ours(), fla()
+            print(f"decode {layout}: ours vs fla 0.6: o {rel(o, o_fla):.1e}, state {rel(ht, ht_fla):.1e}")
+            timed.append(("fla 0.6", fla))
+        for name, fn in timed:
+            us = do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3
+            rows.append((layout, name, us, 100 * state_bytes / us / 1e6 / ceiling))
     return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="the issue's shape only")
+    parser.add_argument("--decode-only", action="store_true", help="the decode rows only")
     args = parser.parse_args()
     torch.manual_seed(0)
     fla_chunk, fla_fused = load_fla()
     print(f"device: {torch.cuda.get_device_name()}")
     check_against_naive()
-    shapes = [(2, 1024, 8, 128)] + ([] if args.quick else [(8, 2048, 16, 128)])
+    shapes = [] if args.decode_only else [(2, 1024, 8, 128)] + ([] if args.quick else [(8, 2048, 16, 128)])
     rows = []
     for B, T, H, D in shapes:
         shape = f"B{B} T{T} H{H} K=V={D}"
@@ -185,11 +215,11 @@ def main():
     print("| --- | --- | ---: | ---: |")
     for shape, label, t_fwd, t_all in rows:
         print(f"| {shape} | {label} | {t_fwd:.3f} | {t_all:.3f} |")
-    print("\n## Decode step, B=256, H=HV=16, K=V=128, fp32 state [N, HV, V, K] (state_v_first), every keyword\n")
-    print("| implementation | ms |")
-    print("| --- | ---: |")
-    for label, t in decode:
-        print(f"| {label} | {t:.4f} |")
+    print("\n## Decode step, B=256, H=HV=16, K=V=128, fp32 state (CUDA-graph replays)\n")
+    print("| state, inputs | implementation | µs | % of copy |")
+    print("| --- | --- | ---: | ---: |")
+    for layout, label, us, pct in decode:
+        print(f"| {layout} | {label} | {us:.1f} | {pct:.0f}% |")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rltrain_kernels.ops.gated_delta_rule.inputs import l2norm as plain_l2norm
+from rltrain_kernels.ops.l2norm import naive_l2norm as plain_l2norm
 from rltrain_kernels.ops.l2norm import l2norm as fused_l2norm
 from rltrain_kernels.ops.rmsnorm import gated_rms_norm
 from rltrain_kernels.ops.short_conv import short_conv

@@ -327,7 +327,7 @@ def test_layer_on_the_fused_conv_and_l2norm_equals_the_plain_path(kind, monkeypa
     Outputs, the cache after prefill and decoding, a packed row and every parameter's gradient equal those of the
     plain forms."""
     from rltrain_kernels.layers import iplr, recurrence
-    from rltrain_kernels.ops.gated_delta_rule.inputs import l2norm as plain_l2norm
+    from rltrain_kernels.ops.l2norm import naive_l2norm as plain_l2norm
     from rltrain_kernels.ops.l2norm import l2norm as fused_l2norm
 
     layer = make_layer(kind).to(device)

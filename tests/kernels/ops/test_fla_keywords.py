@@ -44,12 +44,13 @@ CONFIGS = {
     "all": dict(GATE, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, state_v_first=True,
                 use_qk_l2norm_in_kernel=True),
 }
-# Relative-error bars against float64: (outputs, gradients, dA_log / ddt_bias). A_log's and dt_bias's gradients sum
-# dg_t·g_t and da_t over every token of a head, terms of both signs: the sum cancels, so their relative error is
-# a few times dg's (fp32 draws: up to 4e-5 where dg is 2e-6; fla's bar for them is 2e-2 in fp16, 2.5× its dg's).
-# bf16, 41 draws of test_keywords_bf16_inputs: median 5.5e-3, worst 2.5e-2 (dg 8e-3 in that draw), hence 5e-2.
+# Error bars against float64: (outputs, gradients, dA_log / ddt_bias). Outputs and gradients by relative error. A_log's
+# and dt_bias's gradients sum da_t·∂g_t/∂A_log and da_t over every token of a head, terms of both signs that cancel:
+# their error is measured against the sum of the terms' magnitudes (gate_sum_error), which a wrong factor or sign
+# of those terms still moves by O(1). bf16, 60 draws of test_keywords_bf16_inputs (K = 16, so few terms average out):
+# o up to 5.4e-3, gradients up to 9.0e-3 (dg), the gate sums up to 5.0e-3 (their plain relative error: 9.2e-2).
 FP32_BARS = (1e-5, 2e-5, 1e-4)
-BF16_BARS = (5e-3, 1e-2, 5e-2)
+BF16_BARS = (1e-2, 2e-2, 1e-2)
 
 
 def keyword_inputs(B, T, H, HV, K, V, options, *, dtype=torch.float32, device="cpu", N=None, gates="mild",
@@ -123,8 +124,22 @@ def check_against_naive(fn, leaves, options, bars, *, cu_seqlens=None, dg_bar=No
     for name, t in leaves.items():
         assert t.grad is not None, f"no gradient for {name}"
         assert t.grad.dtype == t.dtype and t.grad.shape == t.shape, f"d{name}: {t.grad.dtype} {tuple(t.grad.shape)}"
-        bar = bars[2] if name in ("A_log", "dt_bias") else dg_bar if (name == "g" and dg_bar) else bars[1]
-        assert_rel_close(t.grad, grads[name], threshold=bar, name=f"d{name}")
+        if name in ("A_log", "dt_bias"):
+            err = gate_sum_error(name, leaves, grads)
+            assert err <= bars[2], f"d{name}: error {err:.3e} of the sum of its terms' magnitudes > {bars[2]:.1e}"
+        else:
+            bar = dg_bar if (name == "g" and dg_bar) else bars[1]
+            assert_rel_close(t.grad, grads[name], threshold=bar, name=f"d{name}")
+
+
+def gate_sum_error(name, leaves, grads) -> float:
+    """‖ours − reference‖ of dA_log or ddt_bias over Σ_tokens |term| per head, the terms from the float64 reference:
+    da_t for dt_bias, da_t·∂g_t/∂A_log / (∂g_t/∂a_t) = da_t·softplus(z_t)/sigmoid(z_t) for A_log (z = a + dt_bias)."""
+    da = grads["g"]
+    z = leaves["g"].detach().double() + (leaves["dt_bias"].detach().double() if "dt_bias" in leaves else 0.0)
+    terms = da if name == "dt_bias" else da * F.softplus(z) / torch.sigmoid(z)
+    scale = terms.abs().flatten(0, -2).sum(0)
+    return ((leaves[name].grad.double() - grads[name]).norm() / scale.norm()).item()
 
 
 def options_of(config: str) -> dict:
@@ -314,11 +329,11 @@ def check_state_v_first_exact(impl, kv, options, exact=True):
 
 @pytest.mark.parametrize("impl", list(OPS))
 def test_state_v_first_is_the_transposed_state_exactly(impl, device):
-    """K == V, so no shape tells the layouts apart: bit for bit the [K, V] call's results, transposed (fla's
-    test_chunk_state_v_first checks 1e-4); natively on a GPU, the fused-recurrent kernel within fp32 rounding
-    (test_state_v_first_exact_real_size)."""
+    """K == V, so no shape tells the layouts apart: the chunked op bit for bit the [K, V] call's results, transposed
+    (fla's test_chunk_state_v_first checks 1e-4); the fused-recurrent kernel within fp32 rounding (its [V, K] tile
+    sums its rows in another order)."""
     check_state_v_first_exact(impl, keyword_inputs(2, 70, 1, 2, 16, 16, GATE, device=device), GATE,
-                              exact=impl == "chunk" or device == "cpu")
+                              exact=impl == "chunk")
 
 
 @pytest.mark.parametrize("impl", list(OPS))

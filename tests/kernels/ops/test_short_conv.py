@@ -193,6 +193,27 @@ def test_decode_step_matches_reference(dtype, activation, device):
     assert torch.equal(state, want_state), "state update"
 
 
+@pytest.mark.parametrize("extra", [-1, 0, 2], ids=["S=W-1", "S=W", "S=W+2"])
+def test_decode_step_strided_state_and_input(extra, device):
+    """The decode kernel on a state stored token-major ([B, S, C] seen as [B, C, S]: channel stride 1, column
+    stride C) and on x a channel slice of a wider projection (row stride 3C): y, and the state updated in place in
+    its own storage, against the float64 reference; a second call with the same shapes reuses the compiled kernel."""
+    B, C, W = 3, 40, 4
+    S = W + extra
+    fused = torch.randn(B, 3 * C, dtype=torch.bfloat16, device=device)
+    x = fused[:, C:2 * C]
+    weight, bias = torch.randn(C, W, device=device), torch.randn(C, device=device)
+    storage = torch.randn(B, S, C, dtype=torch.bfloat16, device=device)
+    state = storage.transpose(1, 2)
+    for _ in range(2):
+        want_state = state.double()
+        want = naive_short_conv_update(x.double(), want_state, weight.double(), bias.double(), "silu")
+        y = short_conv_update(x, state, weight, bias, activation="silu")
+        assert_rel_close(y, want, dtype=torch.bfloat16, name="y")
+        assert torch.equal(storage.transpose(1, 2).double(), want_state), "state update in its own storage"
+        x = x.roll(1, 0)
+
+
 def test_decode_step_with_gradients_uses_the_reference(device):
     """With gradients wanted, the decode step is differentiable (the reference path) and still updates the state."""
     B, C, W = 2, 16, 3

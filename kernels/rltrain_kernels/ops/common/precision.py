@@ -185,6 +185,16 @@ def mma(a, b, acc, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def store_rounded(ptr, v, mask, INTERPRETED: tl.constexpr):
+    """Store fp32 v in ptr's element type, rounded to nearest: under the interpreter (INTERPRETED, from
+    utils.triton_interpreted()) the rounding is done first (round_to_bf16), as the GPU's cast does it."""
+    if INTERPRETED:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            v = round_to_bf16(v)
+    tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def cast_for_store(x, ptr, DOT_PREC: tl.constexpr):
     """x in ptr's element type, rounded to nearest also under the interpreter (see round_to_bf16)."""
     if ptr.dtype.element_ty == tl.bfloat16:

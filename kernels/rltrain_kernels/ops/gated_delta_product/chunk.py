@@ -20,7 +20,7 @@ from ..common.state_pass import chunk_states_fwd
 from ..gated_delta_rule import chunk_gated_delta_rule
 from ..gated_delta_rule.chunk_bwd import chunk_gated_delta_rule_bwd
 from ..gated_delta_rule.chunk_fwd import CHUNK_SIZE
-from ..gated_delta_rule.inputs import l2norm
+from ..l2norm import l2norm
 from .chunk_output import strided_output_fwd
 from .inputs import check_inputs
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..gated_delta_rule.inputs import l2norm, sequence_bounds
+from ..gated_delta_rule.inputs import sequence_bounds
+from ..l2norm import naive_l2norm
 from .inputs import check_inputs
 
 
@@ -41,7 +42,7 @@ def naive_recurrent_gated_delta_product(
     n_h = num_householder
     acc = torch.float64 if v.dtype == torch.float64 else torch.float32
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
+        q, k = naive_l2norm(q), naive_l2norm(k)
     # Flatten the batch into one token axis (sub-steps: rows t·n_h + j) and expand q/k to the value heads (GVA).
     qf = q.to(acc).reshape(B * T, H, K).repeat_interleave(group, dim=1) * scale
     kf = k.to(acc).reshape(B * T * n_h, H, K).repeat_interleave(group, dim=1)

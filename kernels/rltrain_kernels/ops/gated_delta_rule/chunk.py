@@ -18,7 +18,8 @@ from ..common.chunking import chunk_layout
 from ..common.precision import check_dot, check_recurrence_dot, op_dot_precision, recurrence_dot_precision
 from .chunk_bwd import chunk_gated_delta_rule_bwd
 from .chunk_fwd import CHUNK_SIZE, chunk_gated_delta_rule_fwd
-from .inputs import check_chunk_size, check_inputs, check_preprocess, l2norm, resolve_state_v_first
+from ..l2norm import l2norm
+from .inputs import check_chunk_size, check_inputs, check_preprocess, resolve_state_v_first
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:

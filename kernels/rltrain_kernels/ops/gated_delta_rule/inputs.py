@@ -16,12 +16,6 @@ from ..common.inputs import check_initial_state, check_packing
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x²) + eps) over the last dim, computed in fp32 (fla's `l2norm` convention), cast back."""
-    xf = x.float() if x.dtype != torch.float64 else x
-    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first: bool = False
                  ) -> tuple[int, int, float]:
     """Validate shapes/dtypes/devices; return (number of sequences N, GVA group size HV // H, scale). The initial

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .inputs import check_inputs, check_preprocess, l2norm, resolve_state_v_first, sequence_bounds
+from ..l2norm import naive_l2norm
+from .inputs import check_inputs, check_preprocess, resolve_state_v_first, sequence_bounds
 
 
 def naive_gdn_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,7 +65,7 @@ def naive_recurrent_gated_delta_rule(
     HV, V = v.shape[2], v.shape[3]
     acc = torch.float64 if v.dtype == torch.float64 else torch.float32
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
+        q, k = naive_l2norm(q), naive_l2norm(k)
     if pre.gate is not None:
         g = naive_gdn_gate(g, *pre.gate)
     if pre.beta_scale:

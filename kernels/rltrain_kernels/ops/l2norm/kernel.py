@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from rltrain_kernels.ops.common.precision import store_rounded
 from rltrain_kernels.ops.rmsnorm.kernel import as_rows
+from rltrain_kernels.utils import triton_interpreted
 
 # Widest row the one-tile-per-row kernels take; wider rows go to the plain-PyTorch path.
 MAX_FUSED_COLS = 65536
@@ -35,17 +37,19 @@ def launch_config(n_cols: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _l2norm_fwd_kernel(x, stride_x, y, n_rows, n_cols, eps, BR: tl.constexpr, BD: tl.constexpr):
+def _l2norm_fwd_kernel(x, stride_x, y, n_rows, n_cols, eps, BR: tl.constexpr, BD: tl.constexpr,
+                       INTERPRETED: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     v = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     r = tl.rsqrt(tl.sum(v * v, axis=1) + eps)
-    tl.store(y + rows[:, None] * n_cols + cols[None, :], (v * r[:, None]).to(y.dtype.element_ty), mask=mask)
+    store_rounded(y + rows[:, None] * n_cols + cols[None, :], v * r[:, None], mask, INTERPRETED)
 
 
 @triton.jit
-def _l2norm_bwd_kernel(x, stride_x, dy, stride_dy, dx, n_rows, n_cols, eps, BR: tl.constexpr, BD: tl.constexpr):
+def _l2norm_bwd_kernel(x, stride_x, dy, stride_dy, dx, n_rows, n_cols, eps, BR: tl.constexpr, BD: tl.constexpr,
+                       INTERPRETED: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -54,7 +58,7 @@ def _l2norm_bwd_kernel(x, stride_x, dy, stride_dy, dx, n_rows, n_cols, eps, BR: 
     r = tl.rsqrt(tl.sum(v * v, axis=1) + eps)
     x_hat = v * r[:, None]
     d = (g - x_hat * tl.sum(g * x_hat, axis=1)[:, None]) * r[:, None]
-    tl.store(dx + rows[:, None] * n_cols + cols[None, :], d.to(dx.dtype.element_ty), mask=mask)
+    store_rounded(dx + rows[:, None] * n_cols + cols[None, :], d, mask, INTERPRETED)
 
 
 def l2norm_forward(x: torch.Tensor, eps: float, output_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +70,8 @@ def l2norm_forward(x: torch.Tensor, eps: float, output_dtype: torch.dtype) -> tu
     if n_rows:
         block_d, block_r, num_warps = launch_config(n_cols)
         _l2norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](x_rows, x_rows.stride(0), y, n_rows, n_cols, eps,
-                                                            BR=block_r, BD=block_d, num_warps=num_warps)
+                                                            BR=block_r, BD=block_d, INTERPRETED=triton_interpreted(),
+                                                            num_warps=num_warps)
     return y, x_rows
 
 
@@ -79,5 +84,5 @@ def l2norm_backward(dy: torch.Tensor, x_rows: torch.Tensor, eps: float) -> torch
         block_d, block_r, num_warps = launch_config(n_cols)
         _l2norm_bwd_kernel[(triton.cdiv(n_rows, block_r),)](x_rows, x_rows.stride(0), dy_rows, dy_rows.stride(0),
                                                             dx, n_rows, n_cols, eps, BR=block_r, BD=block_d,
-                                                            num_warps=num_warps)
+                                                            INTERPRETED=triton_interpreted(), num_warps=num_warps)
     return dx

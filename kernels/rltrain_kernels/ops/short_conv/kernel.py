@@ -26,7 +26,10 @@ import triton.language as tl
 # W = 4 with SiLU, without / with an initial state: 16×128×4 70 / 100, 32×128×4 104 / 174; H200, B4 T4096 C8192:
 # 32×128×4 198 µs, 16×128×4 210. (The backward's tile is kernel_bwd.BACKWARD_TILE.) bench_short_conv.py --sweep.
 FORWARD_TILE = (32, 128, 4)
-BLOCK_D = 128  # the small kernels' channels per program (final state, decode step, state gradients)
+BLOCK_D = 128  # the small kernels' channels per program (final state, state gradients)
+# Decode step: (channels per program, warps). H200, B64 C8192 W4 bf16 [B, C, W] cache: 256×2 3.02 µs, 128×4 3.58,
+# 64×2 6.02; fla 0.6's autotuned kernel 3.06 (.diag-style sweep, interleaved rounds).
+DECODE_TILE = (256, 2)
 # Widest kernel the kernels take (the kernels unroll W shifted loads of x).
 MAX_WIDTH = 8
 ACTIVATIONS = (None, "silu", "swish")
@@ -155,40 +158,44 @@ def _final_state_kernel(
 
 @triton.jit
 def _update_kernel(
-    x, stride_xb,
-    state, stride_sb, stride_sc, stride_ss,
-    weight, bias,
-    y,
-    C, S,
+    x, state, weight, bias, y,
+    C: tl.constexpr, S: tl.constexpr,
+    STRIDE_XB: tl.constexpr, STRIDE_SB: tl.constexpr, STRIDE_SC: tl.constexpr, STRIDE_SS: tl.constexpr,
     W: tl.constexpr,
     SILU: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BS: tl.constexpr,
     BD: tl.constexpr,
 ):
-    """One decode step for BD channels of sequence i_b: y = act(bias + Σ_w weight[:, w] · window[w]) with window =
-    the state's last W − 1 columns then x; the state (S columns) shifts left by one and takes x last, in place."""
-    i_d, i_b = tl.program_id(0), tl.program_id(1)
+    """One decode step for BD channels of sequence i_b: the state (S columns) shifts left by one and takes x last, in
+    place; y = act(bias + Σ_w weight[:, w] · window[w]), the window being the new state's last W columns (when
+    S = W − 1, the old column 0 then the new state). Shapes and strides are constexprs: with them the compiler knows
+    each channel's state row is S contiguous values and loads and stores it whole (a decode loop keeps them fixed;
+    the batch is the grid's and varies freely)."""
+    i_d, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     cols = i_d * BD + tl.arange(0, BD)
     col_mask = cols < C
-    x_row = tl.load(x + i_b.to(tl.int64) * stride_xb + cols, mask=col_mask, other=0.0)
-    row = state + i_b.to(tl.int64) * stride_sb + cols.to(tl.int64) * stride_sc
-    acc = tl.load(weight + cols * W + (W - 1), mask=col_mask, other=0.0).to(tl.float32) * x_row.to(tl.float32)
+    s = tl.arange(0, BS)
+    x_row = tl.load(x + i_b * STRIDE_XB + cols, mask=col_mask, other=0.0)
+    row = state + i_b * STRIDE_SB + cols.to(tl.int64) * STRIDE_SC
+    new = tl.load(row[:, None] + ((s + 1) * STRIDE_SS)[None, :], mask=col_mask[:, None] & (s + 1 < S)[None, :],
+                  other=0.0)
+    new = tl.where((s == S - 1)[None, :], x_row.to(new.dtype)[:, None], new)
+    tap = s - (S - W)  # the weight column that multiplies the new state's column s
+    taps = tl.load(weight + cols[:, None] * W + tap[None, :],
+                   mask=col_mask[:, None] & ((tap >= 0) & (s < S))[None, :], other=0.0)
+    acc = tl.sum(taps.to(tl.float32) * new.to(tl.float32), axis=1)
+    if S < W:  # S = W − 1: the window starts at the old column 0, which the shift drops
+        acc += (tl.load(weight + cols * W, mask=col_mask, other=0.0).to(tl.float32)
+                * tl.load(row, mask=col_mask, other=0.0).to(tl.float32))
     if HAS_BIAS:
         acc += tl.load(bias + cols, mask=col_mask, other=0.0).to(tl.float32)
-    for w in tl.static_range(W - 1):
-        w_tap = tl.load(weight + cols * W + w, mask=col_mask, other=0.0).to(tl.float32)
-        acc += w_tap * tl.load(row + (S - (W - 1) + w) * stride_ss, mask=col_mask, other=0.0).to(tl.float32)
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    tl.store(y + i_b.to(tl.int64) * C + cols, acc.to(y.dtype.element_ty), mask=col_mask)
-    s = tl.arange(0, BS)
-    shifted = tl.load(row[:, None] + ((s + 1) * stride_ss)[None, :],
-                      mask=col_mask[:, None] & (s + 1 < S)[None, :], other=0.0)
-    shifted = tl.where((s == S - 1)[None, :], x_row.to(shifted.dtype)[:, None], shifted)
+    tl.store(y + i_b * C + cols, acc.to(y.dtype.element_ty), mask=col_mask)
     # every thread has read the columns it shifts before any thread overwrites them
     tl.debug_barrier()
-    tl.store(row[:, None] + (s * stride_ss)[None, :], shifted.to(state.dtype.element_ty),
+    tl.store(row[:, None] + (s * STRIDE_SS)[None, :], new.to(state.dtype.element_ty),
              mask=col_mask[:, None] & (s < S)[None, :])
 
 
@@ -265,14 +272,12 @@ def short_conv_update_forward(x: torch.Tensor, conv_state: torch.Tensor, weight:
     y = torch.empty((B, C), dtype=x.dtype, device=x.device)
     if B == 0:
         return y
-    BD = min(BLOCK_D, triton.next_power_of_2(C))
+    BD, num_warps = DECODE_TILE
+    BD = min(BD, triton.next_power_of_2(C))
     _update_kernel[(triton.cdiv(C, BD), B)](
-        x, x.stride(0),
-        conv_state, *conv_state.stride(),
-        weight, bias if bias is not None else weight,
-        y,
-        C, S,
+        x, conv_state, weight, bias if bias is not None else weight, y,
+        C, S, x.stride(0), *conv_state.stride(),
         W=W, SILU=activation is not None, HAS_BIAS=bias is not None,
-        BS=triton.next_power_of_2(S), BD=BD,
+        BS=triton.next_power_of_2(S), BD=BD, num_warps=num_warps,
     )
     return y

@@ -16,22 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from rltrain_kernels.ops.common.precision import round_to_bf16
+from rltrain_kernels.ops.common.precision import store_rounded
 from rltrain_kernels.ops.short_conv.kernel import row_info, row_offset
 from rltrain_kernels.utils import triton_interpreted
 
 # Tile (BT tokens, BD channels, warps): 4096 values per program, 32 per thread at 4 warps.
 TILE = (32, 128, 4)
-
-
-@triton.jit
-def _store_rounded(ptr, v, mask, INTERPRETED: tl.constexpr):
-    """Store fp32 v in ptr's element type, rounded to nearest: the interpreter's own fp32 → bf16 cast truncates, so
-    there the rounding is done first (round_to_bf16), which keeps the results equal to the reference's."""
-    if INTERPRETED:
-        if ptr.dtype.element_ty == tl.bfloat16:
-            v = round_to_bf16(v)
-    tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -63,7 +53,7 @@ def _token_shift_fwd_kernel(
         prev += tl.load(cache + cache_rows, mask=(valid & (p == 0))[:, None] & col_mask[None, :],
                         other=0.0).to(x.dtype.element_ty).to(tl.float32)
     # the exact difference of two values of x's dtype, rounded once: as the reference's subtraction in that dtype
-    _store_rounded(y + g.to(tl.int64)[:, None] * D + cols[None, :], prev - cur.to(tl.float32), mask, INTERPRETED)
+    store_rounded(y + g.to(tl.int64)[:, None] * D + cols[None, :], prev - cur.to(tl.float32), mask, INTERPRETED)
     if OUTPUT_CACHE:
         tl.store(cache_out + cache_rows, cur.to(cache_out.dtype.element_ty),
                  mask=(valid & (p == L - 1))[:, None] & col_mask[None, :])
@@ -97,9 +87,9 @@ def _token_shift_bwd_kernel(
     if HAS_DCACHE_OUT:
         nxt += tl.load(dcache_out + cache_rows, mask=(valid & (p == L - 1))[:, None] & col_mask[None, :],
                        other=0.0).to(tl.float32)
-    _store_rounded(dx + g.to(tl.int64)[:, None] * D + cols[None, :], nxt - cur.to(tl.float32), mask, INTERPRETED)
+    store_rounded(dx + g.to(tl.int64)[:, None] * D + cols[None, :], nxt - cur.to(tl.float32), mask, INTERPRETED)
     if COMPUTE_DCACHE:
-        _store_rounded(dcache + cache_rows, cur.to(tl.float32), (valid & (p == 0))[:, None] & col_mask[None, :],
+        store_rounded(dcache + cache_rows, cur.to(tl.float32), (valid & (p == 0))[:, None] & col_mask[None, :],
                        INTERPRETED)
 
 
