@@ -16,9 +16,9 @@ import torch
 
 from ..common.chunking import chunk_layout
 from ..common.precision import check_dot, check_recurrence_dot, op_dot_precision, recurrence_dot_precision
+from ..l2norm import l2norm
 from .chunk_bwd import chunk_gated_delta_rule_bwd
 from .chunk_fwd import CHUNK_SIZE, chunk_gated_delta_rule_fwd
-from ..l2norm import l2norm
 from .inputs import check_chunk_size, check_inputs, check_preprocess, resolve_state_v_first
 
 
