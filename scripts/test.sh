@@ -5,6 +5,7 @@
 #
 #   bash scripts/test.sh [pytest args]      # the same args select in both stages (-m vllm is added to the second)
 #   RLTRAIN_VLLM_TESTS=0 bash scripts/test.sh ...   # skip the vLLM stage
+#   RLTRAIN_TEST_WORKERS=4 bash scripts/test.sh ... # the first stage's pytest-xdist workers (default 2; 0: in process)
 #
 # On a machine with a CUDA GPU the same suite runs the Triton kernels natively and the @pytest.mark.gpu tests too.
 #
@@ -17,7 +18,7 @@ cd "$root"
 main_log=$(mktemp)
 trap 'rm -f "$main_log"' EXIT
 status=0
-"${RLTRAIN_VENV:-$root/.venv}/bin/python" -m pytest "$@" 2>&1 | tee "$main_log" || status=$?
+"${RLTRAIN_VENV:-$root/.venv}/bin/python" -m pytest -n "${RLTRAIN_TEST_WORKERS:-2}" --dist loadgroup "$@" 2>&1 | tee "$main_log" || status=$?
 if [ "${RLTRAIN_VLLM_TESTS:-1}" != 0 ]; then
     bash "$root/scripts/setup_vllm_env.sh"
     vllm_status=0

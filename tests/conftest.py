@@ -3,6 +3,11 @@ the @pytest.mark.vllm tests where vllm is not installed (scripts/test.sh runs th
 
 TRITON_INTERPRET must be set before triton is first imported, which is why this happens at conftest import time
 (pytest imports conftest before any test module). `import torch` does not import triton.
+
+scripts/test.sh runs the suite on pytest-xdist workers (--dist loadgroup). The system tests (SERIAL: whole training
+jobs, Ray clusters, subprocesses with their own time bounds) form one xdist group, run one after another on one
+worker, so at most one of them competes with the kernel tests for the machine's cores at any time. Each worker's
+own torch ops run on one thread (processes the tests start keep torch's default).
 """
 
 import importlib.util
@@ -16,9 +21,21 @@ HAS_CUDA = torch.cuda.is_available()
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # workers share the cores: 1.7x faster than each spinning up one thread per core
 
 
+SERIAL = ("tests/rltrain/", "tests/test_scripts.py", "tests/test_docker.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # the group first: xdist hands out work in collection order, and the group is the longest unit
+        items.sort(key=lambda item: not item.nodeid.startswith(SERIAL))
+        for item in items:
+            if item.nodeid.startswith(SERIAL):
+                item.add_marker(pytest.mark.xdist_group("system"))
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_vllm = pytest.mark.skip(reason="needs vllm: scripts/test.sh runs these in .venv-vllm")
     for item in items:
