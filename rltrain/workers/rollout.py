@@ -156,7 +156,7 @@ class RolloutWorker:
     def load_bucket(self, bucket: ExportedBucket) -> str:
         """One bucket as an actor rank exported it: opened through CUDA IPC when it lies on this process's GPU,
         else its host copy. Returns the route taken, "ipc" or "host"."""
-        tensors, route = receive(bucket, own=self.engine.keeps_loaded_tensors)
+        tensors, route = receive(bucket, own=self.engine.keeps_loaded_tensors, device=self.device)
         self.engine.load_weights(tensors.items())
         if route == "ipc":  # the copies out of the sender's memory are done before it frees or reuses it
             torch.cuda.synchronize()

@@ -15,15 +15,20 @@ Routes, per rollout process:
   Nothing goes through host memory. One buffer per bucket, so a receiver opens one IPC handle per bucket, not one
   per tensor.
 - "host": CPU runs, and any rollout process that shares no GPU with an actor rank (a log line says so, once, when
-  the push is planned). Actor rank 0 returns the bucket as CPU tensors; Ray keeps that return value in its object
-  store once, and every host receiver is passed the same ObjectRef.
+  the push is planned). Actor rank 0 packs the bucket into one flat buffer (on its GPU, then one device-to-host
+  copy) and returns it as a numpy array (`HostBuffer`): Ray writes such an array into its object store with one
+  copy, keeps it there once for every host receiver (each is passed the same ObjectRef), and hands it to a receiver
+  without a copy; the receiver moves it to its device in one copy and takes views. A dict of tensors would go
+  through torch's pickling twice per tensor (on CPU, 340 MB in 1,000 tensors: 1.2 s out, 0.35 s in, against 0.3 s
+  and 0.004 s as one array).
 
 Memory per bucket: the actor side holds the gathered tensors and the flat buffer (the single-process actor's
-gathered tensors are its parameters themselves), the rollout side its parameters plus, for vLLM, a clone of the
-buffer (the engine's layerwise reload may keep a partly loaded layer's tensors past the call).
+gathered tensors are its parameters themselves; the host route adds the buffer's host copy), the rollout side its
+parameters plus the buffer: the host route's copy on its device or, for vLLM through IPC, a clone (the engine's
+layerwise reload may keep a partly loaded layer's tensors past the call).
 
 Snapshots (trainer.mode one_step_off / async, rltrain/async_rollout.py): the engines may be generating when an
-update ends, so the push is split in two. `snapshot()` has actor rank 0 export every bucket as host tensors, which
+update ends, so the push is split in two. `snapshot()` has actor rank 0 export every bucket as a host buffer, which
 Ray copies into its object store as the call returns (a consistent copy of this version, whatever the actor does
 next); `load_snapshot(refs)` loads them into every rollout process later, between two of the producer's batches.
 Host route only: asynchronous modes put the rollout on devices of its own (rollout.placement=separate), where no
@@ -39,8 +44,10 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
@@ -98,11 +105,36 @@ class IpcBuffer:
 
 
 @dataclass
+class HostBuffer:
+    """A bucket as one flat uint8 array in host memory and its layout (numpy: Ray's object store takes and gives
+    it without pickling each tensor)."""
+    data: np.ndarray
+    slots: list[Slot]
+
+    @classmethod
+    def of(cls, buffer: torch.Tensor, slots: list[Slot]) -> HostBuffer:
+        """From a flat buffer on any device: one copy to host memory when it is not there already."""
+        return cls(buffer.cpu().numpy(), slots)
+
+    def tensors(self, device: torch.device | str = "cpu", own: bool = False) -> dict[str, torch.Tensor]:
+        """The bucket's tensors on `device`: views of one copy of the buffer there, or on the CPU views of the array
+        itself (read-only when it came from Ray's object store) unless `own` asks for a private copy."""
+        with warnings.catch_warnings():  # a read-only array: only ever read through these views unless copied
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            buffer = torch.from_numpy(self.data)
+        if torch.device(device).type != "cpu":
+            buffer = buffer.to(device)
+        elif own:
+            buffer = buffer.clone()
+        return unpack(buffer, self.slots)
+
+
+@dataclass
 class ExportedBucket:
     """What one actor rank returns for one bucket: an IPC handle (ranks with a colocated receiver), a host copy
     (rank 0, when some receiver needs one), or both."""
     ipc: IpcBuffer | None = None
-    host: dict[str, torch.Tensor] | None = None
+    host: HostBuffer | None = None
 
 
 def device_info(device: str) -> tuple[str, str] | None:
@@ -131,9 +163,10 @@ def open_ipc(ipc: IpcBuffer, index: int) -> torch.Tensor:
     return rebuild(*args)
 
 
-def receive(bucket: ExportedBucket, own: bool) -> tuple[dict[str, torch.Tensor], str]:
+def receive(bucket: ExportedBucket, own: bool, device: str = "cpu") -> tuple[dict[str, torch.Tensor], str]:
     """(the bucket's tensors, the route taken): through IPC when the bucket's GPU is visible here, else its host
-    copy. own=True clones an IPC buffer first, for engines that keep loaded tensors past the call."""
+    copy, moved to `device` in one copy. own=True gives tensors no other process or buffer shares (an IPC buffer or
+    a host array is copied first), for engines that keep loaded tensors past the call."""
     if bucket.ipc is not None:
         index = _visible_index(bucket.ipc.uuid)
         if index is not None:
@@ -142,7 +175,7 @@ def receive(bucket: ExportedBucket, own: bool) -> tuple[dict[str, torch.Tensor],
     if bucket.host is None:
         raise RuntimeError(f"weight push: a bucket on GPU {bucket.ipc.uuid if bucket.ipc else '?'} reached a "
                            "process that does not see that GPU, with no host copy")
-    return bucket.host, "host"
+    return bucket.host.tensors(device, own), "host"
 
 
 class WeightSource:
@@ -160,14 +193,14 @@ class WeightSource:
         on rank 0 if `host`; None when neither. The device copy stays alive until the next export or release."""
         self.release_weights()
         full = self.full_weights(names)
-        bucket = ExportedBucket()
+        bucket, packed = ExportedBucket(), None
         if self.rank in ipc_ranks:
-            buffer, slots = pack(full, torch.cuda.current_device())
+            packed = pack(full, torch.cuda.current_device())
             torch.cuda.current_stream().synchronize()  # written before another process reads it
-            self._exported = buffer
-            bucket.ipc = IpcBuffer(device_info("cuda")[0], reduce_tensor(buffer), slots)
+            self._exported = packed[0]
+            bucket.ipc = IpcBuffer(device_info("cuda")[0], reduce_tensor(packed[0]), packed[1])
         if host and self.rank == 0:
-            bucket.host = {name: tensor.cpu() for name, tensor in full.items()}
+            bucket.host = HostBuffer.of(*(packed or pack(full, next(iter(full.values())).device)))
         return bucket if bucket.ipc is not None or bucket.host is not None else None
 
     def release_weights(self) -> None:

@@ -104,7 +104,7 @@ def test_only_adapters_train_and_travel(model_dir):
 
     names = [name for bucket in actor.bucket_names(1) for name in bucket]
     assert set(names) == adapters and len(names) == len(adapters)
-    exported = actor.export_weights(names, ipc_ranks=[], host=True).host
+    exported = actor.export_weights(names, ipc_ranks=[], host=True).host.tensors()
     assert set(exported) == adapters and all(is_adapter_weight(name) for name in exported)
     live = dict(actor.model.named_parameters())
     assert all(torch.equal(exported[name], live[name].detach()) for name in names)

@@ -1,14 +1,17 @@
 """The weight push's pieces (rltrain/workers/weight_sync.py), without Ray: the flat bucket layout round-trips every
 dtype and shape; the pairing of rollout processes with actor ranks by GPU UUID; a bucket whose GPU the receiver does
 not see falls back to its host copy (the CPU-testable side of the IPC route), and with no host copy it fails loudly;
-on CPU an actor exports only a host copy, on rank 0 only.
+a host copy is one flat array that gives views of itself or a private copy; on CPU an actor exports only a host
+copy, on rank 0 only.
 
 @pytest.mark.gpu: the IPC route for real on one GPU — an ActorWorker in this process and a RolloutWorker (hf engine)
 in a spawned one, as Ray colocates them; every bucket arrives by IPC and the engine's log-probs of a fixed batch
 equal the actor's after the push. This module imports no Ray (the GPU machines have none)."""
 
 import multiprocessing
+import warnings
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -16,7 +19,7 @@ from tensordict import TensorDict
 from rltrain.algorithms.config import LossConfig
 from rltrain.workers.actor import ActorConfig, ActorWorker
 from rltrain.workers.weight_sync import (
-    ALIGN_BYTES, ExportedBucket, IpcBuffer, pack, plan_layout, plan_sources, receive, unpack,
+    ALIGN_BYTES, ExportedBucket, HostBuffer, IpcBuffer, pack, plan_layout, plan_sources, receive, unpack,
 )
 from tests.rltrain.tiny_job import save_tiny_policy
 
@@ -44,12 +47,31 @@ def test_rollout_processes_pair_with_the_actor_rank_on_their_gpu():
     assert plan_sources([None], [None, None]) == [None, None]                 # CPU: every process by host
 
 
+def test_host_buffer_gives_views_or_a_private_copy_of_a_read_only_array():
+    """As Ray's object store hands it over: a read-only array. Views of it by default (no copy, no warning),
+    a writable private copy with own=True; the values round-trip either way."""
+    tensors = {"w": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16)}
+    host = HostBuffer.of(*pack(tensors, "cpu"))
+    host.data = np.frombuffer(host.data.tobytes(), dtype=np.uint8)  # read-only, like ray.get's
+    assert not host.data.flags.writeable
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        views = host.tensors()
+    owned = host.tensors(own=True)
+    for name, tensor in tensors.items():
+        assert torch.equal(views[name], tensor) and torch.equal(owned[name], tensor), name
+    owned["w"].fill_(0)  # a private copy: the array is unchanged
+    assert torch.equal(host.tensors()["w"], tensors["w"])
+
+
 def test_a_bucket_on_an_unseen_gpu_falls_back_to_its_host_copy():
-    host = {"w": torch.randn(2, 2)}
+    weights = {"w": torch.randn(2, 2)}
+    host = HostBuffer.of(*pack(weights, "cpu"))
     unseen = IpcBuffer(uuid="GPU-00000000-not-here", handle=(None, ()), slots=[])
     tensors, route = receive(ExportedBucket(ipc=unseen, host=host), own=True)
-    assert route == "host" and tensors is host
-    assert receive(ExportedBucket(host=host), own=False) == (host, "host")
+    assert route == "host" and torch.equal(tensors["w"], weights["w"])
+    tensors, route = receive(ExportedBucket(host=host), own=False)
+    assert route == "host" and torch.equal(tensors["w"], weights["w"])
     with pytest.raises(RuntimeError, match="GPU-00000000-not-here.*no host copy"):
         receive(ExportedBucket(ipc=unseen), own=False)
 
@@ -68,9 +90,9 @@ def test_cpu_actor_exports_a_host_copy_from_rank_0_only(tmp_path):
     actor = _actor(_model_dir(tmp_path))
     names = actor.bucket_names(1)[0]
     bucket = actor.export_weights(names, ipc_ranks=[], host=True)
-    assert bucket.ipc is None and list(bucket.host) == names
-    state = actor.model.state_dict()
-    assert all(torch.equal(bucket.host[name], state[name]) for name in names)
+    assert bucket.ipc is None and isinstance(bucket.host.data, np.ndarray)
+    exported, state = bucket.host.tensors(), actor.model.state_dict()
+    assert list(exported) == names and all(torch.equal(exported[name], state[name]) for name in names)
     actor.rank = 1  # as an FSDP2 rank other than 0 would be: nothing to send
     assert actor.export_weights(names, ipc_ranks=[], host=True) is None
 
