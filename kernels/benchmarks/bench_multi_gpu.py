@@ -13,8 +13,9 @@ For each arch:
    (what a one-GPU user runs), FSDP2 on 1 GPU and on `--world` GPUs (fp32 master weights, bf16 compute); tokens/s,
    tokens/s per GPU, scaling efficiency (per-GPU tokens/s at `--world` over FSDP2's at 1), peak memory per GPU.
 3. Weight push into `--world` rollout replicas (HF engine, one per GPU, beside the actor rank on that GPU): the
-   device route (CUDA IPC from the colocated rank) against the host route (rank 0's host copy, put once in shared
-   memory, as Ray's object store holds it), each the best of `--push-repeats`; then every replica's weights checked
+   device route (CUDA IPC from the colocated rank) against the host route (rank 0's host copy, a numpy array pickled
+   to each replica; Ray's object store takes it in once and hands it out without a copy, so this overstates the
+   host route by a copy per extra replica), each the best of `--push-repeats`; then every replica's weights checked
    against the actor's (fp64 checksums, exact) and every replica generates, concurrently.
 
     python kernels/benchmarks/bench_multi_gpu.py                           # 2 GPUs, qwen3 0.6B + hybrid 1B
@@ -255,8 +256,7 @@ def push(actor, rank: int, world: int, connections: list, repeats: int, device: 
                 bucket = actor.export_weights(names, list(range(world)) if route == "ipc" else [], route == "host")
                 if route == "ipc":
                     assert ask(mine, "bucket", bucket) == "ipc"
-                elif rank == 0:   # one host copy in shared memory, every replica reads it (Ray's object store)
-                    bucket.host = {name: tensor.share_memory_() for name, tensor in bucket.host.items()}
+                elif rank == 0:   # rank 0's host copy to every replica, pickled once per replica
                     for conn in connections:
                         conn.send(("bucket", bucket))
                     assert all(conn.recv() == "host" for conn in connections)

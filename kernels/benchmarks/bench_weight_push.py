@@ -5,8 +5,8 @@ a GPU of its own when two are visible, else sharing one:
 
 - per-tensor: each bucket returned as a dict of CPU tensors, loaded tensor by tensor (the host route up to
   2026-11-26: Ray pickles every tensor on the way in and out);
-- flat: each bucket one flat buffer, one device-to-host copy, returned as a numpy array (weight_sync.HostBuffer:
-  one copy into Ray's object store, none out), moved to the rollout's device in one copy;
+- flat: each bucket one flat buffer, one device-to-host copy through pinned staging, returned as a numpy array
+  (weight_sync.HostBuffer: one copy into Ray's object store, none out), moved to the rollout's device in one copy;
 - ipc: the CUDA IPC route of colocated pushes, the device ceiling (only when both share a GPU).
 
 Export (every bucket in the object store, as snapshot() waits for), load (every bucket into the engine, as
@@ -98,7 +98,7 @@ def push(actor, rollout, buckets: list[list[str]], route: str) -> tuple[float, f
     exported = time.perf_counter()
     ray.get(rollout.begin_weight_update.remote())
     for ref in refs:
-        load = rollout.load_bucket if route == "flat" else rollout.load_per_tensor
+        load = rollout.load_per_tensor if route == "per-tensor" else rollout.load_bucket
         assert ray.get(load.remote(ref)) == "host"
     ray.get(rollout.finish_weight_update.remote())
     ray.get(rollout.sync.remote())

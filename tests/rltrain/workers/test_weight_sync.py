@@ -4,11 +4,13 @@ not see falls back to its host copy (the CPU-testable side of the IPC route), an
 a host copy is one flat array that gives views of itself or a private copy; on CPU an actor exports only a host
 copy, on rank 0 only.
 
-@pytest.mark.gpu: the IPC route for real on one GPU — an ActorWorker in this process and a RolloutWorker (hf engine)
-in a spawned one, as Ray colocates them; every bucket arrives by IPC and the engine's log-probs of a fixed batch
-equal the actor's after the push. This module imports no Ray (the GPU machines have none)."""
+@pytest.mark.gpu: host copies from a GPU through the pinned staging buffer; the IPC route for real on one GPU — an
+ActorWorker in this process and a RolloutWorker (hf engine) in a spawned one, as Ray colocates them; every bucket
+arrives by IPC and the engine's log-probs of a fixed batch equal the actor's after the push. This module imports no
+Ray (Ray's runtime reaches the GPU machines only as the tarball kernels/benchmarks/README.md describes)."""
 
 import multiprocessing
+import pickle
 import warnings
 
 import numpy as np
@@ -51,8 +53,8 @@ def test_host_buffer_gives_views_or_a_private_copy_of_a_read_only_array():
     """As Ray's object store hands it over: a read-only array. Views of it by default (no copy, no warning),
     a writable private copy with own=True; the values round-trip either way."""
     tensors = {"w": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16)}
-    host = HostBuffer.of(*pack(tensors, "cpu"))
-    host.data = np.frombuffer(host.data.tobytes(), dtype=np.uint8)  # read-only, like ray.get's
+    buffer, slots = pack(tensors, "cpu")
+    host = HostBuffer(np.frombuffer(buffer.numpy().tobytes(), dtype=np.uint8), slots)  # read-only, like ray.get's
     assert not host.data.flags.writeable
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -66,7 +68,8 @@ def test_host_buffer_gives_views_or_a_private_copy_of_a_read_only_array():
 
 def test_a_bucket_on_an_unseen_gpu_falls_back_to_its_host_copy():
     weights = {"w": torch.randn(2, 2)}
-    host = HostBuffer.of(*pack(weights, "cpu"))
+    buffer, slots = pack(weights, "cpu")
+    host = HostBuffer(buffer.numpy(), slots)
     unseen = IpcBuffer(uuid="GPU-00000000-not-here", handle=(None, ()), slots=[])
     tensors, route = receive(ExportedBucket(ipc=unseen, host=host), own=True)
     assert route == "host" and torch.equal(tensors["w"], weights["w"])
@@ -155,3 +158,17 @@ def test_ipc_push_on_one_gpu(tmp_path):
     assert (engine_logprobs - actor_logprobs).abs()[valid].max() < 1e-3
     stale = _actor(model_dir, device="cuda").compute_logprobs(batch)  # the check discriminates
     assert (stale - actor_logprobs).abs()[valid].mean() > 0.05
+
+
+@pytest.mark.gpu
+def test_host_copies_from_a_gpu_go_through_one_pinned_staging_buffer(tmp_path):
+    """Each host export is read (pickled, as Ray's object store copies a return value) before the next export
+    reuses the staging buffer; every bucket arrives with the actor's values."""
+    actor = _actor(_model_dir(tmp_path), device="cuda")
+    buckets = [[name] for bucket in actor.bucket_names(1) for name in bucket]
+    sent = [pickle.dumps(actor.export_weights(names, ipc_ranks=[], host=True)) for names in buckets]
+    assert actor._staging.is_pinned()
+    state = actor.model.state_dict()
+    for names, payload in zip(buckets, sent):
+        tensors, route = receive(pickle.loads(payload), own=False, device="cuda")
+        assert route == "host" and all(torch.equal(tensors[name], state[name]) for name in names), names
