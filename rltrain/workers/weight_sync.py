@@ -206,7 +206,7 @@ class WeightSource:
         if buffer.device.type != "cuda":
             return HostBuffer(buffer.numpy(), slots)
         if self._staging is None or self._staging.numel() < buffer.numel():
-            self._staging = None
+            self._staging = None  # the smaller one freed before the larger is pinned
             self._staging = torch.empty(buffer.numel(), dtype=torch.uint8, pin_memory=True)
         staged = self._staging[:buffer.numel()]
         staged.copy_(buffer)
