@@ -18,8 +18,8 @@ cd "$root"
 main_log=$(mktemp)
 trap 'rm -f "$main_log"' EXIT
 status=0
-xdist=(-n "${RLTRAIN_TEST_WORKERS:-2}" --dist loadgroup)   # tests/conftest.py: the system tests' group
-"${RLTRAIN_VENV:-$root/.venv}/bin/python" -m pytest "${xdist[@]}" "$@" 2>&1 | tee "$main_log" || status=$?
+"${RLTRAIN_VENV:-$root/.venv}/bin/python" -m pytest -n "${RLTRAIN_TEST_WORKERS:-2}" "$@" 2>&1 \
+    | tee "$main_log" || status=$?
 if [ "${RLTRAIN_VLLM_TESTS:-1}" != 0 ]; then
     bash "$root/scripts/setup_vllm_env.sh"
     vllm_status=0

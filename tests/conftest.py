@@ -4,9 +4,9 @@ the @pytest.mark.vllm tests where vllm is not installed (scripts/test.sh runs th
 TRITON_INTERPRET must be set before triton is first imported, which is why this happens at conftest import time
 (pytest imports conftest before any test module). `import torch` does not import triton.
 
-scripts/test.sh runs the suite on pytest-xdist workers (--dist loadgroup). The system tests (SERIAL: whole training
-jobs, Ray clusters, subprocesses with their own time bounds) form one xdist group, run one after another on one
-worker, so at most one of them competes with the kernel tests for the machine's cores at any time. Each worker's
+scripts/test.sh runs the suite on pytest-xdist workers. The system tests (SERIAL: whole training jobs, Ray
+clusters, subprocesses with their own time bounds) form one scope of xdist's scheduling, run one after another on
+one worker, so at most one of them competes with the kernel tests for the machine's cores at any time. Each worker's
 own torch ops run on one thread (processes the tests start keep torch's default).
 """
 
@@ -28,14 +28,21 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 SERIAL = ("tests/rltrain/", "tests/test_scripts.py", "tests/test_docker.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: .venv-vllm has no xdist
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with one scope for the SERIAL tests and one per test elsewhere. The largest scope
+    goes out first (xdist's default reordering), so the system tests start at once on one worker. (The xdist_group
+    mark cannot do this under pytest 9: xdist 3.8 renames the test by a private attribute pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SystemTestsInOneScope(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "system" if nodeid.startswith(SERIAL) else nodeid
+
+    return SystemTestsInOneScope(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        # the group first: xdist hands out work in collection order, and the group is the longest unit
-        items.sort(key=lambda item: not item.nodeid.startswith(SERIAL))
-        for item in items:
-            if item.nodeid.startswith(SERIAL):
-                item.add_marker(pytest.mark.xdist_group("system"))
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_vllm = pytest.mark.skip(reason="needs vllm: scripts/test.sh runs these in .venv-vllm")
     for item in items:
