@@ -42,7 +42,7 @@ def checksums(state: dict[str, torch.Tensor]) -> dict[str, float]:
     return {name: tensor.double().sum().item() for name, tensor in state.items()}
 
 
-def roles(device: str):
+def roles():
     """The trainer's ActorWorker / RolloutWorker with what the benchmark asks of them besides the trainer's calls."""
     from rltrain.workers.actor import ActorWorker
     from rltrain.workers.rollout import RolloutWorker
@@ -123,7 +123,7 @@ def run_size(size: str, args, root: str) -> list[dict]:
         path = build_model_dir(size, root)
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     share = 0.5 if gpus == 1 else (1 if gpus else 0)
-    Actor, Rollout = roles(args.device)
+    Actor, Rollout = roles()
     actor = ray.remote(num_gpus=share)(Actor).remote(
         ActorConfig(weight_bucket_mb=args.bucket_mb), LossConfig(), path, "bfloat16", None, 1.0, device=args.device)
     rollout = ray.remote(num_gpus=share)(Rollout).remote(RolloutConfig(), path, "bfloat16", None, device=args.device)
