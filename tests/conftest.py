@@ -30,7 +30,7 @@ SERIAL = ("tests/rltrain/", "tests/test_scripts.py", "tests/test_docker.py")
 KERNEL_TESTS_NICE = 10
 
 
-@pytest.hookimpl(optionalhook=True)  # an xdist hook: .venv-vllm has no xdist
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: a bare pytest has no xdist
 def pytest_xdist_make_scheduler(config, log):
     """xdist's scope scheduling with one scope for the SERIAL tests and one per test elsewhere. The largest scope
     goes out first (xdist's default reordering), so the system tests start at once on one worker. (The xdist_group
