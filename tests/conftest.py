@@ -4,11 +4,11 @@ the @pytest.mark.vllm tests where vllm is not installed (scripts/test.sh runs th
 TRITON_INTERPRET must be set before triton is first imported, which is why this happens at conftest import time
 (pytest imports conftest before any test module). `import torch` does not import triton.
 
-scripts/test.sh runs the suite on pytest-xdist workers. The system tests (SERIAL: whole training jobs, Ray
-clusters, subprocesses with their own time bounds) form one scope of xdist's scheduling, run one after another on
-one worker, so at most one of them competes with the kernel tests for the machine's cores at any time, and the
-kernel tests run at a lower priority. Each worker's own torch ops run on one thread (processes the tests start keep
-torch's default).
+scripts/test.sh runs the suite in two parts (RLTRAIN_TEST_PART): the kernel tests on pytest-xdist workers, each
+worker's torch ops on one thread; then the system tests (SYSTEM: whole training jobs, Ray clusters, subprocesses,
+wall-clock bounds) in one process with the machine to themselves. Run beside the kernel tests they lost their
+bounds, and nice could not help: Ray's processes start sessions of their own, which Linux's autogroup scheduling
+shares the cores with evenly whatever the kernel tests' niceness.
 """
 
 import importlib.util
@@ -26,34 +26,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # workers share the cores: 1.7x faster than each spinning up one thread per core
 
 
-SERIAL = ("tests/rltrain/", "tests/test_scripts.py", "tests/test_docker.py")
-KERNEL_TESTS_NICE = 10
-
-
-@pytest.hookimpl(optionalhook=True)  # an xdist hook: a bare pytest has no xdist
-def pytest_xdist_make_scheduler(config, log):
-    """xdist's scope scheduling with one scope for the SERIAL tests and one per test elsewhere. The largest scope
-    goes out first (xdist's default reordering), so the system tests start at once on one worker. (The xdist_group
-    mark cannot do this under pytest 9: xdist 3.8 renames the test by a private attribute pytest 9 no longer reads.)"""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class SystemTestsInOneScope(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return "system" if nodeid.startswith(SERIAL) else nodeid
-
-    return SystemTestsInOneScope(config, log)
-
-
-def pytest_runtest_setup(item):
-    """Under xdist the kernel tests yield the cores to the system tests (nice 10: only ever raised, and a worker
-    runs no system test after a kernel test, since their scope goes out first). Sharing evenly, the embedded
-    default's learning run took 574 s of its 600 s bound instead of ~270 s."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and not item.nodeid.startswith(SERIAL):
-        if os.getpriority(os.PRIO_PROCESS, 0) < KERNEL_TESTS_NICE:
-            os.setpriority(os.PRIO_PROCESS, 0, KERNEL_TESTS_NICE)
+SYSTEM = ("tests/rltrain/", "tests/test_scripts.py", "tests/test_docker.py")
+PARTS = ("kernels", "system")  # RLTRAIN_TEST_PART: the tests outside SYSTEM, or SYSTEM's alone
 
 
 def pytest_collection_modifyitems(config, items):
+    part = os.environ.get("RLTRAIN_TEST_PART")
+    if part:
+        if part not in PARTS:
+            raise pytest.UsageError(f"RLTRAIN_TEST_PART={part!r}: expected one of {PARTS} (or unset: every test)")
+        keep, drop = [], []
+        for item in items:
+            (keep if item.nodeid.startswith(SYSTEM) == (part == "system") else drop).append(item)
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_vllm = pytest.mark.skip(reason="needs vllm: scripts/test.sh runs these in .venv-vllm")
     for item in items:

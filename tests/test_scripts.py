@@ -1,6 +1,7 @@
 """scripts/test.sh, the README's test command and CI's: when its first stage fails, the failed tests are printed again
 after the vLLM stage's output, so the tail of a CI log names them. Runs the script itself (on a planted failing
-test file, with the vLLM stage stubbed) inside the .venv it manages, so its setup step has nothing to install."""
+test file, with the vLLM stage stubbed) inside the .venv it manages, so its setup step has nothing to install.
+Also: the first stage's two parts (RLTRAIN_TEST_PART, tests/conftest.py) each select their own tests."""
 
 import os
 import subprocess
@@ -30,7 +31,8 @@ def test_failures_of_the_first_stage_are_repeated_last(tmp_path):
         assert original in script, f"scripts/test.sh no longer has {original!r}: update this test"
         script = script.replace(original, stub)
     (tmp_path / "test.sh").write_text(script)
-    env = dict(os.environ, RLTRAIN_VENV=str(VENV), RLTRAIN_VLLM_VENV=str(fake_python.parents[1]))
+    env = dict(os.environ, RLTRAIN_VENV=str(VENV), RLTRAIN_VLLM_VENV=str(fake_python.parents[1]),
+               RLTRAIN_VLLM_TESTS="1")
     out = subprocess.run(["bash", str(tmp_path / "test.sh"), str(failing), "-p", "no:cacheprovider"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 1, out.stdout + out.stderr
@@ -38,3 +40,21 @@ def test_failures_of_the_first_stage_are_repeated_last(tmp_path):
     assert "the first stage (.venv) failed with exit 1" in tail
     assert "FAILED" in tail and "test_demo.py::test_fails" in tail
     assert "1 failed, 1 passed" in tail
+
+
+@pytest.mark.parametrize("part, kept", [("kernels", "tests/test_helpers.py"), ("system", "tests/test_scripts.py")])
+def test_each_part_keeps_its_own_tests(part, kept):
+    """scripts/test.sh runs the kernel tests beside each other and the system tests alone: RLTRAIN_TEST_PART picks."""
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "tests/test_helpers.py", "tests/test_scripts.py"], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, RLTRAIN_TEST_PART=part), timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    files = {line.split("::")[0] for line in out.stdout.splitlines() if "::" in line}
+    assert files == {kept}, out.stdout
+
+
+def test_an_unknown_part_is_refused_by_name():
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "tests/test_helpers.py"], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, RLTRAIN_TEST_PART="kernel"), timeout=120)
+    assert out.returncode != 0 and "RLTRAIN_TEST_PART='kernel'" in out.stdout + out.stderr

@@ -28,7 +28,7 @@ from rltrain.workers.fsdp import FSDPConfig, ShardedPolicy, keyed_by_index, keye
 from rltrain.workers.lora import LoraConfig, adapter_weights, attach_lora, load_adapters
 from rltrain.workers.packing import MicroBatching, Packing
 from rltrain.workers.policy import (
-    load_policy, plan_buckets, policy_hidden, resolve_batching, response_logprobs, set_threads,
+    load_policy, plan_buckets, policy_hidden, resolve_batching, response_logprobs, set_threads, untied_state_dict,
 )
 from rltrain.workers.weight_sync import WeightSource
 
@@ -266,8 +266,8 @@ class ActorWorker(WeightSource):
         return ModelShape.of(self.model)
 
     def pushed_weights(self) -> dict[str, torch.Tensor]:
-        """What the weight push sends: the state_dict, or with LoRA the adapter parameters only."""
-        return self.model.state_dict() if self.adapters is None else adapter_weights(self.model)
+        """What the weight push sends: the state_dict (a tied weight once), or with LoRA the adapter parameters only."""
+        return untied_state_dict(self.model) if self.adapters is None else adapter_weights(self.model)
 
     def bucket_names(self, bucket_mb: int) -> list[list[str]]:
         """pushed_weights' names in buckets of about bucket_mb MB, for the weight push (same on every rank)."""

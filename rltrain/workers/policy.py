@@ -140,6 +140,15 @@ def response_logprobs(model, batch: TensorDict, temperature: float, batching: Mi
     return out * (batch["response_mask"] != 0)
 
 
+def untied_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """model.state_dict() without the later names of tied parameters (Qwen3-0.6B's lm_head.weight is its
+    embed_tokens.weight: a fifth of its bytes). A receiver loads the first name once: vLLM skips lm_head when the
+    embeddings are tied, and the transformers engine's tied head shares that parameter's storage."""
+    kept = {name for name, _ in model.named_parameters()}  # each parameter once, under its first name
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - kept
+    return {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
+
+
 def plan_buckets(state_dict: dict[str, torch.Tensor], bucket_mb: int) -> list[list[str]]:
     """The names of `state_dict` in order, cut into buckets of at most bucket_mb MB (a larger tensor alone), so a
     weight push holds one bucket of full tensors at a time. Sizes are the full (unsharded) ones for DTensors."""

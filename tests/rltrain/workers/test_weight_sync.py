@@ -2,7 +2,7 @@
 dtype and shape; the pairing of rollout processes with actor ranks by GPU UUID; a bucket whose GPU the receiver does
 not see falls back to its host copy (the CPU-testable side of the IPC route), and with no host copy it fails loudly;
 a host copy is one flat array that gives views of itself or a private copy; on CPU an actor exports only a host
-copy, on rank 0 only.
+copy, on rank 0 only; a tied weight goes once and reaches both names.
 
 @pytest.mark.gpu: host copies from a GPU through the pinned staging buffer; the IPC route for real on one GPU — an
 ActorWorker in this process and a RolloutWorker (hf engine) in a spawned one, as Ray colocates them; every bucket
@@ -98,6 +98,37 @@ def test_cpu_actor_exports_a_host_copy_from_rank_0_only(tmp_path):
     assert list(exported) == names and all(torch.equal(exported[name], state[name]) for name in names)
     actor.rank = 1  # as an FSDP2 rank other than 0 would be: nothing to send
     assert actor.export_weights(names, ipc_ranks=[], host=True) is None
+
+
+def test_a_tied_weight_is_pushed_once_and_the_engine_head_follows_it(tmp_path):
+    """A Qwen3 with tied embeddings (as Qwen3-0.6B): the push leaves out lm_head.weight, and after it every entry of
+    the transformers engine's state_dict, its head included, equals the updated actor's."""
+    from rltrain.workers.rollout import RolloutConfig, RolloutWorker
+
+    import transformers as tf
+
+    model_dir = _model_dir(tmp_path)
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.save_pretrained(model_dir)  # the embedding once, as a tied checkpoint is saved
+    actor = _actor(model_dir)
+    assert actor.model.lm_head.weight is actor.model.model.embed_tokens.weight
+    buckets = actor.bucket_names(1)
+    names = [name for bucket in buckets for name in bucket]
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    assert set(names) == set(actor.model.state_dict()) - {"lm_head.weight"}
+    with torch.no_grad():  # an update: the engine's load is checked against weights it never had
+        for param in actor.model.parameters():
+            param.add_(torch.randn_like(param))
+    rollout = RolloutWorker(RolloutConfig(torch_threads=1), model_dir, "float32", None, device="cpu")
+    rollout.begin_weight_update()
+    for bucket in buckets:
+        rollout.load_bucket(actor.export_weights(bucket, ipc_ranks=[], host=True))
+    rollout.finish_weight_update()
+    pushed, expected = rollout.engine.model.state_dict(), actor.model.state_dict()
+    assert set(pushed) == set(expected)
+    assert all(torch.equal(pushed[name], expected[name]) for name in expected)
 
 
 def _fixed_batch(vocab: int) -> TensorDict:
