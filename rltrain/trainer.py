@@ -1,12 +1,13 @@
 """The single controller: holds the GRPO loop and nothing heavy; the roles are Ray actors holding the models.
 
 One step: sample prompts → rollout (n responses each, split across the rollout replicas) → reward (and DAPO's
-length shaping) → old (and reference) log-probs → advantages (REINFORCE++'s KL penalty in the reward needs both
-log-probs) → actor update → push the new weights into every rollout replica.
+length shaping) → old (and reference, and with algorithm.distill the teacher's) log-probs → advantages
+(REINFORCE++'s KL penalty in the reward needs the reference's, distillation's per-token term the teacher's) → actor
+update → push the new weights into every rollout replica.
 Validation (trainer.val_n responses per prompt, by default one, greedy) runs at step 0, every trainer.val_every
 steps and at the end; checkpoints every trainer.save_every steps and at the end. Each step's record says where its
-time went (time/*_s: rollout, reward, old_logprob, ref, update, weight_sync, step) and how fast the rollout and the
-actor ran (perf/*; rltrain/perf.py).
+time went (time/*_s: rollout, reward, old_logprob, ref, teacher, update, weight_sync, step) and how fast the rollout
+and the actor ran (perf/*; rltrain/perf.py).
 trainer.mode one_step_off / async hand the sampling, rollout and scoring to a RolloutProducer thread
 (rltrain/async_rollout.py) that runs while the actor trains; the step takes its batch from the producer's queue and
 publishes each update's weights to it instead of pushing them. Every response carries the weight version that
@@ -46,7 +47,7 @@ from rltrain.workers.actor import ActorWorker, FSDPActorWorker
 from rltrain.workers.agent_loop import episode_metrics, prompt_tools
 from rltrain.workers.group import kill, place_model_roles, start_role
 from rltrain.workers.lora import check_target_modules_of
-from rltrain.workers.reference import FSDPReferenceWorker, ReferenceWorker
+from rltrain.workers.reference import FSDPReferenceWorker, ReferenceWorker, check_teacher
 from rltrain.workers.reward import RewardWorker
 from rltrain.workers.rollout_group import RolloutReplicas, place_rollout
 from rltrain.workers.weight_sync import WeightPush
@@ -96,6 +97,8 @@ class GRPOTrainer:
         self.tokenizer = load_tokenizer(self.model_dir, padding_side="left")
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        if job.algorithm.distill.enabled:
+            check_teacher(job.algorithm.distill.teacher_path, self.tokenizer)
         limit = job.data.max_prompt_length
         self.tools = prompt_tools(job.rollout.multi_turn)  # chat prompts carry the tools' schemas: measured with them
         self.sampler = PromptSampler(drop_long_prompts(train_rows, self.tokenizer, limit, "data.train_files",
@@ -125,8 +128,8 @@ class GRPOTrainer:
         # rollout.placement=separate: the rollout replicas hold devices of their own (place_rollout), so the engines
         # can generate while the actor trains, and the model roles share only their bundles
         needs_reference = job.algorithm.loss.kl_coef > 0 and not job.actor.lora.enabled
-        separate = job.rollout.placement == "separate"
-        model_roles = (3 if needs_reference else 2) - separate
+        distill, separate = job.algorithm.distill, job.rollout.placement == "separate"
+        model_roles = 2 + needs_reference + distill.enabled - separate
         share, sharded = 1 / model_roles, job.actor.strategy == "fsdp2"
         self.placement = place_model_roles(job.trainer.nnodes, job.trainer.n_gpus_per_node, self.device,
                                            job.ray.placement_timeout_s)
@@ -145,11 +148,14 @@ class GRPOTrainer:
         self.rollout = RolloutReplicas(job.rollout, self.rollout_placement or self.placement,
                                        1.0 if separate else share, job.ray.placement_timeout_s, lora=job.actor.lora,
                                        logprobs=job.rollout_reports_logprobs, **common)
-        self.reference = None
-        if needs_reference:
-            self.reference = start_role(FSDPReferenceWorker if sharded else ReferenceWorker, self.placement, share,
-                                        sharded, temperature=temperature, batching=job.actor.micro_batching,
-                                        **(dict(fsdp=job.actor.fsdp) if sharded else {}), **common)
+
+        def frozen(model_path: str):  # a ReferenceWorker: the reference, or distillation's teacher
+            return start_role(FSDPReferenceWorker if sharded else ReferenceWorker, self.placement, share, sharded,
+                              temperature=temperature, batching=job.actor.micro_batching,
+                              **(dict(fsdp=job.actor.fsdp) if sharded else {}), **dict(common, model_path=model_path))
+
+        self.reference = frozen(self.model_dir) if needs_reference else None
+        self.teacher = frozen(distill.teacher_path) if distill.enabled else None
         self.reward = ray.remote(RewardWorker).options(num_cpus=0).remote(job.reward, self.model_dir)
         self.weight_push = WeightPush(self.actor, self.rollout, job.actor.weight_bucket_mb)
         self.model_shape = ray.get(self.actor.model_shape.remote())
@@ -255,6 +261,9 @@ class GRPOTrainer:
         if job.algorithm.loss.kl_coef > 0:
             with timer.phase("ref"):
                 batch["ref_logprobs"] = ray.get(self._reference_logprobs(batch))
+        if self.teacher is not None:
+            with timer.phase("teacher"):
+                batch["teacher_logprobs"] = ray.get(self.teacher.compute_logprobs.remote(batch))
         batch["advantages"], advantage_metrics = batch_advantages(batch, job.algorithm)
         metrics.update(advantage_metrics)
         with timer.phase("update"):
@@ -411,7 +420,7 @@ class GRPOTrainer:
         self.tracker.close()
         ray.get(self.reward.close.remote())
         self.rollout.kill()
-        for handle in (self.actor, self.reference, self.reward):
+        for handle in (self.actor, self.reference, self.teacher, self.reward):
             kill(handle)
         self.placement.remove()
         if self.rollout_placement is not None:

@@ -17,7 +17,8 @@ advantages `[B, T]` (zero where the mask is zero). With G responses r_1..r_G in 
 Groups of one response get advantage 0 under grpo/drgrpo/rloo (no baseline exists).
 
 `batch_advantages(batch, algorithm)` is what the trainer calls: the configured estimator with REINFORCE++'s KL
-penalty in the reward (`kl_reward`) and discount where the algorithm config asks for them.
+penalty in the reward (`kl_reward`) and discount where the algorithm config asks for them, plus on-policy
+distillation's per-token term (`distill_advantages`, algorithm.distill) added to whatever the estimator gives.
 """
 
 from __future__ import annotations
@@ -135,4 +136,22 @@ def batch_advantages(batch: TensorDict, algorithm: AlgorithmConfig) -> tuple[tor
         metrics["train/kl_penalty_mean"] = options["token_rewards"].sum(1).mean().item()  # per response
     advantages = compute_advantages(algorithm.adv_estimator, batch["rewards"], batch["response_mask"],
                                     batch["group_ids"], **options)
+    if algorithm.distill.enabled:
+        term, reverse_kl = distill_advantages(batch["old_logprobs"], batch["teacher_logprobs"],
+                                              batch["response_mask"], algorithm.distill.coef)
+        advantages = advantages + term
+        metrics["train/distill_reverse_kl"] = reverse_kl
     return advantages, metrics
+
+
+def distill_advantages(old_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                       coef: float) -> tuple[torch.Tensor, float]:
+    """On-policy distillation's per-token advantage, coef·(log π_teacher − log π_old) of each sampled response token
+    ([B, T] fp32, 0 where masked), and the mean over response tokens of log π_old − log π_teacher: a sample of the
+    per-token reverse KL(π_old ‖ π_teacher) that the term pushes down. Each token gets its own term only (no
+    returns), so the policy gradient moves every sampled token toward the teacher's log-prob of it."""
+    mask = response_mask != 0
+    gap = old_logprobs.double() - teacher_logprobs.double()
+    tokens = int(mask.sum())
+    reverse_kl = float(gap[mask].sum() / tokens) if tokens else 0.0
+    return torch.where(mask, -coef * gap, 0.0).to(torch.float32), reverse_kl

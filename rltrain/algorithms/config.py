@@ -1,5 +1,5 @@
 """The `algorithm` config section: advantage estimator, policy-loss options (passed to
-rltrain_kernels.fused_policy_loss), the DAPO switches and the rollout importance correction.
+rltrain_kernels.fused_policy_loss), the DAPO switches, the rollout importance correction and on-policy distillation.
 
 `algorithm.loss` is the loss's own spec: its keys are fused_policy_loss's options (the kernel's PolicyLossOptions,
 less the per-call temperature and normalisers; `kernel_options()`), and validate() runs that class's checks, so the
@@ -8,6 +8,7 @@ on the policy-gradient term (rltrain/algorithms/rollout_correction.py), not a ke
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from rltrain.algorithms.advantages import ADVANTAGES
@@ -61,6 +62,21 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class DistillConfig:
+    teacher_path: str | None = None  # a transformers model with the policy's tokenizer; null = no distillation
+    coef: float = 1.0                # weight of the per-token reverse-KL term in the advantages
+
+    @property
+    def enabled(self) -> bool:
+        return self.teacher_path is not None
+
+    def validate(self):
+        require(self.teacher_path is None or os.path.isfile(os.path.join(self.teacher_path, "config.json")),
+                "teacher_path", "must be a transformers model directory (it has no config.json)", self.teacher_path)
+        require(self.coef > 0, "coef", "must be > 0", self.coef)
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"           # grpo | drgrpo | rloo | reinforce_pp
     loss: LossConfig = field(default_factory=LossConfig)
@@ -72,6 +88,7 @@ class AlgorithmConfig:
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO: soft punishment
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)  # TIS / MIS
     old_logprobs: str = "actor"           # actor (recomputed before the update) | rollout (the sampling engine's)
+    distill: DistillConfig = field(default_factory=DistillConfig)  # on-policy distillation from a teacher
 
     def actor_loss(self, max_new_tokens: int) -> LossConfig:
         """The loss the actor trains with: Dr.GRPO's constant length resolved (norm_len, by default the generation

@@ -1,9 +1,13 @@
-"""ReferenceWorker: a frozen copy of the initial policy; per-token log-probs for the KL term. Started only when
-algorithm.loss.kl_coef > 0. It cuts batches like the actor (`actor.micro_batch_size`, `use_remove_padding`,
-`max_tokens_per_micro_batch`). FSDPReferenceWorker is the same role sharded like the actor (actor.strategy=fsdp2;
-rltrain/workers/fsdp.py)."""
+"""ReferenceWorker: a frozen model's per-token log-probs of the responses. Two roles use it: the reference (a copy
+of the initial policy, for the KL term; started when algorithm.loss.kl_coef > 0) and the teacher of on-policy
+distillation (algorithm.distill.teacher_path, a model with the policy's tokenizer; `check_teacher`). It cuts batches
+like the actor (`actor.micro_batch_size`, `use_remove_padding`, `max_tokens_per_micro_batch`). FSDPReferenceWorker is
+the same role sharded like the actor (actor.strategy=fsdp2; rltrain/workers/fsdp.py)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import torch
 from rltrain_kernels.registry import KernelConfig
@@ -11,7 +15,29 @@ from tensordict import TensorDict
 
 from rltrain.workers.fsdp import FSDPConfig, ShardedPolicy
 from rltrain.workers.packing import MicroBatching
-from rltrain.workers.policy import load_policy, resolve_batching, response_logprobs, set_threads
+from rltrain.config import ConfigError
+from rltrain.workers.policy import load_policy, load_tokenizer, resolve_batching, response_logprobs, set_threads
+
+TEACHER_KEY = "algorithm.distill.teacher_path"
+
+
+def check_teacher(path: str, tokenizer) -> None:
+    """Refuse, naming the key, a teacher model directory (config.json checked by DistillConfig) that cannot score
+    the policy's responses: no tokenizer, a tokenizer other than the policy's (its log-probs would be of other
+    tokens) or a vocabulary without a row for every token id of it."""
+    try:
+        teacher = load_tokenizer(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{TEACHER_KEY}: {path!r} holds no tokenizer to compare with the policy's "
+                          f"({type(err).__name__}: {str(err).splitlines()[0]})") from None
+    if teacher.get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(f"{TEACHER_KEY}: the teacher's tokenizer ({len(teacher)} tokens) is not the policy's "
+                          f"({len(tokenizer)}): distillation compares the two models' log-probs of the same token ids")
+    fields = json.loads((Path(path) / "config.json").read_text())
+    vocab = fields.get("vocab_size", fields.get("text_config", {}).get("vocab_size"))
+    if vocab is not None and vocab < len(tokenizer):
+        raise ConfigError(f"{TEACHER_KEY}: the teacher's vocab_size {vocab} has no row for token ids "
+                          f"{vocab}..{len(tokenizer) - 1} of the tokenizer")
 
 
 class ReferenceWorker:

@@ -280,8 +280,11 @@ def test_cli_reports_bad_data_and_model_paths_without_a_trace(tmp_path):
      "actor.fsdp.cpu_offload: needs a CUDA device (trainer.device resolves to cpu)"),
     ("trainer.device=cpu rollout.replicas=64 ray.num_cpus=2",
      "rollout.replicas: each CPU replica holds a CPU, and ray.num_cpus = 2 (got 64)"),
+    ("algorithm.distill.teacher_path={missing}",
+     "algorithm.distill.teacher_path: must be a transformers model directory (it has no config.json) "
+     "(got '{missing}')"),
 ], ids=["reward-path-missing", "reward-path-broken", "reward-name-not-in-file", "kernel-id-unknown",
-        "cpu-offload-without-cuda", "cpu-replicas-beyond-cpus"])
+        "cpu-offload-without-cuda", "cpu-replicas-beyond-cpus", "distill-teacher-missing"])
 def test_cli_rejects_values_that_used_to_fail_inside_ray_actors(tmp_path, override, message):
     paths = {"missing": tmp_path / "missing.py", "broken": tmp_path / "broken.py", "plugin": tmp_path / "plugin.py"}
     paths["broken"].write_text("import not_a_real_module_xyz\n")

@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from rltrain.algorithms.advantages import ADVANTAGES, batch_advantages, compute_advantages, kl_reward
-from rltrain.algorithms.config import AlgorithmConfig, LossConfig
+from rltrain.algorithms.config import AlgorithmConfig, DistillConfig, LossConfig
 
 
 def _case():
@@ -100,6 +100,25 @@ def test_kl_in_reward_puts_minus_beta_k1_on_each_token():
     without, _ = batch_advantages(batch, AlgorithmConfig(adv_estimator="reinforce_pp", loss=LossConfig(kl_coef=0.1)))
     assert not torch.allclose(without, advantages)
     assert algorithm.actor_loss(8).kl_coef == 0.0   # the penalty is in the reward, not in the loss
+
+
+def test_distillation_adds_coef_times_teacher_minus_old_on_each_response_token():
+    """algorithm.distill: each response token's advantage gains coef·(log π_teacher − log π_old), on top of the
+    estimator's; masked tokens get nothing; the logged reverse KL is the mean of old − teacher over response tokens."""
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]])
+    teacher = torch.tensor([[-0.5, -3.0, -0.5], [-0.1, -0.2, -9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    batch = TensorDict({"rewards": torch.tensor([1.0, 0.0, 0.5, 0.5]), "response_mask": torch.cat([mask, mask]),
+                        "group_ids": torch.tensor([0, 0, 1, 1]), "old_logprobs": torch.cat([old, old]),
+                        "teacher_logprobs": torch.cat([teacher, teacher])}, batch_size=[4])
+    plain, _ = batch_advantages(batch, AlgorithmConfig())
+    distilled, metrics = batch_advantages(batch, AlgorithmConfig(distill=DistillConfig(teacher_path="t", coef=0.5)))
+    term = torch.tensor([[0.25, -0.5, 0.0], [0.1, 0.25, 0.0]])
+    torch.testing.assert_close(distilled - plain, torch.cat([term, term]))
+    # the second group's rewards are equal: its advantages are the distillation term alone
+    torch.testing.assert_close(distilled[2:], term)
+    assert metrics["train/distill_reverse_kl"] == pytest.approx((-0.5 + 1.0 + 0.0 - 0.2 - 0.5) / 5)
+    assert "train/distill_reverse_kl" not in batch_advantages(batch, AlgorithmConfig())[1]
 
 
 def test_groups_are_independent_of_order():
