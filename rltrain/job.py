@@ -85,6 +85,9 @@ class JobConfig:
                 f"must be < rollout.max_new_tokens = {self.rollout.max_new_tokens}", self.algorithm.overlong_buffer.len)
         require(self.trainer.val_n == 1 or self.rollout.val_temperature > 0, "trainer.val_n",
                 "> 1 needs rollout.val_temperature > 0 (greedy responses are all alike)", self.trainer.val_n)
+        require(not self.algorithm.distill.exact or self.actor.strategy == "single", "algorithm.distill.kl",
+                "'exact' needs actor.strategy=single (the teacher runs in the actor's process, unsharded); "
+                "'sampled' works under fsdp2", self.algorithm.distill.kl)
         device = resolve_device(self.trainer.device)
         if self.actor.fsdp.cpu_offload:
             require(device == "cuda", "actor.fsdp.cpu_offload", f"needs a CUDA device (trainer.device resolves to "

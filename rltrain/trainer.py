@@ -129,7 +129,8 @@ class GRPOTrainer:
         # can generate while the actor trains, and the model roles share only their bundles
         needs_reference = job.algorithm.loss.kl_coef > 0 and not job.actor.lora.enabled
         distill, separate = job.algorithm.distill, job.rollout.placement == "separate"
-        model_roles = 2 + needs_reference + distill.enabled - separate
+        teacher_worker = distill.enabled and not distill.exact  # exact: the teacher lives in the actor's process
+        model_roles = 2 + needs_reference + teacher_worker - separate
         share, sharded = 1 / model_roles, job.actor.strategy == "fsdp2"
         self.placement = place_model_roles(job.trainer.nnodes, job.trainer.n_gpus_per_node, self.device,
                                            job.ray.placement_timeout_s)
@@ -144,7 +145,8 @@ class GRPOTrainer:
         self.actor = start_role(FSDPActorWorker if sharded else ActorWorker, self.placement, share, sharded,
                                 config=actor_config, loss=job.algorithm.actor_loss(job.rollout.max_new_tokens),
                                 temperature=temperature, seed=job.trainer.seed,
-                                total_steps=job.trainer.total_steps, **common)
+                                total_steps=job.trainer.total_steps,
+                                **(dict(distill=distill) if distill.exact else {}), **common)
         self.rollout = RolloutReplicas(job.rollout, self.rollout_placement or self.placement,
                                        1.0 if separate else share, job.ray.placement_timeout_s, lora=job.actor.lora,
                                        logprobs=job.rollout_reports_logprobs, **common)
@@ -155,7 +157,7 @@ class GRPOTrainer:
                               **(dict(fsdp=job.actor.fsdp) if sharded else {}), **dict(common, model_path=model_path))
 
         self.reference = frozen(self.model_dir) if needs_reference else None
-        self.teacher = frozen(distill.teacher_path) if distill.enabled else None
+        self.teacher = frozen(distill.teacher_path) if teacher_worker else None
         self.reward = ray.remote(RewardWorker).options(num_cpus=0).remote(job.reward, self.model_dir)
         self.weight_push = WeightPush(self.actor, self.rollout, job.actor.weight_bucket_mb)
         self.model_shape = ray.get(self.actor.model_shape.remote())

@@ -136,7 +136,7 @@ def batch_advantages(batch: TensorDict, algorithm: AlgorithmConfig) -> tuple[tor
         metrics["train/kl_penalty_mean"] = options["token_rewards"].sum(1).mean().item()  # per response
     advantages = compute_advantages(algorithm.adv_estimator, batch["rewards"], batch["response_mask"],
                                     batch["group_ids"], **options)
-    if algorithm.distill.enabled:
+    if algorithm.distill.enabled and not algorithm.distill.exact:  # exact: a term of the actor's loss instead
         term, reverse_kl = distill_advantages(batch["old_logprobs"], batch["teacher_logprobs"],
                                               batch["response_mask"], algorithm.distill.coef)
         advantages = advantages + term

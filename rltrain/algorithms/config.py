@@ -61,19 +61,32 @@ class OverlongBufferConfig:
         require(self.penalty_factor >= 0, "penalty_factor", "must be >= 0", self.penalty_factor)
 
 
+DISTILL_KL = ("sampled", "exact")
+
+
 @dataclass
 class DistillConfig:
+    """On-policy distillation's reverse KL(π ‖ π_teacher) at each response token, by one of two estimators:
+    `sampled`, the sampled token's log-ratio as a per-token advantage (a teacher worker scores the tokens; any actor
+    strategy), or `exact`, the full-vocabulary KL from both models' hidden states (rltrain_kernels linear_kl_div, no
+    logits materialised) added to the actor's loss (the teacher in the actor's process; actor.strategy=single)."""
     teacher_path: str | None = None  # a transformers model with the policy's tokenizer; null = no distillation
-    coef: float = 1.0                # weight of the per-token reverse-KL term in the advantages
+    coef: float = 1.0                # weight of the reverse-KL term
+    kl: str = "sampled"              # sampled | exact
 
     @property
     def enabled(self) -> bool:
         return self.teacher_path is not None
 
+    @property
+    def exact(self) -> bool:
+        return self.enabled and self.kl == "exact"
+
     def validate(self):
         require(self.teacher_path is None or os.path.isfile(os.path.join(self.teacher_path, "config.json")),
                 "teacher_path", "must be a transformers model directory (it has no config.json)", self.teacher_path)
         require(self.coef > 0, "coef", "must be > 0", self.coef)
+        require(self.kl in DISTILL_KL, "kl", f"must be one of {', '.join(DISTILL_KL)}", self.kl)
 
 
 @dataclass

@@ -5,8 +5,10 @@ An update makes actor.ppo_epochs passes over the batch, each in mini-batches of 
 (an optimizer step each) drawn in an order seeded by (trainer.seed, step, pass), so a run replays; the learning rate
 of each update follows actor.lr_scheduler (LRSchedule), whose position, the number of updates done, is saved with
 every checkpoint. With actor.lora.rank > 0 only LoRA adapters train, and the reference log-probs come from this
-worker's own model with the adapters disabled (rltrain/workers/lora.py). FSDPActorWorker is the same role sharded over
-the ranks of a WorkerGroup (actor.strategy=fsdp2; rltrain/workers/fsdp.py)."""
+worker's own model with the adapters disabled (rltrain/workers/lora.py). With algorithm.distill.kl=exact the worker
+also holds the frozen teacher, and each micro-batch's loss gains coef × the exact reverse KL to it (linear_kl_div from
+both models' hidden states; actor/distill_kl). FSDPActorWorker is the same role sharded over the ranks of a
+WorkerGroup (actor.strategy=fsdp2; rltrain/workers/fsdp.py)."""
 
 from __future__ import annotations
 
@@ -20,10 +22,10 @@ from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 
-from rltrain.algorithms.config import LossConfig
+from rltrain.algorithms.config import DistillConfig, LossConfig
 from rltrain.config import require
 from rltrain.perf import ModelShape
-from rltrain.workers.batch import split
+from rltrain.workers.batch import IGNORE_INDEX, split
 from rltrain.workers.fsdp import FSDPConfig, ShardedPolicy, keyed_by_index, keyed_by_name
 from rltrain.workers.lora import LoraConfig, adapter_weights, attach_lora, load_adapters
 from rltrain.workers.packing import MicroBatching, Packing
@@ -136,10 +138,12 @@ def minibatch_order(size: int, seed: int, step: int, epoch: int) -> torch.Tensor
 
 class ActorWorker(WeightSource):
     adapters = None  # the PeftModel wrapping self.model with actor.lora on (FSDPActorWorker: never)
+    teacher = None   # algorithm.distill.kl=exact: the frozen teacher whose KL joins the loss (FSDPActorWorker: never)
 
     def __init__(self, config: ActorConfig, loss: LossConfig, model_path: str, dtype: str,
                  kernel_config: KernelConfig | None, temperature: float, device: str = "cpu", seed: int = 0,
-                 attn_implementation: str = "auto", total_steps: int | None = None):
+                 attn_implementation: str = "auto", total_steps: int | None = None,
+                 distill: DistillConfig | None = None):
         set_threads(config.torch_threads)
         torch.manual_seed(seed)
         self.config, self.loss, self.temperature, self.device = config, loss, temperature, device
@@ -153,6 +157,10 @@ class ActorWorker(WeightSource):
         self.model.train()
         self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=config.lr,
                                            weight_decay=config.weight_decay)
+        if distill is not None:
+            self.distill_coef = distill.coef
+            self.teacher = load_policy(distill.teacher_path, dtype, kernel_config, device, attn_implementation)
+            self.teacher.eval().requires_grad_(False)
 
     @contextmanager
     def _scoring(self):
@@ -212,8 +220,14 @@ class ActorWorker(WeightSource):
             micro_tokens = micro["response_mask"].sum().item()
             micro_seqs = int((micro["response_mask"].sum(1) > 0).sum())
             out = self._policy_loss(micro, accumulation.options())
+            if self.teacher is not None:  # the exact reverse KL to the teacher, a token mean over the mini-batch
+                out, kl_sum = out
+                sums["distill_kl"] = sums.get("distill_kl", 0.0) + kl_sum.item() / n_tokens
             scale = accumulation.weight(micro.batch_size[0], micro_seqs)
-            (out.loss * scale).backward()
+            loss = out.loss * scale
+            if self.teacher is not None:
+                loss = loss + self.distill_coef * kl_sum / n_tokens
+            loss.backward()
             sums["loss"] += out.loss.item() * scale
             for key in ("entropy", "ppo_kl", "clipfrac", "ref_kl"):  # token means -> weight by tokens
                 sums[key] += out.metrics[key] * micro_tokens / n_tokens
@@ -241,10 +255,24 @@ class ActorWorker(WeightSource):
             options["cu_seqlens"] = packing.cu_seqlens
 
         def head(hidden, weight):
-            return fused_policy_loss(packing.response_rows(hidden) if to_rows else hidden, weight, *fields,
-                                     **options)
+            out = fused_policy_loss(packing.response_rows(hidden) if to_rows else hidden, weight, *fields, **options)
+            return out if self.teacher is None else (out, self._teacher_kl(micro, packing, hidden, weight))
 
         return self._run_head(micro, packing, head)
+
+    def _teacher_kl(self, micro: TensorDict, packing: Packing | None, hidden: torch.Tensor,
+                    weight: torch.Tensor) -> torch.Tensor:
+        """Σ over the micro-batch's response tokens of KL(π ‖ π_teacher) at the sampling temperature, from both
+        models' hidden states in the same layout (packed row or padded rows), no logits materialised."""
+        from rltrain_kernels.ops.kl_div import linear_kl_div
+
+        ids, mask = micro["response_ids"], micro["response_mask"]
+        labels = ids.masked_fill(mask == 0, IGNORE_INDEX) if packing is None else packing.labels(ids, mask)
+        with torch.no_grad():
+            teacher_hidden = policy_hidden(self.teacher, micro, packing)
+        return linear_kl_div(hidden, weight, teacher_hidden, self.teacher.get_output_embeddings().weight,
+                             temperature=self.temperature, reduction="sum", direction="reverse", labels=labels,
+                             ignore_index=IGNORE_INDEX)
 
     # the four steps FSDPActorWorker (below) does differently: this rank's micro-batches, the model + loss head
     # inside the sharded root's forward, the global gradient norm, metrics summed over ranks

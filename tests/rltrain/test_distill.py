@@ -1,7 +1,8 @@
-"""On-policy distillation (algorithm.distill): the teacher worker's checks, and a run through Ray in which a peaked
-student distils a uniform teacher. Against a uniform teacher the reverse KL is exact from the student's entropy,
-KL(π‖u) = log V − H(π), which the actor logs (actor/entropy) from the full distribution; with a constant reward the
-GRPO advantages are 0, so the distillation term alone moves the policy. (advantages: tests/rltrain/algorithms.)"""
+"""On-policy distillation (algorithm.distill), both estimators: a run through Ray in which a peaked student distils a
+uniform teacher, where the reverse KL is exact from the student's entropy, KL(π ‖ u) = log V − H(π), which the actor
+logs (actor/entropy) from the full distribution; with a constant reward the GRPO advantages are 0, so the distillation
+term alone moves the policy. kl=exact's gradient against dense float64 logits, from a teacher of another width,
+packed and padded. The teacher's checks, by key. (The sampled estimator's advantage term: tests/rltrain/algorithms.)"""
 
 import json
 import math
@@ -10,10 +11,12 @@ import pytest
 import ray
 import torch
 
+from rltrain.algorithms.config import DistillConfig, LossConfig
 from rltrain.config import ConfigError
 from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.job import load_job_config
 from rltrain.main_grpo import run
+from rltrain.workers.actor import ActorConfig, ActorWorker
 from rltrain.workers.reference import check_teacher
 from tests.rltrain.test_trainer_e2e import _record_started_roles, _records
 from tests.rltrain.tiny_job import TINY, merge, save_tiny_policy, tiny_job
@@ -31,7 +34,8 @@ def _policy(path, head_scale: float) -> str:
     return str(path)
 
 
-def test_a_peaked_student_distils_a_uniform_teacher(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kl", ["sampled", "exact"])
+def test_a_peaked_student_distils_a_uniform_teacher(tmp_path, monkeypatch, kl):
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         student, teacher = _policy(tmp_path / "student", 15.0), _policy(tmp_path / "teacher", 0.0)
@@ -40,21 +44,89 @@ def test_a_peaked_student_distils_a_uniform_teacher(tmp_path, monkeypatch):
         out = tmp_path / "run"
         job = tiny_job(out, trainer={"total_steps": 10}, actor={"lr": 1e-2}, model={"path": student},
                        reward={"path": str(plugin), "name": "score"},
-                       algorithm={"distill": {"teacher_path": teacher, "coef": 1.0}})
+                       algorithm={"distill": {"teacher_path": teacher, "coef": 1.0, "kl": kl}})
         started = _record_started_roles(monkeypatch)
         run(job)
     finally:
         ray.shutdown()
-    assert started == ["ActorWorker", "RolloutWorker×1", "ReferenceWorker"]  # the teacher; no reference (kl_coef 0)
     train = [r for r in _records(out) if "train/reward_mean" in r]
-    assert len(train) == 10 and all(r["time/teacher_s"] > 0 for r in train)
+    assert len(train) == 10
     log_vocab = math.log(json.loads((tmp_path / "teacher" / "config.json").read_text())["vocab_size"])
     exact = [log_vocab - r["actor/entropy"] for r in train]   # KL(π ‖ uniform) of each step's policy
-    sampled = [r["train/distill_reverse_kl"] for r in train]
     assert exact[0] > 0.8, exact       # the student starts far from the teacher ...
     assert max(exact[-2:]) < 0.6 * exact[0], exact   # ... and distillation closes most of the gap (1.17 -> 0.40)
-    # the logged sample of the reverse KL estimates the exact one (1 - 2 steps' noise averages out over the run)
-    assert sum(sampled) / len(sampled) == pytest.approx(sum(exact) / len(exact), abs=0.25), (sampled, exact)
+    if kl == "sampled":
+        assert started == ["ActorWorker", "RolloutWorker×1", "ReferenceWorker"]  # the teacher (kl_coef 0: no ref)
+        assert all(r["time/teacher_s"] > 0 for r in train)
+        sampled = [r["train/distill_reverse_kl"] for r in train]
+        # the logged sample of the reverse KL estimates the exact one (a step's noise averages out over the run)
+        assert sum(sampled) / len(sampled) == pytest.approx(sum(exact) / len(exact), abs=0.25), (sampled, exact)
+    else:
+        assert started == ["ActorWorker", "RolloutWorker×1"]  # the teacher lives in the actor's process
+        assert "train/distill_reverse_kl" not in train[0] and "time/teacher_s" not in train[0]
+        # the actor's exact KL, from the teacher's hidden states, is log V − H(π) to rounding
+        assert [r["actor/distill_kl"] for r in train] == pytest.approx(exact, abs=1e-4)
+
+
+def _scored_batch(model_dir: str):
+    """3 prompts × 4 responses sampled from the model, zero advantages (so only a distillation term moves it)."""
+    from transformers import AutoTokenizer
+
+    from rltrain.data.sampler import encode_prompts
+    from rltrain.embedded.task import make_rows
+    from rltrain.workers.rollout import RolloutConfig, RolloutWorker
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids, mask = encode_prompts(make_rows(load_job_config(TINY).data.task)[0][:3], tokenizer)
+    rollout = RolloutWorker(RolloutConfig(n=4, max_new_tokens=5, torch_threads=1), model_dir, "float32", None)
+    batch = rollout.generate(ids, mask, 4, 0.7, seed=0)
+    batch["advantages"] = torch.zeros(batch["response_mask"].shape)
+    batch["old_logprobs"] = torch.zeros(batch["response_mask"].shape)
+    return batch
+
+
+def _dense_reverse_kl(student, teacher, batch, temperature: float) -> torch.Tensor:
+    """Σ over response tokens of KL(π ‖ π_teacher) at `temperature`, each sequence run alone without padding, with
+    the full logits (the ground truth for linear_kl_div's)."""
+    total = 0.0
+    for row in range(batch.batch_size[0]):
+        prompt = batch["prompt_ids"][row][batch["prompt_mask"][row] != 0]
+        response = batch["response_ids"][row][batch["response_mask"][row] != 0]
+        if len(response) == 0:
+            continue
+        ids = torch.cat([prompt, response]).unsqueeze(0)
+        at = slice(len(prompt) - 1, ids.shape[1] - 1)   # the positions that predict the response tokens
+        log_p = torch.log_softmax(student(ids).logits[0, at] / temperature, -1)
+        log_q = torch.log_softmax(teacher(ids).logits[0, at] / temperature, -1)
+        total = total + (log_p.exp() * (log_p - log_q)).sum()
+    return total
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_exact_kl_gradient_matches_dense_float64(tmp_path, packed):
+    """algorithm.distill.kl=exact: the actor's gradient is coef × that of the mean reverse KL over the mini-batch's
+    response tokens, from a teacher of another width (hidden 64 against the student's 32), packed or padded."""
+    import transformers as tf
+
+    student = save_tiny_policy(tmp_path / "student")
+    teacher = save_tiny_policy(tmp_path / "teacher", hidden_size=64, head_dim=32)
+    batch = _scored_batch(student)
+    actor = ActorWorker(ActorConfig(torch_threads=1, micro_batch_size=5, grad_clip=1e9, use_remove_padding=packed),
+                        LossConfig(), student, "float32", None, temperature=0.7,
+                        distill=DistillConfig(teacher_path=teacher, coef=0.5, kl="exact"))
+    actor.optimizer.step = lambda: None   # keep the gradients of one update
+    metrics = actor._optimizer_step(batch)
+    reference = tf.AutoModelForCausalLM.from_pretrained(student, dtype=torch.float64)
+    frozen = tf.AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float64).requires_grad_(False)
+    tokens = int(batch["response_mask"].sum())
+    kl = _dense_reverse_kl(reference, frozen, batch, 0.7) / tokens
+    (0.5 * kl).backward()
+    assert metrics["distill_kl"] == pytest.approx(kl.item(), rel=1e-5)
+    expected = dict(reference.named_parameters())
+    for name, param in actor.model.named_parameters():
+        want = expected[name].grad
+        error = (param.grad.double() - want).norm() / want.norm().clamp(min=1e-30)
+        assert error < 1e-4, f"{name}: relative error {error:.2e}"
 
 
 def test_the_teacher_must_share_the_policy_tokenizer(tmp_path):
@@ -85,3 +157,8 @@ def test_distill_config_is_checked_by_key(tmp_path):
         load_job_config(merge(TINY, {"algorithm": {"distill": {"teacher_path": teacher, "coef": 0.0}}}))
     with pytest.raises(ConfigError, match=r"algorithm.distill.teacher_path: must be a transformers model directory"):
         load_job_config(merge(TINY, {"algorithm": {"distill": {"teacher_path": str(tmp_path)}}}))
+    with pytest.raises(ConfigError, match=r"algorithm.distill.kl: must be one of sampled, exact \(got 'full'\)"):
+        load_job_config(merge(TINY, {"algorithm": {"distill": {"teacher_path": teacher, "kl": "full"}}}))
+    with pytest.raises(ConfigError, match=r"algorithm.distill.kl: 'exact' needs actor.strategy=single"):
+        load_job_config(merge(TINY, {"actor": {"strategy": "fsdp2"},
+                                     "algorithm": {"distill": {"teacher_path": teacher, "kl": "exact"}}}))
