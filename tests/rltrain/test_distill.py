@@ -54,7 +54,8 @@ def test_a_peaked_student_distils_a_uniform_teacher(tmp_path, monkeypatch, kl):
     log_vocab = math.log(json.loads((tmp_path / "teacher" / "config.json").read_text())["vocab_size"])
     exact = [log_vocab - r["actor/entropy"] for r in train]   # KL(π ‖ uniform) of each step's policy
     assert exact[0] > 0.8, exact       # the student starts far from the teacher ...
-    assert max(exact[-2:]) < 0.6 * exact[0], exact   # ... and distillation closes most of the gap (1.17 -> 0.40)
+    # ... and distillation closes most of the gap: measured 1.17 -> 0.40 (sampled), 1.17 -> 0.08 (exact, no noise)
+    assert max(exact[-2:]) < (0.6 if kl == "sampled" else 0.2) * exact[0], exact
     if kl == "sampled":
         assert started == ["ActorWorker", "RolloutWorker×1", "ReferenceWorker"]  # the teacher (kl_coef 0: no ref)
         assert all(r["time/teacher_s"] > 0 for r in train)
