@@ -219,14 +219,12 @@ class ActorWorker(WeightSource):
         for micro in self._micro_batches(mini_batch):
             micro_tokens = micro["response_mask"].sum().item()
             micro_seqs = int((micro["response_mask"].sum(1) > 0).sum())
-            out = self._policy_loss(micro, accumulation.options())
-            if self.teacher is not None:  # the exact reverse KL to the teacher, a token mean over the mini-batch
-                out, kl_sum = out
-                sums["distill_kl"] = sums.get("distill_kl", 0.0) + kl_sum.item() / n_tokens
+            out, kl_sum = self._policy_loss(micro, accumulation.options())
             scale = accumulation.weight(micro.batch_size[0], micro_seqs)
             loss = out.loss * scale
-            if self.teacher is not None:
+            if kl_sum is not None:  # the exact reverse KL to the teacher, a token mean over the mini-batch
                 loss = loss + self.distill_coef * kl_sum / n_tokens
+                sums["distill_kl"] = sums.get("distill_kl", 0.0) + kl_sum.item() / n_tokens
             loss.backward()
             sums["loss"] += out.loss.item() * scale
             for key in ("entropy", "ppo_kl", "clipfrac", "ref_kl"):  # token means -> weight by tokens
@@ -238,8 +236,9 @@ class ActorWorker(WeightSource):
         return sums
 
     def _policy_loss(self, micro: TensorDict, norm: dict):
-        """fused_policy_loss of one micro-batch, on its packed row (cu_seqlens) or its padded rows. GSPO's
-        sequence ratio takes rows: its packed hidden states are gathered into them (one [B, R, H] copy)."""
+        """(fused_policy_loss of one micro-batch, on its packed row (cu_seqlens) or its padded rows; with a teacher
+        the summed reverse KL to it, else None). GSPO's sequence ratio takes rows: its packed hidden states are
+        gathered into them (one [B, R, H] copy)."""
         from rltrain_kernels import fused_policy_loss
 
         loss_cfg = self.loss
@@ -256,7 +255,7 @@ class ActorWorker(WeightSource):
 
         def head(hidden, weight):
             out = fused_policy_loss(packing.response_rows(hidden) if to_rows else hidden, weight, *fields, **options)
-            return out if self.teacher is None else (out, self._teacher_kl(micro, packing, hidden, weight))
+            return out, None if self.teacher is None else self._teacher_kl(micro, packing, hidden, weight)
 
         return self._run_head(micro, packing, head)
 

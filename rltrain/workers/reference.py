@@ -13,9 +13,9 @@ import torch
 from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
 
+from rltrain.config import ConfigError
 from rltrain.workers.fsdp import FSDPConfig, ShardedPolicy
 from rltrain.workers.packing import MicroBatching
-from rltrain.config import ConfigError
 from rltrain.workers.policy import load_policy, load_tokenizer, resolve_batching, response_logprobs, set_threads
 
 TEACHER_KEY = "algorithm.distill.teacher_path"
