@@ -30,7 +30,8 @@ from rltrain.workers.fsdp import FSDPConfig, ShardedPolicy, keyed_by_index, keye
 from rltrain.workers.lora import LoraConfig, adapter_weights, attach_lora, load_adapters
 from rltrain.workers.packing import MicroBatching, Packing
 from rltrain.workers.policy import (
-    load_policy, plan_buckets, policy_hidden, resolve_batching, response_logprobs, set_threads, untied_state_dict,
+    load_policy, plan_buckets, policy_hidden, resolve_batching, response_labels, response_logprobs, set_threads,
+    untied_state_dict,
 )
 from rltrain.workers.weight_sync import WeightSource
 
@@ -265,8 +266,7 @@ class ActorWorker(WeightSource):
         models' hidden states in the same layout (packed row or padded rows), no logits materialised."""
         from rltrain_kernels.ops.kl_div import linear_kl_div
 
-        ids, mask = micro["response_ids"], micro["response_mask"]
-        labels = ids.masked_fill(mask == 0, IGNORE_INDEX) if packing is None else packing.labels(ids, mask)
+        labels = response_labels(micro, packing)
         with torch.no_grad():
             teacher_hidden = policy_hidden(self.teacher, micro, packing)
         return linear_kl_div(hidden, weight, teacher_hidden, self.teacher.get_output_embeddings().weight,

@@ -108,16 +108,20 @@ def policy_hidden(model, micro: TensorDict, packing: Packing | None) -> torch.Te
     return response_hidden(model, micro) if packing is None else packed_hidden(model, packing)
 
 
+def response_labels(micro: TensorDict, packing: Packing | None) -> torch.Tensor:
+    """The labels beside policy_hidden's states: the response tokens the mask keeps, IGNORE_INDEX elsewhere, [1, T]
+    on the packed row or [B, R] on the padded rows."""
+    ids, mask = micro["response_ids"], micro["response_mask"]
+    return ids.masked_fill(mask == 0, IGNORE_INDEX) if packing is None else packing.labels(ids, mask)
+
+
 def micro_logprobs(model, micro: TensorDict, packed: bool, temperature: float, head=None) -> torch.Tensor:
     """log p(response token) of one micro-batch (on the model's device), [B, R] fp32, 0 where masked. `head`
     (FSDP2) runs the model and a (hidden, weight) → result function in one sharded forward."""
     from rltrain_kernels import linear_logprobs
 
     packing = Packing.of(micro) if packed else None
-    if packing is None:
-        labels = micro["response_ids"].masked_fill(micro["response_mask"] == 0, IGNORE_INDEX)
-    else:
-        labels = packing.labels(micro["response_ids"], micro["response_mask"])
+    labels = response_labels(micro, packing)
 
     def logprobs(hidden, weight):
         return linear_logprobs(hidden, weight, labels, temperature=temperature, return_entropy=False)[0]

@@ -103,9 +103,9 @@ def test_cpu_actor_exports_a_host_copy_from_rank_0_only(tmp_path):
 def test_a_tied_weight_is_pushed_once_and_the_engine_head_follows_it(tmp_path):
     """A Qwen3 with tied embeddings (as Qwen3-0.6B): the push leaves out lm_head.weight, and after it every entry of
     the transformers engine's state_dict, its head included, equals the updated actor's."""
-    from rltrain.workers.rollout import RolloutConfig, RolloutWorker
-
     import transformers as tf
+
+    from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 
     model_dir = _model_dir(tmp_path)
     model = tf.AutoModelForCausalLM.from_pretrained(model_dir)
