@@ -77,7 +77,7 @@ def warn_uncorrected(job) -> None:
     actor with neither algorithm.loss.decoupled nor algorithm.rollout_correction): its ratio is then against the
     actor's recomputed policy only, as if the responses had been sampled by it."""
     algorithm = job.algorithm
-    if algorithm.old_logprobs == "actor" and not algorithm.loss.decoupled and algorithm.rollout_correction.mode is None:
+    if job.old_logprobs == "actor" and not algorithm.loss.decoupled and algorithm.rollout_correction.mode is None:
         logger.warning("trainer.mode=%s trains on responses sampled up to %d weight version(s) back, with the ratio "
                        "against the actor's recomputed log-probs and no behaviour-policy correction: set "
                        "algorithm.loss.decoupled=true (AReaL), algorithm.rollout_correction.mode (TIS / MIS) or "

@@ -4,8 +4,10 @@ the sampled tokens differ slightly from the ones the actor computes for the same
 for it by importance sampling with the ratio π_old / π_behaviour, as in "Your efficient RL framework secretly brings
 you off-policy RL training" (Yao et al., 2025; TIS) and its masked variant (MIS), verl's rollout correction:
 
-- level `token`: one ratio per token, exp(old − behaviour); level `sequence`: one per response, the geometric mean
-  of its token ratios, exp(mean_t(old − behaviour)), shared by its tokens;
+- level `token`: one ratio per token, exp(old − behaviour); level `sequence`: one per response, the sequence's
+  importance ratio, the product of its token ratios, exp(Σ_t (old − behaviour)), shared by its tokens; level
+  `geometric`: their geometric mean, exp(mean_t(old − behaviour)) (a length-normalised ratio, near 1 for long
+  responses, so the default bounds rarely act on it);
 - mode `truncate` (TIS): each token's policy-gradient term is weighted by min(ratio, high)
   (batch["rollout_is_weights"], which the actor folds into the advantages);
 - mode `mask` (MIS): tokens (or whole responses) whose ratio lies outside [low, high] leave the loss
@@ -18,7 +20,7 @@ on either engine.
 AReaL's decoupled objective (Fu et al., 2025; `algorithm.loss.decoupled`), for responses sampled by older weights
 (trainer.mode one_step_off / async): the surrogate clips against the proximal policy π_prox, the actor's recomputed
 `old_logprobs`, and weights each token by π_prox / π_behaviour, the same ratio: so it is this module's weighting with
-the ratio itself as the weight, exp(old − behaviour) per token (or response, level `sequence`), uncapped; with mode
+the ratio itself as the weight, exp(old − behaviour) per token (or response, levels `sequence` / `geometric`), uncapped; with mode
 `mask` the tokens outside [low, high] also leave the loss (AReaL's behaviour-weight cap), with mode `truncate` the
 weight is capped at `high` (which is TIS).
 
@@ -36,13 +38,14 @@ import torch
 from rltrain.config import require
 
 MODES = ("truncate", "mask")
-LEVELS = ("token", "sequence")
+LEVELS = ("token", "sequence", "geometric")
+SEQUENCE_LOG_RATIO_BOUND = 20.0
 
 
 @dataclass
 class RolloutCorrectionConfig:
     mode: str | None = None     # null = off | truncate (TIS) | mask (MIS)
-    level: str = "token"        # token | sequence (the geometric mean of a response's token ratios)
+    level: str = "token"        # token | sequence (the product of a response's token ratios) | geometric (their mean)
     high: float = 2.0           # truncate: the cap on the weight; mask: the upper bound of the kept ratios
     low: float | None = None    # mask: the lower bound of the kept ratios; null = 1 / high
 
@@ -78,12 +81,15 @@ def rollout_mismatch_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch
 def importance_ratios(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, response_mask: torch.Tensor,
                       level: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(ratios, which are real) per unit of `level`: [B, R] token ratios exp(old − behaviour) and the response
-    mask, or [B] sequence ratios exp(mean over its tokens of old − behaviour) and which responses hold a token.
-    fp64, detached; 1 where there is no token."""
+    mask, or [B] sequence ratios, exp of the sum (sequence) or mean (geometric) over its tokens of old − behaviour,
+    and which responses hold a token. fp64, detached; 1 where there is no token."""
     valid = response_mask != 0
     log_ratio = torch.where(valid, old_logprobs.detach().double() - behaviour_logprobs.detach().double(), 0.0)
-    if level == "sequence":
+    if level == "geometric":
         log_ratio = log_ratio.sum(1) / valid.sum(1).clamp(min=1)
+    elif level == "sequence":  # a product over thousands of tokens: bounded at e^±20 (as verl) so fp32 holds it
+        log_ratio = log_ratio.sum(1).clamp(-SEQUENCE_LOG_RATIO_BOUND, SEQUENCE_LOG_RATIO_BOUND)
+    if level != "token":
         valid = valid.any(1)
     return torch.exp(log_ratio), valid
 

@@ -4,7 +4,8 @@ reads their answers, batched across episodes, on the rollout engine through one 
     loop = AgentLoop(config.multi_turn, HFTurns(engine), tokenizer, max_new_tokens=config.max_new_tokens)
     batch = loop.generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt)   # the engines' TensorDict
 
-The Turns APIs: HFTurns (below) and VLLMTurns (rltrain/workers/vllm_engine.py, which also reports log-probs).
+The Turns APIs: HFTurns (below) and VLLMTurns (rltrain/workers/vllm_engine.py); both report the sampled tokens'
+log-probs where their engine does.
 
 One turn: every open episode generates its next assistant turn in one batched engine call (`Turns.generate`: token
 contexts in, each with its own token budget); each turn's text goes through the tool-call parser
@@ -40,7 +41,7 @@ from rltrain.tools.chat import assistant_message, tool_message
 from rltrain.tools.config import MultiTurnConfig
 from rltrain.tools.parsers import PARSERS
 from rltrain.tools.pool import ToolPool
-from rltrain.workers.rollout import response_seeds
+from rltrain.workers.sampling import response_seeds
 
 PLAIN_TOOL_TURN = "\n<tool_response>\n{content}\n</tool_response>\n"
 _TEMPLATE_BASE = [{"role": "user", "content": "."}]   # the fixed conversation tool turns are rendered after
@@ -58,30 +59,29 @@ class Turn:
 
 class HFTurns:
     """The hf engine (rltrain/workers/rollout.py HFEngine) as a Turns API: left-pads the contexts, runs transformers'
-    generate for the largest budget, then cuts each row at its own budget and first <eos>. No log-probs."""
+    generate for the largest budget, then cuts each row at its own budget and first end-of-sequence id; the sampled
+    tokens' log-probs where the engine reports them (HFEngine.logprobs)."""
 
     def __init__(self, engine):
         self.engine = engine
-        eos = engine.eos_token_id
-        self.eos_ids = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+        self.eos_ids = set(engine.eos_token_ids)
 
-    @torch.no_grad()
     def generate(self, contexts: list[list[int]], budgets: list[int], temperature: float,
                  seeds: list[int]) -> list[Turn]:
-        engine, config = self.engine, self.engine.config
-        sampling = engine.sampling(temperature)
+        engine, size = self.engine, self.engine.config.micro_batch_size
+        report = engine.logprobs and temperature > 0
         turns = []
-        for start in range(0, len(contexts), config.micro_batch_size):
-            chunk, limits = contexts[start:start + config.micro_batch_size], budgets[start:start + config.micro_batch_size]
+        for start in range(0, len(contexts), size):
+            chunk, limits = contexts[start:start + size], budgets[start:start + size]
             ids, mask = left_pad(chunk, engine.pad_token_id)
-            width = ids.shape[1]
-            out = engine.model.generate(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device),
-                                        max_new_tokens=max(limits), eos_token_id=engine.eos_token_id,
-                                        pad_token_id=engine.pad_token_id, **sampling)[:, width:].cpu().tolist()
-            for tokens, limit in zip(out, limits):
-                tokens = tokens[:limit]
-                end = next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
-                turns.append(Turn(tokens if end is None else tokens[:end + 1], None, end is not None))
+            tokens, logprobs = engine.sample_tokens(ids, mask, max(limits), temperature, report)
+            tokens = tokens.cpu().tolist()
+            logprobs = logprobs.cpu().tolist() if report else [None] * len(tokens)
+            for row, row_logprobs, limit in zip(tokens, logprobs, limits):
+                row = row[:limit]
+                end = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
+                kept = len(row) if end is None else end + 1
+                turns.append(Turn(row[:kept], None if row_logprobs is None else row_logprobs[:kept], end is not None))
         return turns
 
 

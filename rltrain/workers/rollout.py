@@ -16,6 +16,9 @@ vLLM seeds every response with its own (a response's draw does not depend on whi
 generate draws from one stream per call, seeded with the step's seed for the run from prompt 0 and with its first
 response's seed for a run further in, so the hf engine replays exactly for a fixed replica layout, and a different
 layout draws different responses.
+
+Sampling (both engines): exactly rollout.*'s settings, never a checkpoint's generation defaults, and a response ends
+at the first of the checkpoint's end-of-sequence ids, a set (rltrain/workers/sampling.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from rltrain.config import require
 from rltrain.tools.config import MultiTurnConfig
 from rltrain.workers.lora import LoraConfig, attach_lora
 from rltrain.workers.policy import load_policy, set_threads
+from rltrain.workers.sampling import (
+    SampledLogprobs, end_of_sequence, log_ignored_defaults, response_mask_and_truncation, response_seeds,
+)
 from rltrain.workers.weight_sync import ExportedBucket, device_info, receive
 
 ENGINES = ("hf", "vllm")
@@ -42,7 +48,10 @@ class RolloutConfig:
     engine: str = "hf"
     n: int = 16                    # responses per prompt (the GRPO group size)
     temperature: float = 1.0
-    top_p: float = 1.0
+    top_p: float = 1.0             # nucleus sampling; 1 = off
+    top_k: int = -1                # keep the k most likely tokens; -1 = off
+    min_p: float = 0.0             # drop tokens below min_p × the top token's probability; 0 = off
+    repetition_penalty: float = 1.0   # > 1 discourages tokens already in the context; 1 = off
     max_new_tokens: int = 8
     stop: list[str] = field(default_factory=list)  # vllm: stop strings (the response keeps the stopping token)
     val_temperature: float = 0.0   # 0 = greedy decoding for validation
@@ -78,6 +87,9 @@ class RolloutConfig:
         require(self.n >= 1, "n", "must be >= 1", self.n)
         require(self.temperature > 0, "temperature", "must be > 0 for sampling", self.temperature)
         require(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
+        require(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (off) or >= 1", self.top_k)
+        require(0 <= self.min_p < 1, "min_p", "must be in [0, 1)", self.min_p)
+        require(self.repetition_penalty > 0, "repetition_penalty", "must be > 0 (1 = off)", self.repetition_penalty)
         require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)
         require(not self.stop or self.engine == "vllm", "stop", "needs rollout.engine=vllm", self.stop)
         require(all(self.stop), "stop", "entries must be non-empty strings", self.stop)
@@ -93,13 +105,6 @@ class RolloutConfig:
                 "over GPUs)", self.tensor_parallel_size)
         require(self.replicas >= 1, "replicas", "must be >= 1", self.replicas)
         require(self.placement in PLACEMENTS, "placement", f"must be one of {', '.join(PLACEMENTS)}", self.placement)
-
-
-def response_seeds(seed: int, first: int, count: int) -> torch.Tensor:
-    """The sampling seeds of responses first .. first + count - 1 of a step's batch (prompt-major, n per prompt):
-    the same for a response whichever replica generates it."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 2**31 - 1, (first + count,), generator=generator)[first:]
 
 
 class RolloutWorker:
@@ -171,27 +176,30 @@ class RolloutWorker:
 
 
 class HFEngine:
-    """transformers' generate. With `logprobs` it also returns rollout_logprobs: the log-softmax of generate's
-    processed scores (after temperature and top_p, the distribution each token was drawn from, like vLLM's
-    processed_logprobs) at the sampled tokens, 0 past a response's end. generate keeps every step's scores until it
-    returns, micro_batch_size × max_new_tokens × vocab fp32 values (256 × 1024 × 152k: 160 GB), so with a real
-    vocabulary cut rollout.micro_batch_size, or use vllm."""
+    """transformers' generate. With `logprobs` it also returns rollout_logprobs: log softmax(logits / temperature)
+    at the sampled tokens (rltrain/workers/sampling.py SampledLogprobs, one step's scores held at a time), 0 past a
+    response's end. The checkpoint's generation config keeps only its special-token ids: sampling is rollout.*'s."""
 
     keeps_loaded_tensors = False  # load_weights copies into the parameters at once
 
     def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: KernelConfig | None,
                  device: str, attn_implementation: str = "auto", lora: LoraConfig | None = None,
                  logprobs: bool = False):
+        from transformers import GenerationConfig
+
         self.config, self.logprobs = config, logprobs
         self.model = load_policy(model_path, dtype, kernel_config, device, attn_implementation)
         if lora is not None and lora.enabled:  # the actor's adapters, zero until the first push: the base's outputs
             attach_lora(self.model, lora)
         self.model.eval().requires_grad_(False)
         self.device = device
-        generation = self.model.generation_config
-        self.eos_token_id = generation.eos_token_id if generation.eos_token_id is not None \
-            else self.model.config.eos_token_id
-        self.pad_token_id = generation.pad_token_id if generation.pad_token_id is not None else self.eos_token_id
+        eos = end_of_sequence(model_path)
+        self.eos_token_ids, self.pad_token_id = list(eos.ids), eos.pad_id
+        log_ignored_defaults(model_path)
+        # generate fills every argument it is not given from model.generation_config: keep none of the checkpoint's
+        self.model.generation_config = GenerationConfig(
+            bos_token_id=self.model.generation_config.bos_token_id, eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id)
         self.state = None
 
     def begin_weight_update(self) -> None:
@@ -207,51 +215,52 @@ class HFEngine:
     def sleep(self) -> None:
         pass
 
-    @torch.no_grad()
     def sampling(self, temperature: float) -> dict:
-        """generate's sampling arguments: temperature and rollout.top_p (no top-k), or greedy at temperature 0."""
+        """generate's sampling arguments: exactly rollout.*'s (top_k -1 = off, transformers' 0), or greedy at
+        temperature 0."""
+        config = self.config
+        common = dict(repetition_penalty=config.repetition_penalty, eos_token_id=self.eos_token_ids,
+                      pad_token_id=self.pad_token_id)
         if temperature > 0:
-            return dict(do_sample=True, temperature=temperature, top_p=self.config.top_p, top_k=0)
-        return dict(do_sample=False)
+            return dict(common, do_sample=True, temperature=temperature, top_p=config.top_p,
+                        top_k=max(config.top_k, 0), min_p=config.min_p or None)
+        return dict(common, do_sample=False)
+
+    @torch.no_grad()
+    def sample_tokens(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, temperature: float,
+                      report: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One generate call on left-padded rows: (generated tokens [b, g], their log-probs [b, g] if `report`)."""
+        recorder = SampledLogprobs(temperature) if report else None
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                  max_new_tokens=max_new_tokens, logits_processor=[recorder] if report else None,
+                                  **self.sampling(temperature))
+        tokens = out[:, ids.shape[1]:]
+        return tokens, recorder.finish(tokens) if report else None
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
                  seed: int, first_prompt: int = 0, max_new_tokens: int | None = None) -> TensorDict:
         # one stream per call: the step's seed for the run from prompt 0 (what a single engine has always drawn, so
         # earlier runs resume and replay unchanged), the seed of its first response for a run further in
         torch.manual_seed(seed if first_prompt == 0 else int(response_seeds(seed, first_prompt * n, 1)))
-        prompt_ids = prompt_ids.repeat_interleave(n, dim=0).to(self.device)
-        prompt_mask = prompt_mask.repeat_interleave(n, dim=0).to(self.device)
+        prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
         outputs, logprobs = [], []
         report = self.logprobs and temperature > 0
-        for start in range(0, prompt_ids.shape[0], self.config.micro_batch_size):
-            ids = prompt_ids[start:start + self.config.micro_batch_size]
-            mask = prompt_mask[start:start + self.config.micro_batch_size]
-            out = self.model.generate(input_ids=ids, attention_mask=mask,
-                                      max_new_tokens=max_new_tokens or self.config.max_new_tokens,
-                                      eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
-                                      output_scores=report, return_dict_in_generate=True,
-                                      **self.sampling(temperature))
-            outputs.append(out.sequences[:, ids.shape[1]:])
+        size = self.config.micro_batch_size
+        for start in range(0, prompt_ids.shape[0], size):
+            tokens, logp = self.sample_tokens(prompt_ids[start:start + size], prompt_mask[start:start + size],
+                                              max_new_tokens or self.config.max_new_tokens, temperature, report)
+            outputs.append(tokens.cpu())
             if report:
-                scores = torch.stack(out.scores, 1).float().log_softmax(-1)   # [b, generated, V]
-                logprobs.append(scores.gather(-1, outputs[-1].unsqueeze(-1)).squeeze(-1))
+                logprobs.append(logp.cpu())
         width = max(o.shape[1] for o in outputs)
         response_ids = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=self.pad_token_id)
                                   for o in outputs])
-        response_mask, truncated = response_mask_and_truncation(response_ids, self.eos_token_id)
+        response_mask, truncated = response_mask_and_truncation(response_ids, self.eos_token_ids)
         groups = torch.arange(prompt_ids.shape[0] // n).repeat_interleave(n)
-        fields = {"prompt_ids": prompt_ids.cpu(), "prompt_mask": prompt_mask.cpu(),
-                  "response_ids": response_ids.cpu(), "response_mask": response_mask.cpu(),
-                  "group_ids": groups, "truncated": truncated.cpu()}
-        if report:  # past <eos> a finished row's pad token may lie outside top_p (-inf): zeroed, never read
+        fields = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+                  "response_mask": response_mask, "group_ids": groups, "truncated": truncated}
+        if report:  # past a finished row's end its pad tokens' values are zeroed, never read
             logp = torch.cat([torch.nn.functional.pad(lp, (0, width - lp.shape[1])) for lp in logprobs])
-            fields["rollout_logprobs"] = torch.where(response_mask.bool(), logp, 0.0).cpu()
+            fields["rollout_logprobs"] = torch.where(response_mask.bool(), logp, 0.0)
         return TensorDict(fields, batch_size=[prompt_ids.shape[0]])
-
-
-def response_mask_and_truncation(response_ids: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(response_mask [B,R]: 1 up to and including the first <eos>; truncated [B]: no <eos> at all, i.e. the
-    response hit max_new_tokens and is kept whole in the mask; algorithm.overlong_filter masks those out)."""
-    is_eos = response_ids == eos_token_id
-    before_eos = (is_eos.long().cumsum(1) - is_eos.long()) == 0
-    return before_eos.long(), ~is_eos.any(1)

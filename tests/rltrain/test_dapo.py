@@ -9,7 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from rltrain.algorithms.dapo import collect_groups, informative_groups, mask_truncated, overlong_penalty
-from rltrain.workers.rollout import response_mask_and_truncation
+from rltrain.workers.sampling import response_mask_and_truncation
 
 N = 2  # responses per group
 

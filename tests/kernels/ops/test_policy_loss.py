@@ -185,6 +185,25 @@ def test_options_reach_every_branch(device):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_k3_bounds(impl, device):
+    """k3 as verl's low_var_kl: a token whose reference log-prob lies 30 below (ref − logp = −30, clamped to −20)
+    and one 15 above (k3 = e^15 − 16, capped at 10) contribute 10 each and no gradient; the others as before.
+    Unclamped, the second alone would add e^15 ≈ 3.3e6 × kl_coef to the loss."""
+    inputs = inputs_for(impl, device=device)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    with torch.no_grad():
+        logp = reference_policy_loss(inputs["hidden"].double(), inputs["weight"].double(), inputs["labels"],
+                                     inputs["mask"], inputs["advantages"], inputs["old_logprobs"]).logprobs
+    (r0, t0), (r1, t1) = [tuple(i.tolist()) for i in inputs["mask"].nonzero()[[0, -1]]]
+    inputs["ref_logprobs"][r0, t0] = logp[r0, t0] - 30.0
+    inputs["ref_logprobs"][r1, t1] = logp[r1, t1] + 15.0
+    opts = dict(kl_coef=0.1, kl_type="k3")
+    actual, expected = run(inputs, impl, **opts), run_reference(inputs, **opts)
+    assert_matches(actual, expected, tol_of(inputs))
+    assert expected[0].loss.abs().item() < 10   # the two tokens add 2 · 0.1 · 10 / tokens, not 3.3e5
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("loss_agg", LOSS_AGGS)
 def test_fully_masked(impl, loss_agg, device):
     """No token in: loss 0, gradients 0, metrics 0 (no NaN from 0/0) for every aggregation."""

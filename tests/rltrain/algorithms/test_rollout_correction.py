@@ -58,16 +58,37 @@ def test_token_truncation_caps_each_ratio():
     assert metrics["rollout/is_weight_mean"] == pytest.approx((2 + 0.5 + 6 + 0.25) / 6)
 
 
-def test_sequence_truncation_weights_each_response_by_its_geometric_mean_ratio():
+def test_sequence_truncation_weights_each_response_by_its_importance_ratio():
     old, behaviour, mask = _hand_case()
     config = RolloutCorrectionConfig("truncate", level="sequence", high=2.0)
+    weights, _, metrics = rollout_correction(old, behaviour, mask, config)
+    # the product of each response's token ratios: response 0: 2 · 1/2 = 1; response 1: 4³ = 64, capped at 2;
+    # response 2: 1/4; response 3: no token
+    expected = torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [0.25, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    torch.testing.assert_close(weights, expected)
+    assert metrics["rollout/is_ratio_mean"] == pytest.approx((1 + 64 + 0.25) / 3)
+    assert (metrics["rollout/is_ratio_min"], metrics["rollout/is_ratio_max"]) == pytest.approx((0.25, 64.0))
+    assert metrics["rollout/is_capped_frac"] == pytest.approx(1 / 3)
+
+
+def test_geometric_truncation_weights_each_response_by_its_geometric_mean_ratio():
+    old, behaviour, mask = _hand_case()
+    config = RolloutCorrectionConfig("truncate", level="geometric", high=2.0)
     weights, _, metrics = rollout_correction(old, behaviour, mask, config)
     # response 0: (2 · 1/2)^(1/2) = 1; response 1: 4, capped at 2; response 2: 1/4; response 3: no token
     expected = torch.tensor([[1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [0.25, 1.0, 1.0], [1.0, 1.0, 1.0]])
     torch.testing.assert_close(weights, expected)
     assert metrics["rollout/is_ratio_mean"] == pytest.approx((1 + 4 + 0.25) / 3)
     assert (metrics["rollout/is_ratio_min"], metrics["rollout/is_ratio_max"]) == pytest.approx((0.25, 4.0))
-    assert metrics["rollout/is_capped_frac"] == pytest.approx(1 / 3)
+
+
+def test_sequence_ratio_is_bounded_for_long_responses():
+    """A product over many tokens would overflow fp32: its log is held in [-20, 20]."""
+    old, behaviour = torch.full((2, 4000), 0.05, dtype=torch.float64), torch.zeros(2, 4000, dtype=torch.float64)
+    old[1] = -0.05
+    mask = torch.ones(2, 4000, dtype=torch.long)
+    weights, _, _ = rollout_correction(old, behaviour, mask, RolloutCorrectionConfig(level="sequence"), decoupled=True)
+    torch.testing.assert_close(weights[:, 0], torch.tensor([20.0, -20.0]).exp().float())
 
 
 @pytest.mark.parametrize("level, low, kept, dropped", [

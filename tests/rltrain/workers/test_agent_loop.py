@@ -263,10 +263,25 @@ def test_hf_turns_keep_each_contexts_budget(model_dir):
     contexts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     torch.manual_seed(0)
     out = turns.generate(contexts, [1, 3, 8], 1.0, [0, 0, 0])
-    eos = engine.eos_token_id
+    eos = set(engine.eos_token_ids)
     for turn, budget in zip(out, [1, 3, 8]):
         assert 1 <= len(turn.token_ids) <= budget and turn.logprobs is None
-        assert turn.finished == (turn.token_ids[-1] == eos) and eos not in turn.token_ids[:-1]
+        assert turn.finished == (turn.token_ids[-1] in eos) and not eos & set(turn.token_ids[:-1])
+
+
+def test_hf_turns_report_the_sampled_log_probs(model_dir):
+    """With logprobs on, each turn's log-probs are log softmax(logits / T) of its context at its tokens."""
+    engine = RolloutWorker(RolloutConfig(max_new_tokens=8, torch_threads=1), model_dir, "float32", None,
+                           logprobs=True).engine
+    contexts, temperature = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], 1.7
+    torch.manual_seed(0)
+    for context, turn in zip(contexts, HFTurns(engine).generate(contexts, [2, 5, 8], temperature, [0, 0, 0])):
+        assert len(turn.logprobs) == len(turn.token_ids)
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([context + turn.token_ids])).logits[0, len(context) - 1:-1]
+        expected = (logits.double() / temperature).log_softmax(-1).gather(1, torch.tensor(turn.token_ids)[:, None])
+        torch.testing.assert_close(torch.tensor(turn.logprobs, dtype=torch.float64), expected[:, 0], rtol=0,
+                                   atol=2e-5)
 
 
 def test_tool_turns_through_a_chat_template_and_cut_to_max_tokens(tokenizer):
@@ -321,6 +336,6 @@ def test_config_section_and_engine_check():
         load_job_config(compose(*on, "rollout.tensor_parallel_size=2"))
     with pytest.raises(ConfigError, match=r"^rollout\.multi_turn\.tools: must list at least one tool"):
         load_job_config(compose("rollout.multi_turn.enabled=true"))
+    # the hf engine's turns report their log-probs (test_hf_turns_report_the_sampled_log_probs): off-policy runs too
     for off_policy in ("trainer.mode=one_step_off", "algorithm.old_logprobs=rollout", "algorithm.loss.decoupled=true"):
-        with pytest.raises(ConfigError, match=r"^rollout\.multi_turn\.enabled: with rollout\.engine=hf needs"):
-            load_job_config(compose(*on, off_policy, "rollout.placement=separate"))
+        assert load_job_config(compose(*on, off_policy, "rollout.placement=separate")).rollout_reports_logprobs

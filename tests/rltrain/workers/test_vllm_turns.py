@@ -29,7 +29,8 @@ from rltrain.tools.base import ToolCall
 from rltrain.tools.parsers import ParsedTurn
 from rltrain.workers.actor import ActorConfig, ActorWorker
 from rltrain.workers.agent_loop import AgentLoop
-from rltrain.workers.rollout import RolloutConfig, RolloutWorker, response_seeds
+from rltrain.workers.rollout import RolloutConfig, RolloutWorker
+from rltrain.workers.sampling import response_seeds
 
 pytestmark = pytest.mark.vllm
 

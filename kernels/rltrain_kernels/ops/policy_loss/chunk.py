@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from rltrain_kernels.ops.common.vocab_tiles import GemmConfig, balanced_bounds, mm_fp32
-from rltrain_kernels.ops.policy_loss.options import PolicyLossOptions
+from rltrain_kernels.ops.policy_loss.options import K3_BOUND, K3_LOG_RATIO_BOUND, PolicyLossOptions
 
 
 @dataclass(frozen=True)
@@ -170,8 +170,11 @@ def kl_terms(diff, kl_index: int):
         return diff, torch.ones_like(diff)
     if kl_index == 2:
         return 0.5 * diff * diff, diff
-    e = torch.exp(-diff)
-    return e + diff - 1.0, 1.0 - e
+    x = (-diff).clamp(-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)  # k3 clamped as verl's low_var_kl
+    e = torch.exp(x)
+    kl = e - x - 1.0
+    live = (x == -diff) & (kl <= K3_BOUND)
+    return kl.clamp(max=K3_BOUND), torch.where(live, 1.0 - e, 0.0)
 
 
 class TorchLossOps:

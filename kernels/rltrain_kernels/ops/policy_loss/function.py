@@ -127,7 +127,8 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
         logp = log_softmax(h·Wᵀ / temperature)[label], entropy = −Σ p log p, ratio = exp(logp − old).
         pg = max(−A·ratio, −A·clamp(ratio, 1 − clip_low, 1 + clip_high)); dual_clip = c (> 1), where A < 0:
             pg = min(pg, −A·c).
-        kl (kl_type): k1 = logp − ref, k2 = ½(logp − ref)², k3 = exp(ref − logp) − (ref − logp) − 1.
+        kl (kl_type): k1 = logp − ref, k2 = ½(logp − ref)², k3 = exp(ref − logp) − (ref − logp) − 1
+            with ref − logp clamped to ±20 and k3 to <= 10 (verl's low_var_kl; no gradient where a bound acts).
         per-token L = pg + kl_coef·kl − entropy_coef·entropy.
         loss_agg: "token-mean" Σ L·m / Σ m (/ norm_tokens when given: the global token count over micro-batches
             and ranks); "seq-mean-token-sum" mean over sequences with Σm > 0 of Σ_t L·m; "seq-mean-token-mean"

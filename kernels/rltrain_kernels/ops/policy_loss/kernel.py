@@ -15,8 +15,11 @@ import triton.language as tl
 
 from rltrain_kernels.ops.common.scale import scale_unless_one
 from rltrain_kernels.ops.policy_loss.chunk import LossBuffers
+from rltrain_kernels.ops.policy_loss import options
 from rltrain_kernels.ops.policy_loss.options import PolicyLossOptions
 
+K3_LOG_RATIO_BOUND: tl.constexpr = tl.constexpr(options.K3_LOG_RATIO_BOUND)
+K3_BOUND: tl.constexpr = tl.constexpr(options.K3_BOUND)
 TOKEN_BLOCK = 1024   # tokens per program for the element-wise kernels: 8 per thread at 4 warps
 
 
@@ -69,10 +72,13 @@ def _kl_terms(diff, KL_TYPE: tl.constexpr):
     elif KL_TYPE == 2:
         kl = 0.5 * diff * diff
         dkl = diff
-    else:
-        e = tl.exp(-diff)
-        kl = e + diff - 1.0
-        dkl = 1.0 - e
+    else:  # clamped as verl's low_var_kl: log-ratio to [-20, 20], kl to <= 10, gradient 0 where either acts
+        x = tl.minimum(tl.maximum(-diff, -K3_LOG_RATIO_BOUND), K3_LOG_RATIO_BOUND)
+        e = tl.exp(x)
+        kl = e - x - 1.0
+        live = (x == -diff) & (kl <= K3_BOUND)
+        kl = tl.minimum(kl, K3_BOUND)
+        dkl = tl.where(live, 1.0 - e, 0.0)
     return kl, dkl
 
 

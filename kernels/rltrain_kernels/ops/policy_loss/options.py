@@ -11,6 +11,8 @@ import torch
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_TYPES = ("k1", "k2", "k3")
+# k3's bounds (verl's low_var_kl): the log-ratio ref − logp held in ±20, the estimate capped at 10
+K3_LOG_RATIO_BOUND, K3_BOUND = 20.0, 10.0
 IMPORTANCE_LEVELS = ("token", "sequence")
 METRIC_NAMES = ("clipfrac", "ppo_kl", "ref_kl", "entropy")
 

@@ -10,17 +10,20 @@ from __future__ import annotations
 import torch
 
 from rltrain_kernels.ops.policy_loss.options import (
-    Metrics, PolicyLossOptions, PolicyLossOutput, check_inputs, check_label_range,
+    K3_BOUND, K3_LOG_RATIO_BOUND, Metrics, PolicyLossOptions, PolicyLossOutput, check_inputs, check_label_range,
 )
 
 
 def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, kl_type: str) -> torch.Tensor:
-    """k1 = logp − ref, k2 = ½(logp − ref)², k3 = exp(ref − logp) − (ref − logp) − 1 (Schulman's estimators)."""
+    """k1 = logp − ref, k2 = ½(logp − ref)², k3 = exp(ref − logp) − (ref − logp) − 1 (Schulman's estimators); k3
+    as verl's low_var_kl: ref − logp clamped to ±K3_LOG_RATIO_BOUND and the result to <= K3_BOUND, so one token
+    whose reference probability vanishes cannot blow up the loss (no gradient where a bound acts)."""
     if kl_type == "k1":
         return logp - ref
     if kl_type == "k2":
         return 0.5 * (logp - ref) ** 2
-    return torch.exp(ref - logp) - (ref - logp) - 1.0
+    x = (ref - logp).clamp(-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
+    return (torch.exp(x) - x - 1.0).clamp(max=K3_BOUND)
 
 
 def _masked_total(x: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
