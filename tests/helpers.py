@@ -1,4 +1,5 @@
-"""Shared test helpers: relative-error asserts with per-dtype thresholds, NaN checks, poisoned buffers, case ids.
+"""Shared test helpers: relative-error asserts with per-dtype thresholds, NaN checks, poisoned buffers, case ids, and
+the decay gradients' check (dA_log / ddt_bias against the per-token terms they sum).
 
 The error metric is ‖actual − expected‖ / ‖expected‖ computed in float64 (fla's convention), which is scale-free
 and does not hide large errors in a few elements the way a loose atol does.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 # Per-dtype relative-error thresholds for element-wise / row-wise kernels compared against a float64 reference.
 REL_THRESHOLD = {
@@ -47,6 +49,67 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: tor
         threshold = REL_THRESHOLD[dtype or actual.dtype]
     err = rel_error(actual, expected)
     assert err <= threshold, f"{name}: relative error {err:.3e} > {threshold:.1e}"
+    return err
+
+
+def record_decay_terms(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """For each module of `model` with the decay g = −exp(A_log)·softplus(z), z = a + dt_bias per token and head: a
+    dict, keyed by parameter name as model.named_parameters() spells it, that every later backward through the model
+    adds per-head Σ_tokens |term| of dA_log and ddt_bias to, from the gradient reaching a (dz_t for dt_bias,
+    dg_t·g_t = dz_t·softplus(z_t)/sigmoid(z_t) for A_log). Each gradient is a sum over every token whose terms can
+    cancel, so its relative error alone can exceed any fp32 bar at random; judged against Σ|term| it cannot.
+    a is rltrain's layers' a_proj(x), or the `a` half of transformers' Qwen3-Next Gated DeltaNet's in_proj_ba(x)."""
+    totals: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        if not (hasattr(module, "A_log") and hasattr(module, "dt_bias")):
+            continue
+        if hasattr(module, "a_proj"):
+            projection, decay_input = module.a_proj, lambda out: out
+        elif hasattr(module, "in_proj_ba"):
+            projection, decay_input = module.in_proj_ba, _qwen3_next_decay_input(module)
+        else:
+            raise ValueError(f"{type(module).__name__} has A_log and dt_bias but no decay projection this recorder "
+                             "knows (a_proj, in_proj_ba): add it to record_decay_terms")
+        names = {role: f"{prefix}.{role}" if prefix else role for role in ("dt_bias", "A_log")}
+        projection.register_forward_hook(_decay_term_hook(module, decay_input, names, totals))
+    return totals
+
+
+def _decay_term_hook(layer: torch.nn.Module, decay_input, names: dict[str, str], totals: dict):
+    """record_decay_terms' forward hook on one layer's decay projection (a function per layer: no late binding)."""
+
+    def add(dz: torch.Tensor, z: torch.Tensor) -> None:
+        for role, term in (("dt_bias", dz), ("A_log", dz * F.softplus(z) / torch.sigmoid(z))):
+            total = term.detach().abs().flatten(0, -2).sum(0).double().cpu()
+            totals[names[role]] = totals.get(names[role], 0) + total
+
+    def on_forward(projection, args, out) -> None:  # returns None: the output stays as it is
+        z = (decay_input(out) + layer.dt_bias).detach()
+        out.register_hook(lambda dout: add(decay_input(dout), z))
+
+    return on_forward
+
+
+def _qwen3_next_decay_input(layer: torch.nn.Module):
+    """in_proj_ba's output (or its gradient) [..., 2·H] -> a [..., H], split by the layer's own
+    fix_query_key_value_ordering (b and a interleave per key-head group), with a stand-in for the qkvz half."""
+    qkvz_width = layer.in_proj_qkvz.out_features
+
+    def decay_input(ba: torch.Tensor) -> torch.Tensor:
+        a = layer.fix_query_key_value_ordering(ba.new_zeros(*ba.shape[:-1], qkvz_width), ba.contiguous())[-1]
+        assert a.shape[-1] == layer.dt_bias.numel(), (tuple(a.shape), layer.dt_bias.shape)
+        return a
+
+    return decay_input
+
+
+def assert_decay_grad_close(grad: torch.Tensor, expected: torch.Tensor, terms: torch.Tensor, threshold: float,
+                            name: str) -> float:
+    """dA_log / ddt_bias against `expected` by ‖error‖ / ‖Σ_tokens |term|‖ (record_decay_terms)."""
+    assert grad.shape == expected.shape == terms.shape, (name, grad.shape, expected.shape, terms.shape)
+    assert_finite(grad, name)
+    err = ((grad.double().cpu() - expected.double().cpu()).norm() / terms.norm()).item()
+    assert err <= threshold, f"{name}: error over the per-token terms' magnitudes {err:.3e} > {threshold:.1e}"
     return err
 
 

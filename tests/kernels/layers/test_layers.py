@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from rltrain_kernels.layers import GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention, ShortConvolution
 from rltrain_kernels.registry import apply_kernel, get_applied_kernels
-from tests.helpers import assert_rel_close
+from tests.helpers import assert_decay_grad_close, assert_rel_close, record_decay_terms
 
 HIDDEN = 32
 LAYERS = ["gated_delta_rule", "gated_delta_product", "iplr"]
@@ -148,33 +148,6 @@ def test_outputs_and_every_gradient_match_float64(kind, impl, device):
                 assert_decay_grad_close(grad, ref_grads[name], decay_terms[name], bar, label)
             else:
                 assert_rel_close(grad, ref_grads[name], threshold=bar, name=label)
-
-
-def record_decay_terms(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """For layers with the decay g = −exp(A_log)·softplus(z), z = a_proj(x) + dt_bias: a dict that every later
-    backward through the layer adds per-head Σ_tokens |term| of dA_log and ddt_bias to, from the gradient reaching
-    a_proj's output (dz_t for dt_bias, dg_t·g_t = dz_t·softplus(z_t)/sigmoid(z_t) for A_log). Each gradient is a sum
-    over every token whose terms can cancel, so its relative error alone can exceed any fp32 bar at random; judged
-    against Σ|term| it cannot."""
-    totals: dict[str, torch.Tensor] = {}
-    if not hasattr(layer, "A_log"):
-        return totals
-
-    def add(dz, z):
-        for name, term in (("dt_bias", dz), ("A_log", dz * F.softplus(z) / torch.sigmoid(z))):
-            totals[name] = totals.get(name, 0) + term.detach().abs().flatten(0, -2).sum(0).double().cpu()
-
-    def on_forward(module, args, z):  # returns None: the output stays as it is
-        z.register_hook(lambda dz: add(dz, (z + layer.dt_bias).detach()))
-
-    layer.a_proj.register_forward_hook(on_forward)
-    return totals
-
-
-def assert_decay_grad_close(grad, expected, terms, threshold, name):
-    """dA_log / ddt_bias against `expected` by ‖error‖ / ‖Σ_tokens |term|‖ (record_decay_terms)."""
-    err = ((grad.double().cpu() - expected.double().cpu()).norm() / terms.norm()).item()
-    assert err <= threshold, f"{name}: error over the per-token terms' magnitudes {err:.3e} > {threshold:.1e}"
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -23,14 +23,15 @@ def packed_from_rows(inputs: dict, lengths: list[int]) -> tuple[dict, torch.Tens
 
     packed = {k: pack(v) for k, v in inputs.items() if k != "weight"}
     packed["weight"] = inputs["weight"]
-    cu_seqlens = torch.tensor([0] + lengths).cumsum(0)
+    cu_seqlens = torch.tensor([0] + lengths, device=inputs["hidden"].device).cumsum(0)
     return packed, cu_seqlens
 
 
 def padded_rows(inputs: dict, lengths: list[int]) -> dict:
     """The rows with everything past lengths[i] masked out (what the packed row holds, in rows)."""
     rows = dict(inputs)
-    keep = torch.arange(inputs["mask"].shape[1])[None] < torch.tensor(lengths)[:, None]
+    device = inputs["mask"].device
+    keep = torch.arange(inputs["mask"].shape[1], device=device)[None] < torch.tensor(lengths, device=device)[:, None]
     rows["mask"] = inputs["mask"] & keep
     return rows
 
@@ -46,11 +47,11 @@ def forward_backward(inputs: dict, impl: str, chunks=CHUNKS, **opts):
 
 @pytest.mark.parametrize("impl", ["torch", "triton", "reference"])
 @pytest.mark.parametrize("loss_agg", LOSS_AGGS)
-def test_packed_equals_rows(impl, loss_agg):
+def test_packed_equals_rows(impl, loss_agg, device):
     """A row of 3 sequences (lengths 5, 2, 4; the second fully masked in make_inputs' masked_rows) equals the padded
     rows. Dr.GRPO's norm_len is explicit (the padded width): a packed row's default is its longest sequence."""
     lengths = [5, 2, 4]
-    inputs = make_inputs(B=3, T=5, masked_rows=(1,))
+    inputs = make_inputs(B=3, T=5, device=device, masked_rows=(1,))
     kl = dict(kl_coef=0.05, kl_type="k2", entropy_coef=0.01, dual_clip=3.0)
     norm = dict(norm_len=5) if loss_agg == "seq-mean-token-sum-norm" else {}
     rows = padded_rows(inputs, lengths)
