@@ -189,6 +189,14 @@ def resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
+def resolve_dtype(dtype: str, device: str) -> str:
+    """model.dtype as every role takes it (the compute dtype; the actor's trained weights stay fp32 under
+    actor.mixed_precision): auto -> bfloat16 where trainer.device resolves (`device`) to cuda, else float32."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device == "cuda" else "float32"
+
+
 def delta_rule_policy(model: ModelConfig) -> str | None:
     """The delta-rule policy (rltrain_kernels.models' hybrid_delta family) `model` names, described, or None: the
     embedded default with a delta-rule arch, or a model directory whose config.json has that model_type."""

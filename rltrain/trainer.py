@@ -39,7 +39,7 @@ from rltrain.async_rollout import (
 from rltrain.config import ConfigError
 from rltrain.data.rows import load_rows
 from rltrain.data.sampler import PromptSampler, drop_long_prompts, encode_prompts
-from rltrain.job import JobConfig, resolve_device
+from rltrain.job import JobConfig, resolve_device, resolve_dtype
 from rltrain.perf import StepTimer, actor_step_flops, mfu, peak_flops
 from rltrain.tracking import Tracker
 from rltrain.validation import validation_metrics
@@ -136,8 +136,9 @@ class GRPOTrainer:
                                            job.ray.placement_timeout_s)
         self.rollout_placement = place_rollout(job.rollout, self.device, job.ray.placement_timeout_s) \
             if separate else None
-        common = dict(model_path=self.model_dir, dtype=job.model.dtype, kernel_config=job.kernel_config,
-                      device=self.device, attn_implementation=job.model.attn_implementation)
+        common = dict(model_path=self.model_dir, dtype=resolve_dtype(job.model.dtype, self.device),
+                      kernel_config=job.kernel_config, device=self.device,
+                      attn_implementation=job.model.attn_implementation)
         temperature, actor_config = job.rollout.temperature, job.actor
         if separate and self.device != "cuda" and actor_config.torch_threads == 0:  # the cores the rollout leaves
             threads = max(1, ((os.cpu_count() or 1) - job.rollout.replicas) // self.placement.world_size)

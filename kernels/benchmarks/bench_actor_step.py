@@ -6,9 +6,15 @@ for Qwen3 models built from config, side by side in one process:
     (b) trl+liger  (a) with Liger's model kernels and its fused linear GRPO loss (TRL's use_liger_kernel)
     (c) rltrain padded   ActorWorker, padded micro-batches of `--rows` rows (actor.use_remove_padding=false)
     (d) rltrain packed   ActorWorker, packed micro-batches of at most `--max-tokens` tokens (the default)
-    (e) rltrain packed lora   (d) with actor.lora: rank `--lora-rank` adapters on every linear layer but the LM head
+    (e) rltrain packed mixed   (d) with actor.mixed_precision (the default): fp32 master weights, gradients and AdamW
+                   state beside the bf16 model, the same bf16 compute (rltrain/workers/precision.py); the table's last
+                   line gives its tokens/s and peak against (d)'s (goal: within 10%)
+    (f) rltrain packed lora   (d) with actor.lora: rank `--lora-rank` adapters on every linear layer but the LM head
                    (PEFT), the base frozen; its MFU counts the full model's 8·N (the adapters' weight gradients are
                    skipped, so it reads low)
+
+(a) to (d) and (f) train the bf16 weights in place, as TRL does (actor.mixed_precision=false): at lr 1e-6 such an
+update is lost on most elements, which changes nothing in the timing.
 
 Batch: `--responses` responses after `--prompt-len`-token prompts, response lengths log-normal (σ = 1) with mean
 `--mean-len`, capped at `--max-len`, fixed seed; random token ids (timing does not depend on their values). Every
@@ -22,12 +28,14 @@ machine needs tensordict, pyvers, orjson and liger-kernel carried (kernels/bench
     python kernels/benchmarks/bench_actor_step.py --size 0.6b
     python kernels/benchmarks/bench_actor_step.py --size 1.7b --probe-lens 4096,8192,16384,32768
     python kernels/benchmarks/bench_actor_step.py --size 1.7b --variants "rltrain packed,rltrain packed lora"
+    python kernels/benchmarks/bench_actor_step.py --variants "rltrain packed,rltrain packed mixed" --no-probe
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import math
 import sys
 import tempfile
@@ -184,15 +192,17 @@ class TRLPath:
 
 # ---------------------------------------------------------------- (c), (d): rltrain's ActorWorker
 class RltrainPath:
+    """rltrain's ActorWorker on the GPU; bf16 weights trained in place unless `mixed_precision` (fp32 masters)."""
+
     def __init__(self, model_dir: str, rows: int, packed: bool, max_tokens: int, checkpointing: bool = False,
-                 lora_rank: int = 0):
+                 lora_rank: int = 0, mixed_precision: bool = False):
         from rltrain.algorithms.config import LossConfig
         from rltrain.workers.actor import ActorConfig, ActorWorker
         from rltrain.workers.lora import LoraConfig
 
         config = ActorConfig(lr=1e-5 if lora_rank else 1e-6, micro_batch_size=rows, use_remove_padding=packed,
                              max_tokens_per_micro_batch=max_tokens if packed else 0,
-                             gradient_checkpointing=checkpointing,
+                             gradient_checkpointing=checkpointing, mixed_precision=mixed_precision,
                              lora=LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank or 16.0))
         self.actor = ActorWorker(config, LossConfig(clip_low=0.2, clip_high=0.2), model_dir, "bfloat16",
                                  {"name": "auto", "include_kernels": "auto"}, temperature=1.0, device="cuda")
@@ -213,6 +223,8 @@ VARIANTS = {
     "rltrain padded": lambda d, a: RltrainPath(d, a.rows, packed=False, max_tokens=0, checkpointing=a.checkpointing),
     "rltrain packed": lambda d, a: RltrainPath(d, a.rows, packed=True, max_tokens=a.max_tokens,
                                                checkpointing=a.checkpointing),
+    "rltrain packed mixed": lambda d, a: RltrainPath(d, a.rows, packed=True, max_tokens=a.max_tokens,
+                                                     checkpointing=a.checkpointing, mixed_precision=True),
     "rltrain packed lora": lambda d, a: RltrainPath(d, a.rows, packed=True, max_tokens=a.max_tokens,
                                                     checkpointing=a.checkpointing, lora_rank=a.lora_rank),
 }
@@ -293,6 +305,8 @@ def main():
     parser.add_argument("--no-timing", action="store_true", help="the length probe only")
     args = parser.parse_args()
     args.checkpointing = False   # the timed step: no gradient checkpointing; the length probe: on, for every variant
+    # the in-place bf16 variants are on purpose (TRL's precision): not the warning actor.mixed_precision=false logs
+    logging.getLogger("rltrain.workers.precision").setLevel(logging.ERROR)
     import transformers
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
@@ -359,6 +373,17 @@ def main():
         ratio = {k: f"{tps / base[k]:.2f}x" if k in base else "-" for k in ("trl", "trl+liger")}
         print(f"| {name} | {tps:.0f} | {ratio['trl']} | {ratio['trl+liger']} | {old_s:.2f} | {update_s:.2f} | "
               f"{peak:.1f} | {mfu:.1%} | {longest.get(name, '-')} | {note} |")
+    print(mixed_precision_cost(rows))
+
+
+def mixed_precision_cost(rows: list) -> str:
+    """A line: 'rltrain packed mixed' (fp32 masters) against 'rltrain packed' (bf16 in place), where both ran."""
+    by_name = {row[0]: row for row in rows}
+    if not {"rltrain packed", "rltrain packed mixed"} <= set(by_name):
+        return ""
+    pure, mixed = by_name["rltrain packed"], by_name["rltrain packed mixed"]
+    return (f"\nmixed precision (fp32 masters) against bf16 in place: {mixed[1] / pure[1]:.2f}x the tokens/s "
+            f"(goal >= 0.90), update {mixed[3]:.2f} s against {pure[3]:.2f} s, peak {mixed[4] - pure[4]:+.1f} GiB")
 
 
 if __name__ == "__main__":

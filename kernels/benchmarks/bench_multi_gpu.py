@@ -5,18 +5,20 @@ no Ray: each process sees only its own GPU, as under Ray, and the roles are the 
 
 For each arch:
 1. Gradients. One update on a small batch: FSDP2 over `--world` GPUs against a single process on one GPU in fp32
-   (the same kernels), in fp32 (the sharding alone) and in bf16 mixed precision (the default); FSDP2's bf16 against
-   its own 1-GPU bf16 (the sharding at equal precision); and the single process's bf16 against its fp32 (the
-   error bf16 brings on one GPU). Relative errors of the old log-probs, of all gradients as one vector, and of the
-   worst parameter's.
+   (the same kernels), in fp32 (the sharding alone) and in bf16 mixed precision (model.dtype=bfloat16 with
+   actor.mixed_precision, the default); FSDP2's bf16 against its own 1-GPU bf16 (the sharding at equal precision);
+   and the single process's bf16 (its fp32 masters' gradients) against its fp32 (the error bf16 brings on one GPU).
+   Relative errors of the old log-probs, of all gradients as one vector, and of the worst parameter's.
 2. Actor step (old log-probs + update, packed micro-batches, the registry's kernels), timed: a single process in bf16
-   (what a one-GPU user runs), FSDP2 on 1 GPU and on `--world` GPUs (fp32 master weights, bf16 compute); tokens/s,
-   tokens/s per GPU, scaling efficiency (per-GPU tokens/s at `--world` over FSDP2's at 1), peak memory per GPU.
+   mixed precision (what a one-GPU user runs), FSDP2 on 1 GPU and on `--world` GPUs (fp32 master weights, bf16
+   compute); tokens/s, tokens/s per GPU, scaling efficiency (per-GPU tokens/s at `--world` over FSDP2's at 1), peak
+   memory per GPU.
 3. Weight push into `--world` rollout replicas (HF engine, one per GPU, beside the actor rank on that GPU): the
    device route (CUDA IPC from the colocated rank) against the host route (rank 0's host copy, a numpy array pickled
    to each replica; Ray's object store takes it in once and hands it out without a copy, so this overstates the
-   host route by a copy per extra replica), each the best of `--push-repeats`; then every replica's weights checked
-   against the actor's (fp64 checksums, exact) and every replica generates, concurrently.
+   host route by a copy per extra replica), each the best of `--push-repeats`; the push sends model.dtype (bf16)
+   tensors, into fp32 replicas; then every replica's weights checked against the actor's (fp64 checksums, exact)
+   and every replica generates, concurrently.
 
     python kernels/benchmarks/bench_multi_gpu.py                           # 2 GPUs, qwen3 0.6B + hybrid 1B
     python kernels/benchmarks/bench_multi_gpu.py --archs qwen3 --world 2
@@ -93,12 +95,11 @@ def batches(tiny: bool, arch: str, vocab: int):
             [fit(make_batch(8, 64, 128, 256, seed=1)), fit(make_batch(8, 96, 300, 600, seed=2))])
 
 
-def actor_config(tiny: bool, mixed_precision: bool):
+def actor_config(tiny: bool):
+    """actor.mixed_precision on (the default): with model.dtype=bfloat16, fp32 weights and bf16 compute."""
     from rltrain.workers.actor import ActorConfig
-    from rltrain.workers.fsdp import FSDPConfig
 
-    return ActorConfig(lr=1e-6, max_tokens_per_micro_batch=2048 if tiny else 16384, torch_threads=1 if tiny else 0,
-                       fsdp=FSDPConfig(mixed_precision=mixed_precision))
+    return ActorConfig(lr=1e-6, max_tokens_per_micro_batch=2048 if tiny else 16384, torch_threads=1 if tiny else 0)
 
 
 def timed_step(actor, batch, device: str, sharded: bool) -> tuple[float, torch.Tensor | None]:
@@ -126,10 +127,12 @@ def timed_step(actor, batch, device: str, sharded: bool) -> tuple[float, torch.T
 
 
 def full_grads(actor, sharded: bool) -> dict[str, torch.Tensor]:
+    """The trained weights' gradients by name: the fp32 masters' where the single process keeps them (bf16)."""
     from torch.distributed.tensor import DTensor
 
+    named = actor.master.masters.items() if actor.master is not None else actor.model.named_parameters()
     return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float().cpu()
-            for name, p in actor.model.named_parameters() if p.grad is not None}
+            for name, p in named if p.grad is not None}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -157,11 +160,11 @@ def single_main(model_dir: str, tiny: bool, device: str, out: str, arch: str, vo
 
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "0")
     check, timed, warm = batches(tiny, arch, vocab)
-    actor = ActorWorker(actor_config(tiny, False), LossConfig(), model_dir, "float32", AUTO, 1.0, device=device)
+    actor = ActorWorker(actor_config(tiny), LossConfig(), model_dir, "float32", AUTO, 1.0, device=device)
     _, old = timed_step(actor, check, device, sharded=False)
     torch.save({"grads": full_grads(actor, False), "old": old}, f"{out}/single_grads.pt")
     actor = None
-    actor = ActorWorker(actor_config(tiny, False), LossConfig(), model_dir, "bfloat16", AUTO, 1.0, device=device)
+    actor = ActorWorker(actor_config(tiny), LossConfig(), model_dir, "bfloat16", AUTO, 1.0, device=device)
     _, old = timed_step(actor, check, device, sharded=False)
     torch.save({"grads": full_grads(actor, False), "old": old}, f"{out}/single_bf16_grads.pt")
     if not timing:
@@ -188,8 +191,9 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, tiny: bool, devi
     result = {}
     # 1. gradients on the check batch: bf16 mixed precision (every world size), fp32 (world > 1)
     for precision in ("fp32", "bf16") if world > 1 else ("bf16",):
-        actor = FSDPActorWorker(rank, world, "127.0.0.1", port, actor_config(tiny, precision == "bf16"),
-                                LossConfig(), model_dir, "float32", AUTO, 1.0, device=device)
+        dtype = "bfloat16" if precision == "bf16" else "float32"
+        actor = FSDPActorWorker(rank, world, "127.0.0.1", port, actor_config(tiny), LossConfig(), model_dir, dtype,
+                                AUTO, 1.0, device=device)
         _, old = timed_step(actor, check, device, sharded=True)
         grads = full_grads(actor, sharded=True)
         if rank == 0:
@@ -200,8 +204,8 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, tiny: bool, devi
             torch.save(result, f"{out}/fsdp{world}.pt")
         return
     # 2. the timed step (bf16 mixed precision, the default)
-    actor = FSDPActorWorker(rank, world, "127.0.0.1", port, actor_config(tiny, True), LossConfig(), model_dir,
-                            "float32", AUTO, 1.0, device=device)
+    actor = FSDPActorWorker(rank, world, "127.0.0.1", port, actor_config(tiny), LossConfig(), model_dir,
+                            "bfloat16", AUTO, 1.0, device=device)
     for batch in warm:
         timed_step(actor, batch, device, sharded=True)
     if device == "cuda":

@@ -4,16 +4,19 @@
 An update makes actor.ppo_epochs passes over the batch, each in mini-batches of actor.mini_batch_size responses
 (an optimizer step each) drawn in an order seeded by (trainer.seed, step, pass), so a run replays; the learning rate
 of each update follows actor.lr_scheduler (LRSchedule), whose position, the number of updates done, is saved with
-every checkpoint. With actor.lora.rank > 0 only LoRA adapters train, and the reference log-probs come from this
-worker's own model with the adapters disabled (rltrain/workers/lora.py). With algorithm.distill.kl=exact the worker
-also holds the frozen teacher, and each micro-batch's loss gains coef × the exact reverse KL to it (linear_kl_div from
-both models' hidden states; actor/distill_kl). FSDPActorWorker is the same role sharded over the ranks of a
-WorkerGroup (actor.strategy=fsdp2; rltrain/workers/fsdp.py)."""
+every checkpoint. Under actor.mixed_precision (the default) the trained weights and the optimizer state are fp32
+and the forward and backward run in model.dtype: fp32 master copies beside a model.dtype model here
+(rltrain/workers/precision.py), FSDP2's MixedPrecisionPolicy in FSDPActorWorker. With actor.lora.rank > 0 only LoRA
+adapters train, and the reference log-probs come from this worker's own model with the adapters disabled
+(rltrain/workers/lora.py). With algorithm.distill.kl=exact the worker also holds the frozen teacher (in model.dtype),
+and each micro-batch's loss gains coef × the exact reverse KL to it (linear_kl_div from both models' hidden states;
+actor/distill_kl). FSDPActorWorker is the same role sharded over the ranks of a WorkerGroup (actor.strategy=fsdp2;
+rltrain/workers/fsdp.py)."""
 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -30,9 +33,10 @@ from rltrain.workers.fsdp import FSDPConfig, ShardedPolicy, keyed_by_index, keye
 from rltrain.workers.lora import LoraConfig, adapter_weights, attach_lora, load_adapters
 from rltrain.workers.packing import MicroBatching, Packing
 from rltrain.workers.policy import (
-    load_policy, plan_buckets, policy_hidden, resolve_batching, response_labels, response_logprobs, set_threads,
-    untied_state_dict,
+    DTYPES, load_policy, plan_buckets, policy_hidden, resolve_batching, response_labels, response_logprobs,
+    set_threads, untied_state_dict,
 )
+from rltrain.workers.precision import MasterWeights, stored_fp32_weights, trained_dtype
 from rltrain.workers.weight_sync import WeightSource
 
 STRATEGIES = ("single", "fsdp2")
@@ -69,6 +73,7 @@ class ActorConfig:
     torch_threads: int = 0       # 0 = all cores
     strategy: str = "single"     # single: one process | fsdp2: trainer.nnodes × n_gpus_per_node sharded ranks
     gradient_checkpointing: bool = False
+    mixed_precision: bool = True  # fp32 trained weights and optimizer state, model.dtype compute; false: in place
     weight_bucket_mb: int = 256  # the weight push sends full tensors in buckets of about this size
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -140,6 +145,8 @@ def minibatch_order(size: int, seed: int, step: int, epoch: int) -> torch.Tensor
 class ActorWorker(WeightSource):
     adapters = None  # the PeftModel wrapping self.model with actor.lora on (FSDPActorWorker: never)
     teacher = None   # algorithm.distill.kl=exact: the frozen teacher whose KL joins the loss (FSDPActorWorker: never)
+    master = None    # MasterWeights: the fp32 weights the optimizer trains, where model.dtype is not float32 under
+                     # actor.mixed_precision (FSDPActorWorker: never; its shards are fp32 themselves)
 
     def __init__(self, config: ActorConfig, loss: LossConfig, model_path: str, dtype: str,
                  kernel_config: KernelConfig | None, temperature: float, device: str = "cpu", seed: int = 0,
@@ -152,12 +159,15 @@ class ActorWorker(WeightSource):
         self.model = load_policy(model_path, dtype, kernel_config, device, attn_implementation)
         # LoRA: the adapters go in after the kernels; self.model stays the transformers model (with them inside)
         self.adapters = attach_lora(self.model, config.lora) if config.lora.enabled else None
+        if trained_dtype(dtype, config.mixed_precision) != dtype:  # fp32 masters of the trained parameters
+            self.master = MasterWeights(self.model, None if self.adapters else stored_fp32_weights(model_path))
         self.batching = resolve_batching(self.model, config.micro_batching)
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=config.lr,
-                                           weight_decay=config.weight_decay)
+        trained = self.master.parameters() if self.master is not None else \
+            [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=config.weight_decay)
         if distill is not None:
             self.distill_coef = distill.coef
             self.teacher = load_policy(distill.teacher_path, dtype, kernel_config, device, attn_implementation)
@@ -232,6 +242,8 @@ class ActorWorker(WeightSource):
                 sums[key] += out.metrics[key] * micro_tokens / n_tokens
         grad_norm = self._clip_grad_norm()
         self.optimizer.step()
+        if self.master is not None:
+            self.master.copy_to_model()
         sums = self._sum_over_ranks(sums)
         sums["grad_norm"] = float(grad_norm)
         return sums
@@ -283,7 +295,8 @@ class ActorWorker(WeightSource):
         return head(policy_hidden(self.model, micro, packing), self.model.get_output_embeddings().weight)
 
     def _clip_grad_norm(self) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        trained = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(trained, self.config.grad_clip)
 
     def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
         return sums
@@ -306,12 +319,16 @@ class ActorWorker(WeightSource):
         state = self.pushed_weights()
         return {name: state[name].detach() for name in names}
 
-    def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
-        """Full CPU tensors of these state_dict entries (None on ranks other than 0 under FSDP2)."""
-        return {name: tensor.cpu() for name, tensor in self.full_weights(names).items()}
+    def _checkpointed_weights(self):
+        """A context in which the model's parameters hold the weights a checkpoint saves and loads: the fp32 masters
+        where there are any (MasterWeights.in_model), else the model's own."""
+        return self.master.in_model() if self.master is not None else nullcontext()
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
-        return self.gather_weights(list(self.model.state_dict()))
+        """The trained weights as CPU tensors by state_dict name (fp32 under actor.mixed_precision; None on ranks
+        other than 0 under FSDP2)."""
+        with self._checkpointed_weights():
+            return {name: tensor.detach().cpu() for name, tensor in self.model.state_dict().items()}
 
     def optimizer_state(self) -> dict:
         return self.optimizer.state_dict()
@@ -324,17 +341,22 @@ class ActorWorker(WeightSource):
         self.updates = int(state["updates"])
 
     def load_checkpoint(self, model_state: dict, optimizer_state: dict) -> None:
-        """model_state: the HF state_dict, or with LoRA the adapters in PEFT's format (save_pretrained's)."""
-        if self.adapters is None:
-            self.model.load_state_dict(model_state)
-        else:
-            load_adapters(self.adapters, model_state)
+        """model_state: the HF state_dict, or with LoRA the adapters in PEFT's format (save_pretrained's); into the
+        fp32 masters where there are any, then rounded into the model."""
+        with self._checkpointed_weights():
+            if self.adapters is None:
+                self.model.load_state_dict(model_state)
+            else:
+                load_adapters(self.adapters, model_state)
+        if self.master is not None:
+            self.master.copy_to_model()
         self.optimizer.load_state_dict(optimizer_state)
 
     def save_pretrained(self, path: str) -> None:
         """The policy in HF format, or with LoRA its adapters in PEFT's (adapter_config.json naming the base model's
-        directory, adapter_model.safetensors)."""
-        (self.model if self.adapters is None else self.adapters).save_pretrained(path)
+        directory, adapter_model.safetensors); the fp32 masters where there are any."""
+        with self._checkpointed_weights():
+            (self.model if self.adapters is None else self.adapters).save_pretrained(path)
 
 
 class FSDPActorWorker(ShardedPolicy, ActorWorker):
@@ -347,8 +369,11 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
         torch.manual_seed(seed)
         self.config, self.loss, self.temperature = config, loss, temperature
         self._start_schedule(seed, total_steps)
-        self._setup(rank, world_size, master_addr, master_port, model_path, dtype, kernel_config, device,
-                    config.fsdp, config.micro_batching, attn_implementation, config.gradient_checkpointing)
+        self.compute_dtype = DTYPES[dtype]  # the weight push sends model.dtype tensors, as the single process does
+        weights = trained_dtype(dtype, config.mixed_precision)
+        self._setup(rank, world_size, master_addr, master_port, model_path, weights, kernel_config, device,
+                    config.fsdp, config.micro_batching, attn_implementation, config.gradient_checkpointing,
+                    compute_dtype=dtype)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.root.parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
@@ -379,18 +404,24 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
 
     # ------------------------------------------------------------------ full weights and checkpoints
     def full_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Full tensors of these entries on every rank (a collective: every rank calls it with the same names)."""
+        """Full model.dtype tensors of these entries on every rank (a collective: every rank calls it with the same
+        names); the fp32 shards are cast before the all-gather, which then moves half the bytes."""
+        return self._full_tensors(names, self.compute_dtype)
+
+    def _full_tensors(self, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         state, full = self.model.state_dict(), {}
         for name in names:
             tensor = state[name].detach()
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
             if isinstance(tensor, DTensor):
                 # CPU-offloaded shards go to the GPU for the all-gather (NCCL gathers device tensors only)
                 tensor = tensor.to(self.device).full_tensor()
             full[name] = tensor
         return full
 
-    def gather_weights(self, names: list[str]) -> dict[str, torch.Tensor] | None:
-        full = {name: tensor.cpu() for name, tensor in self.full_weights(names).items()}
+    def state_dict(self) -> dict[str, torch.Tensor] | None:
+        full = {name: tensor.cpu() for name, tensor in self._full_tensors(list(self.model.state_dict())).items()}
         return full if self.rank == 0 else None
 
     def optimizer_state(self) -> dict | None:

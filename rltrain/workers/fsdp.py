@@ -17,6 +17,10 @@ mask is zero (loss and gradient 0). The model and the loss head run inside the f
 (`PolicyWithHead`), so the embeddings and the LM head weight are gathered while the loss uses them and no logits are
 materialised. tests/rltrain/workers/test_fsdp.py checks the gradients against the single process over gloo.
 
+Precision (actor.mixed_precision, rltrain/workers/precision.py): the actor's shards, gradients and optimizer state are
+fp32, and each unit's gathered parameters are cast to model.dtype for the forward and backward (MixedPrecisionPolicy,
+gradients reduced in fp32); the frozen reference is sharded in model.dtype itself.
+
 Weights leave full: the trainer's weight push asks for `bucket_names(bucket_mb)` once, then exports each bucket
 (rltrain/workers/weight_sync.py): `full_weights(names)` gathers those DTensor shards (`full_tensor()`) on every rank,
 and each rank hands them to the rollout process on its GPU by CUDA IPC (rank 0 also returns a host copy where a
@@ -41,7 +45,7 @@ from tensordict import TensorDict
 
 from rltrain.config import ConfigError
 from rltrain.workers.packing import MicroBatching, balanced_groups, response_lengths, sequence_lengths
-from rltrain.workers.policy import load_policy, micro_logprobs, policy_hidden, resolve_batching
+from rltrain.workers.policy import DTYPES, load_policy, micro_logprobs, policy_hidden, resolve_batching
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,6 @@ DIST_TIMEOUT_S = 600
 
 @dataclass
 class FSDPConfig:
-    mixed_precision: bool = True   # on GPU: bf16 params and grads in compute, fp32 reduce and master weights
     cpu_offload: bool = False      # keep the sharded params, grads and optimizer state in CPU memory (GPU only)
 
 
@@ -84,13 +87,18 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     return init_device_mesh(device, (world_size,))
 
 
-def shard_policy(model, mesh, device: str, config: FSDPConfig) -> PolicyWithHead:
-    """fully_shard each decoder layer (the classes in the model's `_no_split_modules`), then the root."""
+def shard_policy(model, mesh, device: str, config: FSDPConfig,
+                 compute_dtype: torch.dtype | None = None) -> PolicyWithHead:
+    """fully_shard each decoder layer (the classes in the model's `_no_split_modules`), then the root. With a
+    compute_dtype other than the weights' (actor.mixed_precision: fp32 shards, model.dtype compute), each unit's
+    gathered parameters are cast to it for the forward and backward, and gradients are reduced and kept in fp32
+    (on CPU over gloo too)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     # fp32 inputs (advantages, old log-probs) must reach the loss unrounded: no casting of forward inputs
-    if device == "cuda" and config.mixed_precision:
-        precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+    weights = next(model.parameters()).dtype
+    if compute_dtype is not None and compute_dtype != weights:
+        precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
                                          cast_forward_inputs=False)
     else:
         precision = MixedPrecisionPolicy(cast_forward_inputs=False)
@@ -132,14 +140,15 @@ class ShardedPolicy:
 
     def _setup(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, dtype: str,
                kernel_config: KernelConfig | None, device: str, fsdp: FSDPConfig, batching: MicroBatching,
-               attn_implementation: str, checkpointing: bool = False):
+               attn_implementation: str, checkpointing: bool = False, compute_dtype: str | None = None):
+        """The model held in `dtype`; forward and backward in compute_dtype (default: the same)."""
         self.rank, self.world_size, self.device = rank, world_size, device
         mesh = init_distributed(rank, world_size, master_addr, master_port, device)
         self.model = load_policy(model_path, dtype, kernel_config, "cpu", attn_implementation)
         self.batching = resolve_batching(self.model, batching)
         if checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.root = shard_policy(self.model, mesh, device, fsdp)
+        self.root = shard_policy(self.model, mesh, device, fsdp, DTYPES[compute_dtype or dtype])
         logger.info("rank %d/%d: sharded %s over %s", rank, world_size, type(self.model).__name__, device)
 
     def _rank_micro_batches(self, batch: TensorDict) -> tuple[list[torch.Tensor], list[TensorDict]]:

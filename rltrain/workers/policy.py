@@ -29,13 +29,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class ModelConfig:
     path: str | None = None          # a local transformers model directory; null = the embedded default
-    dtype: str = "float32"           # float32 | bfloat16 | float16
+    # the compute dtype of every role (rltrain.job.resolve_dtype): auto (bfloat16 on cuda, else float32) | float32 |
+    # bfloat16 | float16; the actor's trained weights stay fp32 under actor.mixed_precision
+    dtype: str = "auto"
     attn_implementation: str = "auto"   # auto (= sdpa) | sdpa | eager | flash_attention_2 | flex_attention
     embedded: EmbeddedModelConfig = field(default_factory=EmbeddedModelConfig)
 
     def validate(self):
-        *others, last = DTYPES
-        require(self.dtype in DTYPES, "dtype", f"must be {', '.join(others)} or {last}", self.dtype)
+        *others, last = ("auto", *DTYPES)
+        require(self.dtype == "auto" or self.dtype in DTYPES, "dtype", f"must be {', '.join(others)} or {last}",
+                self.dtype)
         require(self.attn_implementation in ATTN_IMPLEMENTATIONS, "attn_implementation",
                 f"must be one of {', '.join(ATTN_IMPLEMENTATIONS)}", self.attn_implementation)
         require(self.attn_implementation != "flash_attention_2" or importlib.util.find_spec("flash_attn") is not None,

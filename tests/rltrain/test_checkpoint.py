@@ -1,6 +1,8 @@
-"""Checkpoints without Ray: a save that dies half-way leaves the previous checkpoint the newest complete one, and the
-controller's RNG states (Python, numpy, torch CPU; CUDA where initialised) survive a JSON round trip exactly. The
-kill of a real run and its resume are in tests/rltrain/test_trainer_e2e.py."""
+"""Checkpoints without Ray: a save that dies half-way leaves the previous checkpoint the newest complete one, the
+controller's RNG states (Python, numpy, torch CPU; CUDA where initialised) survive a JSON round trip exactly, and an
+actor resumed from a checkpoint written and read as the trainer does continues bit for bit, in fp32 and in bf16 with
+mixed precision (the checkpoint holds the fp32 masters), full fine-tuning and LoRA. The kill of a real run and its
+resume are in tests/rltrain/test_trainer_e2e.py."""
 
 import json
 import random
@@ -9,8 +11,15 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
+from tensordict import TensorDict
 
+from rltrain.algorithms.advantages import compute_advantages
+from rltrain.algorithms.config import LossConfig
 from rltrain.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.lora import LoraConfig
+from rltrain.workers.policy import DTYPES, load_tokenizer
+from tests.rltrain.tiny_job import save_tiny_policy
 
 
 class _Tokenizer:
@@ -68,3 +77,57 @@ def test_states_saved_before_numpy_and_cuda_still_restore():
     expected = (random.random(), torch.rand(2).tolist())
     set_rng_state(old)
     assert (random.random(), torch.rand(2).tolist()) == expected
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    return save_tiny_policy(tmp_path_factory.mktemp("policy"))
+
+
+def _batch(vocab: int, step: int) -> TensorDict:
+    """Step `step`'s batch: 3 prompts × 4 responses of random tokens, GRPO advantages."""
+    generator = torch.Generator().manual_seed(step)
+    mask = torch.ones(12, 6, dtype=torch.long)
+    mask[5, 3:] = 0
+    batch = TensorDict({"prompt_ids": torch.randint(4, vocab, (12, 5), generator=generator),
+                        "prompt_mask": torch.ones(12, 5, dtype=torch.long),
+                        "response_ids": torch.randint(4, vocab, (12, 6), generator=generator), "response_mask": mask,
+                        "group_ids": torch.arange(12) // 4}, batch_size=[12])
+    batch["advantages"] = compute_advantages("grpo", torch.rand(12, generator=generator), mask, batch["group_ids"])
+    return batch
+
+
+@pytest.mark.parametrize("dtype, lora", [("float32", 0), ("bfloat16", 0), ("bfloat16", 4)],
+                         ids=["fp32", "bf16-mixed", "bf16-mixed-lora"])
+def test_an_actor_resumed_from_a_checkpoint_continues_bit_exactly(tmp_path, policy_dir, dtype, lora):
+    """Three updates straight through, against two, a checkpoint (save_checkpoint with the actor's save_pretrained and
+    optimizer state; load_checkpoint into a fresh actor) and the third: the trained weights (under bf16 the fp32
+    masters, which the checkpoint's hf/ holds in fp32) and the model's own bf16 ones equal bit for bit."""
+    def actor() -> ActorWorker:
+        config = ActorConfig(lr=1e-3, torch_threads=1, micro_batch_size=5, lora=LoraConfig(rank=lora, alpha=8.0))
+        return ActorWorker(config, LossConfig(), policy_dir, dtype, None, temperature=1.0, total_steps=3)
+
+    def train(worker: ActorWorker, steps) -> None:
+        for step in steps:
+            batch = _batch(worker.model.config.vocab_size, step)
+            batch["old_logprobs"] = worker.compute_logprobs(batch)
+            worker.update(batch, step)
+
+    through, first = actor(), actor()
+    train(through, [1, 2, 3])
+    train(first, [1, 2])
+    path = save_checkpoint(str(tmp_path), 2, first.save_pretrained, first.optimizer_state(),
+                           load_tokenizer(policy_dir), {"lr_scheduler": first.lr_scheduler_state()})
+    model_state, optimizer_state, state = load_checkpoint(path)
+    assert model_state and all(tensor.dtype == torch.float32 for tensor in model_state.values())
+    resumed = actor()
+    resumed.load_checkpoint(model_state, optimizer_state)
+    resumed.load_lr_scheduler_state(state["lr_scheduler"])
+    train(resumed, [3])
+    expected = through.state_dict()
+    for name, tensor in resumed.state_dict().items():
+        assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
+    expected = dict(through.model.named_parameters())
+    for name, param in resumed.model.named_parameters():
+        assert param.dtype == DTYPES[dtype], name
+        assert torch.equal(param, expected[name]), name

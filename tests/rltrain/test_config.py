@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from rltrain.config import ConfigError
-from rltrain.job import JobConfig, load_job_config
+from rltrain.job import JobConfig, load_job_config, resolve_dtype
 from tests.rltrain.tiny_job import CONFIG_DIR
 from tests.rltrain.tiny_job import compose as _compose
 
@@ -97,7 +97,9 @@ def test_every_algorithm_preset_validates(preset):
     ("algorithm.overlong_buffer.penalty_factor=-1", "algorithm.overlong_buffer.penalty_factor: must be >= 0"),
     ("algorithm.overlong_buffer.len=8", "algorithm.overlong_buffer.len: must be < rollout.max_new_tokens = 8 (got 8)"),
     ("trainer.logger=[console,mlflow]", "trainer.logger: entries must be among console, jsonl"),
-    ("model.dtype=fp8", "model.dtype: must be float32, bfloat16 or float16"),
+    ("model.dtype=fp8", "model.dtype: must be auto, float32, bfloat16 or float16 (got 'fp8')"),
+    ("+actor.fsdp.mixed_precision=false", "actor.fsdp.mixed_precision: unknown key"),   # now actor.mixed_precision
+    ("actor.mixed_precision=maybe", "actor.mixed_precision: expected bool, got 'maybe'"),
     ("kernel_config.name=gpu", "kernel_config.name: must be auto, cuda, npu or cpu"),
     ("kernel_config.delta_rule_recurrence_dot=fp8",
      "kernel_config.delta_rule_recurrence_dot: must be auto, bf16, tf32 (got 'fp8')"),
@@ -148,6 +150,17 @@ def test_drgrpo_constant_length_defaults_to_the_generation_budget():
     assert job.algorithm.actor_loss(job.rollout.max_new_tokens).norm_len == 100
     job = load_job_config(_compose())
     assert job.algorithm.actor_loss(job.rollout.max_new_tokens).norm_len is None
+
+
+def test_model_dtype_auto_resolves_by_device_and_mixed_precision_is_the_default():
+    """model.dtype=auto (the default) is bfloat16 where trainer.device resolves to cuda, float32 on CPU; a named
+    dtype is kept on both. actor.mixed_precision (fp32 trained weights) is on unless set false."""
+    job = load_job_config(_compose())
+    assert job.model.dtype == "auto" and job.actor.mixed_precision is True
+    assert [resolve_dtype("auto", device) for device in ("cuda", "cpu")] == ["bfloat16", "float32"]
+    assert [resolve_dtype("float16", device) for device in ("cuda", "cpu")] == ["float16", "float16"]
+    job = load_job_config(_compose("model.dtype=bfloat16", "actor.mixed_precision=false"))
+    assert (job.model.dtype, job.actor.mixed_precision) == ("bfloat16", False)
 
 
 def test_vllm_engine_without_vllm_names_the_key_and_the_install(monkeypatch):

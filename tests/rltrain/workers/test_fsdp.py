@@ -4,10 +4,12 @@ the step, and loading a single-process checkpoint into the shards. Cases cover u
 fewer micro-batches than rank 0 runs padding ones), a rank with no rows, two mini-batches, each loss aggregation,
 the KL term, gradient checkpointing, and packed micro-batches cut by a token budget (rows shared by tokens; the
 sharded reference packed against the single process's padded one); two of them again on a delta-rule policy
-(Gated DeltaNet + attention). One spawn runs every case (~30 s in all on 2 cores, mostly process start and
-imports). With 2 GPUs (@pytest.mark.gpu) the same cases run over NCCL, fp32 and bf16 mixed precision, the latter
-also with the shards, gradients and optimizer state offloaded to the CPU (actor.fsdp.cpu_offload), and the hybrid
-cases in bf16. kernels/benchmarks/bench_multi_gpu.py does the same at real sizes with the fused kernels."""
+(Gated DeltaNet + attention), and two in bf16 mixed precision over gloo (model.dtype=bfloat16 with
+actor.mixed_precision: fp32 shards, bf16 compute; the reference sharded in bf16) against the fp32 single process.
+One spawn runs every case of a fixture (~30 s in all on 2 cores, mostly process start and imports). With 2 GPUs
+(@pytest.mark.gpu) the same cases run over NCCL, fp32 and bf16 mixed precision, the latter also with the shards,
+gradients and optimizer state offloaded to the CPU (actor.fsdp.cpu_offload), and the hybrid cases in bf16.
+kernels/benchmarks/bench_multi_gpu.py does the same at real sizes with the fused kernels."""
 
 import copy
 import socket
@@ -25,6 +27,7 @@ from rltrain.embedded.task import make_rows
 from rltrain.workers.actor import ActorConfig, ActorWorker, FSDPActorWorker
 from rltrain.workers.fsdp import FSDPConfig, rank_micro_batches
 from rltrain.workers.packing import MicroBatching
+from rltrain.workers.policy import DTYPES
 from rltrain.workers.reference import FSDPReferenceWorker, ReferenceWorker
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from tests.rltrain.tiny_job import tiny_job
@@ -63,23 +66,27 @@ def _configs(case, sharded: bool):
     return rows, actor, LossConfig(loss_agg=loss_agg, kl_coef=kl)
 
 
-def _rank_main(rank, port, device, mixed_precision, cpu_offload, model_dir, batches, single_states, out_dir):
+def _rank_main(rank, port, device, dtype, cpu_offload, model_dir, batches, single_states, out_dir):
     import os
 
     os.environ["LOCAL_RANK"] = str(rank)  # this rank's GPU (under Ray each rank sees only its own)
 
-    fsdp = FSDPConfig(mixed_precision=mixed_precision, cpu_offload=cpu_offload)
-    reference = FSDPReferenceWorker(rank, WORLD, "127.0.0.1", port, model_dir, "float32", None, 1.0,
+    fsdp = FSDPConfig(cpu_offload=cpu_offload)
+    reference = FSDPReferenceWorker(rank, WORLD, "127.0.0.1", port, model_dir, dtype, None, 1.0,
                                     SHARDED_REFERENCE, fsdp=fsdp, device=device, torch_threads=1)
+    assert all(p.dtype == DTYPES[dtype] for p in reference.model.parameters())  # frozen: no fp32 copy
     for case, batch in batches.items():
         _, config, loss = _configs(case, sharded=True)
         config.fsdp = fsdp
-        actor = FSDPActorWorker(rank, WORLD, "127.0.0.1", port, config, loss, model_dir, "float32", None, 1.0,
+        actor = FSDPActorWorker(rank, WORLD, "127.0.0.1", port, config, loss, model_dir, dtype, None, 1.0,
                                 device=device)
+        assert all(p.dtype == torch.float32 for p in actor.model.parameters())  # the shards: fp32 in every case
         result = {"old": actor.compute_logprobs(batch), "ref": reference.compute_logprobs(batch),
                   "metrics": actor.update(batch)}
         # offloaded shards live on the CPU: to the GPU for NCCL's all-gather (a no-op otherwise)
         grads = {n: p.grad.to(actor.device).full_tensor().cpu() for n, p in actor.model.named_parameters()}
+        pushed = actor.full_weights(actor.bucket_names(256)[0])  # the weight push's tensors: model.dtype
+        assert all(t.dtype == DTYPES[dtype] for t in pushed.values() if t.is_floating_point())
         result.update(grads=grads, weights=actor.state_dict(), optimizer=actor.optimizer_state())
         model_state, optimizer_state = single_states[case]
         actor.load_checkpoint(model_state, optimizer_state)
@@ -88,10 +95,11 @@ def _rank_main(rank, port, device, mixed_precision, cpu_offload, model_dir, batc
             torch.save(result, f"{out_dir}/{case}.pt")
 
 
-def run_cases(root, device: str, mixed_precision: bool, cpu_offload: bool = False, arch: str = "qwen3",
+def run_cases(root, device: str, dtype: str = "float32", cpu_offload: bool = False, arch: str = "qwen3",
               cases=tuple(CASES)) -> dict:
-    """Per case: (the single process's results, the 2-rank FSDP2 ones, the checkpoint the ranks loaded), on the
-    embedded model of `arch` (2 layers for a delta-rule arch)."""
+    """Per case: (the fp32 single process's results, the 2-rank FSDP2 ones at model.dtype=`dtype` with
+    actor.mixed_precision, the checkpoint the ranks loaded), on the embedded model of `arch` (2 layers for a
+    delta-rule arch)."""
     job = tiny_job(root, model={"embedded": {"arch": arch, "num_layers": 1 if arch == "qwen3" else 2}})
     model_dir = str(embedded_policy_dir(job.trainer.output_dir, job.model.embedded, job.data.task, 0))
     train, _ = make_rows(job.data.task)
@@ -125,7 +133,7 @@ def run_cases(root, device: str, mixed_precision: bool, cpu_offload: bool = Fals
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_rank_main, args=(port, device, mixed_precision, cpu_offload, model_dir, batches, states, str(root)),
+    mp.spawn(_rank_main, args=(port, device, dtype, cpu_offload, model_dir, batches, states, str(root)),
              nprocs=WORLD, join=True)
     return {case: (single[case], torch.load(root / f"{case}.pt", weights_only=False), states[case])
             for case in cases}
@@ -140,6 +148,8 @@ def _to_cpu(optimizer_state: dict) -> dict:
 # relative-error bounds: fp32 on CPU is exact up to summation order; on GPU the Triton dots of both sides run in
 # TF32, and bf16 compute (mixed precision) against the fp32 single process is off by bf16's 3 significant digits
 TOLERANCES = {"cpu": dict(logprobs=1e-6, grads=1e-5, weights=1e-4, optimizer=1e-5, metrics=1e-5),
+              # measured: logprobs 1.2e-4, grads 1.2e-2, weights 2.5e-3 (a lost Adam step: ~2.5e-2), optimizer 1.5e-2
+              "cpu-bf16": dict(logprobs=2e-3, grads=3e-2, weights=1e-2, optimizer=5e-2, metrics=5e-2),
               "cuda-fp32": dict(logprobs=1e-4, grads=2e-3, weights=1e-2, optimizer=4e-3, metrics=2e-3),
               "cuda-bf16": dict(logprobs=2e-2, grads=5e-2, weights=5e-2, optimizer=1e-1, metrics=5e-2)}
 
@@ -174,7 +184,7 @@ def check_case(single, sharded, checkpoint, tol):
 
 @pytest.fixture(scope="module")
 def cpu_results(tmp_path_factory):
-    return run_cases(tmp_path_factory.mktemp("fsdp"), "cpu", mixed_precision=True)  # CPU: fp32 regardless
+    return run_cases(tmp_path_factory.mktemp("fsdp"), "cpu")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -184,8 +194,7 @@ def test_fsdp2_over_gloo_matches_single_process(cpu_results, case):
 
 @pytest.fixture(scope="module")
 def cpu_hybrid_results(tmp_path_factory):
-    return run_cases(tmp_path_factory.mktemp("fsdp-hybrid"), "cpu", mixed_precision=True, arch="hybrid",
-                     cases=HYBRID_CASES)
+    return run_cases(tmp_path_factory.mktemp("fsdp-hybrid"), "cpu", arch="hybrid", cases=HYBRID_CASES)
 
 
 @pytest.mark.parametrize("case", HYBRID_CASES)
@@ -195,13 +204,31 @@ def test_fsdp2_shards_a_delta_rule_policy(cpu_hybrid_results, case):
     check_case(*cpu_hybrid_results[case], TOLERANCES["cpu"])
 
 
+# padded and packed (with the KL term: the bf16 reference), one spawn
+BF16_CASES = ["rows11-micro5-token-mean", "rows11-packed30-token-mean-kl"]
+
+
+@pytest.fixture(scope="module")
+def cpu_bf16_results(tmp_path_factory):
+    return run_cases(tmp_path_factory.mktemp("fsdp-bf16"), "cpu", dtype="bfloat16", cases=BF16_CASES)
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_fsdp2_mixed_precision_over_gloo_matches_fp32(cpu_bf16_results, case):
+    """model.dtype=bfloat16 under actor.mixed_precision: fp32 shards and optimizer state (checkpoints load into them
+    exactly), bf16 compute through MixedPrecisionPolicy, the weight push in bf16; gradients, weights and log-probs
+    within bf16's error of the fp32 single process."""
+    check_case(*cpu_bf16_results[case], TOLERANCES["cpu-bf16"])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-cpu-offload", "bf16-hybrid"])
 def test_fsdp2_over_nccl_matches_single_process(tmp_path, precision):
     hybrid = precision.endswith("hybrid")
     cases = HYBRID_CASES if hybrid else list(CASES)
-    results = run_cases(tmp_path, "cuda", mixed_precision=precision != "fp32", cpu_offload="offload" in precision,
+    results = run_cases(tmp_path, "cuda", dtype="float32" if precision == "fp32" else "bfloat16",
+                        cpu_offload="offload" in precision,
                         arch="hybrid" if hybrid else "qwen3", cases=cases)
     for case in cases:
         check_case(*results[case], TOLERANCES["cuda-fp32" if precision == "fp32" else "cuda-bf16"])
