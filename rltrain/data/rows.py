@@ -110,3 +110,10 @@ def render_prompt(prompt: str | list[dict], tokenizer, tools: list[dict] | None 
     if isinstance(prompt, str):
         return prompt
     return tokenizer.apply_chat_template(prompt, tools=tools, tokenize=False, add_generation_prompt=True)
+
+
+def prompt_ids(prompt: str | list[dict], tokenizer, tools: list[dict] | None = None) -> list[int]:
+    """A row's prompt as the rollout gets it, in token ids. A chat template writes its own special tokens (Llama 3's
+    `{{ bos_token }}`), so rendered messages are tokenized without the tokenizer's (whose post-processor would put
+    a second <|begin_of_text|> in front); plain text gets them as the tokenizer adds them."""
+    return tokenizer(render_prompt(prompt, tokenizer, tools), add_special_tokens=isinstance(prompt, str)).input_ids

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rltrain.config import require
-from rltrain.data.rows import DataError, PromptRow, render_prompt
+from rltrain.data.rows import DataError, PromptRow, prompt_ids
 from rltrain.embedded.task import TaskConfig
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def drop_long_prompts(rows: list[PromptRow], tokenizer, max_prompt_length: int, 
     """Rows whose prompt, rendered as the rollout gets it (with `tools`: see render_prompt), fits max_prompt_length
     tokens; logs how many were dropped."""
     kept = [row for row in rows
-            if len(tokenizer(render_prompt(row.prompt, tokenizer, tools)).input_ids) <= max_prompt_length]
+            if len(prompt_ids(row.prompt, tokenizer, tools)) <= max_prompt_length]
     if len(kept) < len(rows):
         logger.warning("%s: dropped %d of %d rows longer than data.max_prompt_length=%d tokens",
                        what, len(rows) - len(kept), len(rows), max_prompt_length)
@@ -85,7 +85,7 @@ def drop_long_prompts(rows: list[PromptRow], tokenizer, max_prompt_length: int, 
 def encode_prompts(rows: list[PromptRow], tokenizer, tools: list[dict] | None = None) -> tuple[torch.Tensor,
                                                                                              torch.Tensor]:
     """Left-padded prompt ids and mask, [len(rows), longest prompt]; `tools`: see render_prompt."""
-    return left_pad([tokenizer(render_prompt(row.prompt, tokenizer, tools)).input_ids for row in rows],
+    return left_pad([prompt_ids(row.prompt, tokenizer, tools) for row in rows],
                     tokenizer.pad_token_id)
 
 

@@ -25,7 +25,7 @@ import random
 
 import torch
 
-from rltrain.data.rows import PromptRow, render_prompt
+from rltrain.data.rows import PromptRow, prompt_ids
 from rltrain.data.sampler import left_pad
 from rltrain.rewards.builtin import tool_arithmetic_reward
 from rltrain.tools.builtin.calculator import CalculatorError, calculator
@@ -72,7 +72,7 @@ def sft_batch(rows: list[PromptRow], tokenizer, rng: random.Random):
     tools, eos = calculator_tools(), tokenizer.eos_token_id
     sequences, targets = [], []
     for row in rows:
-        prompt = tokenizer(render_prompt(row.prompt, tokenizer, tools)).input_ids
+        prompt = prompt_ids(row.prompt, tokenizer, tools)
         answer = tokenizer(str(row.ground_truth)).input_ids + [eos]
         if rng.random() < DEMO_SHARE:
             call = tokenizer(call_text(expression(row))).input_ids + [eos]
@@ -109,7 +109,7 @@ def forced_call_accuracy(model, tokenizer, rows: list[PromptRow]) -> float:
     """Fraction of rows whose greedy episode, made to open with <tool_call>, calls the calculator right and ends
     with the right final answer (scored by the task's reward function)."""
     tools, opening = calculator_tools(), tokenizer.convert_tokens_to_ids("<tool_call>")
-    prompts = [tokenizer(render_prompt(row.prompt, tokenizer, tools)).input_ids for row in rows]
+    prompts = [prompt_ids(row.prompt, tokenizer, tools) for row in rows]
     calls = [[opening] + tokens for tokens in _greedy(model, tokenizer, [p + [opening] for p in prompts],
                                                       CALL_TOKENS)]
     turns = []
@@ -128,7 +128,7 @@ def forced_call_accuracy(model, tokenizer, rows: list[PromptRow]) -> float:
 def call_probability(model, tokenizer, rows: list[PromptRow]) -> float:
     """The mean probability that the model's response opens with <tool_call> (at temperature 1)."""
     tools, opening = calculator_tools(), tokenizer.convert_tokens_to_ids("<tool_call>")
-    ids, mask = left_pad([tokenizer(render_prompt(row.prompt, tokenizer, tools)).input_ids for row in rows],
+    ids, mask = left_pad([prompt_ids(row.prompt, tokenizer, tools) for row in rows],
                          tokenizer.pad_token_id)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
