@@ -26,6 +26,7 @@ from rltrain.workers.group import RayConfig
 from rltrain.workers.policy import ModelConfig
 from rltrain.workers.reward import RewardConfig
 from rltrain.workers.rollout import RolloutConfig
+from rltrain.workers.sampling import distortions
 from rltrain.workers.vllm_lora import VLLM_LORA_RANKS
 
 
@@ -77,6 +78,7 @@ class JobConfig:
     ray: RayConfig = field(default_factory=RayConfig)
 
     def validate(self):
+        self._validate_behaviour_logprobs()
         ranks = self.trainer.nnodes * self.trainer.n_gpus_per_node
         require(ranks == 1 or self.actor.strategy == "fsdp2", "actor.strategy",
                 f"'single' runs one process, but trainer.nnodes × trainer.n_gpus_per_node = {ranks}: set "
@@ -110,13 +112,6 @@ class JobConfig:
         lora = self.actor.lora.rank
         require(self.rollout.engine != "vllm" or lora <= VLLM_LORA_RANKS[-1], "actor.lora.rank",
                 f"must be <= {VLLM_LORA_RANKS[-1]} with rollout.engine=vllm (vLLM 0.32's largest max_lora_rank)", lora)
-        # multi-turn episodes on the hf engine carry no rollout log-probs (agent_loop.HFTurns), which the off-policy
-        # settings need as the behaviour policy; vllm reports them per turn
-        require(not (self.rollout.multi_turn.enabled and self.rollout.engine == "hf" and self.rollout_reports_logprobs),
-                "rollout.multi_turn.enabled", "with rollout.engine=hf needs trainer.mode=sync, "
-                "algorithm.old_logprobs=actor and algorithm.loss.decoupled=false (its episodes carry no rollout "
-                "log-probs); use rollout.engine=vllm for off-policy multi-turn runs", True)
-
         # the embedded tool task's episodes need the calculator (its preset, config/task/tool_arithmetic.yaml, sets it)
         multi_turn = self.rollout.multi_turn
         require(not self.data.task.uses_tools or multi_turn.enabled and any(
@@ -125,11 +120,31 @@ class JobConfig:
             "rollout.multi_turn.enabled=true and rollout.multi_turn.tools=[{builtin: calculator}]", self.data.task.kind)
 
     @property
+    def old_logprobs(self) -> str:
+        """algorithm.old_logprobs as the run uses it: actor or rollout (auto resolved by trainer.mode)."""
+        return self.algorithm.resolved_old_logprobs(self.trainer.mode)
+
+    def _validate_behaviour_logprobs(self) -> None:
+        """Settings that take the engine's log-probs as the behaviour policy need them to be softmax(logits /
+        temperature)'s, the distribution the actor scores: none of rollout.top_p / top_k / min_p /
+        repetition_penalty may reshape it (rltrain/workers/sampling.py)."""
+        reshaping, readers = distortions(self.rollout), self.algorithm.behaviour_readers(self.old_logprobs)
+        if not (reshaping and readers):
+            return
+        if self.algorithm.old_logprobs == "auto" and readers[0].startswith("algorithm.old_logprobs"):
+            readers[0] += f" (algorithm.old_logprobs=auto's choice for trainer.mode={self.trainer.mode})"
+        key = reshaping[0].split("=")[0]
+        require(False, key, f"{', '.join(reshaping)} reshapes the sampling distribution, so the engine's log-probs "
+                f"are not those of softmax(logits / temperature), which the actor scores and which "
+                f"{'; '.join(readers)} takes as the behaviour policy: keep the sampling at temperature only, or set "
+                "algorithm.old_logprobs=actor with no rollout correction")
+
+    @property
     def rollout_reports_logprobs(self) -> bool:
         """Whether the rollout engines must report the sampled tokens' log-probs (vllm always does; the hf engine
         on request): off-policy modes, whose behaviour policy is not the one the actor recomputes, old log-probs
         taken from the engine, and AReaL's decoupled objective, which weights by the behaviour policy."""
-        return self.trainer.mode != "sync" or self.algorithm.old_logprobs == "rollout" or self.algorithm.loss.decoupled
+        return self.trainer.mode != "sync" or self.old_logprobs == "rollout" or self.algorithm.loss.decoupled
 
     def _validate_rollout_layout(self, device: str, ranks: int) -> None:
         """The rollout replicas (rltrain/workers/rollout_group.py): colocated, on GPU one per

