@@ -4,7 +4,9 @@
 # but none of the peers: their wheels travel in .whl/ (see kernels/benchmarks/README.md for the download line).
 #
 #   bash scripts/gpu_check.sh                  # tests, then every benchmark
-#   bash scripts/gpu_check.sh tests            # tests only
+#   bash scripts/gpu_check.sh tests [kernels [FILE...]|trainer]  # tests only: every tests/kernels case (or
+#                                              # FILE...; one process per file, RLTRAIN_GPU_SHARD=i/n for a share), then
+#                                              # the @pytest.mark.gpu cases of tests/rltrain (needs Ray: see fsdp below)
 #   bash scripts/gpu_check.sh bench [NAME...]  # benchmarks only (NAME: bench_linear_logprobs, ...), extra args none
 #   bash scripts/gpu_check.sh delta            # the delta-rule GPU tests (all three ops) only
 #   bash scripts/gpu_check.sh iplr-bf16        # IPLR's bf16 dots (the default) bisected: everywhere; in one kernel
@@ -53,10 +55,32 @@ PY
 status=0
 summary=()
 if [ "$what" = all ] || [ "$what" = tests ]; then
-    python3 -m pytest -q -p no:cacheprovider tests/kernels --junitxml="$out/junit.xml" 2>&1 | tee "$out/tests.log" | tail -40
-    rc=${PIPESTATUS[0]}
-    [ "$rc" -eq 0 ] || status=1
-    summary+=("tests: $(tail -1 "$out/tests.log")")
+    part=${1:-both}   # kernels: every tests/kernels case natively; trainer: the @pytest.mark.gpu cases of tests/rltrain
+    if [ "$part" = both ] || [ "$part" = kernels ]; then
+        # one process per test file: a kernel that faults (an illegal memory access poisons the CUDA context) fails
+        # its own file, not every test after it; RLTRAIN_GPU_SHARD=i/n runs every n-th file from the i-th
+        IFS=/ read -r shard shards <<< "${RLTRAIN_GPU_SHARD:-1/1}"
+        files=("${@:2}")   # test files named after `kernels`, else all of them
+        [ ${#files[@]} -gt 0 ] || \
+            files=($(find tests/kernels -name 'test_*.py' | sort | awk -v i="$shard" -v n="$shards" 'NR % n == i % n'))
+        : > "$out/tests.log"
+        for file in "${files[@]}"; do
+            python3 -m pytest -q -p no:cacheprovider "$file" > "$out/file.log" 2>&1
+            rc=$?
+            cat "$out/file.log" >> "$out/tests.log"
+            [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || { status=1; grep -E "^(FAILED|ERROR) " "$out/file.log" | head -20; }
+            echo "$file: $(tail -1 "$out/file.log")"
+        done
+        rm -f "$out/file.log"
+        summary+=("tests (kernels, shard ${shard}/${shards}): $(grep -cE '^(FAILED|ERROR) ' "$out/tests.log") failed" \
+                  "or errored; $(grep -ohE '[0-9]+ passed' "$out/tests.log" | awk '{s += $1} END {print s + 0}') passed")
+    fi
+    if [ "$part" = both ] || [ "$part" = trainer ]; then
+        python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/rltrain 2>&1 | tee "$out/trainer_tests.log" | tail -30
+        rc=${PIPESTATUS[0]}
+        [ "$rc" -eq 0 ] || status=1
+        summary+=("tests (trainer, gpu-marked): $(tail -1 "$out/trainer_tests.log")")
+    fi
 fi
 if [ "$what" = delta ]; then
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/ops/test_gated_delta_rule.py \
