@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from rltrain_kernels.registry import KernelConfig
 
+from rltrain.algorithms.advantages import GROUP_ESTIMATORS
 from rltrain.algorithms.config import AlgorithmConfig
 from rltrain.async_rollout import MODES
 from rltrain.config import from_mapping, require
@@ -79,6 +80,11 @@ class JobConfig:
 
     def validate(self):
         self._validate_behaviour_logprobs()
+        # a group of one response has advantage 0 under the group estimators: nothing would train
+        require(self.rollout.n >= 2 or self.algorithm.adv_estimator not in GROUP_ESTIMATORS, "rollout.n",
+                f"must be >= 2 with algorithm.adv_estimator={self.algorithm.adv_estimator} (its advantages compare "
+                "the responses of a prompt's group: one response gets 0 and nothing trains); for single samples use "
+                "adv_estimator=reinforce_pp, which normalises over the batch", self.rollout.n)
         ranks = self.trainer.nnodes * self.trainer.n_gpus_per_node
         require(ranks == 1 or self.actor.strategy == "fsdp2", "actor.strategy",
                 f"'single' runs one process, but trainer.nnodes × trainer.n_gpus_per_node = {ranks}: set "

@@ -61,6 +61,9 @@ def _broadcast(per_sequence: torch.Tensor, response_mask: torch.Tensor) -> torch
     return per_sequence.to(torch.float32).unsqueeze(1) * response_mask.to(torch.float32)
 
 
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo")   # compare a prompt's responses: a group needs two or more
+
+
 @ADVANTAGES.register("grpo")
 def grpo(rewards, response_mask, group_ids):
     _check(rewards, response_mask, group_ids)

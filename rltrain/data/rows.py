@@ -38,8 +38,13 @@ def _read_records(path: Path) -> list[dict]:
             raise DataError(f"{path}: not a readable parquet file: {exc}") from None
     if suffix in (".jsonl", ".json"):
         records = []
-        with path.open() as f:
-            for lineno, line in enumerate(f, 1):
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataError(f"{path}: row {lineno}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column "
+                                    f"{exc.start + 1})") from None
                 if not line.strip():
                     continue
                 try:
@@ -95,6 +100,8 @@ def load_rows(files: str | list[str]) -> list[PromptRow]:
     rows = []
     for name in paths:
         path = Path(name).expanduser()
+        if path.is_dir():
+            raise DataError(f"{path}: a directory, not a data file: name its .parquet or .jsonl files")
         if not path.is_file():
             raise DataError(f"{path}: no such data file")
         records = _read_records(path)

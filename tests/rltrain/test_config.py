@@ -71,6 +71,9 @@ def test_every_algorithm_preset_validates(preset):
     ("+algorithm.loss.clip=0.1", "algorithm.loss.clip: unknown key"),
     ("trainer.total_steps=abc", "trainer.total_steps: expected int, got 'abc'"),
     ("rollout.n=0", "rollout.n: must be >= 1 (got 0)"),
+    ("rollout.n=1", "rollout.n: must be >= 2 with algorithm.adv_estimator=grpo (its advantages compare the "
+     "responses of a prompt's group: one response gets 0 and nothing trains); for single samples use "
+     "adv_estimator=reinforce_pp, which normalises over the batch (got 1)"),
     ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator: unknown advantage estimator; known: drgrpo, grpo"),
     ("algorithm.loss.loss_agg=mean", "algorithm.loss.loss_agg: unknown value 'mean'; expected one of 'token-mean'"),
     ("algorithm.loss.dual_clip=0.5", "algorithm.loss.dual_clip: must be > 1 (it caps -A·ratio at -A·dual_clip for A < 0), got 0.5"),
@@ -138,6 +141,13 @@ def test_every_algorithm_preset_validates(preset):
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=re.sub(r"([()+\[\]])", r"\\\1", message)):
         load_job_config(_compose(*override.split()))
+
+
+def test_single_samples_need_an_estimator_that_takes_them():
+    assert load_job_config(_compose("algorithm=reinforce_pp", "rollout.n=1")).rollout.n == 1
+    for preset in ("drgrpo", "rloo"):
+        with pytest.raises(ConfigError, match=rf"^rollout.n: must be >= 2 with algorithm.adv_estimator={preset}"):
+            load_job_config(_compose(f"algorithm={preset}", "rollout.n=1"))
 
 
 def test_drgrpo_constant_length_defaults_to_the_generation_budget():

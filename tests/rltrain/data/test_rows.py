@@ -74,6 +74,13 @@ def test_bad_files(tmp_path):
     (tmp_path / "broken.jsonl").write_text(json.dumps(GOOD[0]) + "\n{not json\n")
     with pytest.raises(DataError, match="broken.jsonl: row 2: invalid JSON"):
         load_rows(str(tmp_path / "broken.jsonl"))
+    latin1 = '{"prompt": "caf\u00e9"}\n'.encode("latin-1")   # é as one byte, 0xe9, the 16th
+    (tmp_path / "latin1.jsonl").write_bytes(json.dumps(GOOD[0]).encode() + b"\n" + latin1)
+    with pytest.raises(DataError, match=r"latin1.jsonl: row 2: not UTF-8 text \(byte 0xe9 at column 16\)"):
+        load_rows(str(tmp_path / "latin1.jsonl"))
+    (tmp_path / "folder.jsonl").mkdir()
+    with pytest.raises(DataError, match="folder.jsonl: a directory, not a data file"):
+        load_rows(str(tmp_path / "folder.jsonl"))
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataError, match="holds no rows"):
         load_rows(str(tmp_path / "empty.jsonl"))
