@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: run the kernel test suite natively on a CUDA GPU (the @pytest.mark.gpu cases included), then the
-# benchmarks, and print their tables last. Made for the lent GPU machine, which has torch/triton/transformers/pytest
-# but none of the peers: their wheels travel in .whl/ (see kernels/benchmarks/README.md for the download line).
+# benchmarks, and print their tables last. Made for a GPU machine without internet access that has
+# torch/triton/transformers/pytest but none of the peers: their wheels are copied there in .whl/ (see kernels/benchmarks/README.md for the download line).
 #
 #   bash scripts/gpu_check.sh                  # tests, then every benchmark
 #   bash scripts/gpu_check.sh tests [kernels [FILE...]|trainer]  # tests only: every tests/kernels case (or
@@ -23,10 +23,10 @@
 #                                              # imports rltrain.workers.group): its runtime travels as
 #                                              # .raysite/ray-site.tgz (kernels/benchmarks/README.md), unpacked here
 #
-# Logs go to $OUT (the device tool's return folder) or /tmp/gpu_check.
+# Logs go to $RLTRAIN_GPU_LOGS (default /tmp/gpu_check).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-out=${OUT:-/tmp/gpu_check}
+out=${RLTRAIN_GPU_LOGS:-/tmp/gpu_check}
 mkdir -p "$out"
 what=${1:-all}
 shift || true
