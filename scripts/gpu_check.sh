@@ -5,7 +5,8 @@
 #
 #   bash scripts/gpu_check.sh                  # tests, then every benchmark
 #   bash scripts/gpu_check.sh tests [kernels [FILE...]|trainer]  # tests only: every tests/kernels case (or
-#                                              # FILE...; one process per file, RLTRAIN_GPU_SHARD=i/n for a share), then
+#                                              # FILE...; one process per file, several at a time: RLTRAIN_GPU_JOBS,
+#                                              # RLTRAIN_GPU_WORKERS; RLTRAIN_GPU_SHARD=i/n for a share), then
 #                                              # the @pytest.mark.gpu cases of tests/rltrain (needs Ray: see fsdp below)
 #   bash scripts/gpu_check.sh bench [NAME...]  # benchmarks only (NAME: bench_linear_logprobs, ...), extra args none
 #   bash scripts/gpu_check.sh delta            # the delta-rule GPU tests (all three ops) only
@@ -58,20 +59,36 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     part=${1:-both}   # kernels: every tests/kernels case natively; trainer: the @pytest.mark.gpu cases of tests/rltrain
     if [ "$part" = both ] || [ "$part" = kernels ]; then
         # one process per test file: a kernel that faults (an illegal memory access poisons the CUDA context) fails
-        # its own file, not every test after it; RLTRAIN_GPU_SHARD=i/n runs every n-th file from the i-th
+        # its own file, not every test after it. Triton's compiles bound the time, so files run RLTRAIN_GPU_JOBS at a
+        # time (default: a quarter of the cores), each on RLTRAIN_GPU_WORKERS pytest-xdist workers where xdist is
+        # installed (default 2); RLTRAIN_GPU_SHARD=i/n runs every n-th file from the i-th
         IFS=/ read -r shard shards <<< "${RLTRAIN_GPU_SHARD:-1/1}"
         files=("${@:2}")   # test files named after `kernels`, else all of them
         [ ${#files[@]} -gt 0 ] || \
             files=($(find tests/kernels -name 'test_*.py' | sort | awk -v i="$shard" -v n="$shards" 'NR % n == i % n'))
+        jobs=${RLTRAIN_GPU_JOBS:-$(( $(nproc) / 4 > 0 ? $(nproc) / 4 : 1 ))}
+        xdist=()
+        python3 -c "import xdist" 2>/dev/null && xdist=(-n "${RLTRAIN_GPU_WORKERS:-2}")
+        mkdir -p "$out/files"
+        run_file() {  # one test file in its own process; its log and exit status under $out/files
+            local log="$out/files/$(echo "$1" | tr / _).log"
+            python3 -m pytest -q -p no:cacheprovider "${xdist[@]}" "$1" > "$log" 2>&1
+            echo $? > "$log.rc"
+        }
+        for file in "${files[@]}"; do
+            while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
+            run_file "$file" &
+        done
+        wait
         : > "$out/tests.log"
         for file in "${files[@]}"; do
-            python3 -m pytest -q -p no:cacheprovider "$file" > "$out/file.log" 2>&1
-            rc=$?
-            cat "$out/file.log" >> "$out/tests.log"
-            [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || { status=1; grep -E "^(FAILED|ERROR) " "$out/file.log" | head -20; }
-            echo "$file: $(tail -1 "$out/file.log")"
+            log="$out/files/$(echo "$file" | tr / _).log"
+            rc=$(cat "$log.rc")
+            cat "$log" >> "$out/tests.log"
+            [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || { status=1; grep -E "^(FAILED|ERROR) " "$log" | head -20; }
+            echo "$file: $(tail -1 "$log")"
         done
-        rm -f "$out/file.log"
+        rm -rf "$out/files"
         summary+=("tests (kernels, shard ${shard}/${shards}): $(grep -cE '^(FAILED|ERROR) ' "$out/tests.log") failed" \
                   "or errored; $(grep -ohE '[0-9]+ passed' "$out/tests.log" | awk '{s += $1} END {print s + 0}') passed")
     fi

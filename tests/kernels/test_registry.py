@@ -189,7 +189,7 @@ def delta_rule_model() -> nn.ModuleDict:
                           "product": GatedDeltaProduct(32, num_heads=1, head_dim=16)}).to(torch.bfloat16)
 
 
-def test_delta_rule_recurrence_dot_holds_per_model(monkeypatch):
+def test_delta_rule_recurrence_dot_holds_per_model(monkeypatch, device):
     """kernel_config.delta_rule_recurrence_dot goes to the gated delta rule / product kernels of the model it is
     applied to, bound into its swapped layers' op calls: two models in one process, configured differently, each
     launch the WY and state-pass kernels with their own DOT_PREC, forward and backward, whatever ran before (a spy on
@@ -198,9 +198,9 @@ def test_delta_rule_recurrence_dot_holds_per_model(monkeypatch):
     from rltrain_kernels.ops.common import state_pass, wy, wy_bwd
     from tests.helpers import spy_launches
 
-    accurate = apply_kernel_config(delta_rule_model(), KernelConfig(name="cuda", include_kernels=DELTA_RULE_KERNELS,
+    accurate = apply_kernel_config(delta_rule_model().to(device), KernelConfig(name="cuda", include_kernels=DELTA_RULE_KERNELS,
                                                                     delta_rule_recurrence_dot="tf32"))
-    shipped = apply_kernel_config(delta_rule_model(), {"name": "cuda", "include_kernels": DELTA_RULE_KERNELS})
+    shipped = apply_kernel_config(delta_rule_model().to(device), {"name": "cuda", "include_kernels": DELTA_RULE_KERNELS})
     for model, mode in ((accurate, "tf32"), (shipped, "auto")):
         assert get_applied_kernels(model) == {"gated_delta_rule": 1, "gated_delta_product": 1}
         assert all(f"recurrence_dot={mode}" in repr(layer) for layer in model.values())
@@ -211,7 +211,7 @@ def test_delta_rule_recurrence_dot_holds_per_model(monkeypatch):
     for model, dot_prec in ((accurate, "tf32"), (shipped, "bf16"), (accurate, "tf32")):
         for kind, layer in model.items():
             launched.clear()
-            out, _ = layer(torch.randn(1, 20, 32, dtype=torch.bfloat16, requires_grad=True))
+            out, _ = layer(torch.randn(1, 20, 32, dtype=torch.bfloat16, device=device, requires_grad=True))
             out.float().square().sum().backward()
             assert launched == {name: {dot_prec} for name in RECURRENCE_KERNELS}, (kind, launched)
     assert get_kernel("gated_delta_rule", "cuda").apply(accurate, recurrence_dot="tf32") == 0

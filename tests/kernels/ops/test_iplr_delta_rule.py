@@ -336,7 +336,9 @@ def test_chunk_backward_writes_gradients_in_the_inputs_dtypes(dtype, device):
     assert [g.dtype for g in grads] == [dtype] * 5 + [torch.float32]
     full = chunk_iplr_delta_rule_bwd_recompute(*(t.float() for t in (q, k, v, a, b)), 0.25, h0, None, do.float(),
                                                None, dot_prec=iplr_dot_precision(torch.float32))
-    bar = 1e-2 if dtype == torch.bfloat16 else 1e-3  # bf16: the gradient bar (seen 7e-3); fp16: seen 2e-4
+    # bf16: the gradient bar (seen 7e-3); fp16 takes tf32 dots, which the interpreter runs exact (seen 2e-4)
+    # and a GPU rounds to 10 bits (da 1.6e-3 on an H200)
+    bar = 1e-2 if dtype == torch.bfloat16 else 5e-3
     for name, g, ref in zip(("dq", "dk", "dv", "da", "db"), grads, full):
         assert_rel_close(g.float(), ref, threshold=bar, name=name)
 

@@ -8,6 +8,8 @@ setting is only taken once a GPU run has checked its gradients, never picked by 
 
 from __future__ import annotations
 
+import triton
+
 # Every setting below passed the gradient check on a GPU. Times: H100, Triton 3.6, bf16 H16 K=V=128, B8 T2048 unless
 # marked (B2 T8192: the narrow launch of the state passes), from `--sweep-launch` / `--profile`. A setting at 1 stage
 # is avoided where Triton 3.6 miscompiles it (wrong outputs or out-of-bounds shared-memory reads on Hopper).
@@ -54,3 +56,15 @@ def launch(name: str, large_tiles: bool = False) -> dict[str, int]:
     if large_tiles and name in LARGE_TILE_MAX_STAGES:
         settings = dict(settings, num_stages=min(settings["num_stages"], LARGE_TILE_MAX_STAGES[name]))
     return settings
+
+
+# The narrowest K / V tile a delta-rule chunk kernel takes. At 16-wide tiles (K or V = 16) Triton 3.6 on Hopper compiled
+# dots of these kernels to out-of-range shared-memory accesses (compute-sanitizer: the gated WY backward and the IPLR
+# forward state pass) and to wrong IPLR gradients in fp16; every kernel masks its K and V padding, so wider is exact.
+MIN_TILE = 32
+
+
+def tile(size: int, cap: int | None = None) -> int:
+    """The K or V tile for a dimension of `size`: its power of two, at least MIN_TILE, at most `cap` (if given)."""
+    width = max(MIN_TILE, triton.next_power_of_2(size))
+    return width if cap is None else min(cap, width)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .chunking import ChunkLayout
-from .launch import launch
+from .launch import launch, tile
 from .precision import (
     cast_for_store,
     mm,
@@ -266,14 +266,14 @@ def state_launch(name: str, programs: int, K: int, V: int, device: torch.device,
     K=128)."""
     if K > 256:
         raise ValueError(f"the chunked state pass keeps the whole key dim in registers: K={K} must be <= 256")
-    BK = triton.next_power_of_2(K)
+    BK = tile(K)
     # swept at K=128 only: a [256, 64] fp32 state tile would spill at the *_wide warps, so wider keys stay at 32
     sm_count = _sm_count(device) if sm_count is None else sm_count
     value_block = value_block or VALUE_BLOCK
     fills = value_block == "wide" or (value_block == "auto" and programs * triton.cdiv(V, 64) >= sm_count)
     if BK <= 128 and V >= 64 and fills:
         return f"{name}_wide", BK, 64
-    return name, BK, min(NARROW_BV.get(name, 32), triton.next_power_of_2(V))
+    return name, BK, min(NARROW_BV.get(name, 32), tile(V))
 
 
 @functools.lru_cache(maxsize=None)
@@ -350,7 +350,7 @@ def state_pass_bwd(q, k, G, do, dht, scale: float, need_dh0: bool, layout: Chunk
     if layout.num_chunks and not fuse_local:
         local_dv_kernel[(layout.num_chunks, HV)](
             q, k, G, do, dv, layout.cu_seqlens, layout.chunk_indices, scale, H=H, HV=HV, K=K, V=V,
-            BT=layout.chunk_size, BK=BK, BV=min(64, triton.next_power_of_2(V)), USE_G=G is not None,
+            BT=layout.chunk_size, BK=BK, BV=tile(V, 64), USE_G=G is not None,
             DOT_PREC=local_prec, RAW_PREC=raw_precision(q.dtype), NH=query_stride, **launch("local_dv"))
     state_pass_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
         q, k, Ai, beta, a, G, do, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H,

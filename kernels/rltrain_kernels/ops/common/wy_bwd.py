@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .chunking import ChunkLayout
-from .launch import launch
+from .launch import launch, tile
 from .precision import cast_for_store, mm, mma, operand_dtype, raw_precision
 from .scratch import scratch_tiles, transpose_via_scratch
 
@@ -103,12 +103,6 @@ def gated_wy_bwd_kernel(
         tl.store(dG + o_t * HV + i_hv, b_dG, mask=m_t)
 
 
-def block_of(size: int) -> int:
-    """K / V block: up to 64, and at least 32. With 16-wide blocks (K = V = 16) Triton 3.6 on an H100 compiled a
-    bf16 dot of this kernel to an out-of-range shared-memory access (compute-sanitizer); masks cover the padding."""
-    return min(64, max(32, triton.next_power_of_2(size)))
-
-
 def gated_wy_bwd(k, v, beta, G, Ai, dw, du, dk, dG, layout: ChunkLayout, dk_final: bool = False, *, dot_prec: str):
     """Adds the WY backward into dk [tokens, HV, K] fp32 and dG [tokens, HV] fp32; returns (dk, dv [tokens, HV, V]
     in v's dtype, dbeta [tokens, HV] in beta's): final gradients written once, no cast kernels after. With dk_final
@@ -123,6 +117,6 @@ def gated_wy_bwd(k, v, beta, G, Ai, dw, du, dk, dG, layout: ChunkLayout, dk_fina
         scratch = scratch_tiles(layout, HV, operand_dtype(k.dtype, dot_prec), k.device)
         gated_wy_bwd_kernel[(layout.num_chunks, HV)](
             k, v, beta, G, Ai, dw, du, dk, dk_out, dv, dbeta, dG, scratch, layout.cu_seqlens, layout.chunk_indices,
-            H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=block_of(K), BV=block_of(V), USE_G=G is not None,
+            H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=tile(K, 64), BV=tile(V, 64), USE_G=G is not None,
             DOT_PREC=dot_prec, RAW_PREC=raw_precision(k.dtype), **launch("wy_bwd"))
     return dk_out, dv, dbeta

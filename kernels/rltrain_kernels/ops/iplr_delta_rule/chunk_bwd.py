@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..common.chunking import ChunkLayout
-from ..common.launch import launch
+from ..common.launch import launch, tile
 from ..common.precision import cast_for_store, mm, mma, operand_dtype, raw_precision, sixteen_bit_dots
 from ..common.state_pass import state_pass_bwd
 from .chunk_fwd import iplr_state_pass_fwd
@@ -159,8 +159,8 @@ def iplr_bwd_chunks(q, k, v, a, b, x, h, dh, do, y, scale: float, layout: ChunkL
     dv = torch.empty_like(v)
     if layout.num_chunks:
         wide = sixteen_bit_dots(dot_prec) and K <= 128
-        bv = {kernel: min(bv if wide else 32, triton.next_power_of_2(V)) for kernel, bv in BWD_BV.items()}
-        common = dict(H=H, K=K, V=V, BT=layout.chunk_size, BK=triton.next_power_of_2(K), DOT_PREC=dot_prec)
+        bv = {kernel: tile(V, bv if wide else 32) for kernel, bv in BWD_BV.items()}
+        common = dict(H=H, K=K, V=V, BT=layout.chunk_size, BK=tile(K), DOT_PREC=dot_prec)
         grid = (layout.num_chunks, H)
         iplr_bwd_query_kernel[grid](
             q, k, b, x, v, h, do, y, dq, da, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..common.chunking import ChunkLayout
-from ..common.launch import launch
+from ..common.launch import launch, tile
 from ..common.precision import cast_for_store, mm, mma, operand_dtype, raw_precision, solve_precision
 from ..common.state_pass import state_launch
 from ..common.wy import solve_unit_lower
@@ -86,7 +86,7 @@ def iplr_solve(k, a, b, layout: ChunkLayout, *, dot_prec: str):
     if layout.num_chunks:
         iplr_solve_kernel[(layout.num_chunks, H)](
             k, a, b, Ai, Ak, layout.cu_seqlens, layout.chunk_indices, H=H, K=K, BT=BT,
-            BK=min(64, triton.next_power_of_2(K)), DOT_PREC=dot_prec,
+            BK=tile(K, 64), DOT_PREC=dot_prec,
             RAW_PREC=raw_precision(a.dtype), SOLVE_PREC=solve_precision(a.dtype), **launch("iplr_solve"))
     return Ai, Ak
 
@@ -218,7 +218,7 @@ def iplr_output_fwd(q, k, v, b, x, h, scale: float, layout: ChunkLayout, out_dty
     TT, H, K = q.shape
     V = v.shape[-1]
     o = torch.empty(TT, H, V, dtype=out_dtype, device=q.device)
-    BK, BV = min(blocks[0], triton.next_power_of_2(K)), min(blocks[1], triton.next_power_of_2(V))
+    BK, BV = tile(K, blocks[0]), tile(V, blocks[1])
     if layout.num_chunks:
         iplr_output_fwd_kernel[(layout.num_chunks, triton.cdiv(V, BV), H)](
             q, k, v, b, x, h, o, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,
