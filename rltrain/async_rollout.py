@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
+from rltrain.rewards.health import RewardStats
+
 logger = logging.getLogger(__name__)
 
 MODES = ("sync", "one_step_off", "async")
@@ -168,7 +170,7 @@ class ProducedBatch:
     step: int                      # the step that trains on it
     batch: TensorDict              # as the sync path collects it, plus weight_version [B]
     extras: list                   # the reward functions' extra numbers, per response
-    errors: int                    # reward errors
+    errors: RewardStats            # reward errors, by kind
     prompts: int                   # prompts sampled (dynamic sampling may take several rounds)
     seconds: dict[str, float]      # the producer's phases: rollout, reward, weight_load
     counts: dict[str, float]       # rollout_tokens

@@ -5,8 +5,9 @@ default (a small Qwen3 on a synthetic arithmetic task, CPU, no downloads).
     python -m rltrain.main_grpo algorithm=dapo rollout.n=16    # an algorithm preset, overrides on top
     python -m rltrain.main_grpo model.path=/ckpt/Qwen3-0.6B data.train_files=train.parquet reward.path=my.py
 
-The config (config/grpo.yaml, every key commented) is validated before any work starts; a bad key or value exits
-with status 2 and a message naming it.
+Exit status: 0 done; 2 bad input (a config key or value, a data row, a model path: the message names it), before
+any training; 3 stopped because the reward function failed on more than reward.max_error_rate of the samples (the
+message says which function and how); 1 anything else (with its traceback).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from omegaconf import DictConfig
 from rltrain.config import ConfigError
 from rltrain.data.rows import DataError
 from rltrain.job import load_job_config
+from rltrain.rewards.health import RewardsFailing
 
 
 def run(job) -> dict:
@@ -45,6 +47,9 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, FileNotFoundError, DataError) as err:  # bad input found while starting: say what, no trace
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except RewardsFailing as err:  # no checkpoint of the failing steps is saved
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -80,8 +80,8 @@ class Tracker:
         bar = "#" * filled + "." * (20 - filled)
         print(f"[train {step:>4}/{self.total_steps}] |{bar}| reward {record.get('train/reward_mean', 0):.3f} "
               f"kl {record.get('actor/ppo_kl', 0):+.4f} entropy {record.get('actor/entropy', 0):.3f} "
-              f"len {record.get('train/response_len_mean', 0):.1f}{tool_calls(record)} | {per_step:.1f} s/step, "
-              f"ETA {eta:.0f} s"
+              f"len {record.get('train/response_len_mean', 0):.1f}{tool_calls(record)}{reward_errors(record)} | "
+              f"{per_step:.1f} s/step, ETA {eta:.0f} s"
               f"{time_split(record)}", file=sys.stdout, flush=True)
 
     def close(self) -> None:
@@ -95,6 +95,16 @@ def tool_calls(record: dict) -> str:
     """' calls 0.43' (tool calls per episode) in multi-turn runs, else ''."""
     calls = record.get("tool/calls_per_episode")
     return "" if calls is None else f" calls {calls:.2f}"
+
+
+def reward_errors(record: dict) -> str:
+    """' reward errors 5 (2 timed out, 1 worker died)' when the step's reward function failed on samples, else ''."""
+    errors = record.get("reward/errors", 0)
+    if not errors:
+        return ""
+    kinds = [f"{record[key]:.0f} {label}" for key, label in (("reward/timeouts", "timed out"),
+             ("reward/memory_errors", "out of memory"), ("reward/worker_deaths", "worker died")) if record.get(key)]
+    return f" reward errors {errors:.0f}" + (f" ({', '.join(kinds)})" if kinds else "")
 
 
 def time_split(record: dict) -> str:

@@ -41,6 +41,7 @@ from rltrain.data.rows import load_rows
 from rltrain.data.sampler import PromptSampler, drop_long_prompts, encode_prompts
 from rltrain.job import JobConfig, resolve_device, resolve_dtype
 from rltrain.perf import StepTimer, actor_step_flops, mfu, peak_flops
+from rltrain.rewards.health import ErrorRateGuard, RewardStats
 from rltrain.tracking import Tracker
 from rltrain.validation import validation_metrics
 from rltrain.workers.actor import ActorWorker, FSDPActorWorker
@@ -115,6 +116,7 @@ class GRPOTrainer:
         self.step, self.initial_val = 0, None
         self.producer: RolloutProducer | None = None   # trainer.mode one_step_off / async, while fit() runs
         self.first_version, self.trained_sampler_state = 0, None
+        self.reward_guard = ErrorRateGuard.for_config(job.reward)   # reward.max_error_rate: stops a failing run
 
     def _start_workers(self) -> None:
         job = self.job
@@ -202,7 +204,7 @@ class GRPOTrainer:
         every round generated and the number of prompts sampled."""
         job = self.job
         want, n = job.data.batch_size, job.rollout.n
-        extras, errors = [], 0
+        extras, errors = [], RewardStats()
         refresh = self.producer.refresh if job.rollout.partial and self.producer is not None else None
 
         def generate_round(round_: int) -> TensorDict:
@@ -244,13 +246,14 @@ class GRPOTrainer:
             batch["weight_version"] = torch.full((batch.batch_size[0],), step - 1, dtype=torch.long)
         else:
             batch, extras, errors, prompts_seen = self._take(step, timer)
+        self.reward_guard.add(errors)
         lags = token_lags(job.trainer.mode, job.trainer.max_staleness, step, self.first_version, batch)
         if batch.batch_size[0] == 0:
             logger.warning("step %d: dynamic sampling kept no group (all rewards equal in every group); skipped",
                            step)
             if self.producer is not None:  # the same weights as version `step`: the producer may wait for it
                 timer.add("weight_sync", self.push_weights(step))
-            return {"step": step, "train/groups_kept": 0.0, "reward/errors": errors, **timer.record()}
+            return {"step": step, "train/groups_kept": 0.0, **errors.metrics(), **timer.record()}
         if self.producer is None:
             self.rollout.sleep()  # colocated: the engines free their memory until the weight push
         response_len, scores = batch["response_mask"].sum(1).float(), batch["rewards"]
@@ -280,7 +283,7 @@ class GRPOTrainer:
                   "train/response_len_mean": response_len.mean().item(),
                   "train/truncated_frac": batch["truncated"].float().mean().item(),
                   "train/groups_kept": batch.batch_size[0] / job.rollout.n / job.data.batch_size,
-                  "train/prompts_sampled": prompts_seen, **metrics, **episode_metrics(batch), "reward/errors": errors,
+                  "train/prompts_sampled": prompts_seen, **metrics, **episode_metrics(batch), **errors.metrics(),
                   **self._perf(batch, timer), "time/step_s": elapsed, "perf/tokens_per_s": tokens / elapsed}
         for key in sorted({k for e in extras for k in e}):
             values = [e[key] for e in extras if key in e]
@@ -334,7 +337,7 @@ class GRPOTrainer:
         record = {"step": step, "val/reward_mean": batch["rewards"].mean().item(), "val/n": n,
                   **validation_metrics(batch["rewards"], n, [row.data_source for row in self.val_rows]),
                   "val/response_len_mean": batch["response_mask"].sum(1).float().mean().item(),
-                  "val/reward_errors": errors, **episode_metrics(batch, "val/tool")}
+                  "val/reward_errors": errors.errors, **episode_metrics(batch, "val/tool")}
         self.tracker.log(record)
         return record
 
@@ -405,6 +408,7 @@ class GRPOTrainer:
         try:
             for step in range(self.step + 1, job.total_steps + 1):
                 self.tracker.log(self.train_step(step))
+                self.reward_guard.check()  # after the step's line, before its checkpoint
                 self.step = step
                 last = step == job.total_steps
                 if last or (job.val_every and step % job.val_every == 0):

@@ -1,28 +1,49 @@
-"""Run a reward function over a batch in worker processes, with a per-sample timeout.
+"""Run a reward function over a batch in worker processes, with a per-sample timeout, a memory limit and its printed
+output captured.
 
-A sample whose function raises, runs past `timeout_s`, or returns something that is not a finite number (or a dict
-without one under "score") scores 0.0 and is counted in `RewardResult.errors`; each distinct failure is logged
-once, with the exception. The run goes on.
+    with RewardPool("my_reward.py", "compute_score", timeout_s=10, num_workers=2) as pool:
+        result = pool.score(items)       # RewardResult: scores in order, error counts by kind, output dropped
 
-Timeouts: each worker arms a timer (SIGALRM) around every call, so a Python-level hang (sleep, a loop) is
-interrupted after exactly `timeout_s` of that sample's own run time. A hang that never returns to the interpreter
-(a C extension spinning) is caught by a batch deadline instead, after which the pool is killed and rebuilt; the
-samples still pending then are scored as timeouts.
+A sample whose function raises, runs past `timeout_s`, returns something that is not a finite number (or a dict
+without one under "score"), runs out of memory (`memory_limit_mb`) or kills its worker process (os._exit, a
+segfault, the kernel's out-of-memory killer) scores 0.0 and is counted in `RewardResult.errors` and, by kind, in
+`error_kinds` (error, timeout, memory, worker_died); the first few distinct failures of each kind are logged with the
+sample's printed output. The batch goes on.
+
+The pool owns one pipe per worker (rltrain/rewards/process.py runs the other end) and waits on the pipes and the
+processes' sentinels together, so a dead worker is noticed at once: its sample is scored, the worker replaced, the
+rest of the batch keeps running. (Not multiprocessing.Pool: it replaces a dead worker silently and never delivers
+the sample's result, so a batch waits out a whole deadline, 82 s for 16 samples at 2 workers and 10 s.) Timeouts:
+the worker arms a timer (SIGALRM) around every call, so a Python-level hang is interrupted after exactly
+`timeout_s`; a hang that never returns to the interpreter (a C extension spinning) gets its worker SIGKILLed
+`KILL_GRACE_S` later and only that worker replaced. Output: a worker's stdout and stderr (Python's and C code's)
+come through a pipe of their own; each sample's first `max_output_bytes` are kept, a batch shows at most that many
+on this process's stdout, and the rest is counted in `RewardResult.output_dropped_bytes`. Workers come from a
+forkserver (spawn where there is none): safe inside Ray actors and threaded parents, and a replacement starts without
+re-importing the interpreter. One thread drives a pool.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing as mp
-import numbers
+import os
 import signal
+import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 
 from rltrain.rewards.plugin import load_reward_fn
+from rltrain.rewards.process import serve
 
 logger = logging.getLogger(__name__)
+KILL_GRACE_S = 2.0       # past timeout_s the timer has failed (a C-level hang): the worker is killed
+START_TIMEOUT_S = 60.0   # a worker importing the function (torch-heavy plug-ins) on a loaded node
+LOGGED_PER_KIND = 5      # distinct failure messages logged per kind: each can quote its sample, so all would flood
+READ_BYTES = 1 << 20     # one read of a worker's output pipe
+LOADING = -1             # the capture key of what workers print while importing the function
 
 
 @dataclass
@@ -37,56 +58,14 @@ class RewardInput:
 class RewardResult:
     scores: list[float]
     metrics: list[dict[str, float]]          # extra numeric entries of dict-returning functions, per sample
-    errors: int = 0                          # samples that raised, timed out or returned a non-number
-    error_kinds: dict[str, int] = field(default_factory=dict)
+    errors: int = 0                          # samples that failed in any way (error_kinds says how)
+    error_kinds: dict[str, int] = field(default_factory=dict)   # error | timeout | memory | worker_died -> samples
+    examples: dict[str, str] = field(default_factory=dict)      # kind -> the batch's first failure message of it
+    output_dropped_bytes: int = 0            # printed by the function, shown neither on stdout nor in a warning
 
 
-class _SampleTimeout(Exception):
-    pass
-
-
-_worker_fn = None
-
-
-def _init_worker(path: str | None, name: str) -> None:
-    global _worker_fn
-    _worker_fn = load_reward_fn(path, name)
-
-
-def _on_alarm(signum, frame):
-    raise _SampleTimeout()
-
-
-def _score_one(item: RewardInput, timeout_s: float):
-    """Runs in a worker: ('ok', score, metrics) | ('error', message) | ('timeout', message)."""
-    signal.signal(signal.SIGALRM, _on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
-    try:
-        value = _worker_fn(item.data_source, item.solution_str, item.ground_truth, extra_info=item.extra_info)
-    except _SampleTimeout:
-        return ("timeout", f"timed out after {timeout_s:g} s")
-    except Exception as exc:
-        return ("error", f"raised {type(exc).__name__}: {exc}")
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    return _as_score(value)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and math.isfinite(float(value))
-
-
-def _as_score(value):
-    if _is_number(value):
-        return ("ok", float(value), {})
-    if isinstance(value, dict) and _is_number(value.get("score")):
-        extras = {k: float(v) for k, v in value.items() if k != "score" and _is_number(v)}
-        return ("ok", float(value["score"]), extras)
-    return ("error", f"returned {type(value).__name__} {str(value)[:80]!r}, not a finite number or a dict with "
-                     f"a numeric 'score'")
-
-
-def check_reward_settings(path: str | None, name: str, timeout_s: float, num_workers: int) -> None:
+def check_reward_settings(path: str | None, name: str, timeout_s: float, num_workers: int,
+                          max_output_bytes: int = 4096, memory_limit_mb: int = 8192) -> None:
     """The reward settings' checks, written once: the config's reward section runs them before Ray starts (importing
     the plugin, so a bad file or name fails there), the pool when it is built. Errors start with the key to fix
     (`reward.timeout_s: ...`; the plugin's: `reward.path: ...`, `reward.name: ...`)."""
@@ -94,63 +73,270 @@ def check_reward_settings(path: str | None, name: str, timeout_s: float, num_wor
         raise ValueError(f"reward.timeout_s: must be > 0 (got {timeout_s!r})")
     if num_workers < 1:
         raise ValueError(f"reward.num_workers: must be >= 1 (got {num_workers!r})")
+    if max_output_bytes < 0:
+        raise ValueError(f"reward.max_output_bytes: must be >= 0 (got {max_output_bytes!r})")
+    if memory_limit_mb != 0 and memory_limit_mb < 64:  # below it the interpreter itself cannot start
+        raise ValueError(f"reward.memory_limit_mb: must be 0 (no limit) or >= 64 (got {memory_limit_mb!r})")
     load_reward_fn(path, name)
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None or exitcode >= 0:
+        return f"exit code {exitcode}"
+    name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else f"signal {-exitcode}"
+    return f"killed by {name}" + (", as the kernel's out-of-memory killer does" if name == "SIGKILL" else "")
+
+
+class _Worker:
+    def __init__(self, ctx, args):
+        self.conn, child_conn = ctx.Pipe()
+        self.output, child_output = ctx.Pipe(duplex=False)   # raw bytes: the worker's fds 1 and 2
+        self.process = ctx.Process(target=serve, args=(child_conn, child_output, *args), daemon=True,
+                                   name="rltrain-reward-worker")
+        self.process.start()
+        child_conn.close()
+        child_output.close()
+        os.set_blocking(self.output.fileno(), False)
+        self.output_open = True
+        self.state, self.job, self.deadline = "starting", LOADING, time.monotonic() + START_TIMEOUT_S
+
+    def read_output(self) -> bytes:
+        """What the worker has printed since the last read."""
+        chunks = []
+        while self.output_open:
+            try:
+                chunk = os.read(self.output.fileno(), READ_BYTES)
+            except BlockingIOError:
+                break
+            if not chunk:  # every writer closed: the worker (and any child it started) is gone
+                self.output_open = False
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+        self.output.close()
+
+
+class _Capture:
+    """A batch's printed output: per sample (and LOADING) the bytes printed and the first `cap` of them."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.kept: dict[int, bytearray] = {}
+        self.printed: dict[int, int] = {}
+        self.in_warning: set[int] = set()   # samples whose output a failure warning showed
+
+    def add(self, key: int, data: bytes) -> None:
+        if data:
+            self.printed[key] = self.printed.get(key, 0) + len(data)
+            kept = self.kept.setdefault(key, bytearray())
+            kept += data[:max(0, self.cap - len(kept))]
+
+    def text(self, key: int, limit: int) -> str:
+        data = bytes(self.kept.get(key, b"")[:limit])
+        text = data.decode("utf-8", errors="replace").rstrip("\n")
+        more = self.printed.get(key, 0) - len(data)
+        return text + (f"\n[... {more} more bytes not shown]" if more else "")
 
 
 class RewardPool:
     """`RewardPool(path, name, timeout_s=10, num_workers=2).score(items) -> RewardResult`. Close it when done
     (or use it as a context manager)."""
 
-    def __init__(self, path: str | None, name: str, timeout_s: float = 10.0, num_workers: int = 2):
-        check_reward_settings(path, name, timeout_s, num_workers)  # fail here, not inside a worker
+    def __init__(self, path: str | None, name: str, timeout_s: float = 10.0, num_workers: int = 2,
+                 max_output_bytes: int = 4096, memory_limit_mb: int = 8192):
+        check_reward_settings(path, name, timeout_s, num_workers, max_output_bytes, memory_limit_mb)  # fail here
         self.path, self.name, self.timeout_s, self.num_workers = path, name, timeout_s, num_workers
-        self._logged: set[str] = set()
-        self._pool = None
+        self.max_output_bytes, self.memory_limit_mb = max_output_bytes, memory_limit_mb
+        methods = mp.get_all_start_methods()
+        self._ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
+        if "forkserver" in methods:  # process-wide, and only heeded if the server is not running yet
+            self._ctx.set_forkserver_preload(["rltrain.rewards.process"])
+        self._workers: list[_Worker] = []
+        self._logged: dict[str, set[str]] = {}   # kind -> the failure messages logged
+        self._told_dropped = False
+        self._start_failure: tuple[str, str] | None = None   # (kind, message) of this batch's last failed start
 
-    def _start(self):
-        if self._pool is None:
-            ctx = mp.get_context("spawn")  # safe inside Ray actors and threaded parents
-            self._pool = ctx.Pool(self.num_workers, initializer=_init_worker, initargs=(self.path, self.name))
-        return self._pool
+    # -- the batch ----------------------------------------------------------------------------------------------
 
     def score(self, items: list[RewardInput]) -> RewardResult:
-        pool = self._start()
-        pending = [pool.apply_async(_score_one, (item, self.timeout_s)) for item in items]
-        waves = math.ceil(len(items) / self.num_workers)
-        deadline = time.monotonic() + waves * self.timeout_s + 2.0  # + margin for process start-up
+        """Score every item, in order. Never raises for what the function does, nor when no worker can start (the
+        samples then fail with the reason)."""
         result = RewardResult(scores=[0.0] * len(items), metrics=[{} for _ in items])
-        killed = False
-        for i, handle in enumerate(pending):
-            try:
-                outcome = handle.get(timeout=max(0.0, deadline - time.monotonic()))
-            except mp.TimeoutError:
-                outcome, killed = ("timeout", f"did not return within the batch deadline "
-                                              f"({self.timeout_s:g} s per sample)"), True
-            except Exception as exc:  # the sample could not be sent to or read back from the worker
-                outcome = ("error", f"failed in the worker pool: {type(exc).__name__}: {exc}")
-            if outcome[0] == "ok":
-                result.scores[i], result.metrics[i] = outcome[1], outcome[2]
-            else:
-                self._record_error(result, i, items[i], outcome)
-        if killed:
-            self.close()
+        capture, queue = _Capture(self.max_output_bytes), deque(range(len(items)))
+        self._start_failure = None
+        if queue:
+            self._fill()
+        # a replacement still starting when the queue is empty is not waited for: the next batch takes it
+        while queue or any(w.state == "busy" for w in self._workers):
+            if not self._workers:  # none could start: the rest of the batch fails with the reason
+                while queue:
+                    i = queue.popleft()
+                    self._record(result, items, i, *self._start_failure, capture)
+                break
+            self._dispatch(items, queue, result, capture)
+            self._wait()
+            self._collect(items, result, capture)
+        self._show(items, result, capture)
         return result
 
-    def _record_error(self, result: RewardResult, index: int, item: RewardInput, outcome) -> None:
-        kind, message = outcome
+    def _fill(self) -> None:
+        while len(self._workers) < self.num_workers:
+            self._workers.append(self._new_worker())
+
+    def _new_worker(self) -> _Worker:
+        return _Worker(self._ctx, (self.path, self.name, self.timeout_s, self.memory_limit_mb))
+
+    def _dispatch(self, items, queue: deque, result: RewardResult, capture: _Capture) -> None:
+        for index, worker in enumerate(self._workers):
+            while worker.state == "idle" and queue:
+                i = queue.popleft()
+                if not worker.process.is_alive():  # died while idle, not by this sample: a new one takes it
+                    queue.appendleft(i)
+                    worker = self._replace(index, worker)
+                    break
+                try:
+                    worker.conn.send(items[i])
+                except OSError:
+                    queue.appendleft(i)
+                    worker = self._replace(index, worker)
+                    break
+                except Exception as exc:  # the sample does not pickle
+                    self._record(result, items, i, "error", f"could not be sent to a worker: {type(exc).__name__}: "
+                                                            f"{exc}", capture)
+                    continue
+                worker.state, worker.job = "busy", i
+                worker.deadline = time.monotonic() + self.timeout_s + KILL_GRACE_S
+
+    def _wait(self) -> None:
+        active = [w for w in self._workers if w.state != "idle"]
+        if not active:
+            return
+        timeout = max(0.0, min(w.deadline for w in active) - time.monotonic())
+        wait([w.conn for w in active] + [w.process.sentinel for w in active] +
+             [w.output for w in active if w.output_open], timeout=timeout)
+
+    def _collect(self, items, result: RewardResult, capture: _Capture) -> None:
+        now = time.monotonic()
+        for worker in list(self._workers):
+            if worker.state == "idle":
+                continue
+            capture.add(worker.job, worker.read_output())
+            message = None
+            if worker.conn.poll():
+                try:
+                    message = worker.conn.recv()
+                except (EOFError, OSError):
+                    message = None
+            if message is None and worker.process.is_alive() and now < worker.deadline:
+                continue
+            capture.add(worker.job, worker.read_output())  # all it printed before answering or dying
+            if worker.state == "starting":
+                self._started(worker, message)
+                continue
+            i = worker.job
+            if message is not None:
+                worker.state = "idle"
+                if message[0] == "ok":
+                    result.scores[i], result.metrics[i] = message[1], message[2]
+                else:
+                    self._record(result, items, i, message[0], message[1], capture)
+                if message[0] == "memory":  # a fresh process: what leaked stays with the old one
+                    self._replace(self._workers.index(worker), worker)
+                continue
+            if worker.process.is_alive():  # _replace kills it
+                kind, text = "timeout", (f"did not return within {self.timeout_s:g} s (+{KILL_GRACE_S:g} s) and was "
+                                         "killed: a hang outside Python (C code) that the timer could not interrupt")
+            else:
+                kind, text = "worker_died", (f"killed its worker process ({describe_exit(worker.process.exitcode)}) "
+                                             "while scoring this sample")
+            self._replace(self._workers.index(worker), worker)
+            self._record(result, items, i, kind, text, capture)
+
+    def _started(self, worker: _Worker, message) -> None:
+        if message is not None and message[0] == "ready":
+            worker.state = "idle"
+            return
+        if message is not None:
+            kind, reason = message[1], message[2]
+        elif not worker.process.is_alive():
+            kind, reason = "worker_died", (f"its worker process died while importing the function "
+                                           f"({describe_exit(worker.process.exitcode)})")
+        else:
+            kind, reason = "error", f"its worker process did not load the function within {START_TIMEOUT_S:g} s"
+        worker.kill()
+        self._workers.remove(worker)  # not replaced in this batch: the next one tries again
+        self._start_failure = (kind, f"could not be scored: {reason}")
+
+    def _replace(self, index: int, worker: _Worker) -> _Worker:
+        worker.kill()
+        self._workers[index] = self._new_worker()
+        return self._workers[index]
+
+    # -- failures and output ------------------------------------------------------------------------------------
+
+    def _record(self, result: RewardResult, items, index: int, kind: str, message: str, capture: _Capture) -> None:
         result.errors += 1
         result.error_kinds[kind] = result.error_kinds.get(kind, 0) + 1
-        if message not in self._logged:
-            self._logged.add(message)
-            logger.warning("reward function %r %s (sample %d of the batch, data_source %r); scored 0. "
-                           "Further identical failures are counted in reward/errors, not logged.",
-                           self.name, message, index, item.data_source)
+        result.examples.setdefault(kind, message)
+        logged = self._logged.setdefault(kind, set())
+        if message in logged or len(logged) >= LOGGED_PER_KIND:
+            return
+        logged.add(message)
+        output = ""
+        if capture.printed.get(index):
+            capture.in_warning.add(index)
+            output = f" Its output (stdout and stderr):\n{capture.text(index, self.max_output_bytes)}"
+        last = (f" That is {LOGGED_PER_KIND} distinct failures of this kind: more are counted, not logged."
+                if len(logged) == LOGGED_PER_KIND else "")
+        logger.warning("reward function %r %s (sample %d of the batch, data_source %r); scored 0. Further identical "
+                       "failures are counted in reward/errors, not logged.%s%s", self.name, message, index,
+                       items[index].data_source, last, output)
+
+    def _show(self, items, result: RewardResult, capture: _Capture) -> None:
+        """Print up to max_output_bytes of the batch's output, sample by sample; count the rest as dropped."""
+        printed = sum(capture.printed.values())
+        if not printed:
+            return
+        shown = sum(min(capture.printed[i], self.max_output_bytes) for i in capture.in_warning)
+        budget, blocks = self.max_output_bytes, []   # the headers count too: 500 one-line prints stay 4 KB
+        for key in sorted(capture.kept):
+            if key in capture.in_warning or not capture.kept[key]:
+                continue
+            where = "importing the function" if key == LOADING else f"sample {key} ({items[key].data_source})"
+            header = f"[reward output] {self.name}, {where}:"
+            if budget <= len(header):
+                break
+            take = min(budget - len(header), len(capture.kept[key]))
+            budget, shown = budget - len(header) - take, shown + take
+            text = capture.text(key, take)
+            blocks.append(f"{header}{chr(10) if chr(10) in text else ' '}{text}")   # a one-line print: one line
+        if blocks:
+            print("\n".join(blocks), file=sys.stdout, flush=True)
+        result.output_dropped_bytes = printed - shown
+        if result.output_dropped_bytes and not self._told_dropped:
+            self._told_dropped = True
+            logger.warning("reward function %r printed %d bytes in this batch, %d of them not shown: a batch shows "
+                           "at most reward.max_output_bytes=%d. Later batches' are counted in "
+                           "reward/output_dropped_bytes, not announced.", self.name, printed,
+                           result.output_dropped_bytes, self.max_output_bytes)
+
+    # -- lifetime -----------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        for worker in self._workers:
+            if worker.state == "idle":
+                try:
+                    worker.conn.send(None)
+                except OSError:
+                    pass
+        for worker in self._workers:
+            worker.process.join(timeout=1.0 if worker.state == "idle" else 0)
+            worker.kill()
+        self._workers = []
 
     def __enter__(self):
         return self

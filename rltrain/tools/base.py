@@ -41,12 +41,14 @@ class ToolCall:
 class ToolResult:
     """The answer to one ToolCall. `content` is what the model sees (an error reads "Error: ..."); status is ok |
     error (raised, crashed its worker, or returned something not JSON-serializable) | timeout | invalid (malformed
-    call, unknown tool, arguments not matching the schema)."""
+    call, unknown tool, arguments not matching the schema). worker_died: the error was the tool's worker process
+    dying (os._exit, a segfault, the out-of-memory killer)."""
     name: str
     content: str
     status: str = "ok"
     call_id: str = ""
     elapsed_s: float = 0.0
+    worker_died: bool = False
 
     @property
     def ok(self) -> bool:

@@ -104,7 +104,8 @@ class ToolPool:
             self._ctx.set_forkserver_preload(["rltrain.tools.pool"])
         self._workers: list[_Worker] = []
         self._logged: dict[tuple[str, str], set[str]] = {}   # (tool, status) -> the failure messages logged
-        self._counts = dict.fromkeys(("calls", "errors", "timeouts", "invalid_calls", "seconds"), 0.0)
+        self._counts = dict.fromkeys(("calls", "errors", "timeouts", "invalid_calls", "worker_deaths", "seconds"),
+                                     0.0)
 
     # -- the batched call ---------------------------------------------------------------------------------------
 
@@ -155,17 +156,17 @@ class ToolPool:
                 self._started(index, worker, message)
                 continue
             call, elapsed = calls[worker.job], now - started[worker.job]
+            dead = message is None and not worker.process.is_alive()
             if message is not None:
                 status, content = message
                 worker.state = "idle"
             else:
-                dead = not worker.process.is_alive()
                 status = "error" if dead else "timeout"
                 content = (f"the tool's worker process died (exit code {worker.process.exitcode}) while running it"
                            if dead else f"the tool did not finish within {self.timeout_s:g} s and was stopped")
                 worker.kill()
                 self._workers[index] = _Worker(self._ctx, self.specs, self.max_output_chars)
-            results[worker.job] = self._finish(call, status, content, elapsed)
+            results[worker.job] = self._finish(call, status, content, elapsed, worker_died=dead)
 
     def _started(self, index: int, worker: _Worker, message) -> None:
         if message is not None and message[0] == "ready":
@@ -187,9 +188,11 @@ class ToolPool:
             return f"there is no tool named {call.name!r}; tools: {', '.join(self.schemas)}"
         return check_arguments(schema, call.arguments)
 
-    def _finish(self, call: ToolCall, status: str, content: str, elapsed: float) -> ToolResult:
+    def _finish(self, call: ToolCall, status: str, content: str, elapsed: float,
+                worker_died: bool = False) -> ToolResult:
         self._counts["calls"] += 1
         self._counts["seconds"] += elapsed
+        self._counts["worker_deaths"] += worker_died
         if status != "ok":
             self._counts[{"error": "errors", "timeout": "timeouts", "invalid": "invalid_calls"}[status]] += 1
             content = truncate(f"Error: {content}", self.max_output_chars)
@@ -200,16 +203,16 @@ class ToolPool:
                 logger.warning("tool call %s(%s) -> %s: %s.%s", call.name or "?", json.dumps(call.arguments)[:200],
                                status, content, f" That is {LOGGED_PER_KIND} such failures of this tool: more are "
                                "counted in tool/*, not logged." if last else "")
-        return ToolResult(call.name, content, status, call.id, elapsed)
+        return ToolResult(call.name, content, status, call.id, elapsed, worker_died)
 
     # -- metrics and lifetime -----------------------------------------------------------------------------------
 
     def pop_metrics(self, episodes: int | None = None) -> dict[str, float]:
         """The counts since the last pop: tool/calls, tool/errors (raised or crashed), tool/timeouts,
-        tool/invalid_calls (malformed or not matching a schema; the model was told why), tool/mean_seconds, and
-        tool/calls_per_episode when `episodes` is given."""
+        tool/invalid_calls (malformed or not matching a schema; the model was told why), tool/worker_deaths (errors
+        that were the worker process dying), tool/mean_seconds, and tool/calls_per_episode when `episodes` is given."""
         counts, calls = self._counts, self._counts["calls"]
-        metrics = {f"tool/{k}": counts[k] for k in ("calls", "errors", "timeouts", "invalid_calls")}
+        metrics = {f"tool/{k}": counts[k] for k in ("calls", "errors", "timeouts", "invalid_calls", "worker_deaths")}
         metrics["tool/mean_seconds"] = counts["seconds"] / calls if calls else 0.0
         if episodes:
             metrics["tool/calls_per_episode"] = calls / episodes

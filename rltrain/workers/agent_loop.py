@@ -24,7 +24,8 @@ Output: the single-turn fields (rltrain/workers/batch.py) with response_ids hold
 exactly on the tokens the model sampled (its turns, each with its closing <eos>) and 0 on tool output, template
 tokens and padding, so the loss, advantages and log-probs cover model tokens only; rollout_logprobs where the
 engine reports them (0 where the mask is 0). Per episode: `turns`, `tool_calls`, `tool_errors` (raised or crashed),
-`tool_timeouts`, `tool_invalid_calls` ([B] tensors; `episode_metrics` turns them into tool/* metrics) and
+`tool_timeouts`, `tool_invalid_calls`, `tool_worker_deaths` (the errors that were a tool's worker process dying)
+([B] tensors; `episode_metrics` turns them into tool/* metrics) and
 `messages`, the episode after its prompt as chat messages (assistant turns with their tool_calls, then one tool
 message per answer), which the reward function receives as extra_info["messages"].
 """
@@ -45,7 +46,7 @@ from rltrain.workers.sampling import response_seeds
 
 PLAIN_TOOL_TURN = "\n<tool_response>\n{content}\n</tool_response>\n"
 _TEMPLATE_BASE = [{"role": "user", "content": "."}]   # the fixed conversation tool turns are rendered after
-EPISODE_FIELDS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_invalid_calls")
+EPISODE_FIELDS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_invalid_calls", "tool_worker_deaths")
 
 
 @dataclass
@@ -179,6 +180,7 @@ class AgentLoop:
                 result.status)
             if key:
                 episode.counts[key] += 1
+            episode.counts["tool_worker_deaths"] += result.worker_died
             messages.append(tool_message(result) | {"content": self.tool_turns.cut(result.content)})
         tokens = self.tool_turns.render(messages)
         episode.messages += messages
@@ -211,7 +213,7 @@ class AgentLoop:
 
 
 def episode_metrics(batch: TensorDict, prefix: str = "tool") -> dict[str, float]:
-    """tool/calls, tool/errors, tool/timeouts, tool/invalid_calls (sums), tool/calls_per_episode and
+    """tool/calls, tool/errors, tool/timeouts, tool/invalid_calls, tool/worker_deaths (sums), tool/calls_per_episode and
     tool/turns_per_episode of a multi-turn batch; {} for a single-turn one."""
     if "tool_calls" not in batch.keys():
         return {}

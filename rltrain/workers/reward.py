@@ -1,5 +1,5 @@
 """RewardWorker: decodes responses and scores them with the configured reward function in a process pool with a
-per-sample timeout (rltrain.rewards.pool)."""
+per-sample timeout, a memory limit and capped output (rltrain.rewards.pool); RewardConfig, the job's reward section."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rltrain.config import ConfigError
+from rltrain.config import ConfigError, require
 from rltrain.data.rows import PromptRow
+from rltrain.rewards.health import RewardStats
 from rltrain.rewards.pool import RewardInput, RewardPool, check_reward_settings
 from rltrain.workers.batch import response_context
 
@@ -19,10 +20,17 @@ class RewardConfig:
     name: str = "default"     # the function in `path`, or a built-in: default, math, arithmetic
     timeout_s: float = 10.0   # per sample; past it the sample scores 0 and counts in reward/errors
     num_workers: int = 2
+    max_error_rate: float = 0.9    # more failed samples than this over the window stops the run (exit 3); 1 = never
+    error_rate_window: int = 5     # train steps the error rate is taken over
+    max_output_bytes: int = 4096   # of the function's stdout/stderr, kept per sample and shown per batch
+    memory_limit_mb: int = 8192    # per worker process (RLIMIT_DATA); 0 = none
 
     def validate(self):
+        require(0 <= self.max_error_rate <= 1, "max_error_rate", "must be in [0, 1]", self.max_error_rate)
+        require(self.error_rate_window >= 1, "error_rate_window", "must be >= 1", self.error_rate_window)
         try:  # the pool's checks, the plugin imported once here, so a bad file or name fails before Ray starts
-            check_reward_settings(self.path, self.name, self.timeout_s, self.num_workers)
+            check_reward_settings(self.path, self.name, self.timeout_s, self.num_workers, self.max_output_bytes,
+                                  self.memory_limit_mb)
         except (OSError, ImportError, ValueError) as err:  # their messages start with the key (reward.path: ...)
             raise ConfigError(str(err)) from None
 
@@ -32,11 +40,12 @@ class RewardWorker:
         from rltrain.workers.policy import load_tokenizer
 
         self.tokenizer = load_tokenizer(tokenizer_path)
-        self.pool = RewardPool(config.path, config.name, config.timeout_s, config.num_workers)
+        self.pool = RewardPool(config.path, config.name, config.timeout_s, config.num_workers,
+                               config.max_output_bytes, config.memory_limit_mb)
 
     def score(self, response_ids: torch.Tensor, response_mask: torch.Tensor, rows: list[PromptRow],
               messages: list[list[dict]] | None = None):
-        """rows[i] is the prompt row of response i. Returns (rewards [B], per-sample metrics, errors, texts).
+        """rows[i] is the prompt row of response i. Returns (rewards [B], per-sample metrics, RewardStats, texts).
         The text is the whole response (a multi-turn episode's tool output included: response_context); messages
         (multi-turn): each episode's chat messages, passed to the reward function as extra_info["messages"]."""
         context = response_context(response_mask).bool()
@@ -47,7 +56,7 @@ class RewardWorker:
         items = [RewardInput(row.data_source, text, row.ground_truth, info)
                  for row, text, info in zip(rows, texts, infos)]
         result = self.pool.score(items)
-        return torch.tensor(result.scores, dtype=torch.float32), result.metrics, result.errors, texts
+        return torch.tensor(result.scores, dtype=torch.float32), result.metrics, RewardStats.of(result), texts
 
     def close(self) -> None:
         self.pool.close()

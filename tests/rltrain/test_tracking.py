@@ -109,3 +109,15 @@ def test_console_shows_tool_calls_in_multi_turn_runs(tmp_path, capsys):
     assert " calls 0.43 |" in lines[0]
     assert lines[1] == "[val  step    1] reward 0.400 calls 1.00 (10 prompts)"
     assert "calls" not in lines[2]   # single-turn runs log no tool metrics
+
+
+def test_console_shows_reward_errors_when_there_are_any(tmp_path, capsys):
+    tracker = Tracker(["console"], str(tmp_path), total_steps=4)
+    tracker.log({**TRAIN, "reward/errors": 5.0, "reward/timeouts": 2.0, "reward/memory_errors": 0.0,
+                 "reward/worker_deaths": 1.0})
+    tracker.log({**TRAIN, "step": 2, "reward/errors": 16.0, "reward/timeouts": 0.0})
+    tracker.log({**TRAIN, "step": 3, "reward/errors": 0.0, "reward/timeouts": 0.0})
+    lines = capsys.readouterr().out.splitlines()
+    assert " reward errors 5 (2 timed out, 1 worker died) |" in lines[0]
+    assert " reward errors 16 |" in lines[1]
+    assert "errors" not in lines[2]

@@ -1,9 +1,10 @@
 """End to end through real Ray actors on CPU: the embedded default runs and writes its metrics and checkpoints;
-reward plugins that raise or hang are scored 0 and counted; a run SIGKILLed mid-save resumes at the right step and
-sees exactly the data an uninterrupted run sees (trainer.resume auto, a path, never), with two rollout replicas;
-every step's record says where its time went and the console line shows it; TensorBoard events, the HF export of a
-checkpoint and the roles started (no reference without KL) are checked along the way; every algorithm preset and
-each delta-rule policy arch trains for 2 steps.
+reward plugins that raise or hang are scored 0 and counted, and one that fails on every sample stops the run with
+exit status 3 before its checkpoint; a run SIGKILLed mid-save resumes at the right step and sees exactly the data an
+uninterrupted run sees (trainer.resume auto, a path, never), with two rollout replicas; every step's record says
+where its time went and the console line shows it; TensorBoard events, the HF export of a checkpoint and the roles
+started (no reference without KL) are checked along the way; every algorithm preset and each delta-rule policy arch
+trains for 2 steps.
 
     .venv/bin/python -m pytest tests/rltrain/test_trainer_e2e.py -x -q -k killed   # about a minute on 2 cores
 """
@@ -81,7 +82,7 @@ def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path, monkeypatch, 
     out = tmp_path / "run"
     job = tiny_job(out, trainer={"save_every": 1, "val_every": 1, "val_n": 2, "logger": ["jsonl", "console"]},
                    rollout={"val_temperature": 1.0},
-                   reward={"path": str(plugin), "name": "score", "timeout_s": 0.5},
+                   reward={"path": str(plugin), "name": "score", "timeout_s": 0.5, "max_error_rate": 1.0},
                    algorithm={"loss": {"kl_coef": 0.05},
                               "rollout_correction": {"mode": "mask", "level": "sequence"}})
     started = _record_started_roles(monkeypatch)
@@ -191,6 +192,30 @@ def _overrides(output_dir, **sections) -> list[str]:
 def _run_cli_config(output_dir, **sections) -> dict:
     """run() in this process, on the config the entry point composes from the same overrides."""
     return run(load_job_config(compose(*_overrides(output_dir, **sections))))
+
+
+def test_a_reward_function_failing_on_every_sample_stops_the_run_with_exit_3(tmp_path):
+    """`python -m rltrain.main_grpo` with a function that raises on every sample (reward.max_error_rate and its window
+    at their defaults): step 1's console line shows the errors, then the run stops with exit status 3 naming the
+    function and how it fails, before step 1's checkpoint and without a traceback."""
+    plugin = tmp_path / "reward.py"
+    plugin.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(int('answer: ' + solution_str))\n")
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "rltrain.main_grpo",
+               *_overrides(out, trainer={"total_steps": 3, "save_every": 1, "logger": ["jsonl", "console"]},
+                           reward={"path": str(plugin), "name": "score"}, ray={"address": "local", "num_cpus": 2}),
+               f"hydra.run.dir={tmp_path / 'hydra'}"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert (f"error: reward function 'score' in '{plugin}' failed on 16 of 16 samples (100%) in the last 1 step, "
+            "above reward.max_error_rate=0.9: 16 raised an exception or returned a non-number (e.g. \"raised "
+            "ValueError: invalid literal for int() with base 10: 'answer: ") in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    steps = [line for line in done.stdout.splitlines() if line.startswith("[train")]
+    assert len(steps) == 1 and " reward errors 16 |" in steps[0], done.stdout[-3000:]
+    assert [r["reward/errors"] for r in _records(out) if "train/reward_mean" in r] == [16]
+    assert latest_checkpoint(str(out)) is None
 
 
 def _kill_during_a_later_save(proc, checkpoints: Path, timeout_s: float = 300) -> None:

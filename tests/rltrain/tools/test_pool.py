@@ -70,7 +70,7 @@ def test_results_in_order_with_errors_captured(pool):
     assert "neither text nor JSON-serializable" in results[3].content
     assert results[4].content == '{"slept": 0}'
     assert pool.pop_metrics(episodes=2) == pytest.approx({
-        "tool/calls": 5, "tool/errors": 3, "tool/timeouts": 0, "tool/invalid_calls": 0,
+        "tool/calls": 5, "tool/errors": 3, "tool/timeouts": 0, "tool/invalid_calls": 0, "tool/worker_deaths": 0,
         "tool/calls_per_episode": 2.5, "tool/mean_seconds": pytest.approx(0.0, abs=1.0)})
 
 
@@ -115,10 +115,12 @@ def test_hang_and_crash_cost_one_call_not_the_batch(pool):
     assert [r.status for r in results] == ["timeout", "error", "ok", "ok", "ok"]
     assert results[0].content == "Error: the tool did not finish within 2 s and was stopped"
     assert "worker process died (exit code 7)" in results[1].content
+    assert [r.worker_died for r in results] == [False, True, False, False, False]
     assert results[3].content == "32"
     assert 1.9 < elapsed < 6.0
     metrics = pool.pop_metrics(episodes=5)
     assert (metrics["tool/timeouts"], metrics["tool/errors"], metrics["tool/calls_per_episode"]) == (1, 1, 1.0)
+    assert metrics["tool/worker_deaths"] == 1   # the error was its worker dying: noticed at once, not a timeout
     again = pool.call_many([ToolCall("nap") for _ in range(4)])  # all four workers answer again
     assert all(r.ok for r in again)
 

@@ -317,7 +317,7 @@ def test_reward_gets_the_episode(model_dir, tokenizer, calculator_pool, tmp_path
                                                       batch["messages"].tolist())
     finally:
         worker.close()
-    assert errors == 0 and rewards.tolist() == [1.0, 1.0]
+    assert errors.errors == 0 and errors.samples == 2 and rewards.tolist() == [1.0, 1.0]
     assert [e["seen"] for e in extras] == [1.0, 1.0] and [e["index"] for e in extras] == [0.0, 1.0]
     assert texts[0].startswith("ok <tool_call>") and "408" in texts[0]  # the whole episode, tool output included
 
