@@ -6,7 +6,7 @@ default (a small Qwen3 on a synthetic arithmetic task, CPU, no downloads).
     python -m rltrain.main_grpo model.path=/ckpt/Qwen3-0.6B data.train_files=train.parquet reward.path=my.py
 
 The config (config/grpo.yaml, every key commented) is validated before any work starts; a bad key or value exits
-with status 2 and a message naming it.
+with status 2 and a message naming it, as does a trainer.output_dir another live run holds (rltrain/output_dir.py).
 """
 
 from __future__ import annotations
@@ -27,9 +27,12 @@ def run(job) -> dict:
 
     trainer = GRPOTrainer(job)
     try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+        result = trainer.fit()
+    except BaseException:
+        trainer.close(raise_errors=False)  # the run's own error is the one to report; close's are logged
+        raise
+    trainer.close()
+    return result
 
 
 @hydra.main(config_path="../config", config_name="grpo", version_base="1.3")
