@@ -1,6 +1,6 @@
-"""Checkpoints: written to a temporary directory and renamed into place, so a kill at any moment leaves the
-previous checkpoint intact; loading never unpickles arbitrary objects (safetensors, torch.load(weights_only=True)
-and JSON only).
+"""Checkpoints: written to a temporary directory of this run's own (rltrain/output_dir.py) and renamed into place,
+so a kill at any moment leaves the previous checkpoint intact; loading never unpickles arbitrary objects
+(safetensors, torch.load(weights_only=True) and JSON only).
 
     <output_dir>/checkpoints/step_000010/
         hf/               the policy in HF format (model.safetensors + config + tokenizer): transformers and vLLM load it;
@@ -8,7 +8,12 @@ and JSON only).
                           adapter_config.json naming the base model's directory, + tokenizer): PeftModel.from_pretrained
                           loads them, `python -m rltrain.export_lora` merges them into a full HF model
         optimizer.pt      optimizer state (tensors and numbers only)
-        trainer_state.json  step, data position, RNG states, the actor's LR schedule position
+        trainer_state.json  step, data position, RNG states, the actor's LR schedule position; written last
+
+A checkpoint is complete (`incomplete_reason` is None) when its weights, optimizer.pt and a readable
+trainer_state.json are all there: the state file is the last thing a save writes before the rename. trainer.resume=auto
+takes the newest complete one (`newest_complete_checkpoint`), passing over directories a crash or an older
+version's concurrent runs left incomplete.
 
 RNG states are the controller's: Python's `random`, numpy's global generator, torch's CPU generator and, where this
 process has initialised CUDA, every visible GPU's generator, all as JSON lists of integers. The workers' generators
@@ -20,6 +25,7 @@ step, pass) alike.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -28,21 +34,57 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rltrain.output_dir import temporary_dir, temporary_name
+
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
+MODEL_FILE, ADAPTER_FILE, STATE_FILE = "model.safetensors", "adapter_model.safetensors", "trainer_state.json"
 
 
 def checkpoint_root(output_dir: str) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def latest_checkpoint(output_dir: str) -> Path | None:
-    """The newest complete checkpoint (temporary directories of interrupted saves are ignored)."""
+def holds_adapters(path: Path) -> bool:
+    """Whether a checkpoint directory holds LoRA adapters (actor.lora) rather than a full model."""
+    return (Path(path) / "hf" / ADAPTER_FILE).is_file()
+
+
+def incomplete_reason(path: Path) -> str | None:
+    """Why the checkpoint directory `path` cannot be resumed from ('hf/model.safetensors is missing', ...), or None
+    when it is complete."""
+    path = Path(path)
+    weights = f"hf/{ADAPTER_FILE if holds_adapters(path) else MODEL_FILE}"
+    for needed in (weights, "optimizer.pt", STATE_FILE):
+        file = path / needed
+        if not file.is_file() or file.stat().st_size == 0:
+            return f"{needed} is {'empty' if file.is_file() else 'missing'}"
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError) as err:
+        return f"{STATE_FILE} is unreadable ({err})"
+    return None if isinstance(state, dict) and "step" in state else f"{STATE_FILE} records no step"
+
+
+def newest_complete_checkpoint(output_dir: str) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest complete checkpoint or None, [(incomplete checkpoint newer than it, why)] newest first).
+    Temporary directories of unfinished saves are not checkpoints and are not listed."""
     root = checkpoint_root(output_dir)
     if not root.is_dir():
-        return None
-    steps = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()
-             and (p / "trainer_state.json").is_file()]
-    return max(steps)[1] if steps else None
+        return None, []
+    steps = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()),
+                   reverse=True)
+    skipped = []
+    for _, path in steps:
+        reason = incomplete_reason(path)
+        if reason is None:
+            return path, skipped
+        skipped.append((path, reason))
+    return None, skipped
+
+
+def latest_checkpoint(output_dir: str) -> Path | None:
+    """The newest complete checkpoint, or None."""
+    return newest_complete_checkpoint(output_dir)[0]
 
 
 def rng_state() -> dict:
@@ -75,28 +117,33 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(output_dir: str, step: int, save_policy, optimizer_state: dict, tokenizer,
                     trainer_state: dict) -> Path:
-    """save_policy(path) writes the HF-format policy (called on the actor, which holds the weights)."""
+    """save_policy(path) writes the HF-format policy (called on the actor, which holds the weights). Everything
+    goes to this process's temporary directory, trainer_state.json last and synced, then one rename publishes it; a
+    save that raises removes its temporary."""
     root = checkpoint_root(output_dir)
     final = root / f"step_{step:06d}"
-    tmp = root / f".tmp_step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "hf").mkdir(parents=True)
-    save_policy(str(tmp / "hf"))
-    tokenizer.save_pretrained(tmp / "hf")
-    torch.save(optimizer_state, tmp / "optimizer.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(dict(trainer_state, step=step, rng=rng_state())))
-    if final.exists():  # a re-run of the same step replaces it
-        shutil.rmtree(final)
-    tmp.rename(final)
+    tmp = temporary_dir(root, final.name)
+    try:
+        (tmp / "hf").mkdir()
+        save_policy(str(tmp / "hf"))
+        tokenizer.save_pretrained(tmp / "hf")
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        with open(tmp / STATE_FILE, "w") as f:
+            f.write(json.dumps(dict(trainer_state, step=step, rng=rng_state())))
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes the checkpoint count as complete
+        if final.exists():  # a re-run of the same step (or an incomplete leftover) is replaced
+            replaced = temporary_name(root, f"replaced_{final.name}")
+            shutil.rmtree(replaced, ignore_errors=True)
+            final.rename(replaced)
+            tmp.rename(final)
+            shutil.rmtree(replaced)
+        else:
+            tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return final
-
-
-MODEL_FILE, ADAPTER_FILE = "model.safetensors", "adapter_model.safetensors"
-
-
-def holds_adapters(path: Path) -> bool:
-    """Whether a checkpoint directory holds LoRA adapters (actor.lora) rather than a full model."""
-    return (Path(path) / "hf" / ADAPTER_FILE).is_file()
 
 
 def load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
@@ -105,11 +152,10 @@ def load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     from safetensors.torch import load_file
 
     path = Path(path)
-    weights = f"hf/{ADAPTER_FILE if holds_adapters(path) else MODEL_FILE}"
-    for needed in (weights, "optimizer.pt", "trainer_state.json"):
-        if not (path / needed).is_file():
-            raise FileNotFoundError(f"checkpoint {path} is incomplete: {needed} is missing")
-    model_state = load_file(path / weights)
+    reason = incomplete_reason(path)
+    if reason is not None:
+        raise FileNotFoundError(f"checkpoint {path} is incomplete: {reason}")
+    model_state = load_file(path / "hf" / (ADAPTER_FILE if holds_adapters(path) else MODEL_FILE))
     optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
-    trainer_state = json.loads((path / "trainer_state.json").read_text())
+    trainer_state = json.loads((path / STATE_FILE).read_text())
     return model_state, optimizer_state, trainer_state

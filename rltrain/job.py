@@ -106,6 +106,7 @@ class JobConfig:
         require(not self.rollout.partial or self.trainer.mode == "async", "rollout.partial", "needs "
                 f"trainer.mode=async (a weight push interrupts the generations in flight; trainer.mode="
                 f"{self.trainer.mode} has no push during a generation)", self.rollout.partial)
+        self._validate_context_length()
         policy = delta_rule_policy(self.model) if self.rollout.engine == "vllm" else None
         require(policy is None, "rollout.engine", f"'vllm' cannot serve the delta-rule policy {policy}: vLLM 0.32 "
                 "runs hybrid models only through its own linear-attention layers and state cache (Mamba, Qwen3-Next's "
@@ -124,6 +125,20 @@ class JobConfig:
             spec.builtin == "calculator" for spec in multi_turn.tool_specs()), "data.task.kind", "'tool_arithmetic' "
             "runs as multi-turn episodes with the calculator tool: select the preset task=tool_arithmetic, or set "
             "rollout.multi_turn.enabled=true and rollout.multi_turn.tools=[{builtin: calculator}]", self.data.task.kind)
+
+    def _validate_context_length(self) -> None:
+        """A prompt of up to data.max_prompt_length tokens and a response of up to rollout.max_new_tokens (tool turns
+        included) fit the policy's context: beyond it vLLM refuses the request mid-run and transformers goes past the
+        positions the model knows (an index error where they are learned embeddings)."""
+        context = model_context_length(self.model)
+        if context is None:
+            return
+        length, source = context
+        prompt, response = self.data.max_prompt_length, self.rollout.max_new_tokens
+        require(prompt + response <= length, "rollout.max_new_tokens", f"data.max_prompt_length ({prompt}) + "
+                f"rollout.max_new_tokens ({response}) = {prompt + response} tokens exceeds the model's context length, "
+                f"{length} ({source}): lower one of them (prompts longer than data.max_prompt_length are dropped)",
+                response)
 
     @property
     def old_logprobs(self) -> str:
@@ -230,6 +245,47 @@ def delta_rule_policy(model: ModelConfig) -> str | None:
         with open(config) as f:
             if json.load(f).get("model_type") == "hybrid_delta":
                 return f"{model.path} (model_type hybrid_delta)"
+    return None
+
+
+# config.json keys that hold a model's context length, by family (GPT-2 and kin use the later ones)
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+# RoPE scalings whose factor stretches the context beyond max_position_embeddings (vLLM's rule; llama3 and longrope
+# configs state the stretched length already)
+STRETCHING_ROPE = ("linear", "dynamic", "yarn")
+
+
+def model_context_length(model: ModelConfig) -> tuple[int, str] | None:
+    """(the policy's context length in tokens, where it comes from), or None where its config.json states none (or
+    model.path holds no config.json: the trainer names that). The embedded default's is its CONTEXT_LENGTH."""
+    import json
+
+    if model.path is None:
+        from rltrain.embedded.model import CONTEXT_LENGTH
+
+        return CONTEXT_LENGTH, "the embedded model's max_position_embeddings"
+    path = os.path.join(model.path, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    for section in (config, config.get("text_config") or {}):  # multimodal configs nest the language model's
+        if not isinstance(section, dict):
+            continue
+        key = next((k for k in CONTEXT_KEYS if isinstance(section.get(k), int)), None)
+        if key is None:
+            continue
+        length, source = section[key], f"{key} in {path}"
+        rope = section.get("rope_scaling") or section.get("rope_parameters")
+        rope = rope if isinstance(rope, dict) else {}
+        kind = rope.get("rope_type", rope.get("type"))
+        if kind in STRETCHING_ROPE and isinstance(rope.get("factor"), (int, float)):
+            base = rope.get("original_max_position_embeddings", length) if kind == "yarn" else length
+            length, source = int(base * rope["factor"]), f"{source}, stretched by its {kind} rope_scaling factor"
+        return length, source
     return None
 
 

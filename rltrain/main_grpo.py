@@ -5,6 +5,9 @@ default (a small Qwen3 on a synthetic arithmetic task, CPU, no downloads).
     python -m rltrain.main_grpo algorithm=dapo rollout.n=16    # an algorithm preset, overrides on top
     python -m rltrain.main_grpo model.path=/ckpt/Qwen3-0.6B data.train_files=train.parquet reward.path=my.py
 
+The config (config/grpo.yaml, every key commented) is validated before any work starts; a bad key or value exits
+with status 2 and a message naming it, as does a trainer.output_dir another live run holds (rltrain/output_dir.py).
+
 Exit status: 0 done; 2 bad input (a config key or value, a data row, a model path: the message names it), before
 any training; 3 stopped because the reward function failed on more than reward.max_error_rate of the samples (the
 message says which function and how); 1 anything else (with its traceback).
@@ -29,9 +32,12 @@ def run(job) -> dict:
 
     trainer = GRPOTrainer(job)
     try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+        result = trainer.fit()
+    except BaseException:
+        trainer.close(raise_errors=False)  # the run's own error is the one to report; close's are logged
+        raise
+    trainer.close()
+    return result
 
 
 @hydra.main(config_path="../config", config_name="grpo", version_base="1.3")

@@ -1,7 +1,10 @@
 """Metric sinks: console (a progress line per step), jsonl (<output_dir>/metrics.jsonl), tensorboard, wandb.
 
 Every record is a flat dict with a `step`; train records and validation records (keys starting with `val/`) go to
-the same sinks. The console's train line ends with where the step's time went (the time/*_s keys the trainer logs):
+the same sinks. A run that resumes from the checkpoint of step S first calls `rewind(S)`: the records a
+killed run logged after S leave metrics.jsonl and TensorBoard hides its events after S (the resumed run logs those
+steps again); a run that starts over calls `rewind(None)`. wandb: every launch is a run of its own, so a resumed one's
+steps start after S. The console's train line ends with where the step's time went (the time/*_s keys the trainer logs):
 
     [train    3/300] |....................| reward 0.062 ... | 0.7 s/step, ETA 208 s | rollout 0.31s | reward 0.02s |
     old_lp 0.05s | ref 0.00s | update 0.19s | sync 0.04s
@@ -10,9 +13,13 @@ the same sinks. The console's train line ends with where the step's time went (t
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 import time
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # (label on the console, the record's key): the phases of a train step, in order
@@ -32,13 +39,14 @@ class Tracker:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._start, self._first_step = time.monotonic(), None
         self._tb = self._wandb = None
+        self._tb_dir, self._purge_step = str(Path(output_dir) / "tensorboard"), None
         if "tensorboard" in backends:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # noqa: F401
             except ImportError as exc:
                 raise ImportError(f"trainer.logger lists tensorboard, but it is not installed ({exc}); "
                                   "pip install tensorboard") from None
-            self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+            # the writer opens at the first log(), after rewind() has said where the run starts
         if "wandb" in backends:
             try:
                 import wandb
@@ -46,11 +54,39 @@ class Tracker:
                 raise ImportError("trainer.logger lists wandb, but it is not installed; pip install wandb") from None
             self._wandb = wandb.init(project=project, name=run_name, config=config, dir=output_dir)
 
+    def rewind(self, last_step: int | None) -> None:
+        """Before the first record of a run that continues after step `last_step` (None: one that starts over):
+        metrics.jsonl keeps the records of steps <= last_step only (none for None), and TensorBoard hides the
+        events of later steps (purge_step), so no step is logged twice."""
+        self._purge_step = 0 if last_step is None else last_step + 1
+        if not self.path.is_file():
+            return
+        kept, dropped = [], 0
+        for line in self.path.read_text().splitlines():
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):  # a line a kill cut short
+                step = None
+            if last_step is not None and isinstance(step, int) and step <= last_step:
+                kept.append(line + "\n")
+            else:
+                dropped += 1
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.path)  # a kill now leaves the old file or the new, never half of it
+        if last_step is not None and dropped:
+            logger.info("%s: kept the %d records up to step %d, dropped %d logged after it (they are logged again)",
+                        self.path, len(kept), last_step, dropped)
+
     def log(self, record: dict) -> None:
         step = record["step"]
         if "jsonl" in self.backends:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+        if "tensorboard" in self.backends and self._tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(self._tb_dir, purge_step=self._purge_step)
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):

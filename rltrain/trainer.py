@@ -14,6 +14,8 @@ publishes each update's weights to it instead of pushing them. Every response ca
 sampled it (weight_version), logged as rollout/version_lag_mean and _max; with rollout.partial every token carries
 its own (token_versions: a push interrupts the generation in flight, which goes on with the new weights) and the
 lags are over tokens.
+The trainer holds its output directory's lock (rltrain/output_dir.py) from construction to close(), which stops
+every worker whatever fails; a local Ray it starts dies with the driver (rltrain/ray_session.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import dataclasses
 import logging
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import ray
@@ -40,7 +43,9 @@ from rltrain.config import ConfigError
 from rltrain.data.rows import load_rows
 from rltrain.data.sampler import PromptSampler, drop_long_prompts, encode_prompts
 from rltrain.job import JobConfig, resolve_device, resolve_dtype
+from rltrain.output_dir import OutputDirLock, remove_unfinished
 from rltrain.perf import StepTimer, actor_step_flops, mfu, peak_flops
+from rltrain.ray_session import init_ray
 from rltrain.rewards.health import ErrorRateGuard, RewardStats
 from rltrain.tracking import Tracker
 from rltrain.validation import validation_metrics
@@ -54,6 +59,8 @@ from rltrain.workers.rollout_group import RolloutReplicas, place_rollout
 from rltrain.workers.weight_sync import WeightPush
 
 logger = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 60.0  # close() waits this long for the reward worker to stop its pool
 
 
 def resolve_model_and_data(job: JobConfig):
@@ -80,15 +87,28 @@ def resolve_model_and_data(job: JobConfig):
 
 
 class GRPOTrainer:
+    # what close() stops; None until started (a constructor that failed half-way closes what it started)
+    lock = tracker = actor = rollout = reference = teacher = reward = placement = rollout_placement = None
+
     def __init__(self, job: JobConfig):
+        self.job = job
+        self.output_dir = Path(job.trainer.output_dir)
+        # first: a second run in this directory stops here (exit 2), before it touches anything in it
+        self.lock = OutputDirLock.acquire(self.output_dir)
+        try:
+            remove_unfinished(self.output_dir)
+            self._setup()
+        except BaseException:
+            self.close(raise_errors=False)
+            raise
+
+    def _setup(self) -> None:
         import transformers
 
         from rltrain.workers.policy import load_tokenizer
 
         transformers.utils.logging.disable_progress_bar()
-        self.job = job
-        self.output_dir = Path(job.trainer.output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        job = self.job
         device = job.trainer.device
         if device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("trainer.device: 'cuda' was asked for but this machine shows no CUDA device")
@@ -121,8 +141,7 @@ class GRPOTrainer:
     def _start_workers(self) -> None:
         job = self.job
         if not ray.is_initialized():
-            ray.init(address=job.ray.address, num_cpus=job.ray.num_cpus, include_dashboard=False,
-                     log_to_driver=True, configure_logging=False)
+            init_ray(job.ray)
         # The model roles are colocated: rank r of the actor and the reference and rollout process r share placement
         # bundle r, one GPU (or CPU), each asking a fraction of it, since Ray hides the GPU from an actor that asks
         # for none. trainer.nnodes × n_gpus_per_node bundles; actor.strategy=fsdp2 puts a rank on each, the rollout
@@ -365,13 +384,25 @@ class GRPOTrainer:
         return path
 
     def maybe_resume(self) -> None:
+        """Load the checkpoint trainer.resume names (auto: the newest complete one), then rewind the metrics to its
+        step; with none (never, or auto finding none) the metrics start over."""
         mode = self.job.trainer.resume
+        path = self._checkpoint_to_resume(mode)
+        if path is not None:
+            self._resume_from(path)
+        self.tracker.rewind(self.step if path is not None else None)
+
+    def _checkpoint_to_resume(self, mode: str) -> Path | None:
         if mode == "never":
-            (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)
-            return
-        path = ckpt.latest_checkpoint(str(self.output_dir)) if mode == "auto" else Path(mode)
-        if path is None:
-            return
+            return None
+        if mode != "auto":
+            return Path(mode)
+        path, skipped = ckpt.newest_complete_checkpoint(str(self.output_dir))
+        for incomplete, reason in skipped:
+            logger.warning("trainer.resume=auto: skipped the incomplete checkpoint %s (%s)", incomplete, reason)
+        return path
+
+    def _resume_from(self, path: Path) -> None:
         if not path.is_dir():
             raise FileNotFoundError(f"trainer.resume: no checkpoint directory {str(path)!r}")
         lora = self.job.actor.lora.enabled
@@ -424,12 +455,39 @@ class GRPOTrainer:
                   f"({100 * (final_val - self.initial_val):+.1f} points)", flush=True)
         return {"initial_val": self.initial_val, "final_val": final_val, "step": self.step}
 
-    def close(self) -> None:
-        self.tracker.close()
-        ray.get(self.reward.close.remote())
-        self.rollout.kill()
-        for handle in (self.actor, self.reference, self.teacher, self.reward):
-            kill(handle)
-        self.placement.remove()
-        if self.rollout_placement is not None:
-            self.rollout_placement.remove()
+    def close(self, raise_errors: bool = True) -> None:
+        """Stop everything the run started, each step whatever the others do (a dead worker's close raises), the
+        output directory's lock last; the failures are reported once, together: raised as one RuntimeError, or with
+        raise_errors=False (closing after another error, which stays the one raised) logged. A second call does
+        nothing."""
+        reward = self.reward
+
+        def stop_reward_pool():
+            ray.get(reward.close.remote(), timeout=CLOSE_TIMEOUT_S)
+
+        def method(holder, name: str):
+            return None if holder is None else getattr(holder, name)
+
+        steps = [("tracker", method(self.tracker, "close")),
+                 ("reward pool", None if reward is None else stop_reward_pool),
+                 ("rollout", method(self.rollout, "kill")),
+                 *((role, None if handle is None else partial(kill, handle)) for role, handle in (
+                     ("actor", self.actor), ("reference", self.reference), ("teacher", self.teacher),
+                     ("reward worker", self.reward))),
+                 ("placement", method(self.placement, "remove")),
+                 ("rollout placement", method(self.rollout_placement, "remove")),
+                 ("output directory lock", method(self.lock, "release"))]
+        self.tracker = self.reward = self.rollout = self.actor = self.reference = self.teacher = None
+        self.placement = self.rollout_placement = self.lock = None
+        errors = []
+        for name, step in steps:
+            try:
+                if step is not None:
+                    step()
+            except Exception as err:  # every step runs; the failures are reported together below
+                errors.append(f"{name}: {type(err).__name__}: {err}")
+        if errors:
+            message = f"closing the run: {len(errors)} step(s) failed; " + "; ".join(errors)
+            if raise_errors:
+                raise RuntimeError(message)
+            logger.error(message)

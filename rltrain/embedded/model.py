@@ -16,7 +16,8 @@ The warm start trains on the task's training prompts and answers until its greed
 training problems reaches `warmstart_target_accuracy` (checked every `warmstart_eval_every` steps), so RL starts
 from a model that is right about that often, whatever the seed: supervised learning on this task improves in
 sudden jumps, so a fixed step count gives starting points from 10% to 80% across seeds. The result is saved in HF format under
-`<output_dir>/warmstart/<hash>` and reused by later runs with the same settings. The tool task
+`<output_dir>/warmstart/<hash>` (written to a temporary of the process's own and renamed, under the trainer's lock on
+the output directory) and reused by later runs with the same settings. The tool task
 (data.task.kind=tool_arithmetic) warm-starts on the examples of rltrain/embedded/tool_task.py instead, with the
 tokenizer's tool vocabulary, and its accuracy is that of episodes made to open with a calculator call.
 """
@@ -27,6 +28,7 @@ import hashlib
 import json
 import logging
 import random
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,6 +36,7 @@ import torch
 
 from rltrain.config import require
 from rltrain.data.rows import PromptRow
+from rltrain.output_dir import temporary_dir
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,9 @@ ARCHS = ("qwen3", "hybrid", "gdp", "iplr")
 ARCH_LAYERS = {"qwen3": None, "hybrid": ("gated_delta_rule",) * 3 + ("full_attention",),
                "gdp": ("gated_delta_product",), "iplr": ("iplr",)}
 DEFAULT_LAYERS = {"qwen3": 2, "hybrid": 3, "gdp": 2, "iplr": 2}
+# max_position_embeddings: data.max_prompt_length's default 256 + rollout.max_new_tokens must fit (the job's context
+# check); RoPE's frequencies do not depend on it, so the trained weights are those of any other length
+CONTEXT_LENGTH = 1024
 
 
 @dataclass
@@ -86,7 +92,7 @@ def build_model(config: EmbeddedModelConfig, tokenizer, seed: int):
     torch.manual_seed(seed)
     dims = dict(vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=2 * config.hidden_size,
                 num_attention_heads=config.num_heads, num_key_value_heads=config.num_heads, head_dim=config.head_dim,
-                max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                max_position_embeddings=CONTEXT_LENGTH, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
     mixers = layer_types(config)
     if mixers is None:
@@ -167,8 +173,9 @@ def embedded_policy_dir(output_dir: str, config: EmbeddedModelConfig, task_confi
     from rltrain.embedded.tokenizer import build_char_tokenizer
 
     mixers = layer_types(config)   # resolved: a change of an arch's default layer count makes a new warm start
-    key = hashlib.sha256(json.dumps([asdict(config), asdict(task_config), seed] + ([mixers] if mixers else []),
-                                    sort_keys=True).encode())
+    # the context length is part of the key: a model cached with a shorter one would fail the job's context check
+    key = hashlib.sha256(json.dumps([asdict(config), asdict(task_config), seed, CONTEXT_LENGTH]
+                                    + ([mixers] if mixers else []), sort_keys=True).encode())
     target = Path(output_dir) / "warmstart" / key.hexdigest()[:12]
     if (target / "config.json").is_file():
         logger.info("reusing the warm-started embedded model at %s", target)
@@ -178,8 +185,16 @@ def embedded_policy_dir(output_dir: str, config: EmbeddedModelConfig, task_confi
     train_rows, _ = make_rows(task_config)
     logger.info("warm-starting the embedded model (%d steps) -> %s", config.warmstart_steps, target)
     warm_start(model, tokenizer, train_rows, config, seed, tools=task_config.uses_tools)
-    tmp = target.with_name(target.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(target)
+    tmp = temporary_dir(target.parent, target.name)   # this process's own: renamed into place whole
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+        # another process finished the same warm start first (the trainer's output-dir lock rules that out for
+        # runs; direct callers may race): theirs is the same model
+        logger.info("reusing the warm-started embedded model another process saved at %s first", target)
     return target

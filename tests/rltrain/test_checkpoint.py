@@ -1,10 +1,13 @@
-"""Checkpoints without Ray: a save that dies half-way leaves the previous checkpoint the newest complete one, the
-controller's RNG states (Python, numpy, torch CPU; CUDA where initialised) survive a JSON round trip exactly, and an
-actor resumed from a checkpoint written and read as the trainer does continues bit for bit, in fp32 and in bf16 with
-mixed precision (the checkpoint holds the fp32 masters), full fine-tuning and LoRA. The kill of a real run and its
+"""Checkpoints without Ray: a save that dies half-way leaves the previous checkpoint the newest complete one;
+resume=auto's choice passes over incomplete checkpoint directories and names them; two processes saving the same step
+into one directory never share a temporary; the controller's RNG states (Python, numpy, torch CPU; CUDA where
+initialised) survive a JSON round trip exactly, and an actor resumed from a checkpoint written and read as the trainer
+does continues bit for bit, in fp32 and in bf16 with mixed precision (the checkpoint holds the fp32 masters), full
+fine-tuning and LoRA. The kill of a real run and its
 resume are in tests/rltrain/test_trainer_e2e.py."""
 
 import json
+import os
 import random
 
 import numpy as np
@@ -15,7 +18,10 @@ from tensordict import TensorDict
 
 from rltrain.algorithms.advantages import compute_advantages
 from rltrain.algorithms.config import LossConfig
-from rltrain.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from rltrain.checkpoint import (
+    latest_checkpoint, load_checkpoint, newest_complete_checkpoint, rng_state, save_checkpoint, set_rng_state,
+)
+from rltrain.output_dir import remove_unfinished
 from rltrain.workers.actor import ActorConfig, ActorWorker
 from rltrain.workers.lora import LoraConfig
 from rltrain.workers.policy import DTYPES, load_tokenizer
@@ -27,29 +33,75 @@ class _Tokenizer:
         (path / "tokenizer.json").write_text("{}")
 
 
-def _save(output_dir, step, weight: float, fail=False):
+def _save(output_dir, step, weight: float, fail=False, during=None):
+    """save_checkpoint as the trainer calls it; `during()` runs once the policy's weights are written."""
     def save_policy(path):
         save_file({"w": torch.full((2, 3), weight)}, f"{path}/model.safetensors")
         if fail:
             raise KeyboardInterrupt("killed mid-save")
+        if during is not None:
+            during()
 
     return save_checkpoint(str(output_dir), step, save_policy, {"state": {0: {"step": torch.tensor(step)}}},
                            _Tokenizer(), {"sampler": {"epoch": 0, "index": 4 * step}})
+
+
+def _checkpoint_names(output_dir) -> list[str]:
+    return sorted(p.name for p in (output_dir / "checkpoints").iterdir())
 
 
 def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
     _save(tmp_path, 1, 1.0)
     with pytest.raises(KeyboardInterrupt):
         _save(tmp_path, 2, 2.0, fail=True)
-    assert (tmp_path / "checkpoints" / ".tmp_step_000002").is_dir()
+    assert _checkpoint_names(tmp_path) == ["step_000001"]  # a save that raised removed its temporary
+    killed = tmp_path / "checkpoints" / ".tmp_step_000002_otherhost_123"  # what a SIGKILL mid-save leaves
+    (killed / "hf").mkdir(parents=True)
+    (killed / "trainer_state.json").write_text('{"step": 2}')
     assert latest_checkpoint(str(tmp_path)).name == "step_000001"
     model, optimizer, state = load_checkpoint(latest_checkpoint(str(tmp_path)))
     assert torch.equal(model["w"], torch.full((2, 3), 1.0))
     assert optimizer["state"][0]["step"].item() == 1 and state["step"] == 1 and state["sampler"]["index"] == 4
 
-    _save(tmp_path, 2, 2.0)  # the next save of that step replaces the leftover
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    assert remove_unfinished(tmp_path) == [killed]  # the next run, holding the lock, clears it
+    _save(tmp_path, 2, 2.0)
+    assert _checkpoint_names(tmp_path) == ["step_000001", "step_000002"]
     assert latest_checkpoint(str(tmp_path)).name == "step_000002"
+
+
+def test_resume_auto_takes_the_newest_complete_checkpoint_and_names_the_incomplete_ones(tmp_path):
+    """What two runs sharing a directory left (issue 53): a step directory without its weights, one whose
+    trainer_state.json was cut short, one without it; the newest complete checkpoint is older than all three."""
+    for step in (1, 2, 3, 4):
+        _save(tmp_path, step, float(step))
+    root = tmp_path / "checkpoints"
+    (root / "step_000002" / "hf" / "model.safetensors").unlink()
+    (root / "step_000003" / "trainer_state.json").write_text('{"step": 3, "rng": {"python": [1, 2')
+    (root / "step_000004" / "trainer_state.json").unlink()
+    path, skipped = newest_complete_checkpoint(str(tmp_path))
+    assert path.name == "step_000001" and latest_checkpoint(str(tmp_path)) == path
+    assert [(p.name, reason.split(" (")[0]) for p, reason in skipped] == [
+        ("step_000004", "trainer_state.json is missing"), ("step_000003", "trainer_state.json is unreadable"),
+        ("step_000002", "hf/model.safetensors is missing")]
+    with pytest.raises(FileNotFoundError, match="step_000002 is incomplete: hf/model.safetensors is missing"):
+        load_checkpoint(root / "step_000002")
+    _save(tmp_path, 2, 2.5)  # a save of an incomplete step replaces it
+    assert latest_checkpoint(str(tmp_path)).name == "step_000002"
+    assert torch.equal(load_checkpoint(root / "step_000002")[0]["w"], torch.full((2, 3), 2.5))
+
+
+def test_two_processes_saving_the_same_step_never_share_a_temporary(tmp_path, monkeypatch):
+    """Another process (another pid) saves step 1 completely while this one is half-way through its own save of step
+    1: both complete, and the checkpoint is whole (the later save's)."""
+    def other_process_saves():
+        with monkeypatch.context() as other:
+            other.setattr(os, "getpid", lambda: 4_000_000)
+            _save(tmp_path, 1, 7.0)
+
+    _save(tmp_path, 1, 1.0, during=other_process_saves)
+    assert _checkpoint_names(tmp_path) == ["step_000001"]
+    model, _, state = load_checkpoint(latest_checkpoint(str(tmp_path)))
+    assert torch.equal(model["w"], torch.full((2, 3), 1.0)) and state["step"] == 1
 
 
 def _draws():

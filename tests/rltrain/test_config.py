@@ -1,6 +1,7 @@
 """Config: every key in config/ is commented; every preset composes and validates; unknown keys, wrong types and bad
 values name the key; the CLI reports them without a stack trace and exits 2 before any work starts."""
 
+import json
 import re
 import subprocess
 import sys
@@ -210,6 +211,39 @@ def test_vllm_engine_refuses_delta_rule_policies(monkeypatch, tmp_path):
                 load_job_config(_compose(*overrides))
         else:
             load_job_config(_compose(*overrides))
+
+
+@pytest.mark.parametrize("config, context, source", [
+    ({"max_position_embeddings": 200}, 200, "max_position_embeddings in {path}"),
+    ({"n_positions": 200}, 200, "n_positions in {path}"),
+    ({"text_config": {"max_position_embeddings": 200}}, 200, "max_position_embeddings in {path}"),
+    ({"max_position_embeddings": 100, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                        "original_max_position_embeddings": 50}},
+     200, "max_position_embeddings in {path}, stretched by its yarn rope_scaling factor"),
+    ({"max_position_embeddings": 200, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 200,
+     "max_position_embeddings in {path}"),
+], ids=["max_position_embeddings", "gpt2-n_positions", "multimodal-text_config", "yarn", "llama3-stated"])
+def test_prompt_and_response_must_fit_the_models_context(tmp_path, config, context, source):
+    """data.max_prompt_length + rollout.max_new_tokens against the model's context length (config.json), checked
+    before any work: one token over exits naming both keys, the length and the file; exactly the length validates."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", **config}))
+    source = source.format(path=tmp_path / "config.json")
+    with pytest.raises(ConfigError) as err:
+        load_job_config(_compose(f"model.path={tmp_path}", "data.max_prompt_length=180", "rollout.max_new_tokens=21"))
+    assert str(err.value) == (f"rollout.max_new_tokens: data.max_prompt_length (180) + rollout.max_new_tokens (21) = "
+                              f"201 tokens exceeds the model's context length, {context} ({source}): lower one of "
+                              "them (prompts longer than data.max_prompt_length are dropped) (got 21)")
+    load_job_config(_compose(f"model.path={tmp_path}", "data.max_prompt_length=180", "rollout.max_new_tokens=20"))
+
+
+def test_the_embedded_model_fits_the_default_lengths():
+    from rltrain.embedded.model import CONTEXT_LENGTH
+
+    job = load_job_config(_compose())
+    assert job.data.max_prompt_length + job.rollout.max_new_tokens <= CONTEXT_LENGTH
+    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens: .* exceeds the model's context length, "
+                                          rf"{CONTEXT_LENGTH} \(the embedded model's max_position_embeddings\)"):
+        load_job_config(_compose(f"rollout.max_new_tokens={CONTEXT_LENGTH}"))
 
 
 def test_vllm_engine_takes_lora_within_its_limits(monkeypatch):

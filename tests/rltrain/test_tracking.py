@@ -1,6 +1,6 @@
 """Metric sinks (rltrain.tracking): jsonl records, the console progress line, TensorBoard event files read back with
-TensorBoard's own reader, and the wandb calls (through a stand-in `wandb` module: the real one needs an account or
-its offline service, which CI does not run)."""
+TensorBoard's own reader, a resumed run's rewind (no step logged twice), and the wandb calls (through a stand-in
+`wandb` module: the real one needs an account or its offline service, which CI does not run)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,32 @@ def test_tensorboard_event_file(tmp_path):
     assert "note" not in tags and "step" not in tags
     rewards = [(e.step, e.value) for e in acc.Scalars("train/reward_mean")]
     assert rewards == [(1, pytest.approx(0.25)), (2, pytest.approx(0.75))]
+
+
+def test_a_resumed_run_rewinds_jsonl_and_tensorboard_to_its_checkpoint(tmp_path):
+    """A run killed after logging steps 1-3 (the last line cut short by the kill), resumed from the checkpoint of step
+    2: metrics.jsonl keeps step 0's validation and steps 1-2 and gets step 3 once, from the resumed run; TensorBoard
+    shows step 3's new value only. A run that starts over keeps nothing."""
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    first = Tracker(["jsonl", "tensorboard"], str(tmp_path), total_steps=4)
+    first.log({**VAL, "step": 0})
+    for step in (1, 2, 3):
+        first.log({**TRAIN, "step": step, "train/reward_mean": float(step)})
+    first.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "train/rew')
+    resumed = Tracker(["jsonl", "tensorboard"], str(tmp_path), total_steps=4)
+    resumed.rewind(2)
+    resumed.log({**TRAIN, "step": 3, "train/reward_mean": 30.0})
+    resumed.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("train/reward_mean")) for r in records] == [(0, None), (1, 1.0), (2, 2.0), (3, 30.0)]
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/reward_mean")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+    Tracker(["jsonl"], str(tmp_path), total_steps=4).rewind(None)  # trainer.resume=never, or no checkpoint
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
 def test_wandb_calls(tmp_path, monkeypatch):

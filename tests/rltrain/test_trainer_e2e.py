@@ -1,18 +1,21 @@
 """End to end through real Ray actors on CPU: the embedded default runs and writes its metrics and checkpoints;
 reward plugins that raise or hang are scored 0 and counted, and one that fails on every sample stops the run with
-exit status 3 before its checkpoint; a run SIGKILLed mid-save resumes at the right step and sees exactly the data an
-uninterrupted run sees (trainer.resume auto, a path, never), with two rollout replicas; every step's record says
-where its time went and the console line shows it; TensorBoard events, the HF export of a checkpoint and the roles
-started (no reference without KL) are checked along the way; every algorithm preset and each delta-rule policy arch
-trains for 2 steps.
+exit status 3 before its checkpoint; a second run in a live run's output dir exits 2; a run
+SIGKILLed mid-save leaves no process behind, resumes at the right step with each step logged once and sees exactly the
+data an uninterrupted run sees (trainer.resume auto, a path, never), with two rollout replicas;
+every step's record says where its time went and the console line shows it; TensorBoard events, the HF export of a
+checkpoint and the roles started (no reference without KL) are checked along the way; every algorithm preset and
+each delta-rule policy arch trains for 2 steps.
 
-    .venv/bin/python -m pytest tests/rltrain/test_trainer_e2e.py -x -q -k killed   # about a minute on 2 cores
+    .venv/bin/python -m pytest tests/rltrain/test_trainer_e2e.py -x -q -k killed   # about 1.5 minutes on 2 cores
 """
 
 import json
+import logging
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -30,6 +33,7 @@ from rltrain import trainer as trainer_module
 from rltrain.checkpoint import latest_checkpoint
 from rltrain.job import load_job_config
 from rltrain.main_grpo import run
+from rltrain.ray_session import descendants
 from tests.rltrain.tiny_job import TINY, compose, merge, tiny_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -218,35 +222,60 @@ def test_a_reward_function_failing_on_every_sample_stops_the_run_with_exit_3(tmp
     assert latest_checkpoint(str(out)) is None
 
 
-def _kill_during_a_later_save(proc, checkpoints: Path, timeout_s: float = 300) -> None:
-    """SIGKILL proc's process group once step 1's checkpoint is complete and a later save has begun (its temp
-    directory exists; in a test run it was caught so, mid-save, looking every 2 ms; a save that completed between
-    two looks also counts)."""
+def _wait_for(proc, path: Path, timeout_s: float = 300) -> None:
+    """Until the file `path` exists and is not empty (the job going on)."""
+    deadline = time.monotonic() + timeout_s
+    while not (path.is_file() and path.stat().st_size > 0):
+        assert proc.poll() is None, f"the job exited ({proc.returncode}) before it was killed; see killed.log"
+        assert time.monotonic() < deadline, f"no {path} within {timeout_s} s; see killed.log"
+        time.sleep(0.05)
+
+
+def _kill_during_a_save(proc, checkpoints: Path, timeout_s: float = 120) -> None:
+    """SIGKILL the driver alone (as the OOM killer does) once a save has begun: its temporary directory exists (in a
+    test run it was caught so, mid-save, looking every 2 ms; a save that completed between two looks also counts)."""
+    saved = len(list(checkpoints.glob("step_*")))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"the job exited ({proc.returncode}) before it was killed; see killed.log"
-        if (checkpoints / "step_000001" / "trainer_state.json").is_file():
-            if len(list(checkpoints.iterdir())) > 1:
-                os.killpg(proc.pid, signal.SIGKILL)
-                return
+        if any(checkpoints.glob(".tmp_*")) or len(list(checkpoints.glob("step_*"))) > saved:
+            os.kill(proc.pid, signal.SIGKILL)
+            return
         time.sleep(0.002)
-    pytest.fail(f"no checkpoint after step 1 within {timeout_s} s; see killed.log")
+    pytest.fail(f"no save began within {timeout_s} s; see killed.log")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
 
 
 def _train(records) -> dict[int, dict]:
     return {r["step"]: r for r in records if "train/reward_mean" in r}
 
 
-def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkeypatch):
-    """A real kill: `python -m rltrain.main_grpo` in its own process group, SIGKILLed (Ray's processes with it) while
-    it writes a checkpoint. Then, in one output dir: resume=auto continues after the newest complete checkpoint,
-    past the half-written one; resume=<step_000001> continues from that one; resume=never starts over from step 0
-    and, being an uninterrupted run, is the reference the resumed steps must equal (same data, same updates). Every
-    run has two rollout replicas (rollout.replicas=2, each with its own CPU): the prompts split across them replay
-    exactly, and a resume loads the checkpoint's weights into both. The actor warms its learning rate up over 4
-    updates (each step's rate differs, so a resume that lost the schedule's position trains with the wrong one) and
-    makes 2 passes of 2 shuffled mini-batches per step (seeded: a resumed step draws the same order). The last run
-    also checks the TensorBoard events, the HF export and that kl_coef=0 starts no ReferenceWorker."""
+def _steps(records) -> tuple[list[int], list[int]]:
+    """(train steps, validation steps) in the order logged."""
+    return [r["step"] for r in records if "train/reward_mean" in r], \
+        [r["step"] for r in records if "val/reward_mean" in r]
+
+
+def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkeypatch, caplog):
+    """A real kill: `python -m rltrain.main_grpo` SIGKILLed alone (as the OOM killer does) while it writes a
+    checkpoint; within 10 s no process it started is left (its watchdog takes Ray's agents, which would linger a
+    minute). While it ran, a second launch in its output dir exited 2 naming it. Then, in that dir: resume=auto
+    takes the dead run's lock over and continues after the newest complete checkpoint, past the half-written one and
+    a step directory without weights (what two runs in one directory used to leave), and metrics.jsonl holds every
+    step once; resume=<step_000001> continues from that one, its later records dropped; resume=never starts over
+    from step 0 and, being an uninterrupted run, is the reference the resumed steps must equal (same data, same
+    updates). Every run has two rollout replicas (rollout.replicas=2, each with its own CPU): the prompts split
+    across them replay exactly, and a resume loads the checkpoint's weights into both. The actor warms its learning
+    rate up over 4 updates (each step's rate differs, so a resume that lost the schedule's position trains with the
+    wrong one) and makes 2 passes of 2 shuffled mini-batches per step (seeded: a resumed step draws the same order).
+    The last run also checks the TensorBoard events, the HF export and that kl_coef=0 starts no ReferenceWorker."""
     out = tmp_path / "run"
     checkpoints = out / "checkpoints"
     # a reward that is 0 or 1 about evenly over responses: the tiny model's answers all score 0 on the embedded task,
@@ -256,48 +285,66 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
                       "    return float(sum(map(ord, solution_str)) % 2)\n")
     reward, rollout = {"path": str(plugin), "name": "score"}, {"replicas": 2}
     actor = {"lr_warmup_steps": 4, "ppo_epochs": 2, "mini_batch_size": 8}
-    command = [sys.executable, "-m", "rltrain.main_grpo",
-               *_overrides(out, trainer={"total_steps": 50, "save_every": 1}, reward=reward, rollout=rollout,
-                           actor=actor, ray={"address": "local", "num_cpus": 2}),
-               f"hydra.run.dir={tmp_path / 'hydra'}"]
+    overrides = _overrides(out, trainer={"total_steps": 500, "save_every": 1}, reward=reward, rollout=rollout,
+                           actor=actor, ray={"address": "local", "num_cpus": 2})
+    command = [sys.executable, "-m", "rltrain.main_grpo", *overrides]
+    killed = False
     with (tmp_path / "killed.log").open("w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([*command, f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            _kill_during_a_later_save(proc, checkpoints)
+            _wait_for(proc, out / ".lock")  # it holds the lock: a second launch now must stop
+            second = subprocess.run([*command, f"hydra.run.dir={tmp_path / 'hydra2'}"], cwd=ROOT, capture_output=True,
+                                    text=True, timeout=300)
+            assert second.returncode == 2, second.stderr
+            assert (f"error: trainer.output_dir: {str(out)!r} is in use by another run (host {socket.gethostname()}, "
+                    f"pid {proc.pid}, since ") in second.stderr and "Traceback" not in second.stderr
+            _wait_for(proc, checkpoints / "step_000001" / "trainer_state.json")
+            started = descendants(proc.pid)  # Ray's head, its agents and workers, the watchdog
+            _kill_during_a_save(proc, checkpoints)
+            killed = True
         finally:
-            if proc.poll() is None:
+            if not killed:  # the test failed first: take the whole group down (the check below is the watchdog's)
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    for _ in range(100):  # the whole group goes: no process of it survives to write into the output dir
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in started):
         time.sleep(0.1)
-    else:
-        pytest.fail("processes of the killed job's group are still alive")
+    left = [pid for pid in started if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "processes the killed driver started outlived it by 10 s"
+
     newest = latest_checkpoint(str(out))
-    last = int(newest.name.removeprefix("step_"))  # 1, or 2 when that save finished between two looks
-    leftover = checkpoints / f".tmp_step_{last + 1:06d}"
+    last = int(newest.name.removeprefix("step_"))
+    leftover = checkpoints / f".tmp_step_{last + 1:06d}_{socket.gethostname()}_{proc.pid}"
     leftover.mkdir(exist_ok=True)  # the half-written save (made here in the rare case the kill came after it)
     (leftover / "optimizer.pt").write_bytes(b"truncated")
-    logged = len(_records(out))
+    broken = checkpoints / f"step_{last + 1:06d}"  # renamed into place by a run whose temporary another one emptied
+    (broken / "hf").mkdir(parents=True)
+    (broken / "trainer_state.json").write_text(json.dumps({"step": last + 1}))
+    killed_train, _ = _steps(_records(out))
+    assert killed_train[-1] > last  # the killed run logged steps its checkpoints do not hold
 
     # resume=auto: the default
+    caplog.set_level(logging.INFO, logger="rltrain")
     result = _run_cli_config(out, trainer={"total_steps": last + 1}, reward=reward, rollout=rollout, actor=actor)
     assert result["step"] == last + 1
-    after_auto = _records(out)[logged:]
-    assert [r["step"] for r in after_auto] == [last + 1, last + 1]  # a train step and the final validation only
+    assert f"took over the lock of {out} left by a run that is gone (host {socket.gethostname()}, pid {proc.pid}" \
+        in caplog.text
+    assert f"skipped the incomplete checkpoint {broken} (hf/model.safetensors is missing)" in caplog.text
+    after_auto = _records(out)
+    assert _steps(after_auto) == (list(range(1, last + 2)), [0, last + 1])  # each step once
     assert sorted(p.name for p in checkpoints.iterdir()) == [f"step_{s:06d}" for s in range(1, last + 2)]
     auto_weights = load_file(checkpoints / f"step_{last + 1:06d}" / "hf" / "model.safetensors")
 
-    logged = len(_records(out))
     result = _run_cli_config(out, trainer={"total_steps": 2, "resume": str(checkpoints / "step_000001")},
                              reward=reward, rollout=rollout, actor=actor)
     assert result["step"] == 2
-    after_explicit = _train(_records(out)[logged:])
-    assert list(after_explicit) == [2]
+    after_explicit = _records(out)
+    assert _steps(after_explicit) == ([1, 2], [0, 2])
+    assert after_explicit[:2] == after_auto[:2]  # step 0's validation and step 1, as the killed run logged them
 
     started = _record_started_roles(monkeypatch)
     result = _run_cli_config(out, trainer={"total_steps": last + 1, "resume": "never",
@@ -306,12 +353,11 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
     assert result["step"] == last + 1
     assert started == ["ActorWorker", "RolloutWorker×2"]  # kl_coef=0: no ReferenceWorker
     fresh = _records(out)  # resume=never starts metrics.jsonl over
-    assert [r["step"] for r in fresh if "val/reward_mean" in r] == [0, last + 1]
+    assert _steps(fresh) == (list(range(1, last + 2)), [0, last + 1])
     reference = _train(fresh)
-    assert list(reference) == list(range(1, last + 2))
     assert all(r["actor/grad_norm"] > 0 for r in reference.values())  # the weights move every step
     assert [r["actor/lr"] for r in reference.values()] == pytest.approx([5e-4 * s / 4 for s in reference])
-    for record in (after_auto[0], after_explicit[2]):
+    for record in (_train(after_auto)[last + 1], _train(after_explicit)[2]):
         for key in ("train/reward_mean", "train/response_len_mean", "actor/loss", "actor/entropy", "actor/grad_norm",
                     "actor/lr"):
             assert record[key] == pytest.approx(reference[record["step"]][key], rel=1e-6, abs=1e-7), key
