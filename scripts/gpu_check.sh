@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # GPU check: run the kernel test suite natively on a CUDA GPU (the @pytest.mark.gpu cases included), then the
-# benchmarks, and print their tables last. Made for a GPU machine without internet access that has
-# torch/triton/transformers/pytest but none of the peers: their wheels are copied there in .whl/ (see kernels/benchmarks/README.md for the download line).
+# benchmarks, and print their tables last. Works on a GPU machine without internet access that has
+# torch/triton/transformers/pytest: the other packages come as wheels in .whl/, downloaded on a connected machine for
+# this one's Python and platform and installed here with no index (kernels/benchmarks/README.md: the kernels' peers;
+# benchmarks/README.md: the framework's dependencies and Ray).
 #
 #   bash scripts/gpu_check.sh                  # tests, then every benchmark
 #   bash scripts/gpu_check.sh tests [kernels [FILE...]|trainer]  # tests only: every tests/kernels case (or
 #                                              # FILE...; one process per file, several at a time: RLTRAIN_GPU_JOBS,
 #                                              # RLTRAIN_GPU_WORKERS; RLTRAIN_GPU_SHARD=i/n for a share), then
 #                                              # the @pytest.mark.gpu cases of tests/rltrain (needs Ray: see fsdp below)
-#   bash scripts/gpu_check.sh bench [NAME...]  # benchmarks only (NAME: bench_linear_logprobs, ...), extra args none
+#   bash scripts/gpu_check.sh bench [NAME...]  # benchmarks only (NAME: bench_linear_logprobs, bench_actor_step, ...:
+#                                              # kernels/benchmarks/ and benchmarks/), extra args none
 #   bash scripts/gpu_check.sh delta            # the delta-rule GPU tests (all three ops) only
 #   bash scripts/gpu_check.sh iplr-bf16        # IPLR's bf16 dots (the default) bisected: everywhere; in one kernel
 #                                              # at a time (the rest tf32); the state passes at 1 stage (which
@@ -18,11 +21,10 @@
 #   bash scripts/gpu_check.sh gdp-accuracy     # gated delta product: bf16 error by gate/β regime under the shipped,
 #                                              # "tf32 WY + state passes" and all-tf32 precision, with each one's time
 #   bash scripts/gpu_check.sh fsdp             # 2+ GPUs: FSDP2 over NCCL against one process (fp32, bf16, bf16 with
-#                                              # CPU offload), no Ray; needs the tensordict, pyvers, omegaconf,
-#                                              # hydra-core and antlr4 wheels in .whl/ (antlr4-python3-runtime 4.9.3
-#                                              # is an sdist only: `pip wheel` it here), and ray (the job config
-#                                              # imports rltrain.workers.group): its runtime travels as
-#                                              # .raysite/ray-site.tgz (kernels/benchmarks/README.md), unpacked here
+#                                              # CPU offload) in plain processes; Ray must still import (the job
+#                                              # config imports rltrain.workers.group): the framework's wheels and
+#                                              # Ray's in .whl/, or Ray's runtime as .raysite/ray-site.tgz, unpacked
+#                                              # here (benchmarks/README.md)
 #
 # Logs go to $RLTRAIN_GPU_LOGS (default /tmp/gpu_check).
 set -uo pipefail
@@ -145,11 +147,14 @@ if [ "$what" = fsdp ]; then
     summary+=("fsdp: $(tail -1 "$out/fsdp.log")")
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-    names=("$@")
-    [ ${#names[@]} -gt 0 ] || names=($(cd kernels/benchmarks && ls bench_*.py | sed 's/\.py$//'))
+    names=("$@")   # the kernels' benchmarks, then the framework's
+    [ ${#names[@]} -gt 0 ] || names=($( (ls kernels/benchmarks/bench_*.py; ls benchmarks/bench_*.py) \
+                                       | xargs -n1 basename | sed 's/\.py$//'))
     for name in "${names[@]}"; do
         echo "=== $name"
-        python3 "kernels/benchmarks/$name.py" > "$out/$name.log" 2>&1
+        script=kernels/benchmarks/$name.py
+        [ -f "$script" ] || script=benchmarks/$name.py
+        python3 "$script" > "$out/$name.log" 2>&1
         rc=$?
         [ "$rc" -eq 0 ] || { status=1; tail -20 "$out/$name.log"; }
         summary+=("$name: exit $rc")

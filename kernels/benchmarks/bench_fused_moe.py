@@ -7,7 +7,8 @@ Run on a CUDA machine from the repo root (Liger optional: carry its wheel; a pee
     PYTHONPATH=$PWD/kernels:$PWD:/tmp/site python3 kernels/benchmarks/bench_fused_moe.py [--tokens 8192 16384]
         [--liger-autotune]    # Liger's own autotuner (~160 configs to compile: minutes); default: its pinned configs
         [--profile]           # ours: CUDA time per kernel of one forward+backward
-        [--sweep]             # ours: fwd+bwd time per launch setting of each kernel (each checked first)
+        [--sweep]             # ours: fwd+bwd time per launch setting of each kernel (fused_moe's tuning argument,
+                              # each setting checked first)
     # the script's code paths without a GPU (tiny sizes, Triton interpreter; timings meaningless):
     TRITON_INTERPRET=1 PYTHONPATH=kernels:. python kernels/benchmarks/bench_fused_moe.py --cpu-smoke
 
@@ -164,56 +165,51 @@ SWEEP = {
 ROW_TILE_64 = {"up_swiglu": (64, 64, 4, 4), "scatter": (128, 64, 4, 4), "down_backward": (64, 64, 4, 4)}
 
 
-def sweep_variants() -> list[tuple[str, dict]]:
-    """(label, {(module, attribute, key or None): value}) per setting, each kernel's alone (the others at their
-    defaults), then 64-row tiles with every row kernel at 4 warps."""
-    variants = [("defaults", {})]
+def sweep_variants() -> list:
+    """(label, MoeTuning) per setting, each kernel's alone (the others at their defaults), then 64-row tiles with every
+    row kernel at 4 warps."""
+    from rltrain_kernels.ops.fused_moe.tuning import MoeTuning
+
+    variants = [("defaults", MoeTuning())]
     for kernel, settings in SWEEP.items():
         for setting in settings:
-            where = ("weight_grad", "LAUNCH", None) if kernel == "weight_grad" else ("grouped_gemm", "LAUNCH", kernel)
-            variants.append((f"{kernel} {setting}", {where: setting}))
-    variants.append(("64-row tiles, 4 warps " + str(ROW_TILE_64), {
-        ("grouped_gemm", "ROW_TILE", None): 64,
-        **{("grouped_gemm", "LAUNCH", kernel): setting for kernel, setting in ROW_TILE_64.items()}}))
+            variants.append((f"{kernel} {setting}", MoeTuning(**{kernel: setting})))
+    variants.append(("64-row tiles, 4 warps " + str(ROW_TILE_64), MoeTuning(row_tile=64, **ROW_TILE_64)))
     return variants
 
 
-def sweep(block, swapped, tokens, device) -> None:
-    """fwd+bwd time of our block under each of sweep_variants(), every setting checked against the fp32 loop first."""
-    from rltrain_kernels.ops.fused_moe import grouped_gemm, weight_grad
+def ours_at(tuning):
+    """Our experts, f(experts module, x, top_k_index, top_k_weights), with the kernels at `tuning` (a MoeTuning)."""
+    from rltrain_kernels.ops.fused_moe import fused_moe
 
-    modules = {"grouped_gemm": grouped_gemm, "weight_grad": weight_grad}
-    ours = {"ours": (swapped, list(swapped.parameters()))}
+    return lambda e, x, i, w: fused_moe(x, e.gate_up_proj, e.down_proj, i, w, tuning=tuning)
+
+
+def sweep(block, tokens, device) -> None:
+    """fwd+bwd time of the block with our experts under each of sweep_variants() (passed as fused_moe's tuning), every
+    setting checked against the fp32 loop first."""
     hidden = block.experts.gate_up_proj.shape[-1]
     rows = []
-    for label, changes in sweep_variants():
-        saved = {(module, name): copy.copy(getattr(module, name)) for module in modules.values()
-                 for name in ("LAUNCH", "ROW_TILE") if hasattr(module, name)}
-        for (module, attribute, key), value in changes.items():
-            if key is None:
-                setattr(modules[module], attribute, value)
-            else:
-                getattr(modules[module], attribute)[key] = value
+    for label, tuning in sweep_variants():
+        experts = ours_at(tuning)
+
+        def ours_block(x, experts=experts):
+            flat = x.view(-1, x.shape[-1])
+            _, weights, index = block.gate(flat)
+            return experts(block.experts, flat, index, weights).view(x.shape)
+
         try:
-            err = check_experts(block, {"ours": experts_fn()}, tokens, device).get("ours", float("nan"))
-            ms = time_blocks(ours, hidden, tokens, device)["ours"][1] if err <= BF16_BAR else None
+            err = check_experts(block, {"ours": experts}, tokens, device).get("ours", float("nan"))
+            ms = (time_blocks({"ours": (ours_block, list(block.parameters()))}, hidden, tokens, device)["ours"][1]
+                  if err <= BF16_BAR else None)
         except Exception as exc:  # noqa: BLE001 - a setting that fails to compile or run is a row
             err, ms = float("nan"), None
             print(f"{label}: {exc!r}")
-        finally:
-            for (module, name), value in saved.items():
-                setattr(module, name, value)
         rows.append((label, err, ms))
-    print(f"\n### Launch sweep, T={tokens}, fwd+bwd of our block\n")
+    print(f"\n### Launch sweep, T={tokens}, fwd+bwd of the block with our experts\n")
     print("| setting | max rel err | fwd+bwd ms |\n| --- | ---: | ---: |")
     for label, err, ms in rows:
         print(f"| {label} | {err:.2e} | {'-' if ms is None else f'{ms:.3f}'} |")
-
-
-def experts_fn():
-    from rltrain_kernels.ops.fused_moe import fused_moe
-
-    return lambda e, x, i, w: fused_moe(x, e.gate_up_proj, e.down_proj, i, w)
 
 
 def main():
@@ -268,7 +264,7 @@ def main():
             print_kernel_times(f"ours fwd+bwd T={tokens}",
                                lambda: torch.autograd.grad(swapped(x), [x, *swapped.parameters()], torch.ones_like(x)))
         if args.sweep and device == "cuda":
-            sweep(block, swapped, tokens, device)
+            sweep(block, tokens, device)
 
     print(f"\n### Fused MoE, Qwen3-30B-A3B experts (H {hidden}, I {intermediate}, E {n_experts}, top-{top_k}), bf16\n")
     print("| tokens | implementation | max rel err | fwd ms | fwd+bwd ms | fwd+bwd vs eager loop | vs grouped_mm | "

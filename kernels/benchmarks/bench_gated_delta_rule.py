@@ -1,7 +1,8 @@
 """Benchmark the gated delta rule kernels against fla 0.6, torch SDPA (causal) and the naive torch recurrence.
 
 Run on a CUDA machine (fla-core / flash-linear-attention 0.6.0 installed for the comparison columns):
-    python kernels/benchmarks/bench_gated_delta_rule.py [--quick]
+    python kernels/benchmarks/bench_gated_delta_rule.py [--quick] [--launch wy_bwd=8,2] [--value-block narrow]
+    python kernels/benchmarks/bench_gated_delta_rule.py --sweep-launch wy_bwd dqkwg [--isolate]
 Checks correctness first (ours vs the naive recurrence at a small size, forward and gradients; ours vs fla's
 forward at every timed shape), then times forward and forward+backward (bf16, H=16, K=V=128) and the
 fused-recurrent decode step (B=256, one token, fp32 state in/out) as bandwidth on the state bytes.
@@ -17,17 +18,17 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from delta_rule_bench_common import (add_launch_arguments, apply_launch_overrides, apply_switches,
-                                     check_against_reference, force_value_block, outputs_and_grads, rel, sweep_launch,
-                                     worst_errors)
+from delta_rule_bench_common import (add_tuning_arguments, check_against_reference, outputs_and_grads, rel,
+                                     sweep_launch, tuning_from_args, worst_errors)
 from triton.testing import do_bench
 
+from rltrain_kernels.ops.common.precision import LOW_PRECISION_DOT
+from rltrain_kernels.ops.common.tuning import Tuning
 from rltrain_kernels.ops.gated_delta_rule import (
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
     naive_recurrent_gated_delta_rule,
 )
-
 
 
 def load_fla():
@@ -55,14 +56,15 @@ def make_inputs(B, T, H, K, V, dtype=torch.bfloat16, requires_grad=False, N=None
     return tensors, h0
 
 
-def check_against_naive():
-    """Ours vs the fp32 naive recurrence (B=1, T=300, H=2, K=V=128), forward and every gradient."""
+def check_against_naive(ours):
+    """Ours (chunk_gated_delta_rule at the run's tuning) vs the fp32 naive recurrence (B=1, T=300, H=2, K=V=128),
+    forward and every gradient."""
     (q, k, v, g, beta), h0 = make_inputs(1, 300, 2, 128, 128, dtype=torch.bfloat16, requires_grad=True)
     h0.requires_grad_(True)
     do = torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
     inputs = (q, k, v, g, beta, h0)
     check_against_reference("ours vs naive fp32 (bf16 inputs)", ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta",
-                            "dh0"], outputs_and_grads(chunk_gated_delta_rule, inputs, do),
+                            "dh0"], outputs_and_grads(ours, inputs, do),
                             outputs_and_grads(naive_recurrent_gated_delta_rule, inputs, do))
 
 
@@ -90,10 +92,10 @@ def time_sdpa(B, T, H, D):
     return t_fwd, do_bench(lambda: fwd().backward(do), grad_to_none=[q, k, v])
 
 
-def forward_agreement(fla_chunk, B, T, H, D, cu_seqlens=None, N=None) -> float:
+def forward_agreement(ours, fla_chunk, B, T, H, D, cu_seqlens=None, N=None) -> float:
     (q, k, v, g, beta), h0 = make_inputs(B, T, H, D, D, N=N)
     kwargs = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
-    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
+    o, ht = ours(q, k, v, g, beta, **kwargs)
     o_fla, ht_fla = fla_chunk(q, k, v, g, beta, **kwargs)
     return max(rel(o, o_fla), rel(ht, ht_fla))
 
@@ -105,30 +107,32 @@ def time_decode(fn, B, H, D):
     return t, state_bytes / (t * 1e-3) / 1e12
 
 
-def profile_kernels(fla_chunk, B=8, T=2048, H=16, D=128):
+def profile_kernels(ours, fla_chunk, B=8, T=2048, H=16, D=128):
     """Per-kernel CUDA time of one forward+backward, ours and fla's on the same inputs (after warm-ups, so fla's
     autotuner has picked), then the config fla's autotuner picked per kernel: which kernel carries the gap."""
     from kernel_profile import print_autotune_picks, print_fwd_bwd_kernel_times
 
     (q, k, v, g, beta), h0 = make_inputs(B, T, H, D, D, requires_grad=True)
     print_fwd_bwd_kernel_times(
-        f"fwd+bwd B{B} T{T} H{H} K=V={D}", (("ours", chunk_gated_delta_rule), ("fla 0.6", fla_chunk)),
+        f"fwd+bwd B{B} T{T} H{H} K=V={D}", (("ours", ours), ("fla 0.6", fla_chunk)),
         [q, k, v, g, beta], lambda fn: fn(q, k, v, g, beta, initial_state=h0, output_final_state=True),
         torch.randn_like(v))
     if fla_chunk is not None:
         print_autotune_picks("fla.")
 
 
-def sweep_gated_delta_rule_launch(names, warps_options=(2, 4, 8), isolate=False, B=8, T=2048, H=16, D=128):
-    """delta_rule_bench_common.sweep_launch over the gated delta rule: gradients checked against the fp32 naive
-    recurrence (bf16 inputs, B1 T300 H2 K=V=128), forward and fwd+bwd timed at B, T; each setting in its own
-    process with `isolate`. Paste the winners into ops/common/launch.py."""
+def sweep_gated_delta_rule_launch(names, base: Tuning, warps_options=(2, 4, 8), isolate=False, B=8, T=2048, H=16,
+                                  D=128):
+    """delta_rule_bench_common.sweep_launch over the gated delta rule, each setting on `base` (the run's tuning):
+    gradients checked against the fp32 naive recurrence (bf16 inputs, B1 T300 H2 K=V=128), forward and fwd+bwd timed
+    at B, T; each setting in its own process with `isolate`. Paste the winners into ops/common/launch.py."""
     (q, k, v, g, beta), h0 = make_inputs(1, 300, 2, 128, 128, requires_grad=True)
     do = torch.randn(1, 300, 2, 128, device="cuda", dtype=torch.bfloat16)
     inputs = (q, k, v, g, beta, h0)
-    sweep_launch(names, lambda: outputs_and_grads(chunk_gated_delta_rule, inputs, do),
+    ours = lambda tuning: functools.partial(chunk_gated_delta_rule, tuning=tuning)  # noqa: E731
+    sweep_launch(names, lambda tuning: outputs_and_grads(ours(tuning), inputs, do),
                  outputs_and_grads(naive_recurrent_gated_delta_rule, inputs, do),
-                 lambda: time_chunk(chunk_gated_delta_rule, B, T, H, D), f"B{B} T{T}", warps_options, isolate)
+                 lambda tuning: time_chunk(ours(tuning), B, T, H, D), f"B{B} T{T}", warps_options, isolate, base)
 
 
 def precision_checks():
@@ -141,16 +145,14 @@ def precision_checks():
     return checks, [outputs_and_grads(naive_recurrent_gated_delta_rule, inputs, do) for inputs, do in checks]
 
 
-def sweep_precision(fla_chunk, H=16, D=128):
+def sweep_precision(ours, fla_chunk, H=16, D=128):
     """Each dot precision of ops/common/precision.py for bf16 inputs (the op's `dot`): gradients against the fp32
     naive recurrence (bf16 inputs; B1 T300 H2 and B2 T1024 H4, K=V=128), then forward and fwd+bwd at both timed
     shapes, fla side by side. The first row is the shipped default (dot="auto")."""
-    from rltrain_kernels.ops.common.precision import LOW_PRECISION_DOT
-
     checks, references = precision_checks()
     rows = []
     for dot in ["auto"] + [d for d in ("bf16", "tf32") if d != LOW_PRECISION_DOT]:
-        fn = functools.partial(chunk_gated_delta_rule, dot=dot)
+        fn = functools.partial(ours, dot=dot)
         out_err, grad_err = worst_errors(fn, checks, references)
         times = [t for B, T in ((8, 2048), (2, 8192)) for t in time_chunk(fn, B, T, H, D)]
         name = f"dots {LOW_PRECISION_DOT} (default)" if dot == "auto" else f"dots {dot}"
@@ -180,30 +182,29 @@ def main():
                              "and the configs fla's autotuner picked (tuning)")
     parser.add_argument("--precision", action="store_true",
                         help="sweep the dot precisions for bf16 inputs (ops/common/precision.py) and exit")
-    add_launch_arguments(parser, "wy_bwd=8,2",
+    add_tuning_arguments(parser, "wy_bwd=8,2",
                          "sweep warps x stages of these kernels (ops/common/launch.py names; none listed = all) and "
                          "exit",
                          "the state passes' value columns per program: 64 (wide), 32 (narrow), or auto (64 when the "
                          "programs still fill every SM)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    apply_launch_overrides(args.launch)
-    apply_switches(args.set)
-    force_value_block(args.value_block)
+    tuning = tuning_from_args(args)
+    ours = functools.partial(chunk_gated_delta_rule, tuning=tuning)
     if args.sweep_launch is not None:
         from rltrain_kernels.ops.common.launch import LAUNCH
 
-        sweep_gated_delta_rule_launch(args.sweep_launch or [n for n in LAUNCH if not n.startswith("iplr_")],
+        sweep_gated_delta_rule_launch(args.sweep_launch or [n for n in LAUNCH if not n.startswith("iplr_")], tuning,
                                       args.sweep_warps, args.isolate)
         return
     fla_chunk, fla_fused = load_fla()
     print(f"device: {torch.cuda.get_device_name()}")
     if args.precision:
-        sweep_precision(fla_chunk)
+        sweep_precision(ours, fla_chunk)
         return
-    check_against_naive()
+    check_against_naive(ours)
     if args.profile:
-        profile_kernels(fla_chunk)
+        profile_kernels(ours, fla_chunk)
 
     H, D = 16, 128
     shapes = [("B8 T2048", 8, 2048), ("B2 T8192", 2, 8192)] if not args.quick else [("B2 T1024", 2, 1024)]
@@ -211,23 +212,23 @@ def main():
     rows = []
     for label, B, T in shapes:
         if fla_chunk is not None:
-            print(f"{label}: ours vs fla forward rel err {forward_agreement(fla_chunk, B, T, H, D):.1e}")
-        add_row(rows, (label, "ours", *time_chunk(chunk_gated_delta_rule, B, T, H, D)))
+            print(f"{label}: ours vs fla forward rel err {forward_agreement(ours, fla_chunk, B, T, H, D):.1e}")
+        add_row(rows, (label, "ours", *time_chunk(ours, B, T, H, D)))
         if fla_chunk is not None:
             add_row(rows, (label, "fla 0.6 (bwd guard bypassed)", *time_chunk(fla_chunk, B, T, H, D)))
         add_row(rows, (label, "torch SDPA causal", *time_sdpa(B, T, H, D)))
     cu = torch.tensor([0, *torch.tensor(varlen).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     label = f"varlen {len(varlen)} seqs, {sum(varlen)} tokens"
     if fla_chunk is not None:
-        err = forward_agreement(fla_chunk, 1, sum(varlen), H, D, cu_seqlens=cu, N=len(varlen))
+        err = forward_agreement(ours, fla_chunk, 1, sum(varlen), H, D, cu_seqlens=cu, N=len(varlen))
         print(f"{label}: ours vs fla forward rel err {err:.1e}")
-    add_row(rows, (label, "ours", *time_chunk(chunk_gated_delta_rule, 1, sum(varlen), H, D, cu, len(varlen))))
+    add_row(rows, (label, "ours", *time_chunk(ours, 1, sum(varlen), H, D, cu, len(varlen))))
     if fla_chunk is not None:
         add_row(rows, (label, "fla 0.6 (bwd guard bypassed)",
                      *time_chunk(fla_chunk, 1, sum(varlen), H, D, cu, len(varlen))))
     small = (1, 256, 4, 64)
     add_row(rows, ("B1 T256 H4 K=V=64 (small)", "naive torch", *time_chunk(naive_recurrent_gated_delta_rule, *small)))
-    add_row(rows, ("B1 T256 H4 K=V=64 (small)", "ours", *time_chunk(chunk_gated_delta_rule, *small)))
+    add_row(rows, ("B1 T256 H4 K=V=64 (small)", "ours", *time_chunk(ours, *small)))
 
     decode_B = 256 if not args.quick else 32
     decode = [("ours fused_recurrent", *time_decode(fused_recurrent_gated_delta_rule, decode_B, H, D))]

@@ -5,10 +5,10 @@ Run on a CUDA machine (flash-linear-attention 0.6.0 installed for the fla column
     python kernels/benchmarks/bench_iplr_delta_rule.py [--quick] [--dot bf16] [--launch iplr_bwd_key=8,2 ...]
     python kernels/benchmarks/bench_iplr_delta_rule.py --dot bf16 --sweep-launch iplr_bwd_query iplr_bwd_key
     python kernels/benchmarks/bench_iplr_delta_rule.py --check-only --dot-per-kernel iplr_bwd_key_kernel=bf16
-(--dot bf16 tries the bf16 dot operands that failed the real-size GPU test on H100; a sweep that hits an illegal
-memory access loses the process's CUDA context, so suspected settings go one process each with --launch.
---dot-per-kernel gives single kernels another dot precision, the intermediates keeping their dtype: bf16 in one
-kernel at a time, the rest tf32, says which kernel the bf16 failure lives in.)
+(a sweep that hits an illegal memory access loses the process's CUDA context, so suspected settings go one process
+each with --launch, or --isolate. --dot-per-kernel gives single kernels another dot precision, the intermediates
+keeping their dtype: bf16 in one kernel at a time, the rest tf32, says which kernel a bf16 failure lives in.
+Every setting reaches the op as its `tuning` argument, ops/common/tuning.py.)
 Checks correctness first (ours vs the fp32 naive recurrence at a small size, forward and every gradient; ours vs
 fla's forward at every timed shape), then times forward and forward+backward in bf16, H=16, K=V=128, inputs in the
 stable regime a = −β k̂, b = k̂ (k̂ l2-normalised, β ∈ (0, 1)), with an fp32 initial state and the final state out.
@@ -18,17 +18,17 @@ A markdown table is printed last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 
 import torch
 import torch.nn.functional as F
 import triton
-from delta_rule_bench_common import (add_launch_arguments, apply_launch_overrides, apply_switches,
-                                     check_against_reference, check_overrides_applied, force_value_block,
-                                     outputs_and_grads, override_dot_precision, rel, sweep_launch, switched,
-                                     worst_errors)
+from delta_rule_bench_common import (add_tuning_arguments, check_against_reference, outputs_and_grads, rel,
+                                     sweep_launch, tuning_from_args, with_launch, worst_errors)
 from triton.testing import do_bench
 
+from rltrain_kernels.ops.common.tuning import DEFAULT_TUNING, Tuning
 from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
 from rltrain_kernels.ops.iplr_delta_rule import chunk_iplr_delta_rule, naive_recurrent_iplr_delta_rule
 
@@ -94,10 +94,10 @@ def gated_delta_rule_inputs(B, T, H, D, N=None):
     return [t.requires_grad_() for t in (q, k, v, g, beta)], h0
 
 
-def time_gated_delta_rule(B, T, H, D, cu_seqlens=None, N=None):
+def time_gated_delta_rule(B, T, H, D, cu_seqlens=None, N=None, tuning: Tuning = DEFAULT_TUNING):
     tensors, h0 = gated_delta_rule_inputs(B, T, H, D, N=N)
     do = torch.randn_like(tensors[2])
-    kwargs = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+    kwargs = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens, tuning=tuning)
     with torch.no_grad():
         t_fwd = do_bench(lambda: chunk_gated_delta_rule(*tensors, **kwargs))
     t_all = do_bench(lambda: chunk_gated_delta_rule(*tensors, **kwargs)[0].backward(do), grad_to_none=tensors)
@@ -110,16 +110,6 @@ def forward_agreement(ours, fla_chunk, B, T, H, D, cu_seqlens=None, N=None) -> f
     o, ht = ours(q, k, v, a, b, **kwargs)
     o_fla, ht_fla = fla_chunk(q, k, v, a, b, **kwargs)
     return max(rel(o, o_fla), rel(ht, ht_fla))
-
-
-def set_output_blocks(spec: str) -> None:
-    """--output-blocks "BK,BV": chunk_fwd.OUTPUT_BLOCKS for this run; SystemExit naming a bad one."""
-    from rltrain_kernels.ops.iplr_delta_rule import chunk_fwd
-
-    parts = spec.split(",")
-    if len(parts) != 2 or not all(p.strip() in ("16", "32", "64", "128", "256") for p in parts):
-        raise SystemExit(f"--output-blocks {spec!r}: expected BK,BV, each a power of two from 16 to 256")
-    chunk_fwd.OUTPUT_BLOCKS = tuple(int(p) for p in parts)
 
 
 def profile_kernels(ours, fla_chunk, B=8, T=2048, H=16, D=128):
@@ -146,28 +136,31 @@ def profile_kernels(ours, fla_chunk, B=8, T=2048, H=16, D=128):
         print_autotune_picks("fla.")
 
 
-# --compare-variants: (label, [(module path under rltrain_kernels.ops, switch, value)], {launch name: (warps, stages)})
+# --compare-variants: (label, the Tuning fields it sets on the run's tuning; `launches` adds to the run's)
 VARIANTS = [
-    ("fwd state pass narrow: raw in registers", [("iplr_delta_rule.chunk_fwd", "STATE_PASS_RAW_IN_REGISTERS",
-                                                  {"wide": True, "narrow": True})], {}),
-    ("reverse pass: a as stored", [("common.state_pass", "IPLR_A_IN_REGISTERS", {"wide": False, "narrow": False})],
-     {}),
-    ("narrow fwd state pass 4w/2s", [], {"iplr_state_pass_fwd": (4, 2)}),
-    ("query side 8w/2s", [], {"iplr_bwd_query": (8, 2)}),
-    ("key side 8w/2s", [], {"iplr_bwd_key": (8, 2)}),
+    ("fwd state pass narrow: raw in registers", dict(iplr_raw_in_registers={"wide": True, "narrow": True})),
+    ("reverse pass: a as stored", dict(iplr_a_in_registers={"wide": False, "narrow": False})),
+    ("narrow fwd state pass 4w/2s", dict(launches={"iplr_state_pass_fwd": (4, 2)})),
+    ("query side 8w/2s", dict(launches={"iplr_bwd_query": (8, 2)})),
+    ("key side 8w/2s", dict(launches={"iplr_bwd_key": (8, 2)})),
 ]
 
 
-def compare_variants(ours, H=16, D=128):
-    """The shipped kernels (ours: chunk_iplr_delta_rule at the run's --dot), then each of VARIANTS: the worst output
-    and gradient errors against the fp32 naive recurrence (B1 T300 H2 and B2 T1024 H4; three runs), and the
-    forward+backward kernel time (torch.profiler sums, kernel_profile.py) at B8 T2048 and B2 T8192, with the kernels
-    that moved most against the shipped run; then our gated delta rule's at the same shapes and the shipped IPLR's
-    ratio to it (issue 6's goal: ≤ 1.2×)."""
-    import importlib
+def variant_tuning(base: Tuning, fields: dict) -> Tuning:
+    """`base` with a VARIANTS entry's fields set (its launch settings beside base's)."""
+    tuning = dataclasses.replace(base, **{k: v for k, v in fields.items() if k != "launches"})
+    for name, (warps, stages) in fields.get("launches", {}).items():
+        tuning = with_launch(tuning, name, warps, stages)
+    return tuning
 
+
+def compare_variants(ours, base: Tuning, H=16, D=128):
+    """The shipped kernels (ours: chunk_iplr_delta_rule at the run's --dot and tuning `base`), then each of VARIANTS
+    on `base`: the worst output and gradient errors against the fp32 naive recurrence (B1 T300 H2 and B2 T1024 H4;
+    three runs), and the forward+backward kernel time (torch.profiler sums, kernel_profile.py) at B8 T2048 and B2
+    T8192, with the kernels that moved most against the shipped run; then our gated delta rule's at the same shapes
+    and the shipped IPLR's ratio to it (issue 6's goal: ≤ 1.2×)."""
     from kernel_profile import kernel_times
-    from rltrain_kernels.ops.common.launch import LAUNCH
 
     checks = []
     for B, T, Hc in ((1, 300, 2), (2, 1024, 4)):
@@ -180,36 +173,30 @@ def compare_variants(ours, H=16, D=128):
         (q, k, v, a, b), h0 = make_inputs(B, T, H, D, D, requires_grad=True)
         do = torch.randn_like(v)
 
-        def step(q=q, k=k, v=v, a=a, b=b, h0=h0, do=do):
+        def step(fn, q=q, k=k, v=v, a=a, b=b, h0=h0, do=do):
             for t in (q, k, v, a, b):
                 t.grad = None
-            ours(q, k, v, a, b, initial_state=h0, output_final_state=True)[0].backward(do)
+            fn(q, k, v, a, b, initial_state=h0, output_final_state=True)[0].backward(do)
 
         steps.append(step)
-    rows, base = [], None
-    for label, switches, launches in [("shipped", [], {})] + VARIANTS:
-        assignments = [(importlib.import_module(f"rltrain_kernels.ops.{path}"), name, value)
-                       for path, name, value in switches]
-        saved = {name: LAUNCH[name] for name in launches}
-        LAUNCH.update({name: dict(num_warps=w, num_stages=s) for name, (w, s) in launches.items()})
+    rows, shipped = [], None
+    for label, fields in [("shipped", {})] + VARIANTS:
+        fn = functools.partial(ours, tuning=variant_tuning(base, fields))
         try:
-            with switched(assignments):
-                errs = [worst_errors(ours, checks, references) for _ in range(3)]
-                # the lower of two profiled calls per shape (one call's kernel sums vary by a few µs per kernel)
-                totals = [min((kernel_times(step)[0] for _ in range(2)), key=lambda t: sum(t.values()))
-                          for step in steps]
+            errs = [worst_errors(fn, checks, references) for _ in range(3)]
+            # the lower of two profiled calls per shape (one call's kernel sums vary by a few µs per kernel)
+            totals = [min((kernel_times(functools.partial(step, fn))[0] for _ in range(2)),
+                          key=lambda t: sum(t.values())) for step in steps]
         except triton.runtime.errors.OutOfResources as err:   # a setting that does not fit: its row says so
             print(f"  {label}: {err}", flush=True)
             continue
-        finally:
-            LAUNCH.update(saved)
-        if base is None:
-            base = totals
+        if shipped is None:
+            shipped = totals
             for (B, T), total in zip(shapes, totals):
                 print(f"  shipped, B{B} T{T}: " + ", ".join(f"{n[:28]} {t:.3f}" for n, t in
                                                             sorted(total.items(), key=lambda x: -x[1])), flush=True)
-        moved = sorted(((totals[0].get(n, 0.0) - base[0].get(n, 0.0), n) for n in set(totals[0]) | set(base[0])),
-                       key=lambda x: -abs(x[0]))[:2]
+        moved = sorted(((totals[0].get(n, 0.0) - shipped[0].get(n, 0.0), n)
+                        for n in set(totals[0]) | set(shipped[0])), key=lambda x: -abs(x[0]))[:2]
         rows.append((label, max(e[0] for e in errs), [e[1] for e in errs], *(sum(t.values()) for t in totals),
                      ", ".join(f"{n[:32]} {d:+.3f}" for d, n in moved if abs(d) >= 0.005)))
         print("  " + " | ".join(str(x) for x in rows[-1]), flush=True)
@@ -223,7 +210,7 @@ def compare_variants(ours, H=16, D=128):
         def gdr_step(leaves=leaves, h0=h0, do=do):
             for t in leaves:
                 t.grad = None
-            chunk_gated_delta_rule(*leaves, initial_state=h0, output_final_state=True)[0].backward(do)
+            chunk_gated_delta_rule(*leaves, initial_state=h0, output_final_state=True, tuning=base)[0].backward(do)
 
         gdr.append(min(sum(kernel_times(gdr_step)[0].values()) for _ in range(2)))
     print(f"\nour chunk_gated_delta_rule, fwd+bwd kernels: B8 T2048 {gdr[0]:.3f} ms, B2 T8192 {gdr[1]:.3f} ms; "
@@ -249,50 +236,43 @@ def main():
     parser.add_argument("--dot", choices=["auto", "tf32", "bf16"], default="auto",
                         help="the IPLR kernels' dot precision for bf16 inputs (the op's dot argument; auto: "
                              "precision.IPLR_LOW_PRECISION_DOT)")
-    add_launch_arguments(parser, "iplr_bwd_key=8,2",
+    add_tuning_arguments(parser, "iplr_bwd_key=8,2",
                          "sweep warps x stages of these launch.py entries (none listed = the iplr_* ones), each "
                          "checked against the naive recurrence at B2 T1024 H4, and exit",
                          "the reverse state pass's value columns per program (common/state_pass.py): 64 (wide), 32 "
                          "(narrow), or auto")
     parser.add_argument("--output-blocks", metavar="BK,BV",
-                        help="the output pass's key and value blocks (iplr_delta_rule/chunk_fwd.py OUTPUT_BLOCKS), "
-                             "e.g. 128,128")
+                        help="the output pass's key and value blocks (default: iplr_delta_rule/chunk_fwd.py "
+                             "OUTPUT_BLOCKS), e.g. 128,128")
     parser.add_argument("--profile", action="store_true",
                         help="also print the per-kernel CUDA time of ours (forward, forward+backward) and fla's "
                              "forward at B8 T2048")
     parser.add_argument("--compare-variants", action="store_true",
-                        help="errors and kernel time of the shipped kernels and each of VARIANTS (switches, launch "
-                             "settings) at B8 T2048 and B2 T8192, and exit")
+                        help="errors and kernel time of the run's kernels and each of VARIANTS (register switches, "
+                             "launch settings) at B8 T2048 and B2 T8192, and exit")
     parser.add_argument("--dot-per-kernel", nargs="*", default=[], metavar="KERNEL=PREC",
                         help="this Triton kernel's dot precision (ieee, tf32, bf16) whatever --dot says, e.g. "
                              "iplr_bwd_key_kernel=bf16; the stored intermediates keep their dtype")
     args = parser.parse_args()
     torch.manual_seed(0)
-    ours = functools.partial(chunk_iplr_delta_rule, dot=args.dot)
-    apply_launch_overrides(args.launch)
-    apply_switches(args.set)
-    force_value_block(args.value_block)
-    if args.output_blocks:
-        set_output_blocks(args.output_blocks)
-    overridden = override_dot_precision(args.dot_per_kernel)
+    tuning = tuning_from_args(args)
+    ours = functools.partial(chunk_iplr_delta_rule, dot=args.dot, tuning=tuning)
     print(f"device: {torch.cuda.get_device_name()}")
     if args.compare_variants:
-        return compare_variants(ours)
+        return compare_variants(ours, tuning)
     if args.sweep_launch is not None:
         from rltrain_kernels.ops.common.launch import LAUNCH
 
         (q, k, v, a, b), h0 = make_inputs(2, 1024, 4, 128, 128)  # the shape the bf16 GPU test failed at
         inputs, do = (q, k, v, a, b, h0), torch.randn_like(v)
         sweep_launch(args.sweep_launch or [n for n in LAUNCH if n.startswith("iplr_")],
-                     lambda: outputs_and_grads(ours, inputs, do),
+                     lambda t: outputs_and_grads(functools.partial(ours, tuning=t), inputs, do),
                      outputs_and_grads(naive_recurrent_iplr_delta_rule, inputs, do),
-                     lambda: time_iplr(ours, 8, 2048, 16, 128), "B8 T2048", args.sweep_warps,
-                     args.isolate)
-        check_overrides_applied(args.dot_per_kernel, overridden)
+                     lambda t: time_iplr(functools.partial(ours, tuning=t), 8, 2048, 16, 128), "B8 T2048",
+                     args.sweep_warps, args.isolate, tuning)
         return
     check_against_naive(ours)
     check_against_naive(ours, 2, 1024, 4)
-    check_overrides_applied(args.dot_per_kernel, overridden)
     if args.check_only:
         return
     fla_chunk = load_fla()
@@ -316,7 +296,8 @@ def main():
         if fla_chunk is not None:
             add_row(rows, (label, "fla 0.6 chunk_iplr_delta_rule (no backward)",
                          *time_iplr(fla_chunk, B, T, H, D, backward=False, cu_seqlens=cu_seqlens, N=N)))
-        add_row(rows, (label, "ours chunk_gated_delta_rule", *time_gated_delta_rule(B, T, H, D, cu_seqlens, N)))
+        add_row(rows, (label, "ours chunk_gated_delta_rule", *time_gated_delta_rule(B, T, H, D, cu_seqlens, N,
+                                                                                     tuning)))
 
     print(f"\n## IPLR delta rule, bf16, H={H}, K=V={D} ({torch.cuda.get_device_name()})\n")
     print("| case | implementation | forward ms | forward+backward ms |")

@@ -1,8 +1,9 @@
 """Tile sweep of the chunk output passes (gated delta rule: gated_delta_rule/chunk_fwd.py, IPLR:
 iplr_delta_rule/chunk_fwd.py): each (BK, BV) × warps × stages run alone on the same stored intermediates, checked
-against a float64 evaluation of the pass's formula, then timed. Prints rows as it goes (a setting Triton miscompiles
-into a fault ends the process, not the rows before it) and a markdown table last; paste the winner into the op's
-OUTPUT_BLOCKS and ops/common/launch.py.
+against a float64 evaluation of the pass's formula, then timed; each setting reaches the launcher as its `tuning`
+argument (ops/common/tuning.py: output_blocks and the launch entry's warps and stages). Prints rows as it goes (a
+setting Triton miscompiles into a fault ends the process, not the rows before it) and a markdown table last; paste
+the winner into the op's OUTPUT_BLOCKS and ops/common/launch.py.
 
     python kernels/benchmarks/bench_output_blocks.py [--op gated_delta_rule|iplr_delta_rule] [--B 8 --T 2048]
         [--blocks 64,64 128,128 ...] [--warps 2 4 8] [--stages 1 2 3]
@@ -19,12 +20,13 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-from delta_rule_bench_common import rel, switched
+from delta_rule_bench_common import parse_blocks, rel
 from triton.testing import do_bench
 
-from rltrain_kernels.ops.common import launch as launch_table
 from rltrain_kernels.ops.common.chunking import chunk_layout
+from rltrain_kernels.ops.common.launch import LAUNCH
 from rltrain_kernels.ops.common.precision import iplr_dot_precision, op_dot_precision
+from rltrain_kernels.ops.common.tuning import Tuning
 
 OPS = {  # op: (module holding OUTPUT_BLOCKS and the launcher, launcher name, LAUNCH entry)
     "gated_delta_rule": ("rltrain_kernels.ops.gated_delta_rule.chunk_fwd", "chunk_output_fwd", "output_fwd"),
@@ -71,19 +73,17 @@ def sweep(op: str, B: int, T: int, blocks: list[tuple[int, int]], warps: list[in
     module = importlib.import_module(module_name)
     launcher = getattr(module, launcher_name)
     args, kwargs, ref = make_case(op, B, T, 16, 128)
-    shipped = (tuple(module.OUTPUT_BLOCKS), launch_table.LAUNCH[entry]["num_warps"],
-               launch_table.LAUNCH[entry]["num_stages"])
+    shipped = (tuple(module.OUTPUT_BLOCKS), LAUNCH[entry]["num_warps"], LAUNCH[entry]["num_stages"])
     rows = []
     for (bk, bv), w, s in itertools.product(blocks, warps, stages):
-        setting = dict(num_warps=w, num_stages=s)
-        with switched([(launch_table, "LAUNCH", {**launch_table.LAUNCH, entry: setting})]):
-            try:
-                err = rel(launcher(*args, **kwargs, blocks=(bk, bv)), ref)
-                ms = (do_bench(lambda: launcher(*args, **kwargs, blocks=(bk, bv)), warmup=25, rep=200) if err < 5e-3
-                      else float("nan"))
-                note = "" if err < 5e-3 else "over the 5e-3 bar"
-            except Exception as exc:  # out of shared memory and the like: the row says so, the sweep goes on
-                err, ms, note = float("nan"), float("nan"), f"{type(exc).__name__}: {str(exc)[:60]}"
+        tuning = Tuning(launches={entry: (w, s)}, output_blocks=(bk, bv))
+        try:
+            err = rel(launcher(*args, **kwargs, tuning=tuning), ref)
+            ms = (do_bench(lambda: launcher(*args, **kwargs, tuning=tuning), warmup=25, rep=200) if err < 5e-3
+                  else float("nan"))
+            note = "" if err < 5e-3 else "over the 5e-3 bar"
+        except Exception as exc:  # out of shared memory and the like: the row says so, the sweep goes on
+            err, ms, note = float("nan"), float("nan"), f"{type(exc).__name__}: {str(exc)[:60]}"
         mark = " (shipped)" if ((bk, bv), w, s) == shipped else ""
         rows.append((f"{bk}×{bv}", w, s, err, ms, note + mark))
         print(f"  {op} {bk}x{bv} {w}w/{s}s err {err:.1e} {ms:.4f} ms {note}{mark}", flush=True)
@@ -99,12 +99,7 @@ def main():
     parser.add_argument("--warps", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--stages", nargs="+", type=int, default=[1, 2, 3])
     args = parser.parse_args()
-    blocks = []
-    for spec in args.blocks:
-        parts = spec.split(",")
-        if len(parts) != 2 or not all(p.isdigit() and int(p) in (16, 32, 64, 128, 256) for p in parts):
-            raise SystemExit(f"--blocks {spec!r}: expected BK,BV, each a power of two from 16 to 256")
-        blocks.append((int(parts[0]), int(parts[1])))
+    blocks = [parse_blocks(spec, "--blocks") for spec in args.blocks]
     if args.T % 64:
         raise SystemExit(f"--T {args.T}: must be a multiple of the chunk size 64")
     torch.manual_seed(0)

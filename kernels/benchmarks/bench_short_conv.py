@@ -15,8 +15,9 @@ too). Measures the copy ceiling first (1 GiB device copy, bytes read + written),
 output and every gradient against the fp32 reference on the same bf16 values, fresh random inputs each run, and
 only then times forward and forward+backward with CUDA-graph replays (GPU time; the table's "eager" column is plain
 calls, host time included). GB/s are on the minimal bytes each op must move (stated per case), so every variant is
-judged against the same count. --sweep also times our kernels over their tile settings. A markdown table is printed
-last. Machinery shared with bench_norm_act_rope.py (copy ceiling, checks, CUDA-graph timing).
+judged against the same count. --sweep also times our kernels alone over their tile settings (each passed to
+the host function as an argument). A markdown table is printed last. Machinery shared with bench_norm_act_rope.py
+(copy ceiling, checks, CUDA-graph timing).
 """
 
 from __future__ import annotations
@@ -150,49 +151,66 @@ def decode_rows(B: int, C: int, W: int, fla: dict, ceiling: float, notes: list[s
     return rows
 
 
-def sweep(case: Case, settings: list, apply, label: str, ceiling: float) -> None:
-    """Our variant of `case` timed (fwd, fwd+bwd) under each setting applied by apply(setting), checked first."""
-    print(f"\n{case.name}: sweep of {label}")
-    fn = case.variants["rltrain"]
+def sweep(label: str, settings: list, run, nbytes: int, ceiling: float) -> None:
+    """run(setting) → the outputs of one host-function call at that setting (the first: the shipped one), each timed
+    with CUDA-graph replays, its bytes as % of copy, and its outputs' error against the shipped setting's."""
+    print(f"\n{label}")
+    shipped = None
     for setting in settings:
-        restore = apply(setting)
         try:
-            seed = random.randrange(2**31)
-            err = check_variant(case, fn, seed)
-            fwd, fwdbwd, _ = time_variant(case, fn, seed + 1, [])
-            print(f"  {str(setting):16s} fwd {fmt_us(fwd):>8} us {pct(case.fwd_bytes, fwd, ceiling):>6}   fwd+bwd "
-                  f"{fmt_us(fwdbwd):>8} us {pct(case.fwdbwd_bytes, fwdbwd, ceiling):>6}   err {err:.1e}", flush=True)
+            outs = run(setting)
+            shipped = shipped or outs
+            err = max(rel_error(a, b) for a, b in zip(outs, shipped))
+            ms = common.bench_ms(lambda: run(setting), graph=common.DEVICE == "cuda")
+            print(f"  {str(setting):16s} {fmt_us(ms):>8} us {pct(nbytes, ms, ceiling):>6}   err vs shipped {err:.1e}",
+                  flush=True)
         except Exception as exc:  # noqa: BLE001 - a setting that fails to compile or run is reported
             print(f"  {str(setting):16s} failed: {exc!r}"[:200], flush=True)
-        finally:
-            restore()
 
 
-def setter(module, name: str):
-    """apply(value) for sweep(): sets module.name, returns the function that restores it."""
-    def apply(value):
-        old = getattr(module, name)
-        setattr(module, name, value)
-        return lambda: setattr(module, name, old)
-    return apply
+def run_sweeps(B: int, T: int, C: int, W: int, H: int, D: int, SHIFT_D: int, ceiling: float) -> None:
+    """Our kernels alone over their tile settings, each passed to the host function as an argument (the first
+    setting of each list is the shipped one): the conv's forward and backward tiles and backward programs per SM,
+    l2norm's elements per program (forward and backward), token shift's tile (forward and backward)."""
+    gen = torch.Generator(device=common.DEVICE).manual_seed(random.randrange(2**31))
+    b = DTYPE.itemsize
+    x, dy = (seeded_randn(gen, B, T, C, dtype=DTYPE) for _ in range(2))
+    w = seeded_randn(gen, C, W, dtype=DTYPE, scale=0.5)
+    conv = dict(bias=None, residual=None, initial_state=None, activation="silu", cu_seqlens=None, seq_ids=None,
+                num_sequences=B)
+    sweep("short conv forward: tile (BT, BD, warps)",
+          [conv_kernel.FORWARD_TILE, (16, 128, 4), (8, 128, 4), (16, 64, 4), (32, 64, 4), (16, 256, 8), (32, 128, 8)],
+          lambda tile: conv_kernel.short_conv_forward(x, w, output_final_state=False, tile=tile, **conv)[:1],
+          2 * B * T * C * b, ceiling)
+    backward = dict(dfinal=None, x=x, weight=w, compute_dw=True, compute_db=False, compute_dstate=False, **conv)
+    del backward["residual"]
+    sweep("short conv backward: tile (BT, BD, warps)",
+          [conv_kernel_bwd.BACKWARD_TILE, (64, 64, 4), (64, 64, 8), (128, 32, 4), (128, 128, 8), (256, 64, 8)],
+          lambda tile: conv_kernel_bwd.short_conv_backward(dy, tile=tile, **backward)[:2], 3 * B * T * C * b, ceiling)
+    sweep("short conv backward: programs per SM", [conv_kernel_bwd.PROGRAMS_PER_SM, 8, 32],
+          lambda per_sm: conv_kernel_bwd.short_conv_backward(dy, programs_per_sm=per_sm, **backward)[:2],
+          3 * B * T * C * b, ceiling)
+    q, dq = (seeded_randn(gen, B, T, H, D, dtype=DTYPE) for _ in range(2))
 
+    def l2norm_fwd_bwd(elements):
+        y, rows = l2norm_kernel.l2norm_forward(q, 1e-6, DTYPE, tile_elements=elements)
+        return y, l2norm_kernel.l2norm_backward(dq, rows, 1e-6, tile_elements=elements)
+    sweep("l2norm forward + backward: elements per program", [l2norm_kernel.TILE_ELEMENTS, 1024, 2048, 8192, 16384],
+          l2norm_fwd_bwd, 5 * B * T * H * D * b, ceiling)
+    s, ds = (seeded_randn(gen, B, T, SHIFT_D, dtype=DTYPE) for _ in range(2))
 
-def run_sweeps(cases: dict, ceiling: float) -> None:
-    conv = cases["short conv"]
-    sweep(conv, [(16, 128, 4), (32, 128, 4), (8, 128, 4), (16, 64, 4), (32, 64, 4), (16, 256, 8), (32, 128, 8)],
-          setter(conv_kernel, "FORWARD_TILE"), "FORWARD_TILE (BT, BD, warps)", ceiling)
-    sweep(conv, [(128, 64, 8), (64, 64, 4), (64, 64, 8), (128, 32, 4), (128, 128, 8), (256, 64, 8)],
-          setter(conv_kernel_bwd, "BACKWARD_TILE"), "BACKWARD_TILE (BT, BD, warps)", ceiling)
-    sweep(conv, [8, 16, 32], setter(conv_kernel_bwd, "PROGRAMS_PER_SM"), "backward PROGRAMS_PER_SM", ceiling)
-    sweep(cases["l2norm"], [1024, 2048, 4096, 8192, 16384], setter(l2norm_kernel, "TILE_ELEMENTS"),
-          "TILE_ELEMENTS", ceiling)
-    sweep(cases["token shift"], [(32, 128, 4), (16, 128, 4), (64, 128, 8), (32, 256, 8), (16, 256, 4)],
-          setter(shift_kernel, "TILE"), "TILE (BT, BD, warps)", ceiling)
+    def shift_fwd_bwd(tile):
+        y, _ = shift_kernel.token_shift_forward(s, None, None, None, False, B, tile=tile)
+        return y, shift_kernel.token_shift_backward(ds, None, None, None, False, B, None, tile=tile)[0]
+    sweep("token shift forward + backward: tile (BT, BD, warps)",
+          [shift_kernel.TILE, (16, 128, 4), (64, 128, 8), (32, 256, 8), (16, 256, 4)], shift_fwd_bwd,
+          4 * B * T * SHIFT_D * b, ceiling)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sweep", action="store_true", help="also time our kernels over their tile settings")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time our kernels alone over their tile settings (host-function arguments)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny sizes on CPU through the Triton interpreter (TRITON_INTERPRET=1): checks the script")
     args = parser.parse_args()
@@ -233,7 +251,7 @@ def main() -> None:
                   f"eager fwd+bwd {fmt_us(eager_ms)} us  err {err:.1e}", flush=True)
     rows += decode_rows(DECODE_B, C, W, fla, ceiling, notes)
     if args.sweep:
-        run_sweeps(cases, ceiling)
+        run_sweeps(B, T, C, W, H, D, SHIFT_D, ceiling)
 
     if notes:
         print("\nNotes:")

@@ -9,7 +9,8 @@ Triton, and does it spill or starve occupancy" when no GPU is at hand. Use the d
     pip install --no-deps --target /tmp/t36 /tmp/tw/triton-3.6.0-*.whl
     PYTHONPATH=/tmp/t36:kernels python kernels/benchmarks/compile_report.py [--op gated_delta_rule] [--B 8 --T 2048]
 
---asm DIR also writes each launch's Triton GPU IR, PTX and SASS there (NN_kernel[_config].ttgir / .ptx / .sass), to
+--launch NAME=WARPS,STAGES and --value-block wide|narrow compile another setting, as the benches take them (the op's
+`tuning` argument, ops/common/tuning.py). --asm DIR also writes each launch's Triton GPU IR, PTX and SASS there (NN_kernel[_config].ttgir / .ptx / .sass), to
 read what a kernel does per loop iteration: which tiles go through registers, which layout conversions and waits.
 
 --peer fla does the same for fla 0.6 (flash-linear-attention) on the same inputs, to set its kernels' resources
@@ -152,8 +153,8 @@ def fake_gpu_for_fla(arch: int) -> None:
     # The launchers ask check_shared_mem(arch, k.device.index), None for CPU tensors: without an entry for None it
     # answers False and chunk_bwd_dqkwg / chunk_bwd_dv_local / chunk_fwd_o would fall back from 128- to 32-wide tiles.
     hardware.get_all_max_shared_mem = lambda: {0: SHARED_PER_BLOCK, None: SHARED_PER_BLOCK}
-    # The TileLang and FlashQLA backends fla would dispatch to on Hopper; absent here and on the lent GPU machines,
-    # so pinned off: the report is of fla's Triton kernels.
+    # The TileLang and FlashQLA backends fla would dispatch to on Hopper, pinned off: the report is of fla's Triton
+    # kernels.
     os.environ["FLA_TILELANG"] = os.environ["FLA_FLASH_QLA"] = "0"
 
 
@@ -202,9 +203,11 @@ def op_function(op: str, peer: str | None):
             "iplr_delta_rule": chunk_iplr_delta_rule}[op]
 
 
-def run_op(op: str, peer: str | None, inputs: dict, num_householder: int) -> None:
-    """One forward+backward of `op` (forward only for fla's IPLR, which has no backward)."""
+def run_op(op: str, peer: str | None, inputs: dict, num_householder: int, tuning) -> None:
+    """One forward+backward of `op` (forward only for fla's IPLR, which has no backward); ours at `tuning`."""
     extra = {"num_householder": num_householder} if op == "gated_delta_product" else {}
+    if peer is None:
+        extra["tuning"] = tuning
     o, ht = op_function(op, peer)(**inputs, **extra, output_final_state=True)
     if not (peer == "fla" and op == "iplr_delta_rule"):
         (o.float().sum() + ht.sum()).backward()
@@ -294,39 +297,38 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--arch", type=int, default=90, help="compute capability × 10 (90: H100/H200)")
     parser.add_argument("--sms", type=int, default=132, help="SM count the host code plans for (H100/H200: 132)")
     parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
-                        help="override ops/common/launch.py entries, e.g. wy_bwd=8,2")
-    parser.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
-                        help="set a kernel module's tuning setting, e.g. state_pass.NARROW_BV={} (as the benches' --set)")
+                        help="another setting of ops/common/launch.py entries, e.g. wy_bwd=8,2")
+    parser.add_argument("--value-block", default="auto",
+                        help="the state passes' value columns per program: wide (64), narrow (32), or auto (64 when "
+                             "the programs fill --sms)")
     parser.add_argument("--asm", metavar="DIR", help="also write each launch's TTGIR, PTX and SASS into DIR")
     args = parser.parse_args()
-    if args.peer and (args.launch or args.set):
-        parser.error("--launch and --set set our kernels: not with --peer")
+    if args.peer and (args.launch or args.value_block != "auto"):
+        parser.error("--launch and --value-block tune our kernels: not with --peer")
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("compile_report compiles for a GPU: unset TRITON_INTERPRET")
     return args
 
 
-def configure_ours(args: argparse.Namespace) -> None:
-    from delta_rule_bench_common import apply_launch_overrides, apply_switches
-    from rltrain_kernels.ops.common import state_pass
+def our_tuning(args: argparse.Namespace):
+    """--launch and --value-block as the op's Tuning, its occupancy rule planning for --sms SMs as on the GPU."""
+    from delta_rule_bench_common import tuning_from_args
 
-    state_pass._sm_count = lambda device: args.sms  # the host code's occupancy rule, as on the GPU
-    apply_launch_overrides(args.launch)
-    apply_switches(args.set)
+    return dataclasses.replace(tuning_from_args(args), sm_count=args.sms)
 
 
 def main():
     args = parse_args()
     launches = record_launches(GPUTarget("cuda", args.arch, 128), args.sms)  # first: fla reads the driver
-    notes = []
+    notes, tuning = [], None
     if args.peer == "fla":
         fake_gpu_for_fla(args.arch)
         compile_every_config(launches)
         notes = fla_notes()
     else:
-        configure_ours(args)
+        tuning = our_tuning(args)
     inputs = make_inputs(args.op, args.B, args.T, args.H, args.D, getattr(torch, args.dtype), args.num_householder)
-    run_op(args.op, args.peer, inputs, args.num_householder)
+    run_op(args.op, args.peer, inputs, args.num_householder, tuning)
 
     passes = "forward only" if (args.peer, args.op) == ("fla", "iplr_delta_rule") else "one forward+backward"
     print(f"triton {triton.__version__}, sm_{args.arch}, {(args.peer + ' ') if args.peer else ''}{args.op} "

@@ -1,19 +1,23 @@
 """What the delta-rule benchmarks share: the error measure, outputs and gradients of an op for a check, and the
-launch settings (ops/common/launch.py's LAUNCH table) from the command line: `--launch NAME=WARPS,STAGES` overrides,
-`--set MODULE.NAME=VALUE` (a kernel module's switch), the `--sweep-launch` loop (every warps × stages of the named
-entries, each checked against a reference before it is timed; `--isolate` runs each setting in its own process),
-`--dot-per-kernel KERNEL=PREC` (one kernel's dot precision, to find which kernel a precision breaks) and
-`--value-block` (the state passes' value columns per program, whatever the batch).
+kernels' launch choices from the command line as one `Tuning` (ops/common/tuning.py) that the benches pass to the
+ops: `--launch NAME=WARPS,STAGES` (ops/common/launch.py entries), `--value-block` (the state passes' value columns per
+program, whatever the batch), `--output-blocks BK,BV` and `--dot-per-kernel KERNEL=PREC` (one kernel's dot
+precision, to find which kernel a precision breaks); and the `--sweep-launch` loop (every warps × stages of the named
+entries, each checked against a reference before it is timed; `--isolate` runs each setting in its own process).
 Imported by the bench scripts and compile_report.py beside it.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import importlib
 import os
 import subprocess
 import sys
 from collections.abc import Callable
+
+from rltrain_kernels.ops.common.launch import LAUNCH
+from rltrain_kernels.ops.common.tuning import DEFAULT_TUNING, DOT_OVERRIDES, VALUE_BLOCKS, Tuning
 
 
 def rel(a, b) -> float:
@@ -44,20 +48,6 @@ def check_against_reference(label: str, names: list[str], ours: list, reference:
         raise SystemExit(f"correctness check failed (outputs {worst_out:.1e}, gradients {worst_grad:.1e})")
 
 
-@contextlib.contextmanager
-def switched(assignments: list[tuple]):
-    """Set each (module, attribute, value) for the block, then put every old value back (the precision and structural
-    switches of ops/common are module globals)."""
-    saved = [(module, name, getattr(module, name)) for module, name, _ in assignments]
-    for module, name, value in assignments:
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
-
-
 def worst_errors(fn, checks: list, references: list) -> tuple[float, float]:
     """(worst output error, worst gradient error) of fn over `checks` [(inputs, do)] against `references`
     (outputs_and_grads of the reference op on the same checks)."""
@@ -66,76 +56,86 @@ def worst_errors(fn, checks: list, references: list) -> tuple[float, float]:
     return max(max(e[:2]) for e in errs), max(max(e[2:]) for e in errs)
 
 
-def apply_launch_overrides(overrides: list[str]) -> None:
-    """Set LAUNCH entries from "NAME=WARPS,STAGES" strings; SystemExit naming the bad one otherwise."""
-    from rltrain_kernels.ops.common.launch import LAUNCH
-
-    for override in overrides:
-        name, _, setting = override.partition("=")
-        parts = setting.split(",")
-        if name not in LAUNCH or len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-            raise SystemExit(f"--launch {override!r}: expected NAME=WARPS,STAGES with NAME one of {sorted(LAUNCH)}")
-        LAUNCH[name] = dict(num_warps=int(parts[0]), num_stages=int(parts[1]))
-
-
-def apply_switches(assignments: list[str]) -> None:
-    """Set module globals of the kernels (the tuning settings) from "MODULE.NAME=VALUE" strings,
-    MODULE under rltrain_kernels.ops.common (state_pass) or rltrain_kernels.ops (gated_delta_rule.chunk_fwd), VALUE a
-    Python literal; SystemExit naming a bad one (no such module or global, or a value of another type)."""
-    import ast
-    import importlib
-
-    for assignment in assignments:
-        target, _, literal = assignment.partition("=")
-        module_name, _, name = target.rpartition(".")
-        module = None
-        for prefix in ("rltrain_kernels.ops.common.", "rltrain_kernels.ops."):
-            try:
-                module = importlib.import_module(prefix + module_name)
-                break
-            except ImportError:
-                continue
-        if not module_name or module is None or not hasattr(module, name) or name.startswith("_"):
-            raise SystemExit(f"--set {assignment!r}: no switch {target!r} (expected MODULE.NAME=VALUE, e.g. "
-                             "state_pass.NARROW_BV={})")
-        try:
-            value = ast.literal_eval(literal)
-        except (ValueError, SyntaxError):
-            raise SystemExit(f"--set {assignment!r}: {literal!r} is not a Python literal") from None
-        old = getattr(module, name)
-        if old is not None and type(value) is not type(old):
-            raise SystemExit(f"--set {assignment!r}: {target} is a {type(old).__name__}, got {type(value).__name__}")
-        setattr(module, name, value)
-
-
-VALUE_BLOCKS = ("auto", "wide", "narrow")
-
-
-def add_launch_arguments(parser, launch_example: str, sweep_help: str, value_block_help: str) -> None:
-    """The launch options both delta-rule benches take: --launch, --set, --sweep-launch, --sweep-warps, --isolate and
-    --value-block (the help texts that differ per bench given)."""
+def add_tuning_arguments(parser, launch_example: str, sweep_help: str, value_block_help: str) -> None:
+    """The launch options both delta-rule benches take: --launch, --value-block, --sweep-launch, --sweep-warps and
+    --isolate (the help texts that differ per bench given)."""
     parser.add_argument("--launch", nargs="*", default=[], metavar="NAME=WARPS,STAGES",
-                        help=f"override ops/common/launch.py entries for this run, e.g. {launch_example}")
-    parser.add_argument("--set", nargs="*", default=[], metavar="MODULE.NAME=VALUE",
-                        help="set a kernel module's tuning setting for this run, e.g. state_pass.NARROW_BV={} or "
-                             "gated_delta_rule.chunk_fwd.OUTPUT_BLOCKS='(64, 64)'")
+                        help=f"another setting of ops/common/launch.py entries for this run, e.g. {launch_example}")
+    parser.add_argument("--value-block", default="auto", choices=VALUE_BLOCKS, help=value_block_help)
     parser.add_argument("--sweep-launch", nargs="*", metavar="KERNEL", help=sweep_help)
     parser.add_argument("--sweep-warps", nargs="+", type=int, default=[2, 4, 8], metavar="WARPS",
                         help="the warp counts --sweep-launch tries (default 2 4 8)")
     parser.add_argument("--isolate", action="store_true",
                         help="--sweep-launch runs each setting in its own process: an illegal memory access (Triton "
                              "3.6 faults at some settings) costs only its row")
-    parser.add_argument("--value-block", default="auto", choices=VALUE_BLOCKS, help=value_block_help)
 
 
-def force_value_block(mode: str) -> None:
-    """--value-block: ops/common/state_pass.py's VALUE_BLOCK, the state passes launched with 64 value columns per
-    program ("wide", the *_wide LAUNCH entries) or 32 ("narrow") whatever the batch, or by its occupancy rule."""
-    if mode not in VALUE_BLOCKS:
-        raise SystemExit(f"--value-block {mode!r}: expected one of {VALUE_BLOCKS}")
-    from rltrain_kernels.ops.common import state_pass
+def tuning_from_args(args) -> Tuning:
+    """The Tuning a bench's arguments ask for: --launch, --value-block and, where the bench has them,
+    --output-blocks and --dot-per-kernel; SystemExit naming a bad value."""
+    output_blocks = getattr(args, "output_blocks", None)
+    try:
+        return Tuning(launches=parse_launch(args.launch), value_block=args.value_block,
+                      output_blocks=None if output_blocks is None else parse_blocks(output_blocks, "--output-blocks"),
+                      dots=parse_dot_per_kernel(getattr(args, "dot_per_kernel", None) or []))
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
 
-    state_pass.VALUE_BLOCK = mode
+
+def parse_launch(overrides: list[str]) -> dict[str, tuple[int, int]]:
+    """{name: (warps, stages)} from "NAME=WARPS,STAGES" strings; SystemExit naming the bad one otherwise."""
+    launches = {}
+    for override in overrides:
+        name, _, setting = override.partition("=")
+        parts = setting.split(",")
+        if name not in LAUNCH or len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise SystemExit(f"--launch {override!r}: expected NAME=WARPS,STAGES with NAME one of {sorted(LAUNCH)}")
+        launches[name] = (int(parts[0]), int(parts[1]))
+    return launches
+
+
+def parse_blocks(spec: str, flag: str) -> tuple[int, int]:
+    """(BK, BV) from "BK,BV", each a power of two from 16 to 256; SystemExit naming `flag` otherwise."""
+    parts = spec.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) in (16, 32, 64, 128, 256) for p in parts):
+        raise SystemExit(f"{flag} {spec!r}: expected BK,BV, each a power of two from 16 to 256")
+    return int(parts[0]), int(parts[1])
+
+
+# The modules whose Triton kernels take a DOT_PREC that Tuning.dots can replace, under rltrain_kernels.ops.
+DOT_KERNEL_MODULES = ("common.wy", "common.wy_bwd", "common.state_pass", "gated_delta_rule.chunk_fwd",
+                      "gated_delta_rule.chunk_bwd", "gated_delta_product.chunk_output", "iplr_delta_rule.chunk_fwd",
+                      "iplr_delta_rule.chunk_bwd")
+
+
+def dot_kernels() -> set[str]:
+    """Names of the delta-rule Triton kernels launched with a DOT_PREC: what --dot-per-kernel may name."""
+    names = set()
+    for path in DOT_KERNEL_MODULES:
+        for name, obj in vars(importlib.import_module(f"rltrain_kernels.ops.{path}")).items():
+            if name.endswith("_kernel") and "DOT_PREC" in getattr(obj, "arg_names", ()):
+                names.add(name)
+    return names
+
+
+def parse_dot_per_kernel(overrides: list[str]) -> dict[str, str]:
+    """{kernel: precision} from "KERNEL=PREC" strings (KERNEL a Triton kernel's function name such as
+    iplr_bwd_key_kernel, PREC one of DOT_OVERRIDES); SystemExit naming a bad one or a kernel that takes no DOT_PREC."""
+    dots = {}
+    for override in overrides:
+        name, _, prec = override.partition("=")
+        if prec not in DOT_OVERRIDES:
+            raise SystemExit(f"--dot-per-kernel {override!r}: expected KERNEL=PREC with PREC one of {DOT_OVERRIDES}")
+        dots[name] = prec
+    unknown = sorted(set(dots) - dot_kernels()) if dots else []
+    if unknown:
+        raise SystemExit(f"--dot-per-kernel: {unknown} take no DOT_PREC (the kernels that do: {sorted(dot_kernels())})")
+    return dots
+
+
+def with_launch(tuning: Tuning, name: str, warps: int, stages: int) -> Tuning:
+    """`tuning` with LAUNCH entry `name` at (warps, stages)."""
+    return dataclasses.replace(tuning, launches={**tuning.launches, name: (warps, stages)})
 
 
 # Set in the child processes of an isolated sweep: the one "NAME=WARPS,STAGES" setting that child runs.
@@ -143,18 +143,16 @@ SWEEP_ONE_ENV = "RLTRAIN_SWEEP_ONE"
 ISOLATED_TIMEOUT_S = 600  # one setting's compile, check and timing; a hung kernel costs its row, not the sweep
 
 
-def sweep_launch(names: list[str], grads: Callable[[], list], reference: list,
-                 timings: Callable[[], tuple[float, float]], label: str, warps_options=(2, 4, 8),
-                 isolate: bool = False) -> None:
-    """For each LAUNCH entry in `names`, every (warps, stages) in `warps_options` × {1, 2, 3}: the worst relative
-    error of grads() (outputs first two, then gradients) against `reference`, then timings() → (forward ms,
-    forward+backward ms), one table row each.
+def sweep_launch(names: list[str], grads: Callable[[Tuning], list], reference: list,
+                 timings: Callable[[Tuning], tuple[float, float]], label: str, warps_options=(2, 4, 8),
+                 isolate: bool = False, base: Tuning = DEFAULT_TUNING) -> None:
+    """For each LAUNCH entry in `names`, every (warps, stages) in `warps_options` × {1, 2, 3} set on `base`: the
+    worst relative error of grads(tuning) (outputs first two, then gradients) against `reference`, then
+    timings(tuning) → (forward ms, forward+backward ms), one table row each.
     A setting that raises (out of shared memory, say) gets its exception's name and the sweep goes on. An illegal
     memory access ends the process's CUDA context, and Triton 3.6 on Hopper faults at some settings of these kernels
     (ops/common/launch.py): with `isolate` each setting runs in a child process (this script again, with the same
     arguments and SWEEP_ONE_ENV naming the setting), so a fault costs only its own row."""
-    from rltrain_kernels.ops.common.launch import LAUNCH
-
     for name in names:
         if name not in LAUNCH:
             raise SystemExit(f"--sweep-launch {name!r}: not an entry of ops/common/launch.py ({sorted(LAUNCH)})")
@@ -162,32 +160,30 @@ def sweep_launch(names: list[str], grads: Callable[[], list], reference: list,
     if one:  # a child of an isolated sweep: its one row
         name, _, setting = one.partition("=")
         warps, stages = (int(x) for x in setting.split(","))
-        print(_sweep_row(name, warps, stages, "", grads, reference, timings), flush=True)
+        print(_sweep_row(with_launch(base, name, warps, stages), name, "", grads, reference, timings), flush=True)
         return
     print(f"| kernel | warps | stages | worst output err | worst grad err | fwd ms ({label}) | fwd+bwd ms |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
     for name in names:
-        default = dict(LAUNCH[name])
+        default = base.launch(name)
         for warps in warps_options:
             for stages in (1, 2, 3):
                 mark = " (default)" if dict(num_warps=warps, num_stages=stages) == default else ""
                 if isolate:
                     print(_isolated_row(name, warps, stages, mark), flush=True)
                 else:
-                    print(_sweep_row(name, warps, stages, mark, grads, reference, timings), flush=True)
-        LAUNCH[name] = default
+                    print(_sweep_row(with_launch(base, name, warps, stages), name, mark, grads, reference, timings),
+                          flush=True)
 
 
-def _sweep_row(name: str, warps: int, stages: int, mark: str, grads, reference, timings) -> str:
-    """One sweep row: LAUNCH[name] set to (warps, stages), the worst errors of grads() and the timings; an exception
-    gives its name instead."""
-    from rltrain_kernels.ops.common.launch import LAUNCH
-
-    LAUNCH[name] = dict(num_warps=warps, num_stages=stages)
-    head = f"| {name} | {warps} | {stages}{mark} |"
+def _sweep_row(tuning: Tuning, name: str, mark: str, grads, reference, timings) -> str:
+    """One sweep row: the worst errors of grads(tuning) and timings(tuning) at `tuning`'s setting of LAUNCH entry
+    `name`; an exception gives its name instead."""
+    setting = tuning.launch(name)
+    head = f"| {name} | {setting['num_warps']} | {setting['num_stages']}{mark} |"
     try:
-        errs = [rel(a, b) for a, b in zip(grads(), reference)]
-        t = timings()
+        errs = [rel(a, b) for a, b in zip(grads(tuning), reference)]
+        t = timings(tuning)
     except Exception as exc:  # noqa: BLE001 - reported in the table, the sweep goes on
         return f"{head} {type(exc).__name__} | | | |"
     return f"{head} {max(errs[:2]):.1e} | {max(errs[2:]):.1e} | {t[0]:.3f} | {t[1]:.3f} |"
@@ -209,58 +205,3 @@ def _isolated_row(name: str, warps: int, stages: int, mark: str) -> str:
     errors = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if "Error" in line]
     why = errors[-1] if errors else f"exit status {proc.returncode}, no row"
     return f"{head}{mark} | child process failed: {why[:160]} | | | |"
-
-
-DOT_PRECISIONS = ("ieee", "tf32", "bf16")
-_UNPATCHED_RUN: dict = {}  # launcher class -> its run before override_dot_precision patched it
-
-
-def override_dot_precision(overrides: list[str]) -> set[str]:
-    """From "KERNEL=PREC" strings (KERNEL a Triton kernel's function name such as iplr_bwd_key_kernel, PREC one of
-    DOT_PRECISIONS): every later launch of KERNEL gets DOT_PREC=PREC whatever its host code chose, the other kernels
-    keep theirs. Only DOT_PREC changes: the intermediates keep the dtype the host allocated (kernels load them into
-    fp32 and store through cast_for_store, so any mix computes). Returns the set, growing as launches happen, of the
-    kernels overridden so far; compare it with the requested names after a run to catch a misspelt one."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    from rltrain_kernels.ops.common.precision import _interpreted
-
-    wanted = {}
-    for override in overrides:
-        name, _, prec = override.partition("=")
-        if not name or prec not in DOT_PRECISIONS:
-            raise SystemExit(f"--dot-per-kernel {override!r}: expected KERNEL=PREC with PREC one of {DOT_PRECISIONS}")
-        wanted[name] = prec + ("_interpreted" if _interpreted() and prec != "ieee" else "")
-    applied: set[str] = set()
-    if not wanted:
-        return applied
-    for cls in (JITFunction, InterpretedFunction):
-        _UNPATCHED_RUN.setdefault(cls, cls.run)
-        cls.run = _with_dot_override(cls.run, wanted, applied)
-    return applied
-
-
-def restore_dot_precision() -> None:
-    """Undo every override_dot_precision so far: each kernel takes its host code's DOT_PREC again."""
-    for cls, run in _UNPATCHED_RUN.items():
-        cls.run = run
-    _UNPATCHED_RUN.clear()
-
-
-def _with_dot_override(run, wanted: dict[str, str], applied: set[str]):
-    def patched(self, *args, **kwargs):
-        name = self.fn.__name__
-        if name in wanted and "DOT_PREC" in kwargs:
-            kwargs["DOT_PREC"] = wanted[name]
-            applied.add(name)
-        return run(self, *args, **kwargs)
-
-    return patched
-
-
-def check_overrides_applied(requested: list[str], applied: set[str]) -> None:
-    """SystemExit naming the --dot-per-kernel kernels that never launched with a DOT_PREC argument."""
-    missing = sorted({o.partition("=")[0] for o in requested} - applied)
-    if missing:
-        raise SystemExit(f"--dot-per-kernel: no launch of {missing} took a DOT_PREC argument (misspelt kernel name?)")

@@ -1,34 +1,32 @@
-"""kernels/benchmarks' measuring tools that GPU decisions rest on: the per-kernel dot-precision override (the
-bisection of IPLR's bf16 failure, scripts/gpu_check.sh iplr-bf16; the precision settings of the gated delta
-product's --accuracy sweep) must change exactly the kernel it names and undo cleanly, and the accuracy measurement
-must run. --value-block must force the state passes' launch it names and --set the setting it names, for the bench's
-whole process (checked in child processes, so that this one keeps the shipped settings), and an isolated launch
-sweep must survive a setting that kills its process.
+"""kernels/benchmarks' measuring tools that GPU decisions rest on: a bench's command line becomes the ops' `tuning`
+argument (ops/common/tuning.py), whose per-kernel dot precision (the bisection of IPLR's bf16 failure,
+scripts/gpu_check.sh iplr-bf16) must change exactly the kernel it names, and whose value block must force the state
+passes' launch it names; a bad flag is named. The accuracy measurement must run, and an isolated launch sweep must
+survive a setting that kills its process.
 
 On the CPU through the Triton interpreter (native on a GPU), at small shapes in bf16.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
-from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "kernels" / "benchmarks"))
 from delta_rule_bench_common import (  # noqa: E402
-    check_overrides_applied,
-    force_value_block,
+    add_tuning_arguments,
     outputs_and_grads,
-    override_dot_precision,
-    restore_dot_precision,
+    tuning_from_args,
 )
 
+from rltrain_kernels.ops.common.tuning import Tuning  # noqa: E402
 from rltrain_kernels.ops.iplr_delta_rule import chunk_iplr_delta_rule  # noqa: E402
 
 
@@ -43,23 +41,26 @@ def iplr_inputs(device):
     return inputs, torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16)
 
 
-@pytest.fixture
-def restore_launchers(monkeypatch):
-    """The override patches the launchers' run; put them back after the test."""
-    for cls in (JITFunction, InterpretedFunction):
-        monkeypatch.setattr(cls, "run", cls.run)
+def bench_args(*argv: str) -> argparse.Namespace:
+    """A bench's parsed arguments: the shared tuning options, --output-blocks and --dot-per-kernel (as the IPLR
+    bench has them)."""
+    parser = argparse.ArgumentParser()
+    add_tuning_arguments(parser, "wy_bwd=8,2", "sweep", "value block")
+    parser.add_argument("--output-blocks")
+    parser.add_argument("--dot-per-kernel", nargs="*", default=[])
+    return parser.parse_args(argv)
 
 
-def test_override_changes_only_the_named_kernel(device, restore_launchers):
+def test_dot_per_kernel_changes_only_the_named_kernel(device):
+    """--dot-per-kernel KERNEL=bf16 under the op's tf32 dots: the Tuning it makes gives the query-side backward kernel
+    bf16 dots, and nothing else changes; the next call without it computes the host's numbers again."""
     tf32 = functools.partial(chunk_iplr_delta_rule, dot="tf32")  # the host's choice, which the override undercuts
     inputs, do = iplr_inputs(device)
     names = ["o", "final_state", "dq", "dk", "dv", "da", "db", "dh0"]
     base = dict(zip(names, outputs_and_grads(tf32, inputs, do)))
-    applied = override_dot_precision(["iplr_bwd_query_kernel=bf16"])
-    assert applied == set()
-    mixed = dict(zip(names, outputs_and_grads(tf32, inputs, do)))
-    assert applied == {"iplr_bwd_query_kernel"}
-    check_overrides_applied(["iplr_bwd_query_kernel=bf16"], applied)
+    tuning = tuning_from_args(bench_args("--dot-per-kernel", "iplr_bwd_query_kernel=bf16"))
+    assert tuning == Tuning(dots={"iplr_bwd_query_kernel": "bf16"})
+    mixed = dict(zip(names, outputs_and_grads(functools.partial(tf32, tuning=tuning), inputs, do)))
     # The forward and every other backward kernel are untouched, bit for bit; da and dq come only from the query-side
     # kernel, whose dots now round their operands to bf16.
     for name in ("o", "final_state", "dk", "dv", "db", "dh0"):
@@ -67,16 +68,31 @@ def test_override_changes_only_the_named_kernel(device, restore_launchers):
     assert not torch.equal(mixed["da"], base["da"])
     rel = ((mixed["da"].float() - base["da"].float()).norm() / base["da"].float().norm()).item()
     assert rel < 2e-2  # bf16 operand rounding, not garbage
-    restore_dot_precision()
     again = outputs_and_grads(tf32, inputs, do)
     assert all(torch.equal(x, y) for x, y in zip(again, base.values()))  # the host's DOT_PREC again
 
 
-def test_bad_overrides_are_named(restore_launchers):
-    with pytest.raises(SystemExit, match="'iplr_bwd_query_kernel=fp8'"):
-        override_dot_precision(["iplr_bwd_query_kernel=fp8"])
-    with pytest.raises(SystemExit, match="no_such_kernel"):
-        check_overrides_applied(["no_such_kernel=bf16"], set())
+def test_tuning_from_args():
+    """Each flag lands in its Tuning field; the defaults make the shipped Tuning."""
+    assert tuning_from_args(bench_args()) == Tuning()
+    tuning = tuning_from_args(bench_args("--launch", "wy_bwd=8,2", "iplr_bwd_key=4,1", "--value-block", "narrow",
+                                         "--output-blocks", "128,64"))
+    assert tuning == Tuning(launches={"wy_bwd": (8, 2), "iplr_bwd_key": (4, 1)}, value_block="narrow",
+                            output_blocks=(128, 64))
+    assert tuning.launch("wy_bwd") == dict(num_warps=8, num_stages=2)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (("--launch", "no_such=4,2"), "--launch 'no_such=4,2'"),
+    (("--launch", "wy_bwd=8"), "expected NAME=WARPS,STAGES"),
+    (("--launch", "wy_bwd=0,2"), "must be (warps, stages)"),
+    (("--output-blocks", "64,48"), "--output-blocks '64,48'"),
+    (("--dot-per-kernel", "iplr_bwd_query_kernel=fp8"), "'iplr_bwd_query_kernel=fp8'"),
+    (("--dot-per-kernel", "no_such_kernel=bf16"), "no_such_kernel"),
+], ids=["launch-name", "launch-form", "launch-zero", "output-blocks", "dot-precision", "dot-kernel"])
+def test_bad_flags_are_named(argv, words):
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        tuning_from_args(bench_args(*argv))
 
 
 @pytest.mark.parametrize("regime", ["g = None, β ∈ (0, 2)", "g ~ logsigmoid(N(0,1)), β ∈ (0, 2)"])
@@ -89,10 +105,8 @@ def test_gated_delta_product_accuracy_regimes(regime, device):
     assert 1e-5 < out_err < 2e-2 and 1e-5 < grad_err < 5e-2
 
 
-def test_reference_check_and_switches():
-    from types import SimpleNamespace
-
-    from delta_rule_bench_common import check_against_reference, switched
+def test_reference_check():
+    from delta_rule_bench_common import check_against_reference
 
     names = ["o", "final_state", "dq", "dh0"]
     ref = [torch.ones(4) for _ in names]
@@ -101,21 +115,6 @@ def test_reference_check_and_switches():
         check_against_reference("output over", names, [ref[0] * 1.006] + ref[1:], ref)
     with pytest.raises(SystemExit, match="gradients 2.0e-02"):
         check_against_reference("gradient over", names, ref[:3] + [ref[3] * 1.02], ref)
-    module = SimpleNamespace(SWITCH=False)
-    with pytest.raises(RuntimeError), switched([(module, "SWITCH", True)]):
-        assert module.SWITCH
-        raise RuntimeError  # the old value comes back even when the block fails
-    assert module.SWITCH is False
-
-
-def in_a_bench_process(code: str) -> list[str]:
-    """The lines `code` prints, run in a child Python with the benchmarks importable: the bench tools set
-    process-wide settings of the kernels, which this process must not keep."""
-    benchmarks = str(pathlib.Path(__file__).resolve().parents[2] / "kernels" / "benchmarks")
-    proc = subprocess.run([sys.executable, "-c", f"import sys\nsys.path.insert(0, {benchmarks!r})\n{code}"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.splitlines()
 
 
 @pytest.mark.parametrize("mode", ["wide", "narrow"])
@@ -133,20 +132,32 @@ def test_state_launch_value_block(mode):
                                           else ("state_pass_bwd", 128, 32))
 
 
-def test_force_value_block():
-    """--value-block sets the state passes' value_block for the bench's whole process (a child process here), whose
-    launches then take it whatever the program count; a bad mode is named."""
-    lines = in_a_bench_process(
-        "import torch\n"
-        "from delta_rule_bench_common import force_value_block\n"
-        "from rltrain_kernels.ops.common import state_pass\n"
-        "for mode in ('wide', 'narrow', 'auto'):\n"
-        "    force_value_block(mode)\n"
-        "    print(state_pass.VALUE_BLOCK, *state_pass.state_launch('state_pass_bwd', 4, 128, 128, "
-        "torch.device('cuda'), sm_count=132))")
-    assert lines == ["wide state_pass_bwd_wide 128 64", "narrow state_pass_bwd 128 32", "auto state_pass_bwd 128 32"]
-    with pytest.raises(SystemExit, match="--value-block 'half'"):
-        force_value_block("half")
+WIDE, NARROW = {"fwd": 64, "bwd": 64}, {"fwd": 16, "bwd": 32}  # the state passes' value columns (NARROW_BV)
+
+
+@pytest.mark.parametrize("value_block, sm_count, columns", [("auto", 1, WIDE), ("auto", 132, NARROW),
+                                                            ("narrow", 1, NARROW), ("wide", 132, WIDE)],
+                         ids=["auto-1-SM", "auto-132-SMs", "narrow-1-SM", "wide-132-SMs"])
+def test_value_block_reaches_the_state_passes(value_block, sm_count, columns, device, monkeypatch):
+    """--value-block and the SM count the occupancy rule plans for reach the state passes' launches through the op's
+    tuning, forward and backward: one sequence-head fills one SM (wide) but not 132 (narrow), and wide / narrow hold
+    whatever the count."""
+    import dataclasses
+
+    from rltrain_kernels.ops.common import state_pass
+    from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
+    from tests.helpers import spy_launches
+
+    tuning = dataclasses.replace(tuning_from_args(bench_args("--value-block", value_block)), sm_count=sm_count)
+    seen = {}
+    for name, key in (("state_pass_fwd_kernel", "fwd"), ("state_pass_bwd_kernel", "bwd")):
+        spy_launches(monkeypatch, state_pass, name, lambda args, kwargs, key=key: seen.setdefault(key, kwargs["BV"]))
+    q, k, v = (torch.randn(1, 64, 1, 64, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 64, 1, device=device)).requires_grad_()
+    beta = torch.rand(1, 64, 1, device=device, requires_grad=True)
+    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, tuning=tuning)
+    o.float().sum().backward()
+    assert seen == columns
 
 
 SWEEP_SCRIPT = '''
@@ -154,11 +165,10 @@ import os, sys
 import torch
 sys.path.insert(0, {benchmarks!r})
 from delta_rule_bench_common import sweep_launch
-from rltrain_kernels.ops.common.launch import LAUNCH
 
 
-def grads():
-    setting = LAUNCH["wy_fwd"]
+def grads(tuning):
+    setting = tuning.launch("wy_fwd")
     if (setting["num_warps"], setting["num_stages"]) == (8, 1):  # as a CUDA fault ends a process
         sys.stderr.write("RuntimeError: Triton Error [CUDA]: an illegal memory access was encountered\\n")
         os._exit(1)
@@ -167,8 +177,8 @@ def grads():
     return [torch.ones(2)] * 3
 
 
-def timings():
-    setting = LAUNCH["wy_fwd"]
+def timings(tuning):
+    setting = tuning.launch("wy_fwd")
     return float(setting["num_warps"]), float(setting["num_stages"]) / 10
 
 
@@ -185,7 +195,7 @@ def fake_sweep(tmp_path, isolate: bool):
 
 def test_isolated_sweep_survives_a_fault(tmp_path):
     """--isolate: each warps × stages setting in its own process (this script again, one setting named in the
-    environment); the setting that kills its process (as an illegal memory access does) gets a row saying so and the
+    environment, passed to grads and timings as a Tuning); the setting that kills its process (as an illegal memory access does) gets a row saying so and the
     sweep goes on; an exception stays a row; every other row carries what its child measured, the shipped setting
     marked."""
     proc = fake_sweep(tmp_path, isolate=True)
@@ -220,30 +230,10 @@ def test_output_blocks_bench_reference_matches_the_kernels(op, blocks, device):
     module = importlib.import_module(module_name)
     torch.manual_seed(0)
     args, kwargs, ref = make_case(op, 2, 128, 2, 32, device=device)
-    out = getattr(module, launcher_name)(*args, **kwargs, blocks=blocks)
+    out = getattr(module, launcher_name)(*args, **kwargs, tuning=Tuning(output_blocks=blocks))
     assert out.shape == ref.shape
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < 5e-3, f"{op} output pass at {blocks}: {err:.1e} from the bench's float64 reference"
-
-
-def test_set_switches_by_name():
-    """The benches' --set MODULE.NAME=VALUE: sets an ops/common or an op module's global to a Python literal for the
-    bench's whole process (a child process here), and refuses an unknown module or name and a value of another type,
-    naming the argument, before setting anything."""
-    from delta_rule_bench_common import apply_switches
-
-    lines = in_a_bench_process(
-        "from delta_rule_bench_common import apply_switches\n"
-        "from rltrain_kernels.ops.common import state_pass\n"
-        "from rltrain_kernels.ops.gated_delta_rule import chunk_fwd\n"
-        "apply_switches(['state_pass.NARROW_BV={}', 'gated_delta_rule.chunk_fwd.OUTPUT_BLOCKS=(32, 16)'])\n"
-        "print(state_pass.NARROW_BV, chunk_fwd.OUTPUT_BLOCKS)")
-    assert lines == ["{} (32, 16)"]
-    for bad, words in (("nowhere.X=1", "no switch 'nowhere.X'"), ("state_pass.NOPE=1", "no switch"),
-                       ("state_pass.NARROW_BV=1", "is a dict, got int"),
-                       ("state_pass.NARROW_BV=yes", "not a Python literal")):
-        with pytest.raises(SystemExit, match=words):
-            apply_switches([bad])
 
 
 def test_profile_helper_runs_each_implementation_once_per_step(monkeypatch):

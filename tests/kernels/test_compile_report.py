@@ -25,7 +25,7 @@ def run_report(*args: str) -> subprocess.CompletedProcess:
 
 def test_report_lists_every_launch_of_a_forward_and_backward(tmp_path):
     result = run_report("--B", "1", "--T", "100", "--H", "2", "--D", "32", "--launch", "wy_bwd=8,1",
-                        "--set", "state_pass.NARROW_BV={}", "--asm", str(tmp_path))
+                        "--value-block", "narrow", "--asm", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines()
             if line.startswith("| ") and "_kernel" in line]
@@ -56,3 +56,5 @@ def test_report_rejects_an_unknown_launch_entry():
     result = run_report("--launch", "no_such_kernel=4,2")
     assert result.returncode != 0
     assert "--launch 'no_such_kernel=4,2'" in result.stderr and "wy_bwd" in result.stderr
+    result = run_report("--value-block", "half")
+    assert result.returncode != 0 and "Tuning.value_block must be one of auto, wide, narrow" in result.stderr

@@ -1,7 +1,7 @@
 """The delta-rule family's shared bookkeeping (ops/common): chunk layouts (padded batches cached by shape, packed ones
 by their cu_seqlens tensor), the packed offsets' validation (once per cu_seqlens tensor), the state passes' choice
-of value block, and the gated delta rule / product ops' recurrence_dot argument reaching the WY and state-pass
-launches (common/precision.py)."""
+of value block, the gated delta rule / product ops' recurrence_dot argument reaching the WY and state-pass
+launches (common/precision.py), and the ops' tuning argument reaching every launch (common/tuning.py)."""
 
 import gc
 
@@ -198,3 +198,103 @@ def test_dot_arguments_are_validated_naming_the_argument(op, argument, bad):
     call, _ = recurrence_op_call(op, "cpu")
     with pytest.raises(ValueError, match=rf"{argument} must be one of auto, bf16, tf32; got {bad!r}"):
         call(**{argument: bad})
+
+
+# The modules under rltrain_kernels.ops whose Triton kernels the chunked delta-rule ops launch with a DOT_PREC.
+DELTA_RULE_KERNEL_MODULES = ("common.wy", "common.wy_bwd", "common.state_pass", "gated_delta_rule.chunk_fwd",
+                             "gated_delta_rule.chunk_bwd", "gated_delta_product.chunk_output",
+                             "iplr_delta_rule.chunk_fwd", "iplr_delta_rule.chunk_bwd")
+
+
+def chunked_op_calls(device):
+    """{op: call(tuning)} for the three chunked ops' forward+backward on fresh bf16 inputs (K = V = 64: the state
+    passes' wide launch on one SM, the narrow one on 132)."""
+    from rltrain_kernels.ops.gated_delta_product import chunk_gated_delta_product
+    from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
+    from rltrain_kernels.ops.iplr_delta_rule import chunk_iplr_delta_rule
+
+    def leaves(*shapes):
+        return [torch.randn(*s, device=device).to(torch.bfloat16).requires_grad_() for s in shapes]
+
+    def run(fn, tensors, *extra, tuning):
+        o, ht = fn(*tensors, *extra, initial_state=torch.zeros(1, 1, 64, 64, device=device), output_final_state=True,
+                   tuning=tuning)
+        (o.float().sum() + ht.sum()).backward()
+
+    x, gate = (1, 70, 1, 64), (1, 70, 1)
+    return {"gated_delta_rule": lambda t: run(chunk_gated_delta_rule, leaves(x, x, x, gate, gate), tuning=t),
+            "gated_delta_product": lambda t: run(chunk_gated_delta_product, leaves(x, (1, 140, 1, 64), (1, 140, 1, 64),
+                                                                                    gate, (1, 140, 1)), 2, tuning=t),
+            "iplr_delta_rule": lambda t: run(chunk_iplr_delta_rule, leaves(x, x, x, x, x), tuning=t)}
+
+
+def test_tuning_reaches_every_launch(device, monkeypatch):
+    """A Tuning (common/tuning.py) reaches every launch of the chunked ops, forward and backward, in both state-pass
+    launches: each LAUNCH entry's warps and stages, and `dots` for every kernel that takes a DOT_PREC. The launches
+    are recorded, not run (outputs stay unset): the settings are invalid ones no device would take."""
+    import importlib
+
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from rltrain_kernels.ops.common.launch import LAUNCH
+    from rltrain_kernels.ops.common.tuning import Tuning
+
+    dot_kernels = {name for path in DELTA_RULE_KERNEL_MODULES
+                   for name, obj in vars(importlib.import_module(f"rltrain_kernels.ops.{path}")).items()
+                   if name.endswith("_kernel") and "DOT_PREC" in getattr(obj, "arg_names", ())}
+    launched = {}
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launched.setdefault(self.fn.__name__, set()).add(
+            (kwargs.get("DOT_PREC"), kwargs.get("num_warps"), kwargs.get("num_stages")))
+
+    for cls in (JITFunction, InterpretedFunction):
+        monkeypatch.setattr(cls, "run", record)
+    for sm_count in (1, 132):
+        tuning = Tuning(launches={name: (3, 7) for name in LAUNCH}, dots={name: "ieee" for name in dot_kernels},
+                        sm_count=sm_count)
+        for call in chunked_op_calls(device).values():
+            call(tuning)
+    assert len(dot_kernels) == 13 and dot_kernels <= launched.keys(), sorted(dot_kernels - launched.keys())
+    for name in dot_kernels:
+        # the gated delta product's strided output pass has no LAUNCH entry: Triton's default warps and stages
+        settings = {(None, None)} if name == "strided_output_fwd_kernel" else {(3, 7)}
+        assert launched[name] == {("ieee", *s) for s in settings}, (name, launched[name])
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(launches={"no_such": (4, 2)}), "Tuning.launches: 'no_such'"),
+    (dict(launches={"wy_bwd": (4,)}), "must be (warps, stages)"),
+    (dict(value_block="half"), "Tuning.value_block must be one of auto, wide, narrow; got 'half'"),
+    (dict(output_blocks=(48, 64)), "Tuning.output_blocks must be (BK, BV)"),
+    (dict(iplr_a_in_registers={"wide": True}), "Tuning.iplr_a_in_registers must map 'wide' and 'narrow'"),
+    (dict(dots={"local_dv_kernel": "fp8"}), "Tuning.dots: 'local_dv_kernel': 'fp8' must be one of ieee, tf32, bf16"),
+    (dict(sm_count=0), "Tuning.sm_count must be a positive int"),
+], ids=["launch-name", "launch-pair", "value-block", "output-blocks", "registers", "dots", "sm-count"])
+def test_tuning_is_validated_naming_the_field(fields, words):
+    import re
+
+    from rltrain_kernels.ops.common.tuning import Tuning
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        Tuning(**fields)
+
+
+def test_tuning_is_read_only_and_typed():
+    """A Tuning's settings cannot be changed after construction (the default is shared by every call), and the ops
+    refuse anything else as their tuning."""
+    import dataclasses
+
+    from rltrain_kernels.ops.common.tuning import DEFAULT_TUNING, Tuning
+
+    tuning = Tuning(launches={"wy_bwd": [8, 2]})
+    assert tuning.launches["wy_bwd"] == (8, 2)
+    with pytest.raises(TypeError):
+        tuning.launches["wy_fwd"] = (8, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULT_TUNING.value_block = "wide"
+    for op in RECURRENCE_OPS[::2]:  # the chunked ones
+        call, _ = recurrence_op_call(op, "cpu")
+        with pytest.raises(TypeError, match="tuning must be a rltrain_kernels.ops.common.tuning.Tuning; got dict"):
+            call(tuning={"value_block": "wide"})

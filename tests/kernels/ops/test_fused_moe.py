@@ -151,6 +151,28 @@ def test_naive_matches_transformers_qwen3_moe_experts(device):
         assert_rel_close(grad, ref, name=name)
 
 
+def test_tuning_is_an_argument(device):
+    """MoeTuning (the kernels' tiles and launches): validated on construction, refused in any other form, and a
+    sweep's setting (64-row tiles at 4 warps, bench_fused_moe.py --sweep) computes what the shipped one does (the
+    interpreter runs its own small tiles whatever the setting)."""
+    from rltrain_kernels.ops.fused_moe.tuning import MoeTuning
+
+    with pytest.raises(ValueError, match=r"MoeTuning.up_swiglu must be 4 positive int\(s\); got \(64, 64, 8\)"):
+        MoeTuning(up_swiglu=(64, 64, 8))
+    x, gate_up, down, index, weights = make_inputs(*SHAPES[0], torch.bfloat16, device)
+    with pytest.raises(TypeError, match="fused_moe: tuning must be a rltrain_kernels.ops.fused_moe.tuning.MoeTuning"):
+        fused_moe(x, gate_up, down, index, weights, tuning={"row_tile": 64})
+    tuning = MoeTuning(row_tile=64, up_swiglu=(64, 64, 4, 4), scatter=(128, 64, 4, 4), down_backward=(64, 64, 4, 4))
+    d_out = torch.randn(x.shape, device=device).to(torch.bfloat16)
+    results = {}
+    for label, setting in (("shipped", MoeTuning()), ("swept", tuning)):
+        out = fused_moe(x, gate_up, down, index, weights, tuning=setting)
+        results[label] = (out, *torch.autograd.grad(out, (x, gate_up, down, weights), d_out))
+    for name, a, b in zip(("out", "dx", "d gate_up_proj", "d down_proj", "d top_k_weights"), results["swept"],
+                          results["shipped"]):
+        assert_rel_close(a, b, dtype=torch.bfloat16, name=name)
+
+
 def test_fused_moe_validates_and_falls_back(device):
     x, gate_up, down, index, weights = make_inputs(*SHAPES[0], torch.float64, device)
     assert torch.equal(fused_moe(x, gate_up, down, index, weights), naive_fused_moe(x, gate_up, down, index, weights))

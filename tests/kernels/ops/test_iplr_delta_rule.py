@@ -345,11 +345,12 @@ def test_chunk_backward_writes_gradients_in_the_inputs_dtypes(dtype, device):
 
 @pytest.mark.parametrize("blocks", [(128, 64), (128, 128), (32, 32)])
 def test_output_pass_blocks_change_no_result(blocks, device, monkeypatch):
-    """iplr_output_fwd's blocks (the output pass's key / value tiles, a tuning knob; default chunk_fwd.OUTPUT_BLOCKS,
-    which the op takes) reach the launch and give the same outputs as the shipped blocks, up to fp32 summation order,
-    on the intermediates of the op's forward."""
+    """iplr_output_fwd's blocks (the output pass's key / value tiles, Tuning.output_blocks; default
+    chunk_fwd.OUTPUT_BLOCKS, which the op takes) reach the launch and give the same outputs as the shipped blocks, up
+    to fp32 summation order, on the intermediates of the op's forward."""
     from rltrain_kernels.ops.common.chunking import chunk_layout
     from rltrain_kernels.ops.common.precision import iplr_dot_precision
+    from rltrain_kernels.ops.common.tuning import Tuning
     from rltrain_kernels.ops.iplr_delta_rule import chunk_fwd
 
     launched = []  # each launch's (BK, BV)
@@ -362,7 +363,8 @@ def test_output_pass_blocks_change_no_result(blocks, device, monkeypatch):
     Ai, Ak = chunk_fwd.iplr_solve(k, a, b, layout, dot_prec=dot_prec)
     h, x, _ = chunk_fwd.iplr_state_pass_fwd(k, v, a, b, Ai, Ak, h0, False, layout, dot_prec=dot_prec)
     base = chunk_fwd.iplr_output_fwd(q, k, v, b, x, h, 128 ** -0.5, layout, v.dtype, dot_prec=dot_prec)
-    o = chunk_fwd.iplr_output_fwd(q, k, v, b, x, h, 128 ** -0.5, layout, v.dtype, blocks=blocks, dot_prec=dot_prec)
+    o = chunk_fwd.iplr_output_fwd(q, k, v, b, x, h, 128 ** -0.5, layout, v.dtype, dot_prec=dot_prec,
+                                  tuning=Tuning(output_blocks=blocks))
     assert_rel_close(o, base, threshold=1e-6, name="o")
     assert launched == [tuple(chunk_fwd.OUTPUT_BLOCKS), blocks]  # K = V = 128: no cap below
 

@@ -9,7 +9,7 @@ actor.mixed_precision: fp32 shards, bf16 compute; the reference sharded in bf16)
 One spawn runs every case of a fixture (~30 s in all on 2 cores, mostly process start and imports). With 2 GPUs
 (@pytest.mark.gpu) the same cases run over NCCL, fp32 and bf16 mixed precision, the latter also with the shards,
 gradients and optimizer state offloaded to the CPU (actor.fsdp.cpu_offload), and the hybrid cases in bf16.
-kernels/benchmarks/bench_multi_gpu.py does the same at real sizes with the fused kernels."""
+benchmarks/bench_multi_gpu.py does the same at real sizes with the fused kernels."""
 
 import copy
 import socket

@@ -7,7 +7,7 @@ copy, on rank 0 only; a tied weight goes once and reaches both names.
 @pytest.mark.gpu: host copies from a GPU through the pinned staging buffer; the IPC route for real on one GPU — an
 ActorWorker in this process and a RolloutWorker (hf engine) in a spawned one, as Ray colocates them; every bucket
 arrives by IPC and the engine's log-probs of a fixed batch equal the actor's after the push. This module imports no
-Ray (Ray's runtime reaches the GPU machines only as the tarball kernels/benchmarks/README.md describes)."""
+Ray (a GPU machine without internet access gets Ray only as benchmarks/README.md describes)."""
 
 import multiprocessing
 import pickle

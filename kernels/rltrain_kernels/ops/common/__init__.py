@@ -16,6 +16,8 @@ The delta-rule family (gated delta rule, IPLR, gated delta product):
   `wy_bwd`: its backward.
 - `state_pass`: the sequential inter-chunk state recurrence, forward and backward.
 - `launch`: warps and pipeline stages of these kernels (and the gated delta rule's), in one table.
+- `tuning`: the ops' `tuning` argument (`Tuning`): the launch choices, shipped by default, handed down to every
+  launch, so a benchmark sweeps a setting by passing it.
 - `inputs`: the argument checks they share (cu_seqlens packing, the initial state's shape and device).
 
 The delta-rule machinery works on the flattened token axis: [1, total_tokens, heads, dim] with cu_seqlens (a

@@ -33,47 +33,40 @@ import torch
 import triton
 import triton.language as tl
 
-# Measured together on H100 (bench_gated_delta_rule.py --precision; bf16 H16 K=V=128; errors: worst
-# relative error vs the fp32 naive recurrence over B1 T300 H2 and B2 T1024 H4; issue bar 5e-3 outputs, 1e-2 grads):
-#   dots / raw q,k dots / stored h, δ, dh    out err  grad err   B8 T2048 fwd, fwd+bwd ms   B2 T8192 fwd, fwd+bwd
-#   tf32 / tf32 / fp32                       2.3e-3   2.5e-3     1.000  4.34                1.09  4.82
-#   tf32 / bf16 / fp32                       2.3e-3   2.5e-3     0.967  4.18                1.07  4.72
-#   tf32 / bf16 / bf16                       2.9e-3   2.9e-3     0.856  3.97                1.02  4.64
-#   bf16 / bf16 / fp32                       3.6e-3   4.5e-3     0.876  3.76                0.99  4.09
-#   bf16 / bf16 / bf16  (default)            3.6e-3   4.5e-3     0.752  3.41                0.90  3.90
 # The chunk products' dots for bf16 inputs under dot="auto" (the ops' `dot` argument: "bf16" or "tf32"; fp16 inputs
 # always use "tf32": fp16's range would overflow computed operands such as the chunk states; fp32 inputs "ieee").
+# bf16 dots with bf16 h, δ and dh: 3.41 ms forward+backward against 4.34 with all tf32 and fp32 states (H100, bf16 B8
+# T2048 H16 K=V=128), errors 3.6e-3 / 4.5e-3 within the 5e-3 / 1e-2 bars (kernels/benchmarks/RESULTS.md, "Precision
+# of the delta-rule chunk kernels").
 LOW_PRECISION_DOT = "bf16"
-# Products of two raw bf16/fp16 inputs run in their own dtype (raw_precision: exact, where tf32 would cost the rate
-# the table's "raw q,k dots" column shows); h, δ and dh are stored bf16 for bf16 inputs (work_dtype: half the bytes of
-# the passes between kernels); T, w, dδ and dw, which only ever feed DOT_PREC dots, are stored in the dots' operand
-# dtype (operand_dtype: rounded once on the store instead of in every dot that reads them, the same numbers at half
-# the bytes).
-# The IPLR kernels' dots for bf16 inputs under dot="auto" (H100): every IPLR GPU test passes (worst B2 T1024 errors
-# 3.4e-3 outputs, 5.3e-3 gradients) and bf16 H16 K=V=128 fwd+bwd runs 3.94 ms at B8 T2048, 4.20 at B2 T8192, against
-# 6.35 and 7.10 with "tf32". It needs the state passes at 2+ stages: at 1 stage Triton 3.6 miscompiles them
-# (common/launch.py).
+# Products of two raw bf16/fp16 inputs run in their own dtype (raw_precision: exact, at twice tf32's rate); h, δ and
+# dh are stored bf16 for bf16 inputs (work_dtype: half the bytes of the passes between kernels); T, w, dδ and dw, which
+# only ever feed DOT_PREC dots, are stored in the dots' operand dtype (operand_dtype: rounded once on the store
+# instead of in every dot that reads them, the same numbers at half the bytes).
+# The IPLR kernels' dots for bf16 inputs under dot="auto": 3.94 ms forward+backward against 6.35 with "tf32" (H100,
+# bf16 B8 T2048 H16 K=V=128), worst B2 T1024 errors 3.4e-3 outputs, 5.3e-3 gradients. It needs the state passes at
+# 2+ stages: at 1 stage Triton 3.6 miscompiles them (common/launch.py).
 IPLR_LOW_PRECISION_DOT = "bf16"
 # The ops' recurrence_dot argument (kernel_config.delta_rule_recurrence_dot): the dots of the kernels that carry the
 # recurrence (the WY forward and backward, both state passes) of the gated delta rule and product, for bf16 inputs.
 # "auto" follows the op's `dot`; "tf32" keeps bf16 rounding out of what the state accumulates chunk after chunk
 # (T, w, dδ and dw, which feed those dots, are then stored fp32). For the gated delta product with β up to 2 and
-# nothing forgetting it takes the outputs' error from 5.6e-3 to 3.5e-3 at +28% forward+backward time, where all-tf32
-# dots (dot="tf32") cost +36% (H100; RESULTS.md). The choices of both arguments:
+# nothing forgetting it takes the outputs' error from 5.6e-3 to 3.5e-3 at +28% forward+backward time (H100;
+# RESULTS.md). The choices of both arguments:
 DOT_CHOICES = ("auto", "bf16", "tf32")
 # The solve's merges in "tf32x3" (three tf32 products: ≈ fp32 accuracy on tensor cores) instead of "ieee": forward
-# 3.80 → 2.30 ms, fwd+bwd 8.82 → 7.40 ms (H200, bf16 B8 T2048 H16 K=V=128), gradients unchanged (2.6e-3).
+# 3.80 → 2.30 ms (H200, bf16 B8 T2048 H16 K=V=128), gradients unchanged (2.6e-3).
 LOW_PRECISION_SOLVE = "tf32x3"
 
 
-def dot_precision(dtype: torch.dtype, low: str | None = None) -> str:
+def dot_precision(dtype: torch.dtype, low: str = LOW_PRECISION_DOT) -> str:
     """DOT_PREC for inputs of `dtype`: 'ieee' for fp32, `low` (default LOW_PRECISION_DOT) for bf16, 'tf32' for fp16.
     Under the interpreter bf16's mode gets an '_interpreted' suffix (mm and cast_for_store round to nearest then)."""
     if dtype in (torch.float32, torch.float64):
         return "ieee"
     if dtype != torch.bfloat16:
         return "tf32"
-    return (low or LOW_PRECISION_DOT) + ("_interpreted" if _interpreted() else "")
+    return low + ("_interpreted" if _interpreted() else "")
 
 
 def check_dot(value: str, argument: str = "dot") -> str:
@@ -88,7 +81,7 @@ def check_recurrence_dot(recurrence_dot: str) -> str:
     return check_dot(recurrence_dot, "recurrence_dot")
 
 
-def op_dot_precision(dtype: torch.dtype, dot: str, auto: str | None = None) -> str:
+def op_dot_precision(dtype: torch.dtype, dot: str, auto: str = LOW_PRECISION_DOT) -> str:
     """DOT_PREC of an op's chunk kernels for inputs of `dtype` under its `dot` argument (auto | bf16 | tf32, checked;
     for bf16 inputs "auto" is `auto`, default LOW_PRECISION_DOT; fp32 and fp16 inputs as dot_precision)."""
     return dot_precision(dtype, auto if check_dot(dot) == "auto" else dot)

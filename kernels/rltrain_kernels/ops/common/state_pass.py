@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .chunking import ChunkLayout
-from .launch import launch, tile
+from .launch import tile
 from .precision import (
     cast_for_store,
     mm,
@@ -39,24 +39,16 @@ from .precision import (
     raw_precision,
     work_dtype,
 )
+from .tuning import DEFAULT_TUNING, Tuning
 from .wy import gated_wy_fwd
 
-# Why the passes form u, w S and wᵀ dδ from T rather than reading u and w (H100, bf16 H16 K=V=128,
-# bench_gated_delta_rule.py --profile): forming u = T diag(β) V in the forward pass (a 64×64 dot per chunk and V block,
-# off the loop's dependence on S) saves 3 of the ~14 passes over a [tokens, heads, 128] bf16 tensor that the forward
-# makes: fwd 0.695 → 0.640 ms and fwd+bwd 2.55 → 2.43 at B8 T2048, within noise at B2 T8192. Forming δ = T diag(β)
-# (V − diag(γ) K S) (K S a dot on the k tile the state update reads anyway) lets the WY kernel write no w and the pass
-# hold no w tiles (shared memory 113 → 81 KiB: two blocks per SM): forward state pass 0.34 → 0.32 ms, WY forward
-# 0.31 → 0.27; V − diag(γ) K S cancels in fp32 before anything is rounded. Forming wᵀ dδ = Kᵀ diag(βγ) (Tᵀ dδ) in the
-# reverse pass removes the backward's w recomputation (its WY kernel, 0.07 ms, is not launched) at a [64, 64] T tile
-# where a [64, K] w tile was and one more dot on the chunk's chain (reverse pass 0.26 → 0.29 ms alone, 0.23 with the
-# chunk-local term below fused, B8 T2048).
-# The chunk-local Pᵀ dO of the reverse pass: formed inside the pass in the wide launch (programs fill every SM, the
-# pass is throughput-bound and the extra dots fill its stalls: B8 T2048 reverse pass 0.25 → 0.23 ms and the separate
-# kernel's 0.10 ms gone, at 4 warps / 2 stages); computed first by the chunk-parallel local_dv_kernel in the narrow
-# launch, which is latency-bound (B2 T8192: fused 0.46 ms against 0.32 + 0.10 for the two kernels). The separate
-# kernel stores it in dδ's own buffer and dtype (bf16 with bf16 dots, as fla does): local_dv 0.13 → 0.10 ms and the
-# reverse pass 0.29 → 0.27 against an fp32 buffer, worst gradient error 4.4616e-3 → 4.4615e-3.
+# Why the passes form u, w S and wᵀ dδ from T rather than reading u and w: the forward writes and reads neither (3 of
+# its ~14 passes over a [tokens, heads, 128] tensor; H100, bf16 B8 T2048 H16 K=V=128, --profile: fwd+bwd 2.55 → 2.43
+# ms), the WY kernel stores only T, and the backward launches no w recomputation. V − diag(γ) K S cancels in fp32
+# before anything is rounded.
+# The chunk-local Pᵀ dO of the reverse pass: formed inside the pass in the wide launch (throughput-bound: the extra
+# dots fill its stalls), computed first by the chunk-parallel local_dv_kernel in the narrow one, which is
+# latency-bound (B2 T8192: fused 0.46 ms against 0.42 for the two kernels), into dδ's own buffer and dtype.
 
 
 @triton.jit
@@ -243,25 +235,17 @@ def state_pass_bwd_kernel(
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, b_dh, mask=m_h)
 
 
-# IPLR's a tile in the reverse pass, per launch ("wide", "narrow"): loaded through registers as fp32 (True) or as
-# stored (False), which Triton copies into shared memory ahead, one buffer per pipeline stage. Always True for K > 128,
-# where the stored tiles take the pass to 233 KiB of shared memory at bf16 K = 256, over Hopper's 227 (185 KiB so).
-IPLR_A_IN_REGISTERS = {"wide": True, "narrow": False}
-# The state passes' value columns per program, state_launch's value_block when not given: "auto" (its occupancy
-# rule), or "wide" / "narrow" whatever the batch, which a benchmark run sets for its whole process (`--value-block`).
-VALUE_BLOCK = "auto"
 # Value columns per program of the narrow launch, per pass (32 where not listed). The narrow launch is latency-bound
 # (fewer programs than SMs at 64 columns): more, thinner programs shorten each chunk's chain. The forward pass at 16
-# against 32 (H100, bf16 B2 T8192 H16 K=V=128, --profile: 32 sequence-heads): 0.57 → 0.48 ms for its two
-# calls, outputs and gradients unchanged; the reverse pass stays at 32 (0.32 ms; 16: 0.35).
+# (H100, bf16 B2 T8192 H16 K=V=128): 0.48 ms for its two calls against 0.57 at 32; the reverse pass stays at 32.
 NARROW_BV: dict[str, int] = {"state_pass_fwd": 16}
 
 
 def state_launch(name: str, programs: int, K: int, V: int, device: torch.device, sm_count: int | None = None,
-                 value_block: str | None = None) -> tuple[str, int, int]:
+                 value_block: str = "auto") -> tuple[str, int, int]:
     """(LAUNCH entry, BK, BV) for a state pass over `programs` sequence-heads: the whole key dim in registers, and
     64 value columns per program (the entry's *_wide settings) when K ≤ 128 and programs × V/64 still fill every
-    SM (`sm_count`, default the device's: 1 on the interpreter) or `value_block` (default VALUE_BLOCK) says "wide",
+    SM (`sm_count`, default the device's: 1 on the interpreter) or `value_block` (Tuning.value_block) says "wide",
     else NARROW_BV's (a [128, 32] fp32 state tile plus [64, 128] operand tiles fit 4 warps without spilling at
     K=128)."""
     if K > 256:
@@ -269,7 +253,6 @@ def state_launch(name: str, programs: int, K: int, V: int, device: torch.device,
     BK = tile(K)
     # swept at K=128 only: a [256, 64] fp32 state tile would spill at the *_wide warps, so wider keys stay at 32
     sm_count = _sm_count(device) if sm_count is None else sm_count
-    value_block = value_block or VALUE_BLOCK
     fills = value_block == "wide" or (value_block == "auto" and programs * triton.cdiv(V, 64) >= sm_count)
     if BK <= 128 and V >= 64 and fills:
         return f"{name}_wide", BK, 64
@@ -284,14 +267,15 @@ def _sm_count(device: torch.device) -> int:
 
 
 def state_pass_fwd(k, v, beta, Ai, G, initial_state, output_final_state: bool, layout: ChunkLayout, *,
-                   dot_prec: str):
+                   dot_prec: str, tuning: Tuning = DEFAULT_TUNING):
     """k [tokens, H, K], v [tokens, HV, V], beta [tokens, HV], the T matrices Ai [tokens, HV, BT] → (h [chunks, HV,
     K, V] chunk-start states, v_new [tokens, HV, V] (both in work_dtype(k.dtype)), final state (fp32) or None);
-    δ = T diag(β)(V − diag(γ) K S) formed in the pass. dot_prec: the recurrence's DOT_PREC (the WY kernel's)."""
+    δ = T diag(β)(V − diag(γ) K S) formed in the pass. dot_prec: the recurrence's DOT_PREC (the WY kernel's);
+    tuning: the launch choices (common/tuning.py)."""
     TT, H, K = k.shape
     HV, V = v.shape[1:]
     N = layout.num_seqs
-    name, BK, BV = state_launch("state_pass_fwd", N * HV, K, V, k.device)
+    name, BK, BV = state_launch("state_pass_fwd", N * HV, K, V, k.device, tuning.sm_count, tuning.value_block)
     if initial_state is not None:
         # The kernel addresses the state as dense [N, HV, K, V]; callers pass any layout (engines keep states
         # [V, K] and hand in the transposed view, caches slice them out of larger buffers): one state-sized copy.
@@ -303,27 +287,28 @@ def state_pass_fwd(k, v, beta, Ai, G, initial_state, output_final_state: bool, l
         k, v, beta, Ai, G, h, v_new, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, HV=HV,
         K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None,
         USE_INITIAL_STATE=initial_state is not None, STORE_FINAL_STATE=output_final_state,
-        DOT_PREC=dot_prec, **launch(name))
+        DOT_PREC=tuning.dot(state_pass_fwd_kernel, dot_prec), **tuning.launch(name))
     return h, v_new, ht
 
 
 def chunk_states_fwd(k, v, beta, G, initial_state, output_final_state: bool, layout: ChunkLayout, Ai=None, *,
-                     dot_prec: str):
+                     dot_prec: str, tuning: Tuning = DEFAULT_TUNING):
     """The WY kernel's solve (skipped with Ai given: the backward's recomputation) then the forward state pass →
     (Ai, h, v_new, final state or None), both in the recurrence's DOT_PREC `dot_prec`."""
     if Ai is None:
-        Ai = gated_wy_fwd(k, beta, G, layout, dot_prec=dot_prec)
-    h, v_new, ht = state_pass_fwd(k, v, beta, Ai, G, initial_state, output_final_state, layout, dot_prec=dot_prec)
+        Ai = gated_wy_fwd(k, beta, G, layout, dot_prec=dot_prec, tuning=tuning)
+    h, v_new, ht = state_pass_fwd(k, v, beta, Ai, G, initial_state, output_final_state, layout, dot_prec=dot_prec,
+                                  tuning=tuning)
     return Ai, h, v_new, ht
 
 
 def state_pass_bwd(q, k, G, do, dht, scale: float, need_dh0: bool, layout: ChunkLayout, Ai, beta=None, a=None, *,
                    dot_prec: str, local_prec: str, dh_dtype: torch.dtype | None = None,
-                   dv_dtype: torch.dtype | None = None, query_stride: int = 1):
+                   dv_dtype: torch.dtype | None = None, query_stride: int = 1, tuning: Tuning = DEFAULT_TUNING):
     """→ (dh [chunks, HV, K, V] in dh_dtype (default work_dtype(k.dtype)): gradient of each chunk's end state,
     dv [tokens, HV, V] in dv_dtype (default operand_dtype(k.dtype, dot_prec)): ∂L/∂δ, dh0 [N, HV, K, V] fp32 or
     None). dot_prec: the reverse pass's DOT_PREC (the recurrence's, the forward's); local_prec: the chunk-local
-    Pᵀ dO's (the output pass's). dv feeds only dots downstream, so storing it in their
+    Pᵀ dO's (the output pass's); tuning: the launch choices. dv feeds only dots downstream, so storing it in their
     operand dtype changes no number; its chunk-local part is formed in the reverse pass (wide launch) or by
     local_dv_kernel into dv first (narrow launch).
     query_stride NH: q [tokens / NH, H, K] and do [tokens / NH, HV, V] hold the queries of every NH-th row (see the
@@ -340,23 +325,25 @@ def state_pass_bwd(q, k, G, do, dht, scale: float, need_dh0: bool, layout: Chunk
     if q.shape[0] * query_stride != TT or do.shape[0] * query_stride != TT:
         raise ValueError(f"state_pass_bwd: q and do need k's {TT} rows / query_stride {query_stride}, got "
                          f"{q.shape[0]} and {do.shape[0]}")
-    name, BK, BV = state_launch("state_pass_bwd", N * HV, K, V, k.device)
+    name, BK, BV = state_launch("state_pass_bwd", N * HV, K, V, k.device, tuning.sm_count, tuning.value_block)
     if dht is not None:
         dht = dht.contiguous()  # read as dense [N, HV, K, V]; autograd may hand it in expanded or strided
     dh = torch.empty(layout.num_chunks, HV, K, V, dtype=dh_dtype or work_dtype(k.dtype), device=k.device)
     dv = torch.empty(TT, HV, V, dtype=dv_dtype or operand_dtype(k.dtype, dot_prec), device=k.device)
     dh0 = torch.empty(N, HV, K, V, dtype=torch.float32, device=k.device) if need_dh0 else None
-    fuse_local = name.endswith("_wide")  # Pᵀ dO formed in the reverse pass: see the note above state_pass_fwd_kernel
+    kind = "wide" if name.endswith("_wide") else "narrow"
+    fuse_local = kind == "wide"  # Pᵀ dO formed in the reverse pass: see the note above state_pass_fwd_kernel
     if layout.num_chunks and not fuse_local:
         local_dv_kernel[(layout.num_chunks, HV)](
             q, k, G, do, dv, layout.cu_seqlens, layout.chunk_indices, scale, H=H, HV=HV, K=K, V=V,
             BT=layout.chunk_size, BK=BK, BV=tile(V, 64), USE_G=G is not None,
-            DOT_PREC=local_prec, RAW_PREC=raw_precision(q.dtype), NH=query_stride, **launch("local_dv"))
+            DOT_PREC=tuning.dot(local_dv_kernel, local_prec), RAW_PREC=raw_precision(q.dtype), NH=query_stride,
+            **tuning.launch("local_dv"))
     state_pass_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
         q, k, Ai, beta, a, G, do, dv, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H,
         HV=HV, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, USE_G=G is not None,
-        USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0, DOT_PREC=dot_prec,
-        NH=query_stride, W_FROM_A=a is not None,
-        A_IN_REGISTERS=K > 128 or IPLR_A_IN_REGISTERS["wide" if name.endswith("_wide") else "narrow"],
-        FUSE_LOCAL=fuse_local, LOCAL_PREC=local_prec, RAW_PREC=raw_precision(q.dtype), **launch(name))
+        USE_FINAL_STATE_GRADIENT=dht is not None, STORE_INITIAL_STATE_GRADIENT=need_dh0,
+        DOT_PREC=tuning.dot(state_pass_bwd_kernel, dot_prec), NH=query_stride, W_FROM_A=a is not None,
+        A_IN_REGISTERS=K > 128 or tuning.iplr_a_in_registers[kind], FUSE_LOCAL=fuse_local, LOCAL_PREC=local_prec,
+        RAW_PREC=raw_precision(q.dtype), **tuning.launch(name))
     return dh, dv, dh0

@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from .chunking import ChunkLayout
-from .launch import launch
 from .precision import (
     cast_for_store,
     mm,
@@ -29,6 +28,7 @@ from .precision import (
     raw_precision,
     solve_precision,
 )
+from .tuning import DEFAULT_TUNING, Tuning
 
 
 @triton.jit
@@ -94,9 +94,10 @@ def gated_wy_fwd_kernel(
     tl.store(p_Ai, cast_for_store(b_T, Ai, DOT_PREC), mask=m_t[:, None])
 
 
-def gated_wy_fwd(k, beta, G, layout: ChunkLayout, *, dot_prec: str):
+def gated_wy_fwd(k, beta, G, layout: ChunkLayout, *, dot_prec: str, tuning: Tuning = DEFAULT_TUNING):
     """k [tokens, H, K], beta/G [tokens, HV] (G fp32 chunk-local cumsum or None) → Ai [tokens, HV, BT] = T in
-    operand_dtype(k.dtype, dot_prec); dot_prec: the recurrence's DOT_PREC (precision.recurrence_dot_precision)."""
+    operand_dtype(k.dtype, dot_prec); dot_prec: the recurrence's DOT_PREC (precision.recurrence_dot_precision);
+    tuning: the launch choices (common/tuning.py)."""
     TT, H, K = k.shape
     HV = beta.shape[1]
     BT = layout.chunk_size
@@ -106,6 +107,7 @@ def gated_wy_fwd(k, beta, G, layout: ChunkLayout, *, dot_prec: str):
     if layout.num_chunks:
         gated_wy_fwd_kernel[(layout.num_chunks, HV)](
             k, beta, G, Ai, layout.cu_seqlens, layout.chunk_indices, H=H, HV=HV, K=K, BT=BT,
-            BK=min(64, triton.next_power_of_2(K)), USE_G=G is not None, DOT_PREC=dot_prec,
-            RAW_PREC=raw_precision(k.dtype), SOLVE_PREC=solve_precision(k.dtype), **launch("wy_fwd"))
+            BK=min(64, triton.next_power_of_2(K)), USE_G=G is not None,
+            DOT_PREC=tuning.dot(gated_wy_fwd_kernel, dot_prec),
+            RAW_PREC=raw_precision(k.dtype), SOLVE_PREC=solve_precision(k.dtype), **tuning.launch("wy_fwd"))
     return Ai

@@ -17,9 +17,10 @@ import triton
 import triton.language as tl
 
 from .chunking import ChunkLayout
-from .launch import launch, tile
+from .launch import tile
 from .precision import cast_for_store, mm, mma, operand_dtype, raw_precision
 from .scratch import scratch_tiles, transpose_via_scratch
+from .tuning import DEFAULT_TUNING, Tuning
 
 
 @triton.jit
@@ -103,11 +104,12 @@ def gated_wy_bwd_kernel(
         tl.store(dG + o_t * HV + i_hv, b_dG, mask=m_t)
 
 
-def gated_wy_bwd(k, v, beta, G, Ai, dw, du, dk, dG, layout: ChunkLayout, dk_final: bool = False, *, dot_prec: str):
+def gated_wy_bwd(k, v, beta, G, Ai, dw, du, dk, dG, layout: ChunkLayout, dk_final: bool = False, *, dot_prec: str,
+                 tuning: Tuning = DEFAULT_TUNING):
     """Adds the WY backward into dk [tokens, HV, K] fp32 and dG [tokens, HV] fp32; returns (dk, dv [tokens, HV, V]
     in v's dtype, dbeta [tokens, HV] in beta's): final gradients written once, no cast kernels after. With dk_final
     dk comes back in k's dtype (a new tensor); else the fp32 dk, summed further by the caller (GVA). dot_prec: the
-    recurrence's DOT_PREC, the forward's (precision.recurrence_dot_precision)."""
+    recurrence's DOT_PREC, the forward's (precision.recurrence_dot_precision); tuning: the launch choices."""
     TT, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     dv = torch.empty(TT, HV, V, dtype=v.dtype, device=k.device)
@@ -118,5 +120,6 @@ def gated_wy_bwd(k, v, beta, G, Ai, dw, du, dk, dG, layout: ChunkLayout, dk_fina
         gated_wy_bwd_kernel[(layout.num_chunks, HV)](
             k, v, beta, G, Ai, dw, du, dk, dk_out, dv, dbeta, dG, scratch, layout.cu_seqlens, layout.chunk_indices,
             H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=tile(K, 64), BV=tile(V, 64), USE_G=G is not None,
-            DOT_PREC=dot_prec, RAW_PREC=raw_precision(k.dtype), **launch("wy_bwd"))
+            DOT_PREC=tuning.dot(gated_wy_bwd_kernel, dot_prec), RAW_PREC=raw_precision(k.dtype),
+            **tuning.launch("wy_bwd"))
     return dk_out, dv, dbeta

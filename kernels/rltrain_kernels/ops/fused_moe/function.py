@@ -21,6 +21,7 @@ from rltrain_kernels.ops.common.precision import raw_precision
 from rltrain_kernels.ops.fused_moe.grouped_gemm import down_backward, row_tile, scatter_gemm, up_swiglu_forward
 from rltrain_kernels.ops.fused_moe.naive import naive_fused_moe
 from rltrain_kernels.ops.fused_moe.routing import Routing, sort_by_expert
+from rltrain_kernels.ops.fused_moe.tuning import DEFAULT_MOE_TUNING, MoeTuning
 from rltrain_kernels.ops.fused_moe.weight_grad import down_weight_grad, gate_up_weight_grad
 from rltrain_kernels.utils import triton_interpreted
 
@@ -39,18 +40,19 @@ def _sum_slots(rows: torch.Tensor, n_tokens: int) -> torch.Tensor:
 
 class FusedMoEFunction(torch.autograd.Function):
     """apply(x [T, H], gate_up_proj [E, 2I, H], down_proj [E, H, I], top_k_index [T, k], top_k_weights [T, k],
-    differentiable) -> out [T, H]; differentiable=False (no gradient will be asked for) skips storing gate|up."""
+    differentiable, tuning) -> out [T, H]; differentiable=False (no gradient will be asked for) skips storing
+    gate|up; tuning: the kernels' tiles and launches (tuning.py)."""
 
     @staticmethod
-    def forward(ctx, x, gate_up_proj, down_proj, top_k_index, top_k_weights, differentiable):
+    def forward(ctx, x, gate_up_proj, down_proj, top_k_index, top_k_weights, differentiable, tuning):
         x = _unit_columns(x)
         weights = top_k_weights.reshape(-1).contiguous()
-        routing = sort_by_expert(top_k_index, gate_up_proj.shape[0], row_tile())
+        routing = sort_by_expert(top_k_index, gate_up_proj.shape[0], row_tile(tuning))
         dot_prec = raw_precision(x.dtype)
-        gu, h = up_swiglu_forward(x, gate_up_proj, routing, dot_prec, store_gu=differentiable)
-        out = _sum_slots(scatter_gemm(h, down_proj, 2, routing, dot_prec, scale=weights), x.shape[0])
+        gu, h = up_swiglu_forward(x, gate_up_proj, routing, dot_prec, store_gu=differentiable, tuning=tuning)
+        out = _sum_slots(scatter_gemm(h, down_proj, 2, routing, dot_prec, scale=weights, tuning=tuning), x.shape[0])
         ctx.save_for_backward(x, gate_up_proj, down_proj, weights, gu, *routing.tensors())
-        ctx.top_k, ctx.block_m, ctx.dot_prec = routing.top_k, routing.block_m, dot_prec
+        ctx.top_k, ctx.block_m, ctx.dot_prec, ctx.tuning = routing.top_k, routing.block_m, dot_prec, tuning
         ctx.weights_shape, ctx.weights_dtype = top_k_weights.shape, top_k_weights.dtype
         return out
 
@@ -59,20 +61,21 @@ class FusedMoEFunction(torch.autograd.Function):
     def backward(ctx, d_out):
         x, gate_up_proj, down_proj, weights, gu, *routing_tensors = ctx.saved_tensors
         routing = Routing(*routing_tensors, top_k=ctx.top_k, block_m=ctx.block_m)
-        need_x, need_gate_up, need_down, _, need_weights, _ = ctx.needs_input_grad
+        need_x, need_gate_up, need_down, _, need_weights, _, _ = ctx.needs_input_grad
         d_out = _unit_columns(d_out)
         dx = d_gate_up = d_down = d_weights = None
         if need_x or need_gate_up or need_weights:
-            dgu, dw = down_backward(d_out, down_proj, gu, weights, routing, ctx.dot_prec)
+            dgu, dw = down_backward(d_out, down_proj, gu, weights, routing, ctx.dot_prec, tuning=ctx.tuning)
             if need_weights:
                 d_weights = dw.view(ctx.weights_shape).to(ctx.weights_dtype)
             if need_x:
-                dx = _sum_slots(scatter_gemm(dgu, gate_up_proj, 1, routing, ctx.dot_prec), x.shape[0])
+                dx = _sum_slots(scatter_gemm(dgu, gate_up_proj, 1, routing, ctx.dot_prec, tuning=ctx.tuning),
+                                x.shape[0])
             if need_gate_up:
-                d_gate_up = gate_up_weight_grad(dgu, x, routing, gate_up_proj.dtype, ctx.dot_prec)
+                d_gate_up = gate_up_weight_grad(dgu, x, routing, gate_up_proj.dtype, ctx.dot_prec, tuning=ctx.tuning)
         if need_down:
-            d_down = down_weight_grad(d_out, gu, weights, routing, down_proj.dtype, ctx.dot_prec)
-        return dx, d_gate_up, d_down, None, d_weights, None
+            d_down = down_weight_grad(d_out, gu, weights, routing, down_proj.dtype, ctx.dot_prec, tuning=ctx.tuning)
+        return dx, d_gate_up, d_down, None, d_weights, None, None
 
 
 def _check(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights) -> None:
@@ -104,15 +107,20 @@ def _kernel_supported(hidden_states, gate_up_proj, down_proj) -> bool:
 
 
 def fused_moe(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-              top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+              top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+              tuning: MoeTuning = DEFAULT_MOE_TUNING) -> torch.Tensor:
     """out[t] = Σ_j top_k_weights[t, j] · down_e(silu(gate_e(x_t)) · up_e(x_t)), e = top_k_index[t, j].
 
     hidden_states [..., H]; gate_up_proj [E, 2I, H] (gate rows first, transformers' layout); down_proj [E, H, I];
     top_k_index [..., k] expert ids in [0, E) (not checked: that would cost a host sync); top_k_weights [..., k] of
     any float dtype (its gradient comes back in it). Returns hidden_states' shape and dtype; differentiable in
     everything but top_k_index. bf16/fp16/fp32 tensors on CUDA (or under the interpreter) with one dtype for the
-    hidden states and both weights run the Triton kernels; anything else runs `naive_fused_moe`."""
+    hidden states and both weights run the Triton kernels; anything else runs `naive_fused_moe`. tuning: the kernels'
+    tiles and launches (tuning.py; the default is what ships), for tuning runs."""
     _check(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
+    if not isinstance(tuning, MoeTuning):
+        raise TypeError(f"fused_moe: tuning must be a rltrain_kernels.ops.fused_moe.tuning.MoeTuning; got "
+                        f"{type(tuning).__name__}")
     if hidden_states.numel() == 0 or not _kernel_supported(hidden_states, gate_up_proj, down_proj):
         return naive_fused_moe(hidden_states, gate_up_proj, down_proj, top_k_index, top_k_weights)
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -120,5 +128,5 @@ def fused_moe(hidden_states: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
     differentiable = torch.is_grad_enabled() and any(
         t.requires_grad for t in (hidden_states, gate_up_proj, down_proj, top_k_weights))
     out = FusedMoEFunction.apply(x, gate_up_proj, down_proj, top_k_index.reshape(-1, top_k),
-                                 top_k_weights.reshape(-1, top_k), differentiable)
+                                 top_k_weights.reshape(-1, top_k), differentiable, tuning)
     return out.view(hidden_states.shape)

@@ -28,20 +28,10 @@ import triton.language as tl
 
 from rltrain_kernels.ops.common.precision import cast_for_store, mma
 from rltrain_kernels.ops.fused_moe.routing import Routing
+from rltrain_kernels.ops.fused_moe.tuning import DEFAULT_MOE_TUNING, MoeTuning
 from rltrain_kernels.utils import triton_interpreted
 
-# Rows per tile of the four row-tiled GEMMs (one Routing serves them all). 128: the tile the wgmma instructions fill
-# with 8 warps; at Qwen3-30B-A3B's 512 rows per expert (8192 tokens, top-8 of 128) the last tile of an expert is half
-# empty on average, 11% of the rows computed.
-ROW_TILE = 128
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) per kernel, bf16/fp16 on H100; fp32 inputs cap the stages at 2 (their
-# tiles take twice the shared memory). The two-accumulator kernels take 64 columns of each half (128 × 128 fp32 of
-# accumulators in all, the registers of one 128 × 128 tile).
-LAUNCH = {
-    "up_swiglu": (64, 64, 8, 4),
-    "scatter": (128, 64, 8, 4),
-    "down_backward": (64, 64, 8, 4),
-}
+# The row tile and each kernel's (BLOCK_N, BLOCK_K, num_warps, num_stages): tuning.py's MoeTuning.
 GROUP_M = 8                     # row tiles that sweep the column blocks together (their x rows stay in L2)
 # Under TRITON_INTERPRET=1 (CI): 16-row tiles (several per expert at test sizes) and 32-wide blocks, so the test
 # shapes (H 40, I 48) have ragged N and K edges at few programs (the interpreter's cost is per program and step).
@@ -205,12 +195,14 @@ def _down_backward_kernel(
     tl.store(dgu + N, cast_for_store(dh * silu, dgu_ptr, DOT_PREC), mask=mask)
 
 
-def _launch(name: str, routing: Routing, n_cols: int, dtype: torch.dtype) -> tuple[tuple[int], dict]:
-    """(grid, block keywords) of kernel `name` over routing's tiles and n_cols output columns."""
+def _launch(setting: tuple[int, int, int, int], routing: Routing, n_cols: int,
+            dtype: torch.dtype) -> tuple[tuple[int], dict]:
+    """(grid, block keywords) of a kernel launched at `setting` (BLOCK_N, BLOCK_K, num_warps, num_stages: a MoeTuning
+    field) over routing's tiles and n_cols output columns."""
     if triton_interpreted():
         block_n, block_k, num_warps, num_stages = INTERPRETED_BLOCK, INTERPRETED_BLOCK, 1, 1
     else:
-        block_n, block_k, num_warps, num_stages = LAUNCH[name]
+        block_n, block_k, num_warps, num_stages = setting
         if dtype == torch.float32:
             num_stages = min(num_stages, 2)
     grid = (routing.n_tiles * triton.cdiv(n_cols, block_n),)
@@ -218,19 +210,19 @@ def _launch(name: str, routing: Routing, n_cols: int, dtype: torch.dtype) -> tup
                       EVEN_N=n_cols % block_n == 0, num_warps=num_warps, num_stages=num_stages)
 
 
-def row_tile() -> int:
+def row_tile(tuning: MoeTuning = DEFAULT_MOE_TUNING) -> int:
     """Rows per tile for the Routing of these kernels (small under the interpreter)."""
-    return INTERPRETED_ROW_TILE if triton_interpreted() else ROW_TILE
+    return INTERPRETED_ROW_TILE if triton_interpreted() else tuning.row_tile
 
 
 def up_swiglu_forward(x: torch.Tensor, gate_up_proj: torch.Tensor, routing: Routing, dot_prec: str,
-                      store_gu: bool = True):
+                      store_gu: bool = True, tuning: MoeTuning = DEFAULT_MOE_TUNING):
     """(gu [TK, 2I] or None without store_gu, h [TK, I]) in sorted row order, x's dtype; x [T, H] with unit column
     stride. gu is what the backward needs: a forward without one skips its stores."""
     routed, n = routing.order.shape[0], gate_up_proj.shape[1] // 2
     h = torch.empty(routed, n, dtype=x.dtype, device=x.device)
     gu = torch.empty(routed, 2 * n, dtype=x.dtype, device=x.device) if store_gu else None
-    grid, blocks = _launch("up_swiglu", routing, n, x.dtype)
+    grid, blocks = _launch(tuning.up_swiglu, routing, n, x.dtype)
     k = x.shape[1]
     _up_swiglu_kernel[grid](
         x, x.stride(0), gate_up_proj, *gate_up_proj.stride(), *routing.tensors(), h if gu is None else gu, h,
@@ -240,13 +232,13 @@ def up_swiglu_forward(x: torch.Tensor, gate_up_proj: torch.Tensor, routing: Rout
 
 
 def scatter_gemm(a: torch.Tensor, weight: torch.Tensor, reduce_dim: int, routing: Routing, dot_prec: str,
-                 scale: torch.Tensor | None = None) -> torch.Tensor:
+                 scale: torch.Tensor | None = None, tuning: MoeTuning = DEFAULT_MOE_TUNING) -> torch.Tensor:
     """[TK, N] in (token, slot) order: row order[r] = a[r] @ W[e] (· scale[order[r]] when scale is given), W[e] the
     expert's weight [E, ., .] reduced over dim `reduce_dim` (1 or 2; N is the other)."""
     k_dim, n_dim = (1, 2) if reduce_dim == 1 else (2, 1)
     n = weight.shape[n_dim]
     out = torch.empty(routing.order.shape[0], n, dtype=a.dtype, device=a.device)
-    grid, blocks = _launch("scatter", routing, n, a.dtype)
+    grid, blocks = _launch(tuning.scatter, routing, n, a.dtype)
     k = weight.shape[k_dim]
     _scatter_gemm_kernel[grid](
         a, a.stride(0), weight, weight.stride(0), weight.stride(k_dim), weight.stride(n_dim),
@@ -257,11 +249,12 @@ def scatter_gemm(a: torch.Tensor, weight: torch.Tensor, reduce_dim: int, routing
 
 
 def down_backward(dy: torch.Tensor, down_proj: torch.Tensor, gu: torch.Tensor, weights: torch.Tensor,
-                  routing: Routing, dot_prec: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  routing: Routing, dot_prec: str,
+                  tuning: MoeTuning = DEFAULT_MOE_TUNING) -> tuple[torch.Tensor, torch.Tensor]:
     """(dgu [TK, 2I] sorted, d weights [TK] fp32 in (token, slot) order) for the upstream gradient dy [T, H]."""
     routed, n, k = routing.order.shape[0], down_proj.shape[2], down_proj.shape[1]
     dgu = torch.empty_like(gu)
-    grid, blocks = _launch("down_backward", routing, n, gu.dtype)
+    grid, blocks = _launch(tuning.down_backward, routing, n, gu.dtype)
     dw_part = torch.empty(triton.cdiv(n, blocks["BLOCK_N"]), routed, dtype=torch.float32, device=gu.device)
     _down_backward_kernel[grid](
         dy, dy.stride(0), down_proj, down_proj.stride(0), down_proj.stride(1), down_proj.stride(2), gu,

@@ -19,12 +19,12 @@ import triton.language as tl
 
 from rltrain_kernels.ops.common.precision import cast_for_store, mma
 from rltrain_kernels.ops.fused_moe.routing import Routing
+from rltrain_kernels.ops.fused_moe.tuning import DEFAULT_MOE_TUNING, MoeTuning
 from rltrain_kernels.utils import triton_interpreted
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), bf16/fp16 on H100: a 128 × 128 output tile, 64 rows a step
-# (sm_90 compile: 116-130 registers, no spills, 66-82 KiB of shared memory). fp32 inputs ("ieee" dots, off the tensor
-# cores) take 64 × 64 tiles: at 128 × 128 the down projection's gradient spilled 11 KiB per thread.
-LAUNCH = (128, 128, 64, 8, 3)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for fp32 inputs ("ieee" dots, off the tensor cores); bf16 and
+# fp16 take MoeTuning.weight_grad (tuning.py). 64 × 64 tiles: at 128 × 128 the down projection's gradient spilled
+# 11 KiB per thread.
 LAUNCH_FP32 = (64, 64, 32, 4, 2)
 INTERPRETED_BLOCKS = (32, 32, 16)   # (BLOCK_M, BLOCK_N, BLOCK_K) under TRITON_INTERPRET=1: ragged tiles, few programs
 
@@ -77,7 +77,8 @@ def _expert_weight_grad_kernel(
     tl.store(out, cast_for_store(acc, dw_ptr, DOT_PREC), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _run(a, b, up_offset, weights, routing: Routing, shape, dtype, a_gather, b_gather, b_swiglu, dot_prec):
+def _run(a, b, up_offset, weights, routing: Routing, shape, dtype, a_gather, b_gather, b_swiglu, dot_prec,
+         tuning: MoeTuning):
     num_experts = routing.expert_start.shape[0] - 1
     m, n = shape
     dw = torch.empty(num_experts, m, n, dtype=dtype, device=a.device)
@@ -85,7 +86,8 @@ def _run(a, b, up_offset, weights, routing: Routing, shape, dtype, a_gather, b_g
         block_m, block_n, block_k = INTERPRETED_BLOCKS
         num_warps, num_stages = 1, 1
     else:
-        block_m, block_n, block_k, num_warps, num_stages = LAUNCH_FP32 if a.dtype == torch.float32 else LAUNCH
+        block_m, block_n, block_k, num_warps, num_stages = (LAUNCH_FP32 if a.dtype == torch.float32
+                                                            else tuning.weight_grad)
     grid = (num_experts * triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _expert_weight_grad_kernel[grid](
         a, a.stride(0), b, b.stride(0), up_offset, routing.order, weights, routing.expert_start, dw, m, n,
@@ -96,14 +98,14 @@ def _run(a, b, up_offset, weights, routing: Routing, shape, dtype, a_gather, b_g
 
 
 def gate_up_weight_grad(dgu: torch.Tensor, x: torch.Tensor, routing: Routing, dtype: torch.dtype,
-                        dot_prec: str) -> torch.Tensor:
+                        dot_prec: str, tuning: MoeTuning = DEFAULT_MOE_TUNING) -> torch.Tensor:
     """d gate_up_proj [E, 2I, H] in `dtype` from dgu [TK, 2I] (sorted) and x [T, H] (unit column stride)."""
-    return _run(dgu, x, 0, dgu, routing, (dgu.shape[1], x.shape[1]), dtype, False, True, False, dot_prec)
+    return _run(dgu, x, 0, dgu, routing, (dgu.shape[1], x.shape[1]), dtype, False, True, False, dot_prec, tuning)
 
 
 def down_weight_grad(dy: torch.Tensor, gu: torch.Tensor, weights: torch.Tensor, routing: Routing,
-                     dtype: torch.dtype, dot_prec: str) -> torch.Tensor:
+                     dtype: torch.dtype, dot_prec: str, tuning: MoeTuning = DEFAULT_MOE_TUNING) -> torch.Tensor:
     """d down_proj [E, H, I] in `dtype` from dy [T, H] (unit column stride), gu [TK, 2I] (sorted) and the flat
     routing weights [TK]."""
     n = gu.shape[1] // 2
-    return _run(dy, gu, n, weights, routing, (dy.shape[1], n), dtype, True, False, True, dot_prec)
+    return _run(dy, gu, n, weights, routing, (dy.shape[1], n), dtype, True, False, True, dot_prec, tuning)

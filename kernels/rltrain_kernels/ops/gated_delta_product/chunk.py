@@ -17,6 +17,7 @@ from ..common.chunking import chunk_layout
 from ..common.cumsum import chunk_local_cumsum
 from ..common.precision import check_dot, check_recurrence_dot, op_dot_precision, recurrence_dot_precision
 from ..common.state_pass import chunk_states_fwd
+from ..common.tuning import DEFAULT_TUNING, Tuning, check_tuning
 from ..gated_delta_rule import chunk_gated_delta_rule
 from ..gated_delta_rule.chunk_bwd import chunk_gated_delta_rule_bwd
 from ..gated_delta_rule.chunk_fwd import CHUNK_SIZE
@@ -40,7 +41,7 @@ def to_first_substep(x: torch.Tensor, num_householder: int) -> torch.Tensor:
 class ChunkGatedDeltaProductFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, num_householder, scale, initial_state, output_final_state, cu_seqlens,
-                dot_prec, recurrence_prec):
+                dot_prec, recurrence_prec, tuning):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         n_h = num_householder
@@ -49,11 +50,12 @@ class ChunkGatedDeltaProductFunction(torch.autograd.Function):
         k_f, v_f, beta_f = _flat(k), _flat(v), _flat(beta)
         G = chunk_local_cumsum(_flat(g_sub), layout)
         Ai, h, v_new, ht = chunk_states_fwd(k_f, v_f, beta_f, G, initial_state, output_final_state, layout,
-                                            dot_prec=recurrence_prec)
-        o = strided_output_fwd(_flat(q), k_f, v_new, h, G, scale, n_h, layout, v.dtype, dot_prec=dot_prec)
+                                            dot_prec=recurrence_prec, tuning=tuning)
+        o = strided_output_fwd(_flat(q), k_f, v_new, h, G, scale, n_h, layout, v.dtype, dot_prec=dot_prec,
+                               tuning=tuning)
         ctx.save_for_backward(q, k, v, beta, initial_state, G, Ai)
         ctx.layout, ctx.scale, ctx.num_householder = layout, scale, n_h
-        ctx.dot_prec, ctx.recurrence_prec = dot_prec, recurrence_prec
+        ctx.dot_prec, ctx.recurrence_prec, ctx.tuning = dot_prec, recurrence_prec, tuning
         ctx.g_dtype = None if g is None else g.dtype
         return o.view(B, T, HV, V), ht
 
@@ -65,11 +67,11 @@ class ChunkGatedDeltaProductFunction(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, dh0, _ = chunk_gated_delta_rule_bwd(
             _flat(q), _flat(k), _flat(v), _flat(beta), ctx.scale, initial_state, G, Ai, _flat(do),
             None if dht is None else dht.contiguous(), ctx.layout, query_stride=n_h, dot_prec=ctx.dot_prec,
-            recurrence_prec=ctx.recurrence_prec)
+            recurrence_prec=ctx.recurrence_prec, tuning=ctx.tuning)
         dq = dq.view(B, T, H, K).to(q.dtype)
         dg = None if ctx.g_dtype is None else dg.view(B, T, n_h, -1)[:, :, 0].to(ctx.g_dtype)
         return (dq, dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype), dg,
-                dbeta.view(beta.shape).to(beta.dtype), None, None, dh0, None, None, None, None)
+                dbeta.view(beta.shape).to(beta.dtype), None, None, dh0, None, None, None, None, None)
 
 
 def chunk_gated_delta_product(
@@ -86,6 +88,8 @@ def chunk_gated_delta_product(
     use_qk_l2norm_in_kernel: bool = False,
     recurrence_dot: str = "auto",
     dot: str = "auto",
+    *,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta product, chunked, differentiable w.r.t. q, k, v, g, beta and initial_state.
 
@@ -95,16 +99,18 @@ def chunk_gated_delta_product(
     recurrence_dot: auto | bf16 | tf32, the dots of the WY and state-pass kernels for bf16 inputs, as
     chunk_gated_delta_rule's (with β up to 2 and no decay "tf32" takes the outputs' error from 5.6e-3 to 3.5e-3);
     dot: auto | bf16 | tf32, the other chunk kernels' dots, as chunk_gated_delta_rule's.
+    tuning: the kernels' launch choices (common/tuning.py; the default is what ships), for tuning runs.
     Returns o [B, T, HV, V] in v's dtype and the final state [N, HV, K, V] fp32 (None unless output_final_state).
     """
     check_recurrence_dot(recurrence_dot)
     check_dot(dot)
+    check_tuning(tuning)
     _, _, scale = check_inputs(q, k, v, g, beta, num_householder, scale, initial_state, cu_seqlens)
     if num_householder == 1:  # no expansion: this is the gated delta rule itself
         if g is None:
             g = beta.new_zeros(beta.shape)
         return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                      use_qk_l2norm_in_kernel, recurrence_dot, dot)
+                                      use_qk_l2norm_in_kernel, recurrence_dot, dot, tuning=tuning)
     if not 16 <= q.shape[-1] <= 256 or v.shape[-1] < 16:
         raise ValueError(f"the chunked kernels need 16 <= K <= 256 and V >= 16 (tl.dot tiles), got "
                          f"K={q.shape[-1]} (q/k) and V={v.shape[-1]} (v)")
@@ -120,4 +126,4 @@ def chunk_gated_delta_product(
         q, k = l2norm(q), l2norm(k)
     return ChunkGatedDeltaProductFunction.apply(q, k, v, g, beta, num_householder, scale, initial_state,
                                                 output_final_state, cu_seqlens, op_dot_precision(q.dtype, dot),
-                                                recurrence_dot_precision(q.dtype, recurrence_dot, dot))
+                                                recurrence_dot_precision(q.dtype, recurrence_dot, dot), tuning)

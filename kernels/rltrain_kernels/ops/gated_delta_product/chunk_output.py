@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ..common.chunking import ChunkLayout
 from ..common.precision import cast_for_store, mma, raw_precision
+from ..common.tuning import DEFAULT_TUNING, Tuning
 
 
 @triton.jit
@@ -72,10 +73,10 @@ def strided_output_fwd_kernel(
 
 
 def strided_output_fwd(q, k, v_new, h, G, scale: float, num_householder: int, layout: ChunkLayout,
-                       out_dtype, *, dot_prec: str) -> torch.Tensor:
+                       out_dtype, *, dot_prec: str, tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
     """q [tokens, H, K]; k [tokens·n_h, H, K]; v_new [tokens·n_h, HV, V] fp32; h [chunks, HV, K, V] fp32 chunk-start
     states; G [tokens·n_h, HV] fp32; layout over the sub-step axis → o [tokens, HV, V] in out_dtype, its dots in
-    dot_prec (the op's `dot`)."""
+    dot_prec (the op's `dot`); tuning: only its `dots` applies (the launch keeps Triton's defaults)."""
     TQ, H, K = q.shape
     HV, V = v_new.shape[1], v_new.shape[2]
     o = torch.empty(TQ, HV, V, dtype=out_dtype, device=q.device)
@@ -85,6 +86,6 @@ def strided_output_fwd(q, k, v_new, h, G, scale: float, num_householder: int, la
     if layout.num_chunks:
         strided_output_fwd_kernel[(layout.num_chunks, triton.cdiv(V, BV), HV)](
             q, k, v_new, h, G, o, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,
-            H=H, HV=HV, K=K, V=V, NH=num_householder, BT=BT, BQ=BQ, BK=BK, BV=BV, DOT_PREC=dot_prec,
-            RAW_PREC=raw_precision(q.dtype))
+            H=H, HV=HV, K=K, V=V, NH=num_householder, BT=BT, BQ=BQ, BK=BK, BV=BV,
+            DOT_PREC=tuning.dot(strided_output_fwd_kernel, dot_prec), RAW_PREC=raw_precision(q.dtype))
     return o

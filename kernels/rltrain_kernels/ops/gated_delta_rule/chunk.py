@@ -16,6 +16,7 @@ import torch
 
 from ..common.chunking import chunk_layout
 from ..common.precision import check_dot, check_recurrence_dot, op_dot_precision, recurrence_dot_precision
+from ..common.tuning import DEFAULT_TUNING, Tuning, check_tuning
 from ..l2norm import l2norm
 from .chunk_bwd import chunk_gated_delta_rule_bwd
 from .chunk_fwd import CHUNK_SIZE, chunk_gated_delta_rule_fwd
@@ -30,17 +31,17 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, cu_seqlens,
-                chunk_size, dot_prec, recurrence_prec):
+                chunk_size, dot_prec, recurrence_prec, tuning):
         B, T, H, K = q.shape
         HV, V = v.shape[2], v.shape[3]
         layout = chunk_layout(B, T, cu_seqlens, chunk_size, q.device)
         gate = None if A_log is None else (A_log, dt_bias)  # g is then the raw a (gate.py)
         o, ht, G, Ai = chunk_gated_delta_rule_fwd(_flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), scale,
                                                   initial_state, output_final_state, layout, gate,
-                                                  dot_prec=dot_prec, recurrence_prec=recurrence_prec)
+                                                  dot_prec=dot_prec, recurrence_prec=recurrence_prec, tuning=tuning)
         ctx.save_for_backward(q, k, v, beta, initial_state, G, Ai, *((g, A_log, dt_bias) if gate else ()))
         ctx.layout, ctx.scale, ctx.g_dtype = layout, scale, g.dtype
-        ctx.dot_prec, ctx.recurrence_prec = dot_prec, recurrence_prec
+        ctx.dot_prec, ctx.recurrence_prec, ctx.tuning = dot_prec, recurrence_prec, tuning
         return o.view(B, T, HV, V), ht
 
     @staticmethod
@@ -52,11 +53,11 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, dh0, gate_grads = chunk_gated_delta_rule_bwd(
             _flat(q), _flat(k), _flat(v), _flat(beta), ctx.scale, initial_state, G, Ai, _flat(do),
             None if dht is None else dht.contiguous(), ctx.layout, gate=gate or None, dot_prec=ctx.dot_prec,
-            recurrence_prec=ctx.recurrence_prec)
+            recurrence_prec=ctx.recurrence_prec, tuning=ctx.tuning)
         dA_log, ddt_bias = gate_grads or (None, None)
         shape = lambda x, like: x.view(like.shape).to(like.dtype)  # noqa: E731
         return (shape(dq, q), shape(dk, k), shape(dv, v), dg.view(B, T, -1).to(ctx.g_dtype), shape(dbeta, beta),
-                dA_log, ddt_bias, None, dh0, None, None, None, None, None)
+                dA_log, ddt_bias, None, dh0, None, None, None, None, None, None)
 
 
 def chunk_gated_delta_rule_bwd_recompute(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, *,
@@ -119,6 +120,7 @@ def chunk_gated_delta_rule(
     state_v_first: bool = False,
     chunk_size: int = CHUNK_SIZE,
     transpose_state_layout: bool | None = None,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule, chunked, differentiable w.r.t. q, k, v, g, beta, initial_state (and A_log, dt_bias).
 
@@ -137,10 +139,12 @@ def chunk_gated_delta_rule(
       state_v_first: initial_state and the final state are [N, HV, V, K] (inference engines' layout);
         transpose_state_layout is its deprecated name.
       chunk_size: 16, 32 or 64 (the default, the one the kernels are tuned and timed at).
+    tuning: the kernels' launch choices (common/tuning.py; the default is what ships), for tuning runs.
     Returns o [B, T, HV, V] in v's dtype and the final state [N, HV, K, V] fp32 (None unless output_final_state).
     """
     check_recurrence_dot(recurrence_dot)
     check_dot(dot)
+    check_tuning(tuning)
     state_v_first = resolve_state_v_first(state_v_first, transpose_state_layout)
     chunk_size = check_chunk_size(chunk_size)
     _, _, scale = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
@@ -172,7 +176,7 @@ def chunk_gated_delta_rule(
     A_log, dt_bias = pre.gate or (None, None)
     o, final_state = ChunkGatedDeltaRuleFunction.apply(
         q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, cu_seqlens, chunk_size,
-        op_dot_precision(q.dtype, dot), recurrence_dot_precision(q.dtype, recurrence_dot, dot))
+        op_dot_precision(q.dtype, dot), recurrence_dot_precision(q.dtype, recurrence_dot, dot), tuning)
     if state_v_first and final_state is not None:
         final_state = final_state.transpose(-1, -2).contiguous()
     return o, final_state

@@ -19,7 +19,6 @@ import triton.language as tl
 
 from ..common.chunking import ChunkLayout
 from ..common.cumsum import chunk_local_cumsum
-from ..common.launch import launch
 from ..common.state_pass import chunk_states_fwd, query_rows, state_pass_bwd
 from ..common.precision import (
     cast_for_store,
@@ -30,14 +29,14 @@ from ..common.precision import (
     sixteen_bit_dots,
 )
 from ..common.scratch import scratch_tiles, transpose_via_scratch
+from ..common.tuning import DEFAULT_TUNING, Tuning
 from ..common.wy_bwd import gated_wy_bwd
 from .gate import gate_bwd
 
 
 # Value columns per step of chunk_dqkwg_kernel's loop when its dots take 16-bit operands (bf16 inputs); 32 with fp32
-# operands (tf32 / ieee dots: 64 asks for 256 KiB of shared memory on H200, limit 227 KiB). 64 against 32 (H100,
-# bf16 B8 T2048 H16 K=V=128, --profile): half the loop steps, [64, 64]-wide dots: 0.55 → 0.47 ms, 229 registers and
-# 81 KiB at 8 warps / 2 stages (8w/1s: 0.52).
+# operands (tf32 / ieee dots: 64 asks for 256 KiB of shared memory, over Hopper's 227). 64 against 32: half the loop
+# steps, [64, 64]-wide dots, 0.47 ms against 0.55 (H100, bf16 B8 T2048 H16 K=V=128, --profile).
 DQKWG_BV = 64
 
 
@@ -113,10 +112,11 @@ def chunk_dqkwg_kernel(
 
 
 def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout, dq_dtype=torch.float32,
-                query_stride: int = 1, *, dot_prec: str, recurrence_prec: str):
+                query_stride: int = 1, *, dot_prec: str, recurrence_prec: str, tuning: Tuning = DEFAULT_TUNING):
     """→ dq (per value head [tokens / query_stride, HV, K] in dq_dtype: the query rows, common/state_pass.py), dk
     (fp32, still lacking the WY part), dw (in operand_dtype(q.dtype, recurrence_prec): it feeds only the WY
-    backward's dots, in the recurrence's DOT_PREC), dG (partial, fp32); its own dots in dot_prec."""
+    backward's dots, in the recurrence's DOT_PREC), dG (partial, fp32); its own dots in dot_prec; tuning: the launch
+    choices."""
     TT, H, K = k.shape
     HV, V = do.shape[1], do.shape[2]
     dq = torch.empty(q.shape[0], HV, K, dtype=dq_dtype, device=q.device)
@@ -132,12 +132,14 @@ def chunk_dqkwg(q, k, v_new, h, dh, do, dv, G, scale: float, layout: ChunkLayout
             q, k, v_new, h, dh, do, dv, G, dq, dk, dw, dG, scratch, layout.cu_seqlens, layout.chunk_indices,
             layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V, BT=layout.chunk_size,
             BK=triton.next_power_of_2(K), BV=min(DQKWG_BV if wide else 32, triton.next_power_of_2(V)),
-            DOT_PREC=dot_prec, RAW_PREC=raw_precision(q.dtype), NH=query_stride, **launch("dqkwg"))
+            DOT_PREC=tuning.dot(chunk_dqkwg_kernel, dot_prec), RAW_PREC=raw_precision(q.dtype), NH=query_stride,
+            **tuning.launch("dqkwg"))
     return dq, dk, dw, dG
 
 
 def chunk_gated_delta_rule_bwd(q, k, v, beta, scale: float, initial_state, G, Ai, do, dht, layout: ChunkLayout,
-                               query_stride: int = 1, gate=None, *, dot_prec: str, recurrence_prec: str):
+                               query_stride: int = 1, gate=None, *, dot_prec: str, recurrence_prec: str,
+                               tuning: Tuning = DEFAULT_TUNING):
     """Flattened inputs (as chunk_gated_delta_rule_fwd) and the saved G, Ai → (dq [tokens, H, K], dk, dv
     [tokens, HV, V], dg [tokens, HV], dbeta [tokens, HV], dh0 or None, gate_grads). gate: (a [tokens, HV], A_log,
     dt_bias or None) when the forward made g from the raw a (gate.py): dg is then a's gradient and gate_grads
@@ -145,18 +147,21 @@ def chunk_gated_delta_rule_bwd(q, k, v, beta, scale: float, initial_state, G, Ai
     dq and dk in q's and k's unless value heads share them (GVA: summed in fp32, returned fp32), written so by the
     kernels (no cast afterwards); dg and dh0 fp32. query_stride NH > 1 (the gated delta product): q, do and dq hold
     only the query of every NH-th row, the others being zero (common/state_pass.py). dot_prec, recurrence_prec: the
-    forward's DOT_PRECs (chunk_gated_delta_rule_fwd): the chunk-local kernels', the WY and state-pass kernels'."""
+    forward's DOT_PRECs (chunk_gated_delta_rule_fwd): the chunk-local kernels', the WY and state-pass kernels';
+    tuning: the forward's launch choices (common/tuning.py)."""
     TT, H, K = k.shape
     HV = v.shape[1]
     gva = HV != H
-    _, h, v_new, _ = chunk_states_fwd(k, v, beta, G, initial_state, False, layout, Ai=Ai, dot_prec=recurrence_prec)
+    _, h, v_new, _ = chunk_states_fwd(k, v, beta, G, initial_state, False, layout, Ai=Ai, dot_prec=recurrence_prec,
+                                      tuning=tuning)
     dh, dv_new, dh0 = state_pass_bwd(q, k, G, do, dht, scale, initial_state is not None, layout, Ai, beta=beta,
-                                     dot_prec=recurrence_prec, local_prec=dot_prec, query_stride=query_stride)
+                                     dot_prec=recurrence_prec, local_prec=dot_prec, query_stride=query_stride,
+                                     tuning=tuning)
     dq, dk, dw, dG = chunk_dqkwg(q, k, v_new, h, dh, do, dv_new, G, scale, layout,
                                  dq_dtype=torch.float32 if gva else q.dtype, query_stride=query_stride,
-                                 dot_prec=dot_prec, recurrence_prec=recurrence_prec)
+                                 dot_prec=dot_prec, recurrence_prec=recurrence_prec, tuning=tuning)
     dk, dv, dbeta = gated_wy_bwd(k, v, beta, G, Ai, dw, dv_new, dk, dG, layout, dk_final=not gva,
-                                 dot_prec=recurrence_prec)
+                                 dot_prec=recurrence_prec, tuning=tuning)
     if gate is None:
         dg, gate_grads = chunk_local_cumsum(dG, layout, reverse=True), None
     else:

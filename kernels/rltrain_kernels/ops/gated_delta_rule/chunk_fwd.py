@@ -14,16 +14,15 @@ import triton.language as tl
 
 from ..common.chunking import ChunkLayout
 from ..common.cumsum import chunk_local_cumsum
-from ..common.launch import launch
 from ..common.state_pass import chunk_states_fwd
 from ..common.precision import cast_for_store, mma, raw_precision
+from ..common.tuning import DEFAULT_TUNING, Tuning
 from .gate import gate_chunk_cumsum
 
 CHUNK_SIZE = 64
-# (BK, BV) of the output pass, capped at K's and V's powers of two. bench_output_blocks.py (every BK, BV in 64, 128
-# × 2, 4, 8 warps × 1–3 stages; H100, bf16 B8 T2048 H16 K=V=128): 64 × 128 at 8 warps / 3 stages 0.156 ms
-# (4w/3s 0.158), 64 × 64 at 2w/2s 0.188, 128 × 128 0.177 at best; fla's 0.15. With BV = V each
-# program forms its Q Kᵀ once instead of once per value block.
+# (BK, BV) of the output pass, capped at K's and V's powers of two (Tuning.output_blocks in its place). With BV = V each
+# program forms its Q Kᵀ once instead of once per value block: 0.156 ms against 0.177 for 128 × 128 at best (H100,
+# bf16 B8 T2048 H16 K=V=128, bench_output_blocks.py).
 OUTPUT_BLOCKS = (64, 128)
 
 
@@ -67,11 +66,12 @@ def chunk_output_fwd_kernel(
     tl.store(o + p_v, cast_for_store(b_o, o, DOT_PREC), mask=m_t[:, None] & m_v[None, :])
 
 
-def chunk_output_fwd(q, k, v_new, h, G, scale: float, layout: ChunkLayout, out_dtype,
-                     blocks: tuple[int, int] | None = None, *, dot_prec: str) -> torch.Tensor:
-    """The output pass → o [tokens, HV, V] in out_dtype, in (BK, BV) = `blocks` tiles (default OUTPUT_BLOCKS) capped
-    at K's and V's powers of two; dot_prec: its DOT_PREC (the op's `dot`, common/precision.py op_dot_precision)."""
-    blocks = blocks or OUTPUT_BLOCKS
+def chunk_output_fwd(q, k, v_new, h, G, scale: float, layout: ChunkLayout, out_dtype, *, dot_prec: str,
+                     tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
+    """The output pass → o [tokens, HV, V] in out_dtype, in (BK, BV) tiles (tuning.output_blocks, default
+    OUTPUT_BLOCKS) capped at K's and V's powers of two; dot_prec: its DOT_PREC (the op's `dot`, common/precision.py
+    op_dot_precision)."""
+    blocks = tuning.output_blocks or OUTPUT_BLOCKS
     TT, H, K = q.shape
     HV, V = v_new.shape[1], v_new.shape[2]
     o = torch.empty(TT, HV, V, dtype=out_dtype, device=q.device)
@@ -79,20 +79,23 @@ def chunk_output_fwd(q, k, v_new, h, G, scale: float, layout: ChunkLayout, out_d
     if layout.num_chunks:
         chunk_output_fwd_kernel[(layout.num_chunks, triton.cdiv(V, BV), HV)](
             q, k, v_new, h, G, o, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,
-            H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, DOT_PREC=dot_prec,
-            RAW_PREC=raw_precision(q.dtype), **launch("output_fwd"))
+            H=H, HV=HV, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV,
+            DOT_PREC=tuning.dot(chunk_output_fwd_kernel, dot_prec), RAW_PREC=raw_precision(q.dtype),
+            **tuning.launch("output_fwd"))
     return o
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale: float, initial_state, output_final_state: bool,
-                               layout: ChunkLayout, gate=None, *, dot_prec: str, recurrence_prec: str):
+                               layout: ChunkLayout, gate=None, *, dot_prec: str, recurrence_prec: str,
+                               tuning: Tuning = DEFAULT_TUNING):
     """Flattened inputs q, k [tokens, H, K], v [tokens, HV, V], g, beta [tokens, HV] (contiguous) →
     (o [tokens, HV, V] in v's dtype, final state or None, G fp32 chunk-local gate cumsum, Ai: the T matrices in
     operand_dtype(k.dtype, recurrence_prec)). gate: (A_log, dt_bias or None) when g is the raw a of
     g = −exp(A_log) softplus(a + dt_bias) (gate.py), else None. recurrence_prec: the WY and state-pass kernels'
-    DOT_PREC (common/precision.py recurrence_dot_precision); dot_prec: the output pass's (op_dot_precision)."""
+    DOT_PREC (common/precision.py recurrence_dot_precision); dot_prec: the output pass's (op_dot_precision);
+    tuning: the launch choices (common/tuning.py)."""
     G = chunk_local_cumsum(g, layout) if gate is None else gate_chunk_cumsum(g, *gate, layout)
     Ai, h, v_new, ht = chunk_states_fwd(k, v, beta, G, initial_state, output_final_state, layout,
-                                        dot_prec=recurrence_prec)
-    o = chunk_output_fwd(q, k, v_new, h, G, scale, layout, v.dtype, dot_prec=dot_prec)
+                                        dot_prec=recurrence_prec, tuning=tuning)
+    o = chunk_output_fwd(q, k, v_new, h, G, scale, layout, v.dtype, dot_prec=dot_prec, tuning=tuning)
     return o, ht, G, Ai

@@ -12,6 +12,7 @@ import torch
 
 from ..common.chunking import chunk_layout
 from ..common.precision import check_dot, iplr_dot_precision
+from ..common.tuning import DEFAULT_TUNING, Tuning, check_tuning
 from .chunk_bwd import chunk_iplr_delta_rule_bwd
 from .chunk_fwd import CHUNK_SIZE, chunk_iplr_delta_rule_fwd
 from ..gated_delta_rule.inputs import check_chunk_size
@@ -25,14 +26,16 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 class ChunkIPLRDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, chunk_size, dot_prec):
+    def forward(ctx, q, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, chunk_size, dot_prec,
+                tuning):
         B, T, H, _ = q.shape
         V = v.shape[-1]
         layout = chunk_layout(B, T, cu_seqlens, chunk_size, q.device)
         o, ht, (Ai, Ak) = chunk_iplr_delta_rule_fwd(_flat(q), _flat(k), _flat(v), _flat(a), _flat(b), scale,
-                                                    initial_state, output_final_state, layout, dot_prec=dot_prec)
+                                                    initial_state, output_final_state, layout, dot_prec=dot_prec,
+                                                    tuning=tuning)
         ctx.save_for_backward(q, k, v, a, b, initial_state, Ai, Ak)
-        ctx.layout, ctx.scale, ctx.dot_prec = layout, scale, dot_prec
+        ctx.layout, ctx.scale, ctx.dot_prec, ctx.tuning = layout, scale, dot_prec, tuning
         return o.view(B, T, H, V), ht
 
     @staticmethod
@@ -40,9 +43,9 @@ class ChunkIPLRDeltaRuleFunction(torch.autograd.Function):
         q, k, v, a, b, initial_state, Ai, Ak = ctx.saved_tensors
         grads = chunk_iplr_delta_rule_bwd(_flat(q), _flat(k), _flat(v), _flat(a), _flat(b), ctx.scale,
                                           initial_state, Ai, Ak, _flat(do), None if dht is None else dht.contiguous(),
-                                          ctx.layout, dot_prec=ctx.dot_prec)
+                                          ctx.layout, dot_prec=ctx.dot_prec, tuning=ctx.tuning)
         dq, dk, dv, da, db = (g.view(x.shape) for g, x in zip(grads[:5], (q, k, v, a, b)))  # in their dtypes
-        return dq, dk, dv, da, db, None, grads[5], None, None, None, None
+        return dq, dk, dv, da, db, None, grads[5], None, None, None, None, None
 
 
 def chunk_iplr_delta_rule_bwd_recompute(q, k, v, a, b, scale, initial_state, cu_seqlens, do, dht, *, dot_prec: str):
@@ -82,6 +85,7 @@ def chunk_iplr_delta_rule(
     dot: str = "auto",
     *,
     chunk_size: int | None = CHUNK_SIZE,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """IPLR delta rule S_t = S_{t−1} + b_t (a_tᵀ S_{t−1}) + k_t v_tᵀ, o_t = S_tᵀ (scale q_t), chunked (chunk_size
     16, 32 or 64, the default; None means 64, as fla's keyword), differentiable w.r.t. q, k, v, a, b and initial_state.
@@ -90,11 +94,13 @@ def chunk_iplr_delta_rule(
     or the number of sequences with cu_seqlens); cu_seqlens: [N+1] int offsets of packed sequences with B = 1.
     16 <= K <= 256, V >= 16. dot: auto | bf16 | tf32, the kernels' dots for bf16 inputs ("auto": bf16, with T, h,
     X and their gradients stored bf16; "tf32" stores them fp32: 6.35 against 3.94 ms forward+backward at H16
-    K=V=128 B8 T2048 on H100, common/precision.py).
+    K=V=128 B8 T2048 on H100, common/precision.py). tuning: the kernels' launch choices (common/tuning.py; the
+    default is what ships), for tuning runs.
     Returns o [B, T, H, V] in v's dtype and the final state [N, H, K, V] fp32 (None unless output_final_state).
     Stable when b_t = λ_t a_t with λ_t ‖a_t‖² ∈ [−2, 0] (see README.md).
     """
     check_dot(dot)
+    check_tuning(tuning)
     chunk_size = check_chunk_size(CHUNK_SIZE if chunk_size is None else chunk_size)
     _, scale = check_inputs(q, k, v, a, b, scale, initial_state, cu_seqlens)
     _check_chunk_dims(q, v)
@@ -107,4 +113,4 @@ def chunk_iplr_delta_rule(
     if initial_state is not None and initial_state.dtype != torch.float32:
         initial_state = initial_state.float()
     return ChunkIPLRDeltaRuleFunction.apply(q, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
-                                            chunk_size, iplr_dot_precision(q.dtype, dot))
+                                            chunk_size, iplr_dot_precision(q.dtype, dot), tuning)

@@ -23,14 +23,16 @@ import triton
 import triton.language as tl
 
 from ..common.chunking import ChunkLayout
-from ..common.launch import launch, tile
+from ..common.launch import tile
 from ..common.precision import cast_for_store, mm, mma, operand_dtype, raw_precision, sixteen_bit_dots
 from ..common.state_pass import state_pass_bwd
+from ..common.tuning import DEFAULT_TUNING, Tuning
 from .chunk_fwd import iplr_state_pass_fwd
 
 # Value columns per step of the two kernels' V loops (capped at V's power of two) when their dots take 16-bit
 # operands and K ≤ 128; 32 otherwise (fp32 tiles, or K = 256 ones, at 64 columns overflow Hopper's 227 KiB of shared
-# memory: compile_report.py).
+# memory: compile_report.py). 64 against 32 for the key side: 0.440 ms against 0.570 (H100, bf16 B8 T2048 H16
+# K=V=128).
 BWD_BV = {"query": 64, "key": 64}
 
 
@@ -148,9 +150,10 @@ def iplr_bwd_key_kernel(
     tl.store(dk + p_k, cast_for_store(b_dk, dk, DOT_PREC), mask=m_tk)
 
 
-def iplr_bwd_chunks(q, k, v, a, b, x, h, dh, do, y, scale: float, layout: ChunkLayout, *, dot_prec: str):
+def iplr_bwd_chunks(q, k, v, a, b, x, h, dh, do, y, scale: float, layout: ChunkLayout, *, dot_prec: str,
+                    tuning: Tuning = DEFAULT_TUNING):
     """The two chunk-parallel kernels → (dq, dk, dv, da, db), each in its input's dtype (final); their dots in
-    dot_prec (the forward's)."""
+    dot_prec (the forward's); tuning: the launch choices (common/tuning.py)."""
     TT, H, K = q.shape
     V = v.shape[-1]
     if K > 256:
@@ -160,26 +163,29 @@ def iplr_bwd_chunks(q, k, v, a, b, x, h, dh, do, y, scale: float, layout: ChunkL
     if layout.num_chunks:
         wide = sixteen_bit_dots(dot_prec) and K <= 128
         bv = {kernel: tile(V, bv if wide else 32) for kernel, bv in BWD_BV.items()}
-        common = dict(H=H, K=K, V=V, BT=layout.chunk_size, BK=tile(K), DOT_PREC=dot_prec)
+        common = dict(H=H, K=K, V=V, BT=layout.chunk_size, BK=tile(K))
         grid = (layout.num_chunks, H)
         iplr_bwd_query_kernel[grid](
             q, k, b, x, v, h, do, y, dq, da, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,
-            BV=bv["query"], **common, **launch("iplr_bwd_query"))
+            BV=bv["query"], DOT_PREC=tuning.dot(iplr_bwd_query_kernel, dot_prec), **common,
+            **tuning.launch("iplr_bwd_query"))
         iplr_bwd_key_kernel[grid](
             q, k, a, x, v, dh, do, y, dk, db, dv, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets,
-            scale, BV=bv["key"], RAW_PREC=raw_precision(q.dtype), **common, **launch("iplr_bwd_key"))
+            scale, BV=bv["key"], DOT_PREC=tuning.dot(iplr_bwd_key_kernel, dot_prec), RAW_PREC=raw_precision(q.dtype),
+            **common, **tuning.launch("iplr_bwd_key"))
     return dq, dk, dv, da, db
 
 
 def chunk_iplr_delta_rule_bwd(q, k, v, a, b, scale: float, initial_state, Ai, Ak, do, dht, layout: ChunkLayout, *,
-                              dot_prec: str):
+                              dot_prec: str, tuning: Tuning = DEFAULT_TUNING):
     """Flattened contiguous inputs (as chunk_iplr_delta_rule_fwd), the saved T and strict(A Kᵀ) tiles Ai, Ak, do
     [tokens, H, V] and dht (or None) → (dq, dk, dv, da, db [tokens, H, *] in the inputs' dtypes, dh0 [N, H, K, V]
-    fp32 or None); dot_prec: the forward's DOT_PREC."""
-    h, x, _ = iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, False, layout, dot_prec=dot_prec)
+    fp32 or None); dot_prec, tuning: the forward's DOT_PREC and launch choices."""
+    h, x, _ = iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, False, layout, dot_prec=dot_prec, tuning=tuning)
     # The shared reverse state pass: X plays δ, b plays k, w = −T A comes from T and a; it hands back Y = Tᵀ dX.
     dh, y, dh0 = state_pass_bwd(q, b, None, do, dht, scale, initial_state is not None, layout, Ai, a=a,
                                 dot_prec=dot_prec, local_prec=dot_prec, dh_dtype=operand_dtype(q.dtype, dot_prec),
-                                dv_dtype=operand_dtype(q.dtype, dot_prec))
-    dq, dk, dv, da, db = iplr_bwd_chunks(q, k, v, a, b, x, h, dh, do, y, scale, layout, dot_prec=dot_prec)
+                                dv_dtype=operand_dtype(q.dtype, dot_prec), tuning=tuning)
+    dq, dk, dv, da, db = iplr_bwd_chunks(q, k, v, a, b, x, h, dh, do, y, scale, layout, dot_prec=dot_prec,
+                                         tuning=tuning)
     return dq, dk, dv, da, db, dh0

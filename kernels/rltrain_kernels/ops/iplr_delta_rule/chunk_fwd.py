@@ -21,26 +21,19 @@ import triton
 import triton.language as tl
 
 from ..common.chunking import ChunkLayout
-from ..common.launch import launch, tile
+from ..common.launch import tile
 from ..common.precision import cast_for_store, mm, mma, operand_dtype, raw_precision, solve_precision
 from ..common.state_pass import state_launch
+from ..common.tuning import DEFAULT_TUNING, Tuning
 from ..common.wy import solve_unit_lower
 
 CHUNK_SIZE = 64
-# (BK, BV) of the output pass, capped at K's and V's powers of two. kernels/benchmarks/bench_output_blocks.py (H100,
-# bf16 B8 T2048 H16 K=V=128; each BK, BV in 64, 128 × 2, 4, 8 warps × 1–3 stages): 64 × 128 at 4 warps / 2 stages
-# 0.205 ms (1 stage 0.202: the stage count Triton 3.6 has miscompiled elsewhere), 128 × 128 0.210, 64 × 64 0.238;
-# fla's autotuned 128 × 128 ran 0.20.
+# (BK, BV) of the output pass, capped at K's and V's powers of two (Tuning.output_blocks in its place): 0.205 ms at
+# 4 warps / 2 stages against 0.210 for 128 × 128 (H100, bf16 B8 T2048 H16 K=V=128, bench_output_blocks.py).
 OUTPUT_BLOCKS = (64, 128)
-# The forward state pass's raw input tiles (a, k, b, v), per launch ("wide", "narrow"), loaded through
-# registers as fp32 (True) or as stored (False), which Triton copies into shared memory ahead, one buffer per pipeline
-# stage. Registers let the wide launch hold two blocks per SM, which pays while the programs keep every SM busy (B8
-# T2048: 0.23 ms per call, 0.28 stored); stored tiles are prefetched, which pays once a chain runs alone (the narrow
-# launch, B2 T8192: 0.22 ms per call, 0.42 in registers; a varlen batch whose longest sequence is over BALANCED times
-# the mean length, where the long chains run on after the others: 6 sequences of 512–5728 tokens, H16, 0.43 → 0.35
-# ms; H100, bf16 K=V=128). Always registers for K > 128 or fp32 inputs (stored bf16 K = 256 tiles take
-# the narrow pass to 253 KiB of shared memory, fp32 K = 128 ones to 288 KiB, over Hopper's 227).
-STATE_PASS_RAW_IN_REGISTERS = {"wide": True, "narrow": False}
+# A varlen batch whose longest sequence is over BALANCED times the mean length loads the forward state pass's raw
+# tiles as stored in either launch (Tuning.iplr_raw_in_registers otherwise): its long chains run on alone after the
+# others, where prefetched tiles pay (6 sequences of 512–5728 tokens, H16 K=V=128, H100: 0.35 ms against 0.43).
 BALANCED = 1.5
 
 
@@ -77,17 +70,17 @@ def iplr_solve_kernel(
     tl.store(Ai + p_A, cast_for_store(b_T, Ai, DOT_PREC), mask=m_t[:, None])
 
 
-def iplr_solve(k, a, b, layout: ChunkLayout, *, dot_prec: str):
+def iplr_solve(k, a, b, layout: ChunkLayout, *, dot_prec: str, tuning: Tuning = DEFAULT_TUNING):
     """k, a, b [tokens, H, K] → (Ai, Ak) [tokens, H, BT]: each chunk's T and strict(A Kᵀ), in
-    operand_dtype(a.dtype, dot_prec) (they feed only dots)."""
+    operand_dtype(a.dtype, dot_prec) (they feed only dots); tuning: the launch choices (common/tuning.py)."""
     TT, H, K = a.shape
     BT = layout.chunk_size
     Ai, Ak = (torch.empty(TT, H, BT, dtype=operand_dtype(a.dtype, dot_prec), device=a.device) for _ in range(2))
     if layout.num_chunks:
         iplr_solve_kernel[(layout.num_chunks, H)](
             k, a, b, Ai, Ak, layout.cu_seqlens, layout.chunk_indices, H=H, K=K, BT=BT,
-            BK=tile(K, 64), DOT_PREC=dot_prec,
-            RAW_PREC=raw_precision(a.dtype), SOLVE_PREC=solve_precision(a.dtype), **launch("iplr_solve"))
+            BK=tile(K, 64), DOT_PREC=tuning.dot(iplr_solve_kernel, dot_prec),
+            RAW_PREC=raw_precision(a.dtype), SOLVE_PREC=solve_precision(a.dtype), **tuning.launch("iplr_solve"))
     return Ai, Ak
 
 
@@ -139,7 +132,7 @@ def iplr_state_pass_fwd_kernel(
 
 
 def iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, output_final_state: bool, layout: ChunkLayout, *,
-                        dot_prec: str):
+                        dot_prec: str, tuning: Tuning = DEFAULT_TUNING):
     """→ (h [chunks, H, K, V] chunk-start states, x [tokens, H, V] a-reads, both in operand_dtype(k.dtype,
     dot_prec), final state (fp32) or None)."""
     TT, H, K = k.shape
@@ -147,7 +140,7 @@ def iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, output_final_state: b
     N = layout.num_seqs
     # BV (and the K ≤ 256 check) by common/state_pass.py's occupancy rule: 64 value columns per program
     # (iplr_state_pass_fwd_wide) when the programs still fill every SM, else 32.
-    name, BK, BV = state_launch("iplr_state_pass_fwd", N * H, K, V, k.device)
+    name, BK, BV = state_launch("iplr_state_pass_fwd", N * H, K, V, k.device, tuning.sm_count, tuning.value_block)
     h = torch.empty(layout.num_chunks, H, K, V, dtype=operand_dtype(k.dtype, dot_prec), device=k.device)
     x = torch.empty(TT, H, V, dtype=operand_dtype(k.dtype, dot_prec), device=k.device)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=k.device) if output_final_state else None
@@ -156,13 +149,13 @@ def iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, output_final_state: b
     large_tiles = K > 128 or k.dtype == torch.float32
     balanced = layout.max_len * N <= BALANCED * TT
     launch_kind = "wide" if name.endswith("_wide") else "narrow"
-    in_registers = large_tiles or (balanced and STATE_PASS_RAW_IN_REGISTERS[launch_kind])
+    in_registers = large_tiles or (balanced and tuning.iplr_raw_in_registers[launch_kind])
     if N * H:
         iplr_state_pass_fwd_kernel[(N * H, triton.cdiv(V, BV))](
             k, v, a, b, Ai, Ak, h, x, initial_state, ht, layout.cu_seqlens, layout.chunk_offsets, H=H, K=K, V=V,
             BT=layout.chunk_size, BK=BK, BV=BV, USE_INITIAL_STATE=initial_state is not None,
-            STORE_FINAL_STATE=output_final_state, DOT_PREC=dot_prec,
-            RAW_PREC=raw_precision(k.dtype), RAW_IN_REGISTERS=in_registers, **launch(name, large_tiles))
+            STORE_FINAL_STATE=output_final_state, DOT_PREC=tuning.dot(iplr_state_pass_fwd_kernel, dot_prec),
+            RAW_PREC=raw_precision(k.dtype), RAW_IN_REGISTERS=in_registers, **tuning.launch(name, large_tiles))
     return h, x, ht
 
 
@@ -210,11 +203,11 @@ def iplr_output_fwd_kernel(
     tl.store(o + p_v, cast_for_store(b_o * scale, o, DOT_PREC), mask=m_tv)
 
 
-def iplr_output_fwd(q, k, v, b, x, h, scale: float, layout: ChunkLayout, out_dtype,
-                    blocks: tuple[int, int] | None = None, *, dot_prec: str) -> torch.Tensor:
-    """The output pass → o [tokens, H, V] in out_dtype, in (BK, BV) = `blocks` tiles (default OUTPUT_BLOCKS) capped
-    at K's and V's powers of two, its dots in dot_prec."""
-    blocks = blocks or OUTPUT_BLOCKS
+def iplr_output_fwd(q, k, v, b, x, h, scale: float, layout: ChunkLayout, out_dtype, *, dot_prec: str,
+                    tuning: Tuning = DEFAULT_TUNING) -> torch.Tensor:
+    """The output pass → o [tokens, H, V] in out_dtype, in (BK, BV) tiles (tuning.output_blocks, default
+    OUTPUT_BLOCKS) capped at K's and V's powers of two, its dots in dot_prec."""
+    blocks = tuning.output_blocks or OUTPUT_BLOCKS
     TT, H, K = q.shape
     V = v.shape[-1]
     o = torch.empty(TT, H, V, dtype=out_dtype, device=q.device)
@@ -222,17 +215,18 @@ def iplr_output_fwd(q, k, v, b, x, h, scale: float, layout: ChunkLayout, out_dty
     if layout.num_chunks:
         iplr_output_fwd_kernel[(layout.num_chunks, triton.cdiv(V, BV), H)](
             q, k, v, b, x, h, o, layout.cu_seqlens, layout.chunk_indices, layout.chunk_offsets, scale,
-            H=H, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, DOT_PREC=dot_prec,
-            RAW_PREC=raw_precision(q.dtype), **launch("iplr_output_fwd"))
+            H=H, K=K, V=V, BT=layout.chunk_size, BK=BK, BV=BV, DOT_PREC=tuning.dot(iplr_output_fwd_kernel, dot_prec),
+            RAW_PREC=raw_precision(q.dtype), **tuning.launch("iplr_output_fwd"))
     return o
 
 
 def chunk_iplr_delta_rule_fwd(q, k, v, a, b, scale: float, initial_state, output_final_state: bool,
-                              layout: ChunkLayout, *, dot_prec: str):
+                              layout: ChunkLayout, *, dot_prec: str, tuning: Tuning = DEFAULT_TUNING):
     """Flattened contiguous inputs q, k, a, b [tokens, H, K], v [tokens, H, V] → (o [tokens, H, V] in v's dtype,
     final state or None, (Ai, Ak): each chunk's T and strict(A Kᵀ), for the backward); dot_prec: every kernel's
-    DOT_PREC (precision.iplr_dot_precision)."""
-    Ai, Ak = iplr_solve(k, a, b, layout, dot_prec=dot_prec)
-    h, x, ht = iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, output_final_state, layout, dot_prec=dot_prec)
-    o = iplr_output_fwd(q, k, v, b, x, h, scale, layout, v.dtype, dot_prec=dot_prec)
+    DOT_PREC (precision.iplr_dot_precision); tuning: the launch choices (common/tuning.py)."""
+    Ai, Ak = iplr_solve(k, a, b, layout, dot_prec=dot_prec, tuning=tuning)
+    h, x, ht = iplr_state_pass_fwd(k, v, a, b, Ai, Ak, initial_state, output_final_state, layout, dot_prec=dot_prec,
+                                   tuning=tuning)
+    o = iplr_output_fwd(q, k, v, b, x, h, scale, layout, v.dtype, dot_prec=dot_prec, tuning=tuning)
     return o, ht, (Ai, Ak)

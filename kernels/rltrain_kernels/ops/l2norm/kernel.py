@@ -27,10 +27,10 @@ MAX_FUSED_COLS = 65536
 TILE_ELEMENTS = 4096
 
 
-def launch_config(n_cols: int) -> tuple[int, int, int]:
-    """(BD, BR, num_warps) for rows of n_cols values."""
+def launch_config(n_cols: int, tile_elements: int = TILE_ELEMENTS) -> tuple[int, int, int]:
+    """(BD, BR, num_warps) for rows of n_cols values, about tile_elements per program."""
     block_d = triton.next_power_of_2(n_cols)
-    block_r = max(1, min(64, TILE_ELEMENTS // block_d))
+    block_r = max(1, min(64, tile_elements // block_d))
     tile = block_d * block_r
     num_warps = 4 if tile <= 4096 else 8 if tile <= 16384 else 16
     return block_d, block_r, num_warps
@@ -61,27 +61,31 @@ def _l2norm_bwd_kernel(x, stride_x, dy, stride_dy, dx, n_rows, n_cols, eps, BR: 
     store_rounded(dx + rows[:, None] * n_cols + cols[None, :], d, mask, INTERPRETED)
 
 
-def l2norm_forward(x: torch.Tensor, eps: float, output_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y shaped like x in output_dtype, the [rows, D] view of x the kernel read, for backward)."""
+def l2norm_forward(x: torch.Tensor, eps: float, output_dtype: torch.dtype,
+                   tile_elements: int = TILE_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y shaped like x in output_dtype, the [rows, D] view of x the kernel read, for backward); tile_elements:
+    elements per program (tuning sweeps: bench_short_conv.py)."""
     n_cols = x.shape[-1]
     x_rows = as_rows(x, n_cols)
     y = torch.empty(x.shape, dtype=output_dtype, device=x.device)
     n_rows = x_rows.shape[0]
     if n_rows:
-        block_d, block_r, num_warps = launch_config(n_cols)
+        block_d, block_r, num_warps = launch_config(n_cols, tile_elements)
         _l2norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](x_rows, x_rows.stride(0), y, n_rows, n_cols, eps,
                                                             BR=block_r, BD=block_d, INTERPRETED=triton_interpreted(),
                                                             num_warps=num_warps)
     return y, x_rows
 
 
-def l2norm_backward(dy: torch.Tensor, x_rows: torch.Tensor, eps: float) -> torch.Tensor:
-    """dx [rows, D] in x's dtype from the upstream gradient dy (any strides) and the saved rows of x."""
+def l2norm_backward(dy: torch.Tensor, x_rows: torch.Tensor, eps: float,
+                    tile_elements: int = TILE_ELEMENTS) -> torch.Tensor:
+    """dx [rows, D] in x's dtype from the upstream gradient dy (any strides) and the saved rows of x; tile_elements as
+    l2norm_forward's."""
     n_rows, n_cols = x_rows.shape
     dy_rows = as_rows(dy, n_cols)
     dx = torch.empty((n_rows, n_cols), dtype=x_rows.dtype, device=x_rows.device)
     if n_rows:
-        block_d, block_r, num_warps = launch_config(n_cols)
+        block_d, block_r, num_warps = launch_config(n_cols, tile_elements)
         _l2norm_bwd_kernel[(triton.cdiv(n_rows, block_r),)](x_rows, x_rows.stride(0), dy_rows, dy_rows.stride(0),
                                                             dx, n_rows, n_cols, eps, BR=block_r, BD=block_d,
                                                             INTERPRETED=triton_interpreted(), num_warps=num_warps)

@@ -191,21 +191,21 @@ def _state_bwd_kernel(
                  mask=(taps < W)[:, None] & col_mask[None, :])
 
 
-def _token_groups(n_blocks: int, channel_blocks: int, device: torch.device) -> int:
+def _token_groups(n_blocks: int, channel_blocks: int, device: torch.device, programs_per_sm: int) -> int:
     if device.type != "cuda":
         return max(1, min(n_blocks, INTERPRETER_GROUPS))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_blocks, triton.cdiv(PROGRAMS_PER_SM * sms, channel_blocks)))
+    return max(1, min(n_blocks, triton.cdiv(programs_per_sm * sms, channel_blocks)))
 
 
 def short_conv_backward(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None, initial_state: torch.Tensor | None, activation: str | None,
                         cu_seqlens: torch.Tensor | None, seq_ids: torch.Tensor | None, num_sequences: int,
                         compute_dw: bool, compute_db: bool, compute_dstate: bool,
-                        tile: tuple[int, int, int] | None = None):
+                        tile: tuple[int, int, int] | None = None, programs_per_sm: int = PROGRAMS_PER_SM):
     """(dx [B, T, C] in x's dtype, dweight [C, W] fp32 or None, dbias [C] fp32 or None, dstate [N, C, W − 1] fp32
     or None). dy has x's shape with unit channel stride (any batch/token strides); dfinal [N, C, W − 1] or None;
-    tile overrides BACKWARD_TILE."""
+    tile overrides BACKWARD_TILE and programs_per_sm PROGRAMS_PER_SM (tuning sweeps: bench_short_conv.py)."""
     block_t, block_d, num_warps = tile or BACKWARD_TILE
     B, T, C = x.shape
     W = weight.shape[1]
@@ -217,7 +217,7 @@ def short_conv_backward(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.
     channel_blocks = triton.cdiv(C, block_d)
     block_t = max(block_t, triton.next_power_of_2(2 * W))  # a block yields BT − (W − 1) rows of dx
     n_blocks = triton.cdiv(n_rows, block_t - (W - 1))
-    groups = _token_groups(n_blocks, channel_blocks, device)
+    groups = _token_groups(n_blocks, channel_blocks, device, programs_per_sm)
     per_program = triton.cdiv(n_blocks, groups) if n_blocks else 0
     groups = triton.cdiv(n_blocks, per_program) if n_blocks else 1
     bw = triton.next_power_of_2(W)

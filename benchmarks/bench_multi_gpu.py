@@ -20,12 +20,12 @@ For each arch:
    tensors, into fp32 replicas; then every replica's weights checked against the actor's (fp64 checksums, exact)
    and every replica generates, concurrently.
 
-    python kernels/benchmarks/bench_multi_gpu.py                           # 2 GPUs, qwen3 0.6B + hybrid 1B
-    python kernels/benchmarks/bench_multi_gpu.py --archs qwen3 --world 2
-    python kernels/benchmarks/bench_multi_gpu.py --gradients-only         # section 1 alone
-    python kernels/benchmarks/bench_multi_gpu.py --tiny --device cpu      # a CPU dry run over gloo (host route)
+    python benchmarks/bench_multi_gpu.py                           # 2 GPUs, qwen3 0.6B + hybrid 1B
+    python benchmarks/bench_multi_gpu.py --archs qwen3 --world 2
+    python benchmarks/bench_multi_gpu.py --gradients-only         # section 1 alone
+    python benchmarks/bench_multi_gpu.py --tiny --device cpu      # a CPU dry run over gloo (host route)
 
-Needs tensordict, pyvers and orjson on the GPU machine (kernels/benchmarks/README.md).
+Needs rltrain and rltrain-kernels installed (README.md beside this file).
 """
 
 from __future__ import annotations
@@ -36,15 +36,10 @@ import socket
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # rltrain (this checkout) without installing it
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_actor_step import VOCAB, make_batch  # noqa: E402
+from bench_actor_step import VOCAB, make_batch
 
 AUTO = {"name": "auto", "include_kernels": "auto"}
 FULL = {  # bench_actor_step's Qwen3-0.6B; bench_hybrid_policy's 1B-class hybrid (3 Gated DeltaNet : 1 attention)

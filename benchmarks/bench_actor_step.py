@@ -22,13 +22,13 @@ variant trains on the same real tokens; tokens/s counts prompt + response tokens
 the old-log-prob pass plus the update. MFU: 8·N_params·tokens + causal attention (4·L²·layers·heads·head_dim per
 sequence, ×4 for the three passes) over the time, against the bf16 GEMM rate measured in the same run. Then the
 longest response each variant trains at batch 8 (old log-probs, then forward + backward + step in one micro-batch,
-gradient checkpointing on for all, `--probe-lens`) before it runs out of memory. Needs a CUDA GPU; the device
-machine needs tensordict, pyvers, orjson and liger-kernel carried (kernels/benchmarks/README.md).
+gradient checkpointing on for all, `--probe-lens`) before it runs out of memory. Needs a CUDA GPU, rltrain and
+rltrain-kernels installed, and liger-kernel for (b) (README.md beside this file).
 
-    python kernels/benchmarks/bench_actor_step.py --size 0.6b
-    python kernels/benchmarks/bench_actor_step.py --size 1.7b --probe-lens 4096,8192,16384,32768
-    python kernels/benchmarks/bench_actor_step.py --size 1.7b --variants "rltrain packed,rltrain packed lora"
-    python kernels/benchmarks/bench_actor_step.py --variants "rltrain packed,rltrain packed mixed" --no-probe
+    python benchmarks/bench_actor_step.py --size 0.6b
+    python benchmarks/bench_actor_step.py --size 1.7b --probe-lens 4096,8192,16384,32768
+    python benchmarks/bench_actor_step.py --size 1.7b --variants "rltrain packed,rltrain packed lora"
+    python benchmarks/bench_actor_step.py --variants "rltrain packed,rltrain packed mixed" --no-probe
 """
 
 from __future__ import annotations
@@ -37,17 +37,11 @@ import argparse
 import gc
 import logging
 import math
-import sys
+import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # rltrain (this checkout) without installing it
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gemm_floor import gemm_rates  # noqa: E402
 
 SIZES = {  # Qwen3-0.6B / 1.7B shapes (tied embeddings, GQA 16/8 heads of 128)
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28),
@@ -55,6 +49,39 @@ SIZES = {  # Qwen3-0.6B / 1.7B shapes (tied embeddings, GQA 16/8 heads of 128)
 }
 VOCAB = 151936
 LIGER_COMPILE_FAILED: list[str] = []
+
+
+def gemm_rates(n: int = 8192, sustain_s: float = 2.0) -> tuple[float, float]:
+    """(burst, sustained) bf16 flop/s of an n³ matmul on this GPU, what MFU is measured against: the median of 20
+    single GEMMs, each queued behind a spin kernel (the card at its boost clock), and the last 50 of `sustain_s` of
+    back-to-back GEMMs (the card at its power limit)."""
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    flops = 2 * n**3
+    events = lambda: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # noqa: E731
+
+    def queued_ms() -> float:
+        torch.cuda.synchronize()
+        start, end = events()
+        torch.cuda._sleep(20_000_000)  # ≥ 10 ms of GPU work first: the host's launch overlaps it
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    for _ in range(3):
+        a @ b
+    burst = flops / (statistics.median(queued_ms() for _ in range(20)) * 1e-3)
+    reps = max(1, int(sustain_s * burst / flops))
+    timed = min(50, reps)
+    start, end = events()
+    for i in range(reps):
+        if i == reps - timed:
+            start.record()
+        a @ b
+    end.record()
+    end.synchronize()
+    return burst, flops * timed / (start.elapsed_time(end) * 1e-3)
 
 
 def build_model_dir(size: str, root: str) -> str:

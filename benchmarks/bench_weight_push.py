@@ -14,10 +14,10 @@ load_snapshot does) and their sum, best of --repeats, with GB/s of the sum; afte
 are checked against the actor's (fp64 checksums, exact; the actor's weights are perturbed before each route, so a
 push that did not land shows).
 
-    python kernels/benchmarks/bench_weight_push.py                        # Qwen3 0.6B and 1.7B shapes
-    python kernels/benchmarks/bench_weight_push.py --tiny --device cpu    # a CPU dry run
+    python benchmarks/bench_weight_push.py                        # Qwen3 0.6B and 1.7B shapes
+    python benchmarks/bench_weight_push.py --tiny --device cpu    # a CPU dry run
 
-Needs ray, tensordict, pyvers, orjson, omegaconf and hydra-core on the GPU machine (kernels/benchmarks/README.md).
+Needs rltrain (with Ray) and rltrain-kernels installed (README.md beside this file).
 """
 
 from __future__ import annotations
@@ -26,14 +26,9 @@ import argparse
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # rltrain (this checkout) without installing it
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_actor_step import SIZES, build_model_dir  # noqa: E402
+from bench_actor_step import SIZES, build_model_dir
 
 ROUTES = ("per-tensor", "flat", "ipc")
 

@@ -13,28 +13,23 @@ batch); tokens/s counts prompt + response tokens over both passes, the faster of
 steps. Decoding: `--decode-batch` prompts of `--decode-prompt` random tokens, `--decode-len` new tokens sampled at
 temperature 1 (an <eos> the random model never draws, so every row decodes the full length); tokens/s = rows ×
 new tokens over the wall time. Correctness first: each delta-rule model's old log-probs with the kernels against
-its plain-PyTorch path (fp32 recurrence) on a small batch, as a relative error. Needs a CUDA GPU and tensordict
-(kernels/benchmarks/README.md).
+its plain-PyTorch path (fp32 recurrence) on a small batch, as a relative error. Needs a CUDA GPU, rltrain and
+rltrain-kernels installed (README.md beside this file).
 
-    python kernels/benchmarks/bench_hybrid_policy.py                  # all four archs
-    python kernels/benchmarks/bench_hybrid_policy.py --archs qwen3,hybrid
+    python benchmarks/bench_hybrid_policy.py                  # all four archs
+    python benchmarks/bench_hybrid_policy.py --archs qwen3,hybrid
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
+from bench_actor_step import VOCAB, RltrainPath, make_batch, release_memory, timed_step
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # rltrain (this checkout) without installing it
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_actor_step import VOCAB, RltrainPath, make_batch, release_memory, timed_step  # noqa: E402
-from rltrain_kernels.registry import get_applied_kernels  # noqa: E402
+from rltrain_kernels.registry import get_applied_kernels
 
 SHAPE = dict(vocab_size=VOCAB, hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
              num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
