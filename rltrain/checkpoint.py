@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
@@ -102,8 +103,6 @@ def holds_adapters(path: Path) -> bool:
 def load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     """(policy state_dict, or the LoRA adapters in PEFT's format where the checkpoint holds them (holds_adapters);
     optimizer state; trainer state) of a checkpoint directory."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     weights = f"hf/{ADAPTER_FILE if holds_adapters(path) else MODEL_FILE}"
     for needed in (weights, "optimizer.pt", "trainer_state.json"):
