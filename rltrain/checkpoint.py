@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from rltrain.output_dir import temporary_dir, temporary_name
 
@@ -149,8 +150,6 @@ def save_checkpoint(output_dir: str, step: int, save_policy, optimizer_state: di
 def load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     """(policy state_dict, or the LoRA adapters in PEFT's format where the checkpoint holds them (holds_adapters);
     optimizer state; trainer state) of a checkpoint directory."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     reason = incomplete_reason(path)
     if reason is not None:

@@ -24,11 +24,13 @@ class ConfigError(ValueError):
 
 class _FieldError(Exception):
     def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")  # the section-relative form, where a config is built by hand
         self.key, self.message = key, message
 
 
 def require(condition: bool, key: str, message: str, value: Any = dataclasses.MISSING) -> None:
-    """Inside a config's validate(): raise for `key` (relative to the section) unless `condition`."""
+    """Inside a config's validate() (or __post_init__): raise for `key` (relative to the section) unless
+    `condition`."""
     if not condition:
         got = "" if value is dataclasses.MISSING else f" (got {value!r})"
         raise _FieldError(key, f"{message}{got}")
@@ -78,9 +80,10 @@ def _coerce(value, tp, key: str):
 
 
 def from_mapping(cls, mapping: Mapping | None, prefix: str):
-    """Build dataclass `cls` from `mapping` (a dict or OmegaConf node), validating keys, types and values."""
+    """Build dataclass `cls` from `mapping` (a dict or OmegaConf node), validating keys, types and values. Its keys
+    are the fields __init__ takes (a field with init=False is not a setting)."""
     mapping = {} if mapping is None else dict(mapping)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(mapping) - set(fields))
     if unknown:
         where = f"{prefix}.{unknown[0]}" if prefix != "config" else unknown[0]

@@ -17,6 +17,12 @@ import json
 import sys
 from pathlib import Path
 
+import peft
+import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families with the Auto classes)
+import transformers as tf
+
+from rltrain.workers.policy import load_tokenizer
+
 ADAPTER_CONFIG = "adapter_config.json"
 
 
@@ -47,12 +53,6 @@ def base_model_dir(adapters: Path, base: str | None) -> str:
 
 def export_lora(checkpoint: str | Path, out: str | Path, base: str | None = None) -> Path:
     """Merge the adapters of `checkpoint` into their base model and save it under `out`; returns `out`."""
-    import peft
-    import transformers as tf
-
-    import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families with the Auto classes)
-    from rltrain.workers.policy import load_tokenizer
-
     adapters = adapter_dir(checkpoint)
     base = base_model_dir(adapters, base)
     tf.utils.logging.disable_progress_bar()

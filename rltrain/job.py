@@ -5,15 +5,18 @@ values) before any work starts, with errors that name the key (`rollout.n: must 
 beside their components (ModelConfig in workers/policy.py, DataConfig in data/sampler.py, RayConfig in
 workers/group.py, ActorConfig, RolloutConfig, RewardConfig beside their workers, AlgorithmConfig in algorithms/,
 KernelConfig in rltrain_kernels.registry); this module holds the composition, the checks that span sections, and
-TrainerConfig, the run's own section, which the controller reads with the whole JobConfig (the entry point
-validates before it imports the controller).
+TrainerConfig, the run's own section, which the controller reads with the whole JobConfig (rltrain/trainer.py imports
+this module).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
+import torch
+from omegaconf import DictConfig, OmegaConf
 from rltrain_kernels.registry import KernelConfig
 
 from rltrain.algorithms.advantages import GROUP_ESTIMATORS
@@ -21,6 +24,7 @@ from rltrain.algorithms.config import AlgorithmConfig
 from rltrain.async_rollout import MODES
 from rltrain.config import from_mapping, require
 from rltrain.data.sampler import DataConfig
+from rltrain.embedded.config import CONTEXT_LENGTH
 from rltrain.tracking import LOGGERS
 from rltrain.workers.actor import ActorConfig
 from rltrain.workers.group import RayConfig
@@ -207,8 +211,6 @@ class JobConfig:
             have = self.ray.num_cpus or os.cpu_count() or 1
             held = f"ray.num_cpus = {have}" if self.ray.num_cpus else f"this machine has {have} (ray.num_cpus unset)"
         else:
-            import torch
-
             if not torch.cuda.is_available():  # trainer.device=cuda here: the trainer says the GPUs are missing
                 return
             have = torch.cuda.device_count()
@@ -220,8 +222,6 @@ class JobConfig:
 
 def resolve_device(device: str) -> str:
     """trainer.device as the trainer resolves it: auto -> cuda when this machine shows a CUDA device, else cpu."""
-    import torch
-
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
@@ -236,8 +236,6 @@ def resolve_dtype(dtype: str, device: str) -> str:
 def delta_rule_policy(model: ModelConfig) -> str | None:
     """The delta-rule policy (rltrain_kernels.models' hybrid_delta family) `model` names, described, or None: the
     embedded default with a delta-rule arch, or a model directory whose config.json has that model_type."""
-    import json
-
     if model.path is None:
         return None if model.embedded.arch == "qwen3" else f"model.embedded.arch={model.embedded.arch}"
     config = os.path.join(model.path, "config.json")
@@ -258,11 +256,7 @@ STRETCHING_ROPE = ("linear", "dynamic", "yarn")
 def model_context_length(model: ModelConfig) -> tuple[int, str] | None:
     """(the policy's context length in tokens, where it comes from), or None where its config.json states none (or
     model.path holds no config.json: the trainer names that). The embedded default's is its CONTEXT_LENGTH."""
-    import json
-
     if model.path is None:
-        from rltrain.embedded.model import CONTEXT_LENGTH
-
         return CONTEXT_LENGTH, "the embedded model's max_position_embeddings"
     path = os.path.join(model.path, "config.json")
     try:
@@ -291,8 +285,6 @@ def model_context_length(model: ModelConfig) -> tuple[int, str] | None:
 
 def load_job_config(cfg) -> JobConfig:
     """Validate a composed Hydra/OmegaConf config (or a plain dict) into a JobConfig; raises ConfigError."""
-    from omegaconf import DictConfig, OmegaConf
-
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=True)
     cfg = {k: v for k, v in cfg.items() if k != "hydra"}

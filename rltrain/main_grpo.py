@@ -25,11 +25,10 @@ from rltrain.config import ConfigError
 from rltrain.data.rows import DataError
 from rltrain.job import load_job_config
 from rltrain.rewards.health import RewardsFailing
+from rltrain.trainer import GRPOTrainer
 
 
 def run(job) -> dict:
-    from rltrain.trainer import GRPOTrainer
-
     trainer = GRPOTrainer(job)
     try:
         result = trainer.fit()

@@ -84,7 +84,7 @@ class Tracker:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
         if "tensorboard" in self.backends and self._tb is None:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional: the tensorboard package
 
             self._tb = SummaryWriter(self._tb_dir, purge_step=self._purge_step)
         if self._tb is not None:

@@ -15,7 +15,7 @@ sampled it (weight_version), logged as rollout/version_lag_mean and _max; with r
 its own (token_versions: a push interrupts the generation in flight, which goes on with the new weights) and the
 lags are over tokens.
 The trainer holds its output directory's lock (rltrain/output_dir.py) from construction to close(), which stops
-every worker whatever fails; a local Ray it starts dies with the driver (rltrain/ray_session.py).
+every worker whatever fails; a local Ray it starts dies with the driver (rltrain/watchdog.py).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import ray
 import torch
+import transformers
 from tensordict import TensorDict
 
 from rltrain import checkpoint as ckpt
@@ -42,6 +43,8 @@ from rltrain.async_rollout import (
 from rltrain.config import ConfigError
 from rltrain.data.rows import load_rows
 from rltrain.data.sampler import PromptSampler, drop_long_prompts, encode_prompts
+from rltrain.embedded.model import embedded_policy_dir
+from rltrain.embedded.task import make_rows
 from rltrain.job import JobConfig, resolve_device, resolve_dtype
 from rltrain.output_dir import OutputDirLock, remove_unfinished
 from rltrain.perf import StepTimer, actor_step_flops, mfu, peak_flops
@@ -53,6 +56,7 @@ from rltrain.workers.actor import ActorWorker, FSDPActorWorker
 from rltrain.workers.agent_loop import episode_metrics, prompt_tools
 from rltrain.workers.group import kill, place_model_roles, start_role
 from rltrain.workers.lora import check_target_modules_of
+from rltrain.workers.policy import load_tokenizer
 from rltrain.workers.reference import FSDPReferenceWorker, ReferenceWorker, check_teacher
 from rltrain.workers.reward import RewardWorker
 from rltrain.workers.rollout_group import RolloutReplicas, place_rollout
@@ -67,15 +71,11 @@ def resolve_model_and_data(job: JobConfig):
     """(model dir, train rows, val rows): the given ones, or the embedded default's (warm-started, cached). Data is
     read and validated first, so a malformed row fails before any model work."""
     if job.data.train_files is None:
-        from rltrain.embedded.task import make_rows
-
         train_rows, val_rows = make_rows(job.data.task)
     else:
         train_rows = load_rows(job.data.train_files)
         val_rows = load_rows(job.data.val_files) if job.data.val_files is not None else []
     if job.model.path is None:
-        from rltrain.embedded.model import embedded_policy_dir
-
         model_dir = str(embedded_policy_dir(job.trainer.output_dir, job.model.embedded, job.data.task,
                                             job.trainer.seed))
     else:
@@ -103,10 +103,6 @@ class GRPOTrainer:
             raise
 
     def _setup(self) -> None:
-        import transformers
-
-        from rltrain.workers.policy import load_tokenizer
-
         transformers.utils.logging.disable_progress_bar()
         job = self.job
         device = job.trainer.device

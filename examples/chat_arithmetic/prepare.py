@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from rltrain.data.rows import PromptRow, prompt_ids
-from rltrain.data.sampler import left_pad
 from rltrain.rewards.plugin import load_reward_fn
+from rltrain.workers.batch import left_pad
 from rltrain.workers.policy import load_tokenizer
 
 DATA_SOURCE = "chat_arithmetic"

@@ -23,15 +23,10 @@ distillation's per-token term (`distill_advantages`, algorithm.distill) added to
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from tensordict import TensorDict
 
 from rltrain.registry import Registry
-
-if TYPE_CHECKING:
-    from rltrain.algorithms.config import AlgorithmConfig
 
 ADVANTAGES: Registry = Registry("advantage estimator")
 EPS = 1e-6
@@ -127,9 +122,11 @@ def kl_reward(old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_m
     return torch.where(response_mask != 0, -kl_coef * k1, 0.0)
 
 
-def batch_advantages(batch: TensorDict, algorithm: AlgorithmConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def batch_advantages(batch: TensorDict, algorithm) -> tuple[torch.Tensor, dict[str, float]]:
     """(advantages [B, T], metrics) of a scored batch with old (and, for kl_in_reward, reference) log-probs: the
-    configured estimator, with REINFORCE++'s discount and KL penalty in the reward where the config asks."""
+    configured estimator, with REINFORCE++'s discount and KL penalty in the reward where the config asks.
+    `algorithm`: the algorithm section (AlgorithmConfig, rltrain/algorithms/config.py, which imports this module's
+    registry to check adv_estimator)."""
     options, metrics = {}, {}
     if algorithm.adv_estimator == "reinforce_pp":
         options["gamma"] = algorithm.gamma

@@ -1,15 +1,18 @@
 """The `algorithm` config section: advantage estimator, policy-loss options (passed to
 rltrain_kernels.fused_policy_loss), the DAPO switches, the rollout importance correction and on-policy distillation.
 
-`algorithm.loss` is the loss's own spec: its keys are fused_policy_loss's options (the kernel's PolicyLossOptions,
-less the per-call temperature and normalisers; `kernel_options()`), and validate() runs that class's checks, so the
-choices and bounds live once, beside the loss; `decoupled` (AReaL's objective) is the trainer's, a per-token weight
-on the policy-gradient term (rltrain/algorithms/rollout_correction.py), not a kernel option."""
+`algorithm.loss` (LossConfig) is the kernel's PolicyLossOptions itself, its fields, defaults and checks, less the
+per-call temperature and normaliser (the actor's: `kernel_options()` leaves them out), plus `decoupled` (AReaL's
+objective), which is the trainer's, a per-token weight on the policy-gradient term
+(rltrain/algorithms/rollout_correction.py), not a kernel option. The kernel's checks run on construction and name
+the option they reject (PolicyLossOptionError), reported as algorithm.loss.<option>."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
+
+from rltrain_kernels.ops.policy_loss.options import PolicyLossOptionError, PolicyLossOptions
 
 from rltrain.algorithms.advantages import ADVANTAGES
 from rltrain.algorithms.rollout_correction import RolloutCorrectionConfig
@@ -19,36 +22,27 @@ from rltrain.config import require
 OLD_LOGPROBS = ("auto", "actor", "rollout")
 
 
-@dataclass
-class LossConfig:
-    clip_low: float = 0.2
-    clip_high: float = 0.2          # DAPO's clip-higher: e.g. 0.28
-    dual_clip: float | None = None  # c > 1 bounds the loss of negative-advantage tokens at -A*c
-    kl_coef: float = 0.0            # > 0 starts the reference worker
-    kl_type: str = "k3"
-    entropy_coef: float = 0.0
-    loss_agg: str = "token-mean"
-    importance_level: str = "token"  # "sequence" = GSPO
-    norm_len: int | None = None      # seq-mean-token-sum-norm's constant length; None = rollout.max_new_tokens
+@dataclass(frozen=True)
+class LossConfig(PolicyLossOptions):
+    """The kernel's options as config keys (config/algorithm/*.yaml comments them), plus decoupled. norm_len: None =
+    rollout.max_new_tokens (AlgorithmConfig.actor_loss)."""
+    # per call, not config keys (the actor passes the sampling temperature and each mini-batch's token count)
+    temperature: float = field(default=PolicyLossOptions.temperature, init=False)
+    norm_tokens: float | None = field(default=PolicyLossOptions.norm_tokens, init=False)
     decoupled: bool = False          # AReaL: clip against π_prox (old_logprobs), pg term × π_prox / π_behaviour
 
+    def __post_init__(self):
+        try:
+            super().__post_init__()
+        except PolicyLossOptionError as err:  # the kernel names the option it rejects: this section's key
+            require(False, err.option, err.reason)
+
     def kernel_options(self) -> dict:
-        """The options fused_policy_loss takes (all but decoupled)."""
-        options = asdict(self)
-        del options["decoupled"]
-        return options
+        """The options fused_policy_loss takes from the config (all but decoupled and the per-call ones)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name != "decoupled"}
 
     def validate(self):
-        from rltrain_kernels.ops.policy_loss import PolicyLossOptions
-
         require(self.kl_coef >= 0, "kl_coef", "must be >= 0 (> 0 adds the KL penalty)", self.kl_coef)
-        try:
-            PolicyLossOptions(**self.kernel_options())
-        except (TypeError, ValueError) as err:   # the kernel's message names the option: report it as the key
-            message = str(err)
-            key = next((f.name for f in fields(self) if f.name in message.split()[:2]
-                        or f"{f.name} " in message), "loss")
-            require(False, key, message.replace(f"unknown {key} ", "unknown value ").removeprefix(f"{key} "))
 
 
 @dataclass

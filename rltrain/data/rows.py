@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 
 @dataclass
 class PromptRow:
@@ -30,8 +32,6 @@ class DataError(ValueError):
 def _read_records(path: Path) -> list[dict]:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         try:
             return pq.read_table(path).to_pylist()
         except Exception as exc:

@@ -15,7 +15,8 @@ import torch
 
 from rltrain.config import require
 from rltrain.data.rows import DataError, PromptRow, prompt_ids
-from rltrain.embedded.task import TaskConfig
+from rltrain.embedded.config import TaskConfig
+from rltrain.workers.batch import left_pad
 
 logger = logging.getLogger(__name__)
 
@@ -88,13 +89,3 @@ def encode_prompts(rows: list[PromptRow], tokenizer, tools: list[dict] | None = 
     return left_pad([prompt_ids(row.prompt, tokenizer, tools) for row in rows],
                     tokenizer.pad_token_id)
 
-
-def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token id lists as left-padded ids and mask, [len(sequences), longest]: the layout generate takes."""
-    width = max(map(len, sequences))
-    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-        mask[i, width - len(seq):] = 1
-    return ids, mask

@@ -29,50 +29,29 @@ import json
 import logging
 import random
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import transformers as tf
+from rltrain_kernels.models import HybridDeltaConfig
 
-from rltrain.config import require
 from rltrain.data.rows import PromptRow
+from rltrain.data.sampler import encode_prompts
+from rltrain.embedded import tool_task
+from rltrain.embedded.config import CONTEXT_LENGTH, EmbeddedModelConfig
+from rltrain.embedded.task import make_rows
+from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.output_dir import temporary_dir
+from rltrain.rewards.builtin import arithmetic_reward
 
 logger = logging.getLogger(__name__)
 
 
-ARCHS = ("qwen3", "hybrid", "gdp", "iplr")
-# the token mixers of an arch's layers, repeated to num_layers; None: a Qwen3
+# the token mixers of an arch's layers (rltrain/embedded/config.py ARCHS), repeated to num_layers; None: a Qwen3
 ARCH_LAYERS = {"qwen3": None, "hybrid": ("gated_delta_rule",) * 3 + ("full_attention",),
                "gdp": ("gated_delta_product",), "iplr": ("iplr",)}
 DEFAULT_LAYERS = {"qwen3": 2, "hybrid": 3, "gdp": 2, "iplr": 2}
-# max_position_embeddings: data.max_prompt_length's default 256 + rollout.max_new_tokens must fit (the job's context
-# check); RoPE's frequencies do not depend on it, so the trained weights are those of any other length
-CONTEXT_LENGTH = 1024
-
-
-@dataclass
-class EmbeddedModelConfig:
-    arch: str = "qwen3"                    # qwen3 | hybrid | gdp | iplr (module docstring)
-    hidden_size: int = 128
-    num_layers: int = 0                    # 0 = the arch's own (DEFAULT_LAYERS)
-    num_heads: int = 4
-    head_dim: int = 32
-    warmstart_steps: int = 600             # upper bound on supervised steps
-    warmstart_target_accuracy: float = 0.15  # stop once greedy accuracy on training problems reaches this
-    warmstart_eval_every: int = 20
-    warmstart_batch_size: int = 64
-    warmstart_lr: float = 3e-3
-
-    def validate(self):
-        require(self.arch in ARCHS, "arch", f"must be one of {', '.join(ARCHS)}", self.arch)
-        require(self.num_layers >= 0, "num_layers", "must be >= 0 (0 = the arch's own)", self.num_layers)
-        for key in ("hidden_size", "num_heads", "head_dim", "warmstart_batch_size"):
-            require(getattr(self, key) >= 1, key, "must be >= 1", getattr(self, key))
-        require(self.warmstart_steps >= 0, "warmstart_steps", "must be >= 0", self.warmstart_steps)
-        require(0 < self.warmstart_target_accuracy <= 1, "warmstart_target_accuracy", "must be in (0, 1]",
-                self.warmstart_target_accuracy)
-        require(self.warmstart_eval_every >= 1, "warmstart_eval_every", "must be >= 1", self.warmstart_eval_every)
 
 
 def layer_types(config: EmbeddedModelConfig) -> list[str] | None:
@@ -87,8 +66,6 @@ def layer_types(config: EmbeddedModelConfig) -> list[str] | None:
 
 
 def build_model(config: EmbeddedModelConfig, tokenizer, seed: int):
-    import transformers as tf
-
     torch.manual_seed(seed)
     dims = dict(vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=2 * config.hidden_size,
                 num_attention_heads=config.num_heads, num_key_value_heads=config.num_heads, head_dim=config.head_dim,
@@ -98,8 +75,6 @@ def build_model(config: EmbeddedModelConfig, tokenizer, seed: int):
     if mixers is None:
         model_config = tf.Qwen3Config(num_hidden_layers=config.num_layers or DEFAULT_LAYERS["qwen3"], **dims)
     else:
-        from rltrain_kernels.models import HybridDeltaConfig
-
         model_config = HybridDeltaConfig(layer_types=mixers, linear_num_heads=config.num_heads,
                                          linear_head_dim=config.head_dim, **dims)
     model_config._attn_implementation = "eager"
@@ -122,9 +97,6 @@ def _sft_batch(rows: list[PromptRow], tokenizer):
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, rows: list[PromptRow]) -> float:
     """Fraction of rows whose greedy answer (up to <eos>) the task's reward function scores as right."""
-    from rltrain.data.sampler import encode_prompts
-    from rltrain.rewards.builtin import arithmetic_reward
-
     ids, mask = encode_prompts(rows, tokenizer)
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -137,8 +109,6 @@ def warm_start(model, tokenizer, rows: list[PromptRow], config: EmbeddedModelCon
     """Supervised training on prompt -> answer, in place, until the target accuracy (on 128 training problems)
     or the step limit; returns the last measured accuracy. `tools` (the tool task): the examples and the accuracy
     of rltrain/embedded/tool_task.py instead (demonstrated calculator episodes, forced-call accuracy)."""
-    from rltrain.embedded import tool_task
-
     rng = random.Random(seed)
     probe = rng.sample(rows, min(128, len(rows)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.warmstart_lr, weight_decay=0.0)
@@ -169,9 +139,6 @@ def warm_start(model, tokenizer, rows: list[PromptRow], config: EmbeddedModelCon
 
 def embedded_policy_dir(output_dir: str, config: EmbeddedModelConfig, task_config, seed: int) -> Path:
     """Build (or reuse) the warm-started embedded model; returns its HF-format directory."""
-    from rltrain.embedded.task import make_rows
-    from rltrain.embedded.tokenizer import build_char_tokenizer
-
     mixers = layer_types(config)   # resolved: a change of an arch's default layer count makes a new warm start
     # the context length is part of the key: a model cached with a shorter one would fail the job's context check
     key = hashlib.sha256(json.dumps([asdict(config), asdict(task_config), seed, CONTEXT_LENGTH]

@@ -15,40 +15,12 @@ real data takes.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
-from rltrain.config import require
 from rltrain.data.rows import PromptRow
+from rltrain.embedded.config import TaskConfig
 
 DATA_SOURCE = "rltrain/arithmetic"
 TOOL_DATA_SOURCE = "rltrain/tool_arithmetic"
-KINDS = ("arithmetic", "tool_arithmetic")
-
-
-@dataclass
-class TaskConfig:
-    kind: str = "arithmetic"    # arithmetic | tool_arithmetic (module docstring)
-    min_operand: int = 0        # operands drawn from [min_operand, max_operand]
-    max_operand: int = 49
-    operators: str = "+"        # any of "+-*"
-    num_val: int = 200          # held-out problems (never trained on)
-    seed: int = 0
-
-    def validate(self):
-        require(self.kind in KINDS, "kind", f"must be one of {', '.join(KINDS)}", self.kind)
-        require(self.min_operand >= 0, "min_operand", "must be >= 0", self.min_operand)
-        require(self.max_operand >= max(1, self.min_operand), "max_operand", f"must be >= 1 and >= min_operand "
-                f"({self.min_operand})", self.max_operand)
-        require(bool(self.operators) and set(self.operators) <= set("+-*"), "operators",
-                "must be a non-empty subset of '+-*'", self.operators)
-        require(self.num_val >= 1, "num_val", "must be >= 1", self.num_val)
-        problems = len(self.operators) * (self.max_operand - self.min_operand + 1) ** 2
-        require(self.num_val < problems, "num_val", f"leaves no training problems (the task has {problems})",
-                self.num_val)
-
-    @property
-    def uses_tools(self) -> bool:
-        return self.kind == "tool_arithmetic"
 
 
 def _answer(a: int, op: str, b: int) -> int:

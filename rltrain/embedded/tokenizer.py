@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import re
 
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
 CHARS = list("0123456789+-*=() ,.?abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ:\n")
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -46,9 +49,6 @@ def build_char_tokenizer(extra_chars: str = "", tools: bool = False):
     """`extra_chars`: characters added after the default ones (tests of tool calls need `<>{}"_/`). `tools`: add the
     tool-call tokens and the tool chat template (module docstring); the ids of the default vocabulary stay as they
     are, the new tokens follow them."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     words = TOOL_TOKENS if tools else []
     tokens = SPECIAL + CHARS + words + [c for c in TOOL_CHARS if tools and c not in CHARS]
     tokens += [c for c in dict.fromkeys(extra_chars) if c not in tokens]

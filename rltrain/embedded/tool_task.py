@@ -26,11 +26,12 @@ import random
 import torch
 
 from rltrain.data.rows import PromptRow, prompt_ids
-from rltrain.data.sampler import left_pad
 from rltrain.rewards.builtin import tool_arithmetic_reward
 from rltrain.tools.builtin.calculator import CalculatorError, calculator
 from rltrain.tools.chat import chat_template_tools
 from rltrain.tools.parsers import parse_hermes
+from rltrain.workers.agent_loop import ToolTurns
+from rltrain.workers.batch import left_pad
 
 DEMO_SHARE = 0.5     # examples that demonstrate a calculator episode: half, so the format is learned in ~100 steps
 CALL_SHARE = 0.03    # examples whose <tool_call> opening is a label: calls start at ~6% of samples
@@ -55,8 +56,6 @@ def call_text(expr: str) -> str:
 
 def tool_turn_ids(tokenizer, content: str) -> list[int]:
     """The tokens of the tool turn answering with `content`, exactly as the agent loop renders it."""
-    from rltrain.workers.agent_loop import ToolTurns
-
     return ToolTurns(tokenizer, max_tokens=256).render([{"role": "tool", "name": "calculator", "content": content}])
 
 

@@ -21,8 +21,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from rltrain_kernels import fused_policy_loss
+from rltrain_kernels.ops.kl_div import linear_kl_div
+from rltrain_kernels.ops.policy_loss import LossAccumulation
 from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 from rltrain.algorithms.config import DistillConfig, LossConfig
@@ -221,8 +227,6 @@ class ActorWorker(WeightSource):
         return {**{f"actor/{k}": v / steps for k, v in totals.items()}, "actor/lr": lr}
 
     def _optimizer_step(self, mini_batch: TensorDict) -> dict[str, float]:
-        from rltrain_kernels.ops.policy_loss import LossAccumulation
-
         accumulation = LossAccumulation.of(self.loss.loss_agg, mini_batch["response_mask"], self.loss.norm_len)
         n_tokens = max(accumulation.tokens, 1)
         self.optimizer.zero_grad(set_to_none=True)
@@ -252,8 +256,6 @@ class ActorWorker(WeightSource):
         """(fused_policy_loss of one micro-batch, on its packed row (cu_seqlens) or its padded rows; with a teacher
         the summed reverse KL to it, else None). GSPO's sequence ratio takes rows: its packed hidden states are
         gathered into them (one [B, R, H] copy)."""
-        from rltrain_kernels import fused_policy_loss
-
         loss_cfg = self.loss
         options = {**loss_cfg.kernel_options(), "temperature": self.temperature, **norm}
         fields = [micro["response_ids"], micro["response_mask"], weighted_advantages(micro), micro["old_logprobs"],
@@ -276,8 +278,6 @@ class ActorWorker(WeightSource):
                     weight: torch.Tensor) -> torch.Tensor:
         """Σ over the micro-batch's response tokens of KL(π ‖ π_teacher) at the sampling temperature, from both
         models' hidden states in the same layout (packed row or padded rows), no logits materialised."""
-        from rltrain_kernels.ops.kl_div import linear_kl_div
-
         labels = response_labels(micro, packing)
         with torch.no_grad():
             teacher_hidden = policy_hidden(self.teacher, micro, packing)
@@ -425,16 +425,11 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
         return full if self.rank == 0 else None
 
     def optimizer_state(self) -> dict | None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
         state = get_optimizer_state_dict(self.model, self.optimizer,
                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return keyed_by_index(state, self._param_names()) if self.rank == 0 else None
 
     def load_checkpoint(self, model_state: dict, optimizer_state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
-
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.model, model_state, options=options)
         set_optimizer_state_dict(self.model, self.optimizer, keyed_by_name(optimizer_state, self._param_names()),

@@ -4,8 +4,8 @@ reads their answers, batched across episodes, on the rollout engine through one 
     loop = AgentLoop(config.multi_turn, HFTurns(engine), tokenizer, max_new_tokens=config.max_new_tokens)
     batch = loop.generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt)   # the engines' TensorDict
 
-The Turns APIs: HFTurns (below) and VLLMTurns (rltrain/workers/vllm_engine.py); both report the sampled tokens'
-log-probs where their engine does.
+The Turns APIs: HFTurns (rltrain/workers/hf_engine.py) and VLLMTurns (rltrain/workers/vllm_engine.py), each
+returning a `Turn` (below) per context; both report the sampled tokens' log-probs where their engine does.
 
 One turn: every open episode generates its next assistant turn in one batched engine call (`Turns.generate`: token
 contexts in, each with its own token budget); each turn's text goes through the tool-call parser
@@ -37,11 +37,12 @@ from dataclasses import dataclass, field
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from rltrain.data.sampler import left_pad
-from rltrain.tools.chat import assistant_message, tool_message
+from rltrain.tools.chat import assistant_message, chat_template_tools, tool_message
 from rltrain.tools.config import MultiTurnConfig
+from rltrain.tools.loader import load_tools
 from rltrain.tools.parsers import PARSERS
 from rltrain.tools.pool import ToolPool
+from rltrain.workers.batch import group_ids, right_pad
 from rltrain.workers.sampling import response_seeds
 
 PLAIN_TOOL_TURN = "\n<tool_response>\n{content}\n</tool_response>\n"
@@ -56,34 +57,6 @@ class Turn:
     token_ids: list[int]
     logprobs: list[float] | None
     finished: bool
-
-
-class HFTurns:
-    """The hf engine (rltrain/workers/rollout.py HFEngine) as a Turns API: left-pads the contexts, runs transformers'
-    generate for the largest budget, then cuts each row at its own budget and first end-of-sequence id; the sampled
-    tokens' log-probs where the engine reports them (HFEngine.logprobs)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.eos_ids = set(engine.eos_token_ids)
-
-    def generate(self, contexts: list[list[int]], budgets: list[int], temperature: float,
-                 seeds: list[int]) -> list[Turn]:
-        engine, size = self.engine, self.engine.config.micro_batch_size
-        report = engine.logprobs and temperature > 0
-        turns = []
-        for start in range(0, len(contexts), size):
-            chunk, limits = contexts[start:start + size], budgets[start:start + size]
-            ids, mask = left_pad(chunk, engine.pad_token_id)
-            tokens, logprobs = engine.sample_tokens(ids, mask, max(limits), temperature, report)
-            tokens = tokens.cpu().tolist()
-            logprobs = logprobs.cpu().tolist() if report else [None] * len(tokens)
-            for row, row_logprobs, limit in zip(tokens, logprobs, limits):
-                row = row[:limit]
-                end = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
-                kept = len(row) if end is None else end + 1
-                turns.append(Turn(row[:kept], None if row_logprobs is None else row_logprobs[:kept], end is not None))
-        return turns
 
 
 @dataclass
@@ -190,17 +163,13 @@ class AgentLoop:
         episode.append(tokens, model=False)
 
     def _batch(self, prompt_ids, prompt_mask, episodes: list[Episode], n: int) -> TensorDict:
-        size, width = len(episodes), max(1, max(len(e.response) for e in episodes))
+        size = len(episodes)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        response_ids = torch.full((size, width), pad, dtype=torch.long)
-        response_mask = torch.zeros((size, width), dtype=torch.long)
-        logprobs = torch.zeros((size, width), dtype=torch.float32)
-        for i, e in enumerate(episodes):
-            response_ids[i, :len(e.response)] = torch.tensor(e.response, dtype=torch.long)
-            response_mask[i, :len(e.mask)] = torch.tensor(e.mask, dtype=torch.long)
-            logprobs[i, :len(e.logprobs)] = torch.tensor(e.logprobs, dtype=torch.float32)
+        response_ids = right_pad([e.response for e in episodes], pad, torch.long)
+        response_mask = right_pad([e.mask for e in episodes], 0, torch.long)
+        logprobs = right_pad([e.logprobs for e in episodes], 0.0, torch.float32)
         fields = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
-                  "response_mask": response_mask, "group_ids": torch.arange(size // n).repeat_interleave(n),
+                  "response_mask": response_mask, "group_ids": group_ids(size, n),
                   "truncated": torch.tensor([e.truncated for e in episodes]),
                   "messages": NonTensorStack.from_list([e.messages for e in episodes]),
                   **{key: torch.tensor([e.counts[key] for e in episodes]) for key in EPISODE_FIELDS}}
@@ -226,9 +195,6 @@ def episode_metrics(batch: TensorDict, prefix: str = "tool") -> dict[str, float]
 
 def prompt_tools(config: MultiTurnConfig) -> list[dict] | None:
     """The tools' schemas in the form chat templates take (rendered into chat-format prompts), None when off."""
-    from rltrain.tools.chat import chat_template_tools
-    from rltrain.tools.loader import load_tools
-
     if not config.enabled:
         return None
     return chat_template_tools(tool.schema for tool in load_tools(config.tool_specs()).values())

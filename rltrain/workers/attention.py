@@ -22,6 +22,12 @@ import functools
 import inspect
 
 import torch
+from transformers import AttentionInterface
+
+try:  # torch's varlen flash attention: torch >= 2.9
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
 
 VARLEN = "rltrain_varlen"
 ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
@@ -52,19 +58,11 @@ def use_packed_attention(model) -> None:
 def register_varlen_attention() -> None:
     """Register VARLEN with transformers (once per process). It is left out of the mask registry, so the model
     builds no mask for it: the attention function gets cu_seqlens instead."""
-    from transformers import AttentionInterface
-
     AttentionInterface.register(VARLEN, varlen_attention_forward)
 
 
-@functools.cache
-def _torch_varlen():
-    """(torch's varlen flash attention or None where torch lacks it, whether it takes enable_gqa)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch < 2.9
-        return None, False
-    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+# whether torch's varlen_attn takes enable_gqa (torch >= 2.13)
+VARLEN_TAKES_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -83,11 +81,10 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))   # [T, H, D]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     window = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
-    varlen_attn, takes_gqa = _torch_varlen()
     if varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         gqa = {}
         if k.shape[1] != q.shape[1]:
-            if takes_gqa:
+            if VARLEN_TAKES_GQA:
                 gqa = dict(enable_gqa=True)
             else:   # torch < 2.13's kernel wants as many key/value heads as query heads
                 k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))

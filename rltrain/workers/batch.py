@@ -7,6 +7,7 @@ Fields (B responses; P prompt width, left-padded; R response width, right-padded
   weight version that sampled each token, 0 past the end; rltrain/async_rollout.py).
 Multi-turn rollouts (rltrain/workers/agent_loop.py) add [B] episode counts (turns, tool_calls, ...) and `messages`
 (non-tensor); their response_mask is 0 on tool tokens inside a response, which the model still reads.
+The rollout engines and the agent loop build these fields from token lists with left_pad, right_pad and group_ids.
 """
 
 from __future__ import annotations
@@ -15,6 +16,30 @@ import torch
 from tensordict import TensorDict
 
 IGNORE_INDEX = -100
+
+
+def left_pad(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists as left-padded ids and mask, [len(sequences), longest]: the layout generate takes."""
+    width = max(map(len, sequences))
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+        mask[i, width - len(seq):] = 1
+    return ids, mask
+
+
+def right_pad(rows: list[list], pad, dtype: torch.dtype) -> torch.Tensor:
+    """Lists as one right-padded tensor, [len(rows), longest (at least 1)]: the layout of the response fields."""
+    out = torch.full((len(rows), max(1, max(map(len, rows)))), pad, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+def group_ids(responses: int, n: int) -> torch.Tensor:
+    """[responses] the index of each response's prompt, n consecutive responses per prompt."""
+    return torch.arange(responses // n).repeat_interleave(n)
 
 
 def response_context(response_mask: torch.Tensor) -> torch.Tensor:

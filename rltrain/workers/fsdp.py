@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from rltrain.config import ConfigError
 from rltrain.workers.packing import MicroBatching, balanced_groups, response_lengths, sequence_lengths
@@ -73,8 +75,6 @@ class PolicyWithHead(torch.nn.Module):
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: str):
     """Join the process group (nccl on GPU, gloo on CPU) unless this process already has, and return the 1-D
     device mesh of all ranks (the actor and reference ranks in one process share the group)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if device == "cuda":
         # Ray shows each rank only its own GPU; launchers that show every GPU set LOCAL_RANK
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -93,8 +93,6 @@ def shard_policy(model, mesh, device: str, config: FSDPConfig,
     compute_dtype other than the weights' (actor.mixed_precision: fp32 shards, model.dtype compute), each unit's
     gathered parameters are cast to it for the forward and backward, and gradients are reduced and kept in fp32
     (on CPU over gloo too)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
     # fp32 inputs (advantages, old log-probs) must reach the loss unrounded: no casting of forward inputs
     weights = next(model.parameters()).dtype
     if compute_dtype is not None and compute_dtype != weights:

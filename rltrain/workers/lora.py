@@ -16,14 +16,18 @@ What changes with it on (rank 0 is full fine-tuning, none of this):
 
 The workers hold the transformers model itself (`PeftModel.get_base_model()`, with the LoRA layers inside its
 modules), so the code that runs a policy (packing, hidden states, the LM head) is the same with LoRA on or off. peft is
-imported only when LoRA is on.
+imported only when LoRA is on (its import takes 0.8 s, in every process that imports this module).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families with the Auto classes)
 import torch
+import transformers as tf
+from safetensors.torch import save_file
 
 from rltrain.config import ConfigError, require
 
@@ -75,9 +79,6 @@ def check_target_modules(model, config: LoraConfig) -> None:
 
 def _meta_model(model_dir: str):
     """The transformers model in `model_dir` built on the meta device from its config: no weights read."""
-    import transformers as tf
-    import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families with the Auto classes)
-
     with torch.device("meta"):
         return tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(model_dir))
 
@@ -101,7 +102,7 @@ def adapter_modules_of(model_dir: str, config: LoraConfig) -> set[str]:
 
 def peft_config(config: LoraConfig, base_model: str | None = None):
     """actor.lora as PEFT's LoraConfig (what attach_lora wraps with and every adapter_config.json holds)."""
-    import peft
+    import peft  # optional: LoRA only (module docstring)
 
     return peft.LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, bias="none",
                            target_modules=config.target_modules, base_model_name_or_path=base_model)
@@ -114,7 +115,7 @@ def attach_lora(model, config: LoraConfig):
     dtype (model.dtype), as full fine-tuning trains its weights: PEFT's default fp32 adapters on a bf16 model cast
     every adapted layer's input to fp32 and keep it for the backward (1.7B Qwen3 on an H100, 16k-token micro-batches:
     peak 58.7 GiB and 0.56x the full fine-tuning's tokens/s, RESULTS.md has the bf16 figures)."""
-    import peft
+    import peft  # optional: LoRA only (module docstring)
 
     check_target_modules(model, config)
     wrapped = peft.get_peft_model(model, peft_config(config), autocast_adapter_dtype=False)
@@ -153,10 +154,6 @@ def save_peft_adapter(directory: str, adapters: dict[str, torch.Tensor], config:
     """Adapters (adapter_weights' names and tensors) as a PEFT adapter directory: adapter_config.json and
     adapter_model.safetensors, loadable by `PeftModel.from_pretrained` and by vLLM's LoRARequest. The tensors file
     is written beside and renamed into place, so a reader never sees half of it."""
-    import os
-
-    from safetensors.torch import save_file
-
     tensors = {peft_checkpoint_name(name): tensor.detach().contiguous() for name, tensor in adapters.items()}
     peft_config(config, base_model).save_pretrained(directory)
     path = os.path.join(directory, "adapter_model.safetensors")
@@ -167,7 +164,7 @@ def save_peft_adapter(directory: str, adapters: dict[str, torch.Tensor], config:
 def load_adapters(wrapped, state: dict[str, torch.Tensor]) -> None:
     """Adapters in PEFT's format (a checkpoint's adapter_model.safetensors) into a LoRA-wrapped model, in place;
     every adapter of the model must be in `state` and nothing else."""
-    import peft
+    import peft  # optional: LoRA only (module docstring)
 
     result = peft.set_peft_model_state_dict(wrapped, state)
     missing = [name for name in result.missing_keys if is_adapter_weight(name)]

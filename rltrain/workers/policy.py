@@ -9,12 +9,15 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families with the Auto classes)
 import torch
+import transformers as tf
+from rltrain_kernels import linear_logprobs
 from rltrain_kernels.registry import KernelConfig, apply_kernel_config, get_applied_kernels
 from tensordict import TensorDict
 
 from rltrain.config import require
-from rltrain.embedded.model import EmbeddedModelConfig
+from rltrain.embedded.config import EmbeddedModelConfig
 from rltrain.workers.attention import (
     ATTN_IMPLEMENTATIONS, resolve_attn_implementation, use_packed_attention, varlen_kwargs,
 )
@@ -51,19 +54,13 @@ def set_threads(num_threads: int) -> None:
 
 
 def load_tokenizer(path: str, **kwargs):
-    """A model directory's tokenizer. The delta-rule families are registered first: transformers reads the
-    directory's config.json to pick the tokenizer and warns about a model_type it does not know."""
-    import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families with the Auto classes)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, **kwargs)
+    """A model directory's tokenizer. The delta-rule families are registered (at import, above): transformers reads
+    the directory's config.json to pick the tokenizer and warns about a model_type it does not know."""
+    return tf.AutoTokenizer.from_pretrained(path, **kwargs)
 
 
 def load_policy(path: str, dtype: str, kernel_config: KernelConfig | None, device: str,
                 attn_implementation: str = "auto"):
-    import transformers as tf
-    import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families with the Auto classes)
-
     tf.utils.logging.disable_progress_bar()  # one bar per load and save per worker is noise in the run's log
     attn = resolve_attn_implementation(attn_implementation)
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn)
@@ -121,8 +118,6 @@ def response_labels(micro: TensorDict, packing: Packing | None) -> torch.Tensor:
 def micro_logprobs(model, micro: TensorDict, packed: bool, temperature: float, head=None) -> torch.Tensor:
     """log p(response token) of one micro-batch (on the model's device), [B, R] fp32, 0 where masked. `head`
     (FSDP2) runs the model and a (hidden, weight) → result function in one sharded forward."""
-    from rltrain_kernels import linear_logprobs
-
     packing = Packing.of(micro) if packed else None
     labels = response_labels(micro, packing)
 

@@ -37,7 +37,9 @@ import logging
 from contextlib import contextmanager
 from pathlib import Path
 
+import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families with the Auto classes)
 import torch
+import transformers as tf
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +60,6 @@ def trained_dtype(dtype: str, mixed_precision: bool) -> str:
 def stored_fp32_weights(path: str) -> dict[str, torch.Tensor] | None:
     """A model directory's parameters loaded in fp32 (on the CPU, by name), where its config.json says the weights
     are stored in float32; else None (a bf16 release loses nothing when loaded in bf16)."""
-    import transformers as tf
-    import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families with the Auto classes)
-
     fields = json.loads((Path(path) / "config.json").read_text())
     if (fields.get("dtype") or fields.get("torch_dtype")) != "float32":
         return None

@@ -12,6 +12,7 @@ from rltrain.data.rows import PromptRow
 from rltrain.rewards.health import RewardStats
 from rltrain.rewards.pool import RewardInput, RewardPool, check_reward_settings
 from rltrain.workers.batch import response_context
+from rltrain.workers.policy import load_tokenizer
 
 
 @dataclass
@@ -37,8 +38,6 @@ class RewardConfig:
 
 class RewardWorker:
     def __init__(self, config: RewardConfig, tokenizer_path: str):
-        from rltrain.workers.policy import load_tokenizer
-
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.pool = RewardPool(config.path, config.name, config.timeout_s, config.num_workers,
                                config.max_output_bytes, config.memory_limit_mb)

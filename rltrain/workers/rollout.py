@@ -3,7 +3,7 @@ One worker is one process of one rollout replica; rltrain/workers/rollout_group.
 prompts across them and pushes the weights to all of them.
 
 Engines (rollout.engine): "hf" = transformers' generate with a KV cache, batched over prompts × n (left-padded
-prompts), below; "vllm" = a `vllm.LLM` (rltrain/workers/vllm_engine.py, imported only when chosen), which also
+prompts; rltrain/workers/hf_engine.py); "vllm" = a `vllm.LLM` (rltrain/workers/vllm_engine.py), which also
 reports the sampled tokens' log-probs (`rollout_logprobs`). Both take weights in buckets: begin_weight_update,
 load_weights (or load_bucket: an actor's export, rltrain/workers/weight_sync.py) per bucket, finish_weight_update.
 With actor.lora on, the buckets hold only the adapter tensors (rltrain/workers/lora.py) and neither engine's base
@@ -32,11 +32,11 @@ from tensordict import TensorDict
 
 from rltrain.config import require
 from rltrain.tools.config import MultiTurnConfig
-from rltrain.workers.lora import LoraConfig, attach_lora
-from rltrain.workers.policy import load_policy, set_threads
-from rltrain.workers.sampling import (
-    SampledLogprobs, end_of_sequence, log_ignored_defaults, response_mask_and_truncation, response_seeds,
-)
+from rltrain.workers.agent_loop import AgentLoop
+from rltrain.workers.hf_engine import HFEngine, HFTurns
+from rltrain.workers.lora import LoraConfig
+from rltrain.workers.policy import load_tokenizer, set_threads
+from rltrain.workers.vllm_engine import VLLMEngine, VLLMTurns
 from rltrain.workers.weight_sync import ExportedBucket, device_info, receive
 
 ENGINES = ("hf", "vllm")
@@ -119,21 +119,13 @@ class RolloutWorker:
         set_threads(config.torch_threads)
         self.device = device
         if config.engine == "vllm":
-            from rltrain.workers.vllm_engine import VLLMEngine
-
             self.engine = VLLMEngine(config, model_path, dtype, device, tensor_parallel, lora)
         else:
             self.engine = HFEngine(config, model_path, dtype, kernel_config, device, attn_implementation, lora,
                                    logprobs)
         self.agent_loop = None
         if config.multi_turn.enabled:  # tool-using episodes through the same engine (rltrain/workers/agent_loop.py)
-            from rltrain.workers.agent_loop import AgentLoop, HFTurns
-            from rltrain.workers.policy import load_tokenizer
-
-            if config.engine == "vllm":
-                from rltrain.workers.vllm_engine import VLLMTurns as turns
-            else:
-                turns = HFTurns
+            turns = VLLMTurns if config.engine == "vllm" else HFTurns
             self.agent_loop = AgentLoop(config.multi_turn, turns(self.engine), load_tokenizer(model_path),
                                         config.max_new_tokens)
 
@@ -173,94 +165,3 @@ class RolloutWorker:
     def sleep(self) -> None:
         """Colocated mode: free the engine's memory while the actor trains (vLLM on GPU; a no-op otherwise)."""
         self.engine.sleep()
-
-
-class HFEngine:
-    """transformers' generate. With `logprobs` it also returns rollout_logprobs: log softmax(logits / temperature)
-    at the sampled tokens (rltrain/workers/sampling.py SampledLogprobs, one step's scores held at a time), 0 past a
-    response's end. The checkpoint's generation config keeps only its special-token ids: sampling is rollout.*'s."""
-
-    keeps_loaded_tensors = False  # load_weights copies into the parameters at once
-
-    def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: KernelConfig | None,
-                 device: str, attn_implementation: str = "auto", lora: LoraConfig | None = None,
-                 logprobs: bool = False):
-        from transformers import GenerationConfig
-
-        self.config, self.logprobs = config, logprobs
-        self.model = load_policy(model_path, dtype, kernel_config, device, attn_implementation)
-        if lora is not None and lora.enabled:  # the actor's adapters, zero until the first push: the base's outputs
-            attach_lora(self.model, lora)
-        self.model.eval().requires_grad_(False)
-        self.device = device
-        eos = end_of_sequence(model_path)
-        self.eos_token_ids, self.pad_token_id = list(eos.ids), eos.pad_id
-        log_ignored_defaults(model_path)
-        # generate fills every argument it is not given from model.generation_config: keep none of the checkpoint's
-        self.model.generation_config = GenerationConfig(
-            bos_token_id=self.model.generation_config.bos_token_id, eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id)
-        self.state = None
-
-    def begin_weight_update(self) -> None:
-        self.state = self.model.state_dict()  # views of the live parameters: copy_ writes into the model
-
-    def load_weights(self, named_tensors) -> None:
-        for name, tensor in named_tensors:
-            self.state[name].copy_(tensor)
-
-    def finish_weight_update(self) -> None:
-        self.state = None
-
-    def sleep(self) -> None:
-        pass
-
-    def sampling(self, temperature: float) -> dict:
-        """generate's sampling arguments: exactly rollout.*'s (top_k -1 = off, transformers' 0), or greedy at
-        temperature 0."""
-        config = self.config
-        common = dict(repetition_penalty=config.repetition_penalty, eos_token_id=self.eos_token_ids,
-                      pad_token_id=self.pad_token_id)
-        if temperature > 0:
-            return dict(common, do_sample=True, temperature=temperature, top_p=config.top_p,
-                        top_k=max(config.top_k, 0), min_p=config.min_p or None)
-        return dict(common, do_sample=False)
-
-    @torch.no_grad()
-    def sample_tokens(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, temperature: float,
-                      report: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One generate call on left-padded rows: (generated tokens [b, g], their log-probs [b, g] if `report`)."""
-        recorder = SampledLogprobs(temperature) if report else None
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                  max_new_tokens=max_new_tokens, logits_processor=[recorder] if report else None,
-                                  **self.sampling(temperature))
-        tokens = out[:, ids.shape[1]:]
-        return tokens, recorder.finish(tokens) if report else None
-
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
-                 seed: int, first_prompt: int = 0, max_new_tokens: int | None = None) -> TensorDict:
-        # one stream per call: the step's seed for the run from prompt 0 (what a single engine has always drawn, so
-        # earlier runs resume and replay unchanged), the seed of its first response for a run further in
-        torch.manual_seed(seed if first_prompt == 0 else int(response_seeds(seed, first_prompt * n, 1)))
-        prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
-        prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
-        outputs, logprobs = [], []
-        report = self.logprobs and temperature > 0
-        size = self.config.micro_batch_size
-        for start in range(0, prompt_ids.shape[0], size):
-            tokens, logp = self.sample_tokens(prompt_ids[start:start + size], prompt_mask[start:start + size],
-                                              max_new_tokens or self.config.max_new_tokens, temperature, report)
-            outputs.append(tokens.cpu())
-            if report:
-                logprobs.append(logp.cpu())
-        width = max(o.shape[1] for o in outputs)
-        response_ids = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=self.pad_token_id)
-                                  for o in outputs])
-        response_mask, truncated = response_mask_and_truncation(response_ids, self.eos_token_ids)
-        groups = torch.arange(prompt_ids.shape[0] // n).repeat_interleave(n)
-        fields = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
-                  "response_mask": response_mask, "group_ids": groups, "truncated": truncated}
-        if report:  # past a finished row's end its pad tokens' values are zeroed, never read
-            logp = torch.cat([torch.nn.functional.pad(lp, (0, width - lp.shape[1])) for lp in logprobs])
-            fields["rollout_logprobs"] = torch.where(response_mask.bool(), logp, 0.0)
-        return TensorDict(fields, batch_size=[prompt_ids.shape[0]])

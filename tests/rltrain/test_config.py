@@ -237,7 +237,7 @@ def test_prompt_and_response_must_fit_the_models_context(tmp_path, config, conte
 
 
 def test_the_embedded_model_fits_the_default_lengths():
-    from rltrain.embedded.model import CONTEXT_LENGTH
+    from rltrain.embedded.config import CONTEXT_LENGTH
 
     job = load_job_config(_compose())
     assert job.data.max_prompt_length + job.rollout.max_new_tokens <= CONTEXT_LENGTH

@@ -33,7 +33,7 @@ from rltrain import trainer as trainer_module
 from rltrain.checkpoint import latest_checkpoint
 from rltrain.job import load_job_config
 from rltrain.main_grpo import run
-from rltrain.ray_session import descendants
+from rltrain.watchdog import descendants
 from tests.rltrain.tiny_job import TINY, compose, merge, tiny_job
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,8 @@ from pathlib import Path
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
-from rltrain.embedded.model import EmbeddedModelConfig, build_model
+from rltrain.embedded.config import EmbeddedModelConfig
+from rltrain.embedded.model import build_model
 from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.job import JobConfig, load_job_config
 

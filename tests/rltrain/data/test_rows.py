@@ -9,7 +9,8 @@ import pytest
 
 from rltrain.data.rows import DataError, load_rows, render_prompt
 from rltrain.data.sampler import PromptSampler, encode_prompts
-from rltrain.embedded.task import TaskConfig, make_rows
+from rltrain.embedded.config import TaskConfig
+from rltrain.embedded.task import make_rows
 from rltrain.embedded.tokenizer import build_char_tokenizer
 
 GOOD = [

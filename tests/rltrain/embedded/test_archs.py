@@ -19,8 +19,9 @@ import torch
 
 from rltrain.algorithms.config import LossConfig
 from rltrain.data.sampler import encode_prompts
-from rltrain.embedded.model import DEFAULT_LAYERS, EmbeddedModelConfig, embedded_policy_dir, layer_types
-from rltrain.embedded.task import TaskConfig, make_rows
+from rltrain.embedded.config import EmbeddedModelConfig, TaskConfig
+from rltrain.embedded.model import DEFAULT_LAYERS, embedded_policy_dir, layer_types
+from rltrain.embedded.task import make_rows
 from rltrain.workers.actor import ActorConfig, ActorWorker
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 

@@ -24,7 +24,8 @@ import torch
 from rltrain.config import ConfigError
 from rltrain.data.rows import render_prompt
 from rltrain.embedded import tool_task
-from rltrain.embedded.task import DATA_SOURCE, TOOL_DATA_SOURCE, TaskConfig, make_rows
+from rltrain.embedded.config import TaskConfig
+from rltrain.embedded.task import DATA_SOURCE, TOOL_DATA_SOURCE, make_rows
 from rltrain.embedded.tokenizer import CHARS, SPECIAL, TOOL_TOKENS, build_char_tokenizer
 from rltrain.job import load_job_config
 from rltrain.rewards.builtin import BUILTIN_REWARDS

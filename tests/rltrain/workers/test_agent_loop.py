@@ -28,7 +28,8 @@ from rltrain.config import ConfigError
 from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.tools import MultiTurnConfig, ToolPool
 from rltrain.workers.actor import ActorConfig, ActorWorker
-from rltrain.workers.agent_loop import AgentLoop, HFTurns, ToolTurns, Turn, episode_metrics
+from rltrain.workers.agent_loop import AgentLoop, ToolTurns, Turn, episode_metrics
+from rltrain.workers.hf_engine import HFTurns
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from tests.rltrain.tiny_job import save_tiny_policy
 

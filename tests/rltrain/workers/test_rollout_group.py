@@ -17,7 +17,8 @@ import torch
 from tensordict import TensorDict
 
 from rltrain.algorithms.config import LossConfig
-from rltrain.embedded.model import EmbeddedModelConfig, build_model
+from rltrain.embedded.config import EmbeddedModelConfig
+from rltrain.embedded.model import build_model
 from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.workers.actor import ActorConfig, ActorWorker
 from rltrain.workers.batch import concat_batches

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from rltrain.algorithms.config import LossConfig
-from rltrain.embedded.model import EmbeddedModelConfig, build_model
+from rltrain.embedded.config import EmbeddedModelConfig
+from rltrain.embedded.model import build_model
 from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.tools import MultiTurnConfig
 from rltrain.tools.base import ToolCall

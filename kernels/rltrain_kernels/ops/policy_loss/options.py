@@ -1,5 +1,7 @@
 """The policy-loss options, their validation, the input checks and the output type — shared by the fused op and the
-reference so that both accept exactly the same arguments and fail with the same messages."""
+reference so that both accept exactly the same arguments and fail with the same messages. A bad option value raises
+PolicyLossOptionError, which names the option in a field of its own, so a config holding these options (rltrain's
+algorithm.loss) reports it under its own key without reading the message."""
 
 from __future__ import annotations
 
@@ -17,28 +19,40 @@ IMPORTANCE_LEVELS = ("token", "sequence")
 METRIC_NAMES = ("clipfrac", "ppo_kl", "ref_kl", "entropy")
 
 
+class PolicyLossOptionError(ValueError):
+    """A bad option value: `option` is its name, `reason` what is wrong with it (without the name); the message is
+    the two together, or `message` where the option's name sits inside it."""
+
+    def __init__(self, option: str, reason: str, message: str | None = None):
+        super().__init__(f"{option} {reason}" if message is None else message)
+        self.option, self.reason = option, reason
+
+
 def _number(name: str, value) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"{name} must be a number or a one-element tensor, got shape {tuple(value.shape)}")
+            raise PolicyLossOptionError(name, f"must be a number or a one-element tensor, got shape "
+                                              f"{tuple(value.shape)}")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     value = float(value)
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
+        raise PolicyLossOptionError(name, f"must be finite, got {value}")
     return value
 
 
 def _choice(name: str, value, choices) -> str:
     if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; expected one of {', '.join(repr(c) for c in choices)}")
+        expected = f"expected one of {', '.join(repr(c) for c in choices)}"
+        raise PolicyLossOptionError(name, f"unknown value {value!r}; {expected}",
+                                    f"unknown {name} {value!r}; {expected}")
     return value
 
 
 @dataclass(frozen=True)
 class PolicyLossOptions:
-    """Every scalar option of the loss, validated on construction (messages name the argument)."""
+    """Every scalar option of the loss, validated on construction (a PolicyLossOptionError names the argument)."""
 
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -57,33 +71,34 @@ class PolicyLossOptions:
         for key in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "temperature"):
             set_(key, _number(key, getattr(self, key)))
         if not 0.0 <= self.clip_low < 1.0:
-            raise ValueError(f"clip_low must be in [0, 1) so that the lower bound 1 - clip_low is > 0, "
-                             f"got {self.clip_low}")
+            raise PolicyLossOptionError("clip_low", f"must be in [0, 1) so that the lower bound 1 - clip_low is > 0, "
+                                                    f"got {self.clip_low}")
         if self.clip_high < 0.0:
-            raise ValueError(f"clip_high must be >= 0, got {self.clip_high}")
+            raise PolicyLossOptionError("clip_high", f"must be >= 0, got {self.clip_high}")
         if self.dual_clip is not None:
             set_("dual_clip", _number("dual_clip", self.dual_clip))
             if self.dual_clip <= 1.0:
-                raise ValueError(f"dual_clip must be > 1 (it caps -A·ratio at -A·dual_clip for A < 0), "
-                                 f"got {self.dual_clip}")
+                raise PolicyLossOptionError("dual_clip", f"must be > 1 (it caps -A·ratio at -A·dual_clip for A < 0), "
+                                                         f"got {self.dual_clip}")
         if self.temperature <= 0.0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+            raise PolicyLossOptionError("temperature", f"must be > 0, got {self.temperature}")
         _choice("kl_type", self.kl_type, KL_TYPES)
         _choice("loss_agg", self.loss_agg, LOSS_AGGS)
         _choice("importance_level", self.importance_level, IMPORTANCE_LEVELS)
         if self.norm_tokens is not None:
             set_("norm_tokens", _number("norm_tokens", self.norm_tokens))
             if self.norm_tokens <= 0:
-                raise ValueError(f"norm_tokens must be > 0, got {self.norm_tokens}")
+                raise PolicyLossOptionError("norm_tokens", f"must be > 0, got {self.norm_tokens}")
             if self.loss_agg != "token-mean":
-                raise ValueError(f"norm_tokens applies to loss_agg='token-mean' only, got loss_agg={self.loss_agg!r}")
+                raise PolicyLossOptionError("norm_tokens", f"applies to loss_agg='token-mean' only, "
+                                                           f"got loss_agg={self.loss_agg!r}")
         if self.norm_len is not None:
             set_("norm_len", _number("norm_len", self.norm_len))
             if self.norm_len <= 0:
-                raise ValueError(f"norm_len must be > 0, got {self.norm_len}")
+                raise PolicyLossOptionError("norm_len", f"must be > 0, got {self.norm_len}")
             if self.loss_agg != "seq-mean-token-sum-norm":
-                raise ValueError(f"norm_len applies to loss_agg='seq-mean-token-sum-norm' only, "
-                                 f"got loss_agg={self.loss_agg!r}")
+                raise PolicyLossOptionError("norm_len", f"applies to loss_agg='seq-mean-token-sum-norm' only, "
+                                                        f"got loss_agg={self.loss_agg!r}")
 
     @property
     def kl_index(self) -> int:

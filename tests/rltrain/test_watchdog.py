@@ -1,4 +1,4 @@
-"""The driver's watchdog (rltrain/ray_session.py) without Ray: a driver that started processes which would outlive
+"""The driver's watchdog (rltrain/watchdog.py) without Ray: a driver that started processes which would outlive
 it (children in sessions of their own, a grandchild) is SIGKILLed alone, and those processes are gone within seconds;
 one that exits normally leaves none either. What the watchdog does for a real run's Ray processes is checked in
 tests/rltrain/test_trainer_e2e.py (the killed run)."""
@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from rltrain.ray_session import descendants
+from rltrain.watchdog import descendants
 
 ROOT = Path(__file__).resolve().parents[2]
 # a driver: the watchdog, then two sleepers in sessions of their own (as Ray's workers are), one of them starting a
 # grandchild; prints the sleepers' pids once all are up, then exits when it reads a line (unless killed first)
 DRIVER = """
 import os, subprocess, sys, time
-from rltrain.ray_session import descendants, start_watchdog
+from rltrain.watchdog import descendants, start_watchdog
 start_watchdog()
 sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
 nested = [sys.executable, "-c", f"import subprocess, time; subprocess.Popen({sleep!r}); time.sleep(120)"]

@@ -1,0 +1,66 @@
+"""The embedded default's config sections, `model.embedded` (EmbeddedModelConfig: rltrain/embedded/model.py builds
+it) and `data.task` (TaskConfig: rltrain/embedded/task.py makes its rows). They are apart from the code that uses
+them so that the generic sections holding them (ModelConfig in rltrain/workers/policy.py, DataConfig in
+rltrain/data/sampler.py) import settings only, never the demo's model, task or warm start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rltrain.config import require
+
+ARCHS = ("qwen3", "hybrid", "gdp", "iplr")
+# the model's max_position_embeddings: data.max_prompt_length's default 256 + rollout.max_new_tokens must fit (the
+# job's context check); RoPE's frequencies do not depend on it, so the trained weights are those of any other length
+CONTEXT_LENGTH = 1024
+KINDS = ("arithmetic", "tool_arithmetic")
+
+
+@dataclass
+class EmbeddedModelConfig:
+    arch: str = "qwen3"                    # qwen3 | hybrid | gdp | iplr (rltrain/embedded/model.py)
+    hidden_size: int = 128
+    num_layers: int = 0                    # 0 = the arch's own (rltrain/embedded/model.py DEFAULT_LAYERS)
+    num_heads: int = 4
+    head_dim: int = 32
+    warmstart_steps: int = 600             # upper bound on supervised steps
+    warmstart_target_accuracy: float = 0.15  # stop once greedy accuracy on training problems reaches this
+    warmstart_eval_every: int = 20
+    warmstart_batch_size: int = 64
+    warmstart_lr: float = 3e-3
+
+    def validate(self):
+        require(self.arch in ARCHS, "arch", f"must be one of {', '.join(ARCHS)}", self.arch)
+        require(self.num_layers >= 0, "num_layers", "must be >= 0 (0 = the arch's own)", self.num_layers)
+        for key in ("hidden_size", "num_heads", "head_dim", "warmstart_batch_size"):
+            require(getattr(self, key) >= 1, key, "must be >= 1", getattr(self, key))
+        require(self.warmstart_steps >= 0, "warmstart_steps", "must be >= 0", self.warmstart_steps)
+        require(0 < self.warmstart_target_accuracy <= 1, "warmstart_target_accuracy", "must be in (0, 1]",
+                self.warmstart_target_accuracy)
+        require(self.warmstart_eval_every >= 1, "warmstart_eval_every", "must be >= 1", self.warmstart_eval_every)
+
+
+@dataclass
+class TaskConfig:
+    kind: str = "arithmetic"    # arithmetic | tool_arithmetic (rltrain/embedded/task.py)
+    min_operand: int = 0        # operands drawn from [min_operand, max_operand]
+    max_operand: int = 49
+    operators: str = "+"        # any of "+-*"
+    num_val: int = 200          # held-out problems (never trained on)
+    seed: int = 0
+
+    def validate(self):
+        require(self.kind in KINDS, "kind", f"must be one of {', '.join(KINDS)}", self.kind)
+        require(self.min_operand >= 0, "min_operand", "must be >= 0", self.min_operand)
+        require(self.max_operand >= max(1, self.min_operand), "max_operand", f"must be >= 1 and >= min_operand "
+                f"({self.min_operand})", self.max_operand)
+        require(bool(self.operators) and set(self.operators) <= set("+-*"), "operators",
+                "must be a non-empty subset of '+-*'", self.operators)
+        require(self.num_val >= 1, "num_val", "must be >= 1", self.num_val)
+        problems = len(self.operators) * (self.max_operand - self.min_operand + 1) ** 2
+        require(self.num_val < problems, "num_val", f"leaves no training problems (the task has {problems})",
+                self.num_val)
+
+    @property
+    def uses_tools(self) -> bool:
+        return self.kind == "tool_arithmetic"
