@@ -41,8 +41,8 @@ LARGE_TILE_MAX_STAGES: dict[str, int] = {"iplr_state_pass_fwd": 2}
 
 
 # The narrowest K / V tile a delta-rule chunk kernel takes. At 16-wide tiles (K or V = 16) Triton 3.6 on Hopper compiled
-# dots of these kernels to out-of-range shared-memory accesses (compute-sanitizer: the gated WY backward and the IPLR
-# forward state pass) and to wrong IPLR gradients in fp16; every kernel masks its K and V padding, so wider is exact.
+# dots of these kernels to out-of-range shared-memory reads (compute-sanitizer: the gated WY backward and the IPLR
+# output pass) and to wrong IPLR gradients in fp16; every kernel masks its K and V padding, so wider is exact.
 MIN_TILE = 32
 
 
