@@ -187,9 +187,11 @@ def test_modes_train_end_to_end_with_bounded_lag(tmp_path, ray_session, mode, k,
     version behind, and AReaL's weights π_prox/π_behaviour move off 1; with algorithm.old_logprobs=rollout they are
     the old log-probs (no recompute, ratios 1)."""
     out = tmp_path / "run"
+    # four passes over each batch: the update outlasts generating and scoring the next, so an async producer fills
+    # its queue and the lag reaches k whatever the machine's load
     job = tiny_job(out, trainer={"total_steps": 5, "mode": mode, "max_staleness": k, "val_every": 2},
                    rollout={"placement": "separate", "temperature": 1.5}, reward=_reward_plugin(tmp_path),
-                   algorithm=algorithm)
+                   algorithm=algorithm, actor={"ppo_epochs": 4})
     trainer = GRPOTrainer(job)
     try:
         actor_group, = _processes_placement_groups([trainer.actor])
