@@ -60,6 +60,7 @@ from rltrain.workers.policy import load_tokenizer
 from rltrain.workers.reference import FSDPReferenceWorker, ReferenceWorker, check_teacher
 from rltrain.workers.reward import RewardWorker
 from rltrain.workers.rollout_group import RolloutReplicas, place_rollout
+from rltrain.workers.vllm_lora import check_lora_dtype
 from rltrain.workers.weight_sync import WeightPush
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,8 @@ class GRPOTrainer:
         self.device = resolve_device(device)
         self.model_dir, train_rows, val_rows = resolve_model_and_data(job)
         check_target_modules_of(self.model_dir, job.actor.lora)
+        if job.actor.lora.enabled and job.rollout.engine == "vllm":
+            check_lora_dtype(resolve_dtype(job.model.dtype, self.device), self.device)
         self.saved_tokenizer = load_tokenizer(self.model_dir)   # checkpoints carry the model's own, unchanged
         self.tokenizer = load_tokenizer(self.model_dir, padding_side="left")
         if self.tokenizer.pad_token_id is None:  # prompts are left-padded (masked) with <eos> where no pad exists

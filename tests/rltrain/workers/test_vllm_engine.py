@@ -2,12 +2,14 @@
 the live engine — in buckets that cut fused layers apart — vLLM's log-probs of the tokens it samples equal the
 actor's (fp32, |Δ| < 1e-3); sampling honours n, seeds, max_new_tokens, top_p, greedy decoding and stop strings; a
 partial rollout's responses continue on weights pushed between two segments; on CPU, where vLLM has no sleep mode,
-the engine says so in a log line and sleep() is a no-op.
+the engine says so in a log line and sleep() is a no-op; on a GPU, sleep frees the engine's memory and a push while
+asleep wakes it (in a process of its own). On a GPU the log-prob bars are tests/rltrain/vllm_device.py's.
 
 The model is a 2-layer Qwen3 built in code with head_dim 64 (vLLM's CPU attention has no head_dim 16)."""
 
 import dataclasses
 import logging
+import multiprocessing
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.workers.actor import ActorConfig, ActorWorker
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from tests.rltrain.tiny_job import save_tiny_policy
+from tests.rltrain.vllm_device import MISMATCH, WORKER_SLEEP
 
 pytestmark = pytest.mark.vllm
 
@@ -28,7 +31,7 @@ def engine(tmp_path_factory):
     tokenizer = build_char_tokenizer()
     path = save_tiny_policy(tmp_path_factory.mktemp("vllm_model"), tokenizer, hidden_size=64, head_dim=64)
     config = RolloutConfig(engine="vllm", n=3, temperature=TEMPERATURE, max_new_tokens=6, kv_cache_gb=1.0,
-                           enforce_eager=True, torch_threads=1)
+                           enforce_eager=True, torch_threads=1, sleep_while_training=WORKER_SLEEP)
     logs = _LogRecords()
     engine_logger = logging.getLogger("rltrain.workers.vllm_engine")
     level = engine_logger.level
@@ -39,11 +42,16 @@ def engine(tmp_path_factory):
     finally:
         engine_logger.removeHandler(logs)
         engine_logger.setLevel(level)
+    ids, mask = _prompts(tokenizer)
+    return rollout, str(path), tokenizer, ids, mask, logs.records
+
+
+def _prompts(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     prompts = [tokenizer(text).input_ids for text in ("12+7=", "3+4=", "40+41=")]
     width = max(map(len, prompts))
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return rollout, str(path), tokenizer, ids, mask, logs.records
+    return ids, mask
 
 
 class _LogRecords(logging.Handler):
@@ -76,7 +84,7 @@ def test_pushed_weights_give_the_actors_logprobs(engine):
     assert valid.sum() >= 9
     actor_logprobs = actor.compute_logprobs(batch)
     gap = (actor_logprobs - batch["rollout_logprobs"]).abs()[valid]
-    assert gap.max() < 1e-3, gap.max()
+    assert gap.max() < MISMATCH.max, gap.max()
 
     # the check discriminates: the engine's original weights give log-probs far from these
     stale = _actor(path).compute_logprobs(batch)
@@ -162,6 +170,51 @@ def test_cpu_has_no_sleep_mode_and_says_so(engine):
     assert rollout.generate(ids[:1], mask[:1], n=1, temperature=0.0, seed=0).batch_size[0] == 1
 
 
+@pytest.mark.gpu
+def test_gpu_sleep_frees_the_memory_and_a_push_while_asleep_wakes_it(tmp_path):
+    """Colocated mode's cycle on a GPU, in a process of its own (vLLM's sleep-mode allocator is one per process):
+    generate, sleep (the KV cache and weights leave the GPU), push the checkpoint's own weights while asleep (the
+    weights wake first, then the KV cache), generate again: the same seeded draws."""
+    path = save_tiny_policy(tmp_path / "model", build_char_tokenizer(), hidden_size=64, head_dim=64)
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_sleep_cycle, args=(path, queue))
+    process.start()
+    try:
+        result = queue.get(timeout=600)
+    finally:
+        process.join(60)
+    assert not isinstance(result, str), result
+    freed_gib, same_draws, asleep = result
+    assert freed_gib > 1.5, freed_gib   # kv_cache_gb=2.0 went, and the weights
+    assert same_draws and not asleep
+
+
+def _sleep_cycle(path: str, queue) -> None:
+    try:
+        from transformers import AutoModelForCausalLM
+
+        from rltrain.workers.policy import untied_state_dict
+
+        config = RolloutConfig(engine="vllm", n=2, temperature=TEMPERATURE, max_new_tokens=6, kv_cache_gb=2.0,
+                               enforce_eager=True, torch_threads=1)
+        rollout = RolloutWorker(config, path, "bfloat16", None)
+        ids, mask = _prompts(build_char_tokenizer())
+        first = rollout.generate(ids, mask, n=2, temperature=TEMPERATURE, seed=3)
+        free_awake = torch.cuda.mem_get_info()[0]
+        rollout.sleep()
+        freed = (torch.cuda.mem_get_info()[0] - free_awake) / 2**30
+        weights = untied_state_dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
+        rollout.begin_weight_update()
+        rollout.load_weights(weights)
+        rollout.finish_weight_update()
+        again = rollout.generate(ids, mask, n=2, temperature=TEMPERATURE, seed=3)
+        queue.put((freed, torch.equal(first["response_ids"], again["response_ids"]), rollout.engine.asleep))
+    except BaseException as err:
+        queue.put(f"{type(err).__name__}: {err}")
+        raise
+
+
 def test_a_partial_rollout_continues_on_the_pushed_weights(engine):
     """rollout.partial on vLLM: a push between two segments; the unfinished responses continue from prompt + prefix
     as the engine's own seeded draw on the new weights, and each token's rollout log-prob is its version's."""
@@ -201,5 +254,5 @@ def test_a_partial_rollout_continues_on_the_pushed_weights(engine):
     assert torch.equal(batch["response_ids"][active, 2:2 + width], redraw["response_ids"])
     expected = torch.where(batch["token_versions"] == 1, new.compute_logprobs(batch), old.compute_logprobs(batch))
     gap = (expected - batch["rollout_logprobs"]).abs()[token_mask]
-    assert gap.max() < 1e-3, gap.max()
+    assert gap.max() < MISMATCH.max, gap.max()
     assert (new.compute_logprobs(batch) - old.compute_logprobs(batch)).abs()[batch["token_versions"] == 1].max() > 1e-2

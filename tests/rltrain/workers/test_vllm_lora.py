@@ -26,11 +26,15 @@ from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.workers.actor import ActorConfig, ActorWorker
 from rltrain.workers.lora import LoraConfig, adapter_modules_of, peft_checkpoint_name
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
-from rltrain.workers.vllm_lora import VLLM_LORA_RANKS, adapter_directory, check_adapter_modules, max_lora_rank
+from rltrain.workers.vllm_lora import (VLLM_LORA_RANKS, adapter_directory, check_adapter_modules, check_lora_dtype,
+                                       max_lora_rank)
 from tests.rltrain.tiny_job import save_tiny_policy
 
 TEMPERATURE = 0.7
 LORA = LoraConfig(rank=4, alpha=8.0)
+# the engine tests compare fp32 log-probs, which vLLM's GPU LoRA kernels do not take (check_lora_dtype); on a GPU the
+# LoRA push runs in the trainer's bf16 tests (test_trainer_vllm, test_releases' sync+lora)
+fp32_engine = pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's GPU LoRA kernels take no fp32")
 
 
 def test_max_lora_rank_rounds_up_to_a_vllm_rank():
@@ -44,6 +48,13 @@ def test_adapter_module_check_names_the_key():
     with pytest.raises(ConfigError, match=r"^actor.lora.target_modules: vLLM's MoeForCausalLM takes LoRA adapters on "
                                           r"k_proj, q_proj, not on gate, router; .*rollout.engine=hf"):
         check_adapter_modules({"q_proj", "router", "gate"}, {"q_proj", "k_proj"}, "MoeForCausalLM")
+
+
+def test_fp32_lora_on_a_gpu_is_refused_naming_model_dtype():
+    check_lora_dtype("float32", "cpu")
+    check_lora_dtype("bfloat16", "cuda")
+    with pytest.raises(ConfigError, match=r"^model.dtype: float32 with actor.lora and rollout.engine=vllm on a GPU"):
+        check_lora_dtype("float32", "cuda")
 
 
 def test_adapter_directory_is_in_memory_and_goes_away():
@@ -100,6 +111,7 @@ def _gap(logprobs: torch.Tensor, batch) -> torch.Tensor:
 
 
 @pytest.mark.vllm
+@fp32_engine
 def test_before_any_push_the_engine_generates_with_the_base(engine):
     from rltrain.workers.packing import MicroBatching
     from rltrain.workers.policy import load_policy, response_logprobs
@@ -115,6 +127,7 @@ def test_before_any_push_the_engine_generates_with_the_base(engine):
 
 
 @pytest.mark.vllm
+@fp32_engine
 def test_pushed_adapters_give_the_actors_logprobs(engine):
     rollout, path, ids, mask, _ = engine
     actor = _actor(path)
@@ -128,6 +141,7 @@ def test_pushed_adapters_give_the_actors_logprobs(engine):
 
 
 @pytest.mark.vllm
+@fp32_engine
 def test_each_push_takes_effect_and_only_the_latest_adapter_stays_loaded(engine, monkeypatch):
     from safetensors.torch import load_file
 
@@ -160,6 +174,7 @@ def test_each_push_takes_effect_and_only_the_latest_adapter_stays_loaded(engine,
 
 
 @pytest.mark.vllm
+@fp32_engine
 def test_engine_puts_lora_where_peft_does(engine):
     from vllm.config.lora import MaxLoRARanks
 

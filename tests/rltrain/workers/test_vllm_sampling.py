@@ -10,6 +10,7 @@ import torch
 from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from tests.rltrain.tiny_job import save_tiny_policy
+from tests.rltrain.vllm_device import WORKER_SLEEP
 
 pytestmark = pytest.mark.vllm
 
@@ -23,7 +24,7 @@ def test_eos_list_and_ignored_generation_defaults(tmp_path):
         json.dump({"eos_token_id": end_ids, "do_sample": True, "top_k": 1, "temperature": 0.05,
                    "repetition_penalty": 1.5}, f)
     config = RolloutConfig(engine="vllm", n=4, max_new_tokens=12, kv_cache_gb=1.0, enforce_eager=True,
-                           torch_threads=1)
+                           torch_threads=1, sleep_while_training=WORKER_SLEEP)
     rollout = RolloutWorker(config, path, "float32", None)
     assert rollout.engine.eos_token_ids == end_ids
     prompts = [tokenizer(text).input_ids for text in ("12+7=", "3+4=", "40+41=")]
