@@ -39,8 +39,8 @@ from rltrain.workers.fsdp import FSDPConfig, ShardedPolicy, keyed_by_index, keye
 from rltrain.workers.lora import LoraConfig, adapter_weights, attach_lora, load_adapters
 from rltrain.workers.packing import MicroBatching, Packing
 from rltrain.workers.policy import (
-    DTYPES, load_policy, plan_buckets, policy_hidden, resolve_batching, response_labels, response_logprobs,
-    set_threads, untied_state_dict,
+    DTYPES, load_policy, plan_buckets, policy_hidden, release_cached_memory, resolve_batching, response_labels,
+    response_logprobs, set_threads, untied_state_dict,
 )
 from rltrain.workers.precision import MasterWeights, stored_fp32_weights, trained_dtype
 from rltrain.workers.weight_sync import WeightSource
@@ -224,6 +224,7 @@ class ActorWorker(WeightSource):
                     totals[key] = totals.get(key, 0.0) + value
                 steps += 1
         self.updates += 1
+        release_cached_memory()   # the step's last GPU work here: the colocated engine wakes next
         return {**{f"actor/{k}": v / steps for k, v in totals.items()}, "actor/lr": lr}
 
     def _optimizer_step(self, mini_batch: TensorDict) -> dict[str, float]:

@@ -53,6 +53,15 @@ def set_threads(num_threads: int) -> None:
     torch.set_num_threads(num_threads if num_threads > 0 else max(1, os.cpu_count() or 1))
 
 
+def release_cached_memory() -> None:
+    """Hand this process's cached, unused GPU blocks back to the driver, so that a colocated vLLM engine waking next
+    (weights, then KV cache) finds them free; PyTorch's allocator keeps the peak of the last call otherwise (Qwen3-1.7B
+    shapes on one GPU, vLLM at gpu_memory_utilization 0.5: the KV cache's wake after step 2's update ran out of
+    memory). Called at the end of the last GPU work of a step in each role's process."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def load_tokenizer(path: str, **kwargs):
     """A model directory's tokenizer. The delta-rule families are registered (at import, above): transformers reads
     the directory's config.json to pick the tokenizer and warns about a model_type it does not know."""

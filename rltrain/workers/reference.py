@@ -16,7 +16,9 @@ from tensordict import TensorDict
 from rltrain.config import ConfigError
 from rltrain.workers.fsdp import FSDPConfig, ShardedPolicy
 from rltrain.workers.packing import MicroBatching
-from rltrain.workers.policy import load_policy, load_tokenizer, resolve_batching, response_logprobs, set_threads
+from rltrain.workers.policy import (
+    load_policy, load_tokenizer, release_cached_memory, resolve_batching, response_logprobs, set_threads,
+)
 
 TEACHER_KEY = "algorithm.distill.teacher_path"
 
@@ -50,7 +52,10 @@ class ReferenceWorker:
         self.temperature, self.batching = temperature, resolve_batching(self.model, batching)
 
     def compute_logprobs(self, batch: TensorDict) -> torch.Tensor:
-        return response_logprobs(self.model, batch, self.temperature, self.batching)
+        try:
+            return response_logprobs(self.model, batch, self.temperature, self.batching)
+        finally:
+            release_cached_memory()   # this process's only work in a step: the colocated engine wakes later
 
 
 class FSDPReferenceWorker(ShardedPolicy):
@@ -66,4 +71,7 @@ class FSDPReferenceWorker(ShardedPolicy):
         self.model.eval().requires_grad_(False)
 
     def compute_logprobs(self, batch: TensorDict) -> torch.Tensor | None:
-        return self._sharded_logprobs(batch, self.temperature)
+        try:
+            return self._sharded_logprobs(batch, self.temperature)
+        finally:
+            release_cached_memory()
