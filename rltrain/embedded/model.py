@@ -9,7 +9,7 @@ Archs (`model.embedded.arch`), each with its own layer count unless num_layers i
     iplr     2 IPLR delta-rule layers, no attention
 The delta-rule archs keep Qwen3's attention, MLP and norms, and give their linear-attention layers num_heads heads
 of head_dim (keys and values). The layer counts keep each arch's full default (300 steps) within 10 minutes on a
-2-core CPU, Qwen3's budget (README: the held-out gains per arch).
+2-core CPU, Qwen3's budget (docs/delta-rule.md: the held-out gains per arch).
 tests/rltrain/embedded/test_archs.py keeps each delta-rule arch's step time within a bound of the Qwen3's.
 
 The warm start trains on the task's training prompts and answers until its greedy accuracy on a fixed sample of

@@ -160,11 +160,11 @@ def test_preset_matches_its_dense_float64_objective(setup, preset):
 
 
 def test_readme_table_names_a_paper_for_every_preset():
-    """README.md's algorithm table has a row per preset file in config/algorithm/, each citing an arXiv paper."""
+    """docs/algorithms.md's preset table has a row per preset file in config/algorithm/, each citing an arXiv paper."""
     root = Path(__file__).resolve().parents[3]
     presets = sorted(path.stem for path in (root / "config" / "algorithm").glob("*.yaml"))
     assert presets == sorted(PRESETS)
-    section = (root / "README.md").read_text().split("### Algorithm presets", 1)[1].split("\n## ", 1)[0]
+    section = (root / "docs" / "algorithms.md").read_text().split("## Algorithm presets", 1)[1].split("\n## ", 1)[0]
     rows = {match.group(1): line for line in section.splitlines() if (match := re.match(r"\| `(\w+)` \|", line))}
     assert sorted(rows) == presets
     for preset, line in rows.items():

@@ -1,7 +1,7 @@
 """The delta-rule archs of the embedded default (model.embedded.arch = hybrid | gdp | iplr) against its Qwen3 on the
 CPU: one RL step's heavy phases — the rollout worker's generate (32 prompts × 16 responses of up to 8 tokens), the
 actor's old log-probs and its update (packed rows) — through the real workers in process, interleaved with the
-Qwen3's so both see the same machine. The README's per-arch table (held-out gain of the full default within 10
+Qwen3's so both see the same machine. docs/delta-rule.md's per-arch table (held-out gain of the full default within 10
 minutes) rests on these ratios: a delta-rule layer that falls off its fast CPU path (the per-step recurrence in
 training, autograd through the conv's shifted masks, advanced-indexing gathers) costs several times more. Also: each
 arch's default layers, and the warm-start cache keyed by them.
