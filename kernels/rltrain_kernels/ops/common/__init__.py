@@ -18,7 +18,8 @@ The delta-rule family (gated delta rule, IPLR, gated delta product):
 - `launch`: warps and pipeline stages of these kernels (and the gated delta rule's), in one table.
 - `tuning`: the ops' `tuning` argument (`Tuning`): the launch choices, shipped by default, handed down to every
   launch, so a benchmark sweeps a setting by passing it.
-- `inputs`: the argument checks they share (cu_seqlens packing, the initial state's shape and device).
+- `inputs`: the argument checks they share (the tensors' dtypes and device, q's shape, GVA head groups, cu_seqlens
+  packing, the initial state, the default scale, chunk sizes and tile dims), each op's inputs.py built on them.
 
 The delta-rule machinery works on the flattened token axis: [1, total_tokens, heads, dim] with cu_seqlens (a
 non-varlen batch is the packed batch with equal lengths). For reuse (IPLR, gated delta product): `solve_unit_lower`

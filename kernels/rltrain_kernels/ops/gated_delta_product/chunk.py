@@ -15,6 +15,7 @@ import torch
 
 from ..common.chunking import chunk_layout
 from ..common.cumsum import chunk_local_cumsum
+from ..common.inputs import check_chunk_dims
 from ..common.precision import check_dot, check_recurrence_dot, op_dot_precision, recurrence_dot_precision
 from ..common.state_pass import chunk_states_fwd
 from ..common.tuning import DEFAULT_TUNING, Tuning, check_tuning
@@ -111,9 +112,7 @@ def chunk_gated_delta_product(
             g = beta.new_zeros(beta.shape)
         return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                       use_qk_l2norm_in_kernel, recurrence_dot, dot, tuning=tuning)
-    if not 16 <= q.shape[-1] <= 256 or v.shape[-1] < 16:
-        raise ValueError(f"the chunked kernels need 16 <= K <= 256 and V >= 16 (tl.dot tiles), got "
-                         f"K={q.shape[-1]} (q/k) and V={v.shape[-1]} (v)")
+    check_chunk_dims(q.shape[-1], v.shape[-1], "q/k")
     if q.dtype == torch.float64:
         # float64 is reference territory (gradient checks): the naive recurrence computes exactly this function.
         from .naive import naive_recurrent_gated_delta_product

@@ -20,7 +20,8 @@ from ..common.tuning import DEFAULT_TUNING, Tuning, check_tuning
 from ..l2norm import l2norm
 from .chunk_bwd import chunk_gated_delta_rule_bwd
 from .chunk_fwd import CHUNK_SIZE, chunk_gated_delta_rule_fwd
-from .inputs import check_chunk_size, check_inputs, check_preprocess, resolve_state_v_first
+from ..common.inputs import check_chunk_dims, check_chunk_size
+from .inputs import check_inputs, check_preprocess, resolve_state_v_first
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -149,9 +150,7 @@ def chunk_gated_delta_rule(
     chunk_size = check_chunk_size(chunk_size)
     _, _, scale = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
     pre = check_preprocess(g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    if not 16 <= q.shape[-1] <= 256 or v.shape[-1] < 16:
-        raise ValueError(f"the chunked kernels need 16 <= K <= 256 and V >= 16 (tl.dot tiles), got "
-                         f"K={q.shape[-1]} (q/k) and V={v.shape[-1]} (v)")
+    check_chunk_dims(q.shape[-1], v.shape[-1], "q/k")
     if q.dtype == torch.float64:
         # float64 is reference territory (gradient checks); Triton's GPU compiler rejects it in the solve, while the
         # naive recurrence computes exactly this function in float64.

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from ..common.chunking import chunk_layout
+from ..common.inputs import check_chunk_dims, check_chunk_size
 from ..common.precision import check_dot, iplr_dot_precision
 from ..common.tuning import DEFAULT_TUNING, Tuning, check_tuning
 from .chunk_bwd import chunk_iplr_delta_rule_bwd
 from .chunk_fwd import CHUNK_SIZE, chunk_iplr_delta_rule_fwd
-from ..gated_delta_rule.inputs import check_chunk_size
 from .inputs import check_inputs
 
 
@@ -63,9 +63,7 @@ def chunk_iplr_delta_rule_bwd_recompute(q, k, v, a, b, scale, initial_state, cu_
 
 
 def _check_chunk_dims(q, v):
-    if not 16 <= q.shape[-1] <= 256 or v.shape[-1] < 16:
-        raise ValueError(f"the chunked kernels need 16 <= K <= 256 and V >= 16 (tl.dot tiles), got "
-                         f"K={q.shape[-1]} (q/k/a/b) and V={v.shape[-1]} (v)")
+    check_chunk_dims(q.shape[-1], v.shape[-1], "q/k/a/b")
     if q.is_cuda and q.dtype != torch.bfloat16 and q.shape[-1] > 128:
         raise ValueError(f"the chunked kernels take K > 128 only with bfloat16 inputs on a GPU, got K={q.shape[-1]} "
                          f"(q/k/a/b) in {q.dtype} (README.md, Limits: float32 tiles need more shared memory than an "
