@@ -9,12 +9,15 @@ The LM-head ops (linear_logprobs, policy_loss, kl_div) share, without importing 
   upstream gradient is 1 (policy_loss, kl_div).
 
 The delta-rule family (gated delta rule, IPLR, gated delta product):
-- `chunking`: chunk bookkeeping for packed variable-length batches (cu_seqlens → per-chunk sequence/offset).
+- `chunking`: chunk bookkeeping for packed variable-length batches (cu_seqlens → per-chunk sequence/offset), and
+  CHUNK_SIZE, the chunked kernels' default chunk.
 - `cumsum`: chunk-local (reverse) cumulative sums of log gates.
 - `wy`: the WY representation of a chunk's Householder products (A, the UT transform
   T = (I + A)⁻¹ in registers via `solve_unit_lower`, w, u);
   `wy_bwd`: its backward.
 - `state_pass`: the sequential inter-chunk state recurrence, forward and backward.
+- `chunk_bwd`: the chunked backward the gated delta rule and the gated delta product share (the states recomputed,
+  the reverse state pass, the per-chunk dq/dk/dw/dG pass, the WY backward), up to dG.
 - `launch`: warps and pipeline stages of these kernels (and the gated delta rule's), in one table.
 - `tuning`: the ops' `tuning` argument (`Tuning`): the launch choices, shipped by default, handed down to every
   launch, so a benchmark sweeps a setting by passing it.

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+# The chunk the delta-rule ops' chunked kernels run at by default: the one they are tuned and timed at.
+CHUNK_SIZE = 64
+
 
 @dataclass(frozen=True)
 class ChunkLayout:

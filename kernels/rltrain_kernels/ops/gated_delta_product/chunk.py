@@ -2,10 +2,11 @@
 expanded axis of T·n_h Householder sub-steps (README.md): the log gate g_t sits at each token's first sub-step
 (0 elsewhere), the query q_t at each token's last sub-step, sequences are offset by cu_seqlens·n_h.
 
-Forward: gate cumsum → WY → state pass (ops/common, unchanged, on k, v, beta as given) → the strided output pass
-(chunk_output.py: only the query rows, q and o of length T). Backward: the gated delta rule's chunked backward on the
-expanded sequence with a query stride of n_h (its kernels read q and dO of length T as the last sub-steps' rows,
-zero elsewhere, and write dq of length T), then dg gathered from the first sub-steps. Saved from the forward: G and
+Forward (chunk_fwd.py): gate cumsum → WY → state pass (ops/common, unchanged, on k, v, beta as given) → the strided
+output pass (only the query rows, q and o of length T). Backward (chunk_bwd.py): the chunked backward shared with the
+gated delta rule (common/chunk_bwd.py) on the expanded sequence with a query stride of n_h (its kernels read q and dO
+of length T as the last sub-steps' rows, zero elsewhere, and write dq of length T), then dg gathered from the first
+sub-steps. Saved from the forward: G and
 T only (as the gated delta rule).
 """
 
@@ -13,30 +14,20 @@ from __future__ import annotations
 
 import torch
 
-from ..common.chunking import chunk_layout
-from ..common.cumsum import chunk_local_cumsum
+from ..common.chunking import CHUNK_SIZE, chunk_layout
 from ..common.inputs import check_chunk_dims
 from ..common.precision import check_dot, check_recurrence_dot, op_dot_precision, recurrence_dot_precision
-from ..common.state_pass import chunk_states_fwd
 from ..common.tuning import DEFAULT_TUNING, Tuning, check_tuning
 from ..gated_delta_rule import chunk_gated_delta_rule
-from ..gated_delta_rule.chunk_bwd import chunk_gated_delta_rule_bwd
-from ..gated_delta_rule.chunk_fwd import CHUNK_SIZE
 from ..l2norm import l2norm
-from .chunk_output import strided_output_fwd
+from .chunk_bwd import chunk_gated_delta_product_bwd
+from .chunk_fwd import chunk_gated_delta_product_fwd, to_first_substep
 from .inputs import check_inputs
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """[B, T, ...] → [B*T, ...], contiguous."""
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
-
-
-def to_first_substep(x: torch.Tensor, num_householder: int) -> torch.Tensor:
-    """[B, T, ...] → [B, T·n_h, ...] with x_t at row t·n_h and zeros elsewhere."""
-    B, T = x.shape[:2]
-    zeros = x.new_zeros(B, T, num_householder - 1, *x.shape[2:])
-    return torch.cat([x[:, :, None], zeros], dim=2).reshape(B, T * num_householder, *x.shape[2:])
 
 
 class ChunkGatedDeltaProductFunction(torch.autograd.Function):
@@ -48,12 +39,10 @@ class ChunkGatedDeltaProductFunction(torch.autograd.Function):
         n_h = num_householder
         layout = chunk_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device, steps=n_h)
         g_sub = to_first_substep(g, n_h) if g is not None else beta.new_zeros(beta.shape, dtype=torch.float32)
-        k_f, v_f, beta_f = _flat(k), _flat(v), _flat(beta)
-        G = chunk_local_cumsum(_flat(g_sub), layout)
-        Ai, h, v_new, ht = chunk_states_fwd(k_f, v_f, beta_f, G, initial_state, output_final_state, layout,
-                                            dot_prec=recurrence_prec, tuning=tuning)
-        o = strided_output_fwd(_flat(q), k_f, v_new, h, G, scale, n_h, layout, v.dtype, dot_prec=dot_prec,
-                               tuning=tuning)
+        o, ht, G, Ai = chunk_gated_delta_product_fwd(_flat(q), _flat(k), _flat(v), _flat(g_sub), _flat(beta), scale,
+                                                     n_h, initial_state, output_final_state, layout, v.dtype,
+                                                     dot_prec=dot_prec, recurrence_prec=recurrence_prec,
+                                                     tuning=tuning)
         ctx.save_for_backward(q, k, v, beta, initial_state, G, Ai)
         ctx.layout, ctx.scale, ctx.num_householder = layout, scale, n_h
         ctx.dot_prec, ctx.recurrence_prec, ctx.tuning = dot_prec, recurrence_prec, tuning
@@ -65,9 +54,9 @@ class ChunkGatedDeltaProductFunction(torch.autograd.Function):
         q, k, v, beta, initial_state, G, Ai = ctx.saved_tensors
         B, T, H, K = q.shape
         n_h = ctx.num_householder
-        dq, dk, dv, dg, dbeta, dh0, _ = chunk_gated_delta_rule_bwd(
-            _flat(q), _flat(k), _flat(v), _flat(beta), ctx.scale, initial_state, G, Ai, _flat(do),
-            None if dht is None else dht.contiguous(), ctx.layout, query_stride=n_h, dot_prec=ctx.dot_prec,
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_product_bwd(
+            _flat(q), _flat(k), _flat(v), _flat(beta), ctx.scale, n_h, initial_state, G, Ai, _flat(do),
+            None if dht is None else dht.contiguous(), ctx.layout, dot_prec=ctx.dot_prec,
             recurrence_prec=ctx.recurrence_prec, tuning=ctx.tuning)
         dq = dq.view(B, T, H, K).to(q.dtype)
         dg = None if ctx.g_dtype is None else dg.view(B, T, n_h, -1)[:, :, 0].to(ctx.g_dtype)

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from ..common.chunking import chunk_layout
+from ..common.chunking import CHUNK_SIZE, chunk_layout
 from ..common.precision import check_dot, check_recurrence_dot, op_dot_precision, recurrence_dot_precision
 from ..common.tuning import DEFAULT_TUNING, Tuning, check_tuning
 from ..l2norm import l2norm
 from .chunk_bwd import chunk_gated_delta_rule_bwd
-from .chunk_fwd import CHUNK_SIZE, chunk_gated_delta_rule_fwd
+from .chunk_fwd import chunk_gated_delta_rule_fwd
 from ..common.inputs import check_chunk_dims, check_chunk_size
 from .inputs import check_inputs, check_preprocess, resolve_state_v_first
 

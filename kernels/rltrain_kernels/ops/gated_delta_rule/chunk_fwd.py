@@ -19,7 +19,6 @@ from ..common.precision import cast_for_store, mma, raw_precision
 from ..common.tuning import DEFAULT_TUNING, Tuning
 from .gate import gate_chunk_cumsum
 
-CHUNK_SIZE = 64
 # (BK, BV) of the output pass, capped at K's and V's powers of two (Tuning.output_blocks in its place). With BV = V each
 # program forms its Q Kᵀ once instead of once per value block: 0.156 ms against 0.177 for 128 × 128 at best (H100,
 # bf16 B8 T2048 H16 K=V=128, bench_output_blocks.py).

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from ..common.chunking import chunk_layout
+from ..common.chunking import CHUNK_SIZE, chunk_layout
 from ..common.inputs import check_chunk_dims, check_chunk_size
 from ..common.precision import check_dot, iplr_dot_precision
 from ..common.tuning import DEFAULT_TUNING, Tuning, check_tuning
 from .chunk_bwd import chunk_iplr_delta_rule_bwd
-from .chunk_fwd import CHUNK_SIZE, chunk_iplr_delta_rule_fwd
+from .chunk_fwd import chunk_iplr_delta_rule_fwd
 from .inputs import check_inputs
 
 

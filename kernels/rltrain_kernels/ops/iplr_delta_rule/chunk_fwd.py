@@ -27,7 +27,6 @@ from ..common.state_pass import state_launch
 from ..common.tuning import DEFAULT_TUNING, Tuning
 from ..common.wy import solve_unit_lower
 
-CHUNK_SIZE = 64
 # (BK, BV) of the output pass, capped at K's and V's powers of two (Tuning.output_blocks in its place): 0.205 ms at
 # 4 warps / 2 stages against 0.210 for 128 × 128 (H100, bf16 B8 T2048 H16 K=V=128, bench_output_blocks.py).
 OUTPUT_BLOCKS = (64, 128)
