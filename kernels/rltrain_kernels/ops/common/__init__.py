@@ -9,8 +9,10 @@ The LM-head ops (linear_logprobs, policy_loss, kl_div) share, without importing 
   upstream gradient is 1 (policy_loss, kl_div).
 
 The delta-rule family (gated delta rule, IPLR, gated delta product):
-- `chunking`: chunk bookkeeping for packed variable-length batches (cu_seqlens → per-chunk sequence/offset), and
-  CHUNK_SIZE, the chunked kernels' default chunk.
+- `chunking`: chunk bookkeeping for packed variable-length batches (cu_seqlens → per-chunk sequence/offset), CHUNK_SIZE
+  (the chunked kernels' default chunk), and the two @triton.jit prologues every chunk kernel starts with:
+  `chunk_program` (a chunk-parallel program's chunk and token rows) and `state_program` (a state pass's sequence,
+  heads and state tile).
 - `cumsum`: chunk-local (reverse) cumulative sums of log gates.
 - `wy`: the WY representation of a chunk's Householder products (A, the UT transform
   T = (I + A)⁻¹ in registers via `solve_unit_lower`, w, u);

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunking import ChunkLayout
+from .chunking import ChunkLayout, chunk_program
 from .precision import (
     cast_for_store,
     mm,
@@ -45,16 +45,11 @@ def chunk_dqkwg_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr, NH: tl.constexpr,
 ):
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_t = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_c, i_n, i_t, bos, eos, o_i, o_t, m_t = chunk_program(cu_seqlens, chunk_indices, BT)
     i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
-    o_i, o_k = tl.arange(0, BT), tl.arange(0, BK)
-    o_t = bos + i_t * BT + o_i
-    m_t = o_t < eos
+    o_k = tl.arange(0, BK)
     o_q, m_q = query_rows(o_t, m_t, NH)  # q, dO and dq: every row, or the query rows of a query stride NH
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]

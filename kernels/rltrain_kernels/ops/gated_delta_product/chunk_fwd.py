@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.chunking import ChunkLayout
+from ..common.chunking import ChunkLayout, chunk_program
 from ..common.cumsum import chunk_local_cumsum
 from ..common.precision import cast_for_store, mma, raw_precision
 from ..common.state_pass import chunk_states_fwd
@@ -33,17 +33,12 @@ def strided_output_fwd_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr,
     BQ: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
-    i_c, i_v, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_v, i_hv = tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_t = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)      # sub-step offsets (cu_seqlens · n_h)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    # bos, eos: sub-step offsets (cu_seqlens · n_h); o_s: the chunk's sub-step rows
+    i_c, i_n, i_t, bos, eos, o_i, o_s, m_s = chunk_program(cu_seqlens, chunk_indices, BT)
     i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
     s0 = i_t * BT                                     # the chunk's first sub-step within the sequence
-    o_i = tl.arange(0, BT)
-    o_s = bos + s0 + o_i                              # the chunk's sub-step rows
-    m_s = o_s < eos
     # Query slots: chunk-local sub-step c = first + NH·slot, the last sub-step of token (s0 + c) // NH.
     first = (NH - 1 - s0 % NH) % NH
     o_c = first + NH * tl.arange(0, BQ)
