@@ -327,7 +327,7 @@ def test_chunk_backward_writes_gradients_in_the_inputs_dtypes(dtype, device):
     cast a mismatched one silently, costing a pass over each), and those agree with the backward of the same inputs
     in fp32 (whose dots run at full precision: hence a bar at the dtype's level, not bit equality)."""
     from rltrain_kernels.ops.common.precision import iplr_dot_precision
-    from rltrain_kernels.ops.iplr_delta_rule.chunk import chunk_iplr_delta_rule_bwd_recompute
+    from rltrain_kernels.ops.iplr_delta_rule.function import chunk_iplr_delta_rule_bwd_recompute
 
     q, k, v, a, b, h0 = make_inputs(1, 80, 2, 16, 16, dtype=dtype, device=device, initial_state=True)
     do = torch.randn_like(v)

@@ -69,6 +69,22 @@ def chunk_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, chunk_size: in
     return layout
 
 
+def flatten_tokens(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, ...] → [B*T, ...], contiguous: the flattened token axis the chunk kernels address."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
+
+
+def sequence_offsets(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """[N + 1] int32 token offsets of the sequences: cu_seqlens's (read as a dense array, whatever the caller's view),
+    or B rows of T. Built on the device, no host sync: what the fused-recurrent (decoding) kernels read in place of a
+    chunk layout."""
+    if cu_seqlens is not None:
+        return cu_seqlens.to(torch.int32).contiguous()
+    if T > 0:
+        return torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+    return torch.zeros(B + 1, dtype=torch.int32, device=device)
+
+
 # The most recently used packed layouts, newest first: (weak reference to cu_seqlens, (its version counter when read,
 # chunk size, steps, device), layout). A weak reference, so a freed tensor whose id or memory is reused never matches.
 PACKED_CACHE_SIZE = 8

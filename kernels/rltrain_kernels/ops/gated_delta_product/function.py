@@ -1,20 +1,23 @@
-"""Chunked gated delta product for training and prefill, on the gated delta rule's chunk machinery run over the
-expanded axis of T·n_h Householder sub-steps (README.md): the log gate g_t sits at each token's first sub-step
-(0 elsewhere), the query q_t at each token's last sub-step, sequences are offset by cu_seqlens·n_h.
+"""The gated delta product's public entry points and their autograd Functions: `chunk_gated_delta_product` for
+training and prefill, `fused_recurrent_gated_delta_product` for decoding.
 
-Forward (chunk_fwd.py): gate cumsum → WY → state pass (ops/common, unchanged, on k, v, beta as given) → the strided
-output pass (only the query rows, q and o of length T). Backward (chunk_bwd.py): the chunked backward shared with the
-gated delta rule (common/chunk_bwd.py) on the expanded sequence with a query stride of n_h (its kernels read q and dO
-of length T as the last sub-steps' rows, zero elsewhere, and write dq of length T), then dg gathered from the first
-sub-steps. Saved from the forward: G and
-T only (as the gated delta rule).
+Chunked: the gated delta rule's chunk machinery (ops/common) run over the expanded axis of T·n_h Householder
+sub-steps (README.md): the log gate g_t sits at each token's first sub-step (0 elsewhere), the query q_t at each
+token's last sub-step, sequences are offset by cu_seqlens·n_h. Forward (chunk_fwd.py): gate cumsum → WY → state pass
+(on k, v, beta as given) → the strided output pass (only the query rows, q and o of length T). Backward (chunk_bwd.py):
+the chunked backward shared with the gated delta rule (common/chunk_bwd.py) on the expanded sequence with a query
+stride of n_h, then dg gathered from the first sub-steps. Saved from the forward: G and T only (as the gated delta
+rule). With n_h = 1 there is no expansion: the op is `chunk_gated_delta_rule` itself.
+
+Fused recurrent: the forward is fused_recurrent.py's kernel; the path is forward-only by itself, so its backward
+recomputes through the chunked path (same maths) and differentiates that; `recurrence_dot` is that backward's.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..common.chunking import CHUNK_SIZE, chunk_layout
+from ..common.chunking import CHUNK_SIZE, chunk_layout, flatten_tokens
 from ..common.inputs import check_chunk_dims
 from ..common.precision import check_dot, check_recurrence_dot, op_dot_precision, recurrence_dot_precision
 from ..common.tuning import DEFAULT_TUNING, Tuning, check_tuning
@@ -22,12 +25,9 @@ from ..gated_delta_rule import chunk_gated_delta_rule
 from ..l2norm import l2norm
 from .chunk_bwd import chunk_gated_delta_product_bwd
 from .chunk_fwd import chunk_gated_delta_product_fwd, to_first_substep
+from .fused_recurrent import fused_recurrent_gated_delta_product_fwd
 from .inputs import check_inputs
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    """[B, T, ...] → [B*T, ...], contiguous."""
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
+from .naive import naive_recurrent_gated_delta_product
 
 
 class ChunkGatedDeltaProductFunction(torch.autograd.Function):
@@ -39,8 +39,8 @@ class ChunkGatedDeltaProductFunction(torch.autograd.Function):
         n_h = num_householder
         layout = chunk_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device, steps=n_h)
         g_sub = to_first_substep(g, n_h) if g is not None else beta.new_zeros(beta.shape, dtype=torch.float32)
-        o, ht, G, Ai = chunk_gated_delta_product_fwd(_flat(q), _flat(k), _flat(v), _flat(g_sub), _flat(beta), scale,
-                                                     n_h, initial_state, output_final_state, layout, v.dtype,
+        o, ht, G, Ai = chunk_gated_delta_product_fwd(*map(flatten_tokens, (q, k, v, g_sub, beta)), scale, n_h,
+                                                     initial_state, output_final_state, layout, v.dtype,
                                                      dot_prec=dot_prec, recurrence_prec=recurrence_prec,
                                                      tuning=tuning)
         ctx.save_for_backward(q, k, v, beta, initial_state, G, Ai)
@@ -55,7 +55,7 @@ class ChunkGatedDeltaProductFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         n_h = ctx.num_householder
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_product_bwd(
-            _flat(q), _flat(k), _flat(v), _flat(beta), ctx.scale, n_h, initial_state, G, Ai, _flat(do),
+            *map(flatten_tokens, (q, k, v, beta)), ctx.scale, n_h, initial_state, G, Ai, flatten_tokens(do),
             None if dht is None else dht.contiguous(), ctx.layout, dot_prec=ctx.dot_prec,
             recurrence_prec=ctx.recurrence_prec, tuning=ctx.tuning)
         dq = dq.view(B, T, H, K).to(q.dtype)
@@ -104,8 +104,6 @@ def chunk_gated_delta_product(
     check_chunk_dims(q.shape[-1], v.shape[-1], "q/k")
     if q.dtype == torch.float64:
         # float64 is reference territory (gradient checks): the naive recurrence computes exactly this function.
-        from .naive import naive_recurrent_gated_delta_product
-
         return naive_recurrent_gated_delta_product(q, k, v, g, beta, num_householder, scale, initial_state,
                                                    output_final_state, cu_seqlens, use_qk_l2norm_in_kernel)
     if initial_state is not None and initial_state.dtype != torch.float32:
@@ -115,3 +113,66 @@ def chunk_gated_delta_product(
     return ChunkGatedDeltaProductFunction.apply(q, k, v, g, beta, num_householder, scale, initial_state,
                                                 output_final_state, cu_seqlens, op_dot_precision(q.dtype, dot),
                                                 recurrence_dot_precision(q.dtype, recurrence_dot, dot), tuning)
+
+
+class FusedRecurrentGatedDeltaProductFunction(torch.autograd.Function):
+    """Forward through the recurrent kernel; backward by differentiating the chunked path (recomputed)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, num_householder, scale, initial_state, output_final_state, cu_seqlens,
+                use_qk_l2norm, recurrence_dot, dot):
+        o, ht = fused_recurrent_gated_delta_product_fwd(q, k, v, g, beta, num_householder, scale, initial_state,
+                                                        output_final_state, cu_seqlens, use_qk_l2norm)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.num_householder, ctx.scale, ctx.use_qk_l2norm = num_householder, scale, use_qk_l2norm
+        ctx.output_final_state, ctx.recurrence_dot, ctx.dot = output_final_state, recurrence_dot, dot
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        inputs = [None if t is None else t.detach().requires_grad_() for t in (q, k, v, g, beta, initial_state)]
+        with torch.enable_grad():
+            o, ht = chunk_gated_delta_product(*inputs[:5], ctx.num_householder, ctx.scale, inputs[5],
+                                              ctx.output_final_state, cu_seqlens, ctx.use_qk_l2norm,
+                                              ctx.recurrence_dot, ctx.dot)
+            outputs, grads = [o], [do]
+            if ht is not None and dht is not None:
+                outputs.append(ht)
+                grads.append(dht)
+            wrt = [t for t in inputs if t is not None]
+            computed = iter(torch.autograd.grad(outputs, wrt, grads, allow_unused=True))
+        dq, dk, dv, dg, dbeta, dh0 = (None if t is None else next(computed) for t in inputs)
+        return dq, dk, dv, dg, dbeta, None, None, dh0, None, None, None, None, None
+
+
+def fused_recurrent_gated_delta_product(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor | None,
+    beta: torch.Tensor,
+    num_householder: int,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    recurrence_dot: str = "auto",
+    dot: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta product, token by token in one kernel (decoding: T = 1 with the cache state in and out).
+
+    Same arguments, layout and returns as `chunk_gated_delta_product`: q [B, T, H, K]; k [B, T·n_h, H, K];
+    v [B, T·n_h, HV, V]; beta [B, T·n_h, HV]; g [B, T, HV] or None; initial_state [N, HV, K, V] fp32;
+    cu_seqlens [N+1] token offsets of q with B = 1; recurrence_dot and dot (auto | bf16 | tf32) for the backward,
+    which runs the chunked kernels. Returns (o [B, T, HV, V], final_state or None).
+    """
+    check_recurrence_dot(recurrence_dot)
+    check_dot(dot)
+    _, _, scale = check_inputs(q, k, v, g, beta, num_householder, scale, initial_state, cu_seqlens)
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        initial_state = initial_state.float()
+    return FusedRecurrentGatedDeltaProductFunction.apply(q, k, v, g, beta, num_householder, scale, initial_state,
+                                                         output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                                                         recurrence_dot, dot)
