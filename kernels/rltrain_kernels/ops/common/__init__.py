@@ -26,6 +26,10 @@ The delta-rule family (gated delta rule, IPLR, gated delta product):
 - `inputs`: the argument checks they share (the tensors' dtypes and device, q's shape, GVA head groups, cu_seqlens
   packing, the initial state, the default scale, chunk sizes and tile dims), each op's inputs.py built on them.
 
+The row- and token-wise ops (rmsnorm, l2norm; short_conv, token_shift):
+- `rows`: their row bookkeeping (rows with unit column stride, a packed row's per-token sequence index, and the
+  @triton.jit `row_info` / `row_offset` of each token's sequence, position and element offset).
+
 The delta-rule machinery works on the flattened token axis: [1, total_tokens, heads, dim] with cu_seqlens (a
 non-varlen batch is the packed batch with equal lengths). For reuse (IPLR, gated delta product): `solve_unit_lower`
 is a `@triton.jit` helper any kernel can call on its own strictly lower [64, 64] tile; the state pass takes w, u, k

@@ -29,7 +29,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from rltrain_kernels.ops.common.inputs import check_packing
-from rltrain_kernels.ops.short_conv.kernel import (ACTIVATIONS, MAX_WIDTH, channel_rows, sequence_ids,
+from rltrain_kernels.ops.common.rows import channel_rows, sequence_ids
+from rltrain_kernels.ops.short_conv.kernel import (ACTIVATIONS, MAX_WIDTH,
                                                    short_conv_forward, short_conv_update_forward)
 from rltrain_kernels.ops.short_conv.kernel_bwd import short_conv_backward
 from rltrain_kernels.ops.short_conv.naive import naive_short_conv, naive_short_conv_update

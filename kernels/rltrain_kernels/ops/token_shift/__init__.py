@@ -18,7 +18,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from rltrain_kernels.ops.common.inputs import check_packing
-from rltrain_kernels.ops.short_conv.kernel import channel_rows, sequence_ids
+from rltrain_kernels.ops.common.rows import channel_rows, sequence_ids
 from rltrain_kernels.ops.token_shift.kernel import token_shift_backward, token_shift_forward
 from rltrain_kernels.ops.token_shift.naive import naive_token_shift
 from rltrain_kernels.utils import triton_interpreted
