@@ -1,7 +1,7 @@
 """rltrain_kernels: the kernel layer shared by every rltrain role.
 
-- `rltrain_kernels.ops.<op>`: one folder per op (Triton kernels, their autograd Functions and modules, and a
-  plain-PyTorch reference beside them).
+- `rltrain_kernels.ops.<op>`: one folder per op (`function.py` the public entry with its autograd Functions and
+  modules, `naive.py` the plain-PyTorch reference, the Triton kernels beside them).
 - `rltrain_kernels.registry`: device-neutral kernel ids, device detection, and `apply_default_kernels(model)`,
   which swaps a transformers model's modules for this device's kernels.
 """

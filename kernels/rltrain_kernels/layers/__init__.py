@@ -11,8 +11,10 @@ A layer computes its delta rule in plain PyTorch (any device: layers/chunked.py'
 layers/recurrence.py's per-step recurrence for decoding) until the registry swaps in the Triton kernels — chunked
 for whole sequences, fused-recurrent for decoding:
 `apply_default_kernels(model)` on a GPU, or by id (`gated_delta_rule`, `gated_delta_product`, `iplr_delta_rule`).
-`LinearAttentionCache` holds a layer's conv and recurrent states between calls; layers/common.py states the padding
-(attention_mask) and packing (cu_seqlens) rules. Models built from these layers: rltrain_kernels.models.
+The three share one base layer (layers/base.py: DeltaRuleLayer, their projections, convolutions, output head and the
+steps of forward around the op); each layer's file holds its own transition. `LinearAttentionCache` holds a layer's
+conv and recurrent states between calls; layers/common.py states the padding (attention_mask) and packing
+(cu_seqlens) rules. Models built from these layers: rltrain_kernels.models.
 """
 
 from .common import LinearAttentionCache, ShortConvolution

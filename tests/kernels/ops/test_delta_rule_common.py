@@ -105,8 +105,8 @@ def test_state_pass_value_block():
 RECURRENCE_KERNELS = {"common.wy": "gated_wy_fwd_kernel", "common.wy_bwd": "gated_wy_bwd_kernel",
                       "common.state_pass": ("state_pass_fwd_kernel", "state_pass_bwd_kernel")}
 OTHER_KERNELS = {"common.state_pass": ("local_dv_kernel",), "gated_delta_rule.chunk_fwd": ("chunk_output_fwd_kernel",),
-                 "gated_delta_rule.chunk_bwd": ("chunk_dqkwg_kernel",),
-                 "gated_delta_product.chunk_output": ("strided_output_fwd_kernel",)}
+                 "common.chunk_bwd": ("chunk_dqkwg_kernel",),
+                 "gated_delta_product.chunk_fwd": ("strided_output_fwd_kernel",)}
 RECURRENCE_OPS = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_gated_delta_product",
                   "fused_recurrent_gated_delta_product"]
 
@@ -201,8 +201,8 @@ def test_dot_arguments_are_validated_naming_the_argument(op, argument, bad):
 
 
 # The modules under rltrain_kernels.ops whose Triton kernels the chunked delta-rule ops launch with a DOT_PREC.
-DELTA_RULE_KERNEL_MODULES = ("common.wy", "common.wy_bwd", "common.state_pass", "gated_delta_rule.chunk_fwd",
-                             "gated_delta_rule.chunk_bwd", "gated_delta_product.chunk_output",
+DELTA_RULE_KERNEL_MODULES = ("common.wy", "common.wy_bwd", "common.state_pass", "common.chunk_bwd",
+                             "gated_delta_rule.chunk_fwd", "gated_delta_product.chunk_fwd",
                              "iplr_delta_rule.chunk_fwd", "iplr_delta_rule.chunk_bwd")
 
 

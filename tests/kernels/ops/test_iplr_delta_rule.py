@@ -327,7 +327,7 @@ def test_chunk_backward_writes_gradients_in_the_inputs_dtypes(dtype, device):
     cast a mismatched one silently, costing a pass over each), and those agree with the backward of the same inputs
     in fp32 (whose dots run at full precision: hence a bar at the dtype's level, not bit equality)."""
     from rltrain_kernels.ops.common.precision import iplr_dot_precision
-    from rltrain_kernels.ops.iplr_delta_rule.chunk import chunk_iplr_delta_rule_bwd_recompute
+    from rltrain_kernels.ops.iplr_delta_rule.function import chunk_iplr_delta_rule_bwd_recompute
 
     q, k, v, a, b, h0 = make_inputs(1, 80, 2, 16, 16, dtype=dtype, device=device, initial_state=True)
     do = torch.randn_like(v)
@@ -348,7 +348,7 @@ def test_output_pass_blocks_change_no_result(blocks, device, monkeypatch):
     """iplr_output_fwd's blocks (the output pass's key / value tiles, Tuning.output_blocks; default
     chunk_fwd.OUTPUT_BLOCKS, which the op takes) reach the launch and give the same outputs as the shipped blocks, up
     to fp32 summation order, on the intermediates of the op's forward."""
-    from rltrain_kernels.ops.common.chunking import chunk_layout
+    from rltrain_kernels.ops.common.chunking import CHUNK_SIZE, chunk_layout
     from rltrain_kernels.ops.common.precision import iplr_dot_precision
     from rltrain_kernels.ops.common.tuning import Tuning
     from rltrain_kernels.ops.iplr_delta_rule import chunk_fwd
@@ -358,7 +358,7 @@ def test_output_pass_blocks_change_no_result(blocks, device, monkeypatch):
                  lambda args, kwargs: launched.append((kwargs["BK"], kwargs["BV"])))
     *tensors, h0 = make_inputs(1, 70, 1, 128, 128, device=device, initial_state=True)
     q, k, v, a, b = (t.flatten(0, 1) for t in tensors)  # [tokens, H, *], as the op's forward flattens them
-    layout = chunk_layout(1, 70, None, chunk_fwd.CHUNK_SIZE, q.device)
+    layout = chunk_layout(1, 70, None, CHUNK_SIZE, q.device)
     dot_prec = iplr_dot_precision(q.dtype)
     Ai, Ak = chunk_fwd.iplr_solve(k, a, b, layout, dot_prec=dot_prec)
     h, x, _ = chunk_fwd.iplr_state_pass_fwd(k, v, a, b, Ai, Ak, h0, False, layout, dot_prec=dot_prec)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rltrain_kernels.ops.short_conv import naive_short_conv, naive_short_conv_update, short_conv, short_conv_update
-from rltrain_kernels.ops.short_conv.kernel import sequence_ids
+from rltrain_kernels.ops.common.rows import sequence_ids
 from rltrain_kernels.ops.short_conv.kernel_bwd import short_conv_backward
 from tests.helpers import assert_rel_close, case_id, dtype_id
 

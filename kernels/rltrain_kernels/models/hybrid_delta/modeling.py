@@ -32,7 +32,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from rltrain_kernels.layers import GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention, ShortConvolution
-from rltrain_kernels.layers.gated_delta_rule import decay_parameters
+from rltrain_kernels.layers.base import decay_parameters
 
 from .cache import HybridDeltaCache
 from .configuration import HybridDeltaConfig

@@ -9,16 +9,26 @@ The LM-head ops (linear_logprobs, policy_loss, kl_div) share, without importing 
   upstream gradient is 1 (policy_loss, kl_div).
 
 The delta-rule family (gated delta rule, IPLR, gated delta product):
-- `chunking`: chunk bookkeeping for packed variable-length batches (cu_seqlens → per-chunk sequence/offset).
+- `chunking`: chunk bookkeeping for packed variable-length batches (cu_seqlens → per-chunk sequence/offset), CHUNK_SIZE
+  (the chunked kernels' default chunk), and the two @triton.jit prologues every chunk kernel starts with:
+  `chunk_program` (a chunk-parallel program's chunk and token rows) and `state_program` (a state pass's sequence,
+  heads and state tile).
 - `cumsum`: chunk-local (reverse) cumulative sums of log gates.
 - `wy`: the WY representation of a chunk's Householder products (A, the UT transform
   T = (I + A)⁻¹ in registers via `solve_unit_lower`, w, u);
   `wy_bwd`: its backward.
 - `state_pass`: the sequential inter-chunk state recurrence, forward and backward.
+- `chunk_bwd`: the chunked backward the gated delta rule and the gated delta product share (the states recomputed,
+  the reverse state pass, the per-chunk dq/dk/dw/dG pass, the WY backward), up to dG.
 - `launch`: warps and pipeline stages of these kernels (and the gated delta rule's), in one table.
 - `tuning`: the ops' `tuning` argument (`Tuning`): the launch choices, shipped by default, handed down to every
   launch, so a benchmark sweeps a setting by passing it.
-- `inputs`: the argument checks they share (cu_seqlens packing, the initial state's shape and device).
+- `inputs`: the argument checks they share (the tensors' dtypes and device, q's shape, GVA head groups, cu_seqlens
+  packing, the initial state, the default scale, chunk sizes and tile dims), each op's inputs.py built on them.
+
+The row- and token-wise ops (rmsnorm, l2norm; short_conv, token_shift):
+- `rows`: their row bookkeeping (rows with unit column stride, a packed row's per-token sequence index, and the
+  @triton.jit `row_info` / `row_offset` of each token's sequence, position and element offset).
 
 The delta-rule machinery works on the flattened token axis: [1, total_tokens, heads, dim] with cu_seqlens (a
 non-varlen batch is the packed batch with equal lengths). For reuse (IPLR, gated delta product): `solve_unit_lower`

@@ -10,20 +10,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunking import ChunkLayout
+from .chunking import ChunkLayout, chunk_program
 
 
 @triton.jit
 def chunk_local_cumsum_kernel(x, y, cu_seqlens, chunk_indices, NH: tl.constexpr, BT: tl.constexpr,
                               BH: tl.constexpr, REVERSE: tl.constexpr):
-    i_c = tl.program_id(0)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_t = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    o_t = bos + i_t * BT + tl.arange(0, BT)
+    i_c, i_n, i_t, bos, eos, o_i, o_t, m_t = chunk_program(cu_seqlens, chunk_indices, BT)
     o_h = tl.arange(0, BH)
-    mask = (o_t < eos)[:, None] & (o_h < NH)[None, :]
+    mask = m_t[:, None] & (o_h < NH)[None, :]
     offsets = o_t[:, None] * NH + o_h[None, :]
     b_x = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
     b_y = tl.cumsum(b_x, axis=0)

@@ -24,7 +24,7 @@ LAUNCH: dict[str, dict[str, int]] = {
     "local_dv": dict(num_warps=2, num_stages=3),      # common/state_pass.py, Pᵀ dO: −0.05 ms vs 4w/2s
     "wy_bwd": dict(num_warps=4, num_stages=2),        # common/wy_bwd.py: −0.23 ms vs 8w/3s
     "output_fwd": dict(num_warps=8, num_stages=3),    # gated_delta_rule/chunk_fwd.py: 0.156 ms, 4w/3s 0.158
-    "dqkwg": dict(num_warps=8, num_stages=2),         # gated_delta_rule/chunk_bwd.py: 3 stages overflow shared memory
+    "dqkwg": dict(num_warps=8, num_stages=2),         # common/chunk_bwd.py: 3 stages overflow shared memory
     "iplr_state_pass_fwd": dict(num_warps=4, num_stages=3),  # B2 T8192: 0.45 ms for its two calls, 0.60 at 2 stages
     "iplr_state_pass_fwd_wide": dict(num_warps=4, num_stages=2),  # 0.25 ms, the narrow launch 0.37; not swept
     "iplr_solve": dict(num_warps=4, num_stages=3),    # the IPLR solve (T only), at wy_fwd's setting

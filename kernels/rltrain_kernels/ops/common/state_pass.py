@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunking import ChunkLayout
+from .chunking import ChunkLayout, chunk_program, state_program
 from .launch import tile
 from .precision import (
     cast_for_store,
@@ -58,17 +58,8 @@ def state_pass_fwd_kernel(
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, USE_INITIAL_STATE: tl.constexpr,
     STORE_FINAL_STATE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences × heads on axis 0 (no 65535 limit)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    o_i, o_k = tl.arange(0, BT), tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_h = m_k[:, None] & m_v[None, :]
-    state_offset = o_k[:, None] * V + o_v[None, :]
+    i_n, i_hv, i_h, bos, eos, c0, o_i, o_k, o_v, m_k, m_v, m_h, state_offset = state_program(
+        cu_seqlens, chunk_offsets, H, HV, K, V, BT, BK, BV)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
         b_h += tl.load(h0 + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, mask=m_h, other=0.0)
@@ -128,15 +119,10 @@ def local_dv_kernel(
     NH: tl.constexpr,
 ):
     """dv = Pᵀ dO per chunk (in dv's dtype), the part of dδ that needs no state."""
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)  # chunks on axis 0 (no 65535 limit)
+    i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_t = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    o_i, o_k = tl.arange(0, BT), tl.arange(0, BK)
-    o_t = bos + i_t * BT + o_i
-    m_t = o_t < eos
+    i_c, i_n, i_t, bos, eos, o_i, o_t, m_t = chunk_program(cu_seqlens, chunk_indices, BT)
+    o_k = tl.arange(0, BK)
     o_q, m_q = query_rows(o_t, m_t, NH)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     # q, k and dO feed only dots: loaded as stored (mm)
@@ -165,17 +151,8 @@ def state_pass_bwd_kernel(
     FUSE_LOCAL: tl.constexpr, LOCAL_PREC: tl.constexpr, RAW_PREC: tl.constexpr, W_FROM_A: tl.constexpr,
     A_IN_REGISTERS: tl.constexpr,
 ):
-    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences × heads on axis 0 (no 65535 limit)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    o_i, o_k = tl.arange(0, BT), tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_h = m_k[:, None] & m_v[None, :]
-    state_offset = o_k[:, None] * V + o_v[None, :]
+    i_n, i_hv, i_h, bos, eos, c0, o_i, o_k, o_v, m_k, m_v, m_h, state_offset = state_program(
+        cu_seqlens, chunk_offsets, H, HV, K, V, BT, BK, BV)
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_FINAL_STATE_GRADIENT:
         b_dh += tl.load(dht + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, mask=m_h, other=0.0)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunking import ChunkLayout
+from .chunking import ChunkLayout, chunk_program
 from .launch import tile
 from .precision import cast_for_store, mm, mma, operand_dtype, raw_precision
 from .scratch import scratch_tiles, transpose_via_scratch
@@ -29,15 +29,9 @@ def gated_wy_bwd_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
-    i_c, i_hv = tl.program_id(0), tl.program_id(1)
+    i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_t = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    o_i = tl.arange(0, BT)
-    o_t = bos + i_t * BT + o_i
-    m_t = o_t < eos
+    i_c, i_n, i_t, bos, eos, o_i, o_t, m_t = chunk_program(cu_seqlens, chunk_indices, BT)
     b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     if USE_G:
         b_G = tl.load(G + o_t * HV + i_hv, mask=m_t, other=0.0)

@@ -10,8 +10,7 @@ q [B, T, H, K]; k [B, T·n_h, H, K]; v [B, T·n_h, HV, V]; beta [B, T·n_h, HV];
 Maths in README.md beside this file.
 """
 
-from .chunk import chunk_gated_delta_product
-from .fused_recurrent import fused_recurrent_gated_delta_product
+from .function import chunk_gated_delta_product, fused_recurrent_gated_delta_product
 from .naive import naive_recurrent_gated_delta_product
 
 __all__ = ["chunk_gated_delta_product", "fused_recurrent_gated_delta_product",

@@ -1,10 +1,7 @@
-"""Fused-recurrent gated delta product: one Triton program per (sequence, value head, V block) walks the tokens,
-applying each token's gate and its n_h Householder sub-steps to the fp32 state tile in registers, and writes the
-token's output once. Built for decoding (T = 1 with the cache state in and out) and short sequences.
-
-Backward: this path is forward-only by itself. When gradients are required, its autograd Function recomputes
-through the chunked path (`chunk.chunk_gated_delta_product`, same maths) and differentiates that; the forward
-values still come from this kernel. `recurrence_dot` is that backward's (the forward runs no dots).
+"""Fused-recurrent gated delta product, forward: one Triton program per (sequence, value head, V block) walks the
+tokens, applying each token's gate and its n_h Householder sub-steps to the fp32 state tile in registers, and writes
+the token's output once. Built for decoding (T = 1 with the cache state in and out) and short sequences;
+function.py's autograd Function runs its backward through the chunked path.
 """
 
 from __future__ import annotations
@@ -13,8 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.precision import check_dot, check_recurrence_dot
-from .inputs import check_inputs
+from ..common.chunking import sequence_offsets
 
 
 @triton.jit
@@ -65,12 +61,7 @@ def fused_recurrent_gated_delta_product_fwd(q, k, v, g, beta, num_householder, s
     """Host function: flatten the batch, launch one program per (sequence × value head, V block)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    # Only the sequence offsets are needed (built on the device, no host sync, for decoding).
-    if cu_seqlens is None:
-        offsets = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device) if T > 0 else \
-            torch.zeros(B + 1, dtype=torch.int32, device=q.device)
-    else:
-        offsets = cu_seqlens.to(torch.int32).contiguous()  # read as a dense array, whatever the caller's view
+    offsets = sequence_offsets(B, T, cu_seqlens, q.device)
     N = offsets.numel() - 1
     BK = triton.next_power_of_2(K)
     # BV=32, 2 warps: the gated delta rule's fused-recurrent choice (a [128, 32] fp32 tile, 16 registers/thread);
@@ -87,68 +78,3 @@ def fused_recurrent_gated_delta_product_fwd(q, k, v, g, beta, num_householder, s
         USE_QK_L2NORM=use_qk_l2norm_in_kernel, num_warps=2,
     )
     return o, ht
-
-
-class FusedRecurrentGatedDeltaProductFunction(torch.autograd.Function):
-    """Forward through the recurrent kernel; backward by differentiating the chunked path (recomputed)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, num_householder, scale, initial_state, output_final_state, cu_seqlens,
-                use_qk_l2norm, recurrence_dot, dot):
-        o, ht = fused_recurrent_gated_delta_product_fwd(q, k, v, g, beta, num_householder, scale, initial_state,
-                                                        output_final_state, cu_seqlens, use_qk_l2norm)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
-        ctx.num_householder, ctx.scale, ctx.use_qk_l2norm = num_householder, scale, use_qk_l2norm
-        ctx.output_final_state, ctx.recurrence_dot, ctx.dot = output_final_state, recurrence_dot, dot
-        return o, ht
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        from .chunk import chunk_gated_delta_product
-
-        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
-        inputs = [None if t is None else t.detach().requires_grad_() for t in (q, k, v, g, beta, initial_state)]
-        with torch.enable_grad():
-            o, ht = chunk_gated_delta_product(*inputs[:5], ctx.num_householder, ctx.scale, inputs[5],
-                                              ctx.output_final_state, cu_seqlens, ctx.use_qk_l2norm,
-                                              ctx.recurrence_dot, ctx.dot)
-            outputs, grads = [o], [do]
-            if ht is not None and dht is not None:
-                outputs.append(ht)
-                grads.append(dht)
-            wrt = [t for t in inputs if t is not None]
-            computed = iter(torch.autograd.grad(outputs, wrt, grads, allow_unused=True))
-        dq, dk, dv, dg, dbeta, dh0 = (None if t is None else next(computed) for t in inputs)
-        return dq, dk, dv, dg, dbeta, None, None, dh0, None, None, None, None, None
-
-
-def fused_recurrent_gated_delta_product(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor | None,
-    beta: torch.Tensor,
-    num_householder: int,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
-    recurrence_dot: str = "auto",
-    dot: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gated delta product, token by token in one kernel (decoding: T = 1 with the cache state in and out).
-
-    Same arguments, layout and returns as `chunk_gated_delta_product`: q [B, T, H, K]; k [B, T·n_h, H, K];
-    v [B, T·n_h, HV, V]; beta [B, T·n_h, HV]; g [B, T, HV] or None; initial_state [N, HV, K, V] fp32;
-    cu_seqlens [N+1] token offsets of q with B = 1; recurrence_dot and dot (auto | bf16 | tf32) for the backward,
-    which runs the chunked kernels. Returns (o [B, T, HV, V], final_state or None).
-    """
-    check_recurrence_dot(recurrence_dot)
-    check_dot(dot)
-    _, _, scale = check_inputs(q, k, v, g, beta, num_householder, scale, initial_state, cu_seqlens)
-    if initial_state is not None and initial_state.dtype != torch.float32:
-        initial_state = initial_state.float()
-    return FusedRecurrentGatedDeltaProductFunction.apply(q, k, v, g, beta, num_householder, scale, initial_state,
-                                                         output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-                                                         recurrence_dot, dot)

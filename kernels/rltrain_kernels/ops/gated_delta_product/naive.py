@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..gated_delta_rule.inputs import sequence_bounds
+from ..common.inputs import sequence_bounds
 from ..l2norm import naive_l2norm
 from .inputs import check_inputs
 

@@ -7,8 +7,7 @@ a fused-recurrent decoding kernel, and the plain-PyTorch reference. Same argumen
 Maths in README.md beside this file.
 """
 
-from .chunk import chunk_gated_delta_rule
-from .fused_recurrent import fused_recurrent_gated_delta_rule
+from .function import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from .naive import naive_recurrent_gated_delta_rule
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "naive_recurrent_gated_delta_rule"]

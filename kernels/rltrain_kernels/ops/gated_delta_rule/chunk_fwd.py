@@ -12,14 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.chunking import ChunkLayout
+from ..common.chunking import ChunkLayout, chunk_program
 from ..common.cumsum import chunk_local_cumsum
 from ..common.state_pass import chunk_states_fwd
 from ..common.precision import cast_for_store, mma, raw_precision
 from ..common.tuning import DEFAULT_TUNING, Tuning
 from .gate import gate_chunk_cumsum
 
-CHUNK_SIZE = 64
 # (BK, BV) of the output pass, capped at K's and V's powers of two (Tuning.output_blocks in its place). With BV = V each
 # program forms its Q Kᵀ once instead of once per value block: 0.156 ms against 0.177 for 128 × 128 at best (H100,
 # bf16 B8 T2048 H16 K=V=128, bench_output_blocks.py).
@@ -32,16 +31,10 @@ def chunk_output_fwd_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
-    i_c, i_v, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # chunks on axis 0 (no 65535 limit)
+    i_v, i_hv = tl.program_id(1), tl.program_id(2)  # chunks on axis 0 (no 65535 limit)
     i_h = i_hv // (HV // H)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_t = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_c, i_n, i_t, bos, eos, o_i, o_t, m_t = chunk_program(cu_seqlens, chunk_indices, BT)
     i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t  # this chunk's row in h
-    o_i = tl.arange(0, BT)
-    o_t = bos + i_t * BT + o_i
-    m_t = o_t < eos
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     b_o = tl.zeros([BT, BV], dtype=tl.float32)

@@ -1,9 +1,6 @@
-"""Fused-recurrent gated delta rule: one Triton program per (sequence, value head, V block) walks the tokens with
-the fp32 state tile in registers. Built for decoding (T = 1 with the cache state in and out) and short sequences.
-
-Backward: this path is forward-only by itself. When gradients are required, its autograd Function delegates the
-backward to the chunked kernels (`chunk.chunk_gated_delta_rule_bwd`), which compute the same maths; the forward
-values still come from this kernel. `recurrence_dot` is that backward's (the forward runs no dots).
+"""Fused-recurrent gated delta rule, forward: one Triton program per (sequence, value head, V block) walks the tokens
+with the fp32 state tile in registers. Built for decoding (T = 1 with the cache state in and out) and short
+sequences; function.py's autograd Function runs its backward through the chunked kernels.
 
 fla's keywords run inside the kernel, as fla's own does, so a decoding step reads the raw inputs and the cache state
 once: the gate −exp(A_log) softplus(a + dt_bias) (use_gate_in_kernel), β = sigmoid(beta) (·2 with allow_neg_eigval)
@@ -17,9 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.precision import check_dot, check_recurrence_dot, op_dot_precision, recurrence_dot_precision
+from ..common.chunking import sequence_offsets
 from .gate import softplus
-from .inputs import check_inputs, check_preprocess, resolve_state_v_first
 
 
 @triton.jit
@@ -91,12 +87,7 @@ def fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state,
     state_v_first: initial and final states [N, HV, V, K]."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    # No chunk layout needed here: only the sequence offsets (built on the device, no host sync, for decoding).
-    if cu_seqlens is None:
-        offsets = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device) if T > 0 else \
-            torch.zeros(B + 1, dtype=torch.int32, device=q.device)
-    else:
-        offsets = cu_seqlens.to(torch.int32).contiguous()  # read as a dense array, whatever the caller's view
+    offsets = sequence_offsets(B, T, cu_seqlens, q.device)
     N = offsets.numel() - 1
     BK = triton.next_power_of_2(K)
     # (BV, warps) per state layout. H200, B256 HV16 K=V=128, fp32 state, one token: [K, V] 32 × 2 140 µs (fla 184);
@@ -118,75 +109,3 @@ def fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state,
         BETA_SIGMOID=bool(beta_scale), STATE_V_FIRST=state_v_first, num_warps=num_warps,
     )
     return o, ht
-
-
-class FusedRecurrentGatedDeltaRuleFunction(torch.autograd.Function):
-    """Forward through the recurrent kernel; backward through the chunked backward (same maths, recomputed)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, cu_seqlens,
-                use_qk_l2norm, beta_scale, state_v_first, dot_prec, recurrence_prec):
-        gate = None if A_log is None else (A_log, dt_bias)
-        o, ht = fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                     cu_seqlens, use_qk_l2norm, gate, beta_scale, state_v_first)
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
-        ctx.scale, ctx.use_qk_l2norm, ctx.beta_scale, ctx.state_v_first = scale, use_qk_l2norm, beta_scale, \
-            state_v_first
-        ctx.dot_prec, ctx.recurrence_prec = dot_prec, recurrence_prec
-        return o, ht
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        from .chunk import chunk_gated_delta_rule_bwd_recompute
-
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = chunk_gated_delta_rule_bwd_recompute(
-            q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do, dht, use_qk_l2norm=ctx.use_qk_l2norm,
-            gate=None if A_log is None else (A_log, dt_bias), beta_scale=ctx.beta_scale,
-            state_v_first=ctx.state_v_first, dot_prec=ctx.dot_prec, recurrence_prec=ctx.recurrence_prec)
-        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, None, dh0, None, None, None, None, None, None, None
-
-
-def fused_recurrent_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
-    recurrence_dot: str = "auto",
-    dot: str = "auto",
-    *,
-    use_gate_in_kernel: bool = False,
-    A_log: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    use_beta_sigmoid_in_kernel: bool = False,
-    allow_neg_eigval: bool = False,
-    state_v_first: bool = False,
-    transpose_state_layout: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gated delta rule, token by token in one kernel (decoding: T = 1 with the cache state in and out).
-
-    Same arguments, layout and returns as `chunk_gated_delta_rule`: q, k [B, T, H, K]; v [B, T, HV, V];
-    g, beta [B, T, HV]; initial_state [N, HV, K, V] fp32; cu_seqlens [N+1] with B = 1; recurrence_dot and dot (auto |
-    bf16 | tf32) for the backward, which runs the chunked kernels; fla's keywords use_gate_in_kernel (A_log,
-    dt_bias), use_beta_sigmoid_in_kernel (allow_neg_eigval) and state_v_first (transpose_state_layout), computed
-    inside the kernel. No chunk_size (as fla's). Returns (o, final_state).
-    """
-    check_recurrence_dot(recurrence_dot)
-    check_dot(dot)
-    state_v_first = resolve_state_v_first(state_v_first, transpose_state_layout)
-    _, _, scale = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
-    pre = check_preprocess(g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    if initial_state is not None and initial_state.dtype != torch.float32:
-        initial_state = initial_state.float()
-    A_log, dt_bias = pre.gate or (None, None)
-    return FusedRecurrentGatedDeltaRuleFunction.apply(q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
-                                                      output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-                                                      pre.beta_scale, state_v_first,
-                                                      op_dot_precision(q.dtype, dot),
-                                                      recurrence_dot_precision(q.dtype, recurrence_dot, dot))

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.chunking import ChunkLayout
+from ..common.chunking import ChunkLayout, chunk_program
 
 
 @triton.jit
@@ -39,15 +39,10 @@ def softplus(x):
 @triton.jit
 def gate_chunk_cumsum_kernel(a, A_log, dt_bias, G, cu_seqlens, chunk_indices, NH: tl.constexpr, BT: tl.constexpr,
                              BH: tl.constexpr, HAS_BIAS: tl.constexpr):
-    i_c = tl.program_id(0)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_t = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    o_t = bos + i_t * BT + tl.arange(0, BT)
+    i_c, i_n, i_t, bos, eos, o_i, o_t, m_t = chunk_program(cu_seqlens, chunk_indices, BT)
     o_h = tl.arange(0, BH)
     m_h = o_h < NH
-    mask = (o_t < eos)[:, None] & m_h[None, :]
+    mask = m_t[:, None] & m_h[None, :]
     offsets = o_t[:, None] * NH + o_h[None, :]
     b_x = tl.load(a + offsets, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -60,15 +55,10 @@ def gate_chunk_cumsum_kernel(a, A_log, dt_bias, G, cu_seqlens, chunk_indices, NH
 @triton.jit
 def gate_bwd_kernel(dG, a, A_log, dt_bias, da, dA_part, dbias_part, cu_seqlens, chunk_indices, NH: tl.constexpr,
                     BT: tl.constexpr, BH: tl.constexpr, HAS_BIAS: tl.constexpr):
-    i_c = tl.program_id(0)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_t = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    o_t = bos + i_t * BT + tl.arange(0, BT)
+    i_c, i_n, i_t, bos, eos, o_i, o_t, m_t = chunk_program(cu_seqlens, chunk_indices, BT)
     o_h = tl.arange(0, BH)
     m_h = o_h < NH
-    mask = (o_t < eos)[:, None] & m_h[None, :]
+    mask = m_t[:, None] & m_h[None, :]
     offsets = o_t[:, None] * NH + o_h[None, :]
     b_dG = tl.load(dG + offsets, mask=mask, other=0.0)
     b_dg = tl.sum(b_dG, axis=0)[None, :] - tl.cumsum(b_dG, axis=0) + b_dG  # dg_i = Σ_{j≥i} dG_j in the chunk

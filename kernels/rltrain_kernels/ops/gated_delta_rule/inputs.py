@@ -1,7 +1,7 @@
-"""Argument checks and small shared helpers for the three gated delta rule entry points (naive, fused recurrent,
-chunked), so every entry point rejects the same bad inputs with the same messages naming the argument, and reads
-fla's keywords (use_gate_in_kernel with A_log / dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first
-and its deprecated name transpose_state_layout, chunk_size) the same way.
+"""The gated delta rule's argument checks for its three entry points (naive, fused recurrent, chunked), on the
+delta-rule checks in common/inputs.py, so every entry point rejects the same bad inputs with the same messages naming
+the argument and reads fla's keywords (use_gate_in_kernel with A_log / dt_bias, use_beta_sigmoid_in_kernel,
+allow_neg_eigval, state_v_first and its deprecated name transpose_state_layout) the same way.
 """
 
 from __future__ import annotations
@@ -11,32 +11,22 @@ from dataclasses import dataclass
 
 import torch
 
-from ..common.inputs import check_initial_state, check_packing
-
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+from ..common.inputs import (FLOAT_DTYPES, check_head_groups, check_initial_state, check_packing, check_query,
+                             check_tensors, default_scale)
 
 
 def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first: bool = False
                  ) -> tuple[int, int, float]:
     """Validate shapes/dtypes/devices; return (number of sequences N, GVA group size HV // H, scale). The initial
     state is [N, HV, K, V], or [N, HV, V, K] with state_v_first."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float32/float16/bfloat16, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
-    B, T, H, K = q.shape
+    check_tensors((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)), q.device)
+    B, T, H, K = check_query(q)
     if k.shape != q.shape:
         raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
     if v.dim() != 4 or v.shape[:2] != (B, T):
         raise ValueError(f"v must be [B, T, HV, V] with B={B}, T={T}, got {tuple(v.shape)}")
     HV = v.shape[2]
-    if HV % H != 0:
-        raise ValueError(f"v's head count HV={HV} must be a multiple of q/k's H={H}")
+    group = check_head_groups(HV, H)
     for name, t in (("g", g), ("beta", beta)):
         if t.shape != (B, T, HV):
             raise ValueError(f"{name} must be [B, T, HV] = {(B, T, HV)}, got {tuple(t.shape)}")
@@ -45,17 +35,7 @@ def check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_fir
         check_initial_state(initial_state, (N, HV, v.shape[-1], K), "[N, HV, V, K] (state_v_first)", q.device)
     else:
         check_initial_state(initial_state, (N, HV, K, v.shape[-1]), "[N, HV, K, V]", q.device)
-    if scale is None:
-        scale = K ** -0.5
-    return N, HV // H, float(scale)
-
-
-def sequence_bounds(B: int, T: int, cu_seqlens) -> list[tuple[int, int]]:
-    """(start, end) token offsets of every sequence in the flattened [B*T] token axis."""
-    if cu_seqlens is None:
-        return [(b * T, (b + 1) * T) for b in range(B)]
-    offsets = cu_seqlens.tolist()
-    return list(zip(offsets[:-1], offsets[1:]))
+    return N, group, default_scale(scale, K)
 
 
 @dataclass(frozen=True)
@@ -103,13 +83,3 @@ def resolve_state_v_first(state_v_first: bool, transpose_state_layout: bool | No
     warnings.warn("transpose_state_layout is deprecated: it is called state_v_first", DeprecationWarning,
                   stacklevel=3)
     return bool(transpose_state_layout)
-
-
-# Chunk sizes the chunked kernels take: the solve works in 16-row blocks of a power-of-two chunk (common/wy.py).
-CHUNK_SIZES = (16, 32, 64)
-
-
-def check_chunk_size(chunk_size: int) -> int:
-    if chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}, got {chunk_size!r}")
-    return int(chunk_size)

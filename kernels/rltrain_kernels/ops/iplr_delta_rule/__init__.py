@@ -8,8 +8,7 @@ decoding kernel, and the plain-PyTorch reference. Same argument names and layout
 Maths in README.md beside this file.
 """
 
-from .chunk import chunk_iplr_delta_rule
-from .fused_recurrent import fused_recurrent_iplr_delta_rule
+from .function import chunk_iplr_delta_rule, fused_recurrent_iplr_delta_rule
 from .naive import naive_recurrent_iplr_delta_rule
 
 __all__ = ["chunk_iplr_delta_rule", "fused_recurrent_iplr_delta_rule", "naive_recurrent_iplr_delta_rule"]

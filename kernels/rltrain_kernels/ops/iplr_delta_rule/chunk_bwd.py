@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.chunking import ChunkLayout
+from ..common.chunking import ChunkLayout, chunk_program
 from ..common.launch import tile
 from ..common.precision import cast_for_store, mm, mma, operand_dtype, raw_precision, sixteen_bit_dots
 from ..common.state_pass import state_pass_bwd
@@ -34,21 +34,6 @@ from .chunk_fwd import iplr_state_pass_fwd
 # memory: compile_report.py). 64 against 32 for the key side: 0.440 ms against 0.570 (H100, bf16 B8 T2048 H16
 # K=V=128).
 BWD_BV = {"query": 64, "key": 64}
-
-
-@triton.jit
-def _chunk_rows(cu_seqlens, chunk_indices, chunk_offsets, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """This program's chunk: (i_hc, its index among the chunk states; o_i, row in the chunk; o_t, token; m_t; o_k;
-    m_k). The same decoding for both kernels below."""
-    i_c = tl.program_id(0)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_t = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
-    o_i, o_k = tl.arange(0, BT), tl.arange(0, BK)
-    o_t = bos + i_t * BT + o_i
-    return i_hc, o_i, o_t, o_t < eos, o_k, o_k < K
 
 
 @triton.jit
@@ -77,7 +62,10 @@ def iplr_bwd_query_kernel(
 ):
     """dq = scale (dO Sᵀ + (dO Xᵀ ⊙ M) B + (dO Vᵀ ⊙ M) K),  da = Y Sᵀ + strict(Y Xᵀ) B + strict(Y Vᵀ) K."""
     i_h = tl.program_id(1)
-    i_hc, o_i, o_t, m_t, o_k, m_k = _chunk_rows(cu_seqlens, chunk_indices, chunk_offsets, K, BT, BK)
+    i_c, i_n, i_t, bos, eos, o_i, o_t, m_t = chunk_program(cu_seqlens, chunk_indices, BT)
+    i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
     b_dq = tl.zeros([BT, BK], dtype=tl.float32)   # dO Sᵀ
     b_da = tl.zeros([BT, BK], dtype=tl.float32)   # Y Sᵀ
     b_dOX = tl.zeros([BT, BT], dtype=tl.float32)  # dO Xᵀ
@@ -115,7 +103,10 @@ def iplr_bwd_key_kernel(
     """db = X dS'ᵀ + scale (X dOᵀ ⊙ Mᵀ) Q + strictᵀ(X Yᵀ) A,  dk = V dS'ᵀ + scale (V dOᵀ ⊙ Mᵀ) Q + strictᵀ(V Yᵀ) A,
     dv = K dS' + scale (K Qᵀ ⊙ Mᵀ) dO + strictᵀ(K Aᵀ) Y  (Mᵀ, strictᵀ: the masks j ≥ i, j > i of the [i, j] tiles)."""
     i_h = tl.program_id(1)
-    i_hc, o_i, o_t, m_t, o_k, m_k = _chunk_rows(cu_seqlens, chunk_indices, chunk_offsets, K, BT, BK)
+    i_c, i_n, i_t, bos, eos, o_i, o_t, m_t = chunk_program(cu_seqlens, chunk_indices, BT)
+    i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
     p_k = (o_t[:, None] * H + i_h) * K + o_k[None, :]
     b_q = tl.load(q + p_k, mask=m_tk, other=0.0)

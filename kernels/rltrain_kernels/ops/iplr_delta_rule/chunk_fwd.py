@@ -20,14 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.chunking import ChunkLayout
+from ..common.chunking import ChunkLayout, chunk_program, state_program
 from ..common.launch import tile
 from ..common.precision import cast_for_store, mm, mma, operand_dtype, raw_precision, solve_precision
 from ..common.state_pass import state_launch
 from ..common.tuning import DEFAULT_TUNING, Tuning
 from ..common.wy import solve_unit_lower
 
-CHUNK_SIZE = 64
 # (BK, BV) of the output pass, capped at K's and V's powers of two (Tuning.output_blocks in its place): 0.205 ms at
 # 4 warps / 2 stages against 0.210 for 128 × 128 (H100, bf16 B8 T2048 H16 K=V=128, bench_output_blocks.py).
 OUTPUT_BLOCKS = (64, 128)
@@ -44,14 +43,8 @@ def iplr_solve_kernel(
     DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
 ):
     """T = (I − strict(A Bᵀ))⁻¹ and strict(A Kᵀ) per chunk, stored in Ai and Ak."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_t = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    o_i = tl.arange(0, BT)
-    o_t = bos + i_t * BT + o_i
-    m_t = o_t < eos
+    i_h = tl.program_id(1)
+    i_c, i_n, i_t, bos, eos, o_i, o_t, m_t = chunk_program(cu_seqlens, chunk_indices, BT)
     m_A = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_Mab = tl.zeros([BT, BT], dtype=tl.float32)  # a_iᵀ b_j
     b_Mak = tl.zeros([BT, BT], dtype=tl.float32)  # a_iᵀ k_j
@@ -91,16 +84,8 @@ def iplr_state_pass_fwd_kernel(
     USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
     RAW_IN_REGISTERS: tl.constexpr,
 ):
-    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # sequences × heads on axis 0 (no 65535 limit)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    o_i, o_k = tl.arange(0, BT), tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_h = m_k[:, None] & m_v[None, :]
-    state_offset = o_k[:, None] * V + o_v[None, :]
+    i_n, i_h, _, bos, eos, c0, o_i, o_k, o_v, m_k, m_v, m_h, state_offset = state_program(
+        cu_seqlens, chunk_offsets, H, H, K, V, BT, BK, BV)  # one value head per head
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_INITIAL_STATE:
         b_h += tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + state_offset, mask=m_h, other=0.0)
@@ -165,15 +150,9 @@ def iplr_output_fwd_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
-    i_c, i_v, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # chunks on axis 0 (no 65535 limit)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_t = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_v, i_h = tl.program_id(1), tl.program_id(2)  # chunks on axis 0 (no 65535 limit)
+    i_c, i_n, i_t, bos, eos, o_i, o_t, m_t = chunk_program(cu_seqlens, chunk_indices, BT)
     i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t  # this chunk's row in h
-    o_i = tl.arange(0, BT)
-    o_t = bos + i_t * BT + o_i
-    m_t = o_t < eos
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     b_o = tl.zeros([BT, BV], dtype=tl.float32)

@@ -1,10 +1,8 @@
-"""Fused-recurrent IPLR delta rule: one Triton program per (sequence, head, V block) walks the tokens with the fp32
-state tile in registers. Built for decoding (T = 1 with the cache state in and out) and short sequences.
+"""Fused-recurrent IPLR delta rule, forward: one Triton program per (sequence, head, V block) walks the tokens with
+the fp32 state tile in registers. Built for decoding (T = 1 with the cache state in and out) and short sequences;
+function.py's autograd Function runs its backward through the chunked backward kernels.
 
 Each state column evolves on its own (a_tᵀ S reads column by column), so V blocks are independent programs.
-Backward: this path is forward-only by itself; when gradients are required its autograd Function delegates the
-backward to the chunked kernels (`chunk.chunk_iplr_delta_rule_bwd_recompute`), which compute the same maths; the
-forward values still come from this kernel.
 """
 
 from __future__ import annotations
@@ -13,8 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.precision import check_dot, iplr_dot_precision
-from .inputs import check_inputs
+from ..common.chunking import sequence_offsets
 
 
 @triton.jit
@@ -55,12 +52,7 @@ def fused_recurrent_iplr_delta_rule_fwd(q, k, v, a, b, scale, initial_state, out
     """Host function: flatten the batch, launch one program per (V block, sequence × head)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    # Only the sequence offsets are needed (built on the device, no host sync, for decoding).
-    if cu_seqlens is None:
-        offsets = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device) if T > 0 else \
-            torch.zeros(B + 1, dtype=torch.int32, device=q.device)
-    else:
-        offsets = cu_seqlens.to(torch.int32).contiguous()  # read as a dense array, whatever the caller's view
+    offsets = sequence_offsets(B, T, cu_seqlens, q.device)
     N = offsets.numel() - 1
     BK = triton.next_power_of_2(K)
     # BV=32 as in the gated delta rule's decode kernel: a [128, 32] fp32 tile is 16 registers/thread at 2 warps.
@@ -74,51 +66,3 @@ def fused_recurrent_iplr_delta_rule_fwd(q, k, v, a, b, scale, initial_state, out
             scale, H=H, K=K, V=V, BK=BK, BV=BV, USE_INITIAL_STATE=h0 is not None,
             STORE_FINAL_STATE=output_final_state, num_warps=2)
     return o, ht
-
-
-class FusedRecurrentIPLRDeltaRuleFunction(torch.autograd.Function):
-    """Forward through the recurrent kernel; backward through the chunked backward (same maths, recomputed)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, dot_prec):
-        o, ht = fused_recurrent_iplr_delta_rule_fwd(q, k, v, a, b, scale, initial_state, output_final_state,
-                                                    cu_seqlens)
-        ctx.save_for_backward(q, k, v, a, b, initial_state, cu_seqlens)
-        ctx.scale, ctx.dot_prec = scale, dot_prec
-        return o, ht
-
-    @staticmethod
-    def backward(ctx, do, dht):
-        from .chunk import chunk_iplr_delta_rule_bwd_recompute
-
-        q, k, v, a, b, initial_state, cu_seqlens = ctx.saved_tensors
-        grads = chunk_iplr_delta_rule_bwd_recompute(q, k, v, a, b, ctx.scale, initial_state, cu_seqlens, do, dht,
-                                                    dot_prec=ctx.dot_prec)
-        return (*grads[:5], None, grads[5], None, None, None)
-
-
-def fused_recurrent_iplr_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    dot: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """IPLR delta rule, token by token in one kernel (decoding: T = 1 with the cache state in and out).
-
-    Same arguments, layout and returns as `chunk_iplr_delta_rule`: q, k, a, b [B, T, H, K]; v [B, T, H, V];
-    initial_state [N, H, K, V] fp32; cu_seqlens [N+1] with B = 1; dot (auto | bf16 | tf32) for the backward.
-    Returns (o, final_state). Differentiable (the backward runs the chunked backward kernels; needs 16 <= K <= 256,
-    V >= 16).
-    """
-    check_dot(dot)
-    _, scale = check_inputs(q, k, v, a, b, scale, initial_state, cu_seqlens)
-    if initial_state is not None and initial_state.dtype != torch.float32:
-        initial_state = initial_state.float()
-    return FusedRecurrentIPLRDeltaRuleFunction.apply(q, k, v, a, b, scale, initial_state, output_final_state,
-                                                     cu_seqlens, iplr_dot_precision(q.dtype, dot))

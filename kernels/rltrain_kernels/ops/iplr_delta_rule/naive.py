@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .inputs import check_inputs, sequence_bounds
+from ..common.inputs import sequence_bounds
+from .inputs import check_inputs
 
 
 def naive_recurrent_iplr_delta_rule(

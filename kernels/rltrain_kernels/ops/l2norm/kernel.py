@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from rltrain_kernels.ops.common.precision import store_rounded
-from rltrain_kernels.ops.rmsnorm.kernel import as_rows
+from rltrain_kernels.ops.common.rows import as_rows
 from rltrain_kernels.utils import triton_interpreted
 
 # Widest row the one-tile-per-row kernels take; wider rows go to the plain-PyTorch path.

@@ -13,7 +13,7 @@ from rltrain_kernels.ops.policy_loss.chunk import (
 from rltrain_kernels.ops.policy_loss.options import (
     Metrics, PolicyLossOptions, PolicyLossOutput, check_inputs, check_label_range,
 )
-from rltrain_kernels.ops.policy_loss.reference import reference_policy_loss
+from rltrain_kernels.ops.policy_loss.naive import reference_policy_loss
 
 IMPLS = ("auto", "fused", "triton", "torch", "reference")
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from rltrain_kernels.ops.common.rows import as_rows
 from rltrain_kernels.ops.rmsnorm.kernel import (
-    BACKWARD_PROGRAMS_PER_SM, INTERPRETER_PROGRAMS, _launch_config, _resident_programs_per_sm, as_rows,
+    BACKWARD_PROGRAMS_PER_SM, INTERPRETER_PROGRAMS, _launch_config, _resident_programs_per_sm,
 )
 
 

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rltrain_kernels.ops.common.rows import as_rows
+
 # Largest hidden size the one-tile-per-row kernels take (64K fp32 values per row tile already spills registers);
 # larger rows go to the plain-PyTorch path in __init__.py.
 MAX_FUSED_COLS = 65536
@@ -135,13 +137,6 @@ def _rms_norm_bwd_kernel(
             dw_acc += tl.sum(dy * x_hat, axis=0)
     if COMPUTE_DW:
         tl.store(dw_partial_ptr + pid64 * n_cols + cols, dw_acc, mask=col_mask)
-
-
-def as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """A [rows, n_cols] view with unit column stride; copies only when no such view exists (e.g. a transposed
-    or fully expanded tensor). Row strides may be anything, including 0 (a gradient expanded over rows)."""
-    rows = t.reshape(-1, n_cols)
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

@@ -1,5 +1,6 @@
 """The short convolution's forward Triton kernels and their host functions: the convolution, the final state, and the
-single-token decode step; plus the row bookkeeping the backward (kernel_bwd.py) and token shift share.
+single-token decode step; plus the state rows and tap loads the backward (kernel_bwd.py) shares. The row bookkeeping
+(row_info, sequence_ids) it shares with token shift is common/rows.py's.
 
 Layout: tokens are the flattened [B·T] rows of x [B, T, C] (channels contiguous; batch and token strides free, so
 a channel slice of a fused qkv projection is read in place). A program takes a [BT tokens, BD channels] tile; for
@@ -22,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rltrain_kernels.ops.common.rows import row_info, row_offset
+
 # Tile of the forward kernel: (BT tokens, BD channels, warps). Registers per thread, Triton 3.6 for sm_90, bf16
 # W = 4 with SiLU, without / with an initial state: 16×128×4 70 / 100, 32×128×4 104 / 174; H200, B4 T4096 C8192:
 # 32×128×4 198 µs, 16×128×4 210. (The backward's tile is kernel_bwd.BACKWARD_TILE.) bench_short_conv.py --sweep.
@@ -33,33 +36,6 @@ DECODE_TILE = (256, 2)
 # Widest kernel the kernels take (the kernels unroll W shifted loads of x).
 MAX_WIDTH = 8
 ACTIVATIONS = (None, "silu", "swish")
-
-
-@triton.jit
-def row_info(g, n_rows, T, seq_ids, cu_seqlens, IS_VARLEN: tl.constexpr):
-    """For flat token indices g (over B·T): (valid, sequence n, position p in it, its length L, batch row b, token
-    index t within that row), with b = n and t = p unless packed (b = 0, t = g)."""
-    valid = g < n_rows
-    if IS_VARLEN:
-        n = tl.load(seq_ids + g, mask=valid, other=0)
-        bos = tl.load(cu_seqlens + n, mask=valid, other=0).to(tl.int32)
-        L = tl.load(cu_seqlens + n + 1, mask=valid, other=0).to(tl.int32) - bos
-        p = g - bos
-        b = tl.zeros_like(g)
-        t = g
-    else:
-        n = g // T
-        p = g - n * T
-        L = tl.zeros_like(g) + T
-        b = n
-        t = p
-    return valid, n, p, L, b, t
-
-
-@triton.jit
-def row_offset(b, t, stride_b, stride_t):
-    """Element offset of row (b, t) of a [B, T, ·] tensor with these strides, in 64 bits."""
-    return b.to(tl.int64) * stride_b + t.to(tl.int64) * stride_t
 
 
 @triton.jit
@@ -197,17 +173,6 @@ def _update_kernel(
     tl.debug_barrier()
     tl.store(row[:, None] + (s * STRIDE_SS)[None, :], new.to(state.dtype.element_ty),
              mask=col_mask[:, None] & (s < S)[None, :])
-
-
-def sequence_ids(cu_seqlens: torch.Tensor, n_rows: int) -> torch.Tensor:
-    """int32 [n_rows]: the packed sequence each token belongs to (empty sequences hold none), on the device."""
-    tokens = torch.arange(n_rows, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    return torch.searchsorted(cu_seqlens[1:], tokens, right=True).to(torch.int32)
-
-
-def channel_rows(t: torch.Tensor) -> torch.Tensor:
-    """t itself when its last dim is contiguous (batch and token strides are free), else a contiguous copy."""
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
 def state_rows(initial_state: torch.Tensor | None, W: int) -> torch.Tensor | None:

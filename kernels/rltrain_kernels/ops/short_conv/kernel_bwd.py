@@ -25,7 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernel import BLOCK_D, load_tap, row_info, row_offset, state_rows
+from rltrain_kernels.ops.common.rows import row_info, row_offset
+
+from .kernel import BLOCK_D, load_tap, state_rows
 
 # Tile of the main backward kernel: (BT tokens, BD channels, warps); BT ≥ 2W (raised where smaller). H200, B4 T4096
 # C8192 W4 SiLU, backward alone: 128×64×8 1005 µs, 64×64×4 1087, 32×128×4 1452 (bench_short_conv.py --sweep).

@@ -4,9 +4,9 @@
     backward:  dx[t] = −dout[t] + dout[t + 1] (same sequence) or d cache_out[n] (t the sequence's last)
                d cache[n] = dout[first token of n] (an empty sequence passes d cache_out[n] on)
 
-Tiles of BT tokens × BD channels over the flattened [B·T] rows, with short_conv's row bookkeeping (kernel.row_info:
-sequence, position and length per token, packed rows through a per-token sequence index), so a tile may straddle
-sequences. One read of x and one write of out (the shifted load hits L1); runs on CPU tensors under
+Tiles of BT tokens × BD channels over the flattened [B·T] rows, with the row bookkeeping it shares with short_conv
+(common/rows.py row_info: sequence, position and length per token, packed rows through a per-token sequence index), so
+a tile may straddle sequences. One read of x and one write of out (the shifted load hits L1); runs on CPU tensors under
 TRITON_INTERPRET=1 (how CI tests it).
 """
 
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from rltrain_kernels.ops.common.precision import store_rounded
-from rltrain_kernels.ops.short_conv.kernel import row_info, row_offset
+from rltrain_kernels.ops.common.rows import row_info, row_offset
 from rltrain_kernels.utils import triton_interpreted
 
 # Tile (BT tokens, BD channels, warps): 4096 values per program, 32 per thread at 4 warps.

@@ -1,27 +1,28 @@
-"""Chunked IPLR delta rule for training and prefill: the autograd Function and the public function.
+"""The IPLR delta rule's public entry points and their autograd Functions: `chunk_iplr_delta_rule` for training and
+prefill, `fused_recurrent_iplr_delta_rule` for decoding.
 
-Forward kernels in chunk_fwd.py, backward kernels in chunk_bwd.py, the shared chunk machinery in ops/common/.
-The backward keeps only T = (I − strict(A Bᵀ))⁻¹ and strict(A Kᵀ) per chunk from the forward and reruns the state
-pass for the chunk states and the a-reads X (cheaper than keeping [chunks, H, K, V] states alive between forward and
-backward).
+Chunked: forward kernels in chunk_fwd.py, backward kernels in chunk_bwd.py, the shared chunk machinery in
+ops/common/. The backward keeps only T = (I − strict(A Bᵀ))⁻¹ and strict(A Kᵀ) per chunk from the forward and reruns
+the state pass for the chunk states and the a-reads X (cheaper than keeping [chunks, H, K, V] states alive between
+forward and backward).
+
+Fused recurrent: the forward is fused_recurrent.py's kernel; the path is forward-only by itself, so its backward runs
+the chunked backward from scratch (chunk_iplr_delta_rule_bwd_recompute: same maths).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..common.chunking import chunk_layout
+from ..common.chunking import CHUNK_SIZE, chunk_layout, flatten_tokens
+from ..common.inputs import check_chunk_dims, check_chunk_size
 from ..common.precision import check_dot, iplr_dot_precision
 from ..common.tuning import DEFAULT_TUNING, Tuning, check_tuning
 from .chunk_bwd import chunk_iplr_delta_rule_bwd
-from .chunk_fwd import CHUNK_SIZE, chunk_iplr_delta_rule_fwd
-from ..gated_delta_rule.inputs import check_chunk_size
+from .chunk_fwd import chunk_iplr_delta_rule_fwd
+from .fused_recurrent import fused_recurrent_iplr_delta_rule_fwd
 from .inputs import check_inputs
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    """[B, T, ...] → [B*T, ...], contiguous."""
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
+from .naive import naive_recurrent_iplr_delta_rule
 
 
 class ChunkIPLRDeltaRuleFunction(torch.autograd.Function):
@@ -31,9 +32,8 @@ class ChunkIPLRDeltaRuleFunction(torch.autograd.Function):
         B, T, H, _ = q.shape
         V = v.shape[-1]
         layout = chunk_layout(B, T, cu_seqlens, chunk_size, q.device)
-        o, ht, (Ai, Ak) = chunk_iplr_delta_rule_fwd(_flat(q), _flat(k), _flat(v), _flat(a), _flat(b), scale,
-                                                    initial_state, output_final_state, layout, dot_prec=dot_prec,
-                                                    tuning=tuning)
+        o, ht, (Ai, Ak) = chunk_iplr_delta_rule_fwd(*map(flatten_tokens, (q, k, v, a, b)), scale, initial_state,
+                                                    output_final_state, layout, dot_prec=dot_prec, tuning=tuning)
         ctx.save_for_backward(q, k, v, a, b, initial_state, Ai, Ak)
         ctx.layout, ctx.scale, ctx.dot_prec, ctx.tuning = layout, scale, dot_prec, tuning
         return o.view(B, T, H, V), ht
@@ -41,9 +41,9 @@ class ChunkIPLRDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, a, b, initial_state, Ai, Ak = ctx.saved_tensors
-        grads = chunk_iplr_delta_rule_bwd(_flat(q), _flat(k), _flat(v), _flat(a), _flat(b), ctx.scale,
-                                          initial_state, Ai, Ak, _flat(do), None if dht is None else dht.contiguous(),
-                                          ctx.layout, dot_prec=ctx.dot_prec, tuning=ctx.tuning)
+        grads = chunk_iplr_delta_rule_bwd(*map(flatten_tokens, (q, k, v, a, b)), ctx.scale, initial_state, Ai, Ak,
+                                          flatten_tokens(do), None if dht is None else dht.contiguous(), ctx.layout,
+                                          dot_prec=ctx.dot_prec, tuning=ctx.tuning)
         dq, dk, dv, da, db = (g.view(x.shape) for g, x in zip(grads[:5], (q, k, v, a, b)))  # in their dtypes
         return dq, dk, dv, da, db, None, grads[5], None, None, None, None, None
 
@@ -55,17 +55,15 @@ def chunk_iplr_delta_rule_bwd_recompute(q, k, v, a, b, scale, initial_state, cu_
     _check_chunk_dims(q, v)
     B, T = q.shape[:2]
     layout = chunk_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
-    flat = [_flat(x) for x in (q, k, v, a, b)]
+    flat = [flatten_tokens(x) for x in (q, k, v, a, b)]
     _, _, (Ai, Ak) = chunk_iplr_delta_rule_fwd(*flat, scale, initial_state, False, layout, dot_prec=dot_prec)
-    grads = chunk_iplr_delta_rule_bwd(*flat, scale, initial_state, Ai, Ak, _flat(do),
+    grads = chunk_iplr_delta_rule_bwd(*flat, scale, initial_state, Ai, Ak, flatten_tokens(do),
                                       None if dht is None else dht.contiguous(), layout, dot_prec=dot_prec)
     return (*(g.view(x.shape) for g, x in zip(grads[:5], (q, k, v, a, b))), grads[5])
 
 
 def _check_chunk_dims(q, v):
-    if not 16 <= q.shape[-1] <= 256 or v.shape[-1] < 16:
-        raise ValueError(f"the chunked kernels need 16 <= K <= 256 and V >= 16 (tl.dot tiles), got "
-                         f"K={q.shape[-1]} (q/k/a/b) and V={v.shape[-1]} (v)")
+    check_chunk_dims(q.shape[-1], v.shape[-1], "q/k/a/b")
     if q.is_cuda and q.dtype != torch.bfloat16 and q.shape[-1] > 128:
         raise ValueError(f"the chunked kernels take K > 128 only with bfloat16 inputs on a GPU, got K={q.shape[-1]} "
                          f"(q/k/a/b) in {q.dtype} (README.md, Limits: float32 tiles need more shared memory than an "
@@ -107,10 +105,54 @@ def chunk_iplr_delta_rule(
     if q.dtype == torch.float64:
         # float64 is reference territory (gradient checks); Triton's GPU compiler rejects it in the solve, while the
         # naive recurrence computes exactly this function in float64.
-        from .naive import naive_recurrent_iplr_delta_rule
-
         return naive_recurrent_iplr_delta_rule(q, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)
     if initial_state is not None and initial_state.dtype != torch.float32:
         initial_state = initial_state.float()
     return ChunkIPLRDeltaRuleFunction.apply(q, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens,
                                             chunk_size, iplr_dot_precision(q.dtype, dot), tuning)
+
+
+class FusedRecurrentIPLRDeltaRuleFunction(torch.autograd.Function):
+    """Forward through the recurrent kernel; backward through the chunked backward (same maths, recomputed)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens, dot_prec):
+        o, ht = fused_recurrent_iplr_delta_rule_fwd(q, k, v, a, b, scale, initial_state, output_final_state,
+                                                    cu_seqlens)
+        ctx.save_for_backward(q, k, v, a, b, initial_state, cu_seqlens)
+        ctx.scale, ctx.dot_prec = scale, dot_prec
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, a, b, initial_state, cu_seqlens = ctx.saved_tensors
+        grads = chunk_iplr_delta_rule_bwd_recompute(q, k, v, a, b, ctx.scale, initial_state, cu_seqlens, do, dht,
+                                                    dot_prec=ctx.dot_prec)
+        return (*grads[:5], None, grads[5], None, None, None)
+
+
+def fused_recurrent_iplr_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    dot: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """IPLR delta rule, token by token in one kernel (decoding: T = 1 with the cache state in and out).
+
+    Same arguments, layout and returns as `chunk_iplr_delta_rule`: q, k, a, b [B, T, H, K]; v [B, T, H, V];
+    initial_state [N, H, K, V] fp32; cu_seqlens [N+1] with B = 1; dot (auto | bf16 | tf32) for the backward.
+    Returns (o, final_state). Differentiable (the backward runs the chunked backward kernels; needs 16 <= K <= 256,
+    V >= 16).
+    """
+    check_dot(dot)
+    _, scale = check_inputs(q, k, v, a, b, scale, initial_state, cu_seqlens)
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        initial_state = initial_state.float()
+    return FusedRecurrentIPLRDeltaRuleFunction.apply(q, k, v, a, b, scale, initial_state, output_final_state,
+                                                     cu_seqlens, iplr_dot_precision(q.dtype, dot))

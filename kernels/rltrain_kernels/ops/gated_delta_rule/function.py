@@ -1,31 +1,34 @@
-"""Chunked gated delta rule for training and prefill: the autograd Function and the public function.
+"""The gated delta rule's public entry points and their autograd Functions: `chunk_gated_delta_rule` for training and
+prefill, `fused_recurrent_gated_delta_rule` for decoding.
 
-Forward kernels in chunk_fwd.py, backward kernels in chunk_bwd.py, the shared chunk machinery in ops/common/.
-The backward stores only G (the fp32 chunk-local gate cumsum) and T = (I + A)⁻¹ from the forward and recomputes
-w, u, the chunk states and δ (cheaper than keeping [chunks, HV, K, V] states alive between forward and backward).
+Chunked: forward kernels in chunk_fwd.py, backward in chunk_bwd.py, the shared chunk machinery in ops/common/. The
+backward stores only G (the fp32 chunk-local gate cumsum) and T = (I + A)⁻¹ from the forward and recomputes w, u, the
+chunk states and δ (cheaper than keeping [chunks, HV, K, V] states alive between forward and backward).
 use_qk_l2norm_in_kernel normalises q and k in fp32 with torch ops before the kernels (autograd differentiates it).
 fla's keywords: use_gate_in_kernel runs gate.py's kernels in place of the gate cumsum (forward) and its reverse
 (backward), so A_log and dt_bias get their gradients there; use_beta_sigmoid_in_kernel is one torch sigmoid before the
 kernels (the pass a caller would make); state_v_first transposes the [N, HV, V, K] states at the boundary (a
 transposed view in, a contiguous copy out: the state pass keeps its [K, V] tiles).
+
+Fused recurrent: the forward is fused_recurrent.py's kernel (fla's keywords computed inside it); the path is
+forward-only by itself, so its backward recomputes through the chunked kernels (chunk_gated_delta_rule_bwd_recompute:
+same maths); `recurrence_dot` is that backward's (the forward runs no dots).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..common.chunking import chunk_layout
+from ..common.chunking import CHUNK_SIZE, chunk_layout, flatten_tokens
+from ..common.inputs import check_chunk_dims, check_chunk_size
 from ..common.precision import check_dot, check_recurrence_dot, op_dot_precision, recurrence_dot_precision
 from ..common.tuning import DEFAULT_TUNING, Tuning, check_tuning
 from ..l2norm import l2norm
 from .chunk_bwd import chunk_gated_delta_rule_bwd
-from .chunk_fwd import CHUNK_SIZE, chunk_gated_delta_rule_fwd
-from .inputs import check_chunk_size, check_inputs, check_preprocess, resolve_state_v_first
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    """[B, T, ...] → [B*T, ...], contiguous."""
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).contiguous()
+from .chunk_fwd import chunk_gated_delta_rule_fwd
+from .fused_recurrent import fused_recurrent_gated_delta_rule_fwd
+from .inputs import check_inputs, check_preprocess, resolve_state_v_first
+from .naive import naive_recurrent_gated_delta_rule
 
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
@@ -36,9 +39,9 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         HV, V = v.shape[2], v.shape[3]
         layout = chunk_layout(B, T, cu_seqlens, chunk_size, q.device)
         gate = None if A_log is None else (A_log, dt_bias)  # g is then the raw a (gate.py)
-        o, ht, G, Ai = chunk_gated_delta_rule_fwd(_flat(q), _flat(k), _flat(v), _flat(g), _flat(beta), scale,
-                                                  initial_state, output_final_state, layout, gate,
-                                                  dot_prec=dot_prec, recurrence_prec=recurrence_prec, tuning=tuning)
+        o, ht, G, Ai = chunk_gated_delta_rule_fwd(*map(flatten_tokens, (q, k, v, g, beta)), scale, initial_state,
+                                                  output_final_state, layout, gate, dot_prec=dot_prec,
+                                                  recurrence_prec=recurrence_prec, tuning=tuning)
         ctx.save_for_backward(q, k, v, beta, initial_state, G, Ai, *((g, A_log, dt_bias) if gate else ()))
         ctx.layout, ctx.scale, ctx.g_dtype = layout, scale, g.dtype
         ctx.dot_prec, ctx.recurrence_prec, ctx.tuning = dot_prec, recurrence_prec, tuning
@@ -49,9 +52,9 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         q, k, v, beta, initial_state, G, Ai, *gate = ctx.saved_tensors
         B, T = q.shape[:2]
         if gate:
-            gate[0] = _flat(gate[0])
+            gate[0] = flatten_tokens(gate[0])
         dq, dk, dv, dg, dbeta, dh0, gate_grads = chunk_gated_delta_rule_bwd(
-            _flat(q), _flat(k), _flat(v), _flat(beta), ctx.scale, initial_state, G, Ai, _flat(do),
+            *map(flatten_tokens, (q, k, v, beta)), ctx.scale, initial_state, G, Ai, flatten_tokens(do),
             None if dht is None else dht.contiguous(), ctx.layout, gate=gate or None, dot_prec=ctx.dot_prec,
             recurrence_prec=ctx.recurrence_prec, tuning=ctx.tuning)
         dA_log, ddt_bias = gate_grads or (None, None)
@@ -78,11 +81,11 @@ def chunk_gated_delta_rule_bwd_recompute(q, k, v, g, beta, scale, initial_state,
         dht = None if dht is None else dht.transpose(-1, -2)
     B, T = q.shape[:2]
     layout = chunk_layout(B, T, cu_seqlens, CHUNK_SIZE, q.device)
-    flat = [_flat(x.detach()) for x in (qn, kn, v, g, beta_n)]
+    flat = [flatten_tokens(x.detach()) for x in (qn, kn, v, g, beta_n)]
     _, _, G, Ai = chunk_gated_delta_rule_fwd(*flat, scale, initial_state, False, layout, gate,
                                              dot_prec=dot_prec, recurrence_prec=recurrence_prec)
     dq, dk, dv, dg, dbeta, dh0, gate_grads = chunk_gated_delta_rule_bwd(
-        flat[0], flat[1], flat[2], flat[4], scale, initial_state, G, Ai, _flat(do),
+        flat[0], flat[1], flat[2], flat[4], scale, initial_state, G, Ai, flatten_tokens(do),
         None if dht is None else dht.contiguous(), layout, gate=None if gate is None else (flat[3], *gate),
         dot_prec=dot_prec, recurrence_prec=recurrence_prec)
     dq, dk = dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype)
@@ -149,14 +152,10 @@ def chunk_gated_delta_rule(
     chunk_size = check_chunk_size(chunk_size)
     _, _, scale = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
     pre = check_preprocess(g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    if not 16 <= q.shape[-1] <= 256 or v.shape[-1] < 16:
-        raise ValueError(f"the chunked kernels need 16 <= K <= 256 and V >= 16 (tl.dot tiles), got "
-                         f"K={q.shape[-1]} (q/k) and V={v.shape[-1]} (v)")
+    check_chunk_dims(q.shape[-1], v.shape[-1], "q/k")
     if q.dtype == torch.float64:
         # float64 is reference territory (gradient checks); Triton's GPU compiler rejects it in the solve, while the
         # naive recurrence computes exactly this function in float64.
-        from rltrain_kernels.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
-
         return naive_recurrent_gated_delta_rule(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
             use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
@@ -180,3 +179,73 @@ def chunk_gated_delta_rule(
     if state_v_first and final_state is not None:
         final_state = final_state.transpose(-1, -2).contiguous()
     return o, final_state
+
+
+class FusedRecurrentGatedDeltaRuleFunction(torch.autograd.Function):
+    """Forward through the recurrent kernel; backward through the chunked backward (same maths, recomputed)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, cu_seqlens,
+                use_qk_l2norm, beta_scale, state_v_first, dot_prec, recurrence_prec):
+        gate = None if A_log is None else (A_log, dt_bias)
+        o, ht = fused_recurrent_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                     cu_seqlens, use_qk_l2norm, gate, beta_scale, state_v_first)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+        ctx.scale, ctx.use_qk_l2norm, ctx.beta_scale, ctx.state_v_first = scale, use_qk_l2norm, beta_scale, \
+            state_v_first
+        ctx.dot_prec, ctx.recurrence_prec = dot_prec, recurrence_prec
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = chunk_gated_delta_rule_bwd_recompute(
+            q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do, dht, use_qk_l2norm=ctx.use_qk_l2norm,
+            gate=None if A_log is None else (A_log, dt_bias), beta_scale=ctx.beta_scale,
+            state_v_first=ctx.state_v_first, dot_prec=ctx.dot_prec, recurrence_prec=ctx.recurrence_prec)
+        return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, None, dh0, None, None, None, None, None, None, None
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    recurrence_dot: str = "auto",
+    dot: str = "auto",
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    transpose_state_layout: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule, token by token in one kernel (decoding: T = 1 with the cache state in and out).
+
+    Same arguments, layout and returns as `chunk_gated_delta_rule`: q, k [B, T, H, K]; v [B, T, HV, V];
+    g, beta [B, T, HV]; initial_state [N, HV, K, V] fp32; cu_seqlens [N+1] with B = 1; recurrence_dot and dot (auto |
+    bf16 | tf32) for the backward, which runs the chunked kernels; fla's keywords use_gate_in_kernel (A_log,
+    dt_bias), use_beta_sigmoid_in_kernel (allow_neg_eigval) and state_v_first (transpose_state_layout), computed
+    inside the kernel. No chunk_size (as fla's). Returns (o, final_state).
+    """
+    check_recurrence_dot(recurrence_dot)
+    check_dot(dot)
+    state_v_first = resolve_state_v_first(state_v_first, transpose_state_layout)
+    _, _, scale = check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, state_v_first)
+    pre = check_preprocess(g, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        initial_state = initial_state.float()
+    A_log, dt_bias = pre.gate or (None, None)
+    return FusedRecurrentGatedDeltaRuleFunction.apply(q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
+                                                      output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                                                      pre.beta_scale, state_v_first,
+                                                      op_dot_precision(q.dtype, dot),
+                                                      recurrence_dot_precision(q.dtype, recurrence_dot, dot))

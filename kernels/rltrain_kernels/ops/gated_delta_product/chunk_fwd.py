@@ -1,4 +1,6 @@
-"""The chunked gated delta product's forward output pass, strided: queries only at each token's last sub-step.
+"""Chunked gated delta product, forward: the log gate at each token's first sub-step → chunk-local gate cumsum → WY
+→ state pass (ops/common, on the expanded T·n_h sub-step axis, k, v, beta as given) → the output pass below,
+strided: queries only at each token's last sub-step.
 
 The chunk machinery runs on the expanded axis of T·n_h sub-steps (chunks of 64 sub-steps). Instead of a [64, K]
 query tile that is zero in all but every n_h-th row, each program loads only the BQ ≥ ⌈64 / n_h⌉ query rows that
@@ -8,8 +10,8 @@ values and G the chunk-local gate cumsum (expanded axis):
 
     o_i = scale · (exp(G_{c_i}) q_iᵀ S + Σ_{j ≤ c_i} exp(G_{c_i} − G_j) (q_iᵀ k_j) δ_j)
 
-which is `gated_delta_rule/chunk_fwd.py`'s output pass restricted to the query rows: n_h× fewer rows in Q S,
-Q Kᵀ and A δ, and no zero-query tensor or expanded output to allocate and gather.
+which is the gated delta rule's output pass restricted to the query rows: n_h× fewer rows in Q S, Q Kᵀ and A δ, and
+no zero-query tensor or expanded output to allocate and gather.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.chunking import ChunkLayout
+from ..common.chunking import ChunkLayout, chunk_program
+from ..common.cumsum import chunk_local_cumsum
 from ..common.precision import cast_for_store, mma, raw_precision
+from ..common.state_pass import chunk_states_fwd
 from ..common.tuning import DEFAULT_TUNING, Tuning
 
 
@@ -29,17 +33,12 @@ def strided_output_fwd_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NH: tl.constexpr, BT: tl.constexpr,
     BQ: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr, RAW_PREC: tl.constexpr,
 ):
-    i_c, i_v, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_v, i_hv = tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_t = tl.load(chunk_indices + i_c * 2 + 1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)      # sub-step offsets (cu_seqlens · n_h)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    # bos, eos: sub-step offsets (cu_seqlens · n_h); o_s: the chunk's sub-step rows
+    i_c, i_n, i_t, bos, eos, o_i, o_s, m_s = chunk_program(cu_seqlens, chunk_indices, BT)
     i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
     s0 = i_t * BT                                     # the chunk's first sub-step within the sequence
-    o_i = tl.arange(0, BT)
-    o_s = bos + s0 + o_i                              # the chunk's sub-step rows
-    m_s = o_s < eos
     # Query slots: chunk-local sub-step c = first + NH·slot, the last sub-step of token (s0 + c) // NH.
     first = (NH - 1 - s0 % NH) % NH
     o_c = first + NH * tl.arange(0, BQ)
@@ -89,3 +88,26 @@ def strided_output_fwd(q, k, v_new, h, G, scale: float, num_householder: int, la
             H=H, HV=HV, K=K, V=V, NH=num_householder, BT=BT, BQ=BQ, BK=BK, BV=BV,
             DOT_PREC=tuning.dot(strided_output_fwd_kernel, dot_prec), RAW_PREC=raw_precision(q.dtype))
     return o
+
+
+def to_first_substep(x: torch.Tensor, num_householder: int) -> torch.Tensor:
+    """[B, T, ...] → [B, T·n_h, ...] with x_t at row t·n_h and zeros elsewhere."""
+    B, T = x.shape[:2]
+    zeros = x.new_zeros(B, T, num_householder - 1, *x.shape[2:])
+    return torch.cat([x[:, :, None], zeros], dim=2).reshape(B, T * num_householder, *x.shape[2:])
+
+
+def chunk_gated_delta_product_fwd(q, k, v, g_sub, beta, scale: float, num_householder: int, initial_state,
+                                  output_final_state: bool, layout: ChunkLayout, out_dtype, *, dot_prec: str,
+                                  recurrence_prec: str, tuning: Tuning = DEFAULT_TUNING):
+    """Flattened contiguous inputs q [tokens, H, K], k [tokens·n_h, H, K], v [tokens·n_h, HV, V], g_sub, beta
+    [tokens·n_h, HV] (g_sub: the log gate at each token's first sub-step, to_first_substep) and a layout over the
+    sub-step axis → (o [tokens, HV, V] in out_dtype, final state or None, G fp32 chunk-local gate cumsum, Ai: the T
+    matrices). recurrence_prec: the WY and state-pass kernels' DOT_PREC; dot_prec: the output pass's; tuning: the
+    launch choices (common/tuning.py)."""
+    G = chunk_local_cumsum(g_sub, layout)
+    Ai, h, v_new, ht = chunk_states_fwd(k, v, beta, G, initial_state, output_final_state, layout,
+                                        dot_prec=recurrence_prec, tuning=tuning)
+    o = strided_output_fwd(q, k, v_new, h, G, scale, num_householder, layout, out_dtype, dot_prec=dot_prec,
+                           tuning=tuning)
+    return o, ht, G, Ai
