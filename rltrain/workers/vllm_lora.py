@@ -1,7 +1,7 @@
 """LoRA adapters into a running vLLM engine (rollout.engine=vllm with actor.lora.rank > 0).
 
 The engine starts with vLLM's LoRA support on (`engine_lora_args`: one adapter slot, max_lora_rank the smallest rank
-vLLM 0.32 allows that holds actor.lora.rank) and its base weights, loaded once, never change. Every weight push
+vLLM allows that holds actor.lora.rank) and its base weights, loaded once, never change. Every weight push
 brings the adapter tensors only (ActorWorker.pushed_weights); `PushedAdapter` turns each push into a new vLLM LoRA:
 
 - the buckets' tensors are copied to host memory as they arrive (`receive`), so the sender may reuse its buffers;
@@ -17,7 +17,7 @@ brings the adapter tensors only (ActorWorker.pushed_weights); `PushedAdapter` tu
 - generate passes `request` (None before the first push: the base, which is what the actor's zero-initialised
   adapters compute too, as in the HF engine).
 
-Why a directory: vLLM 0.32 loads a LoRARequest only from a path (`WorkerLoRAManager._load_adapter`:
+Why a directory: vLLM loads a LoRARequest only from a path (`WorkerLoRAManager._load_adapter`:
 `LoRAModel.from_local_checkpoint`); building a LoRAModel from tensors (`from_lora_tensors`) and slotting it in would
 go through the worker's private adapter manager. A fresh id per version rather than one id reloaded in place
 (LoRARequest(load_inplace=True)): the worker reloads an in-place request from its path whenever a batch carrying it
@@ -41,17 +41,17 @@ import torch
 from rltrain.config import ConfigError
 from rltrain.workers.lora import LoraConfig, is_adapter_weight, save_peft_adapter
 
-# vLLM 0.32's allowed max_lora_rank values (vllm/config/lora.py MaxLoRARanks); an adapter of lower rank is padded
+# vLLM's allowed max_lora_rank values (vllm/config/lora.py MaxLoRARanks); an adapter of lower rank is padded
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def max_lora_rank(rank: int) -> int:
-    """The smallest max_lora_rank vLLM 0.32 accepts that holds adapters of this rank."""
+    """The smallest max_lora_rank vLLM accepts that holds adapters of this rank."""
     for allowed in VLLM_LORA_RANKS:
         if rank <= allowed:
             return allowed
     raise ConfigError(f"actor.lora.rank: rollout.engine=vllm serves LoRA ranks up to {VLLM_LORA_RANKS[-1]} "
-                      f"(vLLM 0.32's max_lora_rank), got {rank}")
+                      f"(vLLM's max_lora_rank), got {rank}")
 
 
 def engine_lora_args(config: LoraConfig) -> dict:
