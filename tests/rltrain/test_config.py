@@ -257,8 +257,8 @@ def test_vllm_engine_takes_lora_within_its_limits(monkeypatch):
                         lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
     job = load_job_config(_compose("rollout.engine=vllm", "actor.lora.rank=512", "actor.lora.target_modules=[q_proj]"))
     assert job.actor.lora.rank == 512 and job.rollout.engine == "vllm"
-    with pytest.raises(ConfigError, match=re.escape("actor.lora.rank: must be <= 512 with rollout.engine=vllm (vLLM "
-                                                    "0.32's largest max_lora_rank) (got 513)")):
+    with pytest.raises(ConfigError, match=re.escape("actor.lora.rank: must be <= 512 with rollout.engine=vllm (vLLM's "
+                                                    "largest max_lora_rank) (got 513)")):
         load_job_config(_compose("rollout.engine=vllm", "actor.lora.rank=513"))
     assert load_job_config(_compose("actor.lora.rank=513")).actor.lora.rank == 513  # the hf engine has no such limit
     with pytest.raises(ConfigError, match=r"^actor.lora.rank: > 0 needs actor.strategy=single"):
