@@ -3,7 +3,8 @@ so a kill at any moment leaves the previous checkpoint intact; loading never unp
 (safetensors, torch.load(weights_only=True) and JSON only).
 
     <output_dir>/checkpoints/step_000010/
-        hf/               the policy in HF format (model.safetensors + config + tokenizer): transformers and vLLM load it;
+        hf/               the policy in HF format (model.safetensors, or shards + model.safetensors.index.json above
+                          save_pretrained's max_shard_size; config; tokenizer): transformers and vLLM load it;
                           with actor.lora, its adapters in PEFT's format instead (adapter_model.safetensors +
                           adapter_config.json naming the base model's directory, + tokenizer): PeftModel.from_pretrained
                           loads them, `python -m rltrain.export_lora` merges them into a full HF model
@@ -39,6 +40,7 @@ from rltrain.output_dir import temporary_dir, temporary_name
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 MODEL_FILE, ADAPTER_FILE, STATE_FILE = "model.safetensors", "adapter_model.safetensors", "trainer_state.json"
+INDEX_FILE = "model.safetensors.index.json"   # transformers shards a save above max_shard_size (50 GB by default)
 
 
 def checkpoint_root(output_dir: str) -> Path:
@@ -50,12 +52,30 @@ def holds_adapters(path: Path) -> bool:
     return (Path(path) / "hf" / ADAPTER_FILE).is_file()
 
 
+def weight_files(hf: Path) -> list[str]:
+    """The weight files of a checkpoint's hf/ directory, relative to it: the adapters, model.safetensors, or the
+    shards its index names (a policy over save_pretrained's max_shard_size, e.g. 14B parameters as fp32 masters).
+    Raises ValueError for an unreadable index."""
+    if (hf / ADAPTER_FILE).is_file():
+        return [ADAPTER_FILE]
+    if not (hf / INDEX_FILE).is_file():
+        return [MODEL_FILE]
+    try:
+        index = json.loads((hf / INDEX_FILE).read_text())
+        return sorted(set(index["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"hf/{INDEX_FILE} is unreadable ({err!r})") from None
+
+
 def incomplete_reason(path: Path) -> str | None:
     """Why the checkpoint directory `path` cannot be resumed from ('hf/model.safetensors is missing', ...), or None
     when it is complete."""
     path = Path(path)
-    weights = f"hf/{ADAPTER_FILE if holds_adapters(path) else MODEL_FILE}"
-    for needed in (weights, "optimizer.pt", STATE_FILE):
+    try:
+        weights = [f"hf/{name}" for name in weight_files(path / "hf")]
+    except ValueError as err:
+        return str(err)
+    for needed in (*weights, "optimizer.pt", STATE_FILE):
         file = path / needed
         if not file.is_file() or file.stat().st_size == 0:
             return f"{needed} is {'empty' if file.is_file() else 'missing'}"
@@ -154,7 +174,9 @@ def load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     reason = incomplete_reason(path)
     if reason is not None:
         raise FileNotFoundError(f"checkpoint {path} is incomplete: {reason}")
-    model_state = load_file(path / "hf" / (ADAPTER_FILE if holds_adapters(path) else MODEL_FILE))
+    model_state = {}
+    for name in weight_files(path / "hf"):
+        model_state.update(load_file(path / "hf" / name))
     optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
     trainer_state = json.loads((path / STATE_FILE).read_text())
     return model_state, optimizer_state, trainer_state

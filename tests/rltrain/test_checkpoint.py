@@ -3,7 +3,8 @@ resume=auto's choice passes over incomplete checkpoint directories and names the
 into one directory never share a temporary; the controller's RNG states (Python, numpy, torch CPU; CUDA where
 initialised) survive a JSON round trip exactly, and an actor resumed from a checkpoint written and read as the trainer
 does continues bit for bit, in fp32 and in bf16 with mixed precision (the checkpoint holds the fp32 masters), full
-fine-tuning and LoRA. The kill of a real run and its
+fine-tuning and LoRA, and from a policy saved in shards (over save_pretrained's max_shard_size); a shard missing makes
+the checkpoint incomplete. The kill of a real run and its
 resume are in tests/rltrain/test_trainer_e2e.py."""
 
 import json
@@ -183,3 +184,23 @@ def test_an_actor_resumed_from_a_checkpoint_continues_bit_exactly(tmp_path, poli
     for name, param in resumed.model.named_parameters():
         assert param.dtype == DTYPES[dtype], name
         assert torch.equal(param, expected[name]), name
+
+
+def test_a_policy_saved_in_shards_resumes_and_a_missing_shard_is_named(tmp_path, policy_dir):
+    """save_pretrained shards a policy above max_shard_size (50 GB by default: 14B parameters as fp32 masters);
+    load_checkpoint reads every shard its index names, and a checkpoint missing one is incomplete, naming it."""
+    actor = ActorWorker(ActorConfig(torch_threads=1), LossConfig(), policy_dir, "float32", None, temperature=1.0)
+
+    def save_in_shards(path):
+        actor.model.save_pretrained(path, max_shard_size="20KB")
+
+    path = save_checkpoint(str(tmp_path), 1, save_in_shards, actor.optimizer_state(), load_tokenizer(policy_dir), {})
+    shards = sorted(p.name for p in (path / "hf").glob("model-*.safetensors"))
+    assert len(shards) > 2 and not (path / "hf" / "model.safetensors").exists()
+    model_state, _, state = load_checkpoint(path)
+    expected = actor.model.state_dict()
+    assert state["step"] == 1 and set(model_state) <= set(expected) and len(model_state) >= len(expected) - 1
+    for name, tensor in model_state.items():
+        assert torch.equal(tensor, expected[name]), name
+    (path / "hf" / shards[1]).unlink()
+    assert newest_complete_checkpoint(str(tmp_path)) == (None, [(path, f"hf/{shards[1]} is missing")])
