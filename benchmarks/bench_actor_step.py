@@ -42,12 +42,8 @@ import tempfile
 import time
 
 import torch
+from checkpoints import QWEN3_SIZES, VOCAB, build_checkpoint
 
-SIZES = {  # Qwen3-0.6B / 1.7B shapes (tied embeddings, GQA 16/8 heads of 128)
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28),
-    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28),
-}
-VOCAB = 151936
 LIGER_COMPILE_FAILED: list[str] = []
 
 
@@ -82,19 +78,6 @@ def gemm_rates(n: int = 8192, sustain_s: float = 2.0) -> tuple[float, float]:
     end.record()
     end.synchronize()
     return burst, flops * timed / (start.elapsed_time(end) * 1e-3)
-
-
-def build_model_dir(size: str, root: str) -> str:
-    import transformers as tf
-
-    config = tf.Qwen3Config(vocab_size=VOCAB, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                            max_position_embeddings=40960, tie_word_embeddings=True, rope_theta=1e6,
-                            **SIZES[size])
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    path = f"{root}/qwen3-{size}"
-    model.save_pretrained(path)
-    return path
 
 
 def make_batch(responses: int, prompt_len: int, mean_len: float, max_len: int, seed: int = 0):
@@ -318,7 +301,7 @@ def longest_at_batch_8(factory, model_dir, args, prompt_len: int, probe_lens: li
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=list(SIZES), default="0.6b")
+    parser.add_argument("--size", choices=[s for s in QWEN3_SIZES if s != "tiny"], default="0.6b")
     parser.add_argument("--responses", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--mean-len", type=float, default=1024)
@@ -340,7 +323,7 @@ def main():
     burst, sustained = gemm_rates()
     print(f"bf16 GEMM 8192^3: burst {burst / 1e12:.0f}, sustained {sustained / 1e12:.0f} TFLOP/s")
     root = tempfile.mkdtemp()
-    model_dir = build_model_dir(args.size, root)
+    model_dir = build_checkpoint(args.size, root)
     batch = make_batch(args.responses, args.prompt_len, args.mean_len, args.max_len)
     tokens = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
     padded_tokens = batch.batch_size[0] * (batch["prompt_ids"].shape[1] + batch["response_ids"].shape[1])

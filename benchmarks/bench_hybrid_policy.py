@@ -27,14 +27,13 @@ import tempfile
 import time
 
 import torch
-from bench_actor_step import VOCAB, RltrainPath, make_batch, release_memory, timed_step
+from bench_actor_step import RltrainPath, make_batch, release_memory, timed_step
+from checkpoints import QWEN3_COMMON, QWEN3_SIZES, VOCAB, word_tokenizer
 
 from rltrain_kernels.registry import get_applied_kernels
 
-SHAPE = dict(vocab_size=VOCAB, hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
-             num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
-             rope_theta=1e6)
 LAYERS = 16
+SHAPE = {**QWEN3_SIZES["1.7b"], **QWEN3_COMMON, "num_hidden_layers": LAYERS}   # Qwen3-1.7B's shape at 16 layers
 MIXERS = {"hybrid": ["gated_delta_rule"] * 3 + ["full_attention"], "gdp": ["gated_delta_product"],
           "iplr": ["iplr"]}
 AUTO = {"name": "auto", "include_kernels": "auto"}
@@ -47,7 +46,7 @@ def build_model_dir(arch: str, root: str) -> str:
 
     eos = dict(eos_token_id=VOCAB - 1, pad_token_id=VOCAB - 1, bos_token_id=VOCAB - 1)
     if arch == "qwen3":
-        config = tf.Qwen3Config(num_hidden_layers=LAYERS, **SHAPE, **eos)
+        config = tf.Qwen3Config(**SHAPE, **eos)
     else:
         pattern = MIXERS[arch]
         config = families.HybridDeltaConfig(layer_types=[pattern[i % len(pattern)] for i in range(LAYERS)],
@@ -59,6 +58,7 @@ def build_model_dir(arch: str, root: str) -> str:
         model.get_input_embeddings().weight[VOCAB - 1].mul_(-50)
     path = f"{root}/{arch}"
     model.save_pretrained(path)
+    word_tokenizer(VOCAB).save_pretrained(path)   # the rollout engine loads it (generation_config.json's ids win)
     return path
 
 

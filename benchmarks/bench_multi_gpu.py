@@ -39,14 +39,16 @@ import time
 
 import torch
 import torch.multiprocessing as mp
-from bench_actor_step import VOCAB, make_batch
+from bench_actor_step import make_batch
+from checkpoints import QWEN3_COMMON, QWEN3_SIZES, VOCAB, word_tokenizer
 
 AUTO = {"name": "auto", "include_kernels": "auto"}
-FULL = {  # bench_actor_step's Qwen3-0.6B; bench_hybrid_policy's 1B-class hybrid (3 Gated DeltaNet : 1 attention)
-    "qwen3": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28),
-    "hybrid": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=16),
+FULL = {  # Qwen3-0.6B; bench_hybrid_policy's 1B-class hybrid (3 Gated DeltaNet : 1 attention)
+    "qwen3": QWEN3_SIZES["0.6b"],
+    "hybrid": {**QWEN3_SIZES["1.7b"], "num_hidden_layers": 16},
 }
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4)
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, vocab_size=1024)   # vocab_size > 1000: the replicas generate after random ids below 1000
 
 
 def build_model_dir(arch: str, tiny: bool, root: str) -> str:
@@ -54,11 +56,9 @@ def build_model_dir(arch: str, tiny: bool, root: str) -> str:
 
     import rltrain_kernels.models as families
 
-    vocab = 1024 if tiny else VOCAB
-    shape = dict(vocab_size=vocab, num_attention_heads=4 if tiny else 16, num_key_value_heads=2 if tiny else 8,
-                 head_dim=32 if tiny else 128, max_position_embeddings=40960, tie_word_embeddings=True,
-                 rope_theta=1e6, eos_token_id=vocab - 1, pad_token_id=vocab - 1, bos_token_id=vocab - 1,
-                 **(TINY if tiny else FULL[arch]))
+    shape = TINY if tiny else FULL[arch]
+    vocab = shape["vocab_size"]
+    shape = dict(eos_token_id=vocab - 1, pad_token_id=vocab - 1, bos_token_id=vocab - 1, **QWEN3_COMMON, **shape)
     if arch == "qwen3":
         config = tf.Qwen3Config(**shape)
     else:
@@ -72,6 +72,7 @@ def build_model_dir(arch: str, tiny: bool, root: str) -> str:
         model.get_input_embeddings().weight[vocab - 1].mul_(-50)
     path = f"{root}/{arch}"
     model.save_pretrained(path)
+    word_tokenizer(vocab).save_pretrained(path)   # the rollout replicas load it (generation_config.json's ids win)
     return path
 
 
@@ -362,7 +363,7 @@ def main():
     root = tempfile.mkdtemp()
     rows, pushes, checks = [], [], []
     for arch in args.archs.split(","):
-        model_dir, vocab = build_model_dir(arch, args.tiny, root), 1024 if args.tiny else VOCAB
+        model_dir, vocab = build_model_dir(arch, args.tiny, root), TINY["vocab_size"] if args.tiny else VOCAB
         out = tempfile.mkdtemp(dir=root)
         _, timed, _ = batches(args.tiny, arch, vocab)
         tokens = int(timed["prompt_mask"].sum() + timed["response_mask"].sum())

@@ -1,14 +1,14 @@
 """The whole RL step on GPUs, phase by phase, beside the rollout engine's own offline ceiling.
 
 A Qwen3-0.6B or 1.7B shape built from config (random bf16 weights; a word-level tokenizer of the real vocabulary
-size), --prompts prompts × --n responses of long-tailed lengths: each response's length is drawn from its own seed
-(log-normal, mean --mean-len, clipped to [16, --max-len]) and the vLLM engine generates exactly that many tokens
-(the request's max_tokens; random weights end a response early about once in 150,000 tokens). The trainer
-(rltrain.trainer.GRPOTrainer, what main_grpo runs: colocated sync mode, sleep/wake, the CUDA-IPC push, a reference
-at kl_coef 0.001, pseudo-random 0/1 rewards) takes --steps steps; the first is a warm-up. Per step, from its
-metrics: rollout, reward, old log-probs, reference, update and weight push seconds; GPU memory (nvidia-smi every
-0.2 s, all processes) at its peak in each phase. Then the same engine alone (vllm.LLM per replica, the trainer's
-engine settings, one process per replica) generates the same requests: its tokens/s is the rollout's ceiling.
+size; checkpoints.py), --prompts prompts × --n responses of long-tailed lengths: each response's length is drawn from
+its own seed (log-normal, mean --mean-len, clipped to [16, --max-len]) and the vLLM engine generates exactly that
+many tokens (the request's max_tokens; random weights end a response early about once in 150,000 tokens). The trainer
+(rltrain.trainer.GRPOTrainer, what main_grpo runs: colocated sync mode, sleep/wake, the CUDA-IPC push, a reference at
+kl_coef 0.001, pseudo-random 0/1 rewards) takes --steps steps; the first is a warm-up. Per step, from its metrics:
+rollout, reward, old log-probs, reference, update and weight push seconds; GPU memory (nvidia-smi every 0.2 s, all
+processes) at its peak in each phase. Then the same engine alone (vllm.LLM per replica, the trainer's engine
+settings, one process per replica) generates the same requests: its tokens/s is the rollout's ceiling.
 
 Goals: rollout ≥ 90% of the bare engine's tokens/s; everything but rollout and update ≤ 15% of the step; the push
 ≤ 1 s at 1.7B on one node.
@@ -35,15 +35,8 @@ import time
 from contextlib import contextmanager
 
 import torch
+from checkpoints import QWEN3_SIZES, build_checkpoint
 
-SIZES = {  # Qwen3-0.6B / 1.7B shapes (tied embeddings, GQA 16/8 heads of 128)
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936),
-    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=32, vocab_size=512),
-}
 PHASES = ("rollout", "reward", "old_logprob", "ref", "update", "weight_sync")
 REWARD = '''import zlib
 
@@ -53,32 +46,7 @@ def score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-# ---------------------------------------------------------------- the checkpoint, the data
-def build_checkpoint(size: str, root: str) -> str:
-    """A random-weight Qwen3 of `size`'s shape and a word-level tokenizer ("t0 t1 ...") covering its vocabulary."""
-    import transformers as tf
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    shape = SIZES[size]
-    vocab = shape["vocab_size"]
-    specials = ["<unk>", "<|endoftext|>", "<|im_end|>"]
-    words = {f"t{i}": i for i in range(vocab - len(specials))}
-    words.update({token: vocab - len(specials) + i for i, token in enumerate(specials)})
-    core = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", pad_token="<|endoftext|>",
-                                           eos_token="<|im_end|>")
-    config = tf.Qwen3Config(max_position_embeddings=40960, tie_word_embeddings=True, rope_theta=1e6,
-                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                            bos_token_id=None, **shape)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    path = os.path.join(root, f"qwen3-{size}")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
+# ---------------------------------------------------------------- the data
 def write_task(root: str, prompts: int, prompt_len: int, vocab: int) -> tuple[str, str]:
     """(a jsonl of `prompts` rows of prompt_len random words, the reward module's path)."""
     rng = random.Random(0)
@@ -303,7 +271,7 @@ def report(args, records: list[dict], peak: dict, ceiling: tuple[float, int] | N
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=[s for s in SIZES if s != "tiny"], default="1.7b")
+    parser.add_argument("--size", choices=[s for s in QWEN3_SIZES if s != "tiny"], default="1.7b")
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
     parser.add_argument("--prompts", type=int, default=128)
@@ -323,7 +291,7 @@ def main() -> None:
         args.engine, args.gpus, args.no_ceiling = "hf", 1, True
     with tempfile.TemporaryDirectory() as root:
         model_dir = build_checkpoint(args.size, root)
-        data, reward = write_task(root, args.prompts, args.prompt_len, SIZES[args.size]["vocab_size"])
+        data, reward = write_task(root, args.prompts, args.prompt_len, QWEN3_SIZES[args.size]["vocab_size"])
         job = job_config(args, model_dir, data, reward, os.path.join(root, "run"))
         forced = args.engine == "vllm"
         records, peak = run_trainer(job, args.mean_len, forced)

@@ -28,7 +28,7 @@ import tempfile
 import time
 
 import torch
-from bench_actor_step import SIZES, build_model_dir
+from checkpoints import QWEN3_SIZES, build_checkpoint
 
 ROUTES = ("per-tensor", "flat", "ipc")
 
@@ -107,15 +107,7 @@ def run_size(size: str, args, root: str) -> list[dict]:
     from rltrain.workers.actor import ActorConfig
     from rltrain.workers.rollout import RolloutConfig
 
-    if args.tiny:
-        import transformers as tf
-
-        config = tf.Qwen3Config(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
-        path = f"{root}/tiny"
-        tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
-    else:
-        path = build_model_dir(size, root)
+    path = build_checkpoint(size, root)
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     share = 0.5 if gpus == 1 else (1 if gpus else 0)
     Actor, Rollout = roles()
@@ -143,9 +135,10 @@ def run_size(size: str, args, root: str) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=["0.6b", "1.7b"], choices=sorted(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=["0.6b", "1.7b"],
+                        choices=sorted(s for s in QWEN3_SIZES if s != "tiny"))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--tiny", action="store_true", help="a 4-layer toy model (CPU dry run)")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer toy model (CPU dry run)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=256, help="actor.weight_bucket_mb")
     args = parser.parse_args()

@@ -1,5 +1,5 @@
-"""Shared test helpers: relative-error asserts with per-dtype thresholds, NaN checks, poisoned buffers, case ids, and
-the decay gradients' check (dA_log / ddt_bias against the per-token terms they sum).
+"""Shared test helpers: relative-error asserts with per-dtype thresholds, NaN checks, poisoned buffers, case ids, the
+decay gradients' check (dA_log / ddt_bias against the per-token terms they sum), and waiting for processes to exit.
 
 The error metric is ‖actual − expected‖ / ‖expected‖ computed in float64 (fla's convention), which is scale-free
 and does not hide large errors in a few elements the way a loose atol does.
@@ -8,6 +8,7 @@ and does not hide large errors in a few elements the way a loose atol does.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -176,3 +177,20 @@ def spy_launches(monkeypatch, module, name: str, record) -> None:
             return run
 
     monkeypatch.setattr(module, name, Spy())
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (Linux: read from /proc; a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def alive_after(pids, timeout_s: float) -> list[int]:
+    """The processes of `pids` still running once all have exited or `timeout_s` has passed (polled every 0.1 s)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.1)
+    return [pid for pid in pids if alive(pid)]

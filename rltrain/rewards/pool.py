@@ -10,31 +10,30 @@ segfault, the kernel's out-of-memory killer) scores 0.0 and is counted in `Rewar
 `error_kinds` (error, timeout, memory, worker_died); the first few distinct failures of each kind are logged with the
 sample's printed output. The batch goes on.
 
-The pool owns one pipe per worker (rltrain/rewards/process.py runs the other end) and waits on the pipes and the
-processes' sentinels together, so a dead worker is noticed at once: its sample is scored, the worker replaced, the
-rest of the batch keeps running. (Not multiprocessing.Pool: it replaces a dead worker silently and never delivers
-the sample's result, so a batch waits out a whole deadline, 82 s for 16 samples at 2 workers and 10 s.) Timeouts:
-the worker arms a timer (SIGALRM) around every call, so a Python-level hang is interrupted after exactly
-`timeout_s`; a hang that never returns to the interpreter (a C extension spinning) gets its worker SIGKILLed
-`KILL_GRACE_S` later and only that worker replaced. Output: a worker's stdout and stderr (Python's and C code's)
-come through a pipe of their own; each sample's first `max_output_bytes` are kept, a batch shows at most that many
-on this process's stdout, and the rest is counted in `RewardResult.output_dropped_bytes`. Workers come from a
-forkserver (spawn where there is none): safe inside Ray actors and threaded parents, and a replacement starts without
-re-importing the interpreter. One thread drives a pool.
+The pool owns one pipe per worker (rltrain/rewards/process.py runs the other end; rltrain/process_pool.py the pipes,
+waits and replacements, shared with the tool pool) and waits on the pipes and the processes' sentinels together, so a
+dead worker is noticed at once: its sample is scored, the worker replaced, the rest of the batch keeps running. (Not
+multiprocessing.Pool: it replaces a dead worker silently and never delivers the sample's result, so a batch waits out
+a whole deadline, 82 s for 16 samples at 2 workers and 10 s.) Timeouts: the worker arms a timer (SIGALRM) around
+every call, so a Python-level hang is interrupted after exactly `timeout_s`; a hang that never returns to the
+interpreter (a C extension spinning) gets its worker SIGKILLed `KILL_GRACE_S` later and only that worker replaced.
+Output: a worker's stdout and stderr (Python's and C code's) come through a pipe of their own; each sample's first
+`max_output_bytes` are kept, a batch shows at most that many on this process's stdout, and the rest is counted in
+`RewardResult.output_dropped_bytes`. Workers come from a forkserver (spawn where there is none): safe inside Ray
+actors and threaded parents, and a replacement starts without re-importing the interpreter. One thread drives a pool.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import signal
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
 
+from rltrain.process_pool import PipeWorker, ProcessPool
 from rltrain.rewards.plugin import load_reward_fn
 from rltrain.rewards.process import serve
 
@@ -87,18 +86,18 @@ def describe_exit(exitcode: int | None) -> str:
     return f"killed by {name}" + (", as the kernel's out-of-memory killer does" if name == "SIGKILL" else "")
 
 
-class _Worker:
+class _Worker(PipeWorker):
+    """A PipeWorker with a second pipe: what the worker prints."""
+
     def __init__(self, ctx, args):
-        self.conn, child_conn = ctx.Pipe()
         self.output, child_output = ctx.Pipe(duplex=False)   # raw bytes: the worker's fds 1 and 2
-        self.process = ctx.Process(target=serve, args=(child_conn, child_output, *args), daemon=True,
-                                   name="rltrain-reward-worker")
-        self.process.start()
-        child_conn.close()
+        super().__init__(ctx, serve, (child_output, *args), "rltrain-reward-worker", START_TIMEOUT_S, job=LOADING)
         child_output.close()
         os.set_blocking(self.output.fileno(), False)
         self.output_open = True
-        self.state, self.job, self.deadline = "starting", LOADING, time.monotonic() + START_TIMEOUT_S
+
+    def waitables(self) -> list:
+        return super().waitables() + ([self.output] if self.output_open else [])
 
     def read_output(self) -> bytes:
         """What the worker has printed since the last read."""
@@ -114,9 +113,7 @@ class _Worker:
         return b"".join(chunks)
 
     def kill(self) -> None:
-        self.process.kill()
-        self.process.join(timeout=5)
-        self.conn.close()
+        super().kill()
         self.output.close()
 
 
@@ -142,20 +139,16 @@ class _Capture:
         return text + (f"\n[... {more} more bytes not shown]" if more else "")
 
 
-class RewardPool:
+class RewardPool(ProcessPool):
     """`RewardPool(path, name, timeout_s=10, num_workers=2).score(items) -> RewardResult`. Close it when done
     (or use it as a context manager)."""
 
     def __init__(self, path: str | None, name: str, timeout_s: float = 10.0, num_workers: int = 2,
                  max_output_bytes: int = 4096, memory_limit_mb: int = 8192):
         check_reward_settings(path, name, timeout_s, num_workers, max_output_bytes, memory_limit_mb)  # fail here
-        self.path, self.name, self.timeout_s, self.num_workers = path, name, timeout_s, num_workers
+        super().__init__(num_workers, preload="rltrain.rewards.process")
+        self.path, self.name, self.timeout_s = path, name, timeout_s
         self.max_output_bytes, self.memory_limit_mb = max_output_bytes, memory_limit_mb
-        methods = mp.get_all_start_methods()
-        self._ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
-        if "forkserver" in methods:  # process-wide, and only heeded if the server is not running yet
-            self._ctx.set_forkserver_preload(["rltrain.rewards.process"])
-        self._workers: list[_Worker] = []
         self._logged: dict[str, set[str]] = {}   # kind -> the failure messages logged
         self._told_dropped = False
         self._start_failure: tuple[str, str] | None = None   # (kind, message) of this batch's last failed start
@@ -183,10 +176,6 @@ class RewardPool:
         self._show(items, result, capture)
         return result
 
-    def _fill(self) -> None:
-        while len(self._workers) < self.num_workers:
-            self._workers.append(self._new_worker())
-
     def _new_worker(self) -> _Worker:
         return _Worker(self._ctx, (self.path, self.name, self.timeout_s, self.memory_limit_mb))
 
@@ -211,27 +200,14 @@ class RewardPool:
                 worker.state, worker.job = "busy", i
                 worker.deadline = time.monotonic() + self.timeout_s + KILL_GRACE_S
 
-    def _wait(self) -> None:
-        active = [w for w in self._workers if w.state != "idle"]
-        if not active:
-            return
-        timeout = max(0.0, min(w.deadline for w in active) - time.monotonic())
-        wait([w.conn for w in active] + [w.process.sentinel for w in active] +
-             [w.output for w in active if w.output_open], timeout=timeout)
-
     def _collect(self, items, result: RewardResult, capture: _Capture) -> None:
         now = time.monotonic()
         for worker in list(self._workers):
             if worker.state == "idle":
                 continue
             capture.add(worker.job, worker.read_output())
-            message = None
-            if worker.conn.poll():
-                try:
-                    message = worker.conn.recv()
-                except (EOFError, OSError):
-                    message = None
-            if message is None and worker.process.is_alive() and now < worker.deadline:
+            message, done = worker.poll(now)
+            if not done:
                 continue
             capture.add(worker.job, worker.read_output())  # all it printed before answering or dying
             if worker.state == "starting":
@@ -270,11 +246,6 @@ class RewardPool:
         worker.kill()
         self._workers.remove(worker)  # not replaced in this batch: the next one tries again
         self._start_failure = (kind, f"could not be scored: {reason}")
-
-    def _replace(self, index: int, worker: _Worker) -> _Worker:
-        worker.kill()
-        self._workers[index] = self._new_worker()
-        return self._workers[index]
 
     # -- failures and output ------------------------------------------------------------------------------------
 
@@ -323,23 +294,3 @@ class RewardPool:
                            "at most reward.max_output_bytes=%d. Later batches' are counted in "
                            "reward/output_dropped_bytes, not announced.", self.name, printed,
                            result.output_dropped_bytes, self.max_output_bytes)
-
-    # -- lifetime -----------------------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        for worker in self._workers:
-            if worker.state == "idle":
-                try:
-                    worker.conn.send(None)
-                except OSError:
-                    pass
-        for worker in self._workers:
-            worker.process.join(timeout=1.0 if worker.state == "idle" else 0)
-            worker.kill()
-        self._workers = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -22,6 +22,7 @@ import resource
 import signal
 import sys
 
+from rltrain.process_pool import answer_jobs
 from rltrain.rewards.plugin import load_reward_fn
 
 
@@ -119,16 +120,13 @@ def serve(conn, output, path: str | None, name: str, timeout_s: float, memory_li
         return
     _flush()
     conn.send(("ready", ""))
-    while True:
-        try:
-            item = conn.recv()
-        except (EOFError, OSError):
-            return
-        if item is None:
-            return
+
+    def answer(item):
         try:
             outcome = score_one(fn, item, timeout_s, memory_limit_mb)
         except _SampleTimeout:  # the alarm landed between the function's return and the timer's reset
             outcome = ("timeout", f"timed out after {timeout_s:g} s")
         _flush()
-        conn.send(outcome)
+        return outcome
+
+    answer_jobs(conn, answer)

@@ -7,24 +7,23 @@ captured, so a tool that hangs, crashes or floods never stalls or kills the roll
 
 The multi-turn loop gathers every episode's calls of one turn into one `call_many`, so episodes wait for their tools
 together. Calls go to idle workers as they free up (at most `num_workers` at a time) and each call's clock starts
-when its worker takes it. Unlike rltrain/rewards/pool.py (an mp.Pool, a timer inside the worker and a batch
-deadline), the parent owns one pipe per worker: a call past `timeout_s` gets its worker SIGKILLed (whatever it is
-stuck in: a sleep, a C loop, a child it waits on) and only that worker is replaced, while the others keep running;
-a worker that dies (os._exit, a segfault) is noticed at once through its process sentinel. Workers come from a
-forkserver (spawn where there is none): safe inside Ray actors and threaded parents, and a replacement starts in
-milliseconds instead of re-importing the interpreter. One thread drives a pool: call_many is not re-entrant.
+when its worker takes it. The parent owns one pipe per worker (rltrain/process_pool.py, shared with the reward
+pool): a call past `timeout_s` gets its worker SIGKILLed (whatever it is stuck in: a sleep, a C loop, a child it
+waits on; no timer inside the worker, unlike rewards) and only that worker is replaced, while the others keep
+running; a worker that dies (os._exit, a segfault) is noticed at once through its process sentinel. Workers come
+from a forkserver (spawn where there is none): safe inside Ray actors and threaded parents, and a replacement starts
+in milliseconds instead of re-importing the interpreter. One thread drives a pool: call_many is not re-entrant.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import multiprocessing as mp
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from multiprocessing.connection import wait
 
+from rltrain.process_pool import PipeWorker, ProcessPool, answer_jobs
 from rltrain.tools.base import ToolCall, ToolResult, check_arguments
 from rltrain.tools.loader import TOOLS_KEY, ToolSpec, load_tools
 
@@ -63,33 +62,12 @@ def _serve(conn, specs: list[ToolSpec], max_chars: int) -> None:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", ""))
-    while True:
-        try:
-            job = conn.recv()
-        except (EOFError, OSError):
-            return
-        if job is None:
-            return
-        name, arguments = job
-        conn.send(_run_tool(tools[name], arguments, max_chars))
+    answer_jobs(conn, lambda job: _run_tool(tools[job[0]], job[1], max_chars))   # job: (name, arguments)
 
 
-class _Worker:
-    def __init__(self, ctx, specs, max_chars):
-        self.conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child_conn, specs, max_chars), daemon=True,
-                                   name="rltrain-tool-worker")
-        self.process.start()
-        child_conn.close()
-        self.state, self.job, self.deadline = "starting", -1, time.monotonic() + START_TIMEOUT_S
+class ToolPool(ProcessPool):
+    STOP_STATES = ("idle", "starting")   # a starting one reads the None after loading the tools
 
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.join(timeout=5)
-        self.conn.close()
-
-
-class ToolPool:
     def __init__(self, tools: Sequence[ToolSpec | Mapping], timeout_s: float = 10.0, num_workers: int = 4,
                  max_output_chars: int = 4000):
         if timeout_s <= 0 or num_workers < 1 or max_output_chars < 1:
@@ -97,12 +75,8 @@ class ToolPool:
                              f"{timeout_s!r}, {num_workers!r}, {max_output_chars!r})")
         self.specs = [ToolSpec.from_entry(entry, f"{TOOLS_KEY}[{i}]") for i, entry in enumerate(tools)]
         self.schemas = {name: loaded.schema for name, loaded in load_tools(self.specs).items()}  # fail here, early
-        self.timeout_s, self.num_workers, self.max_output_chars = timeout_s, num_workers, max_output_chars
-        methods = mp.get_all_start_methods()
-        self._ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
-        if "forkserver" in methods:  # process-wide, and only heeded if the server is not running yet
-            self._ctx.set_forkserver_preload(["rltrain.tools.pool"])
-        self._workers: list[_Worker] = []
+        super().__init__(num_workers, preload="rltrain.tools.pool")
+        self.timeout_s, self.max_output_chars = timeout_s, max_output_chars
         self._logged: dict[tuple[str, str], set[str]] = {}   # (tool, status) -> the failure messages logged
         self._counts = dict.fromkeys(("calls", "errors", "timeouts", "invalid_calls", "worker_deaths", "seconds"),
                                      0.0)
@@ -121,7 +95,7 @@ class ToolPool:
             else:
                 queue.append(i)
         if queue:
-            self._ensure_workers()
+            self._fill()
         started: dict[int, float] = {}
         while queue or any(w.state == "busy" for w in self._workers):
             for worker in self._workers:
@@ -137,20 +111,13 @@ class ToolPool:
         return results
 
     def _wait_and_collect(self, calls, results, started) -> None:
-        active = [w for w in self._workers if w.state in ("busy", "starting")]
-        timeout = max(0.0, min(w.deadline for w in active) - time.monotonic())
-        wait([w.conn for w in active] + [w.process.sentinel for w in active], timeout=timeout)
+        self._wait()
         now = time.monotonic()
         for index, worker in enumerate(self._workers):
-            if worker.state not in ("busy", "starting"):
+            if worker.state == "idle":
                 continue
-            message = None
-            if worker.conn.poll():
-                try:
-                    message = worker.conn.recv()
-                except (EOFError, OSError):
-                    message = None
-            if message is None and worker.process.is_alive() and now < worker.deadline:
+            message, done = worker.poll(now)
+            if not done:
                 continue
             if worker.state == "starting":
                 self._started(index, worker, message)
@@ -164,11 +131,10 @@ class ToolPool:
                 status = "error" if dead else "timeout"
                 content = (f"the tool's worker process died (exit code {worker.process.exitcode}) while running it"
                            if dead else f"the tool did not finish within {self.timeout_s:g} s and was stopped")
-                worker.kill()
-                self._workers[index] = _Worker(self._ctx, self.specs, self.max_output_chars)
+                self._replace(index, worker)
             results[worker.job] = self._finish(call, status, content, elapsed, worker_died=dead)
 
-    def _started(self, index: int, worker: _Worker, message) -> None:
+    def _started(self, index: int, worker: PipeWorker, message) -> None:
         if message is not None and message[0] == "ready":
             worker.state = "idle"
             return
@@ -178,9 +144,9 @@ class ToolPool:
                                              f"it did not start within {START_TIMEOUT_S:g} s")
         raise RuntimeError(f"a tool worker process could not load the tools ({reason})")
 
-    def _ensure_workers(self) -> None:
-        while len(self._workers) < self.num_workers:
-            self._workers.append(_Worker(self._ctx, self.specs, self.max_output_chars))
+    def _new_worker(self) -> PipeWorker:
+        return PipeWorker(self._ctx, _serve, (self.specs, self.max_output_chars), "rltrain-tool-worker",
+                          START_TIMEOUT_S)
 
     def _problem(self, call: ToolCall) -> str | None:
         schema = self.schemas.get(call.name)
@@ -205,7 +171,7 @@ class ToolPool:
                                "counted in tool/*, not logged." if last else "")
         return ToolResult(call.name, content, status, call.id, elapsed, worker_died)
 
-    # -- metrics and lifetime -----------------------------------------------------------------------------------
+    # -- metrics ------------------------------------------------------------------------------------------------
 
     def pop_metrics(self, episodes: int | None = None) -> dict[str, float]:
         """The counts since the last pop: tool/calls, tool/errors (raised or crashed), tool/timeouts,
@@ -218,21 +184,3 @@ class ToolPool:
             metrics["tool/calls_per_episode"] = calls / episodes
         self._counts = dict.fromkeys(counts, 0.0)
         return metrics
-
-    def close(self) -> None:
-        for worker in self._workers:
-            if worker.state in ("idle", "starting"):  # a starting one reads the None after loading the tools
-                try:
-                    worker.conn.send(None)
-                except OSError:
-                    pass
-        for worker in self._workers:
-            worker.process.join(timeout=1.0)
-            worker.kill()
-        self._workers = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

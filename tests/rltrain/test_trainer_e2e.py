@@ -34,6 +34,7 @@ from rltrain.checkpoint import latest_checkpoint
 from rltrain.job import load_job_config
 from rltrain.main_grpo import run
 from rltrain.watchdog import descendants
+from tests.helpers import alive_after
 from tests.rltrain.tiny_job import TINY, compose, merge, tiny_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -245,14 +246,6 @@ def _kill_during_a_save(proc, checkpoints: Path, timeout_s: float = 120) -> None
     pytest.fail(f"no save began within {timeout_s} s; see killed.log")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except OSError:
-        return False
-
-
 def _train(records) -> dict[int, dict]:
     return {r["step"]: r for r in records if "train/reward_mean" in r}
 
@@ -308,10 +301,7 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(pid) for pid in started):
-        time.sleep(0.1)
-    left = [pid for pid in started if _alive(pid)]
+    left = alive_after(started, timeout_s=10)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, "processes the killed driver started outlived it by 10 s"

@@ -7,12 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from rltrain.watchdog import descendants
+from tests.helpers import alive, alive_after
 
 ROOT = Path(__file__).resolve().parents[2]
 # a driver: the watchdog, then two sleepers in sessions of their own (as Ray's workers are), one of them starting a
@@ -30,14 +30,6 @@ time.sleep(2.5)   # the watchdog scans every second while new processes appear
 print(" ".join(str(p.pid) for p in procs), flush=True)
 sys.stdin.readline()
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except OSError:
-        return False
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the watchdog reads /proc")
@@ -59,12 +51,9 @@ def test_the_processes_a_driver_started_die_with_it(ending):
             driver.stdin.write("exit\n")
             driver.stdin.flush()
         driver.wait(timeout=30)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(_alive(pid) for pid in started):
-            time.sleep(0.1)
-        assert not [pid for pid in started if _alive(pid)]
+        assert not alive_after(started, timeout_s=5)
     finally:
         driver.kill()
         for pid in started:  # what a failing watchdog left
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
