@@ -59,6 +59,7 @@ from rltrain.workers.lora import check_target_modules_of
 from rltrain.workers.policy import load_tokenizer
 from rltrain.workers.reference import FSDPReferenceWorker, ReferenceWorker, check_teacher
 from rltrain.workers.reward import RewardWorker
+from rltrain.workers.reward_model import RewardModelWorker
 from rltrain.workers.rollout_group import RolloutReplicas, place_rollout
 from rltrain.workers.vllm_lora import check_lora_dtype
 from rltrain.workers.weight_sync import WeightPush
@@ -89,7 +90,7 @@ def resolve_model_and_data(job: JobConfig):
 
 class GRPOTrainer:
     # what close() stops; None until started (a constructor that failed half-way closes what it started)
-    lock = tracker = actor = rollout = reference = teacher = reward = placement = rollout_placement = None
+    lock = tracker = actor = rollout = reference = teacher = reward = reward_model = placement = rollout_placement = None
 
     def __init__(self, job: JobConfig):
         self.job = job
@@ -151,7 +152,8 @@ class GRPOTrainer:
         needs_reference = job.algorithm.loss.kl_coef > 0 and not job.actor.lora.enabled
         distill, separate = job.algorithm.distill, job.rollout.placement == "separate"
         teacher_worker = distill.enabled and not distill.exact  # exact: the teacher lives in the actor's process
-        model_roles = 2 + needs_reference + teacher_worker - separate
+        reward_model = job.reward.model.enabled
+        model_roles = 2 + needs_reference + teacher_worker + reward_model - separate
         share, sharded = 1 / model_roles, job.actor.strategy == "fsdp2"
         self.placement = place_model_roles(job.trainer.nnodes, job.trainer.n_gpus_per_node, self.device,
                                            job.ray.placement_timeout_s)
@@ -181,6 +183,10 @@ class GRPOTrainer:
         self.reference = frozen(self.model_dir) if needs_reference else None
         self.teacher = frozen(distill.teacher_path) if teacher_worker else None
         self.reward = ray.remote(RewardWorker).options(num_cpus=0).remote(job.reward, self.model_dir)
+        if reward_model:  # placed like an unsharded reference: a share of bundle 0
+            self.reward_model = start_role(RewardModelWorker, self.placement, share, False, config=job.reward.model,
+                                           dtype=common["dtype"], device=self.device,
+                                           torch_threads=job.actor.torch_threads)
         self.weight_push = WeightPush(self.actor, self.rollout, job.actor.weight_bucket_mb)
         self.model_shape = ray.get(self.actor.model_shape.remote())
         actor_device = ray.get(self.actor.device_info.remote())
@@ -211,11 +217,22 @@ class GRPOTrainer:
         response_rows = [row for row in rows for _ in range(n)]
         messages = batch.pop("messages").tolist() if "messages" in batch.keys() else None  # multi-turn episodes
         with timer.phase("reward"):
-            rewards, extras, errors, _ = ray.get(self.reward.score.remote(batch["response_ids"],
-                                                                           batch["response_mask"], response_rows,
-                                                                           messages))
+            rewards, extras, errors, texts = ray.get(self.reward.score.remote(batch["response_ids"],
+                                                                               batch["response_mask"], response_rows,
+                                                                               messages))
+            if self.reward_model is not None:
+                rewards = self._add_model_scores(rewards, extras, response_rows, texts, messages)
         batch["rewards"] = rewards
         return batch, extras, errors
+
+    def _add_model_scores(self, rule: torch.Tensor, extras: list[dict], rows, texts: list[str], messages) -> torch.Tensor:
+        """reward.model: rule_weight · the function's rewards + weight · the reward model's scores; each sample's
+        two parts join its extras (reward/rule_mean, reward/model_mean)."""
+        config = self.job.reward.model
+        scores = ray.get(self.reward_model.score.remote([row.prompt for row in rows], texts, messages))
+        for extra, rule_value, score in zip(extras, rule.tolist(), scores.tolist()):
+            extra.update(rule=rule_value, model=score)
+        return config.rule_weight * rule + config.weight * scores
 
     def _collect(self, step: int, timer: StepTimer):
         """A batch of data.batch_size prompt groups (collect_groups), with the reward extras and error count of
@@ -472,11 +489,12 @@ class GRPOTrainer:
                  ("rollout", method(self.rollout, "kill")),
                  *((role, None if handle is None else partial(kill, handle)) for role, handle in (
                      ("actor", self.actor), ("reference", self.reference), ("teacher", self.teacher),
-                     ("reward worker", self.reward))),
+                     ("reward worker", self.reward), ("reward model", self.reward_model))),
                  ("placement", method(self.placement, "remove")),
                  ("rollout placement", method(self.rollout_placement, "remove")),
                  ("output directory lock", method(self.lock, "release"))]
-        self.tracker = self.reward = self.rollout = self.actor = self.reference = self.teacher = None
+        self.tracker = self.reward = self.reward_model = self.rollout = self.actor = self.reference = None
+        self.teacher = None
         self.placement = self.rollout_placement = self.lock = None
         errors = []
         for name, step in steps:

@@ -3,7 +3,7 @@ per-sample timeout, a memory limit and capped output (rltrain.rewards.pool); Rew
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,6 +13,7 @@ from rltrain.rewards.health import RewardStats
 from rltrain.rewards.pool import RewardInput, RewardPool, check_reward_settings
 from rltrain.workers.batch import response_context
 from rltrain.workers.policy import load_tokenizer
+from rltrain.workers.reward_model import RewardModelConfig
 
 
 @dataclass
@@ -25,6 +26,7 @@ class RewardConfig:
     error_rate_window: int = 5     # train steps the error rate is taken over
     max_output_bytes: int = 4096   # of the function's stdout/stderr, kept per sample and shown per batch
     memory_limit_mb: int = 8192    # per worker process (RLIMIT_DATA); 0 = none
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)   # a reward model beside the function
 
     def validate(self):
         require(0 <= self.max_error_rate <= 1, "max_error_rate", "must be in [0, 1]", self.max_error_rate)

@@ -1,0 +1,102 @@
+"""The reward model (reward.model.path): a transformers sequence-classification checkpoint (one label) that scores
+each (prompt, response) with its own tokenizer and chat template, in a Ray process placed with the model roles. The
+trainer adds its score, weighted, to the reward function's: reward = rule_weight · rule + weight · model, with
+reward/rule_mean and reward/model_mean logged per step.
+
+A conversation is the row's prompt (text as one user message, or its chat messages) and the response as the
+assistant's message (a multi-turn episode: its own messages), rendered with the reward model's chat template, or
+as plain prompt + response text where it has none. Each row's score is the `score` head's output at its last token
+(right padding, the head's per-token output taken by a forward hook), so it does not depend on a pad token id that a
+model's own pooling would look for; the conversation is cut from the left to reward.model.max_length tokens, keeping
+the response.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+from rltrain.config import ConfigError, require
+from rltrain.workers.policy import DTYPES, load_tokenizer, set_threads
+
+
+@dataclass
+class RewardModelConfig:
+    path: str | None = None    # a sequence-classification checkpoint with one label; null = no reward model
+    weight: float = 1.0        # its score's weight in the reward
+    rule_weight: float = 1.0   # the reward function's weight (0: the reward model alone)
+    micro_batch_size: int = 8  # conversations per forward pass
+    max_length: int = 4096     # tokens of a conversation the model reads (cut from the left)
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
+
+    def validate(self):
+        if self.path is None:
+            return
+        require((Path(self.path).expanduser() / "config.json").is_file(), "path",
+                "must be a model directory holding config.json", self.path)
+        require(math.isfinite(self.weight), "weight", "must be a finite number", self.weight)
+        require(math.isfinite(self.rule_weight), "rule_weight", "must be a finite number", self.rule_weight)
+        require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1", self.micro_batch_size)
+        require(self.max_length >= 2, "max_length", "must be >= 2", self.max_length)
+
+
+class RewardModelWorker:
+    def __init__(self, config: RewardModelConfig, dtype: str, device: str = "cpu", torch_threads: int = 0):
+        set_threads(torch_threads)
+        self.config, self.device = config, device
+        path = str(Path(config.path).expanduser())
+        self.tokenizer = load_tokenizer(path, padding_side="right", truncation_side="left")
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        try:
+            model = tf.AutoModelForSequenceClassification.from_pretrained(path, dtype=DTYPES[dtype])
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"reward.model.path: {path} does not load as a sequence-classification model "
+                              f"({err})") from None
+        head = getattr(model, "score", None)
+        if model.config.num_labels != 1 or not isinstance(head, torch.nn.Linear):
+            raise ConfigError(f"reward.model.path: {path} is a {type(model).__name__} with {model.config.num_labels} "
+                              "labels; a reward model has one label and a `score` head (Qwen, Llama, Mistral, Gemma "
+                              "*ForSequenceClassification)")
+        if model.config.pad_token_id is None:  # its own pooling refuses batches without one (the hook's is used)
+            model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.model = model.to(device).eval().requires_grad_(False)
+        self._token_scores: torch.Tensor | None = None
+        head.register_forward_hook(self._keep_token_scores)
+
+    def _keep_token_scores(self, module, inputs, output) -> None:
+        self._token_scores = output
+
+    def render(self, prompt: str | list[dict], response: str, messages: list[dict] | None = None) -> str:
+        """A conversation as the reward model reads it: its chat template over the messages, else plain text."""
+        plain = prompt + response if messages is None and isinstance(prompt, str) else None
+        if messages is None:
+            messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)) + \
+                [{"role": "assistant", "content": response}]
+        if self.tokenizer.chat_template:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+        return plain if plain is not None else "\n".join(str(m.get("content", "")) for m in messages)
+
+    @torch.no_grad()
+    def score(self, prompts: list, responses: list[str], messages: list[list[dict]] | None = None) -> torch.Tensor:
+        """The model's score of each (prompt, response), or of each multi-turn episode's messages: [B] float32."""
+        texts = [self.render(p, r, None if messages is None else m)
+                 for p, r, m in zip(prompts, responses, messages or [None] * len(prompts))]
+        templated = bool(self.tokenizer.chat_template)  # a template writes its own special tokens
+        scores = []
+        for start in range(0, len(texts), self.config.micro_batch_size):
+            encoded = self.tokenizer(texts[start:start + self.config.micro_batch_size], return_tensors="pt",
+                                     padding=True, truncation=True, max_length=self.config.max_length,
+                                     add_special_tokens=not templated).to(self.device)
+            self.model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"])
+            last = encoded["attention_mask"].sum(1) - 1
+            rows = torch.arange(last.shape[0], device=last.device)
+            scores.append(self._token_scores[rows, last, 0].float().cpu())
+        return torch.cat(scores) if scores else torch.zeros(0)

@@ -1,0 +1,104 @@
+"""The reward model (reward.model): a tiny Qwen2.5-Instruct-shaped sequence classifier built from config, with the
+release's tokenizer and chat template (tests/fixtures/releases.py):
+
+- its batched, right-padded scores equal the model's own score of each conversation alone (its chat template over
+  the prompt and response), in micro-batches smaller than the batch; chat-message prompts and multi-turn episodes'
+  messages render through the same template;
+- a conversation over max_length is cut from the left: the score is the one of its last max_length tokens;
+- a bad reward.model.path, a model with two labels, bad weights: errors naming the key;
+- end to end: two GRPO steps with the embedded policy (its own tokenizer) and the reward model log reward/model_mean
+  and reward/rule_mean, and the trained reward is their weighted sum.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+import transformers as tf
+
+from rltrain.config import ConfigError, from_mapping
+from rltrain.main_grpo import run
+from rltrain.workers.reward import RewardConfig
+from rltrain.workers.reward_model import RewardModelConfig, RewardModelWorker
+from tests.fixtures.releases import build_release
+from tests.rltrain.tiny_job import tiny_job
+
+
+def _classifier(path: Path, num_labels: int = 1) -> str:
+    build_release("qwen2.5-instruct", path)
+    for weights in list(path.glob("*.safetensors")) + list(path.glob("*.index.json")):
+        weights.unlink()
+    config = tf.AutoConfig.from_pretrained(path)
+    config.num_labels = num_labels
+    torch.manual_seed(0)
+    tf.AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory) -> str:
+    return _classifier(tmp_path_factory.mktemp("reward_model"))
+
+
+def _alone(worker: RewardModelWorker, text: str, max_length: int | None = None) -> float:
+    ids = worker.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    if max_length is not None:
+        ids = ids[:, -max_length:]
+    with torch.no_grad():
+        return worker.model(input_ids=ids).logits[0, 0].item()
+
+
+def test_batched_scores_equal_each_conversation_scored_alone(classifier):
+    worker = RewardModelWorker(RewardModelConfig(path=classifier, micro_batch_size=3), "float32")
+    prompts = ["What is 2 + 3?", "Name a prime.", [{"role": "system", "content": "Be brief."},
+                                                    {"role": "user", "content": "7 * 6?"}], "Hi", "Say yes"]
+    responses = ["5", "Seven is a prime number, and so is eleven.", "42", "Hello there, how are you today?", "yes"]
+    scores = worker.score(prompts, responses)
+    assert scores.shape == (5,) and scores.dtype == torch.float32
+    for prompt, response, score in zip(prompts, responses, scores.tolist()):
+        text = worker.render(prompt, response)
+        assert "<|im_start|>assistant\n" + response in text   # the release's chat template
+        assert score == pytest.approx(_alone(worker, text), abs=1e-5)
+    assert len(set(scores.tolist())) == 5
+    episode = [{"role": "user", "content": "12+7="}, {"role": "assistant", "content": "calc(12+7)"},
+               {"role": "tool", "content": "19"}, {"role": "assistant", "content": "19"}]
+    [episode_score] = worker.score(["12+7="], ["ignored"], [episode]).tolist()
+    assert episode_score == pytest.approx(_alone(worker, worker.tokenizer.apply_chat_template(episode, tokenize=False)),
+                                          abs=1e-5)
+
+
+def test_a_long_conversation_is_cut_from_the_left(classifier):
+    worker = RewardModelWorker(RewardModelConfig(path=classifier, max_length=12), "float32")
+    prompt, response = "Tell me a long story about a number " * 4, "Once upon a time there was seven."
+    [score] = worker.score([prompt], [response]).tolist()
+    assert score == pytest.approx(_alone(worker, worker.render(prompt, response), max_length=12), abs=1e-5)
+
+
+def test_bad_settings_name_their_key(tmp_path, classifier):
+    with pytest.raises(ConfigError, match=r"^reward.model.path: must be a model directory holding config.json"):
+        from_mapping(RewardConfig, {"model": {"path": str(tmp_path)}}, "reward")
+    with pytest.raises(ConfigError, match=r"^reward.model.weight: must be a finite number"):
+        from_mapping(RewardConfig, {"model": {"path": classifier, "weight": float("nan")}}, "reward")
+    with pytest.raises(ConfigError, match=r"^reward.model.path: .* with 2 labels; a reward model has one label"):
+        RewardModelWorker(RewardModelConfig(path=_classifier(tmp_path / "two", num_labels=2)), "float32")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_two_steps_with_a_reward_model_log_both_parts(tmp_path, classifier, ray_session):
+    job = tiny_job(tmp_path / "run", reward={"model": {"path": classifier, "weight": 0.5, "rule_weight": 2.0}})
+    assert run(job)["step"] == 2
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "train/reward_mean" in r]
+    assert len(train) == 2
+    for record in train:
+        combined = 2.0 * record["reward/rule_mean"] + 0.5 * record["reward/model_mean"]
+        assert record["train/reward_mean"] == pytest.approx(combined, abs=1e-5), record
+        assert record["reward/model_mean"] != 0
