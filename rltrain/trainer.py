@@ -35,6 +35,7 @@ from tensordict import TensorDict
 from rltrain import checkpoint as ckpt
 from rltrain.algorithms.advantages import batch_advantages
 from rltrain.algorithms.dapo import collect_groups, mask_truncated, overlong_penalty
+from rltrain.algorithms.kl_control import KLController
 from rltrain.algorithms.rollout_correction import apply_rollout_correction
 from rltrain.async_rollout import (
     ProducedBatch, RolloutProducer, dropped_on_resume, generate_in_segments, lag_metrics, token_lags,
@@ -137,6 +138,7 @@ class GRPOTrainer:
         self.producer: RolloutProducer | None = None   # trainer.mode one_step_off / async, while fit() runs
         self.first_version, self.trained_sampler_state = 0, None
         self.reward_guard = ErrorRateGuard.for_config(job.reward)   # reward.max_error_rate: stops a failing run
+        self.kl_control = KLController(job.algorithm.kl_ctrl, job.algorithm.loss.kl_coef)   # kl_in_reward's β
 
     def _start_workers(self) -> None:
         job = self.job
@@ -306,7 +308,9 @@ class GRPOTrainer:
         if self.teacher is not None:
             with timer.phase("teacher"):
                 batch["teacher_logprobs"] = ray.get(self.teacher.compute_logprobs.remote(batch))
-        batch["advantages"], advantage_metrics = batch_advantages(batch, job.algorithm)
+        batch["advantages"], advantage_metrics = batch_advantages(batch, job.algorithm, self.kl_control.coef)
+        if job.algorithm.kl_in_reward:   # the next step's β (adaptive); this step's penalty used the one before
+            self.kl_control.update(advantage_metrics["train/kl"], batch.batch_size[0])
         metrics.update(advantage_metrics)
         with timer.phase("update"):
             metrics.update(ray.get(self.actor.update.remote(batch, step)))
@@ -393,7 +397,8 @@ class GRPOTrainer:
         # resumed run drops (and generates again from the same prompts)
         state = {"sampler": self.trained_sampler_state or self.sampler.state_dict(), "initial_val": self.initial_val,
                  "lr_scheduler": ray.get(actor.lr_scheduler_state.remote()), "mode": self.job.trainer.mode,
-                 "pending": self.producer.pending() if self.producer is not None else {}}
+                 "pending": self.producer.pending() if self.producer is not None else {},
+                 "kl_control": self.kl_control.state_dict()}
         path = ckpt.save_checkpoint(str(self.output_dir), step, lambda p: ray.get(actor.save_pretrained.remote(p)),
                                     ray.get(actor.optimizer_state.remote()), self.saved_tokenizer, state)
         logger.info("saved checkpoint %s", path)
@@ -434,6 +439,8 @@ class GRPOTrainer:
         self.sampler.load_state_dict(state["sampler"])
         ckpt.set_rng_state(state["rng"])
         self.step, self.initial_val = state["step"], state.get("initial_val")
+        if "kl_control" in state:   # checkpoints from before it was saved: the configured β
+            self.kl_control.load_state_dict(state["kl_control"])
         logger.info("resumed from %s at step %d", path, self.step)
         if state.get("pending"):
             logger.warning(dropped_on_resume(state, self.job.rollout.n))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
+from rltrain.algorithms.kl_control import batch_kl
 from rltrain.registry import Registry
 
 ADVANTAGES: Registry = Registry("advantage estimator")
@@ -122,18 +123,23 @@ def kl_reward(old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_m
     return torch.where(response_mask != 0, -kl_coef * k1, 0.0)
 
 
-def batch_advantages(batch: TensorDict, algorithm) -> tuple[torch.Tensor, dict[str, float]]:
+def batch_advantages(batch: TensorDict, algorithm, kl_coef: float | None = None) -> tuple[torch.Tensor,
+                                                                                         dict[str, float]]:
     """(advantages [B, T], metrics) of a scored batch with old (and, for kl_in_reward, reference) log-probs: the
     configured estimator, with REINFORCE++'s discount and KL penalty in the reward where the config asks.
     `algorithm`: the algorithm section (AlgorithmConfig, rltrain/algorithms/config.py, which imports this module's
-    registry to check adv_estimator)."""
+    registry to check adv_estimator); `kl_coef`: the penalty's β this step (algorithm.kl_ctrl), else loss.kl_coef.
+    With kl_in_reward the metrics hold the batch's KL (train/kl, what an adaptive β steers) and β (train/kl_coef)."""
     options, metrics = {}, {}
     if algorithm.adv_estimator == "reinforce_pp":
         options["gamma"] = algorithm.gamma
     if algorithm.kl_in_reward:
+        coef = algorithm.loss.kl_coef if kl_coef is None else kl_coef
         options["token_rewards"] = kl_reward(batch["old_logprobs"], batch["ref_logprobs"], batch["response_mask"],
-                                             algorithm.loss.kl_coef)
+                                             coef)
         metrics["train/kl_penalty_mean"] = options["token_rewards"].sum(1).mean().item()  # per response
+        metrics["train/kl"] = batch_kl(batch["old_logprobs"], batch["ref_logprobs"], batch["response_mask"])
+        metrics["train/kl_coef"] = coef
     advantages = compute_advantages(algorithm.adv_estimator, batch["rewards"], batch["response_mask"],
                                     batch["group_ids"], **options)
     if algorithm.distill.enabled and not algorithm.distill.exact:  # exact: a term of the actor's loss instead

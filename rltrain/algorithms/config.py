@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from rltrain_kernels.ops.policy_loss.options import PolicyLossOptionError, PolicyLossOptions
 
 from rltrain.algorithms.advantages import ADVANTAGES
+from rltrain.algorithms.kl_control import KLControlConfig
 from rltrain.algorithms.rollout_correction import RolloutCorrectionConfig
 from rltrain.config import require
 
@@ -88,6 +89,7 @@ class AlgorithmConfig:
     adv_estimator: str = "grpo"           # grpo | drgrpo | rloo | reinforce_pp
     loss: LossConfig = field(default_factory=LossConfig)
     kl_in_reward: bool = False            # REINFORCE++: −loss.kl_coef·k1 in each token's reward, not in the loss
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)  # that penalty's β: fixed or adaptive
     gamma: float = 1.0                    # reinforce_pp: discount of the token rewards' returns
     dynamic_sampling: bool = False        # DAPO: drop groups whose rewards are all equal, refill the batch
     dynamic_sampling_max_rounds: int = 4  # extra generation rounds allowed to refill one batch
@@ -134,6 +136,9 @@ class AlgorithmConfig:
                 "needs adv_estimator=reinforce_pp (the estimator that takes per-token rewards)", self.kl_in_reward)
         require(not self.kl_in_reward or self.loss.kl_coef > 0, "kl_in_reward",
                 "needs loss.kl_coef > 0 (the penalty's coefficient β)", self.kl_in_reward)
+        require(not self.kl_ctrl.adaptive or self.kl_in_reward, "kl_ctrl.type",
+                "adaptive steers the in-reward KL penalty: needs kl_in_reward=true (e.g. algorithm=reinforce_pp)",
+                self.kl_ctrl.type)
         require(0 < self.gamma <= 1, "gamma", "must be in (0, 1]", self.gamma)
         require(self.gamma == 1 or self.adv_estimator == "reinforce_pp", "gamma",
                 "applies to adv_estimator=reinforce_pp only", self.gamma)
