@@ -21,7 +21,7 @@ import torch
 import transformers as tf
 
 from rltrain.config import ConfigError, require
-from rltrain.workers.policy import DTYPES, load_tokenizer, set_threads
+from rltrain.workers.policy import DTYPES, load_tokenizer, release_cached_memory, set_threads
 
 
 @dataclass
@@ -99,4 +99,5 @@ class RewardModelWorker:
             last = encoded["attention_mask"].sum(1) - 1
             rows = torch.arange(last.shape[0], device=last.device)
             scores.append(self._token_scores[rows, last, 0].float().cpu())
+        release_cached_memory()   # the GPU it shares: the actor trains next, the engine wakes after
         return torch.cat(scores) if scores else torch.zeros(0)
