@@ -19,6 +19,7 @@ threaded parents, and a replacement starts in milliseconds instead of re-importi
 
 from __future__ import annotations
 
+import abc
 import multiprocessing as mp
 import time
 from multiprocessing.connection import wait
@@ -79,7 +80,7 @@ class PipeWorker:
         self.conn.close()
 
 
-class ProcessPool:
+class ProcessPool(abc.ABC):
     """The parent's side: up to `num_workers` PipeWorkers from `_new_worker`, waited on together, replaced one at a
     time. Subclasses drive them (send jobs, read answers); `close()` (or the context manager) ends them."""
 
@@ -90,8 +91,9 @@ class ProcessPool:
         self._ctx = worker_context(preload)
         self._workers: list[PipeWorker] = []
 
+    @abc.abstractmethod
     def _new_worker(self) -> PipeWorker:
-        raise NotImplementedError
+        """A started worker of this pool's kind."""
 
     def _fill(self) -> None:
         while len(self._workers) < self.num_workers:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
+from tests.helpers import ON_GPU
 
 
 @dataclass(frozen=True)

@@ -28,13 +28,14 @@ from rltrain.workers.lora import LoraConfig, adapter_modules_of, peft_checkpoint
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from rltrain.workers.vllm_lora import (VLLM_LORA_RANKS, adapter_directory, check_adapter_modules, check_lora_dtype,
                                        max_lora_rank)
+from tests.helpers import ON_GPU
 from tests.rltrain.tiny_job import save_tiny_policy
 
 TEMPERATURE = 0.7
 LORA = LoraConfig(rank=4, alpha=8.0)
 # the engine tests compare fp32 log-probs, which vLLM's GPU LoRA kernels do not take (check_lora_dtype); on a GPU the
 # LoRA push runs in the trainer's bf16 tests (test_trainer_vllm, test_releases' sync+lora)
-fp32_engine = pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's GPU LoRA kernels take no fp32")
+fp32_engine = pytest.mark.skipif(ON_GPU, reason="vLLM's GPU LoRA kernels take no fp32")
 
 
 def test_max_lora_rank_rounds_up_to_a_vllm_rank():
