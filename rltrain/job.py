@@ -84,6 +84,7 @@ class JobConfig:
 
     def validate(self):
         self._validate_behaviour_logprobs()
+        self._validate_on_policy_update()
         # a group of one response has advantage 0 under the group estimators: nothing would train
         require(self.rollout.n >= 2 or self.algorithm.adv_estimator not in GROUP_ESTIMATORS, "rollout.n",
                 f"must be >= 2 with algorithm.adv_estimator={self.algorithm.adv_estimator} (its advantages compare "
@@ -145,9 +146,31 @@ class JobConfig:
                 response)
 
     @property
+    def single_update(self) -> bool:
+        """Whether the actor's update is one optimizer step: one pass (actor.ppo_epochs) over one mini-batch."""
+        mini = self.actor.mini_batch_size
+        return self.actor.ppo_epochs == 1 and (mini == 0 or mini >= self.data.batch_size * self.rollout.n)
+
+    @property
     def old_logprobs(self) -> str:
-        """algorithm.old_logprobs as the run uses it: actor or rollout (auto resolved by trainer.mode)."""
-        return self.algorithm.resolved_old_logprobs(self.trainer.mode)
+        """algorithm.old_logprobs as the run uses it: actor, rollout or update (auto resolved by trainer.mode and
+        the update's shape, AlgorithmConfig.resolved_old_logprobs)."""
+        return self.algorithm.resolved_old_logprobs(self.trainer.mode, self.single_update)
+
+    def _validate_on_policy_update(self) -> None:
+        """algorithm.old_logprobs=update takes π_old as the policy being trained: true only in sync mode, for an
+        update of one optimizer step, with nothing reading π_old before it."""
+        if self.algorithm.old_logprobs != "update":
+            return
+        require(self.trainer.mode == "sync", "algorithm.old_logprobs", f"'update' needs trainer.mode=sync "
+                f"(trainer.mode={self.trainer.mode} trains on responses an older policy sampled)", "update")
+        require(self.single_update, "algorithm.old_logprobs", "'update' needs an update of one optimizer step: "
+                f"actor.ppo_epochs=1 (got {self.actor.ppo_epochs}) and actor.mini_batch_size 0 or at least "
+                f"data.batch_size × rollout.n = {self.data.batch_size * self.rollout.n} (got "
+                f"{self.actor.mini_batch_size}); after the first step π_θ has moved from π_old", "update")
+        readers = self.algorithm.reads_old_before_update()
+        require(not readers, "algorithm.old_logprobs", f"'update' computes π_old's log-probs during the update, but "
+                f"{', '.join(readers)} reads them before it: use algorithm.old_logprobs=actor", "update")
 
     def _validate_behaviour_logprobs(self) -> None:
         """Settings that take the engine's log-probs as the behaviour policy need them to be softmax(logits /

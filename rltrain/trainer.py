@@ -297,10 +297,14 @@ class GRPOTrainer:
         metrics = {**lag_metrics(lags), **self._shape_rewards(batch, response_len)}
         if job.algorithm.overlong_filter:
             batch["response_mask"] = mask_truncated(batch["response_mask"], batch["truncated"])
-        with timer.phase("old_logprob"):  # algorithm.old_logprobs=rollout: the sampling engine's, no recompute
-            batch["old_logprobs"] = batch["rollout_logprobs"].clone() if job.old_logprobs == "rollout" \
-                else ray.get(self.actor.compute_logprobs.remote(batch))
-        metrics.update(apply_rollout_correction(batch, job.algorithm.rollout_correction, job.algorithm.loss.decoupled))
+        on_policy = job.old_logprobs == "update"   # π_old = π_θ: the update's own forward gives its log-probs
+        timer.add("old_logprob", 0.0)
+        if not on_policy:
+            with timer.phase("old_logprob"):  # algorithm.old_logprobs=rollout: the sampling engine's, no recompute
+                batch["old_logprobs"] = batch["rollout_logprobs"].clone() if job.old_logprobs == "rollout" \
+                    else ray.get(self.actor.compute_logprobs.remote(batch))
+            metrics.update(apply_rollout_correction(batch, job.algorithm.rollout_correction,
+                                                    job.algorithm.loss.decoupled))
         timer.add("ref", 0.0)
         if job.algorithm.loss.kl_coef > 0:
             with timer.phase("ref"):
@@ -313,7 +317,12 @@ class GRPOTrainer:
             self.kl_control.update(advantage_metrics["train/kl"], batch.batch_size[0])
         metrics.update(advantage_metrics)
         with timer.phase("update"):
-            metrics.update(ray.get(self.actor.update.remote(batch, step)))
+            update = ray.get(self.actor.update.remote(batch, step))
+        if on_policy:  # the train-inference mismatch metrics, against the log-probs the update computed
+            batch["old_logprobs"] = update.pop("old_logprobs")
+            metrics.update(apply_rollout_correction(batch, job.algorithm.rollout_correction,
+                                                    job.algorithm.loss.decoupled))
+        metrics.update(update)
         timer.add("weight_sync", self.push_weights(step))
         elapsed = time.monotonic() - start
         tokens = batch["prompt_mask"].sum().item() + batch["response_mask"].sum().item()

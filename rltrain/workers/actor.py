@@ -39,8 +39,8 @@ from rltrain.workers.fsdp import FSDPConfig, ShardedPolicy, keyed_by_index, keye
 from rltrain.workers.lora import LoraConfig, adapter_weights, attach_lora, load_adapters
 from rltrain.workers.packing import MicroBatching, Packing
 from rltrain.workers.policy import (
-    DTYPES, load_policy, plan_buckets, policy_hidden, release_cached_memory, resolve_batching, response_labels,
-    response_logprobs, set_threads, untied_state_dict,
+    DTYPES, assemble_rows, load_policy, plan_buckets, policy_hidden, release_cached_memory, resolve_batching,
+    response_labels, response_logprobs, set_threads, untied_state_dict,
 )
 from rltrain.workers.precision import MasterWeights, stored_fp32_weights, trained_dtype
 from rltrain.workers.weight_sync import WeightSource
@@ -151,6 +151,7 @@ def minibatch_order(size: int, seed: int, step: int, epoch: int) -> torch.Tensor
 class ActorWorker(WeightSource):
     adapters = None  # the PeftModel wrapping self.model with actor.lora on (FSDPActorWorker: never)
     teacher = None   # algorithm.distill.kl=exact: the frozen teacher whose KL joins the loss (FSDPActorWorker: never)
+    update_logprobs = None  # an on-policy update's (row indices, log-probs) per micro-batch of this process
     master = None    # MasterWeights: the fp32 weights the optimizer trains, where model.dtype is not float32 under
                      # actor.mixed_precision (FSDPActorWorker: never; its shards are fp32 themselves)
 
@@ -204,19 +205,29 @@ class ActorWorker(WeightSource):
     def _start_schedule(self, seed: int, total_steps: int | None) -> None:
         self.seed, self.schedule, self.updates = seed, LRSchedule.of(self.config, total_steps), 0
 
-    def update(self, batch: TensorDict, step: int = 0) -> dict[str, float]:
+    def update(self, batch: TensorDict, step: int = 0) -> dict:
         """actor.ppo_epochs passes over `batch` in mini-batches (an optimizer step each; with more than one
         mini-batch the rows are shuffled every pass, seeded by the RL step), at this update's learning rate.
         Returns the metrics averaged over the optimizer steps, and actor/lr. Random draws in the update (LoRA
-        dropout) are seeded by (trainer.seed, step), so a resumed run replays them."""
+        dropout) are seeded by (trainer.seed, step), so a resumed run replays them.
+
+        A batch without old_logprobs is on-policy (algorithm.old_logprobs=update): π_old is the policy being trained,
+        which holds for one optimizer step only; the result then also holds "old_logprobs", the [B, R] log-probs of
+        the update's own forward (on the CPU, 0 where masked)."""
         torch.manual_seed(self.seed * 1_000_003 + step * 101 + 17)
         size = batch.batch_size[0]
         mini = self.config.mini_batch_size or size
+        on_policy = "old_logprobs" not in batch.keys()
+        if on_policy and (self.config.ppo_epochs > 1 or mini < size):
+            raise ValueError(f"a batch without old_logprobs trains on-policy, one optimizer step, but "
+                             f"actor.ppo_epochs={self.config.ppo_epochs} and actor.mini_batch_size={mini} over "
+                             f"{size} responses make more")
         lr = self.config.lr * self.schedule.factor(self.updates)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         totals: dict[str, float] = {}
         steps = 0
+        self.update_logprobs = [] if on_policy else None
         for epoch in range(self.config.ppo_epochs):
             rows = batch if mini >= size else batch[minibatch_order(size, self.seed, step, epoch)]
             for mini_batch in split(rows, mini):
@@ -224,18 +235,24 @@ class ActorWorker(WeightSource):
                     totals[key] = totals.get(key, 0.0) + value
                 steps += 1
         self.updates += 1
+        result = {**{f"actor/{k}": v / steps for k, v in totals.items()}, "actor/lr": lr}
+        if on_policy:
+            result["old_logprobs"] = self._assemble_rows(batch, self.update_logprobs)
         release_cached_memory()   # the step's last GPU work here: the colocated engine wakes next
-        return {**{f"actor/{k}": v / steps for k, v in totals.items()}, "actor/lr": lr}
+        return result
 
     def _optimizer_step(self, mini_batch: TensorDict) -> dict[str, float]:
         accumulation = LossAccumulation.of(self.loss.loss_agg, mini_batch["response_mask"], self.loss.norm_len)
         n_tokens = max(accumulation.tokens, 1)
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "entropy": 0.0, "ppo_kl": 0.0, "clipfrac": 0.0, "ref_kl": 0.0}
-        for micro in self._micro_batches(mini_batch):
+        rows, micros = self._micro_batches(mini_batch)
+        for i, micro in enumerate(micros):
             micro_tokens = micro["response_mask"].sum().item()
             micro_seqs = int((micro["response_mask"].sum(1) > 0).sum())
-            out, kl_sum = self._policy_loss(micro, accumulation.options())
+            out, kl_sum, logprobs = self._policy_loss(micro, accumulation.options())
+            if self.update_logprobs is not None and i < len(rows):  # on-policy: π_old's log-probs, for the trainer
+                self.update_logprobs.append((rows[i], logprobs.cpu()))
             scale = accumulation.weight(micro.batch_size[0], micro_seqs)
             loss = out.loss * scale
             if kl_sum is not None:  # the exact reverse KL to the teacher, a token mean over the mini-batch
@@ -255,12 +272,15 @@ class ActorWorker(WeightSource):
 
     def _policy_loss(self, micro: TensorDict, norm: dict):
         """(fused_policy_loss of one micro-batch, on its packed row (cu_seqlens) or its padded rows; with a teacher
-        the summed reverse KL to it, else None). GSPO's sequence ratio takes rows: its packed hidden states are
-        gathered into them (one [B, R, H] copy)."""
+        the summed reverse KL to it, else None; the response tokens' log-probs [b, R'] as rows). GSPO's sequence
+        ratio takes rows: its packed hidden states are gathered into them (one [B, R, H] copy). Without
+        old_logprobs the loss is on-policy (fused_policy_loss's old_logprobs=None)."""
         loss_cfg = self.loss
         options = {**loss_cfg.kernel_options(), "temperature": self.temperature, **norm}
-        fields = [micro["response_ids"], micro["response_mask"], weighted_advantages(micro), micro["old_logprobs"],
-                  micro["ref_logprobs"] if "ref_logprobs" in micro.keys() else None]
+        keys = micro.keys()
+        fields = [micro["response_ids"], micro["response_mask"], weighted_advantages(micro),
+                  micro["old_logprobs"] if "old_logprobs" in keys else None,
+                  micro["ref_logprobs"] if "ref_logprobs" in keys else None]
         packing = Packing.of(micro) if self.batching.packed else None
         to_rows = packing is not None and loss_cfg.importance_level == "sequence"
         if packing is not None and not to_rows:
@@ -273,7 +293,8 @@ class ActorWorker(WeightSource):
             out = fused_policy_loss(packing.response_rows(hidden) if to_rows else hidden, weight, *fields, **options)
             return out, None if self.teacher is None else self._teacher_kl(micro, packing, hidden, weight)
 
-        return self._run_head(micro, packing, head)
+        out, kl_sum = self._run_head(micro, packing, head)
+        return out, kl_sum, out.logprobs if packing is None or to_rows else packing.rows(out.logprobs)
 
     def _teacher_kl(self, micro: TensorDict, packing: Packing | None, hidden: torch.Tensor,
                     weight: torch.Tensor) -> torch.Tensor:
@@ -288,8 +309,14 @@ class ActorWorker(WeightSource):
 
     # the four steps FSDPActorWorker (below) does differently: this rank's micro-batches, the model + loss head
     # inside the sharded root's forward, the global gradient norm, metrics summed over ranks
-    def _micro_batches(self, mini_batch: TensorDict) -> list[TensorDict]:
-        return [self.batching.take(mini_batch, rows).to(self.device) for rows in self.batching.groups(mini_batch)]
+    def _micro_batches(self, mini_batch: TensorDict) -> tuple[list[torch.Tensor], list[TensorDict]]:
+        """(each micro-batch's row indices in mini_batch, the micro-batches on the device)."""
+        groups = self.batching.groups(mini_batch)
+        return groups, [self.batching.take(mini_batch, rows).to(self.device) for rows in groups]
+
+    def _assemble_rows(self, batch: TensorDict, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """[B, R] fp32 from (row indices, values [rows, ≤ R]) parts, 0 where the response mask is."""
+        return assemble_rows(batch, parts)
 
     def _run_head(self, micro: TensorDict, packing: Packing | None, head):
         """head(hidden states, LM head weight) for one micro-batch (policy_hidden's layout)."""
@@ -381,12 +408,15 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
     def compute_logprobs(self, batch: TensorDict) -> torch.Tensor | None:
         return self._sharded_logprobs(batch, self.temperature)
 
-    def update(self, batch: TensorDict, step: int = 0) -> dict[str, float] | None:
+    def update(self, batch: TensorDict, step: int = 0) -> dict | None:
         metrics = super().update(batch, step)
         return metrics if self.rank == 0 else None
 
-    def _micro_batches(self, mini_batch: TensorDict) -> list[TensorDict]:
-        return self._rank_micro_batches(mini_batch)[1]
+    def _micro_batches(self, mini_batch: TensorDict) -> tuple[list[torch.Tensor], list[TensorDict]]:
+        return self._rank_micro_batches(mini_batch)
+
+    def _assemble_rows(self, batch: TensorDict, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        return self._gather_rows(batch, parts)
 
     def _run_head(self, micro: TensorDict, packing, head):
         return self.root(micro, packing, head)

@@ -47,7 +47,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from rltrain.config import ConfigError
 from rltrain.workers.packing import MicroBatching, balanced_groups, response_lengths, sequence_lengths
-from rltrain.workers.policy import DTYPES, load_policy, micro_logprobs, policy_hidden, resolve_batching
+from rltrain.workers.policy import DTYPES, assemble_rows, load_policy, micro_logprobs, policy_hidden, resolve_batching
 
 logger = logging.getLogger(__name__)
 
@@ -164,21 +164,21 @@ class ShardedPolicy:
     def _sharded_logprobs(self, batch: TensorDict, temperature: float):
         """Response log-probs of the whole batch on rank 0 (None elsewhere), each rank computing its own rows."""
         rows, micros = self._rank_micro_batches(batch)
-        width = batch["response_ids"].shape[1]
         logps = [micro_logprobs(self.model, micro, self.batching.packed, temperature, head=self.root).float().cpu()
                  for micro in micros][:len(rows)]
-        logps = [torch.nn.functional.pad(logp, (0, width - logp.shape[1])) for logp in logps]   # trimmed widths
         self.root.reshard()  # the root stays unsharded after a forward that no backward follows
-        local = (torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long),
-                 torch.cat(logps) if logps else torch.zeros(0, width))
+        return self._gather_rows(batch, list(zip(rows, logps)))
+
+    def _gather_rows(self, batch: TensorDict, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """Every rank's (row indices, values [rows, ≤ R]) parts as one [B, R] fp32 tensor on rank 0 (None
+        elsewhere; a collective), 0 where the response mask is."""
+        width = batch["response_ids"].shape[1]
+        values = [torch.nn.functional.pad(v.float().cpu(), (0, width - v.shape[1])) for _, v in parts]  # trimmed
+        local = (torch.cat([r for r, _ in parts]) if parts else torch.zeros(0, dtype=torch.long),
+                 torch.cat(values) if values else torch.zeros(0, width))
         gathered = [None] * self.world_size
         dist.all_gather_object(gathered, local)
-        if self.rank != 0:
-            return None
-        out = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
-        for index, values in gathered:
-            out[index] = values
-        return out * (batch["response_mask"] != 0)
+        return assemble_rows(batch, gathered) if self.rank == 0 else None
 
 
 def keyed_by_index(state: dict, names: list[str]) -> dict:

@@ -143,11 +143,18 @@ def micro_logprobs(model, micro: TensorDict, packed: bool, temperature: float, h
 def response_logprobs(model, batch: TensorDict, temperature: float, batching: MicroBatching) -> torch.Tensor:
     """log p(response token) under `model` at `temperature`, [B, R] fp32 on the CPU (0 where masked)."""
     device = model.get_output_embeddings().weight.device
-    out = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
     with torch.no_grad():
-        for rows in batching.groups(batch):
-            logp = micro_logprobs(model, batching.take(batch, rows).to(device), batching.packed, temperature)
-            out[rows, :logp.shape[1]] = logp.float().cpu()
+        return assemble_rows(batch, [(rows, micro_logprobs(model, batching.take(batch, rows).to(device),
+                                                           batching.packed, temperature).cpu())
+                                     for rows in batching.groups(batch)])
+
+
+def assemble_rows(batch: TensorDict, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """[B, R] fp32 on the CPU from (row indices, values [rows, ≤ R]: micro-batches trim their padding) parts,
+    0 where the response mask is."""
+    out = torch.zeros(batch["response_ids"].shape, dtype=torch.float32)
+    for rows, values in parts:
+        out[rows, :values.shape[1]] = values.float().cpu()
     return out * (batch["response_mask"] != 0)
 
 

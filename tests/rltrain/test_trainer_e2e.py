@@ -142,6 +142,8 @@ def test_algorithm_presets_train(tmp_path, preset):
     assert [r["step"] for r in train] == [1, 2]
     for record in train:
         assert math.isfinite(record["actor/loss"]) and math.isfinite(record["actor/grad_norm"]), record
+        if preset != "reinforce_pp":   # algorithm.old_logprobs=auto → update: no recompute, every ratio 1
+            assert record["time/old_logprob_s"] == 0.0 and record["actor/ppo_kl"] == 0.0, record
     if preset == "dapo":
         assert all(r["train/groups_kept"] > 0 for r in train), train
         assert all(-1 <= r["train/overlong_penalty_mean"] <= 0 for r in train), train

@@ -343,6 +343,25 @@ def test_reference_path_and_auto(device):
     assert abs(auto[0].loss.item() - expected[0].loss.item()) < 1e-12
 
 
+@pytest.mark.parametrize("impl", IMPLS + ["reference"])
+@pytest.mark.parametrize("name", ["default", "gspo-all", "all"])
+@pytest.mark.parametrize("config", [CHUNKS, TWO_PASS], ids=["chunks", "two-pass"])
+def test_on_policy_old_logprobs(impl, name, config, device):
+    """old_logprobs=None (π_old = π_θ) is the loss given the current policy's own log-probs as old_logprobs:
+    every ratio 1, so nothing clips and ppo_kl is 0, with the gradients of logp."""
+    if config is TWO_PASS and (impl == "reference" or impl == "triton" and name != "gspo-all"):
+        pytest.skip("the reference does not chunk; the token-level loss takes one route whatever the chunking")
+    opts = OPTION_CASES[name]
+    inputs = inputs_for(impl, device=device)
+    own = reference_policy_loss(inputs["hidden"].double(), inputs["weight"].double(), inputs["labels"],
+                                inputs["mask"], inputs["advantages"], None, temperature=opts.get("temperature", 1.0))
+    given = dict(inputs, old_logprobs=own.logprobs.float())
+    chunks = {} if impl == "reference" else dict(chunk_config=config)
+    out, gh, gw = run(dict(inputs, old_logprobs=None), impl, **chunks, **opts)
+    assert_matches((out, gh, gw), run_reference(given, **opts), tol_of(inputs), loss_tol=1e-5)
+    assert out.metrics["clipfrac"] == 0.0 and out.metrics["ppo_kl"] == 0.0
+
+
 ERROR_CASES = [   # (id, changed arguments, expected message)
     ("loss_agg", dict(loss_agg="mean"), r"unknown loss_agg 'mean'; expected one of 'token-mean', 'seq-mean-token-sum'"),
     ("kl_type", dict(kl_type="k4"), r"unknown kl_type 'k4'; expected one of 'k1', 'k2', 'k3'"),
@@ -368,6 +387,7 @@ ERROR_CASES = [   # (id, changed arguments, expected message)
     ("advantages-shape", dict(advantages=torch.zeros(3, 5, 1)),
      r"advantages must have shape \[B\] = \[3\] or \[B, T\] = \[3, 5\]"),
     ("old-shape", dict(old_logprobs=torch.zeros(5)), r"old_logprobs must have shape \[B, T\]"),
+    ("old-type", dict(old_logprobs=[0.0] * 15), r"old_logprobs must be a tensor or None, got list"),
     ("ref-dtype", dict(ref_logprobs=torch.zeros(3, 5, dtype=torch.int64)),
      r"ref_logprobs must be a floating-point tensor"),
     ("labels-range", dict(labels=torch.full((3, 5), 257)), r"labels must lie in \[0, 257\) where mask != 0"),

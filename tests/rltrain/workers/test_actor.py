@@ -158,6 +158,32 @@ def test_ppo_epochs_pass_over_reshuffled_seeded_mini_batches(setup, monkeypatch)
     assert sum(orders, []) != passes[0] + passes[1]
 
 
+@pytest.mark.parametrize("loss", [LossConfig(), LossConfig(importance_level="sequence", loss_agg="seq-mean-token-mean"),
+                                  LossConfig(kl_coef=0.1)], ids=["grpo", "gspo", "kl"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_on_policy_update_equals_the_recomputed_old_logprobs(setup, loss, packed):
+    """algorithm.old_logprobs=update: a batch without old_logprobs trains as one whose old_logprobs the actor
+    recomputed first (same weights after the step, same metrics), and hands back those log-probs."""
+    model_dir, batch = setup
+    batch = batch.clone()
+    batch["ref_logprobs"] = -torch.rand(batch["response_mask"].shape) * batch["response_mask"]
+    recomputing, on_policy = (_actor(model_dir, loss, use_remove_padding=packed) for _ in range(2))
+    given = batch.clone()
+    given["old_logprobs"] = recomputing.compute_logprobs(batch)
+    expected = recomputing.update(given, step=1)
+    result = on_policy.update(batch, step=1)
+    assert rel_error(result.pop("old_logprobs"), given["old_logprobs"]) < 1e-6
+    assert result.keys() == expected.keys()
+    for key, value in expected.items():
+        assert result[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    assert result["actor/clipfrac"] == 0.0 and result["actor/ppo_kl"] == 0.0
+    weights = recomputing.state_dict()
+    for name, tensor in on_policy.state_dict().items():
+        assert rel_error(tensor, weights[name]) < 1e-5, name
+    with pytest.raises(ValueError, match=r"actor.ppo_epochs=1 and actor.mini_batch_size=4 over 12 responses"):
+        _actor(model_dir, loss, mini_batch_size=4).update(batch)
+
+
 def _trained_weights(actor: ActorWorker) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """name -> (the weight the optimizer trains, its gradient): the fp32 masters where the actor keeps them, else
     the model's trainable parameters."""

@@ -1,6 +1,7 @@
 """FSDP2 actor and reference over 2 gloo processes (torch.multiprocessing, no Ray) against the single process, fp32:
 gradients after an update, metrics, sharded old/reference log-probs, the gathered weights and optimizer state after
-the step, and loading a single-process checkpoint into the shards. Cases cover uneven micro-batches (a rank with
+the step, loading a single-process checkpoint into the shards and an on-policy update from it (no old_logprobs: the
+update's own log-probs gathered on rank 0). Cases cover uneven micro-batches (a rank with
 fewer micro-batches than rank 0 runs padding ones), a rank with no rows, two mini-batches, each loss aggregation,
 the KL term, gradient checkpointing, and packed micro-batches cut by a token budget (rows shared by tokens; the
 sharded reference packed against the single process's padded one); two of them again on a delta-rule policy
@@ -88,9 +89,15 @@ def _rank_main(rank, port, device, dtype, cpu_offload, model_dir, batches, singl
         pushed = actor.full_weights(actor.bucket_names(256)[0])  # the weight push's tensors: model.dtype
         assert all(t.dtype == DTYPES[dtype] for t in pushed.values() if t.is_floating_point())
         result.update(grads=grads, weights=actor.state_dict(), optimizer=actor.optimizer_state())
-        model_state, optimizer_state = single_states[case]
+        # copies: the spawned ranks share the parent's tensors, and a loaded optimizer state may alias what it was
+        # given, so Adam's in-place steps would move one rank's `step` counter under the other's
+        model_state, optimizer_state = copy.deepcopy(single_states[case])
         actor.load_checkpoint(model_state, optimizer_state)
-        result.update(loaded_weights=actor.state_dict(), loaded_optimizer=actor.optimizer_state())
+        # a copy: the gathered state shares its `step` counters with the optimizer, which the next update moves
+        result.update(loaded_weights=actor.state_dict(), loaded_optimizer=copy.deepcopy(actor.optimizer_state()))
+        if config.mini_batch_size == 0:   # one optimizer step: on-policy from the loaded checkpoint
+            on_policy = actor.update(batch.exclude("old_logprobs"))
+            result.update(on_policy=on_policy and on_policy.pop("old_logprobs"), on_policy_weights=actor.state_dict())
         if rank == 0:
             torch.save(result, f"{out_dir}/{case}.pt")
 
@@ -127,7 +134,10 @@ def run_cases(root, device: str, dtype: str = "float32", cpu_offload: bool = Fal
                                       "optimizer": actor.optimizer_state()})  # copies: the next update changes them
         # a checkpoint for the shards to load: other weights and a second optimizer step's state
         actor.update(batch)
-        states[case] = (actor.state_dict(), _to_cpu(actor.optimizer_state()))
+        states[case] = copy.deepcopy((actor.state_dict(), _to_cpu(actor.optimizer_state())))
+        if config.mini_batch_size == 0:  # algorithm.old_logprobs=update from that checkpoint
+            single[case].update(on_policy=actor.update(batch.exclude("old_logprobs"))["old_logprobs"],
+                                on_policy_weights=actor.state_dict())
         single[case]["optimizer"] = _to_cpu(single[case]["optimizer"])
         batches[case] = batch
     with socket.socket() as sock:
@@ -180,6 +190,10 @@ def check_case(single, sharded, checkpoint, tol):
             assert float(gathered["state"][index]["step"]) == float(state["step"])
     for name, value in loaded_model.items():
         assert torch.equal(sharded["loaded_weights"][name], value), name
+    if "on_policy" in single:   # an on-policy update (no old_logprobs): its log-probs gathered on rank 0
+        assert rel_err(sharded["on_policy"], single["on_policy"]) < tol["logprobs"]
+        for name, value in single["on_policy_weights"].items():
+            assert rel_err(sharded["on_policy_weights"][name], value) < tol["weights"], name
 
 
 @pytest.fixture(scope="module")

@@ -102,13 +102,29 @@ def test_distortions_name_the_keys():
 
 
 def test_old_logprobs_auto_follows_the_mode():
-    assert load_job_config(compose()).old_logprobs == "actor"
+    assert load_job_config(compose()).old_logprobs == "update"   # sync, one optimizer step: the update's forward
+    for overrides in (("actor.ppo_epochs=2",), ("actor.mini_batch_size=8",), ("algorithm=reinforce_pp",),
+                      ("algorithm.rollout_correction.mode=truncate",), ("algorithm.old_logprobs=actor",)):
+        assert load_job_config(compose(*overrides)).old_logprobs == "actor", overrides
+    full = compose("data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=8")   # a mini-batch of the whole batch
+    assert load_job_config(full).old_logprobs == "update"
     for mode in ("one_step_off", "async"):
         job = load_job_config(compose(f"trainer.mode={mode}", "rollout.placement=separate"))
         assert job.old_logprobs == "rollout" and job.algorithm.old_logprobs == "auto"
     for correction in ("algorithm.loss.decoupled=true", "algorithm.rollout_correction.mode=truncate"):
         assert load_job_config(compose("trainer.mode=async", correction)).old_logprobs == "actor"
     assert load_job_config(compose("trainer.mode=async", "algorithm.old_logprobs=actor")).old_logprobs == "actor"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("trainer.mode=one_step_off", "rollout.placement=separate"), r"'update' needs trainer.mode=sync"),
+    (("actor.ppo_epochs=2",), r"'update' needs an update of one optimizer step: actor.ppo_epochs=1 \(got 2\)"),
+    (("actor.mini_batch_size=8",), r".* at least data.batch_size × rollout.n = 512 \(got 8\)"),
+    (("algorithm=reinforce_pp",), r".*, but algorithm.kl_in_reward=true reads them before it"),
+], ids=["mode", "epochs", "mini-batch", "kl-in-reward"])
+def test_old_logprobs_update_is_refused_where_pi_old_is_not_the_trained_policy(overrides, message):
+    with pytest.raises(ConfigError, match=rf"^algorithm.old_logprobs: {message}"):
+        load_job_config(compose("algorithm.old_logprobs=update", *overrides))
 
 
 @pytest.mark.parametrize("overrides, key", [

@@ -93,6 +93,7 @@ class LossBuffers:
     ref: torch.Tensor | None
     weight: torch.Tensor             # aggregation weight w: loss = Σ w·L (aggregation_weights)
     g_entropy: torch.Tensor | None   # ∂loss/∂entropy = −entropy_coef·w (None when entropy_coef == 0)
+    on_policy: bool = False          # old_logprobs=None: `old` receives logp as each chunk finalizes
     m: torch.Tensor = None           # running max of z = logits / temperature
     u: torch.Tensor = None           # Σ exp(z − m) − 1
     t: torch.Tensor = None           # Σ exp(z − m)·(z − m)
@@ -117,8 +118,10 @@ class LossBuffers:
                 setattr(self, name, torch.full((n,), math.nan, **f32))
 
     def rows(self, r0: int, r1: int) -> "LossBuffers":
-        return LossBuffers(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[r0:r1])
-                              for f in fields(self)})
+        def part(value):
+            return value[r0:r1] if isinstance(value, torch.Tensor) else value
+
+        return LossBuffers(**{f.name: part(getattr(self, f.name)) for f in fields(self)})
 
 
 def aggregation_weights(m: torch.Tensor, opts: PolicyLossOptions,
@@ -333,6 +336,8 @@ def policy_loss_chunks(hidden, weight, labels, b: LossBuffers, seq_len: int, opt
         kept = chunk_logits.logits(workspace, hidden[r0:r1], weight, labels[r0:r1], c, inv_temp, fold=True,
                                    keep=one_pass and grads)
         loss_ops.finalize(c)
+        if b.on_policy:
+            c.old.copy_(c.logp)
         if one_pass:
             loss_ops.loss(c, opts, seq_len if sequence else None)
             if grads:

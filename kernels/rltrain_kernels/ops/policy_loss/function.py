@@ -113,6 +113,8 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
         hidden: [B, T, H] bf16/fp16/fp32 (float64: reference path). weight: [V, H] (the LM head), same dtype.
         labels: [B, T] integer token ids (anything where mask == 0). mask: [B, T] bool or 0/1.
         advantages: [B] or [B, T]. old_logprobs, ref_logprobs: [B, T] (ref only needed when kl_coef != 0).
+            old_logprobs=None: on-policy, π_old = π_θ (old = logp, detached): the ratio is 1 and its gradient
+            that of logp, as in a PPO step whose batch was sampled by the weights being trained.
         cu_seqlens: [N + 1] integer sequence starts for a packed batch (B = 1: the row holds N sequences back to
             back, like the delta-rule ops' varlen form); the sequence aggregations and Dr.GRPO's B count those
             sequences, and norm_len defaults to the longest one. Not with importance_level="sequence".
@@ -179,7 +181,9 @@ def chunked_policy_loss(hidden2d, weight, labels, mask, advantages, old_logprobs
     m = mask.to(torch.float32)
     w = aggregation_weights(m, opts, cu_seqlens)
     adv = advantages.unsqueeze(1).expand(B, T) if advantages.dim() == 1 else advantages
-    buffers = LossBuffers(mask=flat(m), adv=flat(adv), old=flat(old_logprobs),
+    on_policy = old_logprobs is None   # π_old = π_θ: each chunk copies its logp into `old` as it finalizes
+    old = torch.empty_like(flat(m)) if on_policy else flat(old_logprobs)
+    buffers = LossBuffers(mask=flat(m), adv=flat(adv), old=old, on_policy=on_policy,
                           ref=None if ref_logprobs is None else flat(ref_logprobs), weight=flat(w),
                           g_entropy=None if opts.entropy_coef == 0.0 else flat(-opts.entropy_coef * w))
     labels1d = labels.reshape(-1).to(torch.int64).contiguous()

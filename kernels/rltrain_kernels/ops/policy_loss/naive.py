@@ -73,7 +73,7 @@ def reference_policy_loss(hidden, weight, labels, mask, advantages, old_logprobs
     logp = torch.where(valid, logp, 0.0)
     entropy = torch.where(valid, entropy, 0.0)
 
-    old = old_logprobs.to(cd)
+    old = logp.detach() if old_logprobs is None else old_logprobs.to(cd)   # None: on-policy, π_old = π_θ
     adv = advantages.to(cd)
     adv = adv.unsqueeze(1).expand(B, T) if adv.dim() == 1 else adv
     # masked positions: log-ratio 0 (old_logprobs there may be padding; exp of it must not reach the loss)
@@ -127,7 +127,8 @@ def _packed_as_rows(hidden, weight, labels, mask, advantages, old_logprobs, ref_
     kwargs["norm_len"] = width if opts.norm_len is None else opts.norm_len
     if kwargs["loss_agg"] != "seq-mean-token-sum-norm":
         kwargs["norm_len"] = None
-    out = reference_policy_loss(rows(hidden), weight, rows(labels), rows(mask), rows(advantages), rows(old_logprobs),
+    out = reference_policy_loss(rows(hidden), weight, rows(labels), rows(mask), rows(advantages),
+                                None if old_logprobs is None else rows(old_logprobs),
                                 None if ref_logprobs is None else rows(ref_logprobs), compute_dtype=compute_dtype,
                                 **kwargs)
 

@@ -154,9 +154,12 @@ def check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_log
                  cu_seqlens=None):
     """Shapes, dtypes and devices of the tensor arguments; raises naming the argument."""
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("mask", mask),
-                    ("advantages", advantages), ("old_logprobs", old_logprobs)):
+                    ("advantages", advantages)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    for name, t in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
     if hidden.dim() != 3:
         raise ValueError(f"hidden must have shape [B, T, H], got {_shape(hidden)}")
     if not hidden.dtype.is_floating_point:
@@ -181,8 +184,6 @@ def check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_log
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if mask.dtype.is_complex:
         raise TypeError(f"mask must be bool or real (0/1), got {mask.dtype}")
-    if ref_logprobs is not None and not isinstance(ref_logprobs, torch.Tensor):
-        raise TypeError(f"ref_logprobs must be a tensor or None, got {type(ref_logprobs).__name__}")
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, hidden, opts)
     if opts.kl_coef != 0.0 and ref_logprobs is None:
