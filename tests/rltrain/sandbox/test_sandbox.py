@@ -249,3 +249,27 @@ def test_a_killed_caller_leaves_no_sandbox_behind(backend):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert processes_running(marker) == []
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["reward.name=code", "reward.sandbox.backend=bwrap"],
+     "reward.name: 'code' runs the model's programs in a sandbox (reward.sandbox), and the bwrap sandbox backend does "
+     "not work on this machine"),
+    (["rollout.multi_turn.enabled=true", "rollout.multi_turn.tools=[{builtin: python, kwargs: {backend: bwrap}}]"],
+     "rollout.multi_turn.tools[0]: the python tool runs the model's programs in a sandbox, and the bwrap sandbox "
+     "backend does not work"),
+    (["reward.sandbox.max_processes=0"], "reward.sandbox.max_processes: must be >= 1 (got 0)"),
+], ids=["code-reward", "python-tool", "bad-limit"])
+def test_the_job_config_refuses_before_any_work(monkeypatch, overrides, message):
+    """What `python -m rltrain.main_grpo` reports with exit status 2 (a ConfigError) before Ray starts: here bwrap
+    out of PATH is the machine without isolation, so the case holds on every machine."""
+    from rltrain.job import load_job_config
+    from tests.rltrain.tiny_job import compose
+    monkeypatch.setenv("PATH", "/nonexistent")
+    probe.cache_clear()
+    try:
+        with pytest.raises(ConfigError) as err:
+            load_job_config(compose(*overrides))
+    finally:
+        probe.cache_clear()
+    assert str(err.value).startswith(message), err.value
