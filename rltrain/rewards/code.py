@@ -16,10 +16,10 @@ Without `extra_info["tests"]`, `ground_truth` is read the way verl's code data s
 CodeContests, Codeforces): `{"inputs": [...], "outputs": [...]}`, as a dict or as its JSON text.
 
 Score: all or nothing. 1.0 when every test passes, else 0.0, and the tests stop at the first failure. Partial credit
-(verl scores these data sets with prime_code's pass rate, `continuous=True`) pays a program that prints a constant for
-the tests whose answer it happens to be, or special-cases the visible examples; DeepCoder (Agentica, 2025) chose all
-or nothing for that reason. Returned as {"score", "tests": the count run, "timed_out": 1.0 when a run hit the
-wall-clock limit}; the extra numbers are logged as reward/tests_mean and reward/timed_out_mean.
+(verl scores these data sets with prime_code's pass rate over their first 10 tests) pays a program that prints a
+constant for the tests whose answer it happens to be, or special-cases the visible examples; DeepCoder (Agentica,
+2025) chose all or nothing for that reason. Returned as {"score", "tests": the count run, "timed_out": 1.0 when a run
+hit the wall-clock limit}; the extra numbers are logged as reward/tests_mean and reward/timed_out_mean.
 
 A program that fails, crashes, is killed or times out scores 0: that is the policy's answer being wrong, not the reward
 failing. Rows without tests, tests in neither form, and a sandbox that cannot run raise, so the pool scores the sample

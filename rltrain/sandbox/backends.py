@@ -7,7 +7,7 @@
   pivot_root(2) system calls: nothing to install, needs a kernel that lets the trainer's user create namespaces
   (user namespaces, unless it is root).
 
-Both give the program: new user (when not root), mount, pid, network (no interface but a loopback that is down), IPC
+Both give the program: new user (when not root), mount, pid, network (no interface but its own loopback), IPC
 and UTS namespaces; a root file system of read-only bind mounts of /usr, /bin, /lib... (the system's top-level
 directories that hold programs and libraries, or symlinks to them) and of the interpreter's installation, a minimal
 /dev, its own /proc, /tmp -> /scratch, and /scratch, a tmpfs of `scratch_mb` with the program in it, the only

@@ -6,8 +6,9 @@ network, pid, IPC and UTS namespaces (and a user namespace unless it runs as roo
 forks the pid namespace's init, and the init builds a root of its own: a tmpfs holding read-only bind mounts of the
 system directories the interpreter needs, a minimal /dev, the namespace's /proc, a size-limited tmpfs /scratch with
 the program, nothing else of the host. It pivots into that root, forks the program's process, which drops every
-capability (running as root: it switches to a uid of its own, FIRST_UID + the launcher's pid, so RLIMIT_NPROC binds
-it and two sandboxes never share a process count), sets its rlimits and execs the program. When the program exits the
+capability (running as root: it switches to a uid of its own, FIRST_UID + the launcher's pid or, in a user namespace
+that does not map it, one that it maps, so RLIMIT_NPROC binds it and two sandboxes do not share a process count),
+sets its rlimits and execs the program. When the program exits the
 init exits, and the kernel kills whatever is left in the pid namespace: nothing outlives a run. If the launcher is
 killed, the init dies with it (PR_SET_PDEATHSIG), taking the namespace along.
 
@@ -79,7 +80,7 @@ def _bind(source: str, target: str, read_only: bool = True, extra: int = MS_NOSU
     _mount(None, target, None, flags)
 
 
-def _build_root(root: str, spec: dict, owner: int) -> None:
+def _build_root(root: str, spec: dict, owner: tuple[int, int]) -> None:
     """The sandbox's file system under `root` (a host directory, mounted over in this mount namespace only)."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)   # nothing below propagates back to the host
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
@@ -104,12 +105,12 @@ def _build_root(root: str, spec: dict, owner: int) -> None:
     scratch = root + SCRATCH
     os.makedirs(scratch)
     _mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV,
-           f"mode=0700,size={spec['scratch_mb']}m,uid={owner},gid={owner}")
+           f"mode=0700,size={spec['scratch_mb']}m,uid={owner[0]},gid={owner[1]}")
     for name, host_path in spec["files"].items():
         path = os.path.join(scratch, name)
         with open(host_path, "rb") as source, open(path, "wb") as f:
             f.write(source.read())
-        os.chown(path, owner, owner)
+        os.chown(path, *owner)
     os.symlink(SCRATCH.lstrip("/"), root + "/tmp")
     _mount(None, root, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
     os.chdir(root)
@@ -120,7 +121,7 @@ def _build_root(root: str, spec: dict, owner: int) -> None:
     os.chdir("/")
 
 
-def _drop_privileges(run_as: int | None) -> None:
+def _drop_privileges(run_as: tuple[int, int] | None) -> None:
     """Every capability gone for good; under root, a uid of its own."""
     for cap in range(64):   # the bounding set: no exec can give a capability back
         if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == 22:  # EINVAL: past the last
@@ -128,8 +129,8 @@ def _drop_privileges(run_as: int | None) -> None:
     libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
     if run_as is not None:  # root: a uid of its own; leaving uid 0 clears every capability
         os.setgroups([])
-        os.setresgid(run_as, run_as, run_as)
-        os.setresuid(run_as, run_as, run_as)
+        os.setresgid(*[run_as[1]] * 3)
+        os.setresuid(*[run_as[0]] * 3)
     else:  # uid 0 of a user namespace: clear this process's capability sets too
         header = (ctypes.c_uint32 * 2)(0x20080522, 0)    # _LINUX_CAPABILITY_VERSION_3, this process
         _check(libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
@@ -192,7 +193,7 @@ def _report(status_fd: int, line: str) -> None:
         pass
 
 
-def _init(spec: dict, status_fd: int, alive: int, run_as: int | None) -> None:
+def _init(spec: dict, status_fd: int, alive: int, run_as: tuple[int, int] | None) -> None:
     """Pid 1 of the new pid namespace: build the root, start the program, reap, report the program's status."""
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     os.set_blocking(alive, False)
@@ -203,7 +204,7 @@ def _init(spec: dict, status_fd: int, alive: int, run_as: int | None) -> None:
         pass
     _become_init()
     try:
-        _build_root(spec["root"], spec, 0 if run_as is None else run_as)
+        _build_root(spec["root"], spec, (0, 0) if run_as is None else run_as)
     except (SetupError, OSError) as exc:
         _report(status_fd, f"error could not build the sandbox's file system: {exc}")
         os._exit(125)
@@ -213,10 +214,25 @@ def _init(spec: dict, status_fd: int, alive: int, run_as: int | None) -> None:
     _reap_until(program, status_fd)
 
 
+def _mapped(map_path: str, preferred: int) -> int | None:
+    """An id other than 0 that this user namespace maps (`preferred` if it does, else one of the map's ranges, picked
+    by `preferred`), or None where only 0 is mapped."""
+    with open(map_path) as f:
+        ranges = [(inner, count) for inner, _, count in (map(int, line.split()) for line in f if line.strip())]
+    if any(inner <= preferred < inner + count for inner, count in ranges):
+        return preferred
+    ranges = [(max(inner, 1), inner + count - max(inner, 1)) for inner, count in ranges if inner + count > 1]
+    return None if not ranges else ranges[-1][0] + preferred % ranges[-1][1]
+
+
 def run_unshare(spec: dict) -> None:
     status_fd = spec["status_fd"]
-    root_user = os.geteuid() == 0
     uid, gid = os.getuid(), os.getgid()
+    run_as = None
+    if os.geteuid() == 0:   # a uid (and gid) of the program's own, unique while this launcher runs
+        ids = [_mapped(f"/proc/self/{name}_map", FIRST_UID + os.getpid()) for name in ("uid", "gid")]
+        run_as = None if None in ids else tuple(ids)
+    root_user = run_as is not None   # else (root of a user namespace mapping no other id): a user namespace too
     flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
     flags |= 0 if root_user else CLONE_NEWUSER
     try:
@@ -229,7 +245,6 @@ def run_unshare(spec: dict) -> None:
         _report(status_fd, f"error {exc}")
         sys.exit(125)
     alive_read, alive_write = os.pipe()
-    run_as = FIRST_UID + os.getpid() if root_user else None
     init = os.fork()
     if init == 0:
         os.close(alive_write)

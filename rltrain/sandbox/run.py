@@ -4,7 +4,8 @@
     result = sandbox.run("print(int(input()) * 2)", stdin="21\\n")   # SandboxResult(stdout='42\\n', exit_code=0, ...)
 
 The backend is chosen once per process by a probe (`probe`): a small program run through bwrap, then unshare (or
-only the one `backend` names) that must see no network interface but the loopback and none of the trainer's files.
+only the one `backend` names) that must see no network interface but the loopback and none of the trainer's files,
+and find its process limit binding.
 The choice is logged; where none works, `SandboxUnavailable` says why for each, and nothing runs unsandboxed.
 
 Every run ends with every process it started: the sandbox's pid namespace dies with its first process, whose end
@@ -35,10 +36,21 @@ from rltrain.sandbox.config import SandboxConfig
 logger = logging.getLogger(__name__)
 END_GRACE_S = 5.0   # after a kill: how long the sandbox's processes may take to be gone before it is an error
 READ_BYTES = 1 << 16
-PROBE = f"""import os, socket
+PROBE_PROCESSES = 4
+PROBE = f"""import os, socket, time
 interfaces = [name for _, name in socket.if_nameindex()]
 assert interfaces in ([], ['lo']), f"network interfaces {{interfaces}}"
 assert not os.path.exists({backends.LAUNCHER!r}), "the trainer's files are visible"
+started = 0
+try:
+    while started < {2 * PROBE_PROCESSES}:
+        if os.fork() == 0:
+            time.sleep(30)
+            os._exit(0)
+        started += 1
+except OSError:
+    pass
+assert started < {PROBE_PROCESSES}, "RLIMIT_NPROC does not bind (the sandbox's uid is root outside it)"
 print("isolated")
 """
 
@@ -107,25 +119,32 @@ class _Run:
         finally:
             os.close(status_write)
 
-    def read_status(self) -> bool:
+    def _read(self) -> bool:
         """Read what the status pipe holds; True once every writer has closed it."""
-        closed = False
         while True:
             try:
                 chunk = os.read(self.status_read, READ_BYTES)
             except BlockingIOError:
-                break
+                return False
             if not chunk:
-                closed = True
-                break
+                return True
             self.status += chunk
-        if self.init_pidfd is None:
-            match = re.search(rb'^init (\d+)$|"child-pid": (\d+)', self.status, re.M)
-            if match:
-                try:
-                    self.init_pidfd = os.pidfd_open(int(match.group(1) or match.group(2)))
-                except ProcessLookupError:   # already gone
-                    self.init_pidfd = -1
+
+    def read_status(self) -> bool:
+        """Read the status pipe; open the init's pidfd once its pid is known. True once every writer closed it."""
+        closed = self._read()
+        match = re.search(rb'^init (\d+)$|"child-pid": (\d+)', self.status, re.M) if self.init_pidfd is None else None
+        if match:
+            try:
+                self.init_pidfd = os.pidfd_open(int(match.group(1) or match.group(2)))
+            except ProcessLookupError:
+                self.init_pidfd = -1
+            closed = self._read() or closed
+            if self.init_pidfd >= 0 and re.search(rb"^(exit|signal) ", self.status, re.M):
+                # the program had ended: the init may have been reaped before the pidfd opened, and its pid reused;
+                # the launcher's exit says the namespace is gone then
+                os.close(self.init_pidfd)
+                self.init_pidfd = -1
         return closed
 
     def collect(self, deadline: float) -> tuple[bytes, bytes, str | None]:
@@ -178,8 +197,9 @@ class _Run:
         try:
             self.proc.wait(timeout=END_GRACE_S)
             if self.init_pidfd is not None and self.init_pidfd >= 0:
-                ready, _, _ = select.select([self.init_pidfd], [], [], END_GRACE_S)
-                if not ready:
+                poller = select.poll()   # readable once the init has ended, which is after every other process
+                poller.register(self.init_pidfd, select.POLLIN)
+                if not poller.poll(END_GRACE_S * 1000):
                     raise SandboxError(f"the sandbox's processes were not gone {END_GRACE_S:g} s after it ended")
         finally:
             for stream in (self.proc.stdout, self.proc.stderr):
@@ -242,7 +262,7 @@ def probe(preference: str = "auto") -> str:
             reasons.append("bwrap: not installed (no `bwrap` on PATH)")
             continue
         try:
-            result = execute(backend, SandboxConfig(wall_s=30), PROBE)
+            result = execute(backend, SandboxConfig(wall_s=30, max_processes=PROBE_PROCESSES), PROBE)
         except (SandboxError, OSError) as exc:
             reasons.append(f"{backend}: {exc}")
             continue
@@ -250,8 +270,9 @@ def probe(preference: str = "auto") -> str:
             logger.info("sandbox: programs run under %s (%s), probed in %.2f s", backend, DESCRIPTIONS[backend],
                         result.elapsed_s)
             return backend
-        reasons.append(f"{backend}: the probe program did not run isolated: exit code {result.exit_code}, "
-                       f"{result.killed or ''} {(result.stdout + result.stderr).strip()[-500:]}")
+        said = (result.stderr.strip() or result.stdout.strip()).splitlines()[-1:]   # the assertion's message
+        reasons.append(f"{backend}: the probe program did not run isolated (exit code {result.exit_code}"
+                       f"{', ' + result.killed if result.killed else ''}): {' '.join(said)[:500]}")
     if os.geteuid() == 0 and "bwrap" in candidates and backends.find_bwrap():
         reasons.append("under root, bwrap runs as a uid of its own (so that RLIMIT_NPROC binds), which must be able to "
                        f"read the interpreter, {backends.interpreter()}, and its installation")
@@ -259,7 +280,8 @@ def probe(preference: str = "auto") -> str:
     raise SandboxUnavailable(f"{what} on this machine, so no program is run (never without isolation): "
                              + "; ".join(reasons) + ". Install bubblewrap (Debian/Ubuntu: apt-get "
                              "install bubblewrap) or allow unprivileged user namespaces (sysctl "
-                             "user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1 where it exists)")
+                             "user.max_user_namespaces > 0; kernel.unprivileged_userns_clone=1 on older Debian "
+                             "kernels; kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu 23.10 and later)")
 
 
 DESCRIPTIONS = {"bwrap": "bubblewrap: user, mount, pid, network, IPC and UTS namespaces",

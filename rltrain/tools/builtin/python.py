@@ -1,7 +1,7 @@
 """The built-in `python` tool: runs a model-written program in the sandbox (rltrain/sandbox/) and returns what it
 printed.
 
-Each call is a fresh sandbox: its own pid, network (no interface but a loopback that is down), mount and user
+Each call is a fresh sandbox: its own pid, network (no interface but its own loopback), mount and user
 namespaces; a read-only view of the system's programs and libraries and of the interpreter, none of the trainer's
 files; /scratch, an empty tmpfs, as the only writable place; no capabilities; `python -I -S` (standard library only);
 rlimits on CPU time, address space, processes, file size and open files; a wall-clock limit; output capped. When the
