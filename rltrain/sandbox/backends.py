@@ -73,7 +73,7 @@ def unshare_command(config: SandboxConfig, workdir: str, status_fd: int) -> tupl
     binds, symlinks = file_system()
     root = os.path.join(workdir, "root")
     os.mkdir(root)
-    spec = {"status_fd": status_fd, "root": root, "binds": binds, "symlinks": symlinks,
+    spec = {"status_fd": status_fd, "parent": os.getpid(), "root": root, "binds": binds, "symlinks": symlinks,
             "scratch_mb": config.scratch_mb, "files": {"program.py": os.path.join(workdir, "program.py")},
             "limits": config.limits(), "argv": program_argv(), "env": ENV}
     spec_path = os.path.join(workdir, "spec.json")

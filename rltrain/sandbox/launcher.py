@@ -10,7 +10,7 @@ capability (running as root: it switches to a uid of its own, FIRST_UID + the la
 that does not map it, one that it maps, so RLIMIT_NPROC binds it and two sandboxes do not share a process count),
 sets its rlimits and execs the program. When the program exits the
 init exits, and the kernel kills whatever is left in the pid namespace: nothing outlives a run. If the launcher is
-killed, the init dies with it (PR_SET_PDEATHSIG), taking the namespace along.
+killed, or the process that started it dies, the init dies with it (PR_SET_PDEATHSIG), taking the namespace along.
 
 `bwrap` (the bwrap backend): bubblewrap built the namespaces and the root and dropped the capabilities; this runs as
 the pid namespace's first process, starts the program under its rlimits (bubblewrap sets none) and reports its
@@ -227,6 +227,9 @@ def _mapped(map_path: str, preferred: int) -> int | None:
 
 def run_unshare(spec: dict) -> None:
     status_fd = spec["status_fd"]
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)   # dies with the trainer's process that started it
+    if os.getppid() != spec["parent"]:   # which died already
+        sys.exit(125)
     uid, gid = os.getuid(), os.getgid()
     run_as = None
     if os.geteuid() == 0:   # a uid (and gid) of the program's own, unique while this launcher runs

@@ -10,7 +10,8 @@ The choice is logged; where none works, `SandboxUnavailable` says why for each, 
 
 Every run ends with every process it started: the sandbox's pid namespace dies with its first process, whose end
 this side waits for (a pidfd) after the program exits, after the wall-clock limit (`wall_s`) kills it, after its
-output passes `output_bytes`, and when the caller is interrupted (a reward's own timeout).
+output passes `output_bytes`, when the caller is interrupted (a reward's own timeout), and when the caller's process
+dies (the launcher and bubblewrap die with their parent, the namespace with them).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ where none works is tested on every machine (a failing probe is simulated). Abou
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 import uuid
 
@@ -18,7 +20,7 @@ import pytest
 from rltrain.config import ConfigError, from_mapping
 from rltrain.sandbox import Sandbox, SandboxConfig, SandboxError, SandboxUnavailable, probe
 from rltrain.sandbox import run as sandbox_run
-from tests.helpers import processes_running
+from tests.helpers import alive_after, processes_running
 
 LIMITS = dict(wall_s=5.0, cpu_s=2, memory_mb=256, max_processes=8, file_size_mb=1, scratch_mb=4, output_bytes=4096)
 
@@ -249,6 +251,26 @@ def test_a_killed_caller_leaves_no_sandbox_behind(backend):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert processes_running(marker) == []
+
+
+def test_a_dead_caller_leaves_no_sandbox_behind(backend, tmp_path):
+    """The process that started a run SIGKILLed mid-run (a tool worker past the pool's timeout): the sandbox dies with
+    it (its temporary directory, in tmp_path here, stays: nobody is left to remove it)."""
+    marker, program = _tagged("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    caller = subprocess.Popen([sys.executable, "-c", "import sys\nfrom rltrain.sandbox import Sandbox, SandboxConfig\n"
+                               f"Sandbox(SandboxConfig(backend={backend!r}, wall_s=60)).run(sys.stdin.read())"],
+                              stdin=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TMPDIR": str(tmp_path)})
+    caller.stdin.write(program)
+    caller.stdin.close()
+    deadline = time.monotonic() + 20
+    while not processes_running(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    running = processes_running(marker)
+    caller.kill()
+    caller.wait()
+    assert running, "the sandboxed program never started"
+    assert alive_after(running, timeout_s=3) == [] and processes_running(marker) == []
 
 
 @pytest.mark.parametrize("overrides, message", [
