@@ -85,8 +85,7 @@ def _run():
     scope = {{"__name__": "__main__"}}
     exec(compile({program!r}, "solution.py", "exec"), scope)
     exec(compile({tests!r}, "tests.py", "exec"), scope)
-    sys.stdout.flush()
-    print(token)
+    print("\\n" + token)   # on a line of its own, whatever the program printed last
 
 
 _run()

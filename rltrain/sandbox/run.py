@@ -5,8 +5,8 @@
 
 The backend is chosen once per process by a probe (`probe`): a small program run through bwrap, then unshare (or
 only the one `backend` names) that must see no network interface but the loopback and none of the trainer's files,
-and find its process limit binding.
-The choice is logged; where none works, `SandboxUnavailable` says why for each, and nothing runs unsandboxed.
+and find its process limit binding. The choice is logged; where none works, `SandboxUnavailable` says why for each,
+and nothing runs unsandboxed.
 
 Every run ends with every process it started: the sandbox's pid namespace dies with its first process, whose end
 this side waits for (a pidfd) after the program exits, after the wall-clock limit (`wall_s`) kills it, after its

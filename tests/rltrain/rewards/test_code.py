@@ -63,6 +63,7 @@ def test_scores_are_all_or_nothing():
     assert score("```python\nwhile True:\n    pass\n```") == {"score": 0.0, "tests": 1.0, "timed_out": 1.0}
     asserts = {"tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]}
     assert score("```python\ndef add(a, b):\n    return a + b\n```", asserts)["score"] == 1.0
+    assert score("```python\nprint('no newline', end='')\nadd = lambda a, b: a + b\n```", asserts)["score"] == 1.0
     assert score("```python\ndef add(a, b):\n    return a - b\n```", asserts)["score"] == 0.0
     for hack in ("import sys\nsys.exit(0)", "import os\nos._exit(0)", "raise SystemExit"):
         assert score(f"```python\n{hack}\n```", asserts)["score"] == 0.0, hack
