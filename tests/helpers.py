@@ -194,3 +194,28 @@ def alive_after(pids, timeout_s: float) -> list[int]:
     while time.monotonic() < deadline and any(alive(pid) for pid in pids):
         time.sleep(0.1)
     return [pid for pid in pids if alive(pid)]
+
+
+def processes_running(marker: str) -> list[int]:
+    """The running processes (zombies excluded) whose command line holds `marker`, this one excepted."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if marker.encode() in cmdline and alive(int(entry)):
+                found.append(int(entry))
+    return found
+
+
+def sandbox_unavailable() -> str | None:
+    """Why no sandbox backend works on this machine (what the tests that need one skip with), or None."""
+    from rltrain.sandbox import SandboxUnavailable, probe
+    try:
+        probe()
+    except SandboxUnavailable as exc:
+        return str(exc)
+    return None

@@ -6,6 +6,7 @@
   ground-truth integer.
 - `tool_arithmetic`: the embedded tool task's scorer: the same check on the final answer, the text after the last
   `</tool_response>` (the whole response when no tool was called).
+- `code`: runs the program in the response against the row's tests in the sandbox (rltrain/rewards/code.py).
 - `default`: picks by `data_source` (known sources below), falling back to `math`.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import re
 
 from rltrain.registry import Registry
+from rltrain.rewards.code import code_reward
 
 BUILTIN_REWARDS: Registry = Registry("built-in reward function")
 
@@ -88,6 +90,15 @@ DATA_SOURCE_REWARDS = {
 
 
 @BUILTIN_REWARDS.register("default")
-def default_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
+def default_reward(data_source, solution_str, ground_truth, extra_info=None, sandbox=None) -> float:
     name = DATA_SOURCE_REWARDS.get(data_source, "math")
+    if name in SANDBOXED_REWARDS:
+        return BUILTIN_REWARDS.get(name)(data_source, solution_str, ground_truth, extra_info, sandbox=sandbox)
     return BUILTIN_REWARDS.get(name)(data_source, solution_str, ground_truth, extra_info)
+
+
+# -- code: runs the response's program in the sandbox (rltrain/rewards/code.py); `default` picks it for the data
+# sources verl scores with prime_code, and for "code". The sandbox it gets is reward.sandbox's (rewards/plugin.py).
+BUILTIN_REWARDS.register("code")(code_reward)
+SANDBOXED_REWARDS = ("code",)
+DATA_SOURCE_REWARDS.update({source: "code" for source in ("code", "codecontests", "apps", "codeforces", "taco")})

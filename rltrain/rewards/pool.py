@@ -34,8 +34,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from rltrain.process_pool import PipeWorker, ProcessPool
-from rltrain.rewards.plugin import load_reward_fn
+from rltrain.rewards.plugin import bound_sandbox, load_reward_fn
 from rltrain.rewards.process import serve
+from rltrain.sandbox import SandboxConfig, SandboxUnavailable
 
 logger = logging.getLogger(__name__)
 KILL_GRACE_S = 2.0       # past timeout_s the timer has failed (a C-level hang): the worker is killed
@@ -64,10 +65,14 @@ class RewardResult:
 
 
 def check_reward_settings(path: str | None, name: str, timeout_s: float, num_workers: int,
-                          max_output_bytes: int = 4096, memory_limit_mb: int = 8192) -> None:
+                          max_output_bytes: int = 4096, memory_limit_mb: int = 8192,
+                          sandbox: SandboxConfig | None = None) -> None:
     """The reward settings' checks, written once: the config's reward section runs them before Ray starts (importing
     the plugin, so a bad file or name fails there), the pool when it is built. Errors start with the key to fix
-    (`reward.timeout_s: ...`; the plugin's: `reward.path: ...`, `reward.name: ...`)."""
+    (`reward.timeout_s: ...`; the plugin's: `reward.path: ...`, `reward.name: ...`). A function that runs programs
+    in the sandbox is refused where no sandbox backend works (probed here, once per process), so it never runs them
+    without isolation; `default` is not: it needs the sandbox only for rows of code data sources, which then fail
+    (reward/errors) with the reason."""
     if timeout_s <= 0:
         raise ValueError(f"reward.timeout_s: must be > 0 (got {timeout_s!r})")
     if num_workers < 1:
@@ -76,7 +81,14 @@ def check_reward_settings(path: str | None, name: str, timeout_s: float, num_wor
         raise ValueError(f"reward.max_output_bytes: must be >= 0 (got {max_output_bytes!r})")
     if memory_limit_mb != 0 and memory_limit_mb < 64:  # below it the interpreter itself cannot start
         raise ValueError(f"reward.memory_limit_mb: must be 0 (no limit) or >= 64 (got {memory_limit_mb!r})")
-    load_reward_fn(path, name)
+    fn = load_reward_fn(path, name, sandbox)
+    bound = bound_sandbox(fn)
+    if bound is not None and (path or name != "default"):
+        try:
+            bound.backend   # the probe, logged
+        except SandboxUnavailable as exc:
+            raise ValueError(f"reward.name: {name!r} runs the model's programs in a sandbox (reward.sandbox), and "
+                             f"{exc}") from None
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -144,10 +156,11 @@ class RewardPool(ProcessPool):
     (or use it as a context manager)."""
 
     def __init__(self, path: str | None, name: str, timeout_s: float = 10.0, num_workers: int = 2,
-                 max_output_bytes: int = 4096, memory_limit_mb: int = 8192):
-        check_reward_settings(path, name, timeout_s, num_workers, max_output_bytes, memory_limit_mb)  # fail here
+                 max_output_bytes: int = 4096, memory_limit_mb: int = 8192, sandbox: SandboxConfig | None = None):
+        check_reward_settings(path, name, timeout_s, num_workers, max_output_bytes, memory_limit_mb,
+                              sandbox)  # fail here
         super().__init__(num_workers, preload="rltrain.rewards.process")
-        self.path, self.name, self.timeout_s = path, name, timeout_s
+        self.path, self.name, self.timeout_s, self.sandbox = path, name, timeout_s, sandbox
         self.max_output_bytes, self.memory_limit_mb = max_output_bytes, memory_limit_mb
         self._logged: dict[str, set[str]] = {}   # kind -> the failure messages logged
         self._told_dropped = False
@@ -177,7 +190,7 @@ class RewardPool(ProcessPool):
         return result
 
     def _new_worker(self) -> _Worker:
-        return _Worker(self._ctx, (self.path, self.name, self.timeout_s, self.memory_limit_mb))
+        return _Worker(self._ctx, (self.path, self.name, self.timeout_s, self.memory_limit_mb, self.sandbox))
 
     def _dispatch(self, items, queue: deque, result: RewardResult, capture: _Capture) -> None:
         for index, worker in enumerate(self._workers):

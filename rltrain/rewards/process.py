@@ -1,7 +1,7 @@
 """The reward worker process's side of rltrain/rewards/pool.py: load the function, then score the samples the pool
 sends, one at a time, each under a timer.
 
-    serve(conn, output, path, name, timeout_s, memory_limit_mb)   # the process's target; the pool starts it
+    serve(conn, output, path, name, timeout_s, memory_limit_mb, sandbox)   # the process's target; the pool starts it
 
 Before the plug-in is imported the process points its stdout and stderr (file descriptors 1 and 2, so C code and
 subprocesses too) at the `output` pipe, which the pool reads and caps, and limits its memory with RLIMIT_DATA: an
@@ -24,6 +24,7 @@ import sys
 
 from rltrain.process_pool import answer_jobs
 from rltrain.rewards.plugin import load_reward_fn
+from rltrain.sandbox import SandboxConfig
 
 
 class _SampleTimeout(Exception):
@@ -104,13 +105,14 @@ def _flush() -> None:
             pass
 
 
-def serve(conn, output, path: str | None, name: str, timeout_s: float, memory_limit_mb: int) -> None:
+def serve(conn, output, path: str | None, name: str, timeout_s: float, memory_limit_mb: int,
+          sandbox: SandboxConfig | None = None) -> None:
     """A worker's main loop: load the function, then answer RewardInput jobs until None or the pipe closes."""
     _redirect_output(output)
     _limit_memory(memory_limit_mb)
     signal.signal(signal.SIGALRM, _on_alarm)
     try:
-        fn = load_reward_fn(path, name)
+        fn = load_reward_fn(path, name, sandbox)
     except BaseException as exc:
         _flush()
         memory = exc if isinstance(exc, MemoryError) else exc.__cause__  # plugin.py wraps import errors

@@ -10,7 +10,8 @@ how long they may run, which tools the model gets and how its tool calls are par
         parser: hermes
 
 validate() imports every tool (like reward.path), so a bad file, name or schema fails before any worker starts,
-with the entry's key: `rollout.multi_turn.tools[1].name: 'search' is not a function or class in 'my_tools.py'`.
+with the entry's key: `rollout.multi_turn.tools[1].name: 'search' is not a function or class in 'my_tools.py'`; and
+a `python` tool where no sandbox backend works (rltrain/sandbox/) fails there too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rltrain.config import ConfigError, require
+from rltrain.sandbox import SandboxUnavailable
 from rltrain.tools.builtin.python import PythonTool
 from rltrain.tools.loader import TOOLS_KEY, ToolSpec, load_tools
 from rltrain.tools.parsers import PARSERS
@@ -56,6 +58,11 @@ class MultiTurnConfig:
                 require(tool.fn.wall_s < self.tool_timeout_s, "tool_timeout_s", f"must exceed the python tool's "
                         f"wall-clock limit (tools[{i}].kwargs.wall_s = {tool.fn.wall_s:g}), so a slow program is "
                         "reported as such instead of as a tool timeout", self.tool_timeout_s)
+                try:  # the probe (logged): never a python tool without isolation
+                    tool.fn.sandbox.backend
+                except SandboxUnavailable as exc:
+                    raise ConfigError(f"{TOOLS_KEY}[{i}]: the python tool runs the model's programs in a sandbox, "
+                                      f"and {exc}") from None
 
     def tool_specs(self) -> list[ToolSpec]:
         specs = []

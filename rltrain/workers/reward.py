@@ -11,6 +11,7 @@ from rltrain.config import ConfigError, require
 from rltrain.data.rows import PromptRow
 from rltrain.rewards.health import RewardStats
 from rltrain.rewards.pool import RewardInput, RewardPool, check_reward_settings
+from rltrain.sandbox import SandboxConfig
 from rltrain.workers.batch import response_context
 from rltrain.workers.policy import load_tokenizer
 from rltrain.workers.reward_model import RewardModelConfig
@@ -27,13 +28,14 @@ class RewardConfig:
     max_output_bytes: int = 4096   # of the function's stdout/stderr, kept per sample and shown per batch
     memory_limit_mb: int = 8192    # per worker process (RLIMIT_DATA); 0 = none
     model: RewardModelConfig = field(default_factory=RewardModelConfig)   # a reward model beside the function
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)   # where the `code` reward runs programs
 
     def validate(self):
         require(0 <= self.max_error_rate <= 1, "max_error_rate", "must be in [0, 1]", self.max_error_rate)
         require(self.error_rate_window >= 1, "error_rate_window", "must be >= 1", self.error_rate_window)
         try:  # the pool's checks, the plugin imported once here, so a bad file or name fails before Ray starts
             check_reward_settings(self.path, self.name, self.timeout_s, self.num_workers, self.max_output_bytes,
-                                  self.memory_limit_mb)
+                                  self.memory_limit_mb, self.sandbox)
         except (OSError, ImportError, ValueError) as err:  # their messages start with the key (reward.path: ...)
             raise ConfigError(str(err)) from None
 
@@ -42,7 +44,7 @@ class RewardWorker:
     def __init__(self, config: RewardConfig, tokenizer_path: str):
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.pool = RewardPool(config.path, config.name, config.timeout_s, config.num_workers,
-                               config.max_output_bytes, config.memory_limit_mb)
+                               config.max_output_bytes, config.memory_limit_mb, config.sandbox)
 
     def score(self, response_ids: torch.Tensor, response_mask: torch.Tensor, rows: list[PromptRow],
               messages: list[list[dict]] | None = None):

@@ -6,6 +6,7 @@ from omegaconf import OmegaConf
 
 from rltrain.config import ConfigError, from_mapping
 from rltrain.tools import MultiTurnConfig, ToolPool
+from tests.helpers import sandbox_unavailable
 
 PREFIX = "rollout.multi_turn"
 
@@ -14,6 +15,8 @@ def _build(**section):  # the job hands from_mapping plain containers (OmegaConf
     return from_mapping(MultiTurnConfig, OmegaConf.to_container(OmegaConf.create(section)), PREFIX)
 
 
+@pytest.mark.skipif(sandbox_unavailable() is not None, reason="the python tool is refused where no sandbox works "
+                    "(tests/rltrain/sandbox/test_sandbox.py tests that)")
 def test_defaults_and_a_valid_section():
     assert not _build().enabled
     config = _build(enabled=True, tools=[{"builtin": "calculator"}, {"builtin": "python", "kwargs": {"wall_s": 2}}])
