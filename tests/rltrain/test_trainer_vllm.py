@@ -4,12 +4,15 @@ the train-vs-rollout mismatch metrics, which stay at the device's rounding (test
 weight push shows up in step 2), and the truncated importance-sampling correction runs. With actor.lora the same run
 pushes only the adapters, which the engine loads as a vLLM LoRA adapter on its fixed base, and the mismatch stays as
 small. With rollout.multi_turn on, the same run goes through the agent loop on the vLLM engine (VLLMTurns), logs
-tool/* and keeps the mismatch as small."""
+tool/* and keeps the mismatch as small. On 2 GPUs (@pytest.mark.gpu) the colocated run shards the actor over both
+(FSDP2) and serves from one engine split over them (rollout.tensor_parallel_size=2) or from two replicas, one per
+GPU: the push reaches every shard and replica, so the mismatch stays as small."""
 
 import json
 
 import pytest
 import ray
+import torch
 
 from rltrain.main_grpo import run
 from tests.rltrain.tiny_job import tiny_job
@@ -107,3 +110,23 @@ def test_asynchronous_modes_with_the_vllm_engine(tmp_path, mode, k):
             assert record["rollout/is_weight_mean"] == pytest.approx(1.0, abs=MISMATCH.max)
         else:
             assert record["rollout/logprob_abs_diff_max"] > MISMATCH.max, (step, record)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("tp, replicas", [(2, 1), (1, 2)], ids=["tensor-parallel-2", "two-replicas"])
+def test_two_gpus_with_tensor_parallelism_or_two_replicas(tmp_path, tp, replicas):
+    job = tiny_job(tmp_path, trainer={"n_gpus_per_node": 2},
+                   model={"embedded": {"hidden_size": 64, "num_heads": 2, "head_dim": 64}},
+                   rollout={"engine": "vllm", "kv_cache_gb": 1.0, "enforce_eager": True, "tensor_parallel_size": tp,
+                            "replicas": replicas},
+                   actor={"lr": 0.01, "strategy": "fsdp2", "weight_bucket_mb": 1},
+                   algorithm={"loss": {"entropy_coef": 0.01}})
+    assert run(job)["step"] == 2
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "train/reward_mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for record in train:
+        assert record["actor/grad_norm"] > 0
+        assert record["rollout/logprob_abs_diff_max"] < MISMATCH.max, record
+        assert 0 <= record["rollout/kl"] < MISMATCH.kl, record
