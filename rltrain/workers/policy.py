@@ -13,6 +13,7 @@ import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families 
 import torch
 import transformers as tf
 from rltrain_kernels import linear_logprobs
+from rltrain_kernels.integrations.qwen3_next import takes_packed_rows, use_packed_linear_attention
 from rltrain_kernels.registry import KernelConfig, apply_kernel_config, get_applied_kernels
 from tensordict import TensorDict
 
@@ -74,22 +75,27 @@ def load_policy(path: str, dtype: str, kernel_config: KernelConfig | None, devic
     attn = resolve_attn_implementation(attn_implementation)
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn)
     model.to(device)
-    applied = get_applied_kernels(apply_kernel_config(model, kernel_config))
+    apply_kernel_config(model, kernel_config)
+    # Qwen3-Next's Gated DeltaNet: a forward that also takes packed rows, whatever the kernels (a no-op elsewhere;
+    # calls without cu_seqlens, decoding included, run transformers' forward as before)
+    use_packed_linear_attention(model)
+    applied = get_applied_kernels(model)
     logger.info("loaded policy %s (%s, %s attention) on %s; kernels: %s", path, dtype, attn, device,
                 applied or "none")
     return model
 
 
 def can_pack(model) -> bool:
-    """Whether every layer of `model` takes a packed row's sequence boundaries: attention layers (cu_seqlens), or a
-    model that declares it (`supports_cu_seqlens`: rltrain_kernels.models' hybrid delta-rule family, whose
-    linear-attention layers take them too). Linear-attention layers reached through transformers (Qwen3-Next's
-    Gated DeltaNet) take none there, so a packed row would carry state from one sequence into the next: such models
-    run on padded rows."""
+    """Whether every layer of `model` takes a packed row's sequence boundaries: attention layers (cu_seqlens), a model
+    that declares it (`supports_cu_seqlens`: rltrain_kernels.models' hybrid delta-rule family, whose linear-attention
+    layers take them too), or linear-attention layers reached through transformers that have a packed forward
+    (Qwen3-Next's Gated DeltaNet, which load_policy gives one: rltrain_kernels/integrations/qwen3_next.py). Any other
+    layer would carry state from one sequence of a packed row into the next: such models run on padded rows."""
     if getattr(model, "supports_cu_seqlens", False):
         return True
     layer_types = getattr(model.config, "layer_types", None) or ()
-    return all(kind in ("full_attention", "sliding_attention") for kind in layer_types)
+    others = set(layer_types) - {"full_attention", "sliding_attention"}
+    return not others or (others == {"linear_attention"} and takes_packed_rows(model))
 
 
 def resolve_batching(model, batching: MicroBatching) -> MicroBatching:

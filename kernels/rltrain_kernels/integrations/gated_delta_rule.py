@@ -11,7 +11,9 @@ state_v_first or a chunk_size gets fla's meaning of them, not a silently differe
 RoPE, the swapped class runs a copy of the forward whose globals resolve those two names to the adapters below,
 leaving the module and every other model alone. rltrain's GatedDeltaNet layer calls the same two names (plain
 PyTorch until swapped), so the same adapters serve it. CUDA only: elsewhere transformers' own torch path (or the
-layer's PyTorch recurrence) stays.
+layer's PyTorch recurrence) stays. Qwen3-Next's swapped forward also takes packed rows (integrations/qwen3_next.py:
+cu_seq_lens_q without a cache goes through the chunked kernel with the conv restarting per sequence; every other call
+through transformers' forward as above).
 
 `apply(model, recurrence_dot=...)` (auto | bf16 | tf32; the registry passes kernel_config.delta_rule_recurrence_dot)
 binds the ops' recurrence_dot into this model's swapped layers: another model in the process may run another.
@@ -20,7 +22,9 @@ binds the ops' recurrence_dot into this model's swapped layers: another model in
 import functools
 
 from rltrain_kernels.integrations.families import (family_classes, holds_layers, layer_kernel_swap,
-                                                  original_class, register_per_device, swap_modules, with_globals)
+                                                  original_class, register_per_device, swap_modules, with_globals,
+                                                  wrapped_model)
+from rltrain_kernels.integrations.qwen3_next import PACKED_FAMILIES, packed_forward
 from rltrain_kernels.registry import BaseKernel
 
 
@@ -70,10 +74,13 @@ class _GatedDeltaRule(BaseKernel):
             return layer_kernel_swap(model, GatedDeltaNet, cls.kernel_id, cls.device, options=options,
                                      torch_chunk_gated_delta_rule=chunk, torch_recurrent_gated_delta_rule=recurrent)
         classes = family_classes(model, "linear_attention", cls.kernel_id)
+        packs = wrapped_model(model).config.model_type in PACKED_FAMILIES
         changed = 0
         for layer_cls in classes:
             forward = with_globals(layer_cls.forward, torch_chunk_gated_delta_rule=chunk,
                                    torch_recurrent_gated_delta_rule=recurrent)
+            if packs:  # packed rows (cu_seq_lens_q) through the same chunked kernel, the conv restarting per sequence
+                forward = packed_forward(forward, chunk)
             changed += swap_modules(model, (layer_cls,), cls.kernel_id, cls.device, forward,
                                     accept=lambda m, c=layer_cls: original_class(m) is c, options=options)
         return changed

@@ -135,27 +135,56 @@ class ShortConvolution(nn.Module):
     def plain_forward(self, x: torch.Tensor, state: torch.Tensor | None = None,
                       cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward in plain PyTorch (what it runs off CUDA); the new state is None for a packed call."""
-        B, T, C = x.shape
-        weight = self.weight[:, 0].to(x.dtype)                           # [C, W]: tap W − 1 is the current token
-        W = self.conv_size
-        if cu_seqlens is not None:   # one row, zeros in front; taps reaching into the previous sequence read zero
-            full = F.pad(x, (0, 0, W - 1, 0))
-            return F.silu(_ShiftedConv.apply(full, weight, _cross_sequence_taps(cu_seqlens, T, W))), None
-        if state is None:
-            state = x.new_zeros(B, C, W - 1)
-        full = torch.cat([state.to(x.dtype).transpose(1, 2), x], dim=1)  # [B, W − 1 + T, C]
-        return F.silu(_ShiftedConv.apply(full, weight, None)), full[:, -(W - 1):].transpose(1, 2)
+        return plain_short_conv(x, self.weight[:, 0], state, cu_seqlens)
 
     def fused_forward(self, x: torch.Tensor, state: torch.Tensor | None = None,
                       cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward through ops/short_conv (what it runs on CUDA; on CPU tensors the op takes the Triton interpreter
         when TRITON_INTERPRET=1, else its reference): plain_forward's results, with fp32 accumulation and the weight as
         stored (plain_forward rounds it to x's dtype)."""
-        return short_conv(x, self.weight[:, 0], initial_state=state, output_final_state=cu_seqlens is None,
-                          activation="silu", cu_seqlens=cu_seqlens)
+        return fused_short_conv(x, self.weight[:, 0], state, cu_seqlens)
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}, conv_size={self.conv_size}"
+
+
+def short_convolution(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
+                      cu_seqlens: torch.Tensor | None = None, activation: str | None = "silu"
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal depthwise convolution of x [B, T, C] with weight [C, W] (tap W − 1 is the current token), then
+    `activation` (None, or "silu" / "swish": the same), continuing `state` [B, C, W − 1] (None: zeros); a packed row
+    (cu_seqlens, B = 1) restarts at every sequence. Returns (y [B, T, C], the new state, None for a packed call):
+    ops/short_conv's kernels on CUDA (fused_short_conv), plain_short_conv elsewhere. ShortConvolution's maths, for a
+    layer that keeps its own weight (Qwen3-Next's conv1d)."""
+    forward = fused_short_conv if x.is_cuda else plain_short_conv
+    return forward(x, weight, state, cu_seqlens, activation)
+
+
+def plain_short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
+                     cu_seqlens: torch.Tensor | None = None, activation: str | None = "silu"
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """short_convolution in plain PyTorch, in x's dtype (the weight rounded to it)."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    B, T, C = x.shape
+    weight = weight.to(x.dtype)
+    W = weight.shape[1]
+    act = F.silu if activation is not None else (lambda y: y)
+    if cu_seqlens is not None:   # one row, zeros in front; taps reaching into the previous sequence read zero
+        full = F.pad(x, (0, 0, W - 1, 0))
+        return act(_ShiftedConv.apply(full, weight, _cross_sequence_taps(cu_seqlens, T, W))), None
+    if state is None:
+        state = x.new_zeros(B, C, W - 1)
+    full = torch.cat([state.to(x.dtype).transpose(1, 2), x], dim=1)  # [B, W − 1 + T, C]
+    return act(_ShiftedConv.apply(full, weight, None)), full[:, -(W - 1):].transpose(1, 2)
+
+
+def fused_short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
+                     cu_seqlens: torch.Tensor | None = None, activation: str | None = "silu"
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """short_convolution through ops/short_conv: fp32 accumulation, the weight as stored."""
+    return short_conv(x, weight, initial_state=state, output_final_state=cu_seqlens is None, activation=activation,
+                      cu_seqlens=cu_seqlens)
 
 
 def padding_mask(attention_mask: torch.Tensor | None, batch: int, length: int, cache, use_cache: bool):

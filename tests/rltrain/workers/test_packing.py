@@ -1,7 +1,8 @@
 """Packed (padding-free) actor and reference batches: the packed row's maps, the token-budget split, and — on a
 small GQA Qwen3 built from a config, fp32 — log-probs and gradients equal to the padded rows' (relative error
-≤ 1e-5) for every loss aggregation, GSPO's sequence ratio, token-budget micro-batches, a sliding window and a
-delta-rule policy (rltrain_kernels.models' hybrid family, every layer type).
+≤ 1e-5) for every loss aggregation, GSPO's sequence ratio, token-budget micro-batches, a sliding window and the
+delta-rule policies (rltrain_kernels.models' hybrid family, every layer type; Qwen3-Next through transformers, its
+Gated DeltaNet given the packed forward of rltrain_kernels/integrations/qwen3_next.py).
 
 Run: `pytest tests/rltrain/workers/test_packing.py` (CPU, ~20 s).
 """
@@ -154,6 +155,20 @@ def test_linear_attention_models_run_padded():
     assert can_pack(SimpleNamespace(supports_cu_seqlens=True, config=hybrid.config))
 
 
+def test_qwen3_next_packs_once_its_gated_deltanets_take_boundaries(qwen3_next_dir, caplog):
+    """transformers' Gated DeltaNet takes no cu_seqlens; load_policy gives it the packed forward whatever the kernel
+    config, and resolve_batching keeps the batches packed."""
+    from rltrain.workers.policy import load_policy, resolve_batching
+    from tests.model_factory import tiny_qwen3_next
+
+    assert not can_pack(tiny_qwen3_next())
+    for kernels in (None, KernelConfig(include_kernels="none"), KernelConfig()):
+        model = load_policy(qwen3_next_dir, "float32", kernels, "cpu")
+        assert can_pack(model)
+        assert resolve_batching(model, MicroBatching(rows=4, packed=True)).packed
+    assert "running padded rows" not in caplog.text
+
+
 # ---------------------------------------------------------------- packed == padded, through the model
 def make_actor(model_dir, packed: bool, max_tokens: int = 0, loss: LossConfig | None = None,
                checkpointing: bool = False):
@@ -242,6 +257,39 @@ def test_delta_rule_policy_packed_equals_padded(hybrid_dir):
     assert_rel_close(packed, padded, threshold=1e-5, name="hybrid gradient")
 
 
+@pytest.fixture(scope="module")
+def qwen3_next_dir(tmp_path_factory):
+    """A Qwen3-Next (tests/model_factory.py): Gated DeltaNet and attention layers, dense and MoE MLPs."""
+    from tests.model_factory import tiny_qwen3_next
+
+    path = tmp_path_factory.mktemp("qwen3_next") / "model"
+    tiny_qwen3_next(vocab_size=VOCAB).save_pretrained(path)
+    return str(path)
+
+
+def test_qwen3_next_packed_equals_padded(qwen3_next_dir):
+    """Qwen3-Next through transformers (its Gated DeltaNet given the packed forward, sequences restarting its conv
+    and state): the actor's and the reference's packed log-probs and one update's gradient equal the padded rows'
+    (token-budget micro-batches of <= 25 tokens), with gradient checkpointing too."""
+    batch = random_batch(rows=8)
+    padded_actor, packed_actor = make_actor(qwen3_next_dir, packed=False), make_actor(qwen3_next_dir, packed=True,
+                                                                                      max_tokens=25)
+    assert packed_actor.batching.packed and not padded_actor.batching.packed
+    padded_logprobs = padded_actor.compute_logprobs(batch)
+    reference = ReferenceWorker(qwen3_next_dir, "float32", None, 0.9, MicroBatching(rows=3, packed=True),
+                                torch_threads=1)
+    assert reference.batching.packed and padded_logprobs.abs().sum() > 0
+    assert_rel_close(packed_actor.compute_logprobs(batch), padded_logprobs, threshold=1e-5,
+                     name="Qwen3-Next actor packed logprobs")
+    assert_rel_close(reference.compute_logprobs(batch), padded_logprobs, threshold=1e-5,
+                     name="Qwen3-Next reference packed logprobs")
+    padded = gradient(padded_actor, batch)
+    assert padded.norm() > 0
+    assert_rel_close(gradient(packed_actor, batch), padded, threshold=1e-5, name="Qwen3-Next gradient")
+    checkpointed = make_actor(qwen3_next_dir, packed=True, max_tokens=25, checkpointing=True)
+    assert_rel_close(gradient(checkpointed, batch), padded, threshold=1e-5, name="Qwen3-Next checkpointed gradient")
+
+
 def test_sliding_window_packed_equals_padded(tmp_path):
     import transformers as tf
 
@@ -327,5 +375,25 @@ def test_packed_bf16_logprobs_as_accurate_as_padded(model_dir):
     for packed in (False, True):
         worker = ReferenceWorker(model_dir, "bfloat16", KernelConfig(), 1.0,
                                  MicroBatching(packed=packed, max_tokens=2048), device="cuda")
+        errors[packed] = float((worker.compute_logprobs(batch) - expected).norm() / expected.norm())
+    assert errors[True] <= 2 * errors[False] + 1e-3, errors
+
+
+@pytest.mark.gpu
+def test_qwen3_next_packed_bf16_logprobs_as_accurate_as_padded(qwen3_next_dir):
+    """Qwen3-Next in bf16 on CUDA with the default kernels (the gated_delta_rule kernel's packed forward: the short conv
+    and chunked delta rule kernels with cu_seqlens): the packed row's log-probs are as close to fp32 padded ones as
+    the padded bf16 rows' are."""
+    from rltrain_kernels.registry import get_applied_kernels
+
+    batch = random_batch(rows=16, prompt_width=64, response_width=300)
+    exact = ReferenceWorker(qwen3_next_dir, "float32", None, 1.0, MicroBatching(packed=False), device="cuda")
+    expected = exact.compute_logprobs(batch)
+    errors = {}
+    for packed in (False, True):
+        worker = ReferenceWorker(qwen3_next_dir, "bfloat16", KernelConfig(), 1.0,
+                                 MicroBatching(packed=packed, max_tokens=2048), device="cuda")
+        assert worker.batching.packed == packed
+        assert get_applied_kernels(worker.model)["gated_delta_rule"] == 2
         errors[packed] = float((worker.compute_logprobs(batch) - expected).norm() / expected.norm())
     assert errors[True] <= 2 * errors[False] + 1e-3, errors
