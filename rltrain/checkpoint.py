@@ -1,20 +1,32 @@
 """Checkpoints: written to a temporary directory of this run's own (rltrain/output_dir.py) and renamed into place,
 so a kill at any moment leaves the previous checkpoint intact; loading never unpickles arbitrary objects
-(safetensors, torch.load(weights_only=True) and JSON only).
+(torch.distributed.checkpoint's tensors, its metadata through a restricted unpickler, and JSON;
+rltrain/distributed_checkpoint.py).
 
     <output_dir>/checkpoints/step_000010/
-        hf/               the policy in HF format (model.safetensors, or shards + model.safetensors.index.json above
-                          save_pretrained's max_shard_size; config; tokenizer): transformers and vLLM load it;
-                          with actor.lora, its adapters in PEFT's format instead (adapter_model.safetensors +
-                          adapter_config.json naming the base model's directory, + tokenizer): PeftModel.from_pretrained
-                          loads them, `python -m rltrain.export_lora` merges them into a full HF model
-        optimizer.pt      optimizer state (tensors and numbers only)
-        trainer_state.json  step, data position, RNG states, the actor's LR schedule position; written last
+        model/            the trained weights (fp32 under actor.mixed_precision; with actor.lora the adapters alone),
+                          by state_dict name, in torch.distributed.checkpoint's format: .metadata + one
+                          __<rank>_0.distcp per actor rank, each rank writing the shards it holds
+        optimizer/        the AdamW state by parameter name (<name>.exp_avg, <name>.exp_avg_sq, <name>.step), alike
+        hf/               the model's config.json, generation_config.json and tokenizer (with actor.lora also
+                          adapter_config.json naming the base model); with trainer.save_hf also its weights, making it
+                          an HF model directory (safetensors, sharded with an index above save_pretrained's
+                          max_shard_size) or, with actor.lora, a PEFT adapter directory
+        trainer_state.json  step, data position, RNG states, the actor's LR schedule position, β; written last
 
-A checkpoint is complete (`incomplete_reason` is None) when its weights, optimizer.pt and a readable
-trainer_state.json are all there: the state file is the last thing a save writes before the rename. trainer.resume=auto
-takes the newest complete one (`newest_complete_checkpoint`), passing over directories a crash or an older
-version's concurrent runs left incomplete.
+Both actor strategies write this layout with the same code (rltrain/workers/actor.py): the single process writes
+whole tensors, FSDP2's ranks their shards. A resume may use another strategy or world size: each rank reads the parts
+of the saved tensors its own shards cover. Why no HF weights by default (trainer.save_hf=false), as verl and
+torchtitan: writing them gathers every full tensor onto rank 0, the very cost sharded saves remove, at every save;
+`python -m rltrain.export CHECKPOINT OUT` (rltrain/export.py) writes an HF model directory from model/ when one is
+wanted. Every rank must see the checkpoint directory: across nodes, trainer.output_dir on a shared filesystem (checked
+before each save and load, naming the ranks that cannot).
+
+A checkpoint is complete (`incomplete_reason` is None) when model/ and optimizer/ have their metadata and every data
+file it names, the hf/ weights an index names (trainer.save_hf) are there, and trainer_state.json is readable: the
+state file is the last thing a save writes before the rename. trainer.resume=auto takes the newest complete one
+(`newest_complete_checkpoint`), passing over directories a crash, an older version's concurrent runs or an older
+layout (hf/ + optimizer.pt, whose hf/ stays usable as model.path) left.
 
 RNG states are the controller's: Python's `random`, numpy's global generator, torch's CPU generator and, where this
 process has initialised CUDA, every visible GPU's generator, all as JSON lists of integers. The workers' generators
@@ -34,13 +46,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
+from rltrain.distributed_checkpoint import saved_shapes, unreadable_reason
 from rltrain.output_dir import temporary_dir, temporary_name
+from rltrain.workers.lora import LoraConfig, is_adapter_weight, peft_config
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
-MODEL_FILE, ADAPTER_FILE, STATE_FILE = "model.safetensors", "adapter_model.safetensors", "trainer_state.json"
-INDEX_FILE = "model.safetensors.index.json"   # transformers shards a save above max_shard_size (50 GB by default)
+MODEL_DIR, OPTIMIZER_DIR, HF_DIR, STATE_FILE = "model", "optimizer", "hf", "trainer_state.json"
+MODEL_FILE, ADAPTER_FILE = "model.safetensors", "adapter_model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"   # transformers shards a save above max_shard_size
+CONFIG_FILES = ("config.json", "generation_config.json")   # copied from model.path into every checkpoint's hf/
+FORMER_OPTIMIZER_FILE = "optimizer.pt"   # the layout before sharded checkpoints: hf/ weights + this
 
 
 def checkpoint_root(output_dir: str) -> Path:
@@ -48,18 +64,19 @@ def checkpoint_root(output_dir: str) -> Path:
 
 
 def holds_adapters(path: Path) -> bool:
-    """Whether a checkpoint directory holds LoRA adapters (actor.lora) rather than a full model."""
-    return (Path(path) / "hf" / ADAPTER_FILE).is_file()
+    """Whether a checkpoint holds LoRA adapters (actor.lora) rather than a full model: its model/ tensors are
+    adapters."""
+    return any(is_adapter_weight(name) for name in saved_shapes(Path(path) / MODEL_DIR))
 
 
-def weight_files(hf: Path) -> list[str]:
-    """The weight files of a checkpoint's hf/ directory, relative to it: the adapters, model.safetensors, or the
-    shards its index names (a policy over save_pretrained's max_shard_size, e.g. 14B parameters as fp32 masters).
-    Raises ValueError for an unreadable index."""
+def hf_weight_files(hf: Path) -> list[str]:
+    """The weight files of a checkpoint's hf/ directory, relative to it: the adapters, model.safetensors, the shards
+    its index names (above save_pretrained's max_shard_size), or none (trainer.save_hf off). Raises ValueError for an
+    unreadable index."""
     if (hf / ADAPTER_FILE).is_file():
         return [ADAPTER_FILE]
     if not (hf / INDEX_FILE).is_file():
-        return [MODEL_FILE]
+        return [MODEL_FILE] if (hf / MODEL_FILE).is_file() else []
     try:
         index = json.loads((hf / INDEX_FILE).read_text())
         return sorted(set(index["weight_map"].values()))
@@ -68,14 +85,21 @@ def weight_files(hf: Path) -> list[str]:
 
 
 def incomplete_reason(path: Path) -> str | None:
-    """Why the checkpoint directory `path` cannot be resumed from ('hf/model.safetensors is missing', ...), or None
-    when it is complete."""
+    """Why the checkpoint directory `path` cannot be resumed from ('model/.metadata is missing', ...), or None when it
+    is complete."""
     path = Path(path)
+    if not (path / MODEL_DIR).exists() and (path / FORMER_OPTIMIZER_FILE).is_file():
+        return (f"it has the layout before sharded checkpoints (hf/ + {FORMER_OPTIMIZER_FILE}), which a resume does "
+                f"not read; its hf/ is an HF model: start a run from it with model.path={path / HF_DIR}")
+    for part in (MODEL_DIR, OPTIMIZER_DIR):
+        reason = unreadable_reason(path / part)
+        if reason is not None:
+            return f"{part}/{reason}"
     try:
-        weights = [f"hf/{name}" for name in weight_files(path / "hf")]
+        weights = [f"{HF_DIR}/{name}" for name in hf_weight_files(path / HF_DIR)]
     except ValueError as err:
         return str(err)
-    for needed in (*weights, "optimizer.pt", STATE_FILE):
+    for needed in (*weights, STATE_FILE):
         file = path / needed
         if not file.is_file() or file.stat().st_size == 0:
             return f"{needed} is {'empty' if file.is_file() else 'missing'}"
@@ -136,19 +160,29 @@ def set_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state(torch.tensor(saved, dtype=torch.uint8), device)
 
 
-def save_checkpoint(output_dir: str, step: int, save_policy, optimizer_state: dict, tokenizer,
-                    trainer_state: dict) -> Path:
-    """save_policy(path) writes the HF-format policy (called on the actor, which holds the weights). Everything
-    goes to this process's temporary directory, trainer_state.json last and synced, then one rename publishes it; a
-    save that raises removes its temporary."""
+def write_hf_files(hf: Path, model_dir: str, tokenizer, lora: LoraConfig | None = None) -> None:
+    """What a checkpoint's hf/ holds besides weights: model.path's config.json and generation_config.json as they
+    are, the tokenizer, and with LoRA its adapter_config.json naming model.path as the base."""
+    for name in CONFIG_FILES:
+        if (Path(model_dir) / name).is_file():
+            shutil.copyfile(Path(model_dir) / name, hf / name)
+    tokenizer.save_pretrained(hf)
+    if lora is not None and lora.enabled:
+        peft_config(lora, str(model_dir)).save_pretrained(str(hf))
+
+
+def save_checkpoint(output_dir: str, step: int, save_state, model_dir: str, tokenizer, trainer_state: dict,
+                    lora: LoraConfig | None = None) -> Path:
+    """save_state(path) has the actor write model/ and optimizer/ (every rank its own part), and with trainer.save_hf
+    the weights into hf/, of the checkpoint directory `path`. Everything goes to this process's temporary directory,
+    trainer_state.json last and synced, then one rename publishes it; a save that raises removes its temporary."""
     root = checkpoint_root(output_dir)
     final = root / f"step_{step:06d}"
     tmp = temporary_dir(root, final.name)
     try:
-        (tmp / "hf").mkdir()
-        save_policy(str(tmp / "hf"))
-        tokenizer.save_pretrained(tmp / "hf")
-        torch.save(optimizer_state, tmp / "optimizer.pt")
+        (tmp / HF_DIR).mkdir()
+        write_hf_files(tmp / HF_DIR, model_dir, tokenizer, lora)
+        save_state(tmp)   # after the files above: an HF save's own config.json (its weights' dtype) wins
         with open(tmp / STATE_FILE, "w") as f:
             f.write(json.dumps(dict(trainer_state, step=step, rng=rng_state())))
             f.flush()
@@ -167,16 +201,11 @@ def save_checkpoint(output_dir: str, step: int, save_policy, optimizer_state: di
     return final
 
 
-def load_checkpoint(path: Path) -> tuple[dict, dict, dict]:
-    """(policy state_dict, or the LoRA adapters in PEFT's format where the checkpoint holds them (holds_adapters);
-    optimizer state; trainer state) of a checkpoint directory."""
+def load_trainer_state(path: Path) -> dict:
+    """The trainer state of a complete checkpoint directory (FileNotFoundError naming it and what is wrong
+    otherwise); the actor reads model/ and optimizer/ itself (ActorWorker.load_checkpoint)."""
     path = Path(path)
     reason = incomplete_reason(path)
     if reason is not None:
         raise FileNotFoundError(f"checkpoint {path} is incomplete: {reason}")
-    model_state = {}
-    for name in weight_files(path / "hf"):
-        model_state.update(load_file(path / "hf" / name))
-    optimizer_state = torch.load(path / "optimizer.pt", weights_only=True)
-    trainer_state = json.loads((path / STATE_FILE).read_text())
-    return model_state, optimizer_state, trainer_state
+    return json.loads((path / STATE_FILE).read_text())

@@ -40,6 +40,7 @@ class TrainerConfig:
     total_steps: int = 300
     output_dir: str = "outputs/grpo"
     save_every: int = 0              # also saved at the end; 0 = only at the end
+    save_hf: bool = False            # also each checkpoint's weights as an HF model (hf/); else `rltrain.export`
     resume: str = "auto"             # auto | never | a checkpoint directory
     seed: int = 0
     val_every: int = 50              # also at step 0 and at the end; 0 = only those

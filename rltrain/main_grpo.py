@@ -8,8 +8,8 @@ default (a small Qwen3 on a synthetic arithmetic task, CPU, no downloads).
 The config (config/grpo.yaml, every key commented) is validated before any work starts; a bad key or value exits
 with status 2 and a message naming it, as does a trainer.output_dir another live run holds (rltrain/output_dir.py).
 
-Exit status: 0 done; 2 bad input (a config key or value, a data row, a model path: the message names it), before
-any training; 3 stopped because the reward function failed on more than reward.max_error_rate of the samples (the
+Exit status: 0 done; 2 bad input (a config key or value, a data row, a model path, a checkpoint to resume from that
+is incomplete or does not fit the model: the message names it), before any training; 3 stopped because the reward function failed on more than reward.max_error_rate of the samples (the
 message says which function and how); 1 anything else (with its traceback).
 """
 
@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 
 from rltrain.config import ConfigError
 from rltrain.data.rows import DataError
+from rltrain.distributed_checkpoint import CheckpointError
 from rltrain.job import load_job_config
 from rltrain.rewards.health import RewardsFailing
 from rltrain.trainer import GRPOTrainer
@@ -49,7 +50,7 @@ def main(cfg: DictConfig) -> None:
     logging.getLogger("rltrain").setLevel(logging.INFO)
     try:
         run(job)
-    except (ConfigError, FileNotFoundError, DataError) as err:  # bad input found while starting: say what, no trace
+    except (ConfigError, FileNotFoundError, DataError, CheckpointError) as err:  # bad input: say what, no trace
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except RewardsFailing as err:  # no checkpoint of the failing steps is saved

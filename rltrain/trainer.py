@@ -44,6 +44,7 @@ from rltrain.async_rollout import (
 from rltrain.config import ConfigError
 from rltrain.data.rows import load_rows
 from rltrain.data.sampler import PromptSampler, drop_long_prompts, encode_prompts
+from rltrain.distributed_checkpoint import CheckpointError
 from rltrain.embedded.model import embedded_policy_dir
 from rltrain.embedded.task import make_rows
 from rltrain.job import JobConfig, resolve_device, resolve_dtype
@@ -55,7 +56,7 @@ from rltrain.tracking import Tracker
 from rltrain.validation import validation_metrics
 from rltrain.workers.actor import ActorWorker, FSDPActorWorker
 from rltrain.workers.agent_loop import episode_metrics, prompt_tools
-from rltrain.workers.group import kill, place_model_roles, start_role
+from rltrain.workers.group import call_each_rank, kill, place_model_roles, start_role
 from rltrain.workers.lora import check_target_modules_of
 from rltrain.workers.policy import load_tokenizer
 from rltrain.workers.reference import FSDPReferenceWorker, ReferenceWorker, check_teacher
@@ -87,6 +88,15 @@ def resolve_model_and_data(job: JobConfig):
             raise FileNotFoundError(f"model.path: {model_dir!r} is not a transformers model directory "
                                     "(no config.json)")
     return model_dir, train_rows, val_rows
+
+
+def on_every_rank(handle, method: str, *args, context: str) -> None:
+    """method(*args) on every rank of a role; a CheckpointError raised there (a checkpoint that does not fit the
+    model, a directory a rank cannot see) comes back as one line starting with `context`, not a worker's traceback."""
+    try:
+        ray.get(call_each_rank(handle, method, *args))
+    except CheckpointError as err:
+        raise CheckpointError(f"{context}: {getattr(err, 'cause', err)}") from None
 
 
 class GRPOTrainer:
@@ -401,15 +411,21 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, step: int) -> Path:
-        actor = self.actor
+        """A checkpoint of this step (rltrain/checkpoint.py): every actor rank writes its part of the weights and
+        optimizer state (with trainer.save_hf also an HF copy), then this process the trainer state, last."""
+        actor, job = self.actor, self.job
         # asynchronous modes: the sampler as of the last trained batch, and the steps queued or in flight, which a
         # resumed run drops (and generates again from the same prompts)
         state = {"sampler": self.trained_sampler_state or self.sampler.state_dict(), "initial_val": self.initial_val,
-                 "lr_scheduler": ray.get(actor.lr_scheduler_state.remote()), "mode": self.job.trainer.mode,
+                 "lr_scheduler": ray.get(actor.lr_scheduler_state.remote()), "mode": job.trainer.mode,
                  "pending": self.producer.pending() if self.producer is not None else {},
                  "kl_control": self.kl_control.state_dict()}
-        path = ckpt.save_checkpoint(str(self.output_dir), step, lambda p: ray.get(actor.save_pretrained.remote(p)),
-                                    ray.get(actor.optimizer_state.remote()), self.saved_tokenizer, state)
+
+        def save_actor(path: Path) -> None:
+            on_every_rank(actor, "save_checkpoint", str(path), job.trainer.save_hf, context="saving a checkpoint")
+
+        path = ckpt.save_checkpoint(str(self.output_dir), step, save_actor, self.model_dir, self.saved_tokenizer,
+                                    state, job.actor.lora)
         logger.info("saved checkpoint %s", path)
         return path
 
@@ -435,21 +451,20 @@ class GRPOTrainer:
     def _resume_from(self, path: Path) -> None:
         if not path.is_dir():
             raise FileNotFoundError(f"trainer.resume: no checkpoint directory {str(path)!r}")
+        state = ckpt.load_trainer_state(path)
         lora = self.job.actor.lora.enabled
         if ckpt.holds_adapters(path) != lora:
             held = "LoRA adapters" if not lora else "a full model, no LoRA adapters"
             raise ConfigError(f"trainer.resume: checkpoint {str(path)!r} holds {held}, but actor.lora.rank is "
                               f"{self.job.actor.lora.rank}; resume with the run's actor.lora, or trainer.resume=never")
-        model_state, optimizer_state, state = ckpt.load_checkpoint(path)
-        ray.get(self.actor.load_checkpoint.remote(model_state, optimizer_state))
-        # checkpoints from before the schedule was saved: one update per step
-        ray.get(self.actor.load_lr_scheduler_state.remote(state.get("lr_scheduler", {"updates": state["step"]})))
+        # every rank reads what its shards cover, whatever the world size that wrote them
+        on_every_rank(self.actor, "load_checkpoint", str(path), context="trainer.resume")
+        ray.get(self.actor.load_lr_scheduler_state.remote(state["lr_scheduler"]))
         self.push_weights()  # the checkpoint's weights (or adapters) from the actor into every rollout process
         self.sampler.load_state_dict(state["sampler"])
         ckpt.set_rng_state(state["rng"])
         self.step, self.initial_val = state["step"], state.get("initial_val")
-        if "kl_control" in state:   # checkpoints from before it was saved: the configured β
-            self.kl_control.load_state_dict(state["kl_control"])
+        self.kl_control.load_state_dict(state["kl_control"])
         logger.info("resumed from %s at step %d", path, self.step)
         if state.get("pending"):
             logger.warning(dropped_on_resume(state, self.job.rollout.n))

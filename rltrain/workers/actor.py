@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,17 +27,19 @@ from rltrain_kernels.ops.kl_div import linear_kl_div
 from rltrain_kernels.ops.policy_loss import LossAccumulation
 from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
 from rltrain.algorithms.config import DistillConfig, LossConfig
+from rltrain.checkpoint import HF_DIR, MODEL_DIR, OPTIMIZER_DIR
 from rltrain.config import require
+from rltrain.distributed_checkpoint import (
+    check_fits, check_visible_on_every_rank, load_state, materialize_optimizer_state, save_state,
+)
 from rltrain.perf import ModelShape
 from rltrain.workers.batch import IGNORE_INDEX, split
-from rltrain.workers.fsdp import FSDPConfig, ShardedPolicy, keyed_by_index, keyed_by_name
-from rltrain.workers.lora import LoraConfig, adapter_weights, attach_lora, load_adapters
+from rltrain.workers.fsdp import FSDPConfig, ShardedPolicy, keyed_by_index
+from rltrain.workers.lora import LoraConfig, adapter_weights, attach_lora, is_adapter_weight
 from rltrain.workers.packing import MicroBatching, Packing
 from rltrain.workers.policy import (
     DTYPES, assemble_rows, load_policy, plan_buckets, policy_hidden, release_cached_memory, resolve_batching,
@@ -359,6 +362,8 @@ class ActorWorker(WeightSource):
             return {name: tensor.detach().cpu() for name, tensor in self.model.state_dict().items()}
 
     def optimizer_state(self) -> dict:
+        """The optimizer state whole, in torch.optim's layout (parameter indices; None on ranks other than 0 under
+        FSDP2): what tests compare the strategies with. Checkpoints hold it by name (_optimizer_checkpoint_state)."""
         return self.optimizer.state_dict()
 
     def lr_scheduler_state(self) -> dict:
@@ -368,17 +373,53 @@ class ActorWorker(WeightSource):
     def load_lr_scheduler_state(self, state: dict) -> None:
         self.updates = int(state["updates"])
 
-    def load_checkpoint(self, model_state: dict, optimizer_state: dict) -> None:
-        """model_state: the HF state_dict, or with LoRA the adapters in PEFT's format (save_pretrained's); into the
-        fp32 masters where there are any, then rounded into the model."""
+    # ------------------------------------------------------------------ checkpoints (rltrain/checkpoint.py: layout)
+    # One code path for both strategies: the states below are this process's tensors themselves (DTensors holding
+    # this rank's shards under FSDP2), which DCP writes from and reads into in place (rltrain/distributed_checkpoint.py)
+    def _model_checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """The model's state_dict (a tied weight once, under its first name), or with LoRA its adapters alone (the
+        frozen base is model.path's); call inside _checkpointed_weights() for the fp32 masters."""
+        state = untied_state_dict(self.model)
+        return state if self.adapters is None else {n: t for n, t in state.items() if is_adapter_weight(n)}
+
+    def _optimizer_checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """The optimizer's own state tensors as `<parameter name>.<key>` (a fresh optimizer's made first)."""
+        materialize_optimizer_state(self.optimizer)
+        named = self.master.masters.items() if self.master is not None else self.model.named_parameters()
+        names = {id(param): name for name, param in named}
+        state = {}
+        for param in (p for group in self.optimizer.param_groups for p in group["params"]):
+            for key, value in self.optimizer.state[param].items():
+                if not torch.is_tensor(value):
+                    raise TypeError(f"optimizer state {key!r} of {names[id(param)]} is not a tensor: {value!r}")
+                state[f"{names[id(param)]}.{key}"] = value
+        return state
+
+    def save_checkpoint(self, path: str, save_hf: bool = False) -> None:
+        """This process's part of the trained weights and the optimizer state into `path`/model and
+        `path`/optimizer (under FSDP2 every rank calls it and writes its own shards); with save_hf also the policy
+        into `path`/hf (save_pretrained: under FSDP2 gathered onto rank 0)."""
+        check_visible_on_every_rank(path)
         with self._checkpointed_weights():
-            if self.adapters is None:
-                self.model.load_state_dict(model_state)
-            else:
-                load_adapters(self.adapters, model_state)
+            save_state(self._model_checkpoint_state(), Path(path) / MODEL_DIR)
+        save_state(self._optimizer_checkpoint_state(), Path(path) / OPTIMIZER_DIR)
+        if save_hf:
+            self.save_pretrained(str(Path(path) / HF_DIR))
+
+    def load_checkpoint(self, path: str) -> None:
+        """A checkpoint directory's model/ and optimizer/, written by any strategy and world size, into this
+        process's weights (the fp32 masters, then rounded into the model) and optimizer state; CheckpointError
+        naming the directory when they do not fit this model (every rank raises before any reads)."""
+        check_visible_on_every_rank(path)
+        with self._checkpointed_weights():
+            parts = [(self._model_checkpoint_state(), Path(path) / MODEL_DIR, "the model"),
+                     (self._optimizer_checkpoint_state(), Path(path) / OPTIMIZER_DIR, "the optimizer state")]
+            for state, directory, what in parts:
+                check_fits(state, directory, what)
+            for state, directory, what in parts:
+                load_state(state, directory, what)
         if self.master is not None:
             self.master.copy_to_model()
-        self.optimizer.load_state_dict(optimizer_state)
 
     def save_pretrained(self, path: str) -> None:
         """The policy in HF format, or with LoRA its adapters in PEFT's (adapter_config.json naming the base model's
@@ -459,12 +500,6 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
         state = get_optimizer_state_dict(self.model, self.optimizer,
                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return keyed_by_index(state, self._param_names()) if self.rank == 0 else None
-
-    def load_checkpoint(self, model_state: dict, optimizer_state: dict) -> None:
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, model_state, options=options)
-        set_optimizer_state_dict(self.model, self.optimizer, keyed_by_name(optimizer_state, self._param_names()),
-                                 options=options)
 
     def save_pretrained(self, path: str) -> None:
         state = self.state_dict()  # every rank gathers; rank 0 holds the full weights and writes them

@@ -24,8 +24,9 @@ gradients reduced in fp32); the frozen reference is sharded in model.dtype itsel
 Weights leave full: the trainer's weight push asks for `bucket_names(bucket_mb)` once, then exports each bucket
 (rltrain/workers/weight_sync.py): `full_weights(names)` gathers those DTensor shards (`full_tensor()`) on every rank,
 and each rank hands them to the rollout process on its GPU by CUDA IPC (rank 0 also returns a host copy where a
-rollout process needs one); checkpoints are the single process's format (HF weights from rank 0, the optimizer
-state gathered and keyed by parameter index), so a run resumes under either strategy.
+rollout process needs one). Checkpoints do not gather: each rank writes its own shards with
+torch.distributed.checkpoint, in the layout the single process writes too, and a resume on any world size or strategy
+reads what its shards cover (ActorWorker.save_checkpoint / load_checkpoint, rltrain/distributed_checkpoint.py).
 
 Known cost: every rank loads the full model into CPU memory before sharding it (8 ranks of a 7B fp32 model: 8 × 28
 GB of host memory for a moment); loading on the meta device with rank 0 broadcasting would remove it.
@@ -182,15 +183,10 @@ class ShardedPolicy:
 
 
 def keyed_by_index(state: dict, names: list[str]) -> dict:
-    """DCP's name-keyed full optimizer state → torch.optim's own layout (parameter indices), as a single process
-    saves it."""
+    """get_optimizer_state_dict's name-keyed full optimizer state → torch.optim's own layout (parameter indices), as
+    the single process's optimizer_state() returns it."""
     index = {name: i for i, name in enumerate(names)}
     return {"state": {index[name]: value for name, value in state["state"].items()},
             "param_groups": [dict(group, params=[index[n] for n in group["params"]])
                              for group in state["param_groups"]]}
 
-
-def keyed_by_name(state: dict, names: list[str]) -> dict:
-    return {"state": {names[int(i)]: value for i, value in state["state"].items()},
-            "param_groups": [dict(group, params=[names[int(i)] for i in group["params"]])
-                             for group in state["param_groups"]]}

@@ -10,9 +10,10 @@ What changes with it on (rank 0 is full fine-tuning, none of this):
 - the weight push sends the adapter tensors only (`adapter_weights`): into an HF rollout engine that holds the same
   PEFT model, or into a vLLM engine, which loads them as a LoRA adapter from a PEFT-format directory
   (`save_peft_adapter`; rltrain/workers/vllm_lora.py);
-- checkpoints hold the adapters in PEFT's format (adapter_config.json + adapter_model.safetensors, loadable with
-  `PeftModel.from_pretrained`) plus the optimizer state; `python -m rltrain.export_lora` merges them into a full
-  HF model.
+- checkpoints hold the adapters alone (the base is model.path's) with their optimizer state, and hf/ an
+  adapter_config.json naming the base (rltrain/checkpoint.py); with trainer.save_hf also adapter_model.safetensors
+  (PEFT's format: `PeftModel.from_pretrained` loads hf/); `python -m rltrain.export` merges them into a full HF
+  model.
 
 The workers hold the transformers model itself (`PeftModel.get_base_model()`, with the LoRA layers inside its
 modules), so the code that runs a policy (packing, hidden states, the LM head) is the same with LoRA on or off. peft is

@@ -1,11 +1,13 @@
 """Checkpoints without Ray: a save that dies half-way leaves the previous checkpoint the newest complete one;
-resume=auto's choice passes over incomplete checkpoint directories and names them; two processes saving the same step
-into one directory never share a temporary; the controller's RNG states (Python, numpy, torch CPU; CUDA where
-initialised) survive a JSON round trip exactly, and an actor resumed from a checkpoint written and read as the trainer
-does continues bit for bit, in fp32 and in bf16 with mixed precision (the checkpoint holds the fp32 masters), full
-fine-tuning and LoRA, and from a policy saved in shards (over save_pretrained's max_shard_size); a shard missing makes
-the checkpoint incomplete. The kill of a real run and its
-resume are in tests/rltrain/test_trainer_e2e.py."""
+resume=auto's choice passes over incomplete checkpoint directories (a data file or metadata of model/ or optimizer/
+missing, trainer_state.json cut short or missing, the layout before sharded checkpoints) and names them; two
+processes saving the same step into one directory never share a temporary; the controller's RNG states (Python,
+numpy, torch CPU; CUDA where initialised) survive a JSON round trip exactly; and an actor resumed from a checkpoint
+written and read as the trainer does continues bit for bit, in fp32 and in bf16 with mixed precision (the checkpoint
+holds the fp32 masters), full fine-tuning and LoRA (the adapters alone), with hf/ holding the config and tokenizer,
+and with trainer.save_hf the weights too (sharded over max_shard_size: a shard missing makes the checkpoint
+incomplete). Bad checkpoints' errors are in test_distributed_checkpoint.py, other world sizes in
+workers/test_fsdp_checkpoint.py; the kill of a real run and its resume in test_trainer_e2e.py."""
 
 import json
 import os
@@ -14,14 +16,15 @@ import random
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 from tensordict import TensorDict
 
 from rltrain.algorithms.advantages import compute_advantages
 from rltrain.algorithms.config import LossConfig
 from rltrain.checkpoint import (
-    latest_checkpoint, load_checkpoint, newest_complete_checkpoint, rng_state, save_checkpoint, set_rng_state,
+    holds_adapters, latest_checkpoint, load_trainer_state, newest_complete_checkpoint, rng_state, save_checkpoint,
+    set_rng_state,
 )
+from rltrain.distributed_checkpoint import read_state, save_state
 from rltrain.output_dir import remove_unfinished
 from rltrain.workers.actor import ActorConfig, ActorWorker
 from rltrain.workers.lora import LoraConfig
@@ -35,16 +38,25 @@ class _Tokenizer:
 
 
 def _save(output_dir, step, weight: float, fail=False, during=None):
-    """save_checkpoint as the trainer calls it; `during()` runs once the policy's weights are written."""
-    def save_policy(path):
-        save_file({"w": torch.full((2, 3), weight)}, f"{path}/model.safetensors")
+    """save_checkpoint as the trainer calls it, the actor's part a one-tensor model and optimizer state; `during()`
+    runs once they are written."""
+    def save_state_of_actor(path):
+        save_state({"w": torch.full((2, 3), weight)}, path / "model")
         if fail:
             raise KeyboardInterrupt("killed mid-save")
+        save_state({"w.step": torch.tensor(float(step))}, path / "optimizer")
         if during is not None:
             during()
 
-    return save_checkpoint(str(output_dir), step, save_policy, {"state": {0: {"step": torch.tensor(step)}}},
-                           _Tokenizer(), {"sampler": {"epoch": 0, "index": 4 * step}})
+    model_dir = output_dir / "model_dir"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text('{"model_type": "qwen3"}')
+    return save_checkpoint(str(output_dir), step, save_state_of_actor, str(model_dir), _Tokenizer(),
+                           {"sampler": {"epoch": 0, "index": 4 * step}})
+
+
+def _weight(path) -> torch.Tensor:
+    return read_state(path / "model")["w"]
 
 
 def _checkpoint_names(output_dir) -> list[str]:
@@ -59,10 +71,13 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
     killed = tmp_path / "checkpoints" / ".tmp_step_000002_otherhost_123"  # what a SIGKILL mid-save leaves
     (killed / "hf").mkdir(parents=True)
     (killed / "trainer_state.json").write_text('{"step": 2}')
-    assert latest_checkpoint(str(tmp_path)).name == "step_000001"
-    model, optimizer, state = load_checkpoint(latest_checkpoint(str(tmp_path)))
-    assert torch.equal(model["w"], torch.full((2, 3), 1.0))
-    assert optimizer["state"][0]["step"].item() == 1 and state["step"] == 1 and state["sampler"]["index"] == 4
+    newest = latest_checkpoint(str(tmp_path))
+    assert newest.name == "step_000001"
+    state = load_trainer_state(newest)
+    assert torch.equal(_weight(newest), torch.full((2, 3), 1.0))
+    assert read_state(newest / "optimizer")["w.step"].item() == 1 and state["step"] == 1
+    assert state["sampler"]["index"] == 4
+    assert {p.name for p in (newest / "hf").iterdir()} == {"config.json", "tokenizer.json"}  # no weights by default
 
     assert remove_unfinished(tmp_path) == [killed]  # the next run, holding the lock, clears it
     _save(tmp_path, 2, 2.0)
@@ -71,24 +86,35 @@ def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path):
 
 
 def test_resume_auto_takes_the_newest_complete_checkpoint_and_names_the_incomplete_ones(tmp_path):
-    """What two runs sharing a directory left (issue 53): a step directory without its weights, one whose
-    trainer_state.json was cut short, one without it; the newest complete checkpoint is older than all three."""
-    for step in (1, 2, 3, 4):
+    """What two runs sharing a directory left (issue 53), and an older rltrain: a step directory without a rank's
+    data file, one without the optimizer's metadata, one whose trainer_state.json was cut short, one without it, one
+    in the layout before sharded checkpoints; the newest complete checkpoint is older than all five."""
+    for step in (1, 2, 3, 4, 5):
         _save(tmp_path, step, float(step))
     root = tmp_path / "checkpoints"
-    (root / "step_000002" / "hf" / "model.safetensors").unlink()
-    (root / "step_000003" / "trainer_state.json").write_text('{"step": 3, "rng": {"python": [1, 2')
-    (root / "step_000004" / "trainer_state.json").unlink()
+    (root / "step_000002" / "model" / "__0_0.distcp").unlink()
+    (root / "step_000003" / "optimizer" / ".metadata").unlink()
+    (root / "step_000004" / "trainer_state.json").write_text('{"step": 4, "rng": {"python": [1, 2')
+    (root / "step_000005" / "trainer_state.json").unlink()
+    former = root / "step_000006"   # hf/ weights + optimizer.pt
+    (former / "hf").mkdir(parents=True)
+    (former / "hf" / "model.safetensors").write_bytes(b"weights")
+    (former / "optimizer.pt").write_bytes(b"state")
+    (former / "trainer_state.json").write_text('{"step": 6}')
     path, skipped = newest_complete_checkpoint(str(tmp_path))
     assert path.name == "step_000001" and latest_checkpoint(str(tmp_path)) == path
     assert [(p.name, reason.split(" (")[0]) for p, reason in skipped] == [
-        ("step_000004", "trainer_state.json is missing"), ("step_000003", "trainer_state.json is unreadable"),
-        ("step_000002", "hf/model.safetensors is missing")]
-    with pytest.raises(FileNotFoundError, match="step_000002 is incomplete: hf/model.safetensors is missing"):
-        load_checkpoint(root / "step_000002")
+        ("step_000006", "it has the layout before sharded checkpoints"),
+        ("step_000005", "trainer_state.json is missing"), ("step_000004", "trainer_state.json is unreadable"),
+        ("step_000003", "optimizer/.metadata is missing"), ("step_000002", "model/__0_0.distcp is missing")]
+    assert f"model.path={former / 'hf'}" in skipped[0][1]
+    with pytest.raises(FileNotFoundError, match="step_000002 is incomplete: model/__0_0.distcp is missing"):
+        load_trainer_state(root / "step_000002")
+    (root / "step_000001" / "model" / "__0_0.distcp").write_bytes(b"cut")
+    assert newest_complete_checkpoint(str(tmp_path))[1][-1][1].startswith("model/__0_0.distcp is cut short (3 of ")
     _save(tmp_path, 2, 2.5)  # a save of an incomplete step replaces it
     assert latest_checkpoint(str(tmp_path)).name == "step_000002"
-    assert torch.equal(load_checkpoint(root / "step_000002")[0]["w"], torch.full((2, 3), 2.5))
+    assert torch.equal(_weight(root / "step_000002"), torch.full((2, 3), 2.5))
 
 
 def test_two_processes_saving_the_same_step_never_share_a_temporary(tmp_path, monkeypatch):
@@ -101,8 +127,8 @@ def test_two_processes_saving_the_same_step_never_share_a_temporary(tmp_path, mo
 
     _save(tmp_path, 1, 1.0, during=other_process_saves)
     assert _checkpoint_names(tmp_path) == ["step_000001"]
-    model, _, state = load_checkpoint(latest_checkpoint(str(tmp_path)))
-    assert torch.equal(model["w"], torch.full((2, 3), 1.0)) and state["step"] == 1
+    newest = latest_checkpoint(str(tmp_path))
+    assert torch.equal(_weight(newest), torch.full((2, 3), 1.0)) and load_trainer_state(newest)["step"] == 1
 
 
 def _draws():
@@ -153,9 +179,10 @@ def _batch(vocab: int, step: int) -> TensorDict:
 @pytest.mark.parametrize("dtype, lora", [("float32", 0), ("bfloat16", 0), ("bfloat16", 4)],
                          ids=["fp32", "bf16-mixed", "bf16-mixed-lora"])
 def test_an_actor_resumed_from_a_checkpoint_continues_bit_exactly(tmp_path, policy_dir, dtype, lora):
-    """Three updates straight through, against two, a checkpoint (save_checkpoint with the actor's save_pretrained and
-    optimizer state; load_checkpoint into a fresh actor) and the third: the trained weights (under bf16 the fp32
-    masters, which the checkpoint's hf/ holds in fp32) and the model's own bf16 ones equal bit for bit."""
+    """Three updates straight through, against two, a checkpoint (save_checkpoint with the actor's save_checkpoint;
+    load_checkpoint into a fresh actor) and the third: the trained weights (under bf16 the fp32 masters, which the
+    checkpoint holds in fp32) and the model's own bf16 ones equal bit for bit. With LoRA the checkpoint holds the
+    adapters alone, and hf/ an adapter_config.json naming the base."""
     def actor() -> ActorWorker:
         config = ActorConfig(lr=1e-3, torch_threads=1, micro_batch_size=5, lora=LoraConfig(rank=lora, alpha=8.0))
         return ActorWorker(config, LossConfig(), policy_dir, dtype, None, temperature=1.0, total_steps=3)
@@ -169,12 +196,18 @@ def test_an_actor_resumed_from_a_checkpoint_continues_bit_exactly(tmp_path, poli
     through, first = actor(), actor()
     train(through, [1, 2, 3])
     train(first, [1, 2])
-    path = save_checkpoint(str(tmp_path), 2, first.save_pretrained, first.optimizer_state(),
-                           load_tokenizer(policy_dir), {"lr_scheduler": first.lr_scheduler_state()})
-    model_state, optimizer_state, state = load_checkpoint(path)
-    assert model_state and all(tensor.dtype == torch.float32 for tensor in model_state.values())
+    path = save_checkpoint(str(tmp_path), 2, lambda p: first.save_checkpoint(str(p)), policy_dir,
+                           load_tokenizer(policy_dir), {"lr_scheduler": first.lr_scheduler_state()},
+                           LoraConfig(rank=lora, alpha=8.0))
+    saved = read_state(path / "model")
+    assert saved and all(tensor.dtype == torch.float32 for tensor in saved.values())
+    assert holds_adapters(path) == bool(lora) and all((".lora_" in name) == bool(lora) for name in saved)
+    hf = {p.name for p in (path / "hf").iterdir()}
+    assert {"config.json", "tokenizer.json"} <= hf and ("adapter_config.json" in hf) == bool(lora)
+    assert not any(name.endswith(".safetensors") for name in hf)
+    state = load_trainer_state(path)
     resumed = actor()
-    resumed.load_checkpoint(model_state, optimizer_state)
+    resumed.load_checkpoint(str(path))
     resumed.load_lr_scheduler_state(state["lr_scheduler"])
     train(resumed, [3])
     expected = through.state_dict()
@@ -186,21 +219,25 @@ def test_an_actor_resumed_from_a_checkpoint_continues_bit_exactly(tmp_path, poli
         assert torch.equal(param, expected[name]), name
 
 
-def test_a_policy_saved_in_shards_resumes_and_a_missing_shard_is_named(tmp_path, policy_dir):
-    """save_pretrained shards a policy above max_shard_size (50 GB by default: 14B parameters as fp32 masters);
-    load_checkpoint reads every shard its index names, and a checkpoint missing one is incomplete, naming it."""
+def test_save_hf_adds_the_weights_and_a_missing_shard_is_named(tmp_path, policy_dir):
+    """trainer.save_hf: hf/ also holds the policy, which transformers loads with the trained weights; a policy over
+    save_pretrained's max_shard_size (50 GB: here 20 KB) is saved in shards with an index, and a checkpoint missing
+    one of them is incomplete."""
+    from transformers import AutoModelForCausalLM
+
     actor = ActorWorker(ActorConfig(torch_threads=1), LossConfig(), policy_dir, "float32", None, temperature=1.0)
+    path = save_checkpoint(str(tmp_path), 1, lambda p: actor.save_checkpoint(str(p), save_hf=True), policy_dir,
+                           load_tokenizer(policy_dir), {})
+    loaded = AutoModelForCausalLM.from_pretrained(path / "hf").state_dict()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in actor.state_dict().items())
 
-    def save_in_shards(path):
-        actor.model.save_pretrained(path, max_shard_size="20KB")
+    def save_with_hf_shards(path):
+        actor.save_checkpoint(str(path))
+        actor.model.save_pretrained(path / "hf", max_shard_size="20KB")
 
-    path = save_checkpoint(str(tmp_path), 1, save_in_shards, actor.optimizer_state(), load_tokenizer(policy_dir), {})
+    path = save_checkpoint(str(tmp_path), 2, save_with_hf_shards, policy_dir, load_tokenizer(policy_dir), {})
     shards = sorted(p.name for p in (path / "hf").glob("model-*.safetensors"))
     assert len(shards) > 2 and not (path / "hf" / "model.safetensors").exists()
-    model_state, _, state = load_checkpoint(path)
-    expected = actor.model.state_dict()
-    assert state["step"] == 1 and set(model_state) <= set(expected) and len(model_state) >= len(expected) - 1
-    for name, tensor in model_state.items():
-        assert torch.equal(tensor, expected[name]), name
+    assert newest_complete_checkpoint(str(tmp_path)) == (path, [])
     (path / "hf" / shards[1]).unlink()
-    assert newest_complete_checkpoint(str(tmp_path)) == (None, [(path, f"hf/{shards[1]} is missing")])
+    assert newest_complete_checkpoint(str(tmp_path))[1] == [(path, f"hf/{shards[1]} is missing")]

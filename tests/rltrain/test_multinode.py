@@ -1,8 +1,10 @@
 """Multi-node runs on a simulated 2-node Ray cluster (ray.cluster_utils.Cluster, one CPU per node): a 2-step
 main_grpo job with actor.strategy=fsdp2 whose actor and reference ranks land one per node through the placement
-groups; resource requests the cluster cannot hold fail with a message naming the keys, at once when no node could
-ever hold them and after ray.placement_timeout_s when the resources exist but are taken; the commands documented in
-examples/multinode/ are valid configs. ~75 s on 2 cores, most of it starting the 7 worker processes of the job."""
+groups, each rank writing its own shards of the checkpoint, which a one-rank job resumes for a third step (and a job
+of another model refuses in one line); resource requests the cluster cannot hold fail with a message naming the
+keys, at once when no node could ever hold them and after ray.placement_timeout_s when the resources exist but are
+taken; the commands documented in examples/multinode/ are valid configs. 1 to 2.5 minutes on 2 cores (with them to
+itself or shared), most of it starting the worker processes of the three jobs."""
 
 import importlib.util
 import json
@@ -19,7 +21,9 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from rltrain.checkpoint import latest_checkpoint
 from rltrain.config import ConfigError
+from rltrain.distributed_checkpoint import CheckpointError
 from rltrain.job import load_job_config
+from rltrain.main_grpo import run
 from rltrain.trainer import GRPOTrainer
 from rltrain.workers.group import PlacementError, place_model_roles
 from tests.rltrain.tiny_job import tiny_job
@@ -59,11 +63,36 @@ def test_fsdp2_job_spans_both_nodes(two_nodes, tmp_path):
     assert [r["step"] for r in train] == [1, 2]
     for record in train:
         assert record["actor/grad_norm"] > 0 and "actor/ref_kl" in record  # entropy bonus: a gradient at step 1
-    assert latest_checkpoint(str(tmp_path)).name == "step_000002"
-    deadline = time.monotonic() + 20  # the placement groups are given back (Ray frees them asynchronously)
-    while ray.available_resources().get("CPU") != 2 and time.monotonic() < deadline:
+    checkpoint = latest_checkpoint(str(tmp_path))
+    assert checkpoint.name == "step_000002"
+    for part in ("model", "optimizer"):   # each rank wrote its own shards, on its own node
+        assert sorted(p.name for p in (checkpoint / part).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    _wait_for_cpus(2)
+
+    # resumed on one rank (FSDP2 on one node): each step logged once, the third trained
+    result = run(tiny_job(tmp_path, trainer={"total_steps": 3}, actor={"strategy": "fsdp2"},
+                          algorithm={"loss": {"kl_coef": 0.05, "entropy_coef": 0.01}}))
+    assert result["step"] == 3
+    train = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+             if "train/reward_mean" in line]
+    assert [r["step"] for r in train] == [1, 2, 3] and train[2]["actor/grad_norm"] > 0
+    _wait_for_cpus(2)
+
+    # a checkpoint of another model: one line naming it and what differs, not a worker's traceback
+    with pytest.raises(CheckpointError) as err:
+        run(tiny_job(tmp_path / "other", trainer={"resume": str(checkpoint)}, actor={"strategy": "fsdp2"},
+                     model={"embedded": {"hidden_size": 64, "head_dim": 32}}))
+    assert str(err.value).startswith(f"trainer.resume: {checkpoint / 'model'} does not fit the model of this run")
+    assert "Traceback" not in str(err.value)
+    _wait_for_cpus(2)
+
+
+def _wait_for_cpus(cpus: int) -> None:
+    """The placement groups are given back (Ray frees them asynchronously)."""
+    deadline = time.monotonic() + 20
+    while ray.available_resources().get("CPU") != cpus and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert ray.available_resources().get("CPU") == 2
+    assert ray.available_resources().get("CPU") == cpus
 
 
 def test_requests_no_node_can_hold_fail_at_once(two_nodes):

@@ -22,6 +22,7 @@ import pytest
 import ray
 import torch
 
+from rltrain.export import export
 from rltrain.main_grpo import run
 from rltrain.trainer import GRPOTrainer
 from tests.fixtures.releases import RELEASES, build_release
@@ -361,28 +362,24 @@ def _run_and_check(tmp_path, monkeypatch, model_dir, task, modes, **extra) -> di
     if "one_step_off" in modes or "async" in modes:   # step 1 samples on the checkpoint's weights: engine = actor
         assert train[1]["rollout/version_lag_max"] == 0 and train[1]["rollout/kl"] < MISMATCH.kl, train[1]
         assert max(r["rollout/version_lag_max"] for r in train.values()) <= 1
-    _check_export(out / "checkpoints" / "step_000002" / "hf", model_dir, lora="lora" in modes)
+    _check_export(out / "checkpoints" / "step_000002", model_dir, tmp_path / "exported")
     return train
 
 
-def _check_export(export: Path, model_dir, lora: bool) -> None:
-    """The final checkpoint's HF export: LoRA adapters alone, or a model that loads back with the release's tied
-    or untied head and its end-of-sequence ids."""
-    from safetensors.torch import load_file
+def _check_export(checkpoint: Path, model_dir, out: Path) -> None:
+    """The final checkpoint's HF export (python -m rltrain.export; a LoRA run's adapters merged into the release): a
+    model that loads back in the release's dtype with its tied or untied head and its end-of-sequence ids."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    files = {p.name for p in export.iterdir()}
-    if lora:
-        adapters = load_file(export / "adapter_model.safetensors")
-        assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters) and "config.json" not in files
-        return
+    export(checkpoint, out)
     release = json.loads((Path(model_dir) / "config.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(export)
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()) and model.dtype == torch.bfloat16, info
     tied = model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     assert tied is release["tie_word_embeddings"]
-    assert set(GenerationConfig.from_pretrained(export).eos_token_id) == _eos_ids(model_dir)
+    assert set(GenerationConfig.from_pretrained(out).eos_token_id) == _eos_ids(model_dir)
     # the release's tokenizer as shipped: no pad token added (the trainer pads prompts with <eos> in memory only)
-    assert AutoTokenizer.from_pretrained(export).pad_token == AutoTokenizer.from_pretrained(model_dir).pad_token
+    assert AutoTokenizer.from_pretrained(out).pad_token == AutoTokenizer.from_pretrained(model_dir).pad_token
 
 
 @pytest.mark.parametrize("name, modes", [

@@ -26,11 +26,12 @@ import pytest
 import ray
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rltrain import trainer as trainer_module
 from rltrain.checkpoint import latest_checkpoint
+from rltrain.distributed_checkpoint import read_state
+from rltrain.export import export
 from rltrain.job import load_job_config
 from rltrain.main_grpo import run
 from rltrain.watchdog import descendants
@@ -121,7 +122,8 @@ def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path, monkeypatch, 
     console = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[train")]
     assert len(console) == 2 and all(" | rollout " in line and " | sync " in line for line in console), console
     assert latest_checkpoint(str(out)).name == "step_000002"
-    assert (out / "checkpoints" / "step_000001" / "hf" / "model.safetensors").is_file()
+    assert (out / "checkpoints" / "step_000001" / "model" / ".metadata").is_file()   # sharded, no HF weights:
+    assert not list((out / "checkpoints" / "step_000001" / "hf").glob("*.safetensors"))   # trainer.save_hf=false
 
 
 @pytest.mark.parametrize("preset", ["drgrpo", "dapo", "gspo", "rloo", "reinforce_pp"])
@@ -154,7 +156,8 @@ def test_algorithm_presets_train(tmp_path, preset):
 @pytest.mark.parametrize("arch", ["hybrid", "gdp", "iplr"])
 def test_delta_rule_policies_train(tmp_path, arch):
     """model.embedded.arch: a delta-rule policy through the real trainer (packed actor batches, the HF engine's
-    recurrent cache), 2 steps; its checkpoint loads back as the hybrid family with the weights the run trained."""
+    recurrent cache), 2 steps; its checkpoint's export loads back as the hybrid family with the weights the run
+    trained."""
     from transformers import AutoModelForCausalLM
 
     import rltrain_kernels.models  # noqa: F401  (registers the family with the Auto classes)
@@ -170,7 +173,7 @@ def test_delta_rule_policies_train(tmp_path, arch):
     assert [r["step"] for r in train] == [1, 2]
     assert all(math.isfinite(r["actor/loss"]) and math.isfinite(r["actor/grad_norm"]) for r in train), train
     assert any(r["actor/grad_norm"] > 0 for r in train), train   # a step's groups may all tie (zero advantages)
-    saved = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_000002" / "hf")
+    saved = AutoModelForCausalLM.from_pretrained(export(out / "checkpoints" / "step_000002", tmp_path / "hf"))
     expected = {"hybrid": ["gated_delta_rule", "full_attention"], "gdp": ["gated_delta_product"] * 2,
                 "iplr": ["iplr"] * 2}[arch]
     assert saved.config.model_type == "hybrid_delta" and saved.config.mixer_types == expected
@@ -325,11 +328,11 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
     assert result["step"] == last + 1
     assert f"took over the lock of {out} left by a run that is gone (host {socket.gethostname()}, pid {proc.pid}" \
         in caplog.text
-    assert f"skipped the incomplete checkpoint {broken} (hf/model.safetensors is missing)" in caplog.text
+    assert f"skipped the incomplete checkpoint {broken} (model/.metadata is missing)" in caplog.text
     after_auto = _records(out)
     assert _steps(after_auto) == (list(range(1, last + 2)), [0, last + 1])  # each step once
     assert sorted(p.name for p in checkpoints.iterdir()) == [f"step_{s:06d}" for s in range(1, last + 2)]
-    auto_weights = load_file(checkpoints / f"step_{last + 1:06d}" / "hf" / "model.safetensors")
+    auto_weights = read_state(checkpoints / f"step_{last + 1:06d}" / "model")
 
     result = _run_cli_config(out, trainer={"total_steps": 2, "resume": str(checkpoints / "step_000001")},
                              reward=reward, rollout=rollout, actor=actor)
@@ -353,8 +356,8 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
         for key in ("train/reward_mean", "train/response_len_mean", "actor/loss", "actor/entropy", "actor/grad_norm",
                     "actor/lr"):
             assert record[key] == pytest.approx(reference[record["step"]][key], rel=1e-6, abs=1e-7), key
-    final = checkpoints / f"step_{last + 1:06d}" / "hf"
-    fresh_weights = load_file(final / "model.safetensors")
+    final = checkpoints / f"step_{last + 1:06d}"
+    fresh_weights = read_state(final / "model")
     assert auto_weights.keys() == fresh_weights.keys()
     for name, tensor in fresh_weights.items():
         torch.testing.assert_close(auto_weights[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
@@ -363,12 +366,13 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
     events.Reload()
     assert [e.step for e in events.Scalars("train/reward_mean")] == list(range(1, last + 2))
     assert [e.step for e in events.Scalars("val/reward_mean")] == [0, last + 1]
-    _check_hf_export(final, out, fresh_weights)
+    _check_hf_export(export(final, tmp_path / "exported"), out, fresh_weights)
 
 
 def _check_hf_export(hf_dir: Path, out: Path, weights: dict):
-    """transformers loads the checkpoint's HF export as it was trained: every weight present and equal to the
-    safetensors file, a forward gives finite logits, which differ from the warm-started model's (RL moved them)."""
+    """transformers loads the checkpoint's HF export (python -m rltrain.export) as it was trained: every weight present
+    and equal to the checkpoint's, a forward gives finite logits, which differ from the warm-started model's (RL moved
+    them)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model, info = AutoModelForCausalLM.from_pretrained(hf_dir, output_loading_info=True)

@@ -1,6 +1,6 @@
 """LoRA RL through the real trainer (Ray actors on CPU, the tiny embedded job): with actor.lora.rank > 0 and a KL
 term no ReferenceWorker starts (the actor's base with adapters disabled is the reference) while the KL runs; every
-checkpoint holds PEFT-format adapters and no full model; a run resumed from its step-1 checkpoint makes the same
+checkpoint holds the adapters alone, no full model; a run resumed from its step-1 checkpoint makes the same
 step 2 (metrics and adapters) as the uninterrupted run; a LoRA checkpoint refuses a resume with LoRA off, naming the
 key. The in-process details (base frozen, adapters-only push, rollout equal to the actor, PEFT loading, export) are
 in tests/rltrain/workers/test_lora.py.
@@ -14,10 +14,10 @@ import shutil
 import pytest
 import ray
 import torch
-from safetensors.torch import load_file
 
 from rltrain import trainer as trainer_module
 from rltrain.config import ConfigError
+from rltrain.distributed_checkpoint import read_state
 from rltrain.main_grpo import run
 from tests.rltrain.tiny_job import tiny_job
 
@@ -62,11 +62,11 @@ def test_lora_run_uses_no_reference_worker_saves_adapters_and_resumes(tmp_path, 
     checkpoints = out / "checkpoints"
     for step in (1, 2):
         files = {p.name for p in (checkpoints / f"step_{step:06d}" / "hf").iterdir()}
-        assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= files, files
-        assert "model.safetensors" not in files
-    final = load_file(checkpoints / "step_000002" / "hf" / "adapter_model.safetensors")
+        assert {"adapter_config.json", "tokenizer.json"} <= files, files
+        assert not any(name.endswith(".safetensors") for name in files)   # no HF weights (trainer.save_hf)
+    final = read_state(checkpoints / "step_000002" / "model")
     assert final and all(".lora_A." in name or ".lora_B." in name for name in final)
-    first = load_file(checkpoints / "step_000001" / "hf" / "adapter_model.safetensors")
+    first = read_state(checkpoints / "step_000001" / "model")
     assert any(not torch.equal(first[name], final[name]) for name in final)
     shutil.copytree(checkpoints / "step_000002", tmp_path / "uninterrupted_step_2")
 
@@ -75,7 +75,7 @@ def test_lora_run_uses_no_reference_worker_saves_adapters_and_resumes(tmp_path, 
     for key in ("train/reward_mean", "train/response_len_mean", "actor/loss", "actor/entropy", "actor/grad_norm",
                 "actor/ref_kl"):
         assert resumed[key] == pytest.approx(uninterrupted[2][key], rel=1e-6, abs=1e-7), key
-    again = load_file(checkpoints / "step_000002" / "hf" / "adapter_model.safetensors")
+    again = read_state(checkpoints / "step_000002" / "model")
     assert again.keys() == final.keys()
     for name, tensor in final.items():
         torch.testing.assert_close(again[name], tensor, rtol=1e-6, atol=1e-7, msg=name)

@@ -98,7 +98,7 @@ def test_lr_schedule_factors(kind, expected):
                         abs_tol=1e-12)
 
 
-def test_lr_schedule_is_applied_and_resumes_exactly(setup):
+def test_lr_schedule_is_applied_and_resumes_exactly(setup, tmp_path):
     """6 updates with a linear schedule and warm-up: actor/lr and the optimizer's rate follow the factors; a second
     actor loaded after 3 updates (weights, optimizer state, schedule position) continues exactly as the first."""
     model_dir, batch = setup
@@ -124,7 +124,8 @@ def test_lr_schedule_is_applied_and_resumes_exactly(setup):
     assert first.lr_scheduler_state() == {"updates": 3}
     resumed = ActorWorker(ActorConfig(torch_threads=1, **config), LossConfig(), model_dir, "float32", None, 1.0,
                           total_steps=6)
-    resumed.load_checkpoint(first.state_dict(), first.optimizer_state())
+    first.save_checkpoint(str(tmp_path))
+    resumed.load_checkpoint(str(tmp_path))
     resumed.load_lr_scheduler_state(first.lr_scheduler_state())
     assert train(resumed, range(4, 7)) == lrs[3:]
     for name, tensor in through.state_dict().items():

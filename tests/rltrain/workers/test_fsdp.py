@@ -1,11 +1,11 @@
 """FSDP2 actor and reference over 2 gloo processes (torch.multiprocessing, no Ray) against the single process, fp32:
 gradients after an update, metrics, sharded old/reference log-probs, the gathered weights and optimizer state after
-the step, loading a single-process checkpoint into the shards and an on-policy update from it (no old_logprobs: the
-update's own log-probs gathered on rank 0). Cases cover uneven micro-batches (a rank with
-fewer micro-batches than rank 0 runs padding ones), a rank with no rows, two mini-batches, each loss aggregation,
-the KL term, gradient checkpointing, and packed micro-batches cut by a token budget (rows shared by tokens; the
-sharded reference packed against the single process's padded one); two of them again on a delta-rule policy
-(Gated DeltaNet + attention), and two in bf16 mixed precision over gloo (model.dtype=bfloat16 with
+the step, a single-process checkpoint (whole tensors, torch.distributed.checkpoint) loaded into the shards and an
+on-policy update from it (no old_logprobs: the update's own log-probs gathered on rank 0). Cases cover uneven
+micro-batches (a rank with fewer micro-batches than rank 0 runs padding ones), a rank with no rows, two mini-batches,
+each loss aggregation, the KL term, gradient checkpointing, and packed micro-batches cut by a token budget (rows
+shared by tokens; the sharded reference packed against the single process's padded one); two of them again on a
+delta-rule policy (Gated DeltaNet + attention), and two in bf16 mixed precision over gloo (model.dtype=bfloat16 with
 actor.mixed_precision: fp32 shards, bf16 compute; the reference sharded in bf16) against the fp32 single process.
 One spawn runs every case of a fixture (~30 s in all on 2 cores, mostly process start and imports). With 2 GPUs
 (@pytest.mark.gpu) the same cases run over NCCL, fp32 and bf16 mixed precision, the latter also with the shards,
@@ -67,7 +67,7 @@ def _configs(case, sharded: bool):
     return rows, actor, LossConfig(loss_agg=loss_agg, kl_coef=kl)
 
 
-def _rank_main(rank, port, device, dtype, cpu_offload, model_dir, batches, single_states, out_dir):
+def _rank_main(rank, port, device, dtype, cpu_offload, model_dir, batches, out_dir):
     import os
 
     os.environ["LOCAL_RANK"] = str(rank)  # this rank's GPU (under Ray each rank sees only its own)
@@ -88,11 +88,9 @@ def _rank_main(rank, port, device, dtype, cpu_offload, model_dir, batches, singl
         grads = {n: p.grad.to(actor.device).full_tensor().cpu() for n, p in actor.model.named_parameters()}
         pushed = actor.full_weights(actor.bucket_names(256)[0])  # the weight push's tensors: model.dtype
         assert all(t.dtype == DTYPES[dtype] for t in pushed.values() if t.is_floating_point())
-        result.update(grads=grads, weights=actor.state_dict(), optimizer=actor.optimizer_state())
-        # copies: the spawned ranks share the parent's tensors, and a loaded optimizer state may alias what it was
-        # given, so Adam's in-place steps would move one rank's `step` counter under the other's
-        model_state, optimizer_state = copy.deepcopy(single_states[case])
-        actor.load_checkpoint(model_state, optimizer_state)
+        # a copy: the step counts are the live tensors, which the load below overwrites in place
+        result.update(grads=grads, weights=actor.state_dict(), optimizer=copy.deepcopy(actor.optimizer_state()))
+        actor.load_checkpoint(f"{out_dir}/single-{case}")   # the single process's checkpoint, resharded over 2 ranks
         # a copy: the gathered state shares its `step` counters with the optimizer, which the next update moves
         result.update(loaded_weights=actor.state_dict(), loaded_optimizer=copy.deepcopy(actor.optimizer_state()))
         if config.mini_batch_size == 0:   # one optimizer step: on-policy from the loaded checkpoint
@@ -134,6 +132,8 @@ def run_cases(root, device: str, dtype: str = "float32", cpu_offload: bool = Fal
                                       "optimizer": actor.optimizer_state()})  # copies: the next update changes them
         # a checkpoint for the shards to load: other weights and a second optimizer step's state
         actor.update(batch)
+        (root / f"single-{case}").mkdir()
+        actor.save_checkpoint(str(root / f"single-{case}"))
         states[case] = copy.deepcopy((actor.state_dict(), _to_cpu(actor.optimizer_state())))
         if config.mini_batch_size == 0:  # algorithm.old_logprobs=update from that checkpoint
             single[case].update(on_policy=actor.update(batch.exclude("old_logprobs"))["old_logprobs"],
@@ -143,7 +143,7 @@ def run_cases(root, device: str, dtype: str = "float32", cpu_offload: bool = Fal
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_rank_main, args=(port, device, dtype, cpu_offload, model_dir, batches, states, str(root)),
+    mp.spawn(_rank_main, args=(port, device, dtype, cpu_offload, model_dir, batches, str(root)),
              nprocs=WORLD, join=True)
     return {case: (single[case], torch.load(root / f"{case}.pt", weights_only=False), states[case])
             for case in cases}

@@ -5,9 +5,10 @@
 - the reference log-probs (compute_ref_logprobs: adapters disabled) equal a plain copy of the base model's;
 - after a push through export_weights / load_bucket (the CPU route) the hf rollout engine's log-probs equal the
   actor's (and did not before), its greedy responses the actor's policy's (not the base's), its base unchanged;
-- the actor's checkpoint is PEFT's format (PeftModel.from_pretrained on the base reproduces the actor), a fresh actor
-  resumed from it (adapters + optimizer) makes the same next update as the original, and export_lora merges it into
-  a full HF model with the actor's log-probs;
+- the actor's checkpoint holds the adapters alone (and with trainer.save_hf their PEFT format, which
+  PeftModel.from_pretrained on the base loads as the actor), a fresh actor resumed from it (adapters + optimizer) makes
+  the same next update as the original, and `python -m rltrain.export` merges them into a full HF model with the
+  actor's log-probs (a base that moved: exit 2 asking for --base);
 - log-probs are computed without LoRA dropout and the update's dropout draws are seeded by the step;
 - bad target_modules fail naming actor.lora.target_modules;
 - save_peft_adapter (the directory the vLLM engine loads the pushed adapters from) writes PEFT's own tensor names
@@ -25,14 +26,16 @@ from tensordict import TensorDict
 
 from rltrain.algorithms.advantages import compute_advantages
 from rltrain.algorithms.config import LossConfig
+from rltrain.checkpoint import save_checkpoint
 from rltrain.config import ConfigError
-from rltrain.export_lora import export_lora
-from rltrain.export_lora import main as export_main
+from rltrain.distributed_checkpoint import read_state
+from rltrain.export import main as export_main
 from rltrain.workers.actor import ActorConfig, ActorWorker
-from rltrain.workers.lora import (LoraConfig, adapter_modules_of, check_target_modules, check_target_modules_of,
-                                  is_adapter_weight, peft_checkpoint_name, save_peft_adapter)
+from rltrain.workers.lora import (LoraConfig, adapter_modules_of, adapter_weights, check_target_modules,
+                                  check_target_modules_of, is_adapter_weight, peft_checkpoint_name,
+                                  save_peft_adapter)
 from rltrain.workers.packing import MicroBatching
-from rltrain.workers.policy import load_policy, response_logprobs
+from rltrain.workers.policy import load_policy, load_tokenizer, response_logprobs
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from tests.rltrain.tiny_job import save_tiny_policy
 
@@ -176,16 +179,17 @@ def test_push_makes_the_rollout_engine_equal_the_actor(model_dir, tmp_path):
     assert not torch.equal(greedy, _greedy(AutoModelForCausalLM.from_pretrained(model_dir).eval(), batch))
 
 
-def test_checkpoint_is_peft_format_resumes_and_exports(model_dir, tmp_path):
+def test_checkpoint_holds_the_adapters_resumes_and_exports(model_dir, tmp_path, capsys):
     import peft
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     actor = _actor(model_dir)
     _train(actor, 2)
-    checkpoint = tmp_path / "step_000002"
-    actor.save_pretrained(str(checkpoint / "hf"))
-    files = {p.name for p in (checkpoint / "hf").iterdir()}
+    checkpoint = save_checkpoint(str(tmp_path), 2, lambda p: actor.save_checkpoint(str(p), save_hf=True), model_dir,
+                                 load_tokenizer(model_dir), {}, LORA)
+    saved = read_state(checkpoint / "model")   # the adapters alone: the base is model.path's
+    assert saved.keys() == set(adapter_weights(actor.model))
+    files = {p.name for p in (checkpoint / "hf").iterdir()}   # trainer.save_hf: PEFT's format too
     assert {"adapter_config.json", "adapter_model.safetensors"} <= files and "model.safetensors" not in files
     config = json.loads((checkpoint / "hf" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == model_dir and config["r"] == 4 and config["lora_alpha"] == 8
@@ -198,36 +202,30 @@ def test_checkpoint_is_peft_format_resumes_and_exports(model_dir, tmp_path):
     assert (got - expected).abs()[valid].max() < 1e-6
 
     resumed = _actor(model_dir, seed=1)  # other initial adapters: everything must come from the checkpoint
-    torch.save(actor.optimizer_state(), checkpoint / "optimizer.pt")  # as the trainer saves it (a copy)
-    resumed.load_checkpoint(load_file(checkpoint / "hf" / "adapter_model.safetensors"),
-                            torch.load(checkpoint / "optimizer.pt", weights_only=True))
+    resumed.load_checkpoint(str(checkpoint))
     assert torch.equal(resumed.compute_logprobs(batch), expected)
     _train(actor, 1, first_step=3)
     _train(resumed, 1, first_step=3)
     state, again = dict(actor.model.named_parameters()), dict(resumed.model.named_parameters())
     assert all(torch.equal(state[name], again[name]) for name in state)
 
-    merged_dir = export_lora(checkpoint, tmp_path / "merged")
-    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
-    assert not any(is_adapter_weight(name) or "base_layer" in name for name in merged.state_dict())
-    assert merged.state_dict().keys() == AutoModelForCausalLM.from_pretrained(model_dir).state_dict().keys()
-    merged_logprobs = response_logprobs(merged.eval(), batch, 1.0, MicroBatching(rows=64, packed=False))
-    assert (merged_logprobs - expected).abs()[valid].max() < 1e-4
-    assert (merged_logprobs - _plain_logprobs(model_dir, batch)).abs()[valid].mean() > 1e-2
+    for out, base in ((tmp_path / "merged", None), (tmp_path / "merged_base", model_dir)):
+        assert export_main([str(checkpoint), str(out), *(["--base", base] if base else [])]) == 0
+        merged = AutoModelForCausalLM.from_pretrained(out)
+        assert not any(is_adapter_weight(name) or "base_layer" in name for name in merged.state_dict())
+        assert merged.state_dict().keys() == AutoModelForCausalLM.from_pretrained(model_dir).state_dict().keys()
+        merged_logprobs = response_logprobs(merged.eval(), batch, 1.0, MicroBatching(rows=64, packed=False))
+        assert (merged_logprobs - expected).abs()[valid].max() < 1e-4
+        assert (merged_logprobs - _plain_logprobs(model_dir, batch)).abs()[valid].mean() > 1e-2
+    capsys.readouterr()
 
-
-def test_export_rejects_what_is_not_a_lora_checkpoint(model_dir, tmp_path, capsys):
-    (tmp_path / "full" / "hf").mkdir(parents=True)
-    (tmp_path / "full" / "hf" / "model.safetensors").write_text("")
-    assert export_main([str(tmp_path / "full"), str(tmp_path / "out")]) == 2
-    assert "holds a full model (a run without actor.lora)" in capsys.readouterr().err
-    assert export_main([str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
-    assert "no adapter_config.json" in capsys.readouterr().err
-    adapters = tmp_path / "moved" / "hf"
-    adapters.mkdir(parents=True)
-    (adapters / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone")}))
-    assert export_main([str(tmp_path / "moved"), str(tmp_path / "out")]) == 2
-    assert "is not a transformers model directory" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    config["base_model_name_or_path"] = str(tmp_path / "gone")   # the base moved since the run
+    (checkpoint / "hf" / "adapter_config.json").write_text(json.dumps(config))
+    assert export_main([str(checkpoint), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"error: base model {str(tmp_path / 'gone')!r} is not a transformers model "
+                                       "directory (no config.json); pass --base with the model the adapters were "
+                                       "trained on\n")
+    assert not (tmp_path / "out").exists()
 
 
 def test_dropout_stays_out_of_log_probs_and_is_seeded_in_the_update(model_dir):

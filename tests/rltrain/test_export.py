@@ -1,0 +1,115 @@
+"""`python -m rltrain.export` (rltrain/export.py) and loading what it writes, in process without Ray: a trained
+actor's checkpoint exports to an HF model directory that transformers loads with exactly the checkpoint's weights
+(fp32), or rounded to bf16 with --dtype; above --max-shard-size the safetensors are sharded with an index, and the
+actor (its fp32 masters read from the shards), the reference and the HF rollout engine all load that sharded
+directory as model.path with the same weights. Bad input exits 2 with one line naming the path. Exports of a 2-rank
+FSDP2 checkpoint: workers/test_fsdp_checkpoint.py; of a LoRA run's (merged into its base): workers/test_lora.py; of
+releases' layouts (tied heads, generation configs): test_releases.py."""
+
+import json
+
+import pytest
+import torch
+from tensordict import TensorDict
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from rltrain.algorithms.advantages import compute_advantages
+from rltrain.algorithms.config import LossConfig
+from rltrain.checkpoint import save_checkpoint
+from rltrain.distributed_checkpoint import read_state
+from rltrain.export import export, main
+from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.packing import MicroBatching
+from rltrain.workers.policy import load_tokenizer
+from rltrain.workers.reference import ReferenceWorker
+from rltrain.workers.rollout import RolloutConfig, RolloutWorker
+from tests.rltrain.tiny_job import save_tiny_policy
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(the policy directory, a checkpoint of an actor after one update, as the trainer saves it)."""
+    root = tmp_path_factory.mktemp("export")
+    policy_dir = save_tiny_policy(root / "policy")
+    actor = ActorWorker(ActorConfig(lr=1e-2, torch_threads=1), LossConfig(), policy_dir, "float32", None, 1.0)
+    generator = torch.Generator().manual_seed(0)
+    vocab = actor.model.config.vocab_size
+    batch = TensorDict({"prompt_ids": torch.randint(4, vocab, (4, 3), generator=generator),
+                        "prompt_mask": torch.ones(4, 3, dtype=torch.long),
+                        "response_ids": torch.randint(4, vocab, (4, 5), generator=generator),
+                        "response_mask": torch.ones(4, 5, dtype=torch.long),
+                        "group_ids": torch.arange(4) // 2}, batch_size=[4])
+    batch["advantages"] = compute_advantages("grpo", torch.tensor([0.0, 1.0, 1.0, 0.0]), batch["response_mask"],
+                                             batch["group_ids"])
+    batch["old_logprobs"] = actor.compute_logprobs(batch)
+    actor.update(batch, 1)
+    path = save_checkpoint(str(root / "run"), 1, lambda p: actor.save_checkpoint(str(p)), policy_dir,
+                           load_tokenizer(policy_dir), {})
+    return policy_dir, path
+
+
+def test_export_loads_in_transformers_with_the_checkpoint_weights(checkpoint, tmp_path, capsys):
+    policy_dir, path = checkpoint
+    assert main([str(path), str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().out.strip() == f"HF model written to {tmp_path / 'out'}"
+    files = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= files
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not any(info.values()), info   # no missing, unexpected or mismatched keys
+    assert model.dtype == torch.float32   # auto: config.json's, the tiny policy's float32
+    trained, state = read_state(path / "model"), model.state_dict()
+    assert trained.keys() == state.keys()
+    for name, tensor in trained.items():
+        assert torch.equal(state[name], tensor), name
+    initial = AutoModelForCausalLM.from_pretrained(policy_dir).state_dict()
+    assert any(not torch.equal(initial[name], tensor) for name, tensor in trained.items())   # the update moved them
+    assert GenerationConfig.from_pretrained(tmp_path / "out").to_dict() == \
+        GenerationConfig.from_pretrained(policy_dir).to_dict()
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").get_vocab() == load_tokenizer(policy_dir).get_vocab()
+
+    export(path, tmp_path / "bf16", dtype="bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert model.dtype == torch.bfloat16
+    assert all(torch.equal(model.state_dict()[name], t.bfloat16()) for name, t in trained.items())
+
+
+def test_a_sharded_export_loads_as_model_path_in_every_role(checkpoint, tmp_path):
+    """Above --max-shard-size: shards and model.safetensors.index.json naming every weight; the actor (bf16 with fp32
+    masters, which it reads from the fp32 shards), the reference and the HF rollout engine load the directory."""
+    _, path = checkpoint
+    out = tmp_path / "sharded"
+    assert main([str(path), str(out), "--max-shard-size", "20KB"]) == 0
+    shards = sorted(p.name for p in out.glob("model-*-of-*.safetensors"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    trained = read_state(path / "model")
+    assert len(shards) >= 3 and not (out / "model.safetensors").exists()
+    assert set(index["weight_map"].values()) == set(shards) and set(index["weight_map"]) == set(trained)
+
+    actor = ActorWorker(ActorConfig(torch_threads=1), LossConfig(), str(out), "bfloat16", None, 1.0)
+    reference = ReferenceWorker(str(out), "float32", None, 1.0, MicroBatching(rows=4, packed=False),
+                                torch_threads=1)
+    rollout = RolloutWorker(RolloutConfig(torch_threads=1), str(out), "float32", None)
+    masters = actor.state_dict()   # the fp32 masters
+    for name, tensor in trained.items():
+        assert torch.equal(masters[name], tensor), name
+        assert torch.equal(dict(actor.model.named_parameters())[name], tensor.bfloat16()), name
+        assert torch.equal(reference.model.state_dict()[name], tensor), name
+        assert torch.equal(rollout.engine.model.state_dict()[name], tensor), name
+
+
+def test_bad_input_exits_2_naming_the_path(checkpoint, tmp_path, capsys):
+    _, path = checkpoint
+    assert main([str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'nothing'}: no hf/config.json; expected a checkpoint "
+                                       "directory (<output_dir>/checkpoints/step_N) of rltrain\n")
+    broken = tmp_path / "broken"
+    (broken / "hf").mkdir(parents=True)
+    (broken / "hf" / "config.json").write_text((path / "hf" / "config.json").read_text())
+    assert main([str(broken), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"error: {broken}: model/.metadata is missing\n"
+    assert not (tmp_path / "out").exists()
+    assert main([str(path), str(tmp_path / "out")]) == 0
+    assert main([str(path), str(tmp_path / "out")]) == 2   # a second export would leave the first one's files
+    assert capsys.readouterr().err.endswith(f"error: {tmp_path / 'out'} already holds safetensors weights; export "
+                                            "into a new or empty directory\n")
