@@ -120,11 +120,15 @@ class JobConfig:
                 "IPLR) with it; use rollout.engine=hf, which decodes with the fused-recurrent kernels",
                 self.rollout.engine)
         # LoRA with vLLM (rltrain/workers/vllm_lora.py): ranks up to vLLM's largest max_lora_rank; target modules
-        # vLLM does not wrap are refused when the engine starts. (Tensor parallelism cannot meet LoRA: that needs
-        # several GPUs per node, i.e. actor.strategy=fsdp2, which LoRA refuses.)
+        # vLLM does not wrap are refused when the engine starts. One GPU per engine: no test has loaded a pushed
+        # adapter into a tensor-parallel engine yet (actor.strategy=fsdp2 with replicas of one GPU each does run).
         lora = self.actor.lora.rank
         require(self.rollout.engine != "vllm" or lora <= VLLM_LORA_RANKS[-1], "actor.lora.rank",
                 f"must be <= {VLLM_LORA_RANKS[-1]} with rollout.engine=vllm (vLLM's largest max_lora_rank)", lora)
+        require(self.rollout.engine != "vllm" or not lora or self.rollout.tensor_parallel_size == 1,
+                "rollout.tensor_parallel_size", "must be 1 with actor.lora.rank > 0 and rollout.engine=vllm (LoRA "
+                "into a tensor-parallel vLLM engine is not supported yet; use rollout.replicas)",
+                self.rollout.tensor_parallel_size)
         # the embedded tool task's episodes need the calculator (its preset, config/task/tool_arithmetic.yaml, sets it)
         multi_turn = self.rollout.multi_turn
         require(not self.data.task.uses_tools or multi_turn.enabled and any(

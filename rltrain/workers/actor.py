@@ -8,9 +8,9 @@ every checkpoint. Under actor.mixed_precision (the default) the trained weights 
 and the forward and backward run in model.dtype: fp32 master copies beside a model.dtype model here
 (rltrain/workers/precision.py), FSDP2's MixedPrecisionPolicy in FSDPActorWorker. With actor.lora.rank > 0 only LoRA
 adapters train, and the reference log-probs come from this worker's own model with the adapters disabled
-(rltrain/workers/lora.py). With algorithm.distill.kl=exact the worker also holds the frozen teacher (in model.dtype),
-and each micro-batch's loss gains coef × the exact reverse KL to it (linear_kl_div from both models' hidden states;
-actor/distill_kl). FSDPActorWorker is the same role sharded over the ranks of a WorkerGroup (actor.strategy=fsdp2;
+(rltrain/workers/lora.py; under FSDP2 the frozen base is sharded in model.dtype beside fp32 adapter shards). With
+algorithm.distill.kl=exact the worker also holds the frozen teacher (in model.dtype), and each micro-batch's loss
+gains coef × the exact reverse KL to it (linear_kl_div from both models' hidden states; actor/distill_kl). FSDPActorWorker is the same role sharded over the ranks of a WorkerGroup (actor.strategy=fsdp2;
 rltrain/workers/fsdp.py)."""
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ from rltrain.distributed_checkpoint import (
 from rltrain.perf import ModelShape
 from rltrain.workers.batch import IGNORE_INDEX, split
 from rltrain.workers.fsdp import FSDPConfig, ShardedPolicy, keyed_by_index
-from rltrain.workers.lora import LoraConfig, adapter_weights, attach_lora, is_adapter_weight
+from rltrain.workers.lora import (
+    LoraConfig, adapter_weights, adapters_disabled, attach_lora, is_adapter_weight, save_peft_adapter,
+)
 from rltrain.workers.packing import MicroBatching, Packing
 from rltrain.workers.policy import (
     DTYPES, assemble_rows, load_policy, plan_buckets, policy_hidden, release_cached_memory, resolve_batching,
@@ -104,8 +106,6 @@ class ActorConfig:
         require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1", self.micro_batch_size)
         require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", "must be >= 0 (0 = by rows)",
                 self.max_tokens_per_micro_batch)
-        require(not self.lora.enabled or self.strategy == "single", "lora.rank",
-                "> 0 needs actor.strategy=single (LoRA under FSDP2 is not supported yet)", self.lora.rank)
 
     @property
     def micro_batching(self) -> MicroBatching:
@@ -152,7 +152,7 @@ def minibatch_order(size: int, seed: int, step: int, epoch: int) -> torch.Tensor
 
 
 class ActorWorker(WeightSource):
-    adapters = None  # the PeftModel wrapping self.model with actor.lora on (FSDPActorWorker: never)
+    adapters = None  # the PeftModel wrapping self.model with actor.lora on
     teacher = None   # algorithm.distill.kl=exact: the frozen teacher whose KL joins the loss (FSDPActorWorker: never)
     update_logprobs = None  # an on-policy update's (row indices, log-probs) per micro-batch of this process
     master = None    # MasterWeights: the fp32 weights the optimizer trains, where model.dtype is not float32 under
@@ -202,7 +202,7 @@ class ActorWorker(WeightSource):
         if self.adapters is None:
             raise RuntimeError("compute_ref_logprobs needs actor.lora.rank > 0; without LoRA the reference is a "
                                "ReferenceWorker")
-        with self.adapters.disable_adapter():
+        with adapters_disabled(self.model):
             return self.compute_logprobs(batch)
 
     def _start_schedule(self, seed: int, total_steps: int | None) -> None:
@@ -439,15 +439,25 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
         self.config, self.loss, self.temperature = config, loss, temperature
         self._start_schedule(seed, total_steps)
         self.compute_dtype = DTYPES[dtype]  # the weight push sends model.dtype tensors, as the single process does
+        self.model_path = model_path
         weights = trained_dtype(dtype, config.mixed_precision)
-        self._setup(rank, world_size, master_addr, master_port, model_path, weights, kernel_config, device,
-                    config.fsdp, config.micro_batching, attn_implementation, config.gradient_checkpointing,
-                    compute_dtype=dtype)
+        # LoRA: the base loads in model.dtype and stays frozen; the adapters, in the trained dtype, go in before
+        # sharding (after the kernels, as in the single process), so the base is sharded too
+        lora = config.lora.enabled
+
+        def attach(model):
+            self.adapters = attach_lora(model, config.lora, DTYPES[weights])
+
+        self._setup(rank, world_size, master_addr, master_port, model_path, dtype if lora else weights, kernel_config,
+                    device, config.fsdp, config.micro_batching, attn_implementation, config.gradient_checkpointing,
+                    compute_dtype=dtype, prepare=attach if lora else None)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.root.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW([p for p in self.root.parameters() if p.requires_grad], lr=config.lr,
+                                           weight_decay=config.weight_decay)
 
     def compute_logprobs(self, batch: TensorDict) -> torch.Tensor | None:
-        return self._sharded_logprobs(batch, self.temperature)
+        with self._scoring():
+            return self._sharded_logprobs(batch, self.temperature)
 
     def update(self, batch: TensorDict, step: int = 0) -> dict | None:
         metrics = super().update(batch, step)
@@ -502,9 +512,15 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
         return keyed_by_index(state, self._param_names()) if self.rank == 0 else None
 
     def save_pretrained(self, path: str) -> None:
+        if self.adapters is not None:  # the adapters alone, gathered (in the trained dtype), in PEFT's format
+            adapters = self._full_tensors(list(adapter_weights(self.model)))
+            if self.rank == 0:
+                save_peft_adapter(path, adapters, self.config.lora, self.model_path)
+            return
         state = self.state_dict()  # every rank gathers; rank 0 holds the full weights and writes them
         if self.rank == 0:
             self.model.save_pretrained(path, state_dict=state)
 
     def _param_names(self) -> list[str]:
-        return [name for name, _ in self.model.named_parameters()]
+        """The trained parameters' names, in the optimizer's order."""
+        return [name for name, param in self.model.named_parameters() if param.requires_grad]

@@ -19,7 +19,8 @@ materialised. tests/rltrain/workers/test_fsdp.py checks the gradients against th
 
 Precision (actor.mixed_precision, rltrain/workers/precision.py): the actor's shards, gradients and optimizer state are
 fp32, and each unit's gathered parameters are cast to model.dtype for the forward and backward (MixedPrecisionPolicy,
-gradients reduced in fp32); the frozen reference is sharded in model.dtype itself.
+gradients reduced in fp32); the frozen reference is sharded in model.dtype itself. With LoRA (actor.lora) the actor
+attaches its adapters before sharding: the frozen base is sharded in model.dtype and only the adapters are fp32.
 
 Weights leave full: the trainer's weight push asks for `bucket_names(bucket_mb)` once, then exports each bucket
 (rltrain/workers/weight_sync.py): `full_weights(names)` gathers those DTensor shards (`full_tensor()`) on every rank,
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -91,12 +93,13 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 def shard_policy(model, mesh, device: str, config: FSDPConfig,
                  compute_dtype: torch.dtype | None = None) -> PolicyWithHead:
     """fully_shard each decoder layer (the classes in the model's `_no_split_modules`), then the root. With a
-    compute_dtype other than the weights' (actor.mixed_precision: fp32 shards, model.dtype compute), each unit's
+    compute_dtype other than some weights' (actor.mixed_precision: fp32 shards, model.dtype compute), each unit's
     gathered parameters are cast to it for the forward and backward, and gradients are reduced and kept in fp32
     (on CPU over gloo too)."""
-    # fp32 inputs (advantages, old log-probs) must reach the loss unrounded: no casting of forward inputs
-    weights = next(model.parameters()).dtype
-    if compute_dtype is not None and compute_dtype != weights:
+    # fp32 inputs (advantages, old log-probs) must reach the loss unrounded: no casting of forward inputs.
+    # LoRA's fp32 adapters on a model.dtype base mix dtypes within a unit: FSDP2 asks one dtype of the trainable
+    # parameters only, and casts every parameter to param_dtype (the base's own) before the all-gather
+    if compute_dtype is not None and any(param.dtype != compute_dtype for param in model.parameters()):
         precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
                                          cast_forward_inputs=False)
     else:
@@ -139,11 +142,15 @@ class ShardedPolicy:
 
     def _setup(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, dtype: str,
                kernel_config: KernelConfig | None, device: str, fsdp: FSDPConfig, batching: MicroBatching,
-               attn_implementation: str, checkpointing: bool = False, compute_dtype: str | None = None):
-        """The model held in `dtype`; forward and backward in compute_dtype (default: the same)."""
+               attn_implementation: str, checkpointing: bool = False, compute_dtype: str | None = None,
+               prepare: Callable[[torch.nn.Module], None] | None = None):
+        """The model loaded in `dtype`; forward and backward in compute_dtype (default: the same). `prepare(model)`
+        runs on the whole model before sharding (the actor's LoRA adapters go in there)."""
         self.rank, self.world_size, self.device = rank, world_size, device
         mesh = init_distributed(rank, world_size, master_addr, master_port, device)
         self.model = load_policy(model_path, dtype, kernel_config, "cpu", attn_implementation)
+        if prepare is not None:
+            prepare(self.model)
         self.batching = resolve_batching(self.model, batching)
         if checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

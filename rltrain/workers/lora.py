@@ -5,8 +5,10 @@ What changes with it on (rank 0 is full fine-tuning, none of this):
   swapped in (swapping works on either side of the wrapping: tests/kernels/integrations/test_peft_models.py); only
   the adapters (`lora_A` / `lora_B`) are trainable and in the optimizer, and the LM head stays frozen and outside
   them, so `linear_logprobs` / `fused_policy_loss` take its weight as before;
-- the reference policy is that same model with its adapters disabled (`disable_adapter()`): no second copy and no
+- the reference policy is that same model with its adapters disabled (`adapters_disabled`): no second copy and no
   ReferenceWorker when algorithm.loss.kl_coef > 0 (ActorWorker.compute_ref_logprobs);
+- under actor.strategy=fsdp2 the adapters go in before sharding: the frozen base is sharded in model.dtype, the
+  adapters in the trained dtype (fp32 under actor.mixed_precision), and the push gathers the adapters alone;
 - the weight push sends the adapter tensors only (`adapter_weights`): into an HF rollout engine that holds the same
   PEFT model, or into a vLLM engine, which loads them as a LoRA adapter from a PEFT-format directory
   (`save_peft_adapter`; rltrain/workers/vllm_lora.py);
@@ -23,6 +25,7 @@ imported only when LoRA is on (its import takes 0.8 s, in every process that imp
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families with the Auto classes)
@@ -109,13 +112,15 @@ def peft_config(config: LoraConfig, base_model: str | None = None):
                            target_modules=config.target_modules, base_model_name_or_path=base_model)
 
 
-def attach_lora(model, config: LoraConfig):
+def attach_lora(model, config: LoraConfig, adapter_dtype: torch.dtype | None = None):
     """Wrap `model` (a transformers causal LM, kernels already swapped in) with fresh LoRA adapters, in place: the
     LoRA layers go inside its modules, its own parameters are frozen. Returns the PeftModel (its get_base_model() is
     `model`). lora_B starts at zero, so the wrapped model computes what `model` did. The adapters take the model's
     dtype (model.dtype), as full fine-tuning trains its weights: PEFT's default fp32 adapters on a bf16 model cast
     every adapted layer's input to fp32 and keep it for the backward (1.7B Qwen3 on an H100, 16k-token micro-batches:
-    peak 58.7 GiB and 0.56x the full fine-tuning's tokens/s, RESULTS.md has the bf16 figures)."""
+    peak 58.7 GiB and 0.56x the full fine-tuning's tokens/s, RESULTS.md has the bf16 figures). adapter_dtype stores
+    them in another dtype: the FSDP2 actor's fp32 adapter shards under actor.mixed_precision, which its
+    MixedPrecisionPolicy casts to model.dtype for the forward, so the compute is the same as here."""
     import peft  # optional: LoRA only (module docstring)
 
     check_target_modules(model, config)
@@ -124,7 +129,29 @@ def attach_lora(model, config: LoraConfig):
     if trainable != set(adapter_weights(model)):
         raise RuntimeError(f"LoRA left parameters outside the adapters trainable: "
                            f"{sorted(trainable - set(adapter_weights(model)))[:5]}")
+    if adapter_dtype is not None:
+        for param in adapter_weights(model).values():
+            param.data = param.data.to(adapter_dtype)
     return wrapped
+
+
+@contextmanager
+def adapters_disabled(model):
+    """The LoRA-wrapped `model` computing its frozen base (every LoRA layer skips its adapters), for the reference
+    log-probs. Unlike PeftModel.disable_adapter() it leaves requires_grad alone: under FSDP2 the first forward
+    fixes which parameters a unit reduces gradients for, and that forward may be this one
+    (algorithm.old_logprobs=update)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer  # optional: LoRA only (module docstring)
+
+    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    held = [layer._disable_adapters for layer in layers]   # PEFT's flag behind BaseTunerLayer.disable_adapters
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer, flag in zip(layers, held):
+            layer._disable_adapters = flag
 
 
 def is_adapter_weight(name: str) -> bool:

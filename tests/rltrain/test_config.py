@@ -140,8 +140,6 @@ def test_every_algorithm_preset_validates(preset):
     ("actor.lora.target_modules=linear",
      "actor.lora.target_modules: must be 'all-linear' or a list of module names (got 'linear')"),
     ("actor.lora.target_modules=[]", "actor.lora.target_modules: must be a non-empty list of module names (got [])"),
-    ("actor.lora.rank=8 actor.strategy=fsdp2 trainer.n_gpus_per_node=2",
-     "actor.lora.rank: > 0 needs actor.strategy=single (LoRA under FSDP2 is not supported yet) (got 8)"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=re.sub(r"([()+\[\]])", r"\\\1", message)):
@@ -248,8 +246,8 @@ def test_the_embedded_model_fits_the_default_lengths():
 
 def test_vllm_engine_takes_lora_within_its_limits(monkeypatch):
     """actor.lora with rollout.engine=vllm validates (the engine loads the pushed adapters,
-    tests/rltrain/workers/test_vllm_lora.py) up to vLLM's largest LoRA rank; above it, and with a tensor-parallel
-    engine (which needs FSDP2 ranks, which LoRA refuses), it exits up front naming the key."""
+    tests/rltrain/workers/test_vllm_lora.py) up to vLLM's largest LoRA rank, also under FSDP2; above it, and with a
+    tensor-parallel engine (not supported yet), it exits up front naming the key."""
     import importlib.util
 
     find_spec = importlib.util.find_spec
@@ -261,9 +259,11 @@ def test_vllm_engine_takes_lora_within_its_limits(monkeypatch):
                                                     "largest max_lora_rank) (got 513)")):
         load_job_config(_compose("rollout.engine=vllm", "actor.lora.rank=513"))
     assert load_job_config(_compose("actor.lora.rank=513")).actor.lora.rank == 513  # the hf engine has no such limit
-    with pytest.raises(ConfigError, match=r"^actor.lora.rank: > 0 needs actor.strategy=single"):
-        load_job_config(_compose("trainer.device=cuda", "trainer.n_gpus_per_node=2", "actor.strategy=fsdp2",
-                                 "rollout.engine=vllm", "rollout.tensor_parallel_size=2", "actor.lora.rank=8"))
+    fsdp2 = ("trainer.device=cuda", "trainer.n_gpus_per_node=2", "actor.strategy=fsdp2", "rollout.engine=vllm",
+             "actor.lora.rank=8")
+    assert load_job_config(_compose(*fsdp2)).actor.strategy == "fsdp2"   # LoRA under FSDP2, one engine per GPU
+    with pytest.raises(ConfigError, match=r"^rollout.tensor_parallel_size: must be 1 with actor.lora.rank > 0"):
+        load_job_config(_compose(*fsdp2, "rollout.tensor_parallel_size=2"))
 
 
 @pytest.mark.parametrize("overrides, message", [
