@@ -10,7 +10,8 @@ and the forward and backward run in model.dtype: fp32 master copies beside a mod
 adapters train, and the reference log-probs come from this worker's own model with the adapters disabled
 (rltrain/workers/lora.py; under FSDP2 the frozen base is sharded in model.dtype beside fp32 adapter shards). With
 algorithm.distill.kl=exact the worker also holds the frozen teacher (in model.dtype), and each micro-batch's loss
-gains coef × the exact reverse KL to it (linear_kl_div from both models' hidden states; actor/distill_kl). FSDPActorWorker is the same role sharded over the ranks of a WorkerGroup (actor.strategy=fsdp2;
+gains coef × the exact reverse KL to it (linear_kl_div from both models' hidden states; actor/distill_kl).
+FSDPActorWorker is the same role sharded over the ranks of a WorkerGroup (actor.strategy=fsdp2;
 rltrain/workers/fsdp.py)."""
 
 from __future__ import annotations

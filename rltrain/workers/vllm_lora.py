@@ -27,8 +27,8 @@ engine resets the cache after a push anyway).
 
 vLLM puts LoRA on linear layers and, where the model class lists them (Qwen3 does), the embeddings;
 `check_adapter_modules` compares what PEFT wraps with what the engine took at start and names
-actor.lora.target_modules if they differ. Tensor parallelism is out of reach: LoRA runs the actor as one process
-(actor.strategy=single), so the GPU layout has one engine of one GPU.
+actor.lora.target_modules if they differ. Each engine holds one GPU: the job config refuses LoRA with
+rollout.tensor_parallel_size > 1 (no test has loaded a pushed adapter into a tensor-parallel engine yet).
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""LoRA RL through the real trainer (Ray actors on CPU, the tiny embedded job): with actor.lora.rank > 0 and a KL
-term no ReferenceWorker starts (the actor's base with adapters disabled is the reference) while the KL runs; every
-checkpoint holds the adapters alone, no full model; a run resumed from its step-1 checkpoint makes the same
-step 2 (metrics and adapters) as the uninterrupted run; a LoRA checkpoint refuses a resume with LoRA off, naming the
-key. The in-process details (base frozen, adapters-only push, rollout equal to the actor, PEFT loading, export) are
-in tests/rltrain/workers/test_lora.py.
+"""LoRA RL through the real trainer (Ray actors on CPU, the tiny embedded job): with actor.lora.rank > 0 and a KL term
+no ReferenceWorker starts (the actor's base with adapters disabled is the reference) while the KL runs; every
+checkpoint holds the adapters alone, no full model; a run resumed from its step-1 checkpoint makes the same step 2
+(metrics and adapters) as the uninterrupted run; a LoRA checkpoint refuses a resume with LoRA off, naming the key.
+Under actor.strategy=fsdp2 on 2 CPU ranks a run trains, checkpoints the adapters from both ranks and exports them
+merged. The in-process details (base frozen, adapters-only push, rollout equal to the actor, PEFT loading, export)
+are in tests/rltrain/workers/test_lora.py.
 
-    .venv/bin/python -m pytest tests/rltrain/test_trainer_lora.py -q   # about a minute on 2 cores
+    .venv/bin/python -m pytest tests/rltrain/test_trainer_lora.py -q   # about 1.5 minutes on 2 cores
 """
 
 import json
@@ -83,3 +84,29 @@ def test_lora_run_uses_no_reference_worker_saves_adapters_and_resumes(tmp_path, 
     with pytest.raises(ConfigError, match=r"trainer.resume: checkpoint .*step_000002' holds LoRA adapters, but "
                                           r"actor.lora.rank is 0"):
         run(_job(out, actor={}, total_steps=3))
+
+
+def test_lora_under_fsdp2_on_two_ranks_saves_sharded_adapters_that_export(tmp_path, monkeypatch):
+    """trainer.n_gpus_per_node=2 actor.strategy=fsdp2 on CPU: 2 FSDPActorWorker ranks (gloo), no ReferenceWorker with
+    the KL on, the adapters pushed into the 2 rollout processes; each checkpoint holds the adapters alone, written
+    by both ranks, which `python -m rltrain.export` merges into a full HF model."""
+    from transformers import AutoModelForCausalLM
+
+    from rltrain.export import main as export_main
+
+    started, start_role = [], trainer_module.start_role
+    monkeypatch.setattr(trainer_module, "start_role", lambda cls, *args, **kwargs: (
+        started.append(cls.__name__), start_role(cls, *args, **kwargs))[1])
+    out = tmp_path / "run"
+    assert run(_job(out, actor={**LORA, "strategy": "fsdp2"}, n_gpus_per_node=2))["step"] == 2
+    assert started == ["FSDPActorWorker"]
+    records = _train_records(out)
+    assert list(records) == [1, 2] and records[2]["actor/ref_kl"] != 0
+    assert all(r["actor/grad_norm"] > 0 for r in records.values())
+    checkpoint = out / "checkpoints" / "step_000002"
+    assert {p.name for p in (checkpoint / "model").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    final = read_state(checkpoint / "model")
+    assert final and all(".lora_A." in name or ".lora_B." in name for name in final)
+    assert export_main([str(checkpoint), str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    assert not any(".lora_" in name or "base_layer" in name for name in merged)
