@@ -103,6 +103,9 @@ class JobConfig:
                 "'exact' needs actor.strategy=single (the teacher runs in the actor's process, unsharded); "
                 "'sampled' works under fsdp2", self.algorithm.distill.kl)
         device = resolve_device(self.trainer.device)
+        size = self.actor.fsdp.fsdp_size
+        require(size == -1 or ranks % size == 0, "actor.fsdp.fsdp_size", f"must divide trainer.nnodes × "
+                f"trainer.n_gpus_per_node = {ranks} (each group of fsdp_size ranks holds one sharded copy)", size)
         if self.actor.fsdp.cpu_offload:
             require(device == "cuda", "actor.fsdp.cpu_offload", f"needs a CUDA device (trainer.device resolves to "
                     f"{device})")

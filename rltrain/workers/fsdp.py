@@ -5,7 +5,9 @@ The roles themselves sit beside their single-process counterparts: `FSDPActorWor
 neither).
 
 One rank per placement-group bundle (rltrain/workers/group.py), the model sharded with torch's `fully_shard` (each
-decoder layer a unit, the rest in the root), data parallel over the ranks. Every rank receives the whole batch and
+decoder layer a unit, the rest in the root), data parallel over the ranks. `actor.fsdp.fsdp_size` (verl's name) shards
+within groups of that many ranks and replicates across the groups (HSDP: a 2-D mesh, replicate × shard): each
+parameter's all-gather stays inside a group (one node, say) and only the gradients cross groups. Every rank receives the whole batch and
 takes its own share of the rows (contiguous rows, or, with packed micro-batches, a share balanced by tokens:
 rltrain/workers/packing.py).
 
@@ -61,6 +63,22 @@ DIST_TIMEOUT_S = 600
 @dataclass
 class FSDPConfig:
     cpu_offload: bool = False      # keep the sharded params, grads and optimizer state in CPU memory (GPU only)
+    fsdp_size: int = -1            # ranks a parameter is sharded over; -1 = all (FSDP); else groups of this many
+                                   # ranks each hold a full copy in shards, replicated across groups (HSDP)
+
+    def validate(self):
+        from rltrain.config import require
+
+        require(self.fsdp_size == -1 or self.fsdp_size >= 1, "fsdp_size", "must be -1 (all ranks) or >= 1",
+                self.fsdp_size)
+
+    def mesh_shape(self, world_size: int) -> tuple[int, ...]:
+        """The device mesh: (world_size,) for FSDP, (replicas, fsdp_size) for HSDP (fully_shard shards over the last
+        dimension and replicates over the first)."""
+        size = world_size if self.fsdp_size in (-1, world_size) else self.fsdp_size
+        if world_size % size:
+            raise ConfigError(f"actor.fsdp.fsdp_size: must divide the {world_size} ranks (got {size})")
+        return (world_size,) if size == world_size else (world_size // size, size)
 
 
 class PolicyWithHead(torch.nn.Module):
@@ -75,9 +93,11 @@ class PolicyWithHead(torch.nn.Module):
         return head(policy_hidden(self.model, micro, packing), self.model.get_output_embeddings().weight)
 
 
-def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: str):
-    """Join the process group (nccl on GPU, gloo on CPU) unless this process already has, and return the 1-D
-    device mesh of all ranks (the actor and reference ranks in one process share the group)."""
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: str,
+                     mesh_shape: tuple[int, ...] | None = None):
+    """Join the process group (nccl on GPU, gloo on CPU) unless this process already has, and return the device
+    mesh of all ranks, 1-D or FSDPConfig.mesh_shape's (the actor and reference ranks in one process share the
+    group)."""
     if device == "cuda":
         # Ray shows each rank only its own GPU; launchers that show every GPU set LOCAL_RANK
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -87,7 +107,8 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
         dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo", rank=rank,
                                 world_size=world_size, init_method=f"tcp://{master_addr}:{master_port}",
                                 timeout=timedelta(seconds=DIST_TIMEOUT_S))
-    return init_device_mesh(device, (world_size,))
+    shape = mesh_shape or (world_size,)
+    return init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
 
 
 def shard_policy(model, mesh, device: str, config: FSDPConfig,
@@ -147,7 +168,7 @@ class ShardedPolicy:
         """The model loaded in `dtype`; forward and backward in compute_dtype (default: the same). `prepare(model)`
         runs on the whole model before sharding (the actor's LoRA adapters go in there)."""
         self.rank, self.world_size, self.device = rank, world_size, device
-        mesh = init_distributed(rank, world_size, master_addr, master_port, device)
+        mesh = init_distributed(rank, world_size, master_addr, master_port, device, fsdp.mesh_shape(world_size))
         self.model = load_policy(model_path, dtype, kernel_config, "cpu", attn_implementation)
         if prepare is not None:
             prepare(self.model)

@@ -25,6 +25,7 @@ from rltrain.algorithms.config import LossConfig
 from rltrain.data.sampler import encode_prompts
 from rltrain.embedded.model import embedded_policy_dir
 from rltrain.embedded.task import make_rows
+from rltrain.config import ConfigError
 from rltrain.workers.actor import ActorConfig, ActorWorker, FSDPActorWorker
 from rltrain.workers.fsdp import FSDPConfig, rank_micro_batches
 from rltrain.workers.packing import MicroBatching
@@ -67,21 +68,23 @@ def _configs(case, sharded: bool):
     return rows, actor, LossConfig(loss_agg=loss_agg, kl_coef=kl)
 
 
-def _rank_main(rank, port, device, dtype, cpu_offload, model_dir, batches, out_dir):
+def _rank_main(rank, port, device, dtype, cpu_offload, model_dir, batches, out_dir, world=WORLD, fsdp_size=-1):
     import os
 
     os.environ["LOCAL_RANK"] = str(rank)  # this rank's GPU (under Ray each rank sees only its own)
 
-    fsdp = FSDPConfig(cpu_offload=cpu_offload)
-    reference = FSDPReferenceWorker(rank, WORLD, "127.0.0.1", port, model_dir, dtype, None, 1.0,
+    fsdp = FSDPConfig(cpu_offload=cpu_offload, fsdp_size=fsdp_size)
+    reference = FSDPReferenceWorker(rank, world, "127.0.0.1", port, model_dir, dtype, None, 1.0,
                                     SHARDED_REFERENCE, fsdp=fsdp, device=device, torch_threads=1)
     assert all(p.dtype == DTYPES[dtype] for p in reference.model.parameters())  # frozen: no fp32 copy
     for case, batch in batches.items():
         _, config, loss = _configs(case, sharded=True)
         config.fsdp = fsdp
-        actor = FSDPActorWorker(rank, WORLD, "127.0.0.1", port, config, loss, model_dir, dtype, None, 1.0,
+        actor = FSDPActorWorker(rank, world, "127.0.0.1", port, config, loss, model_dir, dtype, None, 1.0,
                                 device=device)
         assert all(p.dtype == torch.float32 for p in actor.model.parameters())  # the shards: fp32 in every case
+        # HSDP: every parameter on the 2-D mesh, sharded over its last dimension, replicated over the first
+        assert {p.device_mesh.ndim for p in actor.model.parameters()} == {1 if fsdp_size in (-1, world) else 2}
         result = {"old": actor.compute_logprobs(batch), "ref": reference.compute_logprobs(batch),
                   "metrics": actor.update(batch)}
         # offloaded shards live on the CPU: to the GPU for NCCL's all-gather (a no-op otherwise)
@@ -101,10 +104,10 @@ def _rank_main(rank, port, device, dtype, cpu_offload, model_dir, batches, out_d
 
 
 def run_cases(root, device: str, dtype: str = "float32", cpu_offload: bool = False, arch: str = "qwen3",
-              cases=tuple(CASES)) -> dict:
-    """Per case: (the fp32 single process's results, the 2-rank FSDP2 ones at model.dtype=`dtype` with
-    actor.mixed_precision, the checkpoint the ranks loaded), on the embedded model of `arch` (2 layers for a
-    delta-rule arch)."""
+              cases=tuple(CASES), world: int = WORLD, fsdp_size: int = -1) -> dict:
+    """Per case: (the fp32 single process's results, the `world`-rank FSDP2 ones (HSDP with fsdp_size) at
+    model.dtype=`dtype` with actor.mixed_precision, the checkpoint the ranks loaded), on the embedded model of `arch`
+    (2 layers for a delta-rule arch)."""
     job = tiny_job(root, model={"embedded": {"arch": arch, "num_layers": 1 if arch == "qwen3" else 2}})
     model_dir = str(embedded_policy_dir(job.trainer.output_dir, job.model.embedded, job.data.task, 0))
     train, _ = make_rows(job.data.task)
@@ -143,8 +146,8 @@ def run_cases(root, device: str, dtype: str = "float32", cpu_offload: bool = Fal
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_rank_main, args=(port, device, dtype, cpu_offload, model_dir, batches, str(root)),
-             nprocs=WORLD, join=True)
+    mp.spawn(_rank_main, args=(port, device, dtype, cpu_offload, model_dir, batches, str(root), world, fsdp_size),
+             nprocs=world, join=True)
     return {case: (single[case], torch.load(root / f"{case}.pt", weights_only=False), states[case])
             for case in cases}
 
@@ -218,6 +221,22 @@ def test_fsdp2_shards_a_delta_rule_policy(cpu_hybrid_results, case):
     check_case(*cpu_hybrid_results[case], TOLERANCES["cpu"])
 
 
+# HSDP: 4 ranks, two groups of 2 that each hold the model in shards; a rank with no rows, packed rows
+HSDP_CASES = ["rows11-micro5-seq-mean-token-sum-norm-kl", "rows1-micro4-token-mean", "rows11-packed30-token-mean-kl"]
+
+
+@pytest.fixture(scope="module")
+def cpu_hsdp_results(tmp_path_factory):
+    return run_cases(tmp_path_factory.mktemp("fsdp-hsdp"), "cpu", cases=HSDP_CASES, world=4, fsdp_size=2)
+
+
+@pytest.mark.parametrize("case", HSDP_CASES)
+def test_hybrid_sharding_over_4_gloo_ranks_matches_single_process(cpu_hsdp_results, case):
+    """actor.fsdp.fsdp_size=2 on 4 ranks (a 2 × 2 mesh: replicate × shard): gradients summed over all four, the same
+    update, log-probs, weights, checkpoint load and on-policy update as the single process."""
+    check_case(*cpu_hsdp_results[case], TOLERANCES["cpu"])
+
+
 # padded and packed (with the KL term: the bf16 reference), one spawn
 BF16_CASES = ["rows11-micro5-token-mean", "rows11-packed30-token-mean-kl"]
 
@@ -246,6 +265,13 @@ def test_fsdp2_over_nccl_matches_single_process(tmp_path, precision):
                         arch="hybrid" if hybrid else "qwen3", cases=cases)
     for case in cases:
         check_case(*results[case], TOLERANCES["cuda-fp32" if precision == "fp32" else "cuda-bf16"])
+
+
+def test_fsdp_size_gives_the_mesh():
+    assert FSDPConfig().mesh_shape(4) == (4,) and FSDPConfig(fsdp_size=4).mesh_shape(4) == (4,)
+    assert FSDPConfig(fsdp_size=2).mesh_shape(8) == (4, 2)
+    with pytest.raises(ConfigError, match=r"^actor.fsdp.fsdp_size: must divide the 4 ranks \(got 3\)"):
+        FSDPConfig(fsdp_size=3).mesh_shape(4)
 
 
 def test_rank_micro_batches_count_the_most_any_rank_runs():
