@@ -112,7 +112,7 @@ def test_decoupled_weights_are_the_uncapped_ratio_and_logged():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ("algorithm.old_logprobs=engine", "algorithm.old_logprobs: must be one of auto, actor, rollout (got 'engine')"),
+    ("algorithm.old_logprobs=engine", "algorithm.old_logprobs: must be one of auto, actor, rollout, update (got 'engine')"),
     ("algorithm.old_logprobs=rollout algorithm.loss.decoupled=true",
      "algorithm.loss.decoupled: needs algorithm.old_logprobs=actor: the proximal policy it clips against is the "
      "actor's recomputed one"),
