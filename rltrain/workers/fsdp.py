@@ -50,7 +50,7 @@ from tensordict import TensorDict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from rltrain.config import ConfigError
+from rltrain.config import ConfigError, require
 from rltrain.workers.packing import MicroBatching, balanced_groups, response_lengths, sequence_lengths
 from rltrain.workers.policy import DTYPES, assemble_rows, load_policy, micro_logprobs, policy_hidden, resolve_batching
 
@@ -67,8 +67,6 @@ class FSDPConfig:
                                    # ranks each hold a full copy in shards, replicated across groups (HSDP)
 
     def validate(self):
-        from rltrain.config import require
-
         require(self.fsdp_size == -1 or self.fsdp_size >= 1, "fsdp_size", "must be -1 (all ranks) or >= 1",
                 self.fsdp_size)
 
