@@ -17,6 +17,9 @@ Goals: rollout ≥ 90% of the bare engine's tokens/s; everything but rollout and
     python benchmarks/bench_rl_step.py --size 1.7b --gpus 2         # two GPUs: two engines, FSDP2 actor
     python benchmarks/bench_rl_step.py --tiny --device cpu          # a CPU dry run (hf engine, natural lengths)
 
+The bare engine can run on its own (`--ceiling-only`, same arguments) on other GPUs while the trainer runs with
+`--no-ceiling`: CUDA_VISIBLE_DEVICES picks each one's GPUs and the memory monitor watches only its own.
+
 Needs rltrain (with Ray) and rltrain-kernels installed, and vllm on GPUs (README.md beside this file).
 """
 
@@ -91,6 +94,17 @@ def forced_length_worker(mean: float):
 
 
 # ---------------------------------------------------------------- memory per phase
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use (CUDA_VISIBLE_DEVICES; all of nvidia-smi's when unset)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return [g for g in visible.split(",") if g] if visible else [str(i) for i in range(torch.cuda.device_count())]
+
+
+def visible_gpu_flag() -> list[str]:
+    """nvidia-smi's flag restricting it to the visible GPUs (another job on the machine's other GPUs stays out)."""
+    return ["-i", ",".join(visible_gpus())] if os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() else []
+
+
 class MemoryByPhase:
     """nvidia-smi's used memory (MiB, each GPU) every 0.2 s; the peak (over GPUs) in each phase of the trainer's."""
 
@@ -101,8 +115,8 @@ class MemoryByPhase:
     def _poll(self):
         while not self.stop.wait(0.2):
             try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, timeout=5).stdout
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                      *visible_gpu_flag()], capture_output=True, text=True, timeout=5).stdout
             except (OSError, subprocess.TimeoutExpired):
                 return
             used = max((float(line) for line in out.split()), default=0.0)
@@ -223,11 +237,12 @@ def bare_engine(job, model_dir: str, mean_len: float, gpus: int) -> tuple[float,
     lengths = [response_length(s, mean_len, job.rollout.max_new_tokens) for s in seeds]
     settings = dict(enforce_eager=job.rollout.enforce_eager, gpu_memory_utilization=job.rollout.gpu_memory_utilization)
     context = multiprocessing.get_context("spawn")
+    devices = visible_gpus()
     start, queue = context.Barrier(gpus), context.Queue()
     share = math.ceil(len(contexts) / gpus / n) * n   # whole groups per replica
     processes = [context.Process(target=bare_replica, args=(model_dir, contexts[i * share:(i + 1) * share],
                                                             lengths[i * share:(i + 1) * share],
-                                                            seeds[i * share:(i + 1) * share], settings, str(i),
+                                                            seeds[i * share:(i + 1) * share], settings, devices[i],
                                                             start, queue))
                  for i in range(gpus)]
     for process in processes:
@@ -287,6 +302,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--no-ceiling", action="store_true", help="skip the bare engine")
+    parser.add_argument("--ceiling-only", action="store_true",
+                        help="only the bare engine (on other GPUs beside a --no-ceiling run of the same arguments)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and batch (with --device cpu: a dry run)")
     args = parser.parse_args()
     if args.tiny:
@@ -299,6 +316,10 @@ def main() -> None:
         data, reward = write_task(root, args.prompts, args.prompt_len, QWEN3_SIZES[args.size]["vocab_size"])
         job = job_config(args, model_dir, data, reward, os.path.join(root, "run"))
         forced = args.engine == "vllm"
+        if args.ceiling_only:
+            tokens_per_s, tokens = bare_engine(job, model_dir, args.mean_len, args.gpus)
+            print(f"bare engine {tokens_per_s:,.0f} tokens/s ({tokens:,} tokens)")
+            return
         records, peak = run_trainer(job, args.mean_len, forced)
         import ray
 
