@@ -144,7 +144,7 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for size in (["tiny"] if args.tiny else args.sizes):

@@ -154,7 +154,7 @@ def test_dropped_on_resume_says_how_many_groups():
 # ---------------------------------------------------------------- through the real trainer
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield
     ray.shutdown()
 

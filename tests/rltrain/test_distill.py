@@ -36,7 +36,7 @@ def _policy(path, head_scale: float) -> str:
 
 @pytest.mark.parametrize("kl", ["sampled", "exact"])
 def test_a_peaked_student_distils_a_uniform_teacher(tmp_path, monkeypatch, kl):
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         student, teacher = _policy(tmp_path / "student", 15.0), _policy(tmp_path / "teacher", 0.0)
         plugin = tmp_path / "zero.py"

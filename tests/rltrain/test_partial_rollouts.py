@@ -236,7 +236,7 @@ def test_partial_with_multi_turn_is_refused(tmp_path):
 
 # ---------------------------------------------------------------- end to end
 def test_async_partial_trains_end_to_end_with_every_tokens_lag_within_k(tmp_path):
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     out, k = tmp_path / "run", 2
     plugin = tmp_path / "reward.py"
     plugin.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"

@@ -219,7 +219,7 @@ def test_llama_prompts_start_with_one_bos(releases):
 # ---------------------------------------------------------------- the trainer on them
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield
     ray.shutdown()
 
