@@ -12,6 +12,7 @@ rltrain/distributed_checkpoint.py).
                           adapter_config.json naming the base model); with trainer.save_hf also its weights, making it
                           an HF model directory (safetensors, sharded with an index above save_pretrained's
                           max_shard_size) or, with actor.lora, a PEFT adapter directory
+        critic/           algorithm.adv_estimator=gae: the critic's model/ and optimizer/ (its value head included)
         trainer_state.json  step, data position, RNG states, the actor's LR schedule position, β; written last
 
 Both actor strategies write this layout with the same code (rltrain/workers/actor.py): the single process writes
@@ -53,6 +54,7 @@ from rltrain.workers.lora import LoraConfig, is_adapter_weight, peft_config
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 MODEL_DIR, OPTIMIZER_DIR, HF_DIR, STATE_FILE = "model", "optimizer", "hf", "trainer_state.json"
+CRITIC_DIR = "critic"
 MODEL_FILE, ADAPTER_FILE = "model.safetensors", "adapter_model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"   # transformers shards a save above max_shard_size
 CONFIG_FILES = ("config.json", "generation_config.json")   # copied from model.path into every checkpoint's hf/
@@ -91,7 +93,10 @@ def incomplete_reason(path: Path) -> str | None:
     if not (path / MODEL_DIR).exists() and (path / FORMER_OPTIMIZER_FILE).is_file():
         return (f"it has the layout before sharded checkpoints (hf/ + {FORMER_OPTIMIZER_FILE}), which a resume does "
                 f"not read; its hf/ is an HF model: start a run from it with model.path={path / HF_DIR}")
-    for part in (MODEL_DIR, OPTIMIZER_DIR):
+    parts = [MODEL_DIR, OPTIMIZER_DIR]
+    if (path / CRITIC_DIR).exists():
+        parts += [f"{CRITIC_DIR}/{MODEL_DIR}", f"{CRITIC_DIR}/{OPTIMIZER_DIR}"]
+    for part in parts:
         reason = unreadable_reason(path / part)
         if reason is not None:
             return f"{part}/{reason}"

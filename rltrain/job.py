@@ -27,6 +27,7 @@ from rltrain.data.sampler import DataConfig
 from rltrain.embedded.config import CONTEXT_LENGTH
 from rltrain.tracking import LOGGERS
 from rltrain.workers.actor import ActorConfig
+from rltrain.workers.critic import CriticConfig
 from rltrain.workers.group import RayConfig
 from rltrain.workers.policy import ModelConfig
 from rltrain.workers.reward import RewardConfig
@@ -78,6 +79,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)   # the value model of algorithm.adv_estimator=gae
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     kernel_config: KernelConfig = field(default_factory=KernelConfig)
@@ -90,7 +92,7 @@ class JobConfig:
         require(self.rollout.n >= 2 or self.algorithm.adv_estimator not in GROUP_ESTIMATORS, "rollout.n",
                 f"must be >= 2 with algorithm.adv_estimator={self.algorithm.adv_estimator} (its advantages compare "
                 "the responses of a prompt's group: one response gets 0 and nothing trains); for single samples use "
-                "adv_estimator=reinforce_pp, which normalises over the batch", self.rollout.n)
+                "adv_estimator=reinforce_pp, which normalises over the batch, or gae (a critic)", self.rollout.n)
         ranks = self.trainer.nnodes * self.trainer.n_gpus_per_node
         require(ranks == 1 or self.actor.strategy == "fsdp2", "actor.strategy",
                 f"'single' runs one process, but trainer.nnodes × trainer.n_gpus_per_node = {ranks}: set "

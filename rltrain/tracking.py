@@ -25,7 +25,8 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # (label on the console, the record's key): the phases of a train step, in order
 PHASES = (("wait", "time/rollout_wait_s"),  # asynchronous modes: the step waiting for the producer's batch
           ("rollout", "time/rollout_s"), ("reward", "time/reward_s"), ("old_lp", "time/old_logprob_s"),
-          ("ref", "time/ref_s"), ("update", "time/update_s"), ("sync", "time/weight_sync_s"))
+          ("ref", "time/ref_s"), ("values", "time/values_s"), ("critic", "time/critic_s"),
+          ("update", "time/update_s"), ("sync", "time/weight_sync_s"))
 
 
 class Tracker:
@@ -116,7 +117,8 @@ class Tracker:
         bar = "#" * filled + "." * (20 - filled)
         print(f"[train {step:>4}/{self.total_steps}] |{bar}| reward {record.get('train/reward_mean', 0):.3f} "
               f"kl {record.get('actor/ppo_kl', 0):+.4f} entropy {record.get('actor/entropy', 0):.3f} "
-              f"len {record.get('train/response_len_mean', 0):.1f}{tool_calls(record)}{reward_errors(record)} | "
+              f"len {record.get('train/response_len_mean', 0):.1f}{critic_fit(record)}{tool_calls(record)}"
+              f"{reward_errors(record)} | "
               f"{per_step:.1f} s/step, ETA {eta:.0f} s"
               f"{time_split(record)}", file=sys.stdout, flush=True)
 
@@ -125,6 +127,12 @@ class Tracker:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def critic_fit(record: dict) -> str:
+    """' vf_ev 0.42' (the critic's explained variance) in PPO runs, else ''."""
+    explained = record.get("critic/vf_explained_var")
+    return "" if explained is None else f" vf_ev {explained:.2f}"
 
 
 def tool_calls(record: dict) -> str:

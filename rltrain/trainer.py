@@ -1,13 +1,14 @@
 """The single controller: holds the GRPO loop and nothing heavy; the roles are Ray actors holding the models.
 
 One step: sample prompts → rollout (n responses each, split across the rollout replicas) → reward (and DAPO's
-length shaping) → old (and reference, and with algorithm.distill the teacher's) log-probs → advantages
-(REINFORCE++'s KL penalty in the reward needs the reference's, distillation's per-token term the teacher's) → actor
-update → push the new weights into every rollout replica.
+length shaping) → old (and reference, and with algorithm.distill the teacher's) log-probs → with a critic
+(adv_estimator=gae, PPO) its values → advantages (REINFORCE++'s KL penalty in the reward needs the reference's,
+distillation's per-token term the teacher's) → critic update → actor update (none in the critic's warm-up) → push
+the new weights into every rollout replica.
 Validation (trainer.val_n responses per prompt, by default one, greedy) runs at step 0, every trainer.val_every
 steps and at the end; checkpoints every trainer.save_every steps and at the end. Each step's record says where its
-time went (time/*_s: rollout, reward, old_logprob, ref, teacher, update, weight_sync, step) and how fast the rollout
-and the actor ran (perf/*; rltrain/perf.py).
+time went (time/*_s: rollout, reward, old_logprob, ref, teacher, values, critic, update, weight_sync, step) and how
+fast the rollout and the actor ran (perf/*; rltrain/perf.py).
 trainer.mode one_step_off / async hand the sampling, rollout and scoring to a RolloutProducer thread
 (rltrain/async_rollout.py) that runs while the actor trains; the step takes its batch from the producer's queue and
 publishes each update's weights to it instead of pushing them. Every response carries the weight version that
@@ -34,6 +35,7 @@ from tensordict import TensorDict
 
 from rltrain import checkpoint as ckpt
 from rltrain.algorithms.advantages import batch_advantages
+from rltrain.algorithms.config import LossConfig
 from rltrain.algorithms.dapo import collect_groups, mask_truncated, overlong_penalty
 from rltrain.algorithms.kl_control import KLController
 from rltrain.algorithms.rollout_correction import apply_rollout_correction
@@ -56,6 +58,7 @@ from rltrain.tracking import Tracker
 from rltrain.validation import validation_metrics
 from rltrain.workers.actor import ActorWorker, FSDPActorWorker
 from rltrain.workers.agent_loop import episode_metrics, prompt_tools
+from rltrain.workers.critic import CriticWorker, FSDPCriticWorker, value_metrics
 from rltrain.workers.group import call_each_rank, kill, place_model_roles, start_role
 from rltrain.workers.lora import check_target_modules_of
 from rltrain.workers.policy import load_tokenizer
@@ -101,7 +104,8 @@ def on_every_rank(handle, method: str, *args, context: str) -> None:
 
 class GRPOTrainer:
     # what close() stops; None until started (a constructor that failed half-way closes what it started)
-    lock = tracker = actor = rollout = reference = teacher = reward = reward_model = placement = rollout_placement = None
+    lock = tracker = actor = critic = rollout = reference = teacher = reward = reward_model = None
+    placement = rollout_placement = None
 
     def __init__(self, job: JobConfig):
         self.job = job
@@ -132,6 +136,8 @@ class GRPOTrainer:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if job.algorithm.distill.enabled:
             check_teacher(job.algorithm.distill.teacher_path, self.tokenizer)
+        if job.algorithm.adv_estimator == "gae" and job.critic.model.path is not None:
+            check_teacher(job.critic.model.path, self.tokenizer, key="critic.model.path", role="critic")
         limit = job.data.max_prompt_length
         self.tools = prompt_tools(job.rollout.multi_turn)  # chat prompts carry the tools' schemas: measured with them
         self.sampler = PromptSampler(drop_long_prompts(train_rows, self.tokenizer, limit, "data.train_files",
@@ -164,8 +170,8 @@ class GRPOTrainer:
         needs_reference = job.algorithm.loss.kl_coef > 0 and not job.actor.lora.enabled
         distill, separate = job.algorithm.distill, job.rollout.placement == "separate"
         teacher_worker = distill.enabled and not distill.exact  # exact: the teacher lives in the actor's process
-        reward_model = job.reward.model.enabled
-        model_roles = 2 + needs_reference + teacher_worker + reward_model - separate
+        reward_model, critic = job.reward.model.enabled, job.algorithm.adv_estimator == "gae"
+        model_roles = 2 + needs_reference + teacher_worker + reward_model + critic - separate
         share, sharded = 1 / model_roles, job.actor.strategy == "fsdp2"
         self.placement = place_model_roles(job.trainer.nnodes, job.trainer.n_gpus_per_node, self.device,
                                            job.ray.placement_timeout_s)
@@ -194,6 +200,12 @@ class GRPOTrainer:
 
         self.reference = frozen(self.model_dir) if needs_reference else None
         self.teacher = frozen(distill.teacher_path) if teacher_worker else None
+        if critic:  # sharded and placed like the actor
+            self.critic = start_role(FSDPCriticWorker if sharded else CriticWorker, self.placement, share, sharded,
+                                     config=job.critic.worker_config(actor_config), loss=LossConfig(),
+                                     temperature=1.0, seed=job.trainer.seed, total_steps=job.trainer.total_steps,
+                                     cliprange_value=job.critic.cliprange_value,
+                                     **dict(common, model_path=job.critic.model.path or self.model_dir))
         self.reward = ray.remote(RewardWorker).options(num_cpus=0).remote(job.reward, self.model_dir)
         if reward_model:  # placed like an unsharded reference: a share of bundle 0
             self.reward_model = start_role(RewardModelWorker, self.placement, share, False, config=job.reward.model,
@@ -322,17 +334,25 @@ class GRPOTrainer:
         if self.teacher is not None:
             with timer.phase("teacher"):
                 batch["teacher_logprobs"] = ray.get(self.teacher.compute_logprobs.remote(batch))
+        if self.critic is not None:
+            with timer.phase("values"):
+                batch["values"] = ray.get(self.critic.compute_values.remote(batch))
         batch["advantages"], advantage_metrics = batch_advantages(batch, job.algorithm, self.kl_control.coef)
         if job.algorithm.kl_in_reward:   # the next step's β (adaptive); this step's penalty used the one before
             self.kl_control.update(advantage_metrics["train/kl"], batch.batch_size[0])
         metrics.update(advantage_metrics)
-        with timer.phase("update"):
-            update = ray.get(self.actor.update.remote(batch, step))
-        if on_policy:  # the train-inference mismatch metrics, against the log-probs the update computed
-            batch["old_logprobs"] = update.pop("old_logprobs")
-            metrics.update(apply_rollout_correction(batch, job.algorithm.rollout_correction,
-                                                    job.algorithm.loss.decoupled))
-        metrics.update(update)
+        if self.critic is not None:
+            with timer.phase("critic"):
+                metrics.update(ray.get(self.critic.update.remote(batch, step)))
+            metrics.update(value_metrics(batch))
+        if self.critic is None or step > job.critic.warmup_steps:   # the critic's warm-up: the policy waits
+            with timer.phase("update"):
+                update = ray.get(self.actor.update.remote(batch, step))
+            if on_policy:  # the train-inference mismatch metrics, against the log-probs the update computed
+                batch["old_logprobs"] = update.pop("old_logprobs")
+                metrics.update(apply_rollout_correction(batch, job.algorithm.rollout_correction,
+                                                        job.algorithm.loss.decoupled))
+            metrics.update(update)
         timer.add("weight_sync", self.push_weights(step))
         elapsed = time.monotonic() - start
         tokens = batch["prompt_mask"].sum().item() + batch["response_mask"].sum().item()
@@ -420,9 +440,15 @@ class GRPOTrainer:
                  "lr_scheduler": ray.get(actor.lr_scheduler_state.remote()), "mode": job.trainer.mode,
                  "pending": self.producer.pending() if self.producer is not None else {},
                  "kl_control": self.kl_control.state_dict()}
+        if self.critic is not None:
+            state["critic_lr_scheduler"] = ray.get(self.critic.lr_scheduler_state.remote())
 
         def save_actor(path: Path) -> None:
             on_every_rank(actor, "save_checkpoint", str(path), job.trainer.save_hf, context="saving a checkpoint")
+            if self.critic is not None:
+                (path / ckpt.CRITIC_DIR).mkdir()
+                on_every_rank(self.critic, "save_checkpoint", str(path / ckpt.CRITIC_DIR), False,
+                              context="saving the critic's checkpoint")
 
         path = ckpt.save_checkpoint(str(self.output_dir), step, save_actor, self.model_dir, self.saved_tokenizer,
                                     state, job.actor.lora)
@@ -457,9 +483,18 @@ class GRPOTrainer:
             held = "LoRA adapters" if not lora else "a full model, no LoRA adapters"
             raise ConfigError(f"trainer.resume: checkpoint {str(path)!r} holds {held}, but actor.lora.rank is "
                               f"{self.job.actor.lora.rank}; resume with the run's actor.lora, or trainer.resume=never")
+        critic_dir = path / ckpt.CRITIC_DIR
+        if (self.critic is not None) != critic_dir.is_dir():
+            held = "a critic" if critic_dir.is_dir() else "no critic"
+            raise ConfigError(f"trainer.resume: checkpoint {str(path)!r} holds {held}, but algorithm.adv_estimator "
+                              f"is {self.job.algorithm.adv_estimator}; resume with the run's estimator, or "
+                              "trainer.resume=never")
         # every rank reads what its shards cover, whatever the world size that wrote them
         on_every_rank(self.actor, "load_checkpoint", str(path), context="trainer.resume")
         ray.get(self.actor.load_lr_scheduler_state.remote(state["lr_scheduler"]))
+        if self.critic is not None:
+            on_every_rank(self.critic, "load_checkpoint", str(critic_dir), context="trainer.resume (the critic)")
+            ray.get(self.critic.load_lr_scheduler_state.remote(state["critic_lr_scheduler"]))
         self.push_weights()  # the checkpoint's weights (or adapters) from the actor into every rollout process
         self.sampler.load_state_dict(state["sampler"])
         ckpt.set_rng_state(state["rng"])
@@ -519,12 +554,14 @@ class GRPOTrainer:
                  ("reward pool", None if reward is None else stop_reward_pool),
                  ("rollout", method(self.rollout, "kill")),
                  *((role, None if handle is None else partial(kill, handle)) for role, handle in (
-                     ("actor", self.actor), ("reference", self.reference), ("teacher", self.teacher),
+                     ("actor", self.actor), ("critic", self.critic), ("reference", self.reference),
+                     ("teacher", self.teacher),
                      ("reward worker", self.reward), ("reward model", self.reward_model))),
                  ("placement", method(self.placement, "remove")),
                  ("rollout placement", method(self.rollout_placement, "remove")),
                  ("output directory lock", method(self.lock, "release"))]
-        self.tracker = self.reward = self.reward_model = self.rollout = self.actor = self.reference = None
+        self.tracker = self.reward = self.reward_model = self.rollout = self.actor = self.critic = None
+        self.reference = None
         self.teacher = None
         self.placement = self.rollout_placement = self.lock = None
         errors = []

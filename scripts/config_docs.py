@@ -25,7 +25,8 @@ CONFIG = ROOT / "config"
 OUTPUT = ROOT / "docs" / "configuration.md"
 COMMAND = "python scripts/config_docs.py"
 # the page's order: the composed config's sections, the preset groups' beside the ones they act with
-SECTIONS = ("trainer", "model", "data", "rollout", "actor", "algorithm", "reward", "kernel_config", "ray", "hydra")
+SECTIONS = ("trainer", "model", "data", "rollout", "actor", "critic", "algorithm", "reward", "kernel_config", "ray",
+            "hydra")
 
 KEY_LINE = re.compile(r"^(?P<indent> *)(?P<dash>- )?(?P<key>[A-Za-z_][\w]*)(?::(?P<rest>.*))?$")
 

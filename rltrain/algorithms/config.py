@@ -86,11 +86,12 @@ class DistillConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"           # grpo | drgrpo | rloo | reinforce_pp
+    adv_estimator: str = "grpo"           # grpo | drgrpo | rloo | reinforce_pp | gae (PPO: a critic's values)
     loss: LossConfig = field(default_factory=LossConfig)
     kl_in_reward: bool = False            # REINFORCE++: −loss.kl_coef·k1 in each token's reward, not in the loss
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)  # that penalty's β: fixed or adaptive
-    gamma: float = 1.0                    # reinforce_pp: discount of the token rewards' returns
+    gamma: float = 1.0                    # reinforce_pp, gae: discount of the token rewards' returns
+    lam: float = 1.0                      # gae: λ, the advantages' trade of bias (0) for variance (1)
     dynamic_sampling: bool = False        # DAPO: drop groups whose rewards are all equal, refill the batch
     dynamic_sampling_max_rounds: int = 4  # extra generation rounds allowed to refill one batch
     overlong_filter: bool = False         # DAPO: mask out truncated responses (no <eos> within max_new_tokens)
@@ -149,16 +150,19 @@ class AlgorithmConfig:
     def validate(self):
         require(self.adv_estimator in ADVANTAGES, "adv_estimator",
                 f"unknown advantage estimator; known: {', '.join(ADVANTAGES.names())}", self.adv_estimator)
-        require(not self.kl_in_reward or self.adv_estimator == "reinforce_pp", "kl_in_reward",
-                "needs adv_estimator=reinforce_pp (the estimator that takes per-token rewards)", self.kl_in_reward)
         require(not self.kl_in_reward or self.loss.kl_coef > 0, "kl_in_reward",
                 "needs loss.kl_coef > 0 (the penalty's coefficient β)", self.kl_in_reward)
         require(not self.kl_ctrl.adaptive or self.kl_in_reward, "kl_ctrl.type",
                 "adaptive steers the in-reward KL penalty: needs kl_in_reward=true (e.g. algorithm=reinforce_pp)",
                 self.kl_ctrl.type)
         require(0 < self.gamma <= 1, "gamma", "must be in (0, 1]", self.gamma)
-        require(self.gamma == 1 or self.adv_estimator == "reinforce_pp", "gamma",
-                "applies to adv_estimator=reinforce_pp only", self.gamma)
+        require(self.gamma == 1 or self.adv_estimator in ("reinforce_pp", "gae"), "gamma",
+                "applies to adv_estimator=reinforce_pp or gae only", self.gamma)
+        require(0 <= self.lam <= 1, "lam", "must be in [0, 1]", self.lam)
+        require(self.lam == 1 or self.adv_estimator == "gae", "lam", "applies to adv_estimator=gae only", self.lam)
+        require(not self.kl_in_reward or self.adv_estimator in ("reinforce_pp", "gae"), "kl_in_reward",
+                "needs adv_estimator=reinforce_pp or gae (the estimators that take per-token rewards)",
+                self.kl_in_reward)
         require(self.dynamic_sampling_max_rounds >= 0, "dynamic_sampling_max_rounds", "must be >= 0",
                 self.dynamic_sampling_max_rounds)
         require(self.old_logprobs in OLD_LOGPROBS, "old_logprobs", f"must be one of {', '.join(OLD_LOGPROBS)}",

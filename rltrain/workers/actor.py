@@ -168,10 +168,14 @@ class ActorWorker(WeightSource):
         self.config, self.loss, self.temperature, self.device = config, loss, temperature, device
         self._start_schedule(seed, total_steps)
         self.model = load_policy(model_path, dtype, kernel_config, device, attn_implementation)
+        added = self._extend(self.model)
         # LoRA: the adapters go in after the kernels; self.model stays the transformers model (with them inside)
         self.adapters = attach_lora(self.model, config.lora) if config.lora.enabled else None
         if trained_dtype(dtype, config.mixed_precision) != dtype:  # fp32 masters of the trained parameters
-            self.master = MasterWeights(self.model, None if self.adapters else stored_fp32_weights(model_path))
+            initial = None if self.adapters else stored_fp32_weights(model_path)
+            if initial is not None:  # the checkpoint has no values for what _extend added: the model's own
+                initial.update({name: p for name, p in self.model.named_parameters() if name in added})
+            self.master = MasterWeights(self.model, initial)
         self.batching = resolve_batching(self.model, config.micro_batching)
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -183,6 +187,11 @@ class ActorWorker(WeightSource):
             self.distill_coef = distill.coef
             self.teacher = load_policy(distill.teacher_path, dtype, kernel_config, device, attn_implementation)
             self.teacher.eval().requires_grad_(False)
+
+    def _extend(self, model) -> list[str]:
+        """Modules a role adds to the loaded model before anything else (the critic's value head), trained and
+        checkpointed with it; the names of the parameters added. The actor adds none."""
+        return []
 
     @contextmanager
     def _scoring(self):
@@ -226,12 +235,23 @@ class ActorWorker(WeightSource):
             raise ValueError(f"a batch without old_logprobs trains on-policy, one optimizer step, but "
                              f"actor.ppo_epochs={self.config.ppo_epochs} and actor.mini_batch_size={mini} over "
                              f"{size} responses make more")
+        self.update_logprobs = [] if on_policy else None
+        result = self._train(batch, step, "actor")
+        if on_policy:
+            result["old_logprobs"] = self._assemble_rows(batch, self.update_logprobs)
+        release_cached_memory()   # the step's last GPU work here: the colocated engine wakes next
+        return result
+
+    def _train(self, batch: TensorDict, step: int, prefix: str) -> dict[str, float]:
+        """config.ppo_epochs passes of _optimizer_step over `batch`'s mini-batches at this update's learning rate;
+        the metrics averaged over the optimizer steps, and the rate, as `prefix`/name."""
+        size = batch.batch_size[0]
+        mini = self.config.mini_batch_size or size
         lr = self.config.lr * self.schedule.factor(self.updates)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         totals: dict[str, float] = {}
         steps = 0
-        self.update_logprobs = [] if on_policy else None
         for epoch in range(self.config.ppo_epochs):
             rows = batch if mini >= size else batch[minibatch_order(size, self.seed, step, epoch)]
             for mini_batch in split(rows, mini):
@@ -239,11 +259,7 @@ class ActorWorker(WeightSource):
                     totals[key] = totals.get(key, 0.0) + value
                 steps += 1
         self.updates += 1
-        result = {**{f"actor/{k}": v / steps for k, v in totals.items()}, "actor/lr": lr}
-        if on_policy:
-            result["old_logprobs"] = self._assemble_rows(batch, self.update_logprobs)
-        release_cached_memory()   # the step's last GPU work here: the colocated engine wakes next
-        return result
+        return {**{f"{prefix}/{k}": v / steps for k, v in totals.items()}, f"{prefix}/lr": lr}
 
     def _optimizer_step(self, mini_batch: TensorDict) -> dict[str, float]:
         accumulation = LossAccumulation.of(self.loss.loss_agg, mini_batch["response_mask"], self.loss.norm_len)
@@ -446,12 +462,14 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
         # sharding (after the kernels, as in the single process), so the base is sharded too
         lora = config.lora.enabled
 
-        def attach(model):
-            self.adapters = attach_lora(model, config.lora, DTYPES[weights])
+        def prepare(model):
+            self._extend(model)
+            if lora:
+                self.adapters = attach_lora(model, config.lora, DTYPES[weights])
 
         self._setup(rank, world_size, master_addr, master_port, model_path, dtype if lora else weights, kernel_config,
                     device, config.fsdp, config.micro_batching, attn_implementation, config.gradient_checkpointing,
-                    compute_dtype=dtype, prepare=attach if lora else None)
+                    compute_dtype=dtype, prepare=prepare)
         self.model.train()
         self.optimizer = torch.optim.AdamW([p for p in self.root.parameters() if p.requires_grad], lr=config.lr,
                                            weight_decay=config.weight_decay)

@@ -23,22 +23,22 @@ from rltrain.workers.policy import (
 TEACHER_KEY = "algorithm.distill.teacher_path"
 
 
-def check_teacher(path: str, tokenizer) -> None:
-    """Refuse, naming the key, a teacher model directory (config.json checked by DistillConfig) that cannot score
-    the policy's responses: no tokenizer, a tokenizer other than the policy's (its log-probs would be of other
-    tokens) or a vocabulary without a row for every token id of it."""
+def check_teacher(path: str, tokenizer, key: str = TEACHER_KEY, role: str = "teacher") -> None:
+    """Refuse, naming the key, a model directory (config.json checked by its config section) that cannot read the
+    policy's token ids — the teacher of distillation, the critic: no tokenizer, a tokenizer other than the policy's
+    (its scores would be of other tokens) or a vocabulary without a row for every token id of it."""
     try:
-        teacher = load_tokenizer(path)
+        other = load_tokenizer(path)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"{TEACHER_KEY}: {path!r} holds no tokenizer to compare with the policy's "
+        raise ConfigError(f"{key}: {path!r} holds no tokenizer to compare with the policy's "
                           f"({type(err).__name__}: {str(err).splitlines()[0]})") from None
-    if teacher.get_vocab() != tokenizer.get_vocab():
-        raise ConfigError(f"{TEACHER_KEY}: the teacher's tokenizer ({len(teacher)} tokens) is not the policy's "
-                          f"({len(tokenizer)}): distillation compares the two models' log-probs of the same token ids")
+    if other.get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(f"{key}: the {role}'s tokenizer ({len(other)} tokens) is not the policy's "
+                          f"({len(tokenizer)}): the {role} reads the policy's responses as the same token ids")
     fields = json.loads((Path(path) / "config.json").read_text())
     vocab = fields.get("vocab_size", fields.get("text_config", {}).get("vocab_size"))
     if vocab is not None and vocab < len(tokenizer):
-        raise ConfigError(f"{TEACHER_KEY}: the teacher's vocab_size {vocab} has no row for token ids "
+        raise ConfigError(f"{key}: the {role}'s vocab_size {vocab} has no row for token ids "
                           f"{vocab}..{len(tokenizer) - 1} of the tokenizer")
 
 

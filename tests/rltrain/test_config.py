@@ -13,7 +13,7 @@ from rltrain.job import JobConfig, load_job_config, resolve_dtype
 from tests.rltrain.tiny_job import CONFIG_DIR
 from tests.rltrain.tiny_job import compose as _compose
 
-PRESETS = ["grpo", "drgrpo", "dapo", "gspo", "rloo", "reinforce_pp"]
+PRESETS = ["grpo", "drgrpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo"]
 YAML_FILES = sorted(Path(CONFIG_DIR).rglob("*.yaml"))
 
 
@@ -56,7 +56,8 @@ def test_default_config_equals_dataclass_defaults():
 def test_every_algorithm_preset_validates(preset):
     job = load_job_config(_compose(f"algorithm={preset}"))
     expected = {"drgrpo": ("drgrpo", "seq-mean-token-sum-norm"), "gspo": ("grpo", "seq-mean-token-mean"),
-                "rloo": ("rloo", "token-mean"), "reinforce_pp": ("reinforce_pp", "token-mean")}
+                "rloo": ("rloo", "token-mean"), "reinforce_pp": ("reinforce_pp", "token-mean"),
+                "ppo": ("gae", "token-mean")}
     assert (job.algorithm.adv_estimator, job.algorithm.loss.loss_agg) == expected.get(preset, ("grpo", "token-mean"))
     if preset == "dapo":
         assert job.algorithm.dynamic_sampling and job.algorithm.overlong_filter
@@ -74,8 +75,8 @@ def test_every_algorithm_preset_validates(preset):
     ("rollout.n=0", "rollout.n: must be >= 1 (got 0)"),
     ("rollout.n=1", "rollout.n: must be >= 2 with algorithm.adv_estimator=grpo (its advantages compare the "
      "responses of a prompt's group: one response gets 0 and nothing trains); for single samples use "
-     "adv_estimator=reinforce_pp, which normalises over the batch (got 1)"),
-    ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator: unknown advantage estimator; known: drgrpo, grpo"),
+     "adv_estimator=reinforce_pp, which normalises over the batch, or gae (a critic) (got 1)"),
+    ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator: unknown advantage estimator; known: drgrpo, gae, grpo"),
     ("algorithm.loss.loss_agg=mean", "algorithm.loss.loss_agg: unknown value 'mean'; expected one of 'token-mean'"),
     ("algorithm.loss.dual_clip=0.5", "algorithm.loss.dual_clip: must be > 1 (it caps -A·ratio at -A·dual_clip for A < 0), got 0.5"),
     ("algorithm=drgrpo algorithm.loss.norm_len=0", "algorithm.loss.norm_len: must be > 0, got 0"),
@@ -92,11 +93,19 @@ def test_every_algorithm_preset_validates(preset):
     ("trainer.val_n=4",
      "trainer.val_n: > 1 needs rollout.val_temperature > 0 (greedy responses are all alike) (got 4)"),
     ("algorithm.kl_in_reward=true algorithm.loss.kl_coef=0.01",
-     "algorithm.kl_in_reward: needs adv_estimator=reinforce_pp (the estimator that takes per-token rewards)"),
+     "algorithm.kl_in_reward: needs adv_estimator=reinforce_pp or gae (the estimators that take per-token "
+     "rewards)"),
     ("algorithm=reinforce_pp algorithm.loss.kl_coef=0",
      "algorithm.kl_in_reward: needs loss.kl_coef > 0 (the penalty's coefficient β)"),
     ("algorithm=reinforce_pp algorithm.gamma=0", "algorithm.gamma: must be in (0, 1] (got 0.0)"),
-    ("algorithm.gamma=0.9", "algorithm.gamma: applies to adv_estimator=reinforce_pp only (got 0.9)"),
+    ("algorithm.gamma=0.9", "algorithm.gamma: applies to adv_estimator=reinforce_pp or gae only (got 0.9)"),
+    ("algorithm.lam=0.95", "algorithm.lam: applies to adv_estimator=gae only (got 0.95)"),
+    ("algorithm=ppo algorithm.lam=1.5", "algorithm.lam: must be in [0, 1] (got 1.5)"),
+    ("critic.cliprange_value=0", "critic.cliprange_value: must be > 0 (got 0.0)"),
+    ("critic.warmup_steps=-1", "critic.warmup_steps: must be >= 0 (got -1)"),
+    ("critic.model.path=/nonexistent", "critic.model.path: must be a transformers model directory (it has no "
+     "config.json) (got '/nonexistent')"),
+    ("+critic.strategy=fsdp2", "critic.strategy: unknown key"),
     ("algorithm.overlong_buffer.len=-1", "algorithm.overlong_buffer.len: must be >= 0 (0 = off) (got -1)"),
     ("algorithm.overlong_buffer.penalty_factor=-1", "algorithm.overlong_buffer.penalty_factor: must be >= 0"),
     ("algorithm.overlong_buffer.len=8", "algorithm.overlong_buffer.len: must be < rollout.max_new_tokens = 8 (got 8)"),

@@ -124,15 +124,18 @@ def test_distillation_adds_coef_times_teacher_minus_old_on_each_response_token()
 def test_groups_are_independent_of_order():
     rewards, mask, gid = _case()
     perm = torch.randperm(7)
+    values = torch.randn(mask.shape) * mask   # gae's critic values
     for name in ADVANTAGES.names():
-        full = compute_advantages(name, rewards, mask, gid)
-        permuted = compute_advantages(name, rewards[perm], mask[perm], gid[perm])
+        options = {"values": values} if name == "gae" else {}
+        full = compute_advantages(name, rewards, mask, gid, **options)
+        permuted = compute_advantages(name, rewards[perm], mask[perm], gid[perm],
+                                      **({"values": values[perm]} if options else {}))
         torch.testing.assert_close(permuted, full[perm], msg=name)
 
 
 def test_unknown_estimator_and_bad_shapes():
     rewards, mask, gid = _case()
-    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'.*drgrpo, grpo, reinforce_pp, rloo"):
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'.*drgrpo, gae, grpo, reinforce_pp, rloo"):
         compute_advantages("ppo", rewards, mask, gid)
     with pytest.raises(ValueError, match="response_mask must be"):
         compute_advantages("grpo", rewards, mask[:3], gid)

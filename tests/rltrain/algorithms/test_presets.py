@@ -27,7 +27,7 @@ from rltrain.workers.batch import model_inputs
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from tests.rltrain.tiny_job import compose, tiny_job
 
-PRESETS = ["grpo", "drgrpo", "dapo", "gspo", "rloo", "reinforce_pp"]
+PRESETS = ["grpo", "drgrpo", "dapo", "gspo", "rloo", "reinforce_pp", "ppo"]
 GROUP = 4
 GENERATED, MAX_NEW_TOKENS = 5, 8   # responses of at most 5 tokens under a budget of 8 (Dr.GRPO's constant)
 
@@ -55,10 +55,17 @@ def _algorithm(preset: str) -> AlgorithmConfig:
 
 
 # ---------------------------------------------------------------- the papers, densely, in float64
-def dense_advantages(preset, rewards, mask, old, ref, kl_coef) -> torch.Tensor:
+def dense_advantages(preset, rewards, mask, old, ref, kl_coef, values=None) -> torch.Tensor:
     """[B, T] advantages, one response at a time."""
     rewards, B, T = rewards.double().tolist(), *mask.shape
     adv = torch.zeros(B, T, dtype=torch.float64)
+    if preset == "ppo":   # Schulman et al. 2016's GAE at γ = λ = 1: A_t = r − V_t, whitened over the batch's tokens
+        raw = {(i, t): rewards[i] - float(values[i, t]) for i in range(B) for t in range(T) if mask[i, t]}
+        mean = sum(raw.values()) / len(raw)
+        std = math.sqrt(sum((v - mean) ** 2 for v in raw.values()) / (len(raw) - 1))
+        for (i, t), a in raw.items():
+            adv[i, t] = (a - mean) / std
+        return adv
     if preset == "reinforce_pp":   # Hu 2025: r_t = 1[t = last]·r − β·k1_t, G_t = Σ_{t' >= t} r_t', whitened
         returns = {}
         for i in range(B):
@@ -130,6 +137,7 @@ def test_preset_matches_its_dense_float64_objective(setup, preset):
     batch["old_logprobs"] = (on_policy + shift) * batch["response_mask"]
     batch["ref_logprobs"] = (on_policy + 0.3 * torch.randn(on_policy.shape, generator=generator)) * \
         batch["response_mask"]
+    batch["values"] = torch.randn(on_policy.shape, generator=generator) * batch["response_mask"]   # the critic's
     batch["advantages"], _ = batch_advantages(batch, algorithm)
     metrics = actor.update(batch)
 
@@ -138,7 +146,7 @@ def test_preset_matches_its_dense_float64_objective(setup, preset):
         mask[batch["truncated"]] = 0
     assert torch.equal(batch["response_mask"], mask) and mask.sum() > 0
     expected_adv = dense_advantages(preset, batch["rewards"], mask, batch["old_logprobs"].double(),
-                                    batch["ref_logprobs"].double(), algorithm.loss.kl_coef)
+                                    batch["ref_logprobs"].double(), algorithm.loss.kl_coef, batch["values"])
     torch.testing.assert_close(batch["advantages"].double(), expected_adv, rtol=1e-5, atol=1e-5)
 
     dense.zero_grad(set_to_none=True)
