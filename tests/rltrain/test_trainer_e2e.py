@@ -403,3 +403,15 @@ def test_embedded_default_learns(tmp_path):
     assert len(val) >= 3 and val[0] == result["initial_val"] and val[-1] == result["final_val"]
     assert result["final_val"] >= result["initial_val"] + 0.20, val
     assert minutes <= 10, f"the embedded default took {minutes:.1f} min"
+
+
+@pytest.mark.slow
+def test_embedded_default_learns_with_ppo(tmp_path):
+    """algorithm=ppo (a critic, GAE) on the embedded default, half its steps: >= 20 held-out points. Measured
+    (2026-11-28, seed 0, 300 steps): 0.155 -> 0.410 at step 100, 0.460 at 150, 0.655 at 300, in about 5 minutes."""
+    job = load_job_config(compose(f"trainer.output_dir={tmp_path}", "algorithm=ppo", "trainer.total_steps=150"))
+    result = run(job)
+    val = [r["val/reward_mean"] for r in _records(tmp_path) if "val/reward_mean" in r]
+    assert result["final_val"] >= result["initial_val"] + 0.20, val
+    train = [r for r in _records(tmp_path) if "critic/vf_explained_var" in r]
+    assert len(train) >= 100 and sum(r["critic/vf_explained_var"] for r in train[-20:]) / 20 > 0, train[-1]
