@@ -1,14 +1,14 @@
 """Ulysses sequence parallelism's all-to-all (DeepSpeed-Ulysses; verl's `ulysses_sequence_parallel_size`): each rank
 of a group holds a contiguous slice of a packed row's tokens; a token mixer that needs the whole sequence (softmax
-attention, a delta-rule recurrence, a causal convolution) switches to a slice of the heads over all the tokens with
-one all-to-all, runs unchanged on those heads, and switches back with the reverse one. Every other layer is
-token-local and runs on the rank's own tokens.
+attention, a delta-rule recurrence) switches to a slice of the heads over all the tokens with one all-to-all, runs
+unchanged on those heads, and switches back with the reverse one. Every other layer is token-local and runs on the
+rank's own tokens; `gather` collects per-token pieces (a short convolution's inputs before the cut, log-probs).
 
     sp = SequenceParallel(group)            # torch.distributed process group of the ranks sharing a row
     q = sp.gather_sequence(q, head_dim=2, seq_dim=1)   # [1, T/n, H, D] -> [1, T, H/n, D]
     o = sp.scatter_sequence(o, head_dim=2, seq_dim=1)  # [1, T, H/n, D] -> [1, T/n, H, D]
 
-Both are differentiable (the backward of one is the other), so gradients come back to the rank whose tokens made
+All three are differentiable (the backward of one all-to-all is the other), so gradients come back to the rank whose tokens made
 them. The callers (rltrain's attention function, the delta-rule layers) get the object through their forward's
 keyword arguments, never from global state.
 """
@@ -41,6 +41,22 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
 
 
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # every rank's gradient of every part, summed; this rank's part is its input's (gloo has no reduce-scatter)
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(dist.get_world_size(ctx.group), ctx.dim)[dist.get_rank(ctx.group)], None, None
+
+
 class SequenceParallel:
     """The ranks sharing a row (a torch.distributed group): this rank's place in it and the two all-to-alls."""
 
@@ -57,10 +73,9 @@ class SequenceParallel:
         return _AllToAll.apply(x, seq_dim, head_dim, self.group)
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every rank's x, rank order, concatenated along dim (no gradient): per-token results of a row, whole."""
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim)
+        """Every rank's x (same shapes), rank order, concatenated along dim; differentiable (each rank's x gets the
+        sum of every rank's gradient of its part)."""
+        return _AllGather.apply(x, dim, self.group)
 
     def heads(self, num_heads: int) -> slice:
         """The heads (of num_heads) this rank runs between the two all-to-alls."""

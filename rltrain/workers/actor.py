@@ -82,7 +82,7 @@ class ActorConfig:
     mini_batch_size: int = 0     # responses per optimizer step; 0 = the whole batch (one step per pass)
     micro_batch_size: int = 64   # responses per forward/backward (gradient accumulation inside a mini-batch)
     use_remove_padding: bool = True          # pack each micro-batch's sequences into one row (no padding)
-    max_tokens_per_micro_batch: int = 16384  # packed: micro-batches by token budget; 0 = micro_batch_size rows
+    max_tokens_per_micro_batch: int = 16384  # packed: micro-batches by token budget (per rank); 0 = by rows
     torch_threads: int = 0       # 0 = all cores
     strategy: str = "single"     # single: one process | fsdp2: trainer.nnodes × n_gpus_per_node sharded ranks
     gradient_checkpointing: bool = False

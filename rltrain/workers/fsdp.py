@@ -55,7 +55,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from rltrain.config import ConfigError, require
 from rltrain.workers.packing import MicroBatching, balanced_groups, response_lengths, sequence_lengths
 from rltrain.workers.policy import DTYPES, assemble_rows, load_policy, micro_logprobs, policy_hidden, resolve_batching
-from rltrain.workers.ulysses import check_model, sequence_parallel_group
+from rltrain.workers.ulysses import check_model, sequence_parallel_batching, sequence_parallel_group
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +188,7 @@ class ShardedPolicy:
                 raise ConfigError(f"actor.ulysses_sequence_parallel_size: splits packed rows, but "
                                   f"{type(self.model).__name__} runs padded ones (actor.use_remove_padding)")
             check_model(self.model, sequence_parallel_size)
+            self.batching = sequence_parallel_batching(self.batching, sequence_parallel_size)
         if checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.root = shard_policy(self.model, mesh, device, fsdp, DTYPES[compute_dtype or dtype])

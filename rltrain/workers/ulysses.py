@@ -4,14 +4,15 @@ contiguous slice of its tokens, so a row's activations are spread over the group
 train.
 
 The ranks form a data × sequence mesh (world / size, size). Each data rank takes its share of the rows
-(rank_micro_batches), every rank of its sequence group the same micro-batches; a rank runs its slice of each packed
-row (rltrain/workers/packing.py: the row padded to a multiple of size, position ids and cu_seqlens the whole row's).
-Token-local layers (embeddings, norms, MLPs, the projections) run on the slice as they are; a token mixer switches
-to a slice of the heads over the whole row by an all-to-all and back after (rltrain_kernels.sequence_parallel):
-softmax attention in `rltrain_varlen` (rltrain/workers/attention.py), the delta-rule layers of rltrain_kernels'
-hybrid_delta family in their own forward. The fused LM-head ops run on the rank's tokens: log-probs are gathered
-over the group, and the loss of a slice takes the whole row's aggregation weights (fused_policy_loss's
-loss_weights), so the slices' losses are partial sums of the micro-batch's loss.
+(rank_micro_batches), every rank of its sequence group the same micro-batches, cut by size × the token budget
+(actor.max_tokens_per_micro_batch stays a per-rank budget, as verl's ppo_max_token_len_per_gpu); a rank runs its slice
+of each packed row (rltrain/workers/packing.py: the row padded to a multiple of size, position ids and cu_seqlens the
+whole row's). Token-local layers (embeddings, norms, MLPs, the projections) run on the slice as they are; a token
+mixer switches to a slice of the heads over the whole row by an all-to-all and back after
+(rltrain_kernels.sequence_parallel): softmax attention in `rltrain_varlen` (rltrain/workers/attention.py), the
+delta-rule layers of rltrain_kernels' hybrid_delta family in their own forward. The fused LM-head ops run on the
+rank's tokens: log-probs are gathered over the group, and the loss of a slice takes the whole row's aggregation
+weights (fused_policy_loss's loss_weights), so the slices' losses are partial sums of the micro-batch's loss.
 
 FSDP2 shards over all ranks, as verl does, not over the data axis alone: the ranks of a sequence group hold the same
 model and their gradients are partial sums of one loss, which must be summed anyway, and FSDP's reduce-scatter over
@@ -20,19 +21,23 @@ of the parameters, gradients and optimizer state; sharding over the data axis wo
 second all-reduce over the sequence axis). `actor.fsdp.fsdp_size` (HSDP) applies unchanged. A sequence group is
 consecutive ranks, one node's GPUs where size divides them: its all-to-alls move activations in every layer.
 
-Refused, naming the key: a model with other token mixers (Qwen3-Next's Gated DeltaNet, Mamba-style layers), heads the
-group's size does not divide, attention implementations other than rltrain_varlen (model.attn_implementation
-flash_attention_2 / flex_attention), padded batches and GSPO's sequence-level ratio (rltrain/job.py).
-tests/rltrain/workers/test_ulysses.py checks log-probs, loss and gradients against the single process over gloo.
+Refused, naming the key: a model whose config.layer_types name token mixers without such a path (Qwen3-Next's
+linear_attention), heads the group's size does not divide, attention implementations other than rltrain_varlen
+(model.attn_implementation flash_attention_2 / flex_attention), padded batches and GSPO's sequence-level ratio
+(rltrain/job.py). tests/rltrain/workers/test_ulysses.py checks log-probs, loss and gradients against the single
+process over gloo.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from rltrain_kernels.sequence_parallel import SequenceParallel
 from torch.distributed.device_mesh import init_device_mesh
 
 from rltrain.config import ConfigError
 from rltrain.workers.attention import VARLEN
+from rltrain.workers.packing import MicroBatching
 
 KEY = "actor.ulysses_sequence_parallel_size"
 # layer types (config.layer_types) whose token mixer is softmax attention: they run through rltrain_varlen
@@ -46,6 +51,11 @@ def sequence_parallel_group(rank: int, world_size: int, size: int, device: str) 
         raise ConfigError(f"{KEY}: must divide the {world_size} ranks (got {size})")
     mesh = init_device_mesh(device, (world_size // size, size), mesh_dim_names=("data", "sequence"))
     return SequenceParallel(mesh["sequence"].get_group()), rank // size
+
+
+def sequence_parallel_batching(batching: MicroBatching, size: int) -> MicroBatching:
+    """A sequence group's micro-batches: packed rows of size × the per-rank token budget (0, by rows, stays)."""
+    return replace(batching, max_tokens=batching.max_tokens * size)
 
 
 def check_model(model, size: int) -> None:

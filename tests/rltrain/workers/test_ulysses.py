@@ -3,7 +3,9 @@ test_fsdp.py's machinery: old and reference log-probs, the update's metrics (los
 weights and optimizer state after the step, a checkpoint loaded into the shards and an on-policy update from it. Each
 packed row is split over the sequence group, and the cases assert that sequences cross the cuts between ranks.
 Groups: 2 ranks (sp=2), 4 ranks (sp=4, on a GQA model with one key/value head, repeated to one per rank) and 4 ranks
-as 2 data × 2 sequence (with HSDP); softmax attention (Qwen3). Also the config and model checks, each naming the key.
+as 2 data × 2 sequence (with HSDP); softmax attention (Qwen3) and the hybrid delta-rule family (Gated DeltaNet +
+attention; the three delta-rule layers alone: tests/kernels/layers/test_sequence_parallel.py). Also the config and
+model checks, each naming the key.
 
 Run: `pytest tests/rltrain/workers/test_ulysses.py` (~1 min on 2 cores, mostly process starts).
 """
@@ -21,7 +23,7 @@ from rltrain.workers.actor import ActorConfig
 from rltrain.workers.fsdp import rank_micro_batches
 from rltrain.workers.packing import Packing
 from rltrain.workers.policy import load_policy, resolve_batching
-from rltrain.workers.ulysses import check_model
+from rltrain.workers.ulysses import check_model, sequence_parallel_batching
 from tests.rltrain.tiny_job import compose
 from tests.rltrain.workers.test_fsdp import SHARDED_REFERENCE, TOLERANCES, _configs, check_case, run_cases
 
@@ -42,7 +44,7 @@ def crossings(batch, spec, data_ranks: int, size: int) -> int:
     """Sequences of the sharded micro-batches (actor and reference) that span a cut between two ranks' slices."""
     _, config, _ = _configs(spec, sharded=True)
     count = 0
-    for batching in (config.micro_batching, SHARDED_REFERENCE):
+    for batching in (sequence_parallel_batching(b, size) for b in (config.micro_batching, SHARDED_REFERENCE)):
         for data_rank in range(data_ranks):
             for rows in rank_micro_batches(batch, data_rank, data_ranks, batching)[0]:
                 packing = Packing.of(batching.take(batch, rows), SimpleNamespace(rank=0, size=size))
@@ -97,6 +99,17 @@ def test_sequence_parallel_2_by_data_parallel_2_matches_single_process(tmp_path)
     check_results(results, 4, 2)
 
 
+HYBRID = ["rows11-packed30-token-mean-kl", "rows11-packed20-seq-mean-token-mean"]
+
+
+def test_sequence_parallel_delta_rule_policy_matches_single_process(tmp_path):
+    """sp=2 on the hybrid family (a Gated DeltaNet layer, then attention): its convolutions read across the cut, its
+    recurrence runs on every token of half the heads."""
+    results = run_cases(tmp_path, "cpu", arch="hybrid", cases={c: CASES[c] for c in HYBRID}, world=2,
+                        sequence_parallel=2, embedded=EMBEDDED)
+    check_results(results, 2, 2)
+
+
 @pytest.mark.parametrize("overrides, message", [
     ("actor.ulysses_sequence_parallel_size=0", "actor.ulysses_sequence_parallel_size: must be >= 1 (1 = off)"),
     ("actor.ulysses_sequence_parallel_size=2", "actor.ulysses_sequence_parallel_size: > 1 needs actor.strategy=fsdp2"),
@@ -135,8 +148,9 @@ def _packed_model(tmp_path, **config):
 
 
 def test_model_checks_name_the_key(tmp_path):
-    """Heads the group does not divide, key/value heads it neither divides nor is a multiple of, and a model with
-    linear-attention layers (Qwen3-Next) are refused naming actor.ulysses_sequence_parallel_size."""
+    """Heads the group does not divide, key/value heads it neither divides nor is a multiple of, linear-attention
+    heads of the hybrid family it does not divide, and a model whose linear-attention layers have no sequence-parallel
+    path (Qwen3-Next's Gated DeltaNet) are refused naming actor.ulysses_sequence_parallel_size."""
     model, _ = _packed_model(tmp_path / "qwen3", model_type="qwen3", num_attention_heads=6, num_key_value_heads=3)
     check_model(model, 3)
     check_model(model, 6)
@@ -145,6 +159,13 @@ def test_model_checks_name_the_key(tmp_path):
         check_model(model, 4)
     with pytest.raises(ConfigError, match=r"^actor.ulysses_sequence_parallel_size: 2 must divide .*3 key/value"):
         check_model(model, 2)
+    model, _ = _packed_model(tmp_path / "hybrid", model_type="hybrid_delta", num_attention_heads=4,
+                             num_key_value_heads=4, layer_types=["gated_delta_rule", "full_attention"],
+                             linear_num_heads=6, linear_head_dim=8)
+    check_model(model, 2)
+    with pytest.raises(ConfigError, match=r"^actor.ulysses_sequence_parallel_size: .*'hybrid_delta'.*: 4 must divide "
+                                          r"the linear-attention layers' 6 heads"):
+        check_model(model, 4)
     model, _ = _packed_model(tmp_path / "next", model_type="qwen3_next", num_attention_heads=4,
                              num_key_value_heads=2, linear_num_value_heads=4, linear_num_key_heads=2,
                              linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
