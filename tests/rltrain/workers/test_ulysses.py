@@ -5,7 +5,7 @@ packed row is split over the sequence group, and the cases assert that sequences
 Groups: 2 ranks (sp=2), 4 ranks (sp=4, on a GQA model with one key/value head, repeated to one per rank) and 4 ranks
 as 2 data × 2 sequence (with HSDP); softmax attention (Qwen3) and the hybrid delta-rule family (Gated DeltaNet +
 attention; the three delta-rule layers alone: tests/kernels/layers/test_sequence_parallel.py). Also the config and
-model checks, each naming the key.
+model checks, each naming the key, and a 2-step main_grpo run through Ray whose actor and reference both split rows.
 
 Run: `pytest tests/rltrain/workers/test_ulysses.py` (~1 min on 2 cores, mostly process starts).
 """
@@ -13,18 +13,23 @@ Run: `pytest tests/rltrain/workers/test_ulysses.py` (~1 min on 2 cores, mostly p
 import shutil
 from types import SimpleNamespace
 
+import json
+
 import pytest
+import ray
 import torch
 import transformers as tf
 
+from rltrain import trainer as trainer_module
 from rltrain.config import ConfigError
 from rltrain.job import load_job_config
+from rltrain.main_grpo import run
 from rltrain.workers.actor import ActorConfig
 from rltrain.workers.fsdp import rank_micro_batches
 from rltrain.workers.packing import Packing
 from rltrain.workers.policy import load_policy, resolve_batching
 from rltrain.workers.ulysses import check_model, sequence_parallel_batching
-from tests.rltrain.tiny_job import compose
+from tests.rltrain.tiny_job import compose, tiny_job
 from tests.rltrain.workers.test_fsdp import SHARDED_REFERENCE, TOLERANCES, _configs, check_case, run_cases
 
 # test_fsdp.py's CASES entries: (rows, micro_batch_size, mini_batch_size, loss_agg, kl_coef, gradient checkpointing,
@@ -108,6 +113,44 @@ def test_sequence_parallel_delta_rule_policy_matches_single_process(tmp_path):
     results = run_cases(tmp_path, "cpu", arch="hybrid", cases={c: CASES[c] for c in HYBRID}, world=2,
                         sequence_parallel=2, embedded=EMBEDDED)
     check_results(results, 2, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("arch, dtype", [("qwen3", "float32"), ("qwen3", "bfloat16"), ("hybrid", "bfloat16")])
+def test_sequence_parallel_over_nccl_matches_single_process(tmp_path, arch, dtype):
+    """sp=2 on 2 GPUs over NCCL (torch's varlen flash attention in bf16, the short convolutions' Triton kernels)
+    against the fp32 single process on one GPU."""
+    results = run_cases(tmp_path, "cuda", dtype=dtype, arch=arch, cases={c: CASES[c] for c in HYBRID}, world=2,
+                        sequence_parallel=2, embedded=EMBEDDED)
+    for single, sharded, checkpoint in results.values():
+        check_case(single, sharded, checkpoint, TOLERANCES["cuda-fp32" if dtype == "float32" else "cuda-bf16"])
+
+
+def test_trainer_runs_the_actor_and_reference_sequence_parallel(tmp_path, monkeypatch):
+    """main_grpo through Ray on 2 CPU ranks with actor.strategy=fsdp2 and ulysses_sequence_parallel_size=2: both the
+    actor and the reference (KL on) start with the group size, and 2 steps train with a KL and a gradient."""
+    started, start_role = {}, trainer_module.start_role
+
+    def record(cls, *args, **kwargs):
+        config = kwargs.get("config")
+        started[cls.__name__] = kwargs.get("sequence_parallel_size", getattr(config, "ulysses_sequence_parallel_size",
+                                                                             None))
+        return start_role(cls, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "start_role", record)
+    job = tiny_job(tmp_path / "run", trainer={"n_gpus_per_node": 2},
+                   actor={"strategy": "fsdp2", "ulysses_sequence_parallel_size": 2},
+                   algorithm={"loss": {"kl_coef": 0.05}})
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        assert run(job)["step"] == 2
+    finally:
+        ray.shutdown()
+    assert started["FSDPActorWorker"] == 2 and started["FSDPReferenceWorker"] == 2
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if "actor/grad_norm" in r]
+    assert len(trained) == 2 and all(r["actor/grad_norm"] > 0 and r["actor/ref_kl"] >= 0 for r in trained)
 
 
 @pytest.mark.parametrize("overrides, message", [
