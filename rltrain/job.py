@@ -108,6 +108,7 @@ class JobConfig:
         size = self.actor.fsdp.fsdp_size
         require(size == -1 or ranks % size == 0, "actor.fsdp.fsdp_size", f"must divide trainer.nnodes × "
                 f"trainer.n_gpus_per_node = {ranks} (each group of fsdp_size ranks holds one sharded copy)", size)
+        self._validate_sequence_parallel(ranks)
         if self.actor.fsdp.cpu_offload:
             require(device == "cuda", "actor.fsdp.cpu_offload", f"needs a CUDA device (trainer.device resolves to "
                     f"{device})")
@@ -140,6 +141,21 @@ class JobConfig:
             spec.builtin == "calculator" for spec in multi_turn.tool_specs()), "data.task.kind", "'tool_arithmetic' "
             "runs as multi-turn episodes with the calculator tool: select the preset task=tool_arithmetic, or set "
             "rollout.multi_turn.enabled=true and rollout.multi_turn.tools=[{builtin: calculator}]", self.data.task.kind)
+
+    def _validate_sequence_parallel(self, ranks: int) -> None:
+        """actor.ulysses_sequence_parallel_size against the other sections (its model checks run where the model
+        loads: rltrain/workers/ulysses.py)."""
+        size = self.actor.ulysses_sequence_parallel_size
+        if size == 1:
+            return
+        key = "actor.ulysses_sequence_parallel_size"
+        require(ranks % size == 0, key, f"must divide trainer.nnodes × trainer.n_gpus_per_node = {ranks} (each "
+                "group of that many ranks splits the rows of its share)", size)
+        require(self.algorithm.loss.importance_level == "token", key, "> 1 needs algorithm.loss.importance_level="
+                "token (GSPO's sequence ratio takes each sequence whole, a rank holds a slice of the row)", size)
+        require(self.model.attn_implementation in ("auto", "sdpa", "eager"), key, f"> 1 runs attention through "
+                f"rltrain_varlen, which model.attn_implementation={self.model.attn_implementation} bypasses: use auto, "
+                "sdpa or eager", size)
 
     def _validate_context_length(self) -> None:
         """A prompt of up to data.max_prompt_length tokens and a response of up to rollout.max_new_tokens (tool turns

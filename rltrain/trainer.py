@@ -193,10 +193,12 @@ class GRPOTrainer:
                                        1.0 if separate else share, job.ray.placement_timeout_s, lora=job.actor.lora,
                                        logprobs=job.rollout_reports_logprobs, **common)
 
+        sharding = dict(fsdp=job.actor.fsdp, sequence_parallel_size=job.actor.ulysses_sequence_parallel_size)
+
         def frozen(model_path: str):  # a ReferenceWorker: the reference, or distillation's teacher
             return start_role(FSDPReferenceWorker if sharded else ReferenceWorker, self.placement, share, sharded,
                               temperature=temperature, batching=job.actor.micro_batching,
-                              **(dict(fsdp=job.actor.fsdp) if sharded else {}), **dict(common, model_path=model_path))
+                              **(sharding if sharded else {}), **dict(common, model_path=model_path))
 
         self.reference = frozen(self.model_dir) if needs_reference else None
         self.teacher = frozen(distill.teacher_path) if teacher_worker else None

@@ -12,7 +12,8 @@ adapters train, and the reference log-probs come from this worker's own model wi
 algorithm.distill.kl=exact the worker also holds the frozen teacher (in model.dtype), and each micro-batch's loss
 gains coef × the exact reverse KL to it (linear_kl_div from both models' hidden states; actor/distill_kl).
 FSDPActorWorker is the same role sharded over the ranks of a WorkerGroup (actor.strategy=fsdp2;
-rltrain/workers/fsdp.py)."""
+rltrain/workers/fsdp.py), with actor.ulysses_sequence_parallel_size > 1 also splitting each packed row's tokens over
+groups of ranks (rltrain/workers/ulysses.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from rltrain_kernels import fused_policy_loss
 from rltrain_kernels.ops.kl_div import linear_kl_div
-from rltrain_kernels.ops.policy_loss import LossAccumulation
+from rltrain_kernels.ops.policy_loss import LossAccumulation, PolicyLossOptions, aggregation_weights
 from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -81,13 +82,14 @@ class ActorConfig:
     mini_batch_size: int = 0     # responses per optimizer step; 0 = the whole batch (one step per pass)
     micro_batch_size: int = 64   # responses per forward/backward (gradient accumulation inside a mini-batch)
     use_remove_padding: bool = True          # pack each micro-batch's sequences into one row (no padding)
-    max_tokens_per_micro_batch: int = 16384  # packed: micro-batches by token budget; 0 = micro_batch_size rows
+    max_tokens_per_micro_batch: int = 16384  # packed: micro-batches by token budget (per rank); 0 = by rows
     torch_threads: int = 0       # 0 = all cores
     strategy: str = "single"     # single: one process | fsdp2: trainer.nnodes × n_gpus_per_node sharded ranks
     gradient_checkpointing: bool = False
     mixed_precision: bool = True  # fp32 trained weights and optimizer state, model.dtype compute; false: in place
     weight_bucket_mb: int = 256  # the weight push sends full tensors in buckets of about this size
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    ulysses_sequence_parallel_size: int = 1  # fsdp2, packed: ranks that split each packed row's tokens; 1 = off
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self):
@@ -105,6 +107,12 @@ class ActorConfig:
         require(self.grad_clip > 0, "grad_clip", "must be > 0", self.grad_clip)
         require(self.mini_batch_size >= 0, "mini_batch_size", "must be >= 0", self.mini_batch_size)
         require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1", self.micro_batch_size)
+        sp = self.ulysses_sequence_parallel_size
+        require(sp >= 1, "ulysses_sequence_parallel_size", "must be >= 1 (1 = off)", sp)
+        require(sp == 1 or self.strategy == "fsdp2", "ulysses_sequence_parallel_size",
+                f"> 1 needs actor.strategy=fsdp2 (got {self.strategy!r})", sp)
+        require(sp == 1 or self.use_remove_padding, "ulysses_sequence_parallel_size",
+                "> 1 splits packed rows: needs actor.use_remove_padding=true", sp)
         require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", "must be >= 0 (0 = by rows)",
                 self.max_tokens_per_micro_batch)
 
@@ -156,6 +164,7 @@ class ActorWorker(WeightSource):
     adapters = None  # the PeftModel wrapping self.model with actor.lora on
     teacher = None   # algorithm.distill.kl=exact: the frozen teacher whose KL joins the loss (FSDPActorWorker: never)
     update_logprobs = None  # an on-policy update's (row indices, log-probs) per micro-batch of this process
+    sequence_parallel = None  # FSDPActorWorker's sequence group (actor.ulysses_sequence_parallel_size > 1)
     master = None    # MasterWeights: the fp32 weights the optimizer trains, where model.dtype is not float32 under
                      # actor.mixed_precision (FSDPActorWorker: never; its shards are fp32 themselves)
 
@@ -268,9 +277,8 @@ class ActorWorker(WeightSource):
         sums = {"loss": 0.0, "entropy": 0.0, "ppo_kl": 0.0, "clipfrac": 0.0, "ref_kl": 0.0}
         rows, micros = self._micro_batches(mini_batch)
         for i, micro in enumerate(micros):
-            micro_tokens = micro["response_mask"].sum().item()
             micro_seqs = int((micro["response_mask"].sum(1) > 0).sum())
-            out, kl_sum, logprobs = self._policy_loss(micro, accumulation.options())
+            out, kl_sum, logprobs, micro_tokens = self._policy_loss(micro, accumulation.options())
             if self.update_logprobs is not None and i < len(rows):  # on-policy: π_old's log-probs, for the trainer
                 self.update_logprobs.append((rows[i], logprobs.cpu()))
             scale = accumulation.weight(micro.batch_size[0], micro_seqs)
@@ -292,29 +300,37 @@ class ActorWorker(WeightSource):
 
     def _policy_loss(self, micro: TensorDict, norm: dict):
         """(fused_policy_loss of one micro-batch, on its packed row (cu_seqlens) or its padded rows; with a teacher
-        the summed reverse KL to it, else None; the response tokens' log-probs [b, R'] as rows). GSPO's sequence
-        ratio takes rows: its packed hidden states are gathered into them (one [B, R, H] copy). Without
-        old_logprobs the loss is on-policy (fused_policy_loss's old_logprobs=None)."""
+        the summed reverse KL to it, else None; the response tokens' log-probs [b, R'] as rows; the response tokens
+        the loss scored). GSPO's sequence ratio takes rows: its packed hidden states are gathered into them (one
+        [B, R, H] copy). Without old_logprobs the loss is on-policy (fused_policy_loss's old_logprobs=None). Under
+        sequence parallelism the loss is this rank's slice's part of the row's: its tokens weighted as the whole
+        row's aggregation weighs them (loss_weights), and the tokens scored are the slice's."""
         loss_cfg = self.loss
         options = {**loss_cfg.kernel_options(), "temperature": self.temperature, **norm}
         keys = micro.keys()
         fields = [micro["response_ids"], micro["response_mask"], weighted_advantages(micro),
                   micro["old_logprobs"] if "old_logprobs" in keys else None,
                   micro["ref_logprobs"] if "ref_logprobs" in keys else None]
-        packing = Packing.of(micro) if self.batching.packed else None
+        packing = Packing.of(micro, self.sequence_parallel) if self.batching.packed else None
         to_rows = packing is not None and loss_cfg.importance_level == "sequence"
         if packing is not None and not to_rows:
             ids, mask, *values = fields
             fields = [packing.labels(ids, mask), packing.tokens(mask)] + \
                      [None if v is None else packing.tokens(v.float()) for v in values]
-            options["cu_seqlens"] = packing.cu_seqlens
+            if packing.sequence_parallel is None:
+                options["cu_seqlens"] = packing.cu_seqlens
+            else:
+                weights = aggregation_weights(packing.row_tokens(mask).float(), PolicyLossOptions(**options),
+                                              packing.cu_seqlens)
+                options["loss_weights"] = packing.local(weights)
+        tokens = (fields[1] != 0).sum().item()
 
         def head(hidden, weight):
             out = fused_policy_loss(packing.response_rows(hidden) if to_rows else hidden, weight, *fields, **options)
             return out, None if self.teacher is None else self._teacher_kl(micro, packing, hidden, weight)
 
         out, kl_sum = self._run_head(micro, packing, head)
-        return out, kl_sum, out.logprobs if packing is None or to_rows else packing.rows(out.logprobs)
+        return out, kl_sum, out.logprobs if packing is None or to_rows else packing.rows(out.logprobs), tokens
 
     def _teacher_kl(self, micro: TensorDict, packing: Packing | None, hidden: torch.Tensor,
                     weight: torch.Tensor) -> torch.Tensor:
@@ -469,7 +485,8 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
 
         self._setup(rank, world_size, master_addr, master_port, model_path, dtype if lora else weights, kernel_config,
                     device, config.fsdp, config.micro_batching, attn_implementation, config.gradient_checkpointing,
-                    compute_dtype=dtype, prepare=prepare)
+                    compute_dtype=dtype, prepare=prepare,
+                    sequence_parallel_size=config.ulysses_sequence_parallel_size)
         self.model.train()
         self.optimizer = torch.optim.AdamW([p for p in self.root.parameters() if p.requires_grad], lr=config.lr,
                                            weight_decay=config.weight_decay)

@@ -14,6 +14,11 @@ checkpointed layer's recomputation in backward must take the same path): torch's
 sequences gathered into rows. Both take
 `cu_seqlens`, so no [T, T] mask is built and no work is spent across sequences. `flash_attention_2` reads the same
 keyword arguments natively; `flex_attention` builds its document mask from the per-sequence position ids.
+
+Ulysses sequence parallelism (rltrain/workers/ulysses.py) runs through `rltrain_varlen` only: with a
+`sequence_parallel` keyword (rltrain_kernels.sequence_parallel) the function gets this rank's slice of the row's tokens
+for every head, switches to every token of a slice of the heads (key/value heads repeated up to the group's size where
+there are fewer), attends as above over the whole row, and switches back.
 """
 
 from __future__ import annotations
@@ -68,7 +73,16 @@ VARLEN_TAKES_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                              scaling: float | None = None, sliding_window: int | None = None, **kwargs):
     """transformers attention-function signature: query [1, Hq, T, D], key/value [1, Hkv, T, D] of a packed row →
-    ([1, T, Hq, D], None), causal within each sequence of cu_seq_lens_q."""
+    ([1, T, Hq, D], None), causal within each sequence of cu_seq_lens_q. With `sequence_parallel`: T is this rank's
+    slice of the row and cu_seq_lens_q the whole row's (module docstring)."""
+    sp = kwargs.pop("sequence_parallel", None)
+    if sp is not None:   # GQA: as many key/value heads as ranks at least, so that each rank gets whole ones
+        repeat = max(1, sp.size // key.shape[1])
+        query, key, value = (sp.gather_sequence(t, head_dim=1, seq_dim=2)
+                             for t in (query, key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)))
+        out, _ = varlen_attention_forward(module, query, key, value, attention_mask, dropout, scaling, sliding_window,
+                                          **kwargs)
+        return sp.scatter_sequence(out, head_dim=2, seq_dim=1), None
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is None:
         raise ValueError(f"attn_implementation {VARLEN!r} needs cu_seq_lens_q (a packed batch); "

@@ -9,7 +9,9 @@ decoder layer a unit, the rest in the root), data parallel over the ranks. `acto
 within groups of that many ranks and replicates across the groups (HSDP: a 2-D mesh, replicate × shard): each
 parameter's all-gather stays inside a group (one node, say) and only the gradients cross groups. Every rank receives the whole batch and
 takes its own share of the rows (contiguous rows, or, with packed micro-batches, a share balanced by tokens:
-rltrain/workers/packing.py).
+rltrain/workers/packing.py). With `actor.ulysses_sequence_parallel_size` > 1 the ranks are a data × sequence mesh:
+each data rank takes a share of the rows and the ranks of its sequence group split each packed row's tokens
+(rltrain/workers/ulysses.py), FSDP2 still sharding over all ranks.
 
 Gradients equal the single-process ones: every normaliser (token count, sequence count, rows) is the mini-batch's
 global one, which each rank computes from the whole batch, the per-rank losses are partial sums of the global loss,
@@ -53,6 +55,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from rltrain.config import ConfigError, require
 from rltrain.workers.packing import MicroBatching, balanced_groups, response_lengths, sequence_lengths
 from rltrain.workers.policy import DTYPES, assemble_rows, load_policy, micro_logprobs, policy_hidden, resolve_batching
+from rltrain.workers.ulysses import check_model, sequence_parallel_batching, sequence_parallel_group
 
 logger = logging.getLogger(__name__)
 
@@ -159,18 +162,33 @@ def rank_micro_batches(batch: TensorDict, rank: int, world_size: int, batching: 
 class ShardedPolicy:
     """What the FSDP2 actor and reference share: joining the group, loading and sharding, sharded log-probs."""
 
+    sequence_parallel = None   # SequenceParallel: this rank's group sharing each packed row (ulysses.py), or None
+
     def _setup(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, dtype: str,
                kernel_config: KernelConfig | None, device: str, fsdp: FSDPConfig, batching: MicroBatching,
                attn_implementation: str, checkpointing: bool = False, compute_dtype: str | None = None,
-               prepare: Callable[[torch.nn.Module], None] | None = None):
+               prepare: Callable[[torch.nn.Module], None] | None = None, sequence_parallel_size: int = 1):
         """The model loaded in `dtype`; forward and backward in compute_dtype (default: the same). `prepare(model)`
-        runs on the whole model before sharding (the actor's LoRA adapters go in there)."""
+        runs on the whole model before sharding (the actor's LoRA adapters go in there). sequence_parallel_size:
+        actor.ulysses_sequence_parallel_size."""
         self.rank, self.world_size, self.device = rank, world_size, device
         mesh = init_distributed(rank, world_size, master_addr, master_port, device, fsdp.mesh_shape(world_size))
+        # the rows are shared by data rank: every rank of a sequence group gets the same ones
+        self.data_rank, self.data_size = rank, world_size
+        if sequence_parallel_size > 1:
+            self.sequence_parallel, self.data_rank = sequence_parallel_group(rank, world_size, sequence_parallel_size,
+                                                                             device)
+            self.data_size = world_size // sequence_parallel_size
         self.model = load_policy(model_path, dtype, kernel_config, "cpu", attn_implementation)
         if prepare is not None:
             prepare(self.model)
         self.batching = resolve_batching(self.model, batching)
+        if self.sequence_parallel is not None:
+            if not self.batching.packed:
+                raise ConfigError(f"actor.ulysses_sequence_parallel_size: splits packed rows, but "
+                                  f"{type(self.model).__name__} runs padded ones (actor.use_remove_padding)")
+            check_model(self.model, sequence_parallel_size)
+            self.batching = sequence_parallel_batching(self.batching, sequence_parallel_size)
         if checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.root = shard_policy(self.model, mesh, device, fsdp, DTYPES[compute_dtype or dtype])
@@ -179,7 +197,7 @@ class ShardedPolicy:
     def _rank_micro_batches(self, batch: TensorDict) -> tuple[list[torch.Tensor], list[TensorDict]]:
         """(this rank's row indices per micro-batch, its micro-batches on the device): as many as every rank runs,
         FSDP's collectives pairing up across ranks, padded with one-row micro-batches whose response mask is 0."""
-        rows, count = rank_micro_batches(batch, self.rank, self.world_size, self.batching)
+        rows, count = rank_micro_batches(batch, self.data_rank, self.data_size, self.batching)
         micros = [self.batching.take(batch, r) for r in rows]
         if len(micros) < count:
             filler = self.batching.take(batch, torch.arange(1))
@@ -191,14 +209,18 @@ class ShardedPolicy:
     def _sharded_logprobs(self, batch: TensorDict, temperature: float):
         """Response log-probs of the whole batch on rank 0 (None elsewhere), each rank computing its own rows."""
         rows, micros = self._rank_micro_batches(batch)
-        logps = [micro_logprobs(self.model, micro, self.batching.packed, temperature, head=self.root).float().cpu()
+        logps = [micro_logprobs(self.model, micro, self.batching.packed, temperature, head=self.root,
+                                sequence_parallel=self.sequence_parallel).float().cpu()
                  for micro in micros][:len(rows)]
         self.root.reshard()  # the root stays unsharded after a forward that no backward follows
         return self._gather_rows(batch, list(zip(rows, logps)))
 
     def _gather_rows(self, batch: TensorDict, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         """Every rank's (row indices, values [rows, ≤ R]) parts as one [B, R] fp32 tensor on rank 0 (None
-        elsewhere; a collective), 0 where the response mask is."""
+        elsewhere; a collective), 0 where the response mask is. A sequence group's ranks hold the same rows: its
+        first rank's parts stand for them."""
+        if self.sequence_parallel is not None and self.sequence_parallel.rank:
+            parts = []
         width = batch["response_ids"].shape[1]
         values = [torch.nn.functional.pad(v.float().cpu(), (0, width - v.shape[1])) for _, v in parts]  # trimmed
         local = (torch.cat([r for r, _ in parts]) if parts else torch.zeros(0, dtype=torch.long),

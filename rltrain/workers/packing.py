@@ -8,6 +8,11 @@ tokens with per-sequence position ids and `cu_seqlens`, and maps per-token field
 token at t + 1), `packing.rows(y)` brings a [T] result back to [B, R]. With long-tailed response lengths most of a
 padded batch is padding (2.86x the tokens in the issue's H100 measurement); a packed row has none.
 
+Sequence parallelism (actor.ulysses_sequence_parallel_size, rltrain/workers/ulysses.py): the row is padded to a
+multiple of the group's size (the padding a sequence of its own, label IGNORE_INDEX, mask 0) and each rank of the group
+runs its contiguous slice of it; `model_inputs()`, `tokens()` and `labels()` give that slice, position ids and
+cu_seqlens stay the whole row's, and `rows()` gathers the slices back first.
+
 Micro-batches: `token_budget_groups` splits rows into the fewest groups of at most `budget` tokens it finds (a
 longer sequence alone), balanced by the longest-processing-time rule; `balanced_groups` splits rows into k groups
 of near-equal tokens (the FSDP ranks' shares).
@@ -19,6 +24,7 @@ import heapq
 from dataclasses import dataclass
 
 import torch
+from rltrain_kernels.sequence_parallel import SequenceParallel
 from tensordict import TensorDict
 
 from rltrain.workers.batch import IGNORE_INDEX
@@ -48,9 +54,10 @@ class Packing:
     max_seqlen: int
     valid: torch.Tensor          # [B, P + R] bool: which entries of the concatenated rows the row holds, in order
     prompt_width: int
+    sequence_parallel: SequenceParallel | None = None   # this rank holds a slice of the row (module docstring)
 
     @classmethod
-    def of(cls, micro: TensorDict) -> "Packing":
+    def of(cls, micro: TensorDict, sequence_parallel: SequenceParallel | None = None) -> "Packing":
         prompt_mask = micro["prompt_mask"] != 0
         if micro.batch_size[0] and not prompt_mask.any(1).all():
             raise ValueError("a packed sequence needs at least one prompt token (its first response token is "
@@ -64,13 +71,44 @@ class Packing:
         input_ids = torch.cat([micro["prompt_ids"], micro["response_ids"]], dim=1)[valid]
         position_ids = (valid.cumsum(1) - 1)[valid]
         return cls(input_ids[None], position_ids[None], cu_seqlens, int(lengths.max()) if len(lengths) else 0, valid,
-                   micro["prompt_ids"].shape[1])
+                   micro["prompt_ids"].shape[1], sequence_parallel)
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
 
+    @property
+    def padded_tokens(self) -> int:
+        """The row's length as the sequence-parallel ranks split it: T rounded up to a multiple of their number."""
+        size = 1 if self.sequence_parallel is None else self.sequence_parallel.size
+        return -(-self.num_tokens // size) * size
+
+    def local(self, values: torch.Tensor, fill=0) -> torch.Tensor:
+        """[1, T, ...] of the whole row → this rank's slice of it padded with `fill` (all of it without sequence
+        parallelism)."""
+        sp = self.sequence_parallel
+        if sp is None:
+            return values
+        pad = torch.full((1, self.padded_tokens - self.num_tokens, *values.shape[2:]), fill, dtype=values.dtype,
+                         device=values.device)
+        return torch.cat([values, pad], 1).chunk(sp.size, 1)[sp.rank]
+
+    def model_inputs(self) -> dict:
+        """What the packed forward takes on this rank: its slice of input_ids and position_ids, the row's sequence
+        starts and longest sequence (under sequence parallelism the padding is a sequence of its own: each rank's
+        token mixers see the whole padded row) and the group, `sequence_parallel`, which they switch heads over."""
+        extra = self.padded_tokens - self.num_tokens
+        cu_seqlens = self.cu_seqlens if not extra else torch.cat([self.cu_seqlens, self.cu_seqlens.new_tensor(
+            [self.padded_tokens])])
+        inputs = dict(input_ids=self.local(self.input_ids), position_ids=self.local(self.position_ids),
+                      cu_seqlens=cu_seqlens, max_seqlen=max(self.max_seqlen, extra))
+        return inputs if self.sequence_parallel is None else dict(inputs, sequence_parallel=self.sequence_parallel)
+
     def tokens(self, field: torch.Tensor, fill=0) -> torch.Tensor:
+        """row_tokens(field, fill), this rank's slice of it (`local`)."""
+        return self.local(self.row_tokens(field, fill), fill)
+
+    def row_tokens(self, field: torch.Tensor, fill=0) -> torch.Tensor:
         """A [B, R] response field (or [B]: one value per sequence) → [1, T], aligned with the hidden state that
         predicts each token; `fill` where the next token is not a response token (prompts, sequence ends)."""
         if field.dim() == 1:
@@ -88,13 +126,19 @@ class Packing:
     def response_rows(self, hidden: torch.Tensor) -> torch.Tensor:
         """[1, T, H] hidden states of the row → [B, R, H] at each response token's predicting position (a gather,
         differentiable; positions past a row's response hold its first token's state, for a mask to drop)."""
+        if self.sequence_parallel is not None:
+            raise ValueError("response_rows needs the whole row's hidden states; a sequence-parallel rank holds a "
+                             "slice of them")
         index = torch.full(self.valid.shape, 1, dtype=torch.long, device=self.valid.device)
         index[self.valid] = torch.arange(self.num_tokens, device=self.valid.device)
         return hidden[0][index[:, self.prompt_width:] - 1]
 
     def rows(self, values: torch.Tensor) -> torch.Tensor:
         """[1, T] or [T] per-position results (position t: the token at t + 1) → [B, R] per response token, 0 where
-        the row has no such token."""
+        the row has no such token. Under sequence parallelism: this rank's slice, [1, T / ranks], gathered first (a
+        collective of the group)."""
+        if self.sequence_parallel is not None:
+            values = self.sequence_parallel.gather(values.reshape(1, -1), 1)[:, :self.num_tokens]
         values = values.reshape(-1)
         unshifted = torch.zeros_like(values)
         unshifted[1:] = values[:-1]

@@ -15,6 +15,7 @@ import transformers as tf
 from rltrain_kernels import linear_logprobs
 from rltrain_kernels.integrations.qwen3_next import takes_packed_rows, use_packed_linear_attention
 from rltrain_kernels.registry import KernelConfig, apply_kernel_config, get_applied_kernels
+from rltrain_kernels.sequence_parallel import SequenceParallel
 from tensordict import TensorDict
 
 from rltrain.config import require
@@ -112,9 +113,10 @@ def resolve_batching(model, batching: MicroBatching) -> MicroBatching:
 
 def packed_hidden(model, packing: Packing) -> torch.Tensor:
     """Final hidden states of a packed row, [1, T, H] (position t predicts the token at t + 1), on a model
-    resolve_batching switched to packed attention."""
-    return model.base_model(input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False,
-                            **varlen_kwargs(packing.cu_seqlens, packing.max_seqlen)).last_hidden_state
+    resolve_batching switched to packed attention; under sequence parallelism this rank's slice of them."""
+    inputs = packing.model_inputs()
+    varlen = varlen_kwargs(inputs.pop("cu_seqlens"), inputs.pop("max_seqlen"))
+    return model.base_model(**inputs, use_cache=False, **varlen).last_hidden_state
 
 
 def policy_hidden(model, micro: TensorDict, packing: Packing | None) -> torch.Tensor:
@@ -130,10 +132,12 @@ def response_labels(micro: TensorDict, packing: Packing | None) -> torch.Tensor:
     return ids.masked_fill(mask == 0, IGNORE_INDEX) if packing is None else packing.labels(ids, mask)
 
 
-def micro_logprobs(model, micro: TensorDict, packed: bool, temperature: float, head=None) -> torch.Tensor:
+def micro_logprobs(model, micro: TensorDict, packed: bool, temperature: float, head=None,
+                   sequence_parallel: SequenceParallel | None = None) -> torch.Tensor:
     """log p(response token) of one micro-batch (on the model's device), [B, R] fp32, 0 where masked. `head`
-    (FSDP2) runs the model and a (hidden, weight) → result function in one sharded forward."""
-    packing = Packing.of(micro) if packed else None
+    (FSDP2) runs the model and a (hidden, weight) → result function in one sharded forward; with sequence_parallel
+    each rank of the group scores its slice of the packed row and every rank returns the whole."""
+    packing = Packing.of(micro, sequence_parallel) if packed else None
     labels = response_labels(micro, packing)
 
     def logprobs(hidden, weight):

@@ -59,15 +59,17 @@ class ReferenceWorker:
 
 
 class FSDPReferenceWorker(ShardedPolicy):
-    """The frozen reference, sharded like the actor: response log-probs for the KL term."""
+    """The frozen reference, sharded like the actor (its sequence parallelism too, actor.ulysses_sequence_parallel_size):
+    response log-probs for the KL term."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, dtype: str,
                  kernel_config: KernelConfig | None, temperature: float, batching: MicroBatching, fsdp: FSDPConfig,
-                 device: str = "cpu", torch_threads: int = 0, attn_implementation: str = "auto"):
+                 device: str = "cpu", torch_threads: int = 0, attn_implementation: str = "auto",
+                 sequence_parallel_size: int = 1):
         set_threads(torch_threads)
         self.temperature = temperature
         self._setup(rank, world_size, master_addr, master_port, model_path, dtype, kernel_config, device, fsdp,
-                    batching, attn_implementation)
+                    batching, attn_implementation, sequence_parallel_size=sequence_parallel_size)
         self.model.eval().requires_grad_(False)
 
     def compute_logprobs(self, batch: TensorDict) -> torch.Tensor | None:

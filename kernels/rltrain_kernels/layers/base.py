@@ -11,6 +11,12 @@ A layer's own: the projections of its transition (β, the decay rate, the erase 
 initial weights' draws from the RNG), and its forward, which calls its op through the two
 module-level names the registry's kernel rebinds in a copy of that forward (integrations/families.py with_globals):
 those names must be read in the layer's own forward, not here.
+
+Ulysses sequence parallelism (rltrain_kernels.sequence_parallel; a packed row, `sequence_parallel` given): the layer
+gets this rank's slice of the row and the whole row's cu_seqlens. The projections and gates are token-local; each
+convolution reads the previous conv_size − 1 inputs across the cut from the ranks before (`sequence_parallel_conv`);
+the op runs on every token of this rank's heads, its [B, T, H, ...] inputs switched by all-to-all and its output
+switched back (`sequence_parallel_op`); the output head is token-local again.
 """
 
 from __future__ import annotations
@@ -21,6 +27,34 @@ import torch
 import torch.nn as nn
 
 from .common import LinearAttentionCache, ShortConvolution, check_packed_call, gated_output, padding_mask
+
+
+def sequence_parallel_conv(conv: ShortConvolution, x: torch.Tensor, cu_seqlens: torch.Tensor, sp):
+    """conv over this rank's slice x [1, L, C] of a packed row (cu_seqlens: the whole row's): its first tokens' taps
+    read the inputs before the cut, gathered from the ranks before (differentiably; zeros before the row), and taps
+    into another sequence stay masked. Returns (y [1, L, C], None)."""
+    W, L = conv.conv_size, x.shape[1]
+    tail = min(L, W - 1)   # each rank's last inputs; slices shorter than the window take several ranks' whole
+    before = sp.gather(x[:, L - tail:], 1)[:, :sp.rank * tail]
+    halo = torch.cat([x.new_zeros(1, W - 1, x.shape[2]), before], 1)[:, -(W - 1):]
+    window = torch.cat([halo, x], 1)
+    start = sp.rank * L - (W - 1)   # the window's first token in the row
+    bounds = torch.cat([cu_seqlens.new_tensor([0, window.shape[1]]), (cu_seqlens - start).clamp(0, window.shape[1])])
+    y, _ = conv(window, None, bounds.unique())   # sorted: the window's sequences (its first may be cut)
+    return y[:, W - 1:], None
+
+
+def sequence_parallel_op(op, sp):
+    """`op` (a delta-rule op: [B, T, H, ...] tensors in, (o [B, T, H, V], state) out) on every token of this rank's
+    heads: each tensor argument of 3 or more dims switched by all-to-all, the output switched back."""
+    def switch(arg):
+        return sp.gather_sequence(arg, head_dim=2, seq_dim=1) if torch.is_tensor(arg) and arg.dim() >= 3 else arg
+
+    def run(*args, **kwargs):
+        o, state = op(*map(switch, args), **{name: switch(arg) for name, arg in kwargs.items()})
+        return sp.scatter_sequence(o, head_dim=2, seq_dim=1), state
+
+    return run
 
 
 def decay_parameters(num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,18 +98,27 @@ class DeltaRuleLayer(nn.Module):
         self.o_proj = nn.Linear(H * V, self.hidden_size, bias=False)
 
     def convolved_inputs(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
-                         cache: LinearAttentionCache | None, use_cache: bool, cu_seqlens: torch.Tensor | None):
+                         cache: LinearAttentionCache | None, use_cache: bool, cu_seqlens: torch.Tensor | None,
+                         sequence_parallel=None):
         """The steps before the op: the packing and padding rules, the padded tokens' hidden states zeroed, and q, k,
         v through their projections and convolutions (continuing the cache's conv states). Returns (x, mask [B, T, 1]
         or None, q, k, v [B, T, channels], the convolutions' new states {"q", "k", "v"})."""
         B, T, _ = hidden_states.shape
         check_packed_call(cu_seqlens, B, attention_mask, cache, use_cache)
+        if sequence_parallel is not None and cu_seqlens is None:
+            raise ValueError("sequence_parallel splits a packed row: it needs cu_seqlens")
         mask = padding_mask(attention_mask, B, T, cache, use_cache)
         x = hidden_states if mask is None else hidden_states * mask.to(hidden_states.dtype)
         conv_states = cache.conv_states if cache is not None else {}
-        q, q_state = self.q_conv(self.q_proj(x), conv_states.get("q"), cu_seqlens)
-        k, k_state = self.k_conv(self.k_proj(x), conv_states.get("k"), cu_seqlens)
-        v, v_state = self.v_conv(self.v_proj(x), conv_states.get("v"), cu_seqlens)
+
+        def conv(module, inputs, state):
+            if sequence_parallel is None:
+                return module(inputs, state, cu_seqlens)
+            return sequence_parallel_conv(module, inputs, cu_seqlens, sequence_parallel)
+
+        q, q_state = conv(self.q_conv, self.q_proj(x), conv_states.get("q"))
+        k, k_state = conv(self.k_conv, self.k_proj(x), conv_states.get("k"))
+        v, v_state = conv(self.v_conv, self.v_proj(x), conv_states.get("v"))
         return x, mask, q, k, v, {"q": q_state, "k": k_state, "v": v_state}
 
     def gated_output_and_cache(self, o: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None,

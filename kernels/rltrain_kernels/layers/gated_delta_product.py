@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import DeltaRuleLayer
+from .base import DeltaRuleLayer, sequence_parallel_op
 from .chunked import chunked_gated_delta_product
 from .common import LinearAttentionCache
 from .recurrence import recurrent_gated_delta_product
@@ -31,9 +31,9 @@ torch_recurrent_gated_delta_product = recurrent_gated_delta_product
 
 
 class GatedDeltaProduct(DeltaRuleLayer):
-    """forward(hidden_states [B, T, hidden_size], attention_mask [B, L ≥ T] or None, cache, use_cache, cu_seqlens)
-    -> (output [B, T, hidden_size], LinearAttentionCache or None). See the module docstring and layers/common.py for
-    the padding and packing rules."""
+    """forward(hidden_states [B, T, hidden_size], attention_mask [B, L ≥ T] or None, cache, use_cache, cu_seqlens,
+    sequence_parallel) -> (output [B, T, hidden_size], LinearAttentionCache or None). See the module docstring and
+    layers/common.py for the padding and packing rules, layers/base.py for sequence parallelism."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, num_householder: int = 2,
                  head_v_dim: int | None = None, conv_size: int = 4, allow_neg_eigval: bool = True,
@@ -49,11 +49,11 @@ class GatedDeltaProduct(DeltaRuleLayer):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: LinearAttentionCache | None = None, use_cache: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
+                cu_seqlens: torch.Tensor | None = None, sequence_parallel=None):
         B, T, _ = hidden_states.shape
         H, K, V, n_h = self.num_heads, self.head_k_dim, self.head_v_dim, self.num_householder
         x, mask, q, k, v, conv_states = self.convolved_inputs(hidden_states, attention_mask, cache, use_cache,
-                                                              cu_seqlens)
+                                                              cu_seqlens, sequence_parallel)
         q = q.reshape(B, T, H, K)
         k = k.reshape(B, T * n_h, H, K)  # channels (n_h, H, K): sub-step j of token t is row t·n_h + j
         v = v.reshape(B, T * n_h, H, V)
@@ -66,6 +66,8 @@ class GatedDeltaProduct(DeltaRuleLayer):
             g = g * mask
         beta = beta.reshape(B, T * n_h, H)
         op = torch_chunk_gated_delta_product if cache is None else torch_recurrent_gated_delta_product
+        if sequence_parallel is not None:   # every token of this rank's heads (layers/base.py)
+            op = sequence_parallel_op(op, sequence_parallel)
         o, state = op(q, k, v, g, beta, n_h, initial_state=None if cache is None else cache.recurrent_state,
                       output_final_state=use_cache, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
         return self.gated_output_and_cache(o, x, mask, cache, use_cache, conv_states, state)

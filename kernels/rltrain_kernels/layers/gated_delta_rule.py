@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import DeltaRuleLayer
+from .base import DeltaRuleLayer, sequence_parallel_op
 from .common import LinearAttentionCache
 from .chunked import chunked_gated_delta_rule
 from .recurrence import recurrent_gated_delta_rule
@@ -31,9 +31,9 @@ torch_recurrent_gated_delta_rule = recurrent_gated_delta_rule
 
 
 class GatedDeltaNet(DeltaRuleLayer):
-    """forward(hidden_states [B, T, hidden_size], attention_mask [B, L ≥ T] or None, cache, use_cache, cu_seqlens)
-    -> (output [B, T, hidden_size], LinearAttentionCache or None). See the module docstring and layers/common.py for
-    the padding and packing rules."""
+    """forward(hidden_states [B, T, hidden_size], attention_mask [B, L ≥ T] or None, cache, use_cache, cu_seqlens,
+    sequence_parallel) -> (output [B, T, hidden_size], LinearAttentionCache or None). See the module docstring and
+    layers/common.py for the padding and packing rules, layers/base.py for sequence parallelism."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, head_v_dim: int | None = None,
                  conv_size: int = 4, allow_neg_eigval: bool = False, norm_eps: float = 1e-6):
@@ -44,11 +44,11 @@ class GatedDeltaNet(DeltaRuleLayer):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: LinearAttentionCache | None = None, use_cache: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
+                cu_seqlens: torch.Tensor | None = None, sequence_parallel=None):
         B, T, _ = hidden_states.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         x, mask, q, k, v, conv_states = self.convolved_inputs(hidden_states, attention_mask, cache, use_cache,
-                                                              cu_seqlens)
+                                                              cu_seqlens, sequence_parallel)
         beta = self.b_proj(x).float().sigmoid()
         if self.allow_neg_eigval:
             beta = beta * 2.0
@@ -56,6 +56,8 @@ class GatedDeltaNet(DeltaRuleLayer):
         if mask is not None:  # padded tokens: identity update (no decay, β = 0)
             beta, g = beta * mask, g * mask
         op = torch_chunk_gated_delta_rule if cache is None else torch_recurrent_gated_delta_rule
+        if sequence_parallel is not None:   # every token of this rank's heads (layers/base.py)
+            op = sequence_parallel_op(op, sequence_parallel)
         o, state = op(q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V), g=g, beta=beta,
                       initial_state=None if cache is None else cache.recurrent_state, output_final_state=use_cache,
                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)

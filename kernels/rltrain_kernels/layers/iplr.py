@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .base import DeltaRuleLayer
+from .base import DeltaRuleLayer, sequence_parallel_op
 from .chunked import chunked_iplr_delta_rule
 from .common import LinearAttentionCache, l2norm
 from .recurrence import recurrent_iplr_delta_rule
@@ -38,9 +38,9 @@ torch_recurrent_iplr_delta_rule = recurrent_iplr_delta_rule
 
 
 class IPLRLinearAttention(DeltaRuleLayer):
-    """forward(hidden_states [B, T, hidden_size], attention_mask [B, L ≥ T] or None, cache, use_cache, cu_seqlens)
-    -> (output [B, T, hidden_size], LinearAttentionCache or None). See the module docstring and layers/common.py for
-    the padding and packing rules."""
+    """forward(hidden_states [B, T, hidden_size], attention_mask [B, L ≥ T] or None, cache, use_cache, cu_seqlens,
+    sequence_parallel) -> (output [B, T, hidden_size], LinearAttentionCache or None). See the module docstring and
+    layers/common.py for the padding and packing rules, layers/base.py for sequence parallelism."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, head_v_dim: int | None = None,
                  conv_size: int = 4, allow_neg_eigval: bool = True, norm_eps: float = 1e-6):
@@ -51,17 +51,19 @@ class IPLRLinearAttention(DeltaRuleLayer):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: LinearAttentionCache | None = None, use_cache: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
+                cu_seqlens: torch.Tensor | None = None, sequence_parallel=None):
         B, T, _ = hidden_states.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         x, mask, q, k, v, conv_states = self.convolved_inputs(hidden_states, attention_mask, cache, use_cache,
-                                                              cu_seqlens)
+                                                              cu_seqlens, sequence_parallel)
         q, k = l2norm(q.reshape(B, T, H, K)), l2norm(k.reshape(B, T, H, K))
         v = v.reshape(B, T, H, V)
         a, b = self.erase_vectors(x, mask)
         if mask is not None:  # padded tokens: identity update (no erase above, no write here)
             k = k * mask[..., None].to(k.dtype)
         op = torch_chunk_iplr_delta_rule if cache is None else torch_recurrent_iplr_delta_rule
+        if sequence_parallel is not None:   # every token of this rank's heads (layers/base.py)
+            op = sequence_parallel_op(op, sequence_parallel)
         o, state = op(q, k, v, a, b, initial_state=None if cache is None else cache.recurrent_state,
                       output_final_state=use_cache, cu_seqlens=cu_seqlens)
         return self.gated_output_and_cache(o, x, mask, cache, use_cache, conv_states, state)

@@ -1,5 +1,7 @@
 """fused_policy_loss on a packed row (cu_seqlens): the same loss, gradients, log-probs and metrics as the same
-sequences given as padded rows, for every loss aggregation and the chunked paths, and its argument checks.
+sequences given as padded rows, for every loss aggregation and the chunked paths, and its argument checks; and a
+packed row cut into slices (sequence parallelism) whose per-slice losses, given the whole row's `loss_weights`, sum to
+the row's.
 
 Run: `pytest tests/kernels/ops/test_policy_loss_packed.py` (CPU, seconds; the triton path through the interpreter).
 """
@@ -9,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rltrain_kernels.ops.policy_loss import LOSS_AGGS, PolicyLossChunkConfig, fused_policy_loss, reference_policy_loss
+from rltrain_kernels.ops.policy_loss import (
+    LOSS_AGGS, PolicyLossChunkConfig, PolicyLossOptions, aggregation_weights, fused_policy_loss, reference_policy_loss,
+)
 from tests.helpers import assert_rel_close
 from tests.kernels.ops.test_policy_loss import make_inputs
 
@@ -88,6 +92,39 @@ def test_packed_seq_mean_counts_sequences_not_rows():
         rows = fused_policy_loss(**padded_rows(inputs, [4, 4, 4]), loss_agg="seq-mean-token-mean", impl="torch")
     assert_rel_close(as_packed.loss, rows.loss, name="loss")
     assert abs(as_one_row.loss.item() - rows.loss.item()) > 1e-3
+
+
+@pytest.mark.parametrize("impl", ["torch", "reference"])
+@pytest.mark.parametrize("loss_agg", LOSS_AGGS)
+def test_slices_with_loss_weights_sum_to_the_row(impl, loss_agg):
+    """A packed row of 3 sequences cut into 3 slices of 4 tokens (the first and second sequences cross a cut): each
+    slice's loss with its part of the row's aggregation weights; the losses sum to the row's, the slices' gradients
+    and log-probs are the row's, the gradient of the weight the sum of the slices'."""
+    lengths = [5, 2, 4]
+    inputs = make_inputs(B=3, T=5, masked_rows=(1,))
+    packed, cu_seqlens = packed_from_rows(inputs, lengths)
+    opts = dict(kl_coef=0.05, kl_type="k2", entropy_coef=0.01, loss_agg=loss_agg)
+    norm = dict(norm_len=5) if loss_agg == "seq-mean-token-sum-norm" else {}
+    row, grad_h, grad_w = forward_backward(packed, "reference", cu_seqlens=cu_seqlens, **opts, **norm)
+    # the row's weights, then 12 tokens: the last one padding (mask 0, weight 0)
+    weights = aggregation_weights(packed["mask"].float(), PolicyLossOptions(**opts, **norm), cu_seqlens)
+    weights = torch.nn.functional.pad(weights, (0, 1))
+    packed = {k: v if k == "weight" else torch.nn.functional.pad(v, (0, 1) if v.dim() == 2 else (0, 0, 0, 1))
+              for k, v in packed.items()}
+    parts = [forward_backward({k: v if k == "weight" else v[:, s:s + 4] for k, v in packed.items()}, impl,
+                              loss_weights=weights[:, s:s + 4], **opts) for s in (0, 4, 8)]
+    assert abs(sum(p[0].loss.item() for p in parts) - row.loss.item()) <= 1e-5 * (1 + abs(row.loss.item()))
+    assert_rel_close(torch.cat([p[1] for p in parts], 1)[:, :11], grad_h, name="grad_hidden")
+    assert_rel_close(sum(p[2] for p in parts), grad_w, name="grad_weight")
+    assert_rel_close(torch.cat([p[0].logprobs for p in parts], 1)[:, :11], row.logprobs, name="logprobs")
+
+
+def test_loss_weights_checks():
+    packed, cu_seqlens = packed_from_rows(make_inputs(B=3, T=4), [4, 4, 4])
+    with pytest.raises(ValueError, match=r"loss_weights must have shape \[B, T\] = \[1, 12\]"):
+        fused_policy_loss(**packed, loss_weights=torch.ones(1, 11))
+    with pytest.raises(ValueError, match="not with cu_seqlens"):
+        fused_policy_loss(**packed, loss_weights=torch.ones(1, 12), cu_seqlens=cu_seqlens)
 
 
 @pytest.mark.parametrize("bad, message", [

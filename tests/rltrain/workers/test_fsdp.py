@@ -58,8 +58,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _configs(case, sharded: bool):
-    rows, micro, mini, loss_agg, kl, checkpointing, budget = CASES[case]
+def _configs(spec, sharded: bool):
+    """(rows, ActorConfig, LossConfig) of a CASES entry."""
+    rows, micro, mini, loss_agg, kl, checkpointing, budget = spec
     # the single process runs padded rows in one micro-batch of the whole mini-batch when the case packs
     packed = budget is not None
     actor = ActorConfig(micro_batch_size=micro or 64, mini_batch_size=mini, torch_threads=1,
@@ -68,18 +69,20 @@ def _configs(case, sharded: bool):
     return rows, actor, LossConfig(loss_agg=loss_agg, kl_coef=kl)
 
 
-def _rank_main(rank, port, device, dtype, cpu_offload, model_dir, batches, out_dir, world=WORLD, fsdp_size=-1):
+def _rank_main(rank, port, device, dtype, cpu_offload, model_dir, batches, out_dir, world=WORLD, fsdp_size=-1,
+               specs=CASES, sequence_parallel=1):
     import os
 
     os.environ["LOCAL_RANK"] = str(rank)  # this rank's GPU (under Ray each rank sees only its own)
 
     fsdp = FSDPConfig(cpu_offload=cpu_offload, fsdp_size=fsdp_size)
     reference = FSDPReferenceWorker(rank, world, "127.0.0.1", port, model_dir, dtype, None, 1.0,
-                                    SHARDED_REFERENCE, fsdp=fsdp, device=device, torch_threads=1)
+                                    SHARDED_REFERENCE, fsdp=fsdp, device=device, torch_threads=1,
+                                    sequence_parallel_size=sequence_parallel)
     assert all(p.dtype == DTYPES[dtype] for p in reference.model.parameters())  # frozen: no fp32 copy
     for case, batch in batches.items():
-        _, config, loss = _configs(case, sharded=True)
-        config.fsdp = fsdp
+        _, config, loss = _configs(specs[case], sharded=True)
+        config.fsdp, config.ulysses_sequence_parallel_size = fsdp, sequence_parallel
         actor = FSDPActorWorker(rank, world, "127.0.0.1", port, config, loss, model_dir, dtype, None, 1.0,
                                 device=device)
         assert all(p.dtype == torch.float32 for p in actor.model.parameters())  # the shards: fp32 in every case
@@ -104,12 +107,19 @@ def _rank_main(rank, port, device, dtype, cpu_offload, model_dir, batches, out_d
 
 
 def run_cases(root, device: str, dtype: str = "float32", cpu_offload: bool = False, arch: str = "qwen3",
-              cases=tuple(CASES), world: int = WORLD, fsdp_size: int = -1) -> dict:
-    """Per case: (the fp32 single process's results, the `world`-rank FSDP2 ones (HSDP with fsdp_size) at
-    model.dtype=`dtype` with actor.mixed_precision, the checkpoint the ranks loaded), on the embedded model of `arch`
-    (2 layers for a delta-rule arch)."""
-    job = tiny_job(root, model={"embedded": {"arch": arch, "num_layers": 1 if arch == "qwen3" else 2}})
+              cases=tuple(CASES), world: int = WORLD, fsdp_size: int = -1, sequence_parallel: int = 1,
+              embedded: dict | None = None, variant=None) -> dict:
+    """Per case: (the fp32 single process's results, the `world`-rank FSDP2 ones (HSDP with fsdp_size, Ulysses
+    groups of `sequence_parallel` ranks) at model.dtype=`dtype` with actor.mixed_precision, the checkpoint the ranks
+    loaded), on the embedded model of `arch` (2 layers for a delta-rule arch; `embedded`: other settings of it;
+    `variant(model_dir, root)`: the directory of another model made from it). `cases`: names in CASES, or a dict of
+    name: CASES-style entry."""
+    specs = cases if isinstance(cases, dict) else {case: CASES[case] for case in cases}
+    job = tiny_job(root, model={"embedded": {"arch": arch, "num_layers": 1 if arch == "qwen3" else 2,
+                                             **(embedded or {})}})
     model_dir = str(embedded_policy_dir(job.trainer.output_dir, job.model.embedded, job.data.task, 0))
+    if variant is not None:
+        model_dir = variant(model_dir, root)
     train, _ = make_rows(job.data.task)
     from transformers import AutoTokenizer
 
@@ -120,8 +130,8 @@ def run_cases(root, device: str, dtype: str = "float32", cpu_offload: bool = Fal
     full["rewards"] = torch.rand(full.batch_size[0])
     full["advantages"] = compute_advantages("grpo", full["rewards"], full["response_mask"], full["group_ids"])
     single, batches, states = {}, {}, {}
-    for case in cases:
-        rows, config, loss = _configs(case, sharded=False)
+    for case in specs:
+        rows, config, loss = _configs(specs[case], sharded=False)
         actor = ActorWorker(config, loss, model_dir, "float32", None, temperature=1.0, device=device)
         reference = ReferenceWorker(model_dir, "float32", None, 1.0, SINGLE_REFERENCE, device=device,
                                     torch_threads=1)
@@ -142,14 +152,14 @@ def run_cases(root, device: str, dtype: str = "float32", cpu_offload: bool = Fal
             single[case].update(on_policy=actor.update(batch.exclude("old_logprobs"))["old_logprobs"],
                                 on_policy_weights=actor.state_dict())
         single[case]["optimizer"] = _to_cpu(single[case]["optimizer"])
-        batches[case] = batch
+        single[case]["batch"] = batches[case] = batch
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_rank_main, args=(port, device, dtype, cpu_offload, model_dir, batches, str(root), world, fsdp_size),
-             nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(port, device, dtype, cpu_offload, model_dir, batches, str(root), world, fsdp_size,
+                               specs, sequence_parallel), nprocs=world, join=True)
     return {case: (single[case], torch.load(root / f"{case}.pt", weights_only=False), states[case])
-            for case in cases}
+            for case in specs}
 
 
 def _to_cpu(optimizer_state: dict) -> dict:

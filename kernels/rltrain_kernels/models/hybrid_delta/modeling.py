@@ -9,6 +9,9 @@ Three ways through a forward:
 - a packed row (B = 1) with transformers' varlen keywords `cu_seq_lens_q`, ... (rltrain's actor passes them):
   the attention function reads them (rltrain's `rltrain_varlen`, flash varlen), the linear-attention layers take
   `cu_seqlens` — every layer keeps its sequences apart, so a packed row equals the padded rows;
+- a packed row split over the ranks of a Ulysses group (`sequence_parallel`, rltrain_kernels.sequence_parallel,
+  with the whole row's varlen keywords): each layer runs this rank's slice, the attention function and the
+  linear-attention layers switching to a slice of the heads (layers/base.py);
 - generation: a HybridDeltaCache (KV per attention layer, conv windows + recurrent state per linear layer), made by
   the forward when `use_cache=True` and none is given; `generate` drives it. Without an explicit `use_cache=True` no
   cache is made (training and scoring forwards keep nothing).
@@ -39,8 +42,9 @@ from .configuration import HybridDeltaConfig
 
 # The outputs' cache field: `cache` from transformers 5.24, `past_key_values` before (the GPU machine runs 5.17).
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-# transformers' variable-length attention keywords (a packed row's sequence starts), passed to the attention function
-VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# transformers' variable-length attention keywords (a packed row's sequence starts), passed to the attention function,
+# and the Ulysses group of a row split over ranks (the attention function and the linear-attention layers take it)
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "sequence_parallel")
 # attention implementations that take the [B, 1, T, S] boolean mask this model builds for padded rows
 MASKED_ATTENTION = ("eager", "sdpa")
 
@@ -201,7 +205,8 @@ class HybridDeltaDecoderLayer(GradientCheckpointingLayer):
         else:
             past = cache.layers[self.layer_idx] if cache is not None else None
             mixed, state = self.linear_attn(mixed, attention_mask=attention_mask, cache=past,
-                                            use_cache=cache is not None, cu_seqlens=cu_seqlens)
+                                            use_cache=cache is not None, cu_seqlens=cu_seqlens,
+                                            sequence_parallel=attention_kwargs.get("sequence_parallel"))
             if cache is not None:
                 cache.layers[self.layer_idx] = state
         hidden_states = hidden_states + mixed
@@ -217,8 +222,16 @@ class HybridDeltaPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False   # its padded path passes a 4-D mask; packed rows use rltrain_varlen instead
     _supports_flex_attn = False
     _supports_attention_backend = True
-    # rltrain reads this: every layer takes a packed row's sequence boundaries (rltrain/workers/policy.py can_pack)
+    # rltrain reads these: every layer takes a packed row's sequence boundaries (rltrain/workers/policy.py can_pack),
+    # and a slice of one with a Ulysses group (rltrain/workers/ulysses.py)
     supports_cu_seqlens = True
+    supports_sequence_parallel = True
+
+    def check_sequence_parallel(self, size: int) -> None:
+        """ValueError unless a Ulysses group of `size` ranks can split the linear-attention layers' heads."""
+        if "linear_attention" in self.config.layer_types and self.config.linear_num_heads % size:
+            raise ValueError(f"{size} must divide the linear-attention layers' {self.config.linear_num_heads} heads "
+                             "(linear_num_heads)")
 
     def _init_weights(self, module):
         std = self.config.initializer_range
@@ -261,7 +274,7 @@ class HybridDeltaModel(HybridDeltaPreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, past_key_values=None,
                 inputs_embeds=None, use_cache: bool | None = None, **kwargs) -> BaseModelOutputWithPast:
         """`cache` (transformers ≥ 5.24's name) or `past_key_values`: a HybridDeltaCache to continue. kwargs: the
-        varlen keywords of a packed row (VARLEN_KEYS); others are ignored."""
+        varlen keywords of a packed row and its Ulysses group (VARLEN_KEYS); others are ignored."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds

@@ -16,7 +16,7 @@ memory bound.
 """
 
 from rltrain_kernels.ops.policy_loss.accumulation import LossAccumulation
-from rltrain_kernels.ops.policy_loss.chunk import PolicyLossChunkConfig, workspace_bytes
+from rltrain_kernels.ops.policy_loss.chunk import PolicyLossChunkConfig, aggregation_weights, workspace_bytes
 from rltrain_kernels.ops.policy_loss.function import FusedPolicyLossFunction, fused_policy_loss
 from rltrain_kernels.ops.policy_loss.options import (
     IMPORTANCE_LEVELS, KL_TYPES, LOSS_AGGS, Metrics, PolicyLossOptions, PolicyLossOutput,
@@ -25,4 +25,4 @@ from rltrain_kernels.ops.policy_loss.naive import reference_policy_loss
 
 __all__ = ["FusedPolicyLossFunction", "IMPORTANCE_LEVELS", "KL_TYPES", "LOSS_AGGS", "LossAccumulation", "Metrics",
            "PolicyLossChunkConfig", "PolicyLossOptions", "PolicyLossOutput", "fused_policy_loss",
-           "reference_policy_loss", "workspace_bytes"]
+           "aggregation_weights", "reference_policy_loss", "workspace_bytes"]

@@ -104,8 +104,8 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
                       kl_coef: float = 0.0, kl_type: str = "k3", entropy_coef: float = 0.0,
                       loss_agg: str = "token-mean", importance_level: str = "token", temperature: float = 1.0,
                       norm_tokens: float | None = None, norm_len: float | None = None,
-                      cu_seqlens: torch.Tensor | None = None, impl: str = "auto",
-                      chunk_config: PolicyLossChunkConfig | None = None) -> PolicyLossOutput:
+                      cu_seqlens: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None,
+                      impl: str = "auto", chunk_config: PolicyLossChunkConfig | None = None) -> PolicyLossOutput:
     """PPO/GRPO/GSPO policy loss straight from the last hidden states, never materialising the [B·T, V] logits;
     the gradients w.r.t. hidden and weight are computed inside this call (3 GEMMs in all) and handed to autograd.
 
@@ -118,6 +118,9 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
         cu_seqlens: [N + 1] integer sequence starts for a packed batch (B = 1: the row holds N sequences back to
             back, like the delta-rule ops' varlen form); the sequence aggregations and Dr.GRPO's B count those
             sequences, and norm_len defaults to the longest one. Not with importance_level="sequence".
+        loss_weights: [B, T] per-token weights w, loss = Σ w·L, in place of loss_agg's own (which these must be
+            0 wherever mask is): for a caller holding part of a row whose weights depend on all of it (sequence
+            parallelism: `aggregation_weights` of the whole row, sliced). Token-level importance only.
         impl: "auto" (on CUDA "fused" for bf16/fp16 on sm_90+, else "triton"; off CUDA the dense reference up
             to 4M logits, chunked torch beyond), "fused" (Triton GEMM with the row statistics in its epilogue,
             fp16 shifted logits kept for the gradient pass), "triton" (cuBLAS + Triton row passes over an fp32
@@ -149,13 +152,14 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
     """
     opts = PolicyLossOptions(clip_low, clip_high, dual_clip, kl_coef, kl_type, entropy_coef, loss_agg,
                              importance_level, temperature, norm_tokens, norm_len)
-    check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs, opts, cu_seqlens)
+    check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs, opts, cu_seqlens, loss_weights)
     if chunk_config is not None and not isinstance(chunk_config, PolicyLossChunkConfig):
         raise TypeError(f"chunk_config must be a PolicyLossChunkConfig, got {type(chunk_config).__name__}")
     impl = _resolve_impl(impl, hidden, weight.shape[0])
     if impl == "reference":
         return reference_policy_loss(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs,
-                                     cu_seqlens=cu_seqlens, **{k: getattr(opts, k) for k in opts.__dataclass_fields__})
+                                     cu_seqlens=cu_seqlens, loss_weights=loss_weights,
+                                     **{k: getattr(opts, k) for k in opts.__dataclass_fields__})
     config = chunk_config or DEFAULT_CHUNKS
     B, T, H = hidden.shape
     check_label_range(labels, mask != 0, weight.shape[0])
@@ -164,12 +168,12 @@ def fused_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.
         hidden2d = hidden2d.contiguous()
     chunk_logits, loss_ops = _backends(impl, hidden2d, weight, config, entropy_bonus=opts.entropy_coef != 0.0)
     return chunked_policy_loss(hidden2d, weight, labels, mask, advantages, old_logprobs, ref_logprobs, opts,
-                               cu_seqlens, config, chunk_logits, loss_ops)
+                               cu_seqlens, config, chunk_logits, loss_ops, loss_weights)
 
 
 def chunked_policy_loss(hidden2d, weight, labels, mask, advantages, old_logprobs, ref_logprobs,
                         opts: PolicyLossOptions, cu_seqlens, config: PolicyLossChunkConfig, chunk_logits,
-                        loss_ops) -> PolicyLossOutput:
+                        loss_ops, loss_weights=None) -> PolicyLossOutput:
     """fused_policy_loss on a chunked path past its checks: hidden2d [B·T, H] (rows of H contiguous), the other
     tensors as fused_policy_loss takes them, and the path's (chunk logits, loss ops) as `_backends` builds them
     (tests build them with other settings: scaled.ScaledChunkLogits' safe_gap)."""
@@ -179,7 +183,7 @@ def chunked_policy_loss(hidden2d, weight, labels, mask, advantages, old_logprobs
         return x.reshape(-1).to(torch.float32).contiguous()
 
     m = mask.to(torch.float32)
-    w = aggregation_weights(m, opts, cu_seqlens)
+    w = aggregation_weights(m, opts, cu_seqlens) if loss_weights is None else loss_weights.to(torch.float32)
     adv = advantages.unsqueeze(1).expand(B, T) if advantages.dim() == 1 else advantages
     on_policy = old_logprobs is None   # π_old = π_θ: each chunk copies its logp into `old` as it finalizes
     old = torch.empty_like(flat(m)) if on_policy else flat(old_logprobs)

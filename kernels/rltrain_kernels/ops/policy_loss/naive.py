@@ -49,13 +49,15 @@ def _aggregate(per_token: torch.Tensor, m: torch.Tensor, opts: PolicyLossOptions
 def reference_policy_loss(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs=None, *,
                           clip_low=0.2, clip_high=0.2, dual_clip=None, kl_coef=0.0, kl_type="k3", entropy_coef=0.0,
                           loss_agg="token-mean", importance_level="token", temperature=1.0, norm_tokens=None,
-                          norm_len=None, cu_seqlens=None, compute_dtype: torch.dtype | None = None) -> PolicyLossOutput:
+                          norm_len=None, cu_seqlens=None, loss_weights=None,
+                          compute_dtype: torch.dtype | None = None) -> PolicyLossOutput:
     """The policy loss of `fused_policy_loss` (see its docstring for the definitions), by autograd over dense
     logits. compute_dtype: float64 for float64 inputs, else float32 (inputs are upcast before the GEMM).
-    cu_seqlens (a packed row): the sequences are cut out into padded rows and the loss taken over those."""
+    cu_seqlens (a packed row): the sequences are cut out into padded rows and the loss taken over those.
+    loss_weights: Σ w·L in place of the aggregation."""
     opts = PolicyLossOptions(clip_low, clip_high, dual_clip, kl_coef, kl_type, entropy_coef, loss_agg,
                              importance_level, temperature, norm_tokens, norm_len)
-    check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs, opts, cu_seqlens)
+    check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs, opts, cu_seqlens, loss_weights)
     if cu_seqlens is not None:
         return _packed_as_rows(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs, cu_seqlens,
                                opts, compute_dtype)
@@ -98,7 +100,10 @@ def reference_policy_loss(hidden, weight, labels, mask, advantages, old_logprobs
             per_token = per_token + opts.kl_coef * kl_penalty(logp, ref, opts.kl_type)
     if opts.entropy_coef != 0.0:
         per_token = per_token - opts.entropy_coef * entropy
-    loss = _aggregate(per_token, m, opts)
+    if loss_weights is None:
+        loss = _aggregate(per_token, m, opts)
+    else:
+        loss = (torch.where(valid, per_token, 0.0) * loss_weights.to(cd)).sum()
 
     with torch.no_grad():
         n = m.sum()

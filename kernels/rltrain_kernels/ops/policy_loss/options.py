@@ -151,7 +151,7 @@ def _shape(t) -> tuple:
 
 
 def check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_logprobs, opts: PolicyLossOptions,
-                 cu_seqlens=None):
+                 cu_seqlens=None, loss_weights=None):
     """Shapes, dtypes and devices of the tensor arguments; raises naming the argument."""
     for name, t in (("hidden", hidden), ("weight", weight), ("labels", labels), ("mask", mask),
                     ("advantages", advantages)):
@@ -186,6 +186,8 @@ def check_inputs(hidden, weight, labels, mask, advantages, old_logprobs, ref_log
         raise TypeError(f"mask must be bool or real (0/1), got {mask.dtype}")
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, hidden, opts)
+    if loss_weights is not None:
+        _check_loss_weights(loss_weights, hidden, opts, cu_seqlens)
     if opts.kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError(f"kl_coef={opts.kl_coef} needs ref_logprobs (got None)")
     for name, t in (("weight", weight), ("labels", labels), ("mask", mask), ("advantages", advantages),
@@ -209,6 +211,19 @@ def _check_cu_seqlens(cu_seqlens, hidden, opts: PolicyLossOptions) -> None:
     if not cu_seqlens.is_cuda:   # on CUDA this would be a host sync; the aggregation's index_add bounds it there
         if cu_seqlens[0] != 0 or cu_seqlens[-1] != hidden.shape[1] or (cu_seqlens[1:] < cu_seqlens[:-1]).any():
             raise ValueError(f"cu_seqlens must rise from 0 to T = {hidden.shape[1]}, got {cu_seqlens.tolist()}")
+
+
+def _check_loss_weights(loss_weights, hidden, opts: PolicyLossOptions, cu_seqlens) -> None:
+    if not isinstance(loss_weights, torch.Tensor) or not loss_weights.dtype.is_floating_point:
+        raise TypeError(f"loss_weights must be a floating-point tensor, got {getattr(loss_weights, 'dtype', None)}")
+    if tuple(loss_weights.shape) != tuple(hidden.shape[:2]):
+        raise ValueError(f"loss_weights must have shape [B, T] = {list(hidden.shape[:2])}, "
+                         f"got {list(loss_weights.shape)}")
+    if loss_weights.device != hidden.device:
+        raise ValueError(f"loss_weights is on {loss_weights.device} but hidden is on {hidden.device}")
+    if cu_seqlens is not None or opts.importance_level == "sequence":
+        raise ValueError("loss_weights replace the aggregation: not with cu_seqlens or importance_level='sequence' "
+                         "(whose sequence ratio needs whole sequences)")
 
 
 def check_label_range(labels: torch.Tensor, valid: torch.Tensor, vocab: int) -> None:
