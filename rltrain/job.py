@@ -156,6 +156,8 @@ class JobConfig:
         require(self.model.attn_implementation in ("auto", "sdpa", "eager"), key, f"> 1 runs attention through "
                 f"rltrain_varlen, which model.attn_implementation={self.model.attn_implementation} bypasses: use auto, "
                 "sdpa or eager", size)
+        require(self.algorithm.adv_estimator != "gae", key, "> 1 is the actor's and the reference's: the critic of "
+                "algorithm.adv_estimator=gae has no sequence-parallel path yet", size)
 
     def _validate_context_length(self) -> None:
         """A prompt of up to data.max_prompt_length tokens and a response of up to rollout.max_new_tokens (tool turns

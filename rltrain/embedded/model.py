@@ -7,6 +7,7 @@ Archs (`model.embedded.arch`), each with its own layer count unless num_layers i
              3 Gated DeltaNet : 1 attention, repeated; the last layer is attention whatever the count
     gdp      2 Gated DeltaProduct layers (2 Householder steps per token), no attention
     iplr     2 IPLR delta-rule layers, no attention
+    qwen3_moe  2 attention layers whose MLP is a mixture of 4 experts, 2 per token (transformers' Qwen3-MoE)
 The delta-rule archs keep Qwen3's attention, MLP and norms, and give their linear-attention layers num_heads heads
 of head_dim (keys and values). The layer counts keep each arch's full default (300 steps) within 10 minutes on a
 2-core CPU, Qwen3's budget (docs/delta-rule.md: the held-out gains per arch).
@@ -49,9 +50,10 @@ logger = logging.getLogger(__name__)
 
 
 # the token mixers of an arch's layers (rltrain/embedded/config.py ARCHS), repeated to num_layers; None: a Qwen3
-ARCH_LAYERS = {"qwen3": None, "hybrid": ("gated_delta_rule",) * 3 + ("full_attention",),
+ARCH_LAYERS = {"qwen3": None, "qwen3_moe": None, "hybrid": ("gated_delta_rule",) * 3 + ("full_attention",),
                "gdp": ("gated_delta_product",), "iplr": ("iplr",)}
-DEFAULT_LAYERS = {"qwen3": 2, "hybrid": 3, "gdp": 2, "iplr": 2}
+DEFAULT_LAYERS = {"qwen3": 2, "qwen3_moe": 2, "hybrid": 3, "gdp": 2, "iplr": 2}
+MOE = dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)   # qwen3_moe
 
 
 def layer_types(config: EmbeddedModelConfig) -> list[str] | None:
@@ -72,8 +74,12 @@ def build_model(config: EmbeddedModelConfig, tokenizer, seed: int):
                 max_position_embeddings=CONTEXT_LENGTH, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
     mixers = layer_types(config)
-    if mixers is None:
-        model_config = tf.Qwen3Config(num_hidden_layers=config.num_layers or DEFAULT_LAYERS["qwen3"], **dims)
+    layers = config.num_layers or DEFAULT_LAYERS[config.arch]
+    if config.arch == "qwen3_moe":   # each expert as wide as the dense MLP
+        model_config = tf.Qwen3MoeConfig(num_hidden_layers=layers, moe_intermediate_size=2 * config.hidden_size,
+                                         **MOE, **dims)
+    elif mixers is None:
+        model_config = tf.Qwen3Config(num_hidden_layers=layers, **dims)
     else:
         model_config = HybridDeltaConfig(layer_types=mixers, linear_num_heads=config.num_heads,
                                          linear_head_dim=config.head_dim, **dims)

@@ -50,6 +50,7 @@ from rltrain.workers.policy import (
     response_labels, response_logprobs, set_threads, untied_state_dict,
 )
 from rltrain.workers.precision import MasterWeights, stored_fp32_weights, trained_dtype
+from rltrain.workers.router import RouterBalance, scored_token_mask, scored_tokens
 from rltrain.workers.weight_sync import WeightSource
 
 STRATEGIES = ("single", "fsdp2")
@@ -88,6 +89,7 @@ class ActorConfig:
     gradient_checkpointing: bool = False
     mixed_precision: bool = True  # fp32 trained weights and optimizer state, model.dtype compute; false: in place
     weight_bucket_mb: int = 256  # the weight push sends full tensors in buckets of about this size
+    router_aux_loss_coef: float = 0.0  # MoE policies: weight of the routers' load-balancing loss (router.py)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     ulysses_sequence_parallel_size: int = 1  # fsdp2, packed: ranks that split each packed row's tokens; 1 = off
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -95,6 +97,8 @@ class ActorConfig:
     def validate(self):
         require(self.strategy in STRATEGIES, "strategy", f"must be one of {', '.join(STRATEGIES)}", self.strategy)
         require(self.weight_bucket_mb >= 1, "weight_bucket_mb", "must be >= 1", self.weight_bucket_mb)
+        require(self.router_aux_loss_coef >= 0, "router_aux_loss_coef", "must be >= 0 (0 = off)",
+                self.router_aux_loss_coef)
         require(self.lr > 0, "lr", "must be > 0", self.lr)
         require(self.lr_scheduler in LR_SCHEDULERS, "lr_scheduler", f"must be one of {', '.join(LR_SCHEDULERS)}",
                 self.lr_scheduler)
@@ -165,6 +169,7 @@ class ActorWorker(WeightSource):
     teacher = None   # algorithm.distill.kl=exact: the frozen teacher whose KL joins the loss (FSDPActorWorker: never)
     update_logprobs = None  # an on-policy update's (row indices, log-probs) per micro-batch of this process
     sequence_parallel = None  # FSDPActorWorker's sequence group (actor.ulysses_sequence_parallel_size > 1)
+    routers = None   # RouterBalance: an MoE policy's routers (their auxiliary loss and metrics), else None
     master = None    # MasterWeights: the fp32 weights the optimizer trains, where model.dtype is not float32 under
                      # actor.mixed_precision (FSDPActorWorker: never; its shards are fp32 themselves)
 
@@ -178,6 +183,7 @@ class ActorWorker(WeightSource):
         self._start_schedule(seed, total_steps)
         self.model = load_policy(model_path, dtype, kernel_config, device, attn_implementation)
         added = self._extend(self.model)
+        self.routers = RouterBalance.of(self.model, config.router_aux_loss_coef)
         # LoRA: the adapters go in after the kernels; self.model stays the transformers model (with them inside)
         self.adapters = attach_lora(self.model, config.lora) if config.lora.enabled else None
         if trained_dtype(dtype, config.mixed_precision) != dtype:  # fp32 masters of the trained parameters
@@ -276,9 +282,16 @@ class ActorWorker(WeightSource):
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "entropy": 0.0, "ppo_kl": 0.0, "clipfrac": 0.0, "ref_kl": 0.0}
         rows, micros = self._micro_batches(mini_batch)
+        routed_tokens = max(scored_tokens(mini_batch), 1)   # MoE: the routers' loss weighs micro-batches by these
         for i, micro in enumerate(micros):
             micro_seqs = int((micro["response_mask"].sum(1) > 0).sum())
-            out, kl_sum, logprobs, micro_tokens = self._policy_loss(micro, accumulation.options())
+            # MoE: the micro-batch's share of the routers' loss (a sequence group's ranks hold a slice each)
+            share = scored_tokens(micro) / routed_tokens / (self.sequence_parallel.size if self.sequence_parallel
+                                                             else 1)
+            with self._routing(micro, share) as routing:
+                out, kl_sum, logprobs, micro_tokens = self._policy_loss(micro, accumulation.options())
+            for key, value in routing.items():
+                sums[key] = sums.get(key, 0.0) + value * share
             if self.update_logprobs is not None and i < len(rows):  # on-policy: π_old's log-probs, for the trainer
                 self.update_logprobs.append((rows[i], logprobs.cpu()))
             scale = accumulation.weight(micro.batch_size[0], micro_seqs)
@@ -331,6 +344,15 @@ class ActorWorker(WeightSource):
 
         out, kl_sum = self._run_head(micro, packing, head)
         return out, kl_sum, out.logprobs if packing is None or to_rows else packing.rows(out.logprobs), tokens
+
+    def _routing(self, micro: TensorDict, weight: float):
+        """Around a micro-batch's forward in the update: an MoE policy's routers weigh their loss by `weight` (the
+        micro-batch's share of the mini-batch's tokens) and record their metrics into the yielded dict (empty for a
+        dense policy)."""
+        if self.routers is None:
+            return nullcontext({})
+        mask = None if self.batching.packed else scored_token_mask(micro)
+        return self.routers.micro_batch(weight, mask)
 
     def _teacher_kl(self, micro: TensorDict, packing: Packing | None, hidden: torch.Tensor,
                     weight: torch.Tensor) -> torch.Tensor:
@@ -480,6 +502,7 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
 
         def prepare(model):
             self._extend(model)
+            self.routers = RouterBalance.of(model, config.router_aux_loss_coef)
             if lora:
                 self.adapters = attach_lora(model, config.lora, DTYPES[weights])
 

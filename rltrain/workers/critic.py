@@ -69,7 +69,7 @@ class CriticConfig:
                                    ppo_epochs=self.ppo_epochs, mini_batch_size=self.mini_batch_size,
                                    micro_batch_size=self.micro_batch_size, lr_scheduler="constant",
                                    lr_warmup_steps=0, lr_warmup_ratio=0.0,
-                                   gradient_checkpointing=self.gradient_checkpointing,
+                                   gradient_checkpointing=self.gradient_checkpointing, router_aux_loss_coef=0.0,
                                    lora=dataclasses.replace(actor.lora, rank=0))
 
 

@@ -117,7 +117,7 @@ def test_every_algorithm_preset_validates(preset):
     ("kernel_config.delta_rule_recurrence_dot=fp8",
      "kernel_config.delta_rule_recurrence_dot: must be auto, bf16, tf32 (got 'fp8')"),
     ("data.task.operators=/", "data.task.operators: must be a non-empty subset"),
-    ("model.embedded.arch=mamba", "model.embedded.arch: must be one of qwen3, hybrid, gdp, iplr (got 'mamba')"),
+    ("model.embedded.arch=mamba", "model.embedded.arch: must be one of qwen3, qwen3_moe, hybrid, gdp, iplr (got 'mamba')"),
     ("model.embedded.num_layers=-1", "model.embedded.num_layers: must be >= 0 (0 = the arch's own) (got -1)"),
     ("rollout.engine=sglang", "rollout.engine: must be one of hf, vllm (got 'sglang')"),
     ("rollout.stop=[Answer]", "rollout.stop: needs rollout.engine=vllm"),

@@ -63,6 +63,12 @@ EXPECTED = {
                         pad_token_id="<|endoftext|>", do_sample=True, repetition_penalty=1.05, temperature=0.7,
                         top_p=0.8, top_k=20),
         tokenizer=dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None)),
+    "qwen3-moe": dict(
+        model_type="qwen3_moe", tied=False, rope_theta=1_000_000.0, rope_scaling=None,
+        bos="<|endoftext|>", eos="<|im_end|>",
+        generation=dict(bos_token_id="<|endoftext|>", eos_token_id=["<|im_end|>", "<|endoftext|>"],
+                        pad_token_id="<|endoftext|>", do_sample=True, temperature=0.6, top_k=20, top_p=0.95),
+        tokenizer=dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None)),
     "llama-3.2-instruct": dict(
         model_type="llama", tied=True, rope_theta=500_000.0,
         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -127,10 +133,14 @@ def test_release_files_load_with_the_release_values(releases, name):
     shards = set(index["weight_map"].values())
     assert len(shards) >= 2 and all((path / shard).is_file() for shard in shards)
     assert not (path / "model.safetensors").exists()
-    model = AutoModelForCausalLM.from_pretrained(path)
-    assert model.dtype == torch.bfloat16
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert model.dtype == torch.bfloat16 and not any(info.values()), info
     names = set(model.state_dict())
-    assert set(index["weight_map"]) == names - ({"lm_head.weight"} if expected["tied"] else set())
+    if raw["model_type"] == "qwen3_moe":   # one tensor per expert, as the release ships them (transformers fuses)
+        assert {f"model.layers.1.mlp.experts.7.{p}_proj.weight" for p in ("gate", "up", "down")} <= \
+            set(index["weight_map"]) and "model.layers.1.mlp.experts.gate_up_proj" in names
+    else:
+        assert set(index["weight_map"]) == names - ({"lm_head.weight"} if expected["tied"] else set())
     tied = model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     assert tied is expected["tied"]
 
@@ -323,9 +333,11 @@ MODES = {
     "tools": {"rollout": {"multi_turn": {"enabled": True, "tools": [{"builtin": "calculator"}], "num_workers": 1,
                                          "max_turns": 2}}},
     "lora": {"actor": {"lora": {"rank": 4, "alpha": 8.0}, "lr": 0.05}},
+    "router_aux": {"actor": {"router_aux_loss_coef": 0.001}},
 }
 HF_RUNS = [("qwen3", "sync+lora"), ("qwen3", "tools"), ("qwen3", "one_step_off"),
            ("qwen2.5-instruct", "sync+lora"), ("qwen2.5-instruct", "tools"), ("qwen2.5-instruct", "async"),
+           ("qwen3-moe", "router_aux"),
            ("llama-3.2-instruct", "sync"), ("llama-3.2-instruct", "tools+lora"),
            ("llama-3.2-instruct", "one_step_off"), ("llama-3.2-instruct", "async+lora")]
 
@@ -359,6 +371,8 @@ def _run_and_check(tmp_path, monkeypatch, model_dir, task, modes, **extra) -> di
         assert sampled_outside_top_k(model_dir, batches[0], k=20)
     if "tools" in modes:
         assert all(r["tool/turns_per_episode"] >= 1 for r in train.values()), train
+    if "router_aux" in modes:   # an MoE release: its routers' loss and load imbalance
+        assert all(r["actor/router_aux_loss"] > 0 and r["actor/router_load_imbalance"] >= 1 for r in train.values())
     if "one_step_off" in modes or "async" in modes:   # step 1 samples on the checkpoint's weights: engine = actor
         assert train[1]["rollout/version_lag_max"] == 0 and train[1]["rollout/kl"] < MISMATCH.kl, train[1]
         assert max(r["rollout/version_lag_max"] for r in train.values()) <= 1

@@ -1,0 +1,99 @@
+"""An MoE policy's routers in the actor (rltrain/workers/router.py): actor.router_aux_loss_coef adds exactly coef × the
+load-balancing loss's gradient (against transformers' recorded router logits of each sequence, packed and padded,
+with gradient checkpointing's recomputation), and the metrics report that loss and the load imbalance."""
+
+import pytest
+import torch
+
+from rltrain.algorithms.advantages import compute_advantages
+from rltrain.algorithms.config import LossConfig
+from rltrain.data.sampler import encode_prompts
+from rltrain.embedded.model import embedded_policy_dir
+from rltrain.embedded.task import make_rows
+from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.rollout import RolloutConfig, RolloutWorker
+from rltrain.workers.router import router_classes
+from tests.helpers import rel_error
+from tests.rltrain.tiny_job import tiny_job
+
+COEF = 0.5
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(the embedded qwen3_moe model's directory, a scored batch of 3 prompts × 4 responses)."""
+    from transformers import AutoTokenizer
+
+    job = tiny_job(tmp_path_factory.mktemp("moe"), model={"embedded": {"arch": "qwen3_moe", "num_layers": 2}})
+    model_dir = str(embedded_policy_dir(job.trainer.output_dir, job.model.embedded, job.data.task, 0))
+    ids, mask = encode_prompts(make_rows(job.data.task)[0][:3], AutoTokenizer.from_pretrained(model_dir))
+    rollout = RolloutWorker(RolloutConfig(n=4, max_new_tokens=5, torch_threads=1), model_dir, "float32", None)
+    batch = rollout.generate(ids, mask, 4, 1.0, seed=0)
+    batch["response_mask"][1] = 0   # a response with no tokens: its sequence is not run
+    batch["rewards"] = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    batch["advantages"] = compute_advantages("grpo", batch["rewards"], batch["response_mask"], batch["group_ids"])
+    return model_dir, batch
+
+
+def reference_aux(model, batch) -> torch.Tensor:
+    """Mean over the routers of E·Σ_e f_e·P_e over every token of the sequences with response tokens, from the router
+    logits transformers records running each sequence alone."""
+    per_layer = None
+    for row in range(batch.batch_size[0]):
+        kept = int(batch["response_mask"][row].nonzero().max()) + 1 if batch["response_mask"][row].any() else 0
+        if not kept:
+            continue
+        ids = torch.cat([batch["prompt_ids"][row][batch["prompt_mask"][row].bool()], batch["response_ids"][row][:kept]])
+        logits = model(ids[None], output_router_logits=True).router_logits
+        per_layer = list(logits) if per_layer is None else [torch.cat([a, b]) for a, b in zip(per_layer, logits)]
+    k = model.config.num_experts_per_tok
+    losses = []
+    for logits in per_layer:
+        probs = torch.softmax(logits.float(), -1)
+        chosen = probs.topk(k, -1).indices
+        share = torch.zeros(probs.shape[1]).scatter_add_(0, chosen.reshape(-1), torch.ones(chosen.numel()))
+        losses.append(probs.shape[1] * (share / (len(probs) * k) * probs.mean(0)).sum())
+    return torch.stack(losses).mean()
+
+
+def _actor(model_dir, coef, packed, checkpointing=False):
+    config = ActorConfig(torch_threads=1, grad_clip=1e9, micro_batch_size=64, use_remove_padding=packed,
+                         max_tokens_per_micro_batch=0, gradient_checkpointing=checkpointing,
+                         router_aux_loss_coef=coef)
+    return ActorWorker(config, LossConfig(), model_dir, "float32", None, temperature=1.0)
+
+
+@pytest.mark.parametrize("packed, checkpointing", [(True, False), (False, False), (True, True)],
+                         ids=["packed", "padded", "packed-checkpointing"])
+def test_the_aux_loss_adds_coef_times_its_gradient(setup, packed, checkpointing):
+    from transformers import AutoModelForCausalLM
+
+    model_dir, batch = setup
+    batch = batch.clone()
+    plain, balanced = _actor(model_dir, 0.0, packed, checkpointing), _actor(model_dir, COEF, packed, checkpointing)
+    assert plain.routers is not None and len([m for m in plain.model.modules()
+                                              if isinstance(m, router_classes(plain.model))]) == 2
+    batch["old_logprobs"] = plain.compute_logprobs(batch)
+    metrics = plain.update(batch), balanced.update(batch)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    aux = reference_aux(reference, batch)
+    aux.backward()
+    for record in metrics:
+        assert record["actor/router_aux_loss"] == pytest.approx(aux.item(), rel=1e-5), metrics
+        assert 1.0 <= record["actor/router_load_imbalance"] <= 2.0   # 4 experts, 2 a token: at most twice a share
+    expected = dict(reference.named_parameters())
+    routers = 0
+    for (name, with_aux), without in zip(balanced.model.named_parameters(), plain.model.parameters()):
+        want = expected[name].grad
+        if want is None or want.norm() == 0:   # no path from the routers' loss (the last norm, the LM head)
+            assert torch.allclose(with_aux.grad, without.grad, atol=1e-7), name
+            continue
+        routers += "gate.weight" in name
+        assert rel_error(with_aux.grad - without.grad, COEF * want) < 1e-4, name
+    assert routers == 2
+
+
+def test_a_dense_policy_has_no_routers(tmp_path):
+    job = tiny_job(tmp_path)
+    model_dir = str(embedded_policy_dir(job.trainer.output_dir, job.model.embedded, job.data.task, 0))
+    assert _actor(model_dir, COEF, True).routers is None
