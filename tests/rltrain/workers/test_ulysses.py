@@ -167,7 +167,10 @@ def test_trainer_runs_the_actor_and_reference_sequence_parallel(tmp_path, monkey
     ("trainer.device=cpu trainer.n_gpus_per_node=2 ray.num_cpus=4 actor.strategy=fsdp2 "
      "actor.ulysses_sequence_parallel_size=2 model.attn_implementation=flex_attention",
      "actor.ulysses_sequence_parallel_size: > 1 runs attention through rltrain_varlen"),
-], ids=["zero", "single", "padded", "indivisible", "gspo", "flex"])
+    ("trainer.device=cpu trainer.n_gpus_per_node=2 ray.num_cpus=4 actor.strategy=fsdp2 "
+     "actor.ulysses_sequence_parallel_size=2 algorithm=ppo",
+     "actor.ulysses_sequence_parallel_size: > 1 is the actor's and the reference's: the critic"),
+], ids=["zero", "single", "padded", "indivisible", "gspo", "flex", "critic"])
 def test_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         load_job_config(compose(*overrides.split()))
