@@ -119,6 +119,7 @@ class JobConfig:
                 f"trainer.mode=async (a weight push interrupts the generations in flight; trainer.mode="
                 f"{self.trainer.mode} has no push during a generation)", self.rollout.partial)
         self._validate_context_length()
+        self._validate_router_replay()
         policy = delta_rule_policy(self.model) if self.rollout.engine == "vllm" else None
         require(policy is None, "rollout.engine", f"'vllm' cannot serve the delta-rule policy {policy}: vLLM "
                 "runs hybrid models only through its own linear-attention layers and state cache (Mamba, Qwen3-Next's "
@@ -158,6 +159,21 @@ class JobConfig:
                 "sdpa or eager", size)
         require(self.algorithm.adv_estimator != "gae", key, "> 1 is the actor's and the reference's: the critic of "
                 "algorithm.adv_estimator=gae has no sequence-parallel path yet", size)
+
+    def _validate_router_replay(self) -> None:
+        """actor.router_replay.mode=R3: an MoE policy, the hf engine's recording, single-turn unsegmented rows."""
+        if self.actor.router_replay.mode != "R3":
+            return
+        key = "actor.router_replay.mode"
+        require(self.rollout.engine == "hf", key, "R3 needs rollout.engine=hf, which records each token's experts "
+                "(vLLM's offline API returns no routing)", "R3")
+        require(not self.rollout.multi_turn.enabled and not self.rollout.partial, key, "R3 replays single-turn "
+                "responses generated in one piece: not with rollout.multi_turn.enabled or rollout.partial", "R3")
+        require(self.actor.ulysses_sequence_parallel_size == 1, key, "R3 has no sequence-parallel path yet: needs "
+                "actor.ulysses_sequence_parallel_size=1", "R3")
+        require(moe_policy(self.model), key, "R3 replays a mixture-of-experts policy's routing; this policy has no "
+                "experts (config.json without num_experts / num_local_experts; the embedded default: "
+                "model.embedded.arch=qwen3_moe)", "R3")
 
     def _validate_context_length(self) -> None:
         """A prompt of up to data.max_prompt_length tokens and a response of up to rollout.max_new_tokens (tool turns
@@ -282,6 +298,19 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if dtype != "auto":
         return dtype
     return "bfloat16" if device == "cuda" else "float32"
+
+
+def moe_policy(model: ModelConfig) -> bool:
+    """Whether `model` names a mixture-of-experts policy: the embedded qwen3_moe, or a config.json with experts."""
+    if model.path is None:
+        return model.embedded.arch == "qwen3_moe"
+    try:
+        with open(os.path.join(model.path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return True   # the trainer names a missing config.json; the engine refuses a dense model when it loads
+    section = config.get("text_config") or config if isinstance(config, dict) else {}
+    return any(section.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def delta_rule_policy(model: ModelConfig) -> str | None:

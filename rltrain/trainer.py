@@ -191,7 +191,8 @@ class GRPOTrainer:
                                 **(dict(distill=distill) if distill.exact else {}), **common)
         self.rollout = RolloutReplicas(job.rollout, self.rollout_placement or self.placement,
                                        1.0 if separate else share, job.ray.placement_timeout_s, lora=job.actor.lora,
-                                       logprobs=job.rollout_reports_logprobs, **common)
+                                       logprobs=job.rollout_reports_logprobs,
+                                       routing=job.actor.router_replay.mode == "R3", **common)
 
         sharding = dict(fsdp=job.actor.fsdp, sequence_parallel_size=job.actor.ulysses_sequence_parallel_size)
 

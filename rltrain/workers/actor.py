@@ -50,7 +50,7 @@ from rltrain.workers.policy import (
     response_labels, response_logprobs, set_threads, untied_state_dict,
 )
 from rltrain.workers.precision import MasterWeights, stored_fp32_weights, trained_dtype
-from rltrain.workers.router import RouterBalance, scored_token_mask, scored_tokens
+from rltrain.workers.router import ROUTING, RouterBalance, replay_tokens, scored_token_mask, scored_tokens
 from rltrain.workers.weight_sync import WeightSource
 
 STRATEGIES = ("single", "fsdp2")
@@ -68,6 +68,17 @@ def weighted_advantages(batch: TensorDict) -> torch.Tensor:
     if "rollout_is_weights" not in batch.keys():
         return advantages
     return (advantages if advantages.dim() == 2 else advantages.unsqueeze(1)) * batch["rollout_is_weights"]
+
+
+ROUTER_REPLAY = ("disabled", "R3")
+
+
+@dataclass
+class RouterReplayConfig:
+    mode: str = "disabled"   # disabled | R3: route every token as the rollout engine did (rltrain/workers/router.py)
+
+    def validate(self):
+        require(self.mode in ROUTER_REPLAY, "mode", f"must be one of {', '.join(ROUTER_REPLAY)}", self.mode)
 
 
 @dataclass
@@ -90,6 +101,7 @@ class ActorConfig:
     mixed_precision: bool = True  # fp32 trained weights and optimizer state, model.dtype compute; false: in place
     weight_bucket_mb: int = 256  # the weight push sends full tensors in buckets of about this size
     router_aux_loss_coef: float = 0.0  # MoE policies: weight of the routers' load-balancing loss (router.py)
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  # MoE: the rollout's routing
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     ulysses_sequence_parallel_size: int = 1  # fsdp2, packed: ranks that split each packed row's tokens; 1 = off
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -218,17 +230,18 @@ class ActorWorker(WeightSource):
             self.model.train()
 
     def compute_logprobs(self, batch: TensorDict) -> torch.Tensor:
+        """π_old's log-probs (with routing replay, R3, on the rollout's routing, as the update's)."""
         with self._scoring():
-            return response_logprobs(self.model, batch, self.temperature, self.batching)
+            return response_logprobs(self.model, batch, self.temperature, self.batching, around=self._replaying)
 
     def compute_ref_logprobs(self, batch: TensorDict) -> torch.Tensor:
         """The reference policy's log-probs with actor.lora on: this model with its adapters disabled, i.e. the
-        frozen base it started from (what a ReferenceWorker would hold, without a second copy)."""
+        frozen base it started from (what a ReferenceWorker would hold, without a second copy; its own routing)."""
         if self.adapters is None:
             raise RuntimeError("compute_ref_logprobs needs actor.lora.rank > 0; without LoRA the reference is a "
                                "ReferenceWorker")
-        with adapters_disabled(self.model):
-            return self.compute_logprobs(batch)
+        with adapters_disabled(self.model), self._scoring():
+            return response_logprobs(self.model, batch, self.temperature, self.batching)
 
     def _start_schedule(self, seed: int, total_steps: int | None) -> None:
         self.seed, self.schedule, self.updates = seed, LRSchedule.of(self.config, total_steps), 0
@@ -346,13 +359,19 @@ class ActorWorker(WeightSource):
         return out, kl_sum, out.logprobs if packing is None or to_rows else packing.rows(out.logprobs), tokens
 
     def _routing(self, micro: TensorDict, weight: float):
-        """Around a micro-batch's forward in the update: an MoE policy's routers weigh their loss by `weight` (the
-        micro-batch's share of the mini-batch's tokens) and record their metrics into the yielded dict (empty for a
-        dense policy)."""
+        """Around a micro-batch's forward: an MoE policy's routers weigh their loss by `weight` (the micro-batch's
+        share of the mini-batch's tokens), replay the rollout's routing (actor.router_replay.mode=R3) and record
+        their metrics into the yielded dict (empty for a dense policy)."""
         if self.routers is None:
             return nullcontext({})
         mask = None if self.batching.packed else scored_token_mask(micro)
-        return self.routers.micro_batch(weight, mask)
+        replay = replay_tokens(micro, self.batching.packed) \
+            if self.config.router_replay.mode == "R3" and ROUTING[0] in micro.keys() else None
+        return self.routers.micro_batch(weight, mask, replay)
+
+    def _replaying(self, micro: TensorDict):
+        """Around a micro-batch's forward for π_old's log-probs: the update's routing replay, no loss."""
+        return self._routing(micro, 0.0)
 
     def _teacher_kl(self, micro: TensorDict, packing: Packing | None, hidden: torch.Tensor,
                     weight: torch.Tensor) -> torch.Tensor:
@@ -516,7 +535,7 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
 
     def compute_logprobs(self, batch: TensorDict) -> torch.Tensor | None:
         with self._scoring():
-            return self._sharded_logprobs(batch, self.temperature)
+            return self._sharded_logprobs(batch, self.temperature, around=self._replaying)
 
     def update(self, batch: TensorDict, step: int = 0) -> dict | None:
         metrics = super().update(batch, step)

@@ -91,5 +91,8 @@ def concat_batches(batches: list[TensorDict]) -> TensorDict:
         for key in ("rollout_logprobs", "token_versions"):
             if key in fields:
                 fields[key] = torch.nn.functional.pad(b[key], (0, dr))
+        for key, before, after in (("prompt_routed_experts", dp, 0), ("response_routed_experts", 0, dr)):
+            if key in fields:   # [B, P | R, L, k] routing (rltrain/workers/router.py); -1: nothing recorded
+                fields[key] = torch.nn.functional.pad(b[key], (0, 0, 0, 0, before, after), value=-1)
         padded.append(TensorDict(fields, batch_size=b.batch_size))
     return torch.cat(padded) if len(padded) > 1 else padded[0]

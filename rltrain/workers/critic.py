@@ -26,7 +26,7 @@ import torch
 from tensordict import TensorDict
 
 from rltrain.config import require
-from rltrain.workers.actor import ActorConfig, ActorWorker, FSDPActorWorker
+from rltrain.workers.actor import ActorConfig, ActorWorker, FSDPActorWorker, RouterReplayConfig
 from rltrain.workers.packing import Packing
 from rltrain.workers.policy import release_cached_memory
 
@@ -70,7 +70,7 @@ class CriticConfig:
                                    micro_batch_size=self.micro_batch_size, lr_scheduler="constant",
                                    lr_warmup_steps=0, lr_warmup_ratio=0.0,
                                    gradient_checkpointing=self.gradient_checkpointing, router_aux_loss_coef=0.0,
-                                   lora=dataclasses.replace(actor.lora, rank=0))
+                                   router_replay=RouterReplayConfig(), lora=dataclasses.replace(actor.lora, rank=0))
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import nullcontext
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -206,12 +207,16 @@ class ShardedPolicy:
         return rows, [m.to(self.device) for m in micros]
 
     @torch.no_grad()
-    def _sharded_logprobs(self, batch: TensorDict, temperature: float):
-        """Response log-probs of the whole batch on rank 0 (None elsewhere), each rank computing its own rows."""
+    def _sharded_logprobs(self, batch: TensorDict, temperature: float, around=None):
+        """Response log-probs of the whole batch on rank 0 (None elsewhere), each rank computing its own rows.
+        `around(micro)`: a context each micro-batch's forward runs in (the actor's routing replay)."""
         rows, micros = self._rank_micro_batches(batch)
-        logps = [micro_logprobs(self.model, micro, self.batching.packed, temperature, head=self.root,
-                                sequence_parallel=self.sequence_parallel).float().cpu()
-                 for micro in micros][:len(rows)]
+        logps = []
+        for micro in micros:
+            with around(micro) if around is not None else nullcontext():
+                logps.append(micro_logprobs(self.model, micro, self.batching.packed, temperature, head=self.root,
+                                            sequence_parallel=self.sequence_parallel).float().cpu())
+        logps = logps[:len(rows)]
         self.root.reshard()  # the root stays unsharded after a forward that no backward follows
         return self._gather_rows(batch, list(zip(rows, logps)))
 

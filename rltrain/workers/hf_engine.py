@@ -6,6 +6,8 @@ seeds and the weight updates of both engines); and `HFTurns`, the same engine as
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
@@ -15,6 +17,7 @@ from rltrain.workers.agent_loop import Turn
 from rltrain.workers.batch import group_ids, left_pad
 from rltrain.workers.lora import LoraConfig, attach_lora
 from rltrain.workers.policy import load_policy
+from rltrain.workers.router import ROUTING, RoutingRecorder
 from rltrain.workers.sampling import (
     SampledLogprobs, end_of_sequence, log_ignored_defaults, response_mask_and_truncation, response_seeds,
 )
@@ -30,9 +33,11 @@ class HFEngine:
 
     def __init__(self, config, model_path: str, dtype: str, kernel_config: KernelConfig | None,
                  device: str, attn_implementation: str = "auto", lora: LoraConfig | None = None,
-                 logprobs: bool = False):
+                 logprobs: bool = False, routing: bool = False):
         self.config, self.logprobs = config, logprobs
         self.model = load_policy(model_path, dtype, kernel_config, device, attn_implementation)
+        # actor.router_replay.mode=R3: every token's chosen experts (rltrain/workers/router.py)
+        self.routing = RoutingRecorder.of(self.model) if routing else None
         if lora is not None and lora.enabled:  # the actor's adapters, zero until the first push: the base's outputs
             attach_lora(self.model, lora)
         self.model.eval().requires_grad_(False)
@@ -72,14 +77,17 @@ class HFEngine:
 
     @torch.no_grad()
     def sample_tokens(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, temperature: float,
-                      report: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One generate call on left-padded rows: (generated tokens [b, g], their log-probs [b, g] if `report`)."""
+                      report: bool) -> tuple[torch.Tensor, torch.Tensor | None, dict | None]:
+        """One generate call on left-padded rows: (generated tokens [b, g], their log-probs [b, g] if `report`, the
+        routers' choices (RoutingRecorder.fields) where recorded)."""
         recorder = SampledLogprobs(temperature) if report else None
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                  max_new_tokens=max_new_tokens, logits_processor=[recorder] if report else None,
-                                  **self.sampling(temperature))
-        tokens = out[:, ids.shape[1]:]
-        return tokens, recorder.finish(tokens) if report else None
+        with self.routing.recording() if self.routing is not None else nullcontext():
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      max_new_tokens=max_new_tokens, logits_processor=[recorder] if report else None,
+                                      **self.sampling(temperature))
+            tokens = out[:, ids.shape[1]:]
+            routed = None if self.routing is None else self.routing.fields(*ids.shape, tokens.shape[1])
+        return tokens, recorder.finish(tokens) if report else None, routed
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
                  seed: int, first_prompt: int = 0, max_new_tokens: int | None = None) -> TensorDict:
@@ -88,15 +96,18 @@ class HFEngine:
         torch.manual_seed(seed if first_prompt == 0 else int(response_seeds(seed, first_prompt * n, 1)))
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
-        outputs, logprobs = [], []
+        outputs, logprobs, routing = [], [], []
         report = self.logprobs and temperature > 0
         size = self.config.micro_batch_size
         for start in range(0, prompt_ids.shape[0], size):
-            tokens, logp = self.sample_tokens(prompt_ids[start:start + size], prompt_mask[start:start + size],
-                                              max_new_tokens or self.config.max_new_tokens, temperature, report)
+            tokens, logp, routed = self.sample_tokens(prompt_ids[start:start + size], prompt_mask[start:start + size],
+                                                      max_new_tokens or self.config.max_new_tokens, temperature,
+                                                      report)
             outputs.append(tokens.cpu())
             if report:
                 logprobs.append(logp.cpu())
+            if routed is not None:
+                routing.append(routed)
         width = max(o.shape[1] for o in outputs)
         response_ids = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=self.pad_token_id)
                                   for o in outputs])
@@ -107,6 +118,10 @@ class HFEngine:
         if report:  # past a finished row's end its pad tokens' values are zeroed, never read
             logp = torch.cat([torch.nn.functional.pad(lp, (0, width - lp.shape[1])) for lp in logprobs])
             fields["rollout_logprobs"] = torch.where(response_mask.bool(), logp, 0.0)
+        if routing:   # [b, g, L, k] per call, padded to the batch's width with -1 (nothing recorded)
+            fields[ROUTING[0]] = torch.cat([r[ROUTING[0]] for r in routing])
+            fields[ROUTING[1]] = torch.cat([torch.nn.functional.pad(r[ROUTING[1]], (0, 0, 0, 0, 0, width - g), value=-1)
+                                            for r in routing for g in [r[ROUTING[1]].shape[1]]])
         return TensorDict(fields, batch_size=[prompt_ids.shape[0]])
 
 
@@ -127,7 +142,7 @@ class HFTurns:
         for start in range(0, len(contexts), size):
             chunk, limits = contexts[start:start + size], budgets[start:start + size]
             ids, mask = left_pad(chunk, engine.pad_token_id)
-            tokens, logprobs = engine.sample_tokens(ids, mask, max(limits), temperature, report)
+            tokens, logprobs, _ = engine.sample_tokens(ids, mask, max(limits), temperature, report)
             tokens = tokens.cpu().tolist()
             logprobs = logprobs.cpu().tolist() if report else [None] * len(tokens)
             for row, row_logprobs, limit in zip(tokens, logprobs, limits):

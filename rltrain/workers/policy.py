@@ -4,6 +4,8 @@ computing per-token log-probs of responses with `rltrain_kernels.linear_logprobs
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import importlib.util
 import logging
 import os
@@ -150,13 +152,18 @@ def micro_logprobs(model, micro: TensorDict, packed: bool, temperature: float, h
     return logp if packing is None else packing.rows(logp)
 
 
-def response_logprobs(model, batch: TensorDict, temperature: float, batching: MicroBatching) -> torch.Tensor:
-    """log p(response token) under `model` at `temperature`, [B, R] fp32 on the CPU (0 where masked)."""
+def response_logprobs(model, batch: TensorDict, temperature: float, batching: MicroBatching,
+                      around=None) -> torch.Tensor:
+    """log p(response token) under `model` at `temperature`, [B, R] fp32 on the CPU (0 where masked). `around(micro)`:
+    a context each micro-batch's forward runs in (the actor's routing replay)."""
     device = model.get_output_embeddings().weight.device
+    parts = []
     with torch.no_grad():
-        return assemble_rows(batch, [(rows, micro_logprobs(model, batching.take(batch, rows).to(device),
-                                                           batching.packed, temperature).cpu())
-                                     for rows in batching.groups(batch)])
+        for rows in batching.groups(batch):
+            micro = batching.take(batch, rows).to(device)
+            with around(micro) if around is not None else nullcontext():
+                parts.append((rows, micro_logprobs(model, micro, batching.packed, temperature).cpu()))
+    return assemble_rows(batch, parts)
 
 
 def assemble_rows(batch: TensorDict, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -111,18 +111,18 @@ class RolloutWorker:
     """One process of a rollout replica. `tensor_parallel` (vllm, tensor_parallel_size > 1): this process's rank in
     its replica and the replica's rendezvous, {rank, world_size, master_addr, master_port}. `lora`: actor.lora (the
     engine serves its adapters, zero until the first push). `logprobs`: the hf engine reports the sampled tokens'
-    log-probs too (vllm always does)."""
+    log-probs too (vllm always does). `routing`: the hf engine records an MoE policy's routing (R3: router.py)."""
 
     def __init__(self, config: RolloutConfig, model_path: str, dtype: str, kernel_config: KernelConfig | None,
                  device: str = "cpu", attn_implementation: str = "auto", tensor_parallel: dict | None = None,
-                 lora: LoraConfig | None = None, logprobs: bool = False):
+                 lora: LoraConfig | None = None, logprobs: bool = False, routing: bool = False):
         set_threads(config.torch_threads)
         self.device = device
         if config.engine == "vllm":
             self.engine = VLLMEngine(config, model_path, dtype, device, tensor_parallel, lora)
         else:
             self.engine = HFEngine(config, model_path, dtype, kernel_config, device, attn_implementation, lora,
-                                   logprobs)
+                                   logprobs, routing)
         self.agent_loop = None
         if config.multi_turn.enabled:  # tool-using episodes through the same engine (rltrain/workers/agent_loop.py)
             turns = VLLMTurns if config.engine == "vllm" else HFTurns

@@ -102,10 +102,12 @@ class RolloutReplicas:
 
     def __init__(self, config: RolloutConfig, placement: Placement, share: float, timeout_s: float, *,
                  model_path: str, dtype: str, kernel_config: KernelConfig | None, device: str,
-                 attn_implementation: str = "auto", lora: LoraConfig | None = None, logprobs: bool = False):
+                 attn_implementation: str = "auto", lora: LoraConfig | None = None, logprobs: bool = False,
+                 routing: bool = False):
         """`share` of each bundle's GPU (or CPU) per colocated process (rollout.placement=separate: `placement` is
         place_rollout's, share 1); timeout_s: ray.placement_timeout_s; lora: actor.lora (the engines hold the same
-        adapters, and the push sends only them); logprobs: the hf engine reports rollout_logprobs too."""
+        adapters, and the push sends only them); logprobs: the hf engine reports rollout_logprobs too; routing: it
+        records an MoE policy's routing (actor.router_replay.mode=R3)."""
         layout = replica_bundles(placement.world_size, config.tensor_parallel_size, config.replicas, device)
         self.separate = config.placement == "separate"
         if device != "cuda" and config.torch_threads == 0 and (len(layout) > 1 or self.separate):
@@ -131,7 +133,7 @@ class RolloutReplicas:
                 tensor_parallel = dict(rendezvous, rank=rank) if rendezvous else None
                 processes.append(worker.options(**options).remote(
                     config, model_path, dtype, kernel_config, device, attn_implementation, tensor_parallel, lora,
-                    logprobs))
+                    logprobs, routing))
             self.replicas.append(processes)
         logger.info("rollout: %d replica(s) of %d process(es) (%s engine) on %s", len(self.replicas),
                     len(layout[0]), config.engine, device)

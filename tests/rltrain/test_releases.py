@@ -334,10 +334,11 @@ MODES = {
                                          "max_turns": 2}}},
     "lora": {"actor": {"lora": {"rank": 4, "alpha": 8.0}, "lr": 0.05}},
     "router_aux": {"actor": {"router_aux_loss_coef": 0.001}},
+    "r3": {"actor": {"router_replay": {"mode": "R3"}}},
 }
 HF_RUNS = [("qwen3", "sync+lora"), ("qwen3", "tools"), ("qwen3", "one_step_off"),
            ("qwen2.5-instruct", "sync+lora"), ("qwen2.5-instruct", "tools"), ("qwen2.5-instruct", "async"),
-           ("qwen3-moe", "router_aux"),
+           ("qwen3-moe", "router_aux+r3"),
            ("llama-3.2-instruct", "sync"), ("llama-3.2-instruct", "tools+lora"),
            ("llama-3.2-instruct", "one_step_off"), ("llama-3.2-instruct", "async+lora")]
 
@@ -373,6 +374,8 @@ def _run_and_check(tmp_path, monkeypatch, model_dir, task, modes, **extra) -> di
         assert all(r["tool/turns_per_episode"] >= 1 for r in train.values()), train
     if "router_aux" in modes:   # an MoE release: its routers' loss and load imbalance
         assert all(r["actor/router_aux_loss"] > 0 and r["actor/router_load_imbalance"] >= 1 for r in train.values())
+    if "r3" in modes:   # the rollout's routing replayed (hf engine, the same weights: hardly any choice differs)
+        assert all(0 <= r["actor/router_replay_mismatch"] < 0.05 for r in train.values()), train
     if "one_step_off" in modes or "async" in modes:   # step 1 samples on the checkpoint's weights: engine = actor
         assert train[1]["rollout/version_lag_max"] == 0 and train[1]["rollout/kl"] < MISMATCH.kl, train[1]
         assert max(r["rollout/version_lag_max"] for r in train.values()) <= 1

@@ -31,3 +31,17 @@ def test_concat_pads_rollout_logprobs_like_responses():
     assert torch.equal(out["rollout_logprobs"][2, :2], b["rollout_logprobs"][0])
     assert (out["rollout_logprobs"][2, 2:] == 0).all()
     assert torch.equal(out["rollout_logprobs"][:2], a["rollout_logprobs"])
+
+
+def test_concat_pads_recorded_routing_with_minus_one():
+    """R3's routing fields ([B, P | R, L, k]): prompts left-padded, responses right-padded, -1 = nothing recorded."""
+    a, b = _batch(2, 3, 4, 10), _batch(1, 5, 2, 20)
+    for batch, (n, p, r) in ((a, (2, 3, 4)), (b, (1, 5, 2))):
+        batch["prompt_routed_experts"] = torch.randint(0, 8, (n, p, 2, 2), dtype=torch.int16)
+        batch["response_routed_experts"] = torch.randint(0, 8, (n, r, 2, 2), dtype=torch.int16)
+    out = concat_batches([a, b])
+    assert out["prompt_routed_experts"].shape == (3, 5, 2, 2) and out["response_routed_experts"].shape == (3, 4, 2, 2)
+    assert (out["prompt_routed_experts"][:2, :2] == -1).all()
+    assert torch.equal(out["prompt_routed_experts"][:2, 2:], a["prompt_routed_experts"])
+    assert torch.equal(out["response_routed_experts"][2, :2], b["response_routed_experts"][0])
+    assert (out["response_routed_experts"][2, 2:] == -1).all()

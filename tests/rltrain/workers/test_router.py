@@ -10,9 +10,9 @@ from rltrain.algorithms.config import LossConfig
 from rltrain.data.sampler import encode_prompts
 from rltrain.embedded.model import embedded_policy_dir
 from rltrain.embedded.task import make_rows
-from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.actor import ActorConfig, ActorWorker, RouterReplayConfig
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
-from rltrain.workers.router import router_classes
+from rltrain.workers.router import ROUTING, router_classes
 from tests.helpers import rel_error
 from tests.rltrain.tiny_job import tiny_job
 
@@ -97,3 +97,61 @@ def test_a_dense_policy_has_no_routers(tmp_path):
     job = tiny_job(tmp_path)
     model_dir = str(embedded_policy_dir(job.trainer.output_dir, job.model.embedded, job.data.task, 0))
     assert _actor(model_dir, COEF, True).routers is None
+
+
+def _second_choices(module, args, output):
+    """A router that sends every token to its 2nd and 3rd likeliest experts: routing other than the actor's own."""
+    logits, weights, _ = output
+    probs = torch.softmax(logits, -1, dtype=torch.float)
+    experts = probs.topk(3, -1).indices[:, 1:]
+    top = probs.gather(1, experts)
+    return logits, (top / top.sum(-1, keepdim=True)).to(weights.dtype), experts
+
+
+def _actor_r3(model_dir, mode, packed=True):
+    config = ActorConfig(torch_threads=1, grad_clip=1e9, micro_batch_size=5, use_remove_padding=packed,
+                         max_tokens_per_micro_batch=40 if packed else 0, router_replay=RouterReplayConfig(mode))
+    return ActorWorker(config, LossConfig(), model_dir, "float32", None, temperature=1.0)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_r3_replays_the_rollouts_routing(setup, packed):
+    """The engine routes every token otherwise than the actor would (its routers take the 2nd and 3rd likeliest
+    experts) and records it; with R3 the actor's old log-probs and the on-policy update's equal the engine's
+    log-probs of its samples at fp32, and the mismatch metric reports that every choice was replayed; without
+    replay they differ."""
+    model_dir, scored = setup
+    engine = RolloutWorker(RolloutConfig(n=4, max_new_tokens=5, torch_threads=1, micro_batch_size=5), model_dir,
+                           "float32", None, logprobs=True, routing=True)
+    for router in engine.engine.routing.routers:
+        router.register_forward_hook(_second_choices, prepend=True)
+    ids, mask = scored["prompt_ids"][::4], scored["prompt_mask"][::4]
+    batch = engine.generate(ids, mask, 4, 1.0, seed=3)
+    prompt, response = batch[ROUTING[0]], batch[ROUTING[1]]
+    assert prompt.shape[:3] == (12, ids.shape[1], 2) and response.shape[:3] == (12, batch["response_ids"].shape[1], 2)
+    assert (prompt[mask.repeat_interleave(4, 0).bool()] >= 0).all()
+    batch["advantages"] = torch.randn(12, 1).expand_as(batch["response_mask"]).contiguous()
+    engine_logprobs = batch["rollout_logprobs"]
+    replayed, own = _actor_r3(model_dir, "R3", packed), _actor_r3(model_dir, "disabled", packed)
+    old = replayed.compute_logprobs(batch)
+    mask_r = batch["response_mask"].bool()
+    assert (old - engine_logprobs)[mask_r].abs().max() < 1e-5
+    assert (own.compute_logprobs(batch) - engine_logprobs)[mask_r].abs().max() > 1e-3
+    update = replayed.update(batch.exclude("rollout_logprobs"))   # on-policy: the update's own log-probs
+    assert (update["old_logprobs"] - engine_logprobs)[mask_r].abs().max() < 1e-5
+    assert update["actor/router_replay_mismatch"] == pytest.approx(1.0)
+
+
+def test_r3_config_checks():
+    from rltrain.config import ConfigError
+    from rltrain.job import load_job_config
+    from tests.rltrain.tiny_job import compose
+
+    load_job_config(compose("actor.router_replay.mode=R3", "model.embedded.arch=qwen3_moe"))
+    for overrides, message in [
+            (["actor.router_replay.mode=R3"], "R3 replays a mixture-of-experts policy's routing"),
+            (["actor.router_replay.mode=R2"], "actor.router_replay.mode: must be one of disabled, R3"),
+            (["actor.router_replay.mode=R3", "model.embedded.arch=qwen3_moe", "rollout.multi_turn.enabled=true",
+              "rollout.multi_turn.tools=[{builtin: calculator}]"], "R3 replays single-turn responses")]:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+            load_job_config(compose(*overrides))
