@@ -257,6 +257,27 @@ def _fused_policy_loss_inputs(device, real):
     return policy_loss_inputs(device, real, torch.bfloat16)
 
 
+def _weighted_policy_loss_inputs(device, real):
+    """A slice of a packed row: per-token aggregation weights in place of loss_agg's (sequence parallelism)."""
+    inputs = policy_loss_inputs(device, real, packed=True)
+    del inputs["cu_seqlens"]   # the weights carry the row's aggregation
+    inputs["loss_weights"] = torch.rand(inputs["labels"].shape, device=device) / inputs["labels"].numel()
+    return inputs
+
+
+def _aggregation_weight_inputs(device, real):
+    T, N = (300, 3) if real else (12, 3)
+    generator = torch.Generator().manual_seed(3)
+    return {"m": (torch.rand(1, T, generator=generator) > 0.3).float().to(device),
+            "cu_seqlens": _cu_seqlens(T, N, device)}
+
+
+def _aggregation_options():
+    from rltrain_kernels.ops.policy_loss import PolicyLossOptions
+
+    return PolicyLossOptions(loss_agg="seq-mean-token-mean")
+
+
 def _policy_loss_outputs(out):
     return out.loss, out.logprobs, out.entropy, out.metrics.tensor
 
@@ -395,7 +416,12 @@ CASES = [
     Case("policy_loss.fused_policy_loss", lambda device, real: policy_loss_inputs(device, real, packed=True),
          ("hidden", "weight"), dict(_PG, loss_agg="seq-mean-token-sum", impl="torch"), _policy_loss_outputs,
          variant="packed"),
+    Case("policy_loss.fused_policy_loss", _weighted_policy_loss_inputs, ("hidden", "weight"), dict(_PG, impl="torch"),
+         _policy_loss_outputs, variant="weighted"),
     Case("policy_loss.reference_policy_loss", policy_loss_inputs, ("hidden", "weight"), _PG, _policy_loss_outputs),
+    # the per-token weights a slice of a packed row takes its share of the row's loss with (sequence parallelism)
+    Case("policy_loss.aggregation_weights", _aggregation_weight_inputs, (),
+         dict(opts=_aggregation_options()), lambda w: (w,)),
     Case("rmsnorm.rms_norm", rms_norm_inputs, ("x", "weight"), outputs=lambda y: (y,)),
     *(Case(f"rmsnorm.{fn}", lambda device, real: rms_norm_inputs(device, real, residual=True),
            ("x", "weight", "residual"), variant="residual") for fn in ("rms_norm", "naive_rms_norm")),
