@@ -15,6 +15,13 @@ model.path; or --base), loaded in fp32, and the merged model is written alike.
 --dtype: auto (config.json's, the dtype the model was released in: bfloat16 for most) | float32 (the trained weights
 exactly) | bfloat16 | float16. A path that is not a readable checkpoint, or an OUT that already holds weights, exits
 with status 2 and says which.
+
+--format: auto | checkpoint | qwen3_next. A checkpoint of rltrain_kernels' hybrid_delta family whose layers are
+Gated DeltaNet and attention is written as a Qwen3-Next model (model_type qwen3_next: transformers'
+Qwen3NextForCausalLM and vLLM load it without rltrain_kernels, with the same logits; the mapping:
+rltrain_kernels/models/hybrid_delta/qwen3_next.py); `auto` does that where it can and writes every other checkpoint
+in its own model type; `checkpoint` always keeps the own type; `qwen3_next` exits 2 naming the config key where the
+model has no Qwen3-Next form (Gated DeltaProduct or IPLR layers, allow_neg_eigval).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families 
 import torch
 import transformers as tf
 from huggingface_hub import save_torch_state_dict
+from rltrain_kernels.models.hybrid_delta import HybridDeltaConfig
+from rltrain_kernels.models.hybrid_delta.qwen3_next import qwen3_next_config, qwen3_next_refusal, qwen3_next_state_dict
 
 from rltrain.checkpoint import HF_DIR, INDEX_FILE, MODEL_DIR, holds_adapters
 from rltrain.distributed_checkpoint import CheckpointError, read_state, unreadable_reason
@@ -37,6 +46,7 @@ from rltrain.workers.policy import DTYPES, untied_state_dict
 
 ADAPTER_CONFIG, CONFIG = "adapter_config.json", "config.json"
 DEFAULT_SHARD_SIZE = "5GB"
+FORMATS = ("auto", "checkpoint", "qwen3_next")
 
 
 def checkpoint_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -76,12 +86,31 @@ def merge_adapters(adapters: dict[str, torch.Tensor], hf: Path, base: str | None
     return untied_state_dict(wrapped.merge_and_unload())
 
 
+def in_format(weights: dict[str, torch.Tensor], config: tf.PreTrainedConfig, form: str, files: Path):
+    """(weights, config) in the format --format asks for: a hybrid_delta model converted to Qwen3-Next (module
+    docstring), or as they are. CheckpointError naming the config where `qwen3_next` cannot be had."""
+    if form not in FORMATS:
+        raise CheckpointError(f"format {form!r} is not one of {', '.join(FORMATS)}")
+    if form == "checkpoint" or (form == "auto" and not isinstance(config, HybridDeltaConfig)):
+        return weights, config
+    if not isinstance(config, HybridDeltaConfig):
+        raise CheckpointError(f"{files / CONFIG}: model_type {config.model_type!r} has no Qwen3-Next form (only "
+                              f"rltrain_kernels' {HybridDeltaConfig.model_type} family converts); drop --format")
+    reason = qwen3_next_refusal(config)
+    if reason is None:
+        return qwen3_next_state_dict(config, weights), qwen3_next_config(config)
+    if form == "auto":
+        return weights, config
+    raise CheckpointError(f"{files / CONFIG}: no Qwen3-Next form, so vLLM cannot serve it: {reason}; export with "
+                          "--format checkpoint (transformers loads it after `import rltrain_kernels.models`)")
+
+
 def write_hf_model(weights: dict[str, torch.Tensor], files: Path, out: Path, max_shard_size: int | str,
-                   dtype: str) -> Path:
+                   dtype: str, form: str = "checkpoint") -> Path:
     """`weights` as an HF model directory `out`: safetensors (sharded with an index above max_shard_size), the
-    config of the directory `files` with its dtype set, and that directory's other files but weights (generation
-    config, tokenizer, chat template)."""
-    config = tf.AutoConfig.from_pretrained(files)
+    config of the directory `files` (in `form`: in_format) with its dtype set, and that directory's other files but
+    weights (generation config, tokenizer, chat template)."""
+    weights, config = in_format(weights, tf.AutoConfig.from_pretrained(files), form, files)
     if dtype == "auto":
         stated = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
         dtype = str(stated).removeprefix("torch.")
@@ -100,8 +129,9 @@ def write_hf_model(weights: dict[str, torch.Tensor], files: Path, out: Path, max
 
 
 def export(checkpoint: str | Path, out: str | Path, max_shard_size: int | str = DEFAULT_SHARD_SIZE,
-           dtype: str = "auto", base: str | None = None) -> Path:
-    """The checkpoint's policy (a LoRA run's merged into its base) as an HF model directory `out`; returns it."""
+           dtype: str = "auto", base: str | None = None, form: str = "auto") -> Path:
+    """The checkpoint's policy (a LoRA run's merged into its base) as an HF model directory `out` in format `form`
+    (--format); returns it."""
     checkpoint, out = Path(checkpoint), Path(out)
     if out.is_dir() and any(out.glob("*.safetensors")):   # old shards beside new ones would mix two models
         raise FileExistsError(f"{out} already holds safetensors weights; export into a new or empty directory")
@@ -109,7 +139,7 @@ def export(checkpoint: str | Path, out: str | Path, max_shard_size: int | str = 
     weights = checkpoint_weights(checkpoint)
     if holds_adapters(checkpoint):
         weights = merge_adapters(weights, checkpoint / HF_DIR, base)
-    return write_hf_model(weights, checkpoint / HF_DIR, out, max_shard_size, dtype)
+    return write_hf_model(weights, checkpoint / HF_DIR, out, max_shard_size, dtype, form)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,13 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                         help="the weights' dtype; auto: config.json's (default: %(default)s)")
     parser.add_argument("--base", default=None, help="a LoRA run's base model (default: the one its adapters name)")
+    parser.add_argument("--format", default="auto", choices=FORMATS,
+                        help="qwen3_next: a hybrid_delta model of Gated DeltaNet and attention as Qwen3-Next; auto: "
+                             "that where it can, else the checkpoint's own model type (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
-        out = export(args.checkpoint, args.out, args.max_shard_size, args.dtype, args.base)
+        out = export(args.checkpoint, args.out, args.max_shard_size, args.dtype, args.base, args.format)
     except (CheckpointError, FileNotFoundError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"HF model written to {out}")
+    print(f"HF model written to {out} (model_type {json.loads((out / CONFIG).read_text())['model_type']})")
     return 0
 
 

@@ -121,11 +121,12 @@ class JobConfig:
         self._validate_context_length()
         self._validate_router_replay()
         policy = delta_rule_policy(self.model) if self.rollout.engine == "vllm" else None
-        require(policy is None, "rollout.engine", f"'vllm' cannot serve the delta-rule policy {policy}: vLLM "
-                "runs hybrid models only through its own linear-attention layers and state cache (Mamba, Qwen3-Next's "
-                "GDN), and rltrain registers none of this family's layers (gated delta rule, gated delta product, "
-                "IPLR) with it; use rollout.engine=hf, which decodes with the fused-recurrent kernels",
-                self.rollout.engine)
+        require(policy is None, "rollout.engine", f"'vllm' cannot serve the delta-rule policy {policy} while it "
+                "trains: vLLM runs hybrid models only through its own linear-attention layers (Mamba, Qwen3-Next's "
+                "GDN), and rltrain neither registers this family's layers with it nor pushes weights in Qwen3-Next's "
+                "form; use rollout.engine=hf, which decodes with the fused-recurrent kernels. A trained policy of "
+                "Gated DeltaNet and attention layers exports as Qwen3-Next, which vLLM serves: python -m "
+                "rltrain.export CHECKPOINT OUT (docs/delta-rule.md)", self.rollout.engine)
         # LoRA with vLLM (rltrain/workers/vllm_lora.py): ranks up to vLLM's largest max_lora_rank; target modules
         # vLLM does not wrap are refused when the engine starts. One GPU per engine: no test has loaded a pushed
         # adapter into a tensor-parallel engine yet (actor.strategy=fsdp2 with replicas of one GPU each does run).

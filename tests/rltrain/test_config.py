@@ -210,7 +210,7 @@ def test_vllm_engine_refuses_delta_rule_policies(monkeypatch, tmp_path):
         with pytest.raises(ConfigError) as err:
             load_job_config(_compose("rollout.engine=vllm", f"model.embedded.arch={arch}"))
         assert str(err.value).startswith(refusal + f"model.embedded.arch={arch}"), err.value
-        assert "use rollout.engine=hf" in str(err.value)
+        assert "use rollout.engine=hf" in str(err.value) and "python -m rltrain.export" in str(err.value)
         assert load_job_config(_compose("rollout.engine=hf", f"model.embedded.arch={arch}"))
     for model_type, refused in (("hybrid_delta", True), ("qwen3", False)):
         (tmp_path / model_type).mkdir()

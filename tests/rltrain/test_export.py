@@ -2,7 +2,9 @@
 actor's checkpoint exports to an HF model directory that transformers loads with exactly the checkpoint's weights
 (fp32), or rounded to bf16 with --dtype; above --max-shard-size the safetensors are sharded with an index, and the
 actor (its fp32 masters read from the shards), the reference and the HF rollout engine all load that sharded
-directory as model.path with the same weights. Bad input exits 2 with one line naming the path. Exports of a 2-rank
+directory as model.path with the same weights. Bad input exits 2 with one line naming the path. A checkpoint of the
+hybrid_delta family (Gated DeltaNet + attention) exports as Qwen3-Next with the policy's logits; one with Gated
+DeltaProduct layers keeps its own type, and --format qwen3_next refuses it naming layer_types. Exports of a 2-rank
 FSDP2 checkpoint: workers/test_fsdp_checkpoint.py; of a LoRA run's (merged into its base): workers/test_lora.py; of
 releases' layouts (tied heads, generation configs): test_releases.py."""
 
@@ -17,12 +19,16 @@ from rltrain.algorithms.advantages import compute_advantages
 from rltrain.algorithms.config import LossConfig
 from rltrain.checkpoint import save_checkpoint
 from rltrain.distributed_checkpoint import read_state
+from rltrain.embedded.config import EmbeddedModelConfig
+from rltrain.embedded.model import build_model
+from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.export import export, main
 from rltrain.workers.actor import ActorConfig, ActorWorker
 from rltrain.workers.packing import MicroBatching
 from rltrain.workers.policy import load_tokenizer
 from rltrain.workers.reference import ReferenceWorker
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
+from tests.helpers import assert_rel_close
 from tests.rltrain.tiny_job import save_tiny_policy
 
 
@@ -51,7 +57,7 @@ def checkpoint(tmp_path_factory):
 def test_export_loads_in_transformers_with_the_checkpoint_weights(checkpoint, tmp_path, capsys):
     policy_dir, path = checkpoint
     assert main([str(path), str(tmp_path / "out")]) == 0
-    assert capsys.readouterr().out.strip() == f"HF model written to {tmp_path / 'out'}"
+    assert capsys.readouterr().out.strip() == f"HF model written to {tmp_path / 'out'} (model_type qwen3)"
     files = {p.name for p in (tmp_path / "out").iterdir()}
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= files
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
@@ -113,3 +119,43 @@ def test_bad_input_exits_2_naming_the_path(checkpoint, tmp_path, capsys):
     assert main([str(path), str(tmp_path / "out")]) == 2   # a second export would leave the first one's files
     assert capsys.readouterr().err.endswith(f"error: {tmp_path / 'out'} already holds safetensors weights; export "
                                             "into a new or empty directory\n")
+
+
+def delta_rule_checkpoint(root, arch: str):
+    """(the policy, a checkpoint of it as the trainer saves it) for an embedded delta-rule arch, its weights moved
+    off their initial values (norms, gates, decays) so every mapped tensor counts."""
+    tokenizer = build_char_tokenizer()
+    model = build_model(EmbeddedModelConfig(arch=arch, hidden_size=32, num_heads=2, head_dim=16), tokenizer, seed=0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.1 * torch.randn_like(parameter))
+    model.save_pretrained(root / "policy")
+    tokenizer.save_pretrained(root / "policy")
+    actor = ActorWorker(ActorConfig(torch_threads=1), LossConfig(), str(root / "policy"), "float32", None, 1.0)
+    path = save_checkpoint(str(root / "run"), 1, lambda p: actor.save_checkpoint(str(p)), str(root / "policy"),
+                           tokenizer, {})
+    return model.eval(), path
+
+
+def test_a_gated_deltanet_hybrid_exports_as_qwen3_next_with_its_logits(tmp_path, capsys):
+    model, path = delta_rule_checkpoint(tmp_path, "hybrid")
+    assert main([str(path), str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().out.strip() == f"HF model written to {tmp_path / 'out'} (model_type qwen3_next)"
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(exported).__name__ == "Qwen3NextForCausalLM" and exported.dtype == torch.float32
+    ids = torch.randint(4, model.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_rel_close(exported(ids, use_cache=False).logits, model(ids).logits, threshold=1e-5, name="logits")
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").get_vocab() == build_char_tokenizer().get_vocab()
+
+
+def test_a_gated_deltaproduct_policy_has_no_qwen3_next_form(tmp_path, capsys):
+    _, path = delta_rule_checkpoint(tmp_path, "gdp")
+    assert main([str(path), str(tmp_path / "out"), "--format", "qwen3_next"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {path / 'hf' / 'config.json'}: no Qwen3-Next form, so vLLM cannot serve it: layer_types holds "
+        "gated_delta_product: Qwen3-Next (and so vLLM) has Gated DeltaNet (gated_delta_rule) and attention layers "
+        "only; export with --format checkpoint (transformers loads it after `import rltrain_kernels.models`)\n")
+    assert not (tmp_path / "out").exists()
+    assert main([str(path), str(tmp_path / "out")]) == 0   # auto: its own type
+    assert capsys.readouterr().out.strip() == f"HF model written to {tmp_path / 'out'} (model_type hybrid_delta)"

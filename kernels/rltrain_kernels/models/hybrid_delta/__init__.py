@@ -10,7 +10,8 @@
 
 Importing this package registers model_type `hybrid_delta` with AutoConfig, AutoModel and AutoModelForCausalLM;
 weights save and load as safetensors. Files: configuration.py (the config and its checks), modeling.py (layers,
-model, LM head, generation), cache.py (the generation cache).
+model, LM head, generation), cache.py (the generation cache), qwen3_next.py (a Gated DeltaNet + attention model as
+transformers' / vLLM's Qwen3-Next: config and weights, for rltrain.export).
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
