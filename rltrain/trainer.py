@@ -60,6 +60,7 @@ from rltrain.workers.actor import ActorWorker, FSDPActorWorker
 from rltrain.workers.agent_loop import episode_metrics, prompt_tools
 from rltrain.workers.critic import CriticWorker, FSDPCriticWorker, value_metrics
 from rltrain.workers.group import call_each_rank, kill, place_model_roles, start_role
+from rltrain.workers.judge import JudgeWorker
 from rltrain.workers.lora import check_target_modules_of
 from rltrain.workers.policy import load_tokenizer
 from rltrain.workers.reference import FSDPReferenceWorker, ReferenceWorker, check_teacher
@@ -104,7 +105,7 @@ def on_every_rank(handle, method: str, *args, context: str) -> None:
 
 class GRPOTrainer:
     # what close() stops; None until started (a constructor that failed half-way closes what it started)
-    lock = tracker = actor = critic = rollout = reference = teacher = reward = reward_model = None
+    lock = tracker = actor = critic = rollout = reference = teacher = reward = reward_model = judge = None
     placement = rollout_placement = None
 
     def __init__(self, job: JobConfig):
@@ -171,7 +172,8 @@ class GRPOTrainer:
         distill, separate = job.algorithm.distill, job.rollout.placement == "separate"
         teacher_worker = distill.enabled and not distill.exact  # exact: the teacher lives in the actor's process
         reward_model, critic = job.reward.model.enabled, job.algorithm.adv_estimator == "gae"
-        model_roles = 2 + needs_reference + teacher_worker + reward_model + critic - separate
+        judge = job.reward.judge.enabled
+        model_roles = 2 + needs_reference + teacher_worker + reward_model + judge + critic - separate
         share, sharded = 1 / model_roles, job.actor.strategy == "fsdp2"
         self.placement = place_model_roles(job.trainer.nnodes, job.trainer.n_gpus_per_node, self.device,
                                            job.ray.placement_timeout_s)
@@ -214,6 +216,11 @@ class GRPOTrainer:
             self.reward_model = start_role(RewardModelWorker, self.placement, share, False, config=job.reward.model,
                                            dtype=common["dtype"], device=self.device,
                                            torch_threads=job.actor.torch_threads)
+        if judge:  # placed like the reward model: a share of bundle 0
+            path = self.model_dir if job.reward.judge.path == "policy" else job.reward.judge.path
+            self.judge = start_role(JudgeWorker, self.placement, share, False, config=job.reward.judge,
+                                    model_path=path, dtype=common["dtype"], device=self.device,
+                                    torch_threads=job.actor.torch_threads)
         self.weight_push = WeightPush(self.actor, self.rollout, job.actor.weight_bucket_mb)
         self.model_shape = ray.get(self.actor.model_shape.remote())
         actor_device = ray.get(self.actor.device_info.remote())
@@ -249,6 +256,8 @@ class GRPOTrainer:
                                                                                messages))
             if self.reward_model is not None:
                 rewards = self._add_model_scores(rewards, extras, response_rows, texts, messages)
+            if self.judge is not None:
+                rewards = self._add_judge_scores(rewards, extras, response_rows, texts)
         batch["rewards"] = rewards
         return batch, extras, errors
 
@@ -260,6 +269,21 @@ class GRPOTrainer:
         for extra, rule_value, score in zip(extras, rule.tolist(), scores.tolist()):
             extra.update(rule=rule_value, model=score)
         return config.rule_weight * rule + config.weight * scores
+
+    def _add_judge_scores(self, before: torch.Tensor, extras: list[dict], rows, texts: list[str]) -> torch.Tensor:
+        """reward.judge: rule_weight · the reward so far + weight · the judge's scores; a batch past the judge's
+        timeout scores 0, each sample counted as a failed verdict (reward/judge_failed_mean)."""
+        config = self.job.reward.judge
+        ref = self.judge.score.remote([row.prompt for row in rows], texts, [row.ground_truth for row in rows])
+        try:
+            scores, failed = ray.get(ref, timeout=config.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            logger.warning("reward.judge: no verdicts within reward.judge.timeout_s=%s s; the batch's %d samples "
+                           "score 0", config.timeout_s, len(rows))
+            scores, failed = torch.zeros(len(rows)), torch.ones(len(rows), dtype=torch.bool)
+        for extra, score, miss in zip(extras, scores.tolist(), failed.tolist()):
+            extra.update(judge=score, judge_failed=float(miss))
+        return config.rule_weight * before + config.weight * scores
 
     def _collect(self, step: int, timer: StepTimer):
         """A batch of data.batch_size prompt groups (collect_groups), with the reward extras and error count of
@@ -559,11 +583,11 @@ class GRPOTrainer:
                  *((role, None if handle is None else partial(kill, handle)) for role, handle in (
                      ("actor", self.actor), ("critic", self.critic), ("reference", self.reference),
                      ("teacher", self.teacher),
-                     ("reward worker", self.reward), ("reward model", self.reward_model))),
+                     ("reward worker", self.reward), ("reward model", self.reward_model), ("judge", self.judge))),
                  ("placement", method(self.placement, "remove")),
                  ("rollout placement", method(self.rollout_placement, "remove")),
                  ("output directory lock", method(self.lock, "release"))]
-        self.tracker = self.reward = self.reward_model = self.rollout = self.actor = self.critic = None
+        self.tracker = self.reward = self.reward_model = self.judge = self.rollout = self.actor = self.critic = None
         self.reference = None
         self.teacher = None
         self.placement = self.rollout_placement = self.lock = None

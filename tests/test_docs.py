@@ -44,7 +44,8 @@ REPO_DIRS = ("benchmarks", "config", "docker", "docs", "examples", "kernels", "r
 # compose config/grpo.yaml only)
 HYDRA_VALUE_FLAGS = {"--cfg", "-c", "--package", "-p", "--info", "-i"}
 HYDRA_CONFIG_FLAGS = {"--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd"}
-MODEL_DIR_KEYS = ("model.path", "algorithm.distill.teacher_path", "reward.model.path")
+MODEL_DIR_KEYS = ("model.path", "algorithm.distill.teacher_path", "reward.model.path", "reward.judge.path",
+                  "critic.model.path")
 MACHINES = {"a CPU machine": (False, 0), "a node of 8 GPUs": (True, 8)}
 
 

@@ -13,6 +13,7 @@ from rltrain.rewards.health import RewardStats
 from rltrain.rewards.pool import RewardInput, RewardPool, check_reward_settings
 from rltrain.sandbox import SandboxConfig
 from rltrain.workers.batch import response_context
+from rltrain.workers.judge import JudgeConfig
 from rltrain.workers.policy import load_tokenizer
 from rltrain.workers.reward_model import RewardModelConfig
 
@@ -28,6 +29,7 @@ class RewardConfig:
     max_output_bytes: int = 4096   # of the function's stdout/stderr, kept per sample and shown per batch
     memory_limit_mb: int = 8192    # per worker process (RLIMIT_DATA); 0 = none
     model: RewardModelConfig = field(default_factory=RewardModelConfig)   # a reward model beside the function
+    judge: JudgeConfig = field(default_factory=JudgeConfig)   # a generative judge (an LLM's verdict) beside them
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)   # where the `code` reward runs programs
 
     def validate(self):

@@ -1,0 +1,98 @@
+"""The generative judge (reward.judge, rltrain/workers/judge.py): the yes_no verdict against the judge model's own
+first-token probabilities (a Qwen3-layout release fixture with its chat template), the score parser, failed verdicts
+scoring 0, template errors naming the key, and the trainer adding the judge's scores (rule_weight, weight) with its
+timeout scoring a batch 0."""
+
+import json
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from rltrain.config import ConfigError
+from rltrain.main_grpo import run
+from rltrain.workers.judge import DEFAULT_TEMPLATE, NO, YES, JudgeConfig, JudgeWorker, first_token_ids, parse_score
+from tests.fixtures.releases import build_release
+from tests.rltrain.tiny_job import tiny_job
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "rewards"
+PROMPTS = ["What is 12 + 7?", [{"role": "user", "content": "What is 3 * 4?"}], "Name a colour."]
+RESPONSES = ["19", "The answer is 13.", "Blue"]
+TRUTHS = ["19", "12", None]
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    return build_release("qwen3", tmp_path_factory.mktemp("judge") / "qwen3")
+
+
+def test_yes_no_is_the_judges_first_token_probability(release):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    judge = JudgeWorker(JudgeConfig(path=release, micro_batch_size=2), release, "float32")
+    scores, failed = judge.score(PROMPTS, RESPONSES, TRUTHS)
+    assert not failed.any() and scores.shape == (3,)
+    tokenizer = AutoTokenizer.from_pretrained(release)
+    model = AutoModelForCausalLM.from_pretrained(release, dtype=torch.float32)
+    yes, no = first_token_ids(tokenizer, YES), first_token_ids(tokenizer, NO)
+    yes, no = sorted(set(yes) - set(no)), sorted(set(no) - set(yes))   # a lone space begins both: neither
+    assert yes and no and judge.yes == yes and judge.no == no
+    for i, (prompt, response, truth) in enumerate(zip(PROMPTS, RESPONSES, TRUTHS)):
+        text = judge.render(prompt, response, truth)
+        assert "<|im_start|>user" in text and text.endswith("<|im_start|>assistant\n")   # the chat template
+        assert response in text and (truth is None or f"Reference answer: {truth}" in text)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        probs = torch.softmax(model(ids).logits[0, -1].double(), -1)
+        expected = probs[yes].sum() / (probs[yes].sum() + probs[no].sum())
+        assert scores[i].item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+def test_score_parser_and_failed_verdicts(release):
+    assert parse_score("Score: 8/10", 10) == 0.8 and parse_score("12", 10) == 1.0 and parse_score("-3", 10) == 0.0
+    assert parse_score("7.5 out of 10", 10) == 0.75 and parse_score("no number here", 10) is None
+    judge = JudgeWorker(JudgeConfig(path=release, parser="score", max_new_tokens=4), release, "float32")
+    replies = iter(["8", "great", "Score: 3"])
+    judge.tokenizer.batch_decode = lambda ids, **kwargs: [next(replies) for _ in range(len(ids))]
+    scores, failed = judge.score(PROMPTS, RESPONSES, TRUTHS)
+    assert scores.tolist() == pytest.approx([0.8, 0.0, 0.3]) and failed.tolist() == [False, True, False]
+
+
+def test_template_errors_name_the_key(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("Judge {answer} please")
+    with pytest.raises(ConfigError, match=r"^reward.judge.template: .*bad.txt: a placeholder other than"):
+        JudgeConfig(path="policy", template=str(bad)).validate()
+    with pytest.raises(ConfigError, match=r"^reward.judge.template: cannot read '.*missing.txt'"):
+        JudgeConfig(path="policy", template=str(tmp_path / "missing.txt")).validate()
+    with pytest.raises(ConfigError, match=r"^reward.judge.parser: must be one of yes_no, score"):
+        tiny_job(tmp_path, reward={"judge": {"path": "policy", "parser": "likert"}})
+    assert "{prompt}" in DEFAULT_TEMPLATE and "{response}" in DEFAULT_TEMPLATE
+    for example in ("judge_correct.txt", "judge_rate.txt"):   # the examples the docs name
+        JudgeConfig(path="policy", template=str(EXAMPLES / example)).validate()
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _train(output_dir) -> list[dict]:
+    return [r for r in map(json.loads, (output_dir / "metrics.jsonl").read_text().splitlines())
+            if "train/reward_mean" in r]
+
+
+def test_the_trainer_adds_the_judges_scores(tmp_path, ray_session):
+    """The policy as its own judge (the embedded model: yes_no over its char tokenizer's Y / N), the function's reward
+    weighted 0: the train reward is the judge's score; a timeout too short for any verdict scores every sample 0."""
+    out = tmp_path / "run"
+    run(tiny_job(out, reward={"judge": {"path": "policy", "rule_weight": 0.0, "weight": 1.0}}))
+    for record in _train(out):
+        assert 0 < record["reward/judge_mean"] < 1 and record["reward/judge_failed_mean"] == 0.0
+        assert record["train/reward_mean"] == pytest.approx(record["reward/judge_mean"], abs=1e-6)
+    late = tmp_path / "late"
+    run(tiny_job(late, reward={"judge": {"path": "policy", "rule_weight": 0.0, "timeout_s": 1e-3}}))
+    for record in _train(late):
+        assert record["reward/judge_failed_mean"] == 1.0 and record["train/reward_mean"] == 0.0
