@@ -155,3 +155,34 @@ def test_r3_config_checks():
               "rollout.multi_turn.tools=[{builtin: calculator}]"], "R3 replays single-turn responses")]:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
             load_job_config(compose(*overrides))
+
+
+def _tiny_mixtral():
+    import transformers as tf
+
+    config = tf.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                              num_experts_per_tok=2)
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_next"])
+def test_other_moe_families_have_their_routers_found(family):
+    """Mixtral's and Qwen3-Next's routers (the classes their models record router_logits from) take the loss and
+    the metrics too: a forward in a micro-batch context records them, and the loss's gradient alone reaches every
+    router's weight."""
+    from rltrain.workers.router import RouterBalance
+    from tests.model_factory import tiny_qwen3_next
+
+    model = _tiny_mixtral() if family == "mixtral" else tiny_qwen3_next()
+    balance = RouterBalance.of(model, coef=1.0)
+    sparse = 2   # Mixtral: both layers; the tiny Qwen3-Next: layers 2-3 (0-1 dense)
+    assert balance is not None and balance.count == sparse
+    with balance.micro_batch(1.0, None) as metrics:
+        logits = model(torch.randint(0, 96, (2, 9))).logits
+    assert metrics["router_aux_loss"] > 0 and metrics["router_load_imbalance"] >= 1
+    (logits * 0).sum().backward()   # no gradient from the outputs: only the routers' loss moves the routers
+    routers = [m for m in model.modules() if isinstance(m, router_classes(model))]
+    assert len(routers) == sparse and all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0
+                                          for r in routers)
