@@ -146,13 +146,16 @@ def test_release_files_load_with_the_release_values(releases, name):
 
 
 def test_chat_templates_render_as_the_releases(releases):
-    qwen3, qwen25, llama = (_tokenizer(releases[n]) for n in EXPECTED)
+    qwen3, qwen25, llama, qwen3_moe = (_tokenizer(releases[n]) for n in
+                                       ("qwen3", "qwen2.5-instruct", "llama-3.2-instruct", "qwen3-moe"))
 
     def render(tokenizer, messages, **kwargs):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
 
     prompt = "<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n<|im_start|>assistant\n"
     assert render(qwen3, [QUESTION]) == prompt   # Qwen3: no default system prompt
+    assert render(qwen3_moe, [SYSTEM, QUESTION], tools=[CALCULATOR]) == \
+        render(qwen3, [SYSTEM, QUESTION], tools=[CALCULATOR])   # Qwen3-30B-A3B ships Qwen3's template
     assert render(qwen3, [QUESTION], enable_thinking=False) == prompt + "<think>\n\n</think>\n\n"
     assert render(qwen3, [SYSTEM, QUESTION], tools=[CALCULATOR]) == (
         f"<|im_start|>system\n{SYSTEM['content']}\n\n{QWEN_TOOLS}{prompt}")
