@@ -59,13 +59,14 @@ def record_decay_terms(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     adds per-head Σ_tokens |term| of dA_log and ddt_bias to, from the gradient reaching a (dz_t for dt_bias,
     dg_t·g_t = dz_t·softplus(z_t)/sigmoid(z_t) for A_log). Each gradient is a sum over every token whose terms can
     cancel, so its relative error alone can exceed any fp32 bar at random; judged against Σ|term| it cannot.
-    a is rltrain's layers' a_proj(x), or the `a` half of transformers' Qwen3-Next Gated DeltaNet's in_proj_ba(x)."""
+    a is rltrain's layers' a_proj(x) (KDA's f_proj(x), per head and key channel: its A_log terms summed over the
+    channels of each head), or the `a` half of transformers' Qwen3-Next Gated DeltaNet's in_proj_ba(x)."""
     totals: dict[str, torch.Tensor] = {}
     for prefix, module in model.named_modules():
         if not (hasattr(module, "A_log") and hasattr(module, "dt_bias")):
             continue
-        if hasattr(module, "a_proj"):
-            projection, decay_input = module.a_proj, lambda out: out
+        if hasattr(module, "a_proj") or hasattr(module, "f_proj"):
+            projection, decay_input = getattr(module, "a_proj", None) or module.f_proj, lambda out: out
         elif hasattr(module, "in_proj_ba"):
             projection, decay_input = module.in_proj_ba, _qwen3_next_decay_input(module)
         else:
@@ -82,6 +83,7 @@ def _decay_term_hook(layer: torch.nn.Module, decay_input, names: dict[str, str],
     def add(dz: torch.Tensor, z: torch.Tensor) -> None:
         for role, term in (("dt_bias", dz), ("A_log", dz * F.softplus(z) / torch.sigmoid(z))):
             total = term.detach().abs().flatten(0, -2).sum(0).double().cpu()
+            total = total.view(getattr(layer, role).numel(), -1).sum(-1)  # KDA's A_log: over each head's channels
             totals[names[role]] = totals.get(names[role], 0) + total
 
     def on_forward(projection, args, out) -> None:  # returns None: the output stays as it is

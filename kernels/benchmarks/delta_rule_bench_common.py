@@ -105,7 +105,7 @@ def parse_blocks(spec: str, flag: str) -> tuple[int, int]:
 # The modules whose Triton kernels take a DOT_PREC that Tuning.dots can replace, under rltrain_kernels.ops.
 DOT_KERNEL_MODULES = ("common.wy", "common.wy_bwd", "common.state_pass", "common.chunk_bwd",
                       "gated_delta_rule.chunk_fwd", "gated_delta_product.chunk_fwd", "iplr_delta_rule.chunk_fwd",
-                      "iplr_delta_rule.chunk_bwd")
+                      "iplr_delta_rule.chunk_bwd", "kda.intra", "kda.chunk_fwd", "kda.chunk_bwd")
 
 
 def dot_kernels() -> set[str]:

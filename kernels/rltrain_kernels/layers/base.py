@@ -57,11 +57,13 @@ def sequence_parallel_op(op, sp):
     return run
 
 
-def decay_parameters(num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A_log, dt_bias) drawn as Gated DeltaNet draws them: A ~ U(1, 16), dt ~ logU(1e-3, 0.1) stored as
-    softplus⁻¹(dt). Shared by the gated delta rule and product layers (and the hybrid model's initialisation)."""
+def decay_parameters(num_heads: int, dt_values: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A_log [num_heads], dt_bias [dt_values, default num_heads]) drawn as Gated DeltaNet draws them: A ~ U(1, 16),
+    dt ~ logU(1e-3, 0.1) stored as softplus⁻¹(dt). Shared by the gated delta rule and product layers, KDA (a dt per
+    head and key channel) and the hybrid model's initialisation."""
     A_log = torch.empty(num_heads).uniform_(1, 16).log()
-    dt = torch.exp(torch.rand(num_heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp_min(1e-4)
+    dt = torch.rand(dt_values or num_heads) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)
+    dt = torch.exp(dt).clamp_min(1e-4)
     return A_log, dt + torch.log(-torch.expm1(-dt))
 
 

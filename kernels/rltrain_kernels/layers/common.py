@@ -1,6 +1,6 @@
-"""Pieces shared by the linear-attention layers (GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention): the decoding
-cache, the short causal depthwise convolution with its rolling state, the q/k l2 normalisation, the padding-mask and
-packed-row rules and the output head.
+"""Pieces shared by the linear-attention layers (GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention,
+KimiDeltaAttention): the decoding cache, the short causal depthwise convolution with its rolling state, the q/k l2
+normalisation, the padding-mask and packed-row rules and the output head.
 
 On CUDA the convolution and the l2 normalisation run as the fused kernels of ops/short_conv and ops/l2norm; elsewhere
 as the plain-PyTorch forms below (the same functions).

@@ -20,6 +20,7 @@ import torch
 from rltrain_kernels.ops.gated_delta_product.inputs import check_inputs as check_product_inputs
 from rltrain_kernels.ops.gated_delta_rule.inputs import check_inputs as check_rule_inputs
 from rltrain_kernels.ops.iplr_delta_rule.inputs import check_inputs as check_iplr_inputs
+from rltrain_kernels.ops.kda.inputs import check_inputs as check_kda_inputs
 
 from .common import l2norm
 
@@ -222,3 +223,34 @@ def recurrent_iplr_delta_rule(q, k, v, a, b, scale: float | None = None, initial
     q, k, a, b [B, T, H, K]; v [B, T, H, V]; initial_state [N, H, K, V]; cu_seqlens [N+1] with B = 1. Returns
     (o [B, T, H, V] in v's dtype, final state [N, H, K, V] fp32 or None)."""
     return iplr_rows(_iplr_steps, q, k, v, a, b, scale, initial_state, output_final_state, cu_seqlens)
+
+
+def recurrent_kda(q, k, v, g, beta, scale: float | None = None, initial_state=None, output_final_state: bool = False,
+                  cu_seqlens=None, use_qk_l2norm_in_kernel: bool = False):
+    """`chunk_kda`'s function, S_t = (I − β k kᵀ) Diag(e^{g_t}) S_{t−1} + β k vᵀ, o_t = S_tᵀ (scale q_t): q, k
+    [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] (a log decay per key channel); beta [B, T, HV]; initial_state
+    [N, HV, K, V]; cu_seqlens [N+1] with B = 1. Returns (o [B, T, HV, V] in v's dtype, final state [N, HV, K, V]
+    fp32 or None). One step per position for all rows at once; padding steps are zeros (no decay, β = 0)."""
+    N, group, scale = check_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    B, T, H, K = q.shape
+    HV, V, out_dtype = v.shape[2], v.shape[3], v.dtype
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    rows = _Rows(B, T, cu_seqlens, q.device)
+    q = _heads_first(rows.gather(q.to(acc).repeat_interleave(group, 2)) * scale)   # [L, N·HV, K]
+    k = _heads_first(rows.gather(k.to(acc).repeat_interleave(group, 2)))
+    v, g = _heads_first(rows.gather(v.to(acc))), _heads_first(rows.gather(g.to(acc)))
+    beta = _heads_first(rows.gather(beta.to(acc))[..., None])[..., 0]               # [L, N·HV]
+    state = (torch.zeros(N * HV, K, V, dtype=acc, device=q.device) if initial_state is None
+             else initial_state.to(acc).reshape(N * HV, K, V))
+    outputs = []
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[..., None]                                       # each key channel's own decay
+        delta = (v[t] - torch.bmm(k[t][:, None], state)[:, 0]) * beta[t][:, None]
+        state = state.baddbmm(k[t][:, :, None], delta[:, None])
+        outputs.append(torch.bmm(q[t][:, None], state)[:, 0])
+    L = q.shape[0]
+    o = torch.stack(outputs) if outputs else q.new_zeros(0, N * HV, V)
+    o = rows.scatter(o.reshape(L, -1, HV, V).movedim(1, 0)).to(out_dtype)
+    return o, (_final(state, N, HV, K, V, acc, q.device) if output_final_state else None)

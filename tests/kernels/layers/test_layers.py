@@ -1,9 +1,9 @@
-"""The linear-attention layers (GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention), each on both of its paths —
-`torch` (the plain-PyTorch recurrence a layer runs unswapped) and `kernels` (the Triton ops the registry swaps in,
-here through the interpreter): the whole-sequence forward against prefill-then-decoding through the cache, token for
-token, with the whole-sequence op for whole sequences and the recurrent op for every step from the cache; outputs and
-every parameter's gradient against the same layer in float64; packed rows (cu_seqlens) against each sequence alone;
-the padding rules; the IPLR layer's non-expanding transition; the short convolution against conv1d.
+"""The linear-attention layers (GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention, KimiDeltaAttention), each on
+both of its paths — `torch` (the plain-PyTorch recurrence a layer runs unswapped) and `kernels` (the Triton ops the
+registry swaps in, here through the interpreter): the whole-sequence forward against prefill-then-decoding through the
+cache, token for token, with the whole-sequence op for whole sequences and the recurrent op for every step from the
+cache; outputs and every parameter's gradient against the same layer in float64; packed rows (cu_seqlens) against each
+sequence alone; the padding rules; the IPLR layer's non-expanding transition; the short convolution against conv1d.
 
 Run: `pytest tests/kernels/layers/test_layers.py` (CPU, Triton through the interpreter, about a minute).
 """
@@ -16,18 +16,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rltrain_kernels.layers import GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention, ShortConvolution
+from rltrain_kernels.layers import (GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention, KimiDeltaAttention,
+                                    ShortConvolution)
 from rltrain_kernels.registry import apply_kernel, get_applied_kernels
 from tests.helpers import assert_decay_grad_close, assert_rel_close, record_decay_terms
 
 HIDDEN = 32
-LAYERS = ["gated_delta_rule", "gated_delta_product", "iplr"]
+LAYERS = ["gated_delta_rule", "gated_delta_product", "iplr", "kda"]
 IMPLS = ["torch", "kernels"]
 # layer kind -> (registry kernel id, op package, op name)
 KERNELS = {"gated_delta_rule": ("gated_delta_rule", "rltrain_kernels.ops.gated_delta_rule", "gated_delta_rule"),
            "gated_delta_product": ("gated_delta_product", "rltrain_kernels.ops.gated_delta_product",
                                    "gated_delta_product"),
-           "iplr": ("iplr_delta_rule", "rltrain_kernels.ops.iplr_delta_rule", "iplr_delta_rule")}
+           "iplr": ("iplr_delta_rule", "rltrain_kernels.ops.iplr_delta_rule", "iplr_delta_rule"),
+           "kda": ("kda", "rltrain_kernels.ops.kda", "kda")}
 
 
 def make_layer(kind: str) -> torch.nn.Module:
@@ -37,6 +39,8 @@ def make_layer(kind: str) -> torch.nn.Module:
         return IPLRLinearAttention(HIDDEN, num_heads=2, head_dim=16, head_v_dim=32)
     if kind == "gated_delta_product":
         layer = GatedDeltaProduct(HIDDEN, num_heads=2, head_dim=16, num_householder=2)
+    elif kind == "kda":
+        layer = KimiDeltaAttention(HIDDEN, num_heads=2, head_dim=16, allow_neg_eigval=True)
     else:
         layer = GatedDeltaNet(HIDDEN, num_heads=2, head_dim=16, allow_neg_eigval=True)
     with torch.no_grad():

@@ -1,9 +1,9 @@
 """The layers' plain-PyTorch delta rules against the ops' naive references: the per-step recurrences
 (rltrain_kernels/layers/recurrence.py, decoding) and the chunked forms (layers/chunked.py, whole sequences). Outputs,
 final states and the gradients of every input (initial state included); float64 and fp32, padded batches and packed
-rows (cu_seqlens with an empty and a one-token sequence), grouped value heads. The chunked forms also over one chunk
-(T < 64, T = 64), several chunks with a ragged last one, n_h = 1, 2, 3, and decays strong enough (g down to −40) that
-an unmasked e^(G_i − G_j) overflows.
+rows (cu_seqlens with an empty and a one-token sequence), grouped value heads; KDA's recurrence with a decay per key
+channel. The chunked forms also over one chunk (T < 64, T = 64), several chunks with a ragged last one, n_h = 1, 2, 3,
+and decays strong enough (g down to −40) that an unmasked e^(G_i − G_j) overflows.
 
 Run: `pytest tests/kernels/layers/test_recurrence.py` (CPU, ~10 s).
 """
@@ -13,14 +13,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rltrain_kernels.layers import gated_delta_product, gated_delta_rule, iplr
+from rltrain_kernels.layers import gated_delta_product, gated_delta_rule, iplr, kda
 from rltrain_kernels.layers.chunked import (chunked_gated_delta_product, chunked_gated_delta_rule,
                                             chunked_iplr_delta_rule)
 from rltrain_kernels.layers.recurrence import (recurrent_gated_delta_product, recurrent_gated_delta_rule,
-                                               recurrent_iplr_delta_rule)
+                                               recurrent_iplr_delta_rule, recurrent_kda)
 from rltrain_kernels.ops.gated_delta_product import naive_recurrent_gated_delta_product
 from rltrain_kernels.ops.gated_delta_rule import naive_recurrent_gated_delta_rule
 from rltrain_kernels.ops.iplr_delta_rule import naive_recurrent_iplr_delta_rule
+from rltrain_kernels.ops.kda import naive_recurrent_kda
 from tests.helpers import assert_rel_close
 
 LENGTHS = [5, 0, 1, 9]   # packed rows: an empty and a one-token sequence among them
@@ -46,7 +47,11 @@ def inputs(op: str, dtype: torch.dtype, n_h: int = 2, T: int = 7, lengths: list[
         a = torch.nn.functional.normalize(torch.randn(B, T, H, K, dtype=dtype), dim=-1).requires_grad_()
         b = (-torch.rand(B, T, H, 1, dtype=dtype) * 2 * a.detach()).requires_grad_()   # the stable regime
         return (q, leaf(B, T, H, K), leaf(B, T, H, V), a, b), kwargs
-    g = (-torch.rand(B, T, HV, dtype=dtype) * (1.0 if decay is None else decay.to(dtype))).requires_grad_()
+    if op == "kda":  # a decay per key channel: weak to strong across the channels of each head
+        g = -torch.rand(B, T, HV, K, dtype=dtype) * torch.linspace(0.05, 10.0, K, dtype=dtype)
+    else:
+        g = -torch.rand(B, T, HV, dtype=dtype) * (1.0 if decay is None else decay.to(dtype))
+    g = g.requires_grad_()
     args = (q, leaf(B, T * steps, H, K), leaf(B, T * steps, HV, V), g, leaf(B, T * steps, HV, fn=torch.rand))
     kwargs["use_qk_l2norm_in_kernel"] = True
     return (args + (n_h,), kwargs) if op == "gated_delta_product" else (args, kwargs)
@@ -72,7 +77,8 @@ def assert_matches(ours, naive, args, kwargs, dtype):
 
 FUNCTIONS = {"gated_delta_rule": (recurrent_gated_delta_rule, naive_recurrent_gated_delta_rule),
              "gated_delta_product": (recurrent_gated_delta_product, naive_recurrent_gated_delta_product),
-             "iplr": (recurrent_iplr_delta_rule, naive_recurrent_iplr_delta_rule)}
+             "iplr": (recurrent_iplr_delta_rule, naive_recurrent_iplr_delta_rule),
+             "kda": (recurrent_kda, naive_recurrent_kda)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
@@ -102,7 +108,7 @@ def test_chunked_matches_the_naive_reference(op, n_h, shape):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-@pytest.mark.parametrize("op", list(FUNCTIONS))
+@pytest.mark.parametrize("op", list(CHUNKED))
 def test_chunked_in_fp32(op, packed):
     """fp32 inputs compute in fp32 and return v's dtype, within fp32 rounding of the fp32 reference."""
     args, kwargs = inputs(op, torch.float32, lengths=LENGTHS if packed else None)
@@ -119,6 +125,11 @@ def test_layers_run_chunked_for_whole_sequences_and_steps_from_a_cache(op):
     module, name = LAYER_OPS[op]
     assert getattr(module, f"torch_chunk_{name}") is CHUNKED[op]
     assert getattr(module, f"torch_recurrent_{name}") is FUNCTIONS[op][0]
+
+
+def test_kda_layer_runs_the_recurrence_for_both_roles():
+    """KDA has no chunked PyTorch form: whole sequences and cache steps both take the per-step recurrence."""
+    assert kda.torch_chunk_kda is kda.torch_recurrent_kda is recurrent_kda
 
 
 def test_no_final_state_unless_asked():

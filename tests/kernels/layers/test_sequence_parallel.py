@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rltrain_kernels.layers import GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention
+from rltrain_kernels.layers import GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention, KimiDeltaAttention
 from rltrain_kernels.sequence_parallel import SequenceParallel
 
 LAYERS = {"gated_delta_rule": lambda: GatedDeltaNet(32, num_heads=4, head_dim=8),
           "gated_delta_product": lambda: GatedDeltaProduct(32, num_heads=4, head_dim=8, num_householder=2),
-          "iplr": lambda: IPLRLinearAttention(32, num_heads=4, head_dim=8)}
+          "iplr": lambda: IPLRLinearAttention(32, num_heads=4, head_dim=8),
+          "kda": lambda: KimiDeltaAttention(32, num_heads=4, head_dim=8)}
 # sequence lengths of a packed row: the cuts fall inside sequences; [3, 2, 1] with 4 ranks: slices of 2 tokens, shorter
 # than the conv's 3 taps back
 ROWS = {"row13": [5, 7, 1], "row6": [3, 2, 1]}

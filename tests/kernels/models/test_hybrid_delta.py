@@ -25,7 +25,8 @@ MIXES = {
     "hybrid": ["gated_delta_rule", "gated_delta_rule", "gated_delta_rule", "attention"],
     "gdp": ["gated_delta_product", "gated_delta_product"],
     "iplr": ["iplr", "iplr"],
-    "all": ["iplr", "full_attention", "gated_delta_product", "gated_delta_rule"],
+    "kda": ["kda", "full_attention", "kda"],
+    "all": ["iplr", "full_attention", "gated_delta_product", "gated_delta_rule", "kda"],
 }
 
 
@@ -44,9 +45,9 @@ def make_model(mix: list[str], seed: int = 0, **overrides) -> HybridDeltaForCaus
 # ---------------------------------------------------------------- config
 def test_config_vocabularies_and_round_trip():
     config = HybridDeltaConfig(layer_types=MIXES["all"], hidden_size=64, num_attention_heads=4)
-    assert config.mixer_types == ["iplr", "full_attention", "gated_delta_product", "gated_delta_rule"]
-    assert config.layer_types == ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
-    assert config.num_hidden_layers == 4 and config.linear_head_dim == config.head_dim == 16
+    assert config.mixer_types == ["iplr", "full_attention", "gated_delta_product", "gated_delta_rule", "kda"]
+    assert config.layer_types == ["linear_attention", "full_attention"] + ["linear_attention"] * 3
+    assert config.num_hidden_layers == 5 and config.linear_head_dim == config.head_dim == 16
     again = HybridDeltaConfig.from_dict(config.to_dict())
     assert again.mixer_types == config.mixer_types and again.layer_types == config.layer_types
     assert HybridDeltaConfig(num_hidden_layers=8).mixer_types == (["gated_delta_rule"] * 3 + ["full_attention"]) * 2
@@ -110,7 +111,7 @@ def test_cache_reorder_keeps_the_chosen_rows():
     with torch.no_grad():
         cache = getattr(model(input_ids=ids, use_cache=True), CACHE_FIELD)
         assert isinstance(cache, HybridDeltaCache) and cache.get_seq_length() == 4
-        assert cache.is_linear == [True, False, True, True]
+        assert cache.is_linear == [True, False, True, True, True]
         cache.reorder_cache(torch.tensor([2, 2, 0]))
         step = torch.tensor([[5], [5], [5]])
         continued = model(input_ids=step, cache=cache, use_cache=True).logits[:, -1]
@@ -175,7 +176,7 @@ def test_gpu_kernels_match_the_torch_path_and_generate_consistently(mix):
     plain = make_model(MIXES[mix]).cuda()
     fused = apply_default_kernels(copy.deepcopy(plain), device="cuda")
     applied = get_applied_kernels(fused)
-    expected = {"gated_delta_rule"} | ({"gated_delta_product", "iplr_delta_rule"} if mix == "all" else set())
+    expected = {"gated_delta_rule"} | ({"gated_delta_product", "iplr_delta_rule", "kda"} if mix == "all" else set())
     assert expected <= set(applied), applied
     ids = torch.randint(2, VOCAB, (4, 150), device="cuda")
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """The hybrid delta-rule family: a Qwen3-style decoder whose token mixer is chosen per layer from softmax attention
 (`full_attention`, Qwen3's: GQA, q/k RMSNorm, RoPE), `gated_delta_rule` (Gated DeltaNet), `gated_delta_product`
-(Gated DeltaProduct, `num_householder` steps per token) and `iplr` (identity-plus-low-rank delta rule).
+(Gated DeltaProduct, `num_householder` steps per token), `iplr` (identity-plus-low-rank delta rule) and `kda` (Kimi
+Delta Attention: a decay per key channel).
 
     from rltrain_kernels.models.hybrid_delta import HybridDeltaConfig, HybridDeltaForCausalLM
     config = HybridDeltaConfig(vocab_size=..., hidden_size=1024, layer_types=["gated_delta_rule"] * 3 +

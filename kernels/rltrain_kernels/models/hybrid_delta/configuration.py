@@ -5,8 +5,8 @@ MLPs, one token mixer per layer in `layer_types`, and the linear-attention layer
                       num_key_value_heads=8, head_dim=64, layer_types=["gated_delta_rule"] * 3 + ["full_attention"],
                       linear_num_heads=8, linear_head_dim=128)   # .mixer_types: those 4; .layer_types: transformers'
 
-Mixers: `full_attention` (alias `attention`), `gated_delta_rule`, `gated_delta_product`, `iplr`, given per layer as
-`layer_types` (as above) and kept as `mixer_types`. `layer_types` itself then holds transformers' vocabulary,
+Mixers: `full_attention` (alias `attention`), `gated_delta_rule`, `gated_delta_product`, `iplr`, `kda`, given per layer
+as `layer_types` (as above) and kept as `mixer_types`. `layer_types` itself then holds transformers' vocabulary,
 `full_attention` or `linear_attention` per layer: transformers ≥ 5.24 validates it against that list, and code that
 reads it (rltrain's MFU, transformers' utilities) sees this config like any hybrid. A config.json carries both; a bad
 value raises ValueError naming the argument.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
-LAYER_TYPES = ("full_attention", "gated_delta_rule", "gated_delta_product", "iplr")
+LAYER_TYPES = ("full_attention", "gated_delta_rule", "gated_delta_product", "iplr", "kda")
 LINEAR_LAYER_TYPES = LAYER_TYPES[1:]
 _ALIASES = {"attention": "full_attention"}
 

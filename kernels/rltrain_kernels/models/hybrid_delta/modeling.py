@@ -1,6 +1,6 @@
 """The hybrid delta-rule model: a Qwen3 decoder (pre-norm residual blocks, SwiGLU MLP, RMSNorm) whose token mixer is
 chosen per layer (config.mixer_types): Qwen3's softmax attention, or one of rltrain_kernels.layers' linear-attention
-layers (GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention).
+layers (GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention, KimiDeltaAttention).
 
 Three ways through a forward:
 - padded rows with an attention_mask (left and/or right padding): the attention layers get a [B, 1, T, S] boolean
@@ -34,7 +34,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from rltrain_kernels.layers import GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention, ShortConvolution
+from rltrain_kernels.layers import (GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention, KimiDeltaAttention,
+                                    ShortConvolution)
 from rltrain_kernels.layers.base import decay_parameters
 
 from .cache import HybridDeltaCache
@@ -180,6 +181,8 @@ def linear_attention_layer(config: HybridDeltaConfig, kind: str) -> nn.Module:
         return GatedDeltaProduct(num_householder=config.num_householder, **common)
     if kind == "iplr":
         return IPLRLinearAttention(**common)
+    if kind == "kda":
+        return KimiDeltaAttention(**common)
     raise ValueError(f"no linear-attention layer of type {kind!r}")
 
 
@@ -247,10 +250,10 @@ class HybridDeltaPreTrainedModel(PreTrainedModel):
             init.ones_(module.weight)
         elif isinstance(module, ShortConvolution):
             init.kaiming_uniform_(module.weight, a=math.sqrt(5))   # nn.Conv1d's default, as the layer draws it
-        elif isinstance(module, (GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention)):
+        elif isinstance(module, (GatedDeltaNet, GatedDeltaProduct, IPLRLinearAttention, KimiDeltaAttention)):
             init.ones_(module.norm_weight)
             if not isinstance(module, IPLRLinearAttention):
-                A_log, dt_bias = decay_parameters(module.num_heads)
+                A_log, dt_bias = decay_parameters(module.num_heads, module.dt_bias.numel())
                 init.copy_(module.A_log, A_log)
                 init.copy_(module.dt_bias, dt_bias)
 

@@ -24,7 +24,11 @@ The delta-rule family (gated delta rule, IPLR, gated delta product):
 - `tuning`: the ops' `tuning` argument (`Tuning`): the launch choices, shipped by default, handed down to every
   launch, so a benchmark sweeps a setting by passing it.
 - `inputs`: the argument checks they share (the tensors' dtypes and device, q's shape, GVA head groups, cu_seqlens
-  packing, the initial state, the default scale, chunk sizes and tile dims), each op's inputs.py built on them.
+  packing, the initial state, the default scale, chunk sizes and tile dims, fla's state_v_first), each op's inputs.py
+  built on them.
+KDA (ops/kda: a decay per key channel) takes the chunk layout and prologues, precision, launch table, tuning, inputs,
+`solve_unit_lower` and the gates' `softplus` (cumsum.py) from here; its intra-chunk, state-pass and backward kernels
+are its own, since the per-channel decay enters every product the shared ones scale by one gate per row.
 
 The row- and token-wise ops (rmsnorm, l2norm; short_conv, token_shift):
 - `rows`: their row bookkeeping (rows with unit column stride, a packed row's per-token sequence index, and the

@@ -1,5 +1,6 @@
 """Chunk-local cumulative sums of per-token log gates, forward (G_i = Σ_{j≤i} g_j within the chunk) and reverse
 (the backward of the forward: dg_i = Σ_{j≥i} dG_j within the chunk). Output is fp32 whatever the input dtype.
+`softplus`: the in-kernel gates' log(1 + eˣ) (Gated DeltaNet's and KDA's −exp(A_log)·softplus(a + dt_bias)).
 
 One program per chunk covers every head at once: a [chunk, heads] tile, heads contiguous in memory.
 """
@@ -38,3 +39,13 @@ def chunk_local_cumsum(x: torch.Tensor, layout: ChunkLayout, reverse: bool = Fal
         x, y, layout.cu_seqlens, layout.chunk_indices, NH=NH, BT=layout.chunk_size,
         BH=max(16, triton.next_power_of_2(NH)), REVERSE=reverse)  # ≥ 16: no degenerate 1-wide tiles
     return y
+
+
+@triton.jit
+def softplus(x):
+    """log(1 + eˣ) in fp32: max(x, 0) + log1p(e^{−|x|}), with log1p(y) = log(u)·y/(u − 1), u = 1 + y (exact where
+    1 + y rounds, y itself where it rounds to 1); x > 20 gives x, as torch's threshold."""
+    y = tl.exp(-tl.abs(x))
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))
+    return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)

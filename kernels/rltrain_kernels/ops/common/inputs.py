@@ -7,6 +7,7 @@ same messages naming the argument.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -105,3 +106,14 @@ def check_chunk_dims(K: int, V: int, keys: str) -> None:
     if not 16 <= K <= 256 or V < 16:
         raise ValueError(f"the chunked kernels need 16 <= K <= 256 and V >= 16 (tl.dot tiles), got "
                          f"K={K} ({keys}) and V={V} (v)")
+
+
+def resolve_state_v_first(state_v_first: bool, transpose_state_layout: bool | None) -> bool:
+    """state_v_first, or fla's deprecated name for it (a DeprecationWarning; both at once is an error, as in fla)."""
+    if transpose_state_layout is None:
+        return bool(state_v_first)
+    if state_v_first:
+        raise ValueError("pass state_v_first or its deprecated name transpose_state_layout, not both")
+    warnings.warn("transpose_state_layout is deprecated: it is called state_v_first", DeprecationWarning,
+                  stacklevel=3)
+    return bool(transpose_state_layout)

@@ -31,6 +31,13 @@ LAUNCH: dict[str, dict[str, int]] = {
     "iplr_output_fwd": dict(num_warps=4, num_stages=2),  # iplr_delta_rule/chunk_fwd.py: 0.205 ms (1 stage 0.202)
     "iplr_bwd_query": dict(num_warps=4, num_stages=2),   # iplr_delta_rule/chunk_bwd.py dq, da: 0.355 ms, 8w/3s 0.362
     "iplr_bwd_key": dict(num_warps=8, num_stages=3),     # dk, db, dv: 0.440 ms, 8w/2s 0.470
+    # KDA (ops/kda): first settings, not yet swept nor gradient-checked on a GPU (bench_kda.py --sweep-launch does both)
+    "kda_intra_fwd": dict(num_warps=4, num_stages=2),    # kda/intra.py: Akk, Aqk and the solve
+    "kda_state_fwd": dict(num_warps=4, num_stages=2),    # kda/chunk_fwd.py
+    "kda_output_fwd": dict(num_warps=4, num_stages=2),   # kda/chunk_fwd.py
+    "kda_state_bwd": dict(num_warps=4, num_stages=2),    # kda/chunk_bwd.py
+    "kda_dqkv": dict(num_warps=4, num_stages=2),         # kda/chunk_bwd.py: the per-chunk state-side gradients
+    "kda_intra_bwd": dict(num_warps=4, num_stages=2),    # kda/intra.py
 }
 
 

@@ -20,14 +20,14 @@ from __future__ import annotations
 import torch
 
 from ..common.chunking import CHUNK_SIZE, chunk_layout, flatten_tokens
-from ..common.inputs import check_chunk_dims, check_chunk_size
+from ..common.inputs import check_chunk_dims, check_chunk_size, resolve_state_v_first
 from ..common.precision import check_dot, check_recurrence_dot, op_dot_precision, recurrence_dot_precision
 from ..common.tuning import DEFAULT_TUNING, Tuning, check_tuning
 from ..l2norm import l2norm
 from .chunk_bwd import chunk_gated_delta_rule_bwd
 from .chunk_fwd import chunk_gated_delta_rule_fwd
 from .fused_recurrent import fused_recurrent_gated_delta_rule_fwd
-from .inputs import check_inputs, check_preprocess, resolve_state_v_first
+from .inputs import check_inputs, check_preprocess
 from .naive import naive_recurrent_gated_delta_rule
 
 

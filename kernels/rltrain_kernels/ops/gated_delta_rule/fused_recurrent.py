@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..common.chunking import sequence_offsets
-from .gate import softplus
+from ..common.cumsum import softplus
 
 
 @triton.jit

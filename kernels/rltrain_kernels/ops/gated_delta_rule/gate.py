@@ -13,8 +13,8 @@ the two sums as per-chunk partials [chunks, HV] (no atomics: bit-reproducible) r
 gate costs no launch beyond the precomputed-g path's, where a torch composition before the op costs about five
 elementwise launches forward and eight backward plus an fp32 [tokens, HV] g (README.md, "fla keywords").
 
-`softplus` (also used by the fused-recurrent kernel's in-kernel gate) follows torch's F.softplus: x above 20, else
-log(1 + eˣ) formed without overflow or cancellation.
+`softplus` (common/cumsum.py, also used by the fused-recurrent kernel's in-kernel gate and KDA's gate) follows torch's
+F.softplus.
 """
 
 from __future__ import annotations
@@ -24,16 +24,7 @@ import triton
 import triton.language as tl
 
 from ..common.chunking import ChunkLayout, chunk_program
-
-
-@triton.jit
-def softplus(x):
-    """log(1 + eˣ) in fp32: max(x, 0) + log1p(e^{−|x|}), with log1p(y) = log(u)·y/(u − 1), u = 1 + y (exact where
-    1 + y rounds, y itself where it rounds to 1); x > 20 gives x, as torch's threshold."""
-    y = tl.exp(-tl.abs(x))
-    u = 1.0 + y
-    log1p = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))
-    return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)
+from ..common.cumsum import softplus
 
 
 @triton.jit

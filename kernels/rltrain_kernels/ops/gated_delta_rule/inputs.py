@@ -6,7 +6,6 @@ allow_neg_eigval, state_v_first and its deprecated name transpose_state_layout) 
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -72,14 +71,3 @@ def check_preprocess(g, use_gate_in_kernel: bool, A_log, dt_bias, use_beta_sigmo
         if t.device != g.device:
             raise ValueError(f"{name} is on {t.device} but g is on {g.device}")
     return Preprocess((A_log, dt_bias), beta_scale)
-
-
-def resolve_state_v_first(state_v_first: bool, transpose_state_layout: bool | None) -> bool:
-    """state_v_first, or fla's deprecated name for it (a DeprecationWarning; both at once is an error, as in fla)."""
-    if transpose_state_layout is None:
-        return bool(state_v_first)
-    if state_v_first:
-        raise ValueError("pass state_v_first or its deprecated name transpose_state_layout, not both")
-    warnings.warn("transpose_state_layout is deprecated: it is called state_v_first", DeprecationWarning,
-                  stacklevel=3)
-    return bool(transpose_state_layout)

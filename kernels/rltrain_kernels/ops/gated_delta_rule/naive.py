@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..common.inputs import sequence_bounds
+from ..common.inputs import resolve_state_v_first, sequence_bounds
 from ..l2norm import naive_l2norm
-from .inputs import check_inputs, check_preprocess, resolve_state_v_first
+from .inputs import check_inputs, check_preprocess
 
 
 def naive_gdn_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
