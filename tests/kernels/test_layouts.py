@@ -177,6 +177,27 @@ def gated_delta_rule_gate_inputs(device, real):
                 A_log=torch.rand(HV, device=device).add(0.5).log(), dt_bias=torch.randn(HV, device=device))
 
 
+def kda_inputs(device, real):
+    """The gated delta rule's inputs with a per-channel log decay g [1, T, HV, K] (moderate: −softplus of N(0, 1))."""
+    inputs = gated_delta_rule_inputs(device, real)
+    T, HV, K = inputs["g"].shape[1], inputs["g"].shape[2], inputs["q"].shape[-1]
+    inputs["g"] = -F.softplus(torch.randn(1, T, HV, K, device=device)).to(inputs["g"].dtype)
+    return inputs
+
+
+def kda_gate_inputs(device, real):
+    """fla's keywords for KDA: g the raw gate input [1, T, HV, K], beta logits, A_log [HV], dt_bias [HV·K]."""
+    inputs = kda_inputs(device, real)
+    HV, K = inputs["g"].shape[2:]
+    return dict(inputs, g=torch.randn_like(inputs["g"]), beta=torch.randn_like(inputs["beta"]),
+                A_log=torch.rand(HV, device=device).add(0.5).log(), dt_bias=torch.randn(HV * K, device=device))
+
+
+def kda_gate_only_inputs(device, real):
+    inputs = kda_gate_inputs(device, real)
+    return {"a": inputs["g"], "A_log": inputs["A_log"], "dt_bias": inputs["dt_bias"]}
+
+
 def iplr_delta_rule_inputs(device, real):
     """b = k̂, a = −β k̂ with β ∈ (0, 1): the stable regime. One head is enough on the CPU (no [B, T, H] argument)."""
     s = _delta_sizes(real)
@@ -397,6 +418,11 @@ CASES = [
       for fn in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "naive_recurrent_gated_delta_rule")),
     *(Case(f"gated_delta_rule.{fn}", gated_delta_rule_inputs, _DELTA_GRADS, _V_FIRST, variant="state-v-first")
       for fn in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "naive_recurrent_gated_delta_rule")),
+    *(Case(f"kda.{fn}", kda_inputs, _DELTA_GRADS, _STATE_OUT)
+      for fn in ("chunk_kda", "fused_recurrent_kda", "naive_recurrent_kda")),
+    *(Case(f"kda.{fn}", kda_gate_inputs, (*_DELTA_GRADS, "A_log", "dt_bias"), _GATE_KEYWORDS, variant="gate-in-kernel")
+      for fn in ("chunk_kda", "fused_recurrent_kda", "naive_recurrent_kda")),
+    Case("kda.naive_kda_gate", kda_gate_only_inputs, ("a", "A_log", "dt_bias"), outputs=lambda g: (g,)),
     *(Case(f"iplr_delta_rule.{fn}", iplr_delta_rule_inputs, ("q", "k", "v", "a", "b", "initial_state"), _STATE_OUT)
       for fn in ("chunk_iplr_delta_rule", "fused_recurrent_iplr_delta_rule", "naive_recurrent_iplr_delta_rule")),
     *(Case(f"gated_delta_product.{fn}", gated_delta_product_inputs, _DELTA_GRADS, _GDP)
