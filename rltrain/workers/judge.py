@@ -10,8 +10,8 @@ message with the judge's chat template (plain text where it has none). Parsers:
 
 - `yes_no`: P(yes) / (P(yes) + P(no)) of its first reply token, each the probability summed over the tokens that
   begin "Yes", "yes", " Yes", " yes" (and the same for no; a token beginning both, such as a lone space, counts for
-  neither): a calibrated score, 0.5 when the judge cannot tell
-  (it fails only where both probabilities underflow to 0).
+  neither): a calibrated score, 0.5 when the judge cannot tell (it fails only where both probabilities underflow
+  to 0).
 - `score`: the first number of its greedy reply (up to max_new_tokens), divided by `max_score` and clipped to [0, 1];
   a reply with no number is a failed verdict.
 

@@ -3,8 +3,8 @@
 actor/router_load_imbalance) and routing replay (`actor.router_replay.mode=R3`); in the hf rollout engine, the
 recording of each token's chosen experts that R3 replays.
 
-Routers are the modules transformers records `router_logits` from (the model's `_can_record_outputs`: Qwen3-MoE's and
-Mixtral's top-k routers, returning (logits, top-k weights, top-k expert ids)). For each router forward of the update,
+Routers are the modules transformers records `router_logits` from (the model's `_can_record_outputs`: Qwen3-MoE's,
+Qwen3-Next's and Mixtral's top-k routers, returning (logits, top-k weights, top-k expert ids)). For each router forward of the update,
 over its T tokens, E experts and top-k:
 
     f_e = (assignments to e) / (T·k),   P_e = mean softmax probability of e,   loss = E · Σ_e f_e · P_e
