@@ -235,7 +235,9 @@ class GRPOTrainer:
         ids, mask = encode_prompts(rows, self.tokenizer, self.tools)
         with timer.phase("rollout"):
             if refresh is None:
-                batch = self.rollout.generate(ids, mask, n, temperature, seed)
+                env_rows = [dataclasses.asdict(row) for row in rows] if self.job.rollout.multi_turn.env.enabled \
+                    else None   # an environment's reset reads each episode's row
+                batch = self.rollout.generate(ids, mask, n, temperature, seed, rows=env_rows)
             else:
                 def timed_refresh() -> int:  # its loads count as weight_load (the producer's), not as rollout
                     start = time.monotonic()
@@ -250,10 +252,11 @@ class GRPOTrainer:
         timer.count("rollout_tokens", batch["response_mask"].sum().item())
         response_rows = [row for row in rows for _ in range(n)]
         messages = batch.pop("messages").tolist() if "messages" in batch.keys() else None  # multi-turn episodes
+        env_rewards = batch["env_reward"].tolist() if "env_reward" in batch.keys() else None   # an environment's
         with timer.phase("reward"):
             rewards, extras, errors, texts = ray.get(self.reward.score.remote(batch["response_ids"],
                                                                                batch["response_mask"], response_rows,
-                                                                               messages))
+                                                                               messages, env_rewards))
             if self.reward_model is not None:
                 rewards = self._add_model_scores(rewards, extras, response_rows, texts, messages)
             if self.judge is not None:

@@ -89,6 +89,15 @@ DATA_SOURCE_REWARDS = {
 }
 
 
+@BUILTIN_REWARDS.register("env")
+def env_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """An environment's episode reward (rollout.multi_turn.env: the sum of its steps' rewards)."""
+    if not extra_info or "env_reward" not in extra_info:
+        raise ValueError("reward.name=env reads extra_info['env_reward'], which only an environment's episodes "
+                         "carry (rollout.multi_turn.env)")
+    return float(extra_info["env_reward"])
+
+
 @BUILTIN_REWARDS.register("default")
 def default_reward(data_source, solution_str, ground_truth, extra_info=None, sandbox=None) -> float:
     name = DATA_SOURCE_REWARDS.get(data_source, "math")

@@ -25,6 +25,7 @@ from rltrain.tools.builtin.python import PythonTool
 from rltrain.tools.loader import TOOLS_KEY, ToolSpec, load_tools
 from rltrain.tools.parsers import PARSERS
 from rltrain.tools.pool import ToolPool
+from rltrain.tools.environment import EnvConfig
 
 
 @dataclass
@@ -37,6 +38,7 @@ class MultiTurnConfig:
     tool_timeout_s: float = 10.0         # per call; past it the worker is killed and the model told so
     num_workers: int = 4                 # tool processes: calls of all episodes in a turn run this many at a time
     max_output_chars: int = 4000         # a tool's answer is cut to this many characters (before tokenizing)
+    env: EnvConfig = field(default_factory=EnvConfig)   # an environment answers instead of tools (environment.py)
 
     def validate(self):
         require(self.max_turns >= 1, "max_turns", "must be >= 1", self.max_turns)
@@ -47,8 +49,13 @@ class MultiTurnConfig:
         require(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0", self.tool_timeout_s)
         require(self.num_workers >= 1, "num_workers", "must be >= 1", self.num_workers)
         require(self.max_output_chars >= 1, "max_output_chars", "must be >= 1", self.max_output_chars)
-        require(not self.enabled or bool(self.tools), "tools", "must list at least one tool when enabled, e.g. "
-                "[{builtin: calculator}] or [{path: my_tools.py, name: fn}]", self.tools)
+        require(not self.enabled or bool(self.tools) or self.env.enabled, "tools", "must list at least one tool "
+                "when enabled, e.g. [{builtin: calculator}] or [{path: my_tools.py, name: fn}] (or set "
+                "rollout.multi_turn.env)", self.tools)
+        require(not (self.tools and self.env.enabled), "env", "answers the model's turns instead of tools: set "
+                "rollout.multi_turn.tools=[] with it (an environment may call tools itself)", self.env.path)
+        require(not self.env.enabled or self.enabled, "env", "needs rollout.multi_turn.enabled=true (its episodes "
+                "are multi-turn)", self.env.path)
         try:  # imported once here (the pool imports them again), so a bad file, name or schema fails up front
             loaded = load_tools(self.tool_specs())
         except (OSError, ImportError, ValueError) as err:  # their messages start with the entry's key

@@ -1,5 +1,6 @@
 """The multi-turn agent loop (rollout.multi_turn.enabled, issue 29): episodes in which the model calls tools and
-reads their answers, batched across episodes, on the rollout engine through one small API.
+reads their answers — or plays against an environment of the user's (rollout.multi_turn.env) — batched across
+episodes, on the rollout engine through one small API. What answers a turn: rltrain/tools/environment.py.
 
     loop = AgentLoop(config.multi_turn, HFTurns(engine), tokenizer, max_new_tokens=config.max_new_tokens)
     batch = loop.generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt)   # the engines' TensorDict
@@ -20,14 +21,18 @@ tool messages and the next assistant header, found by rendering a fixed one-mess
 them), else in the plain Hermes form `\\n<tool_response>\\n{content}\\n</tool_response>\\n` per result. Each tool
 answer is cut to max_tool_response_tokens tokens before rendering.
 
+An environment's messages (its opening after the prompt, its answer to each turn) join the context the same way, cut
+to max_tool_response_tokens each.
+
 Output: the single-turn fields (rltrain/workers/batch.py) with response_ids holding every turn, and response_mask 1
 exactly on the tokens the model sampled (its turns, each with its closing <eos>) and 0 on tool output, template
 tokens and padding, so the loss, advantages and log-probs cover model tokens only; rollout_logprobs where the
 engine reports them (0 where the mask is 0). Per episode: `turns`, `tool_calls`, `tool_errors` (raised or crashed),
-`tool_timeouts`, `tool_invalid_calls`, `tool_worker_deaths` (the errors that were a tool's worker process dying)
-([B] tensors; `episode_metrics` turns them into tool/* metrics) and
-`messages`, the episode after its prompt as chat messages (assistant turns with their tool_calls, then one tool
-message per answer), which the reward function receives as extra_info["messages"].
+`tool_timeouts`, `tool_invalid_calls`, `tool_worker_deaths` (the errors that were a tool's worker process dying),
+`env_errors` (an environment that raised) ([B] tensors; `episode_metrics` turns them into tool/* metrics), with an
+environment `env_reward` (the sum of its steps' rewards), and `messages`, the episode after its prompt as chat
+messages (assistant turns with their tool_calls, then one tool message per answer, or the environment's messages),
+which the reward function receives as extra_info["messages"].
 """
 
 from __future__ import annotations
@@ -37,17 +42,19 @@ from dataclasses import dataclass, field
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from rltrain.tools.chat import assistant_message, chat_template_tools, tool_message
+from rltrain.tools.chat import chat_template_tools
 from rltrain.tools.config import MultiTurnConfig
 from rltrain.tools.loader import load_tools
 from rltrain.tools.parsers import PARSERS
 from rltrain.tools.pool import ToolPool
 from rltrain.workers.batch import group_ids, right_pad
+from rltrain.tools.environment import EnvObservations, ToolObservations, load_environment
 from rltrain.workers.sampling import response_seeds
 
 PLAIN_TOOL_TURN = "\n<tool_response>\n{content}\n</tool_response>\n"
 _TEMPLATE_BASE = [{"role": "user", "content": "."}]   # the fixed conversation tool turns are rendered after
-EPISODE_FIELDS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_invalid_calls", "tool_worker_deaths")
+EPISODE_FIELDS = ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_invalid_calls", "tool_worker_deaths",
+                  "env_errors")
 
 
 @dataclass
@@ -69,6 +76,7 @@ class Episode:
     counts: dict = field(default_factory=lambda: dict.fromkeys(EPISODE_FIELDS, 0))
     done: bool = False
     truncated: bool = False
+    env_reward: float = 0.0
 
     def append(self, tokens: list[int], model: bool, logprobs: list[float] | None = None) -> None:
         self.context += tokens
@@ -105,18 +113,22 @@ class AgentLoop:
 
     def __init__(self, config: MultiTurnConfig, turns, tokenizer, max_new_tokens: int, pool: ToolPool | None = None):
         self.config, self.turns, self.tokenizer, self.max_new_tokens = config, turns, tokenizer, max_new_tokens
-        self.parse = PARSERS.get(config.parser)
-        self.pool = pool if pool is not None else config.build_pool()
+        self.env = config.env.enabled
+        self.answers = EnvObservations(load_environment(config.env), config.env.kwargs) if self.env else \
+            ToolObservations(PARSERS.get(config.parser), pool if pool is not None else config.build_pool())
         self.tool_turns = ToolTurns(tokenizer, config.max_tool_response_tokens)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float, seed: int,
-            first_prompt: int = 0) -> TensorDict:
+                 first_prompt: int = 0, rows: list[dict] | None = None) -> TensorDict:
         """n episodes per prompt, grouped consecutively (the engines' generate() contract, same seeding: one torch
-        stream per call for hf, one seed per episode and turn for engines that seed requests)."""
+        stream per call for hf, one seed per episode and turn for engines that seed requests). rows: each prompt's
+        data row (an environment's reset reads it)."""
         torch.manual_seed(seed if first_prompt == 0 else int(response_seeds(seed, first_prompt * n, 1)))
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0)
         seeds = response_seeds(seed, first_prompt * n, prompt_ids.shape[0]).tolist()
         episodes = [Episode(ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids, prompt_mask)]
+        self.answers.reset(episodes, None if rows is None else [row for row in rows for _ in range(n)],
+                           self._observe)
         for turn in range(self.config.max_turns):
             active = [(i, e) for i, e in enumerate(episodes) if not e.done]
             if not active:
@@ -124,37 +136,19 @@ class AgentLoop:
             outs = self.turns.generate([e.context for _, e in active],
                                        [self.max_new_tokens - len(e.response) for _, e in active], temperature,
                                        [(seeds[i] + 7919 * turn) % 2**31 for i, _ in active])
-            calling = []
+            replies = []
             for (_, episode), out in zip(active, outs):
                 episode.append(out.token_ids, model=True, logprobs=out.logprobs)
-                parsed = self.parse(self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
-                episode.messages.append(assistant_message(parsed))
                 episode.counts["turns"] += 1
-                if not out.finished:  # the turn used up the episode's budget
-                    episode.done = episode.truncated = True
-                elif not parsed.calls or turn == self.config.max_turns - 1:
-                    episode.done = True
-                else:
-                    calling.append((episode, parsed.calls))
-            if not calling:
-                continue
-            # one call_many for every episode's calls of this turn: they wait for their tools together
-            results = iter(self.pool.call_many([call for _, calls in calling for call in calls]))
-            for episode, calls in calling:
-                self._answer(episode, [next(results) for _ in calls])
+                replies.append((episode, self.tokenizer.decode(out.token_ids, skip_special_tokens=True),
+                                out.finished))
+            self.answers.respond(replies, turn == self.config.max_turns - 1, self._observe)
         return self._batch(prompt_ids, prompt_mask, episodes, n)
 
-    def _answer(self, episode: Episode, results) -> None:
-        """Append the tool turn of `results`, or end the episode when it would leave the model no token."""
-        messages = []
-        for result in results:
-            episode.counts["tool_calls"] += 1
-            key = {"error": "tool_errors", "timeout": "tool_timeouts", "invalid": "tool_invalid_calls"}.get(
-                result.status)
-            if key:
-                episode.counts[key] += 1
-            episode.counts["tool_worker_deaths"] += result.worker_died
-            messages.append(tool_message(result) | {"content": self.tool_turns.cut(result.content)})
+    def _observe(self, episode: Episode, messages: list[dict]) -> None:
+        """Append the turn of `messages` (tool results, an environment's answer; each cut to max_tool_response_tokens),
+        or end the episode when it would leave the model no token."""
+        messages = [dict(m, content=self.tool_turns.cut(str(m.get("content", "")))) for m in messages]
         tokens = self.tool_turns.render(messages)
         episode.messages += messages
         if len(episode.response) + len(tokens) >= self.max_new_tokens:
@@ -173,12 +167,14 @@ class AgentLoop:
                   "truncated": torch.tensor([e.truncated for e in episodes]),
                   "messages": NonTensorStack.from_list([e.messages for e in episodes]),
                   **{key: torch.tensor([e.counts[key] for e in episodes]) for key in EPISODE_FIELDS}}
+        if self.env:
+            fields["env_reward"] = torch.tensor([e.env_reward for e in episodes], dtype=torch.float32)
         if any(e.logprobs and any(e.logprobs) for e in episodes):
             fields["rollout_logprobs"] = logprobs * response_mask
         return TensorDict(fields, batch_size=[size])
 
     def close(self) -> None:
-        self.pool.close()
+        self.answers.close()
 
 
 def episode_metrics(batch: TensorDict, prefix: str = "tool") -> dict[str, float]:
@@ -195,6 +191,6 @@ def episode_metrics(batch: TensorDict, prefix: str = "tool") -> dict[str, float]
 
 def prompt_tools(config: MultiTurnConfig) -> list[dict] | None:
     """The tools' schemas in the form chat templates take (rendered into chat-format prompts), None when off."""
-    if not config.enabled:
+    if not config.enabled or not config.tools:   # off, or an environment's episodes
         return None
     return chat_template_tools(tool.schema for tool in load_tools(config.tool_specs()).values())

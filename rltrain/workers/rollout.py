@@ -130,13 +130,17 @@ class RolloutWorker:
                                         config.max_new_tokens)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
-                 seed: int, first_prompt: int = 0, max_new_tokens: int | None = None) -> TensorDict:
+                 seed: int, first_prompt: int = 0, max_new_tokens: int | None = None,
+                 rows: list[dict] | None = None) -> TensorDict:
         """n responses per prompt, grouped consecutively; group_ids[i] = index of the prompt (in this call).
         first_prompt: where these prompts start in the step's batch (their seeds: response_seeds). max_new_tokens:
-        this call's limit instead of rollout.max_new_tokens (a segment of a partial rollout)."""
+        this call's limit instead of rollout.max_new_tokens (a segment of a partial rollout). rows: the prompts' data
+        rows, for an environment (rollout.multi_turn.env)."""
         if max_new_tokens is not None:
             return self.engine.generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt, max_new_tokens)
-        return (self.agent_loop or self.engine).generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt)
+        if self.agent_loop is not None:
+            return self.agent_loop.generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt, rows)
+        return self.engine.generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt)
 
     def device_info(self):
         """This process's GPU (uuid, name), or None on CPU: the weight push pairs it with an actor rank by uuid."""

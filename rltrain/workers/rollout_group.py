@@ -147,14 +147,17 @@ class RolloutReplicas:
         return ray.get([getattr(process, name).remote(*args) for process in self.processes])
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
-                 seed: int, max_new_tokens: int | None = None) -> TensorDict:
+                 seed: int, max_new_tokens: int | None = None, rows: list[dict] | None = None) -> TensorDict:
         """n responses per prompt, grouped consecutively in prompt order; group_ids[i] = index of the prompt.
-        max_new_tokens: this call's limit instead of rollout.max_new_tokens (a partial rollout's segment)."""
-        calls, limit = [], () if max_new_tokens is None else (max_new_tokens,)
+        max_new_tokens: this call's limit instead of rollout.max_new_tokens (a partial rollout's segment); rows: the
+        prompts' data rows, for an environment (split with the prompts)."""
+        calls = []
         for (start, stop), processes in zip(split_prompts(prompt_ids.shape[0], len(self.replicas)), self.replicas):
             if stop > start:
                 ids, mask = prompt_ids[start:stop], prompt_mask[start:stop]
-                calls.append([p.generate.remote(ids, mask, n, temperature, seed, start, *limit) for p in processes])
+                extra = {"max_new_tokens": max_new_tokens} if max_new_tokens is not None else \
+                    {"rows": rows[start:stop]} if rows is not None else {}
+                calls.append([p.generate.remote(ids, mask, n, temperature, seed, start, **extra) for p in processes])
         results = ray.get([ref for refs in calls for ref in refs])  # submitted together: the replicas run at once
         per_replica = len(calls[0])
         batch = concat_batches(results[::per_replica])
