@@ -156,8 +156,8 @@ def test_algorithm_presets_train(tmp_path, preset):
 @pytest.mark.parametrize("arch", ["hybrid", "gdp", "iplr"])
 def test_delta_rule_policies_train(tmp_path, arch):
     """model.embedded.arch: a delta-rule policy through the real trainer (packed actor batches, the HF engine's
-    recurrent cache), 2 steps; its checkpoint's export loads back as the hybrid family with the weights the run
-    trained."""
+    recurrent cache), 2 steps; its checkpoint's export (--format checkpoint) loads back as the hybrid family with the
+    weights the run trained, and the default export of the Gated DeltaNet + attention one is a Qwen3-Next."""
     from transformers import AutoModelForCausalLM
 
     import rltrain_kernels.models  # noqa: F401  (registers the family with the Auto classes)
@@ -173,10 +173,13 @@ def test_delta_rule_policies_train(tmp_path, arch):
     assert [r["step"] for r in train] == [1, 2]
     assert all(math.isfinite(r["actor/loss"]) and math.isfinite(r["actor/grad_norm"]) for r in train), train
     assert any(r["actor/grad_norm"] > 0 for r in train), train   # a step's groups may all tie (zero advantages)
-    saved = AutoModelForCausalLM.from_pretrained(export(out / "checkpoints" / "step_000002", tmp_path / "hf"))
+    checkpoint = out / "checkpoints" / "step_000002"
+    saved = AutoModelForCausalLM.from_pretrained(export(checkpoint, tmp_path / "hf", form="checkpoint"))
     expected = {"hybrid": ["gated_delta_rule", "full_attention"], "gdp": ["gated_delta_product"] * 2,
                 "iplr": ["iplr"] * 2}[arch]
     assert saved.config.model_type == "hybrid_delta" and saved.config.mixer_types == expected
+    default = json.loads((export(checkpoint, tmp_path / "auto") / "config.json").read_text())["model_type"]
+    assert default == ("qwen3_next" if arch == "hybrid" else "hybrid_delta")
     warm = AutoModelForCausalLM.from_pretrained(next((out / "warmstart").iterdir()))
     assert any(not torch.equal(a, b) for a, b in zip(saved.state_dict().values(), warm.state_dict().values()))
 
