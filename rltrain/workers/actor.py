@@ -232,7 +232,12 @@ class ActorWorker(WeightSource):
     def compute_logprobs(self, batch: TensorDict) -> torch.Tensor:
         """π_old's log-probs (with routing replay, R3, on the rollout's routing, as the update's)."""
         with self._scoring():
-            return response_logprobs(self.model, batch, self.temperature, self.batching, around=self._replaying)
+            return self._logprobs(batch, around=self._replaying)
+
+    def _logprobs(self, batch: TensorDict, around=None) -> torch.Tensor:
+        """The response log-probs of this strategy (FSDPActorWorker: sharded, on rank 0), each micro-batch's forward
+        in around(micro) where given."""
+        return response_logprobs(self.model, batch, self.temperature, self.batching, around=around)
 
     def compute_ref_logprobs(self, batch: TensorDict) -> torch.Tensor:
         """The reference policy's log-probs with actor.lora on: this model with its adapters disabled, i.e. the
@@ -241,7 +246,7 @@ class ActorWorker(WeightSource):
             raise RuntimeError("compute_ref_logprobs needs actor.lora.rank > 0; without LoRA the reference is a "
                                "ReferenceWorker")
         with adapters_disabled(self.model), self._scoring():
-            return response_logprobs(self.model, batch, self.temperature, self.batching)
+            return self._logprobs(batch)
 
     def _start_schedule(self, seed: int, total_steps: int | None) -> None:
         self.seed, self.schedule, self.updates = seed, LRSchedule.of(self.config, total_steps), 0
@@ -533,9 +538,8 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
         self.optimizer = torch.optim.AdamW([p for p in self.root.parameters() if p.requires_grad], lr=config.lr,
                                            weight_decay=config.weight_decay)
 
-    def compute_logprobs(self, batch: TensorDict) -> torch.Tensor | None:
-        with self._scoring():
-            return self._sharded_logprobs(batch, self.temperature, around=self._replaying)
+    def _logprobs(self, batch: TensorDict, around=None) -> torch.Tensor | None:
+        return self._sharded_logprobs(batch, self.temperature, around=around)
 
     def update(self, batch: TensorDict, step: int = 0) -> dict | None:
         metrics = super().update(batch, step)
