@@ -115,6 +115,16 @@ class ToolObservations:
         self.pool.close()
 
 
+def checked_step(answer) -> tuple[list | None, float, bool]:
+    """An environment's step result as (messages or None, reward, done); TypeError for any other shape."""
+    if not (isinstance(answer, (tuple, list)) and len(answer) == 3):
+        raise TypeError(f"step must return (messages | None, reward | None, done); got {answer!r}")
+    messages, reward, done = answer
+    if messages is not None and not isinstance(messages, (list, tuple)):
+        raise TypeError(f"step's messages must be a list of chat messages or None; got {messages!r}")
+    return messages, float(reward or 0.0), bool(done)
+
+
 class EnvObservations:
     """An environment of the user's per episode (module docstring): it opens the episode and answers each turn."""
 
@@ -137,11 +147,11 @@ class EnvObservations:
             if not finished:
                 episode.done = episode.truncated = True
                 continue
-            answer = self._call(episode, lambda env: env.step(text))
+            answer = self._call(episode, lambda env: checked_step(env.step(text)))
             if answer is None:   # the environment raised: the episode ends there
                 continue
             messages, reward, done = answer
-            episode.env_reward += float(reward or 0.0)
+            episode.env_reward += reward
             if done or last:
                 episode.done = True
             elif messages:

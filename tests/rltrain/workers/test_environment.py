@@ -26,6 +26,14 @@ class Broken:
 
     def step(self, action):
         raise RuntimeError("the environment broke")
+
+
+class Shapeless:
+    def reset(self, row):
+        return None
+
+    def step(self, action):
+        return "higher"   # not (messages, reward, done)
 '''
 
 
@@ -62,10 +70,12 @@ def test_the_guessing_game(tokenizer):
     assert episode_metrics(batch)["tool/env_errors"] == 0.0
 
 
-def test_an_environment_that_raises_ends_its_episode(tokenizer, tmp_path):
+@pytest.mark.parametrize("name", ["Broken", "Shapeless"])
+def test_an_environment_that_raises_ends_its_episode(tokenizer, tmp_path, name):
+    """A step that raises, or returns something other than (messages, reward, done), ends the episode, counted."""
     path = tmp_path / "broken.py"
     path.write_text(RAISING)
-    loop = _loop(tokenizer, lambda context, turn: "1", {"path": str(path), "name": "Broken"})
+    loop = _loop(tokenizer, lambda context, turn: "1", {"path": str(path), "name": name})
     ids, mask = _prompts(tokenizer, ["a?", "b?"])
     batch = loop.generate(ids, mask, 2, 1.0, seed=0, rows=[{}, {}])
     assert batch["env_errors"].tolist() == [1, 1, 1, 1] and batch["turns"].tolist() == [1, 1, 1, 1]
