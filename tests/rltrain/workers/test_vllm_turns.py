@@ -89,8 +89,8 @@ def _forced_loop(rollout, tokenizer, max_turns=3):
     """An agent loop on the fixture's engine whose parser finds a calculator call in every turn."""
     config = MultiTurnConfig(enabled=True, tools=[{"builtin": "calculator"}], max_turns=max_turns)
     spy = SpyTurns(rollout.agent_loop.turns)
-    loop = AgentLoop(config, spy, tokenizer, BUDGET, pool=rollout.agent_loop.pool)
-    loop.parse = _always_calls
+    loop = AgentLoop(config, spy, tokenizer, BUDGET, pool=rollout.agent_loop.answers.pool)
+    loop.answers.parse = _always_calls
     return loop, spy
 
 
