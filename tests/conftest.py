@@ -26,6 +26,24 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # workers share the cores: 1.7x faster than each spinning up one thread per core
 
 
+def _pin_transformers_reference_paths() -> None:
+    """Transformers binds Qwen3-Next's delta rule and short convolution to fla / causal-conv1d at import time when
+    they are installed, on every device (fla's kernels then fail on CPU tensors and in float64, and fla 0.6 refuses
+    Triton < 3.7.1 on Hopper). The tests compare against transformers' PyTorch path, so point those names back to
+    it: the functions keep their originals as `__wrapped__`."""
+    if not any(importlib.util.find_spec(name) for name in ("fla", "causal_conv1d")):
+        return
+    from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update"):
+        fn = getattr(qwen3_next, name, None)
+        if fn is not None and hasattr(fn, "__wrapped__"):
+            setattr(qwen3_next, name, fn.__wrapped__)
+
+
+_pin_transformers_reference_paths()
+
+
 SYSTEM = ("tests/rltrain/", "tests/test_scripts.py", "tests/test_docker.py", "tests/test_docs.py")
 PARTS = ("kernels", "system")  # RLTRAIN_TEST_PART: the tests outside SYSTEM, or SYSTEM's alone
 
