@@ -207,7 +207,8 @@ class RltrainPath:
     def __init__(self, model_dir: str, rows: int, packed: bool, max_tokens: int, checkpointing: bool = False,
                  lora_rank: int = 0, mixed_precision: bool = False):
         from rltrain.algorithms.config import LossConfig
-        from rltrain.workers.actor import ActorConfig, ActorWorker
+        from rltrain.workers.actor import ActorWorker
+        from rltrain.workers.actor_config import ActorConfig
         from rltrain.workers.lora import LoraConfig
 
         config = ActorConfig(lr=1e-5 if lora_rank else 1e-6, micro_batch_size=rows, use_remove_padding=packed,

@@ -65,7 +65,8 @@ def build_model_dir(arch: str, root: str) -> str:
 def kernel_vs_torch_error(model_dir: str) -> float:
     """Old log-probs on 8 short responses: the registry's kernels against the plain-PyTorch layers."""
     from rltrain.algorithms.config import LossConfig
-    from rltrain.workers.actor import ActorConfig, ActorWorker
+    from rltrain.workers.actor import ActorWorker
+    from rltrain.workers.actor_config import ActorConfig
 
     batch = make_batch(8, 64, 200, 400, seed=3)
     logps = []

@@ -93,7 +93,7 @@ def batches(tiny: bool, arch: str, vocab: int):
 
 def actor_config(tiny: bool):
     """actor.mixed_precision on (the default): with model.dtype=bfloat16, fp32 weights and bf16 compute."""
-    from rltrain.workers.actor import ActorConfig
+    from rltrain.workers.actor_config import ActorConfig
 
     return ActorConfig(lr=1e-6, max_tokens_per_micro_batch=2048 if tiny else 16384, torch_threads=1 if tiny else 0)
 

@@ -104,7 +104,7 @@ def run_size(size: str, args, root: str) -> list[dict]:
     import ray
 
     from rltrain.algorithms.config import LossConfig
-    from rltrain.workers.actor import ActorConfig
+    from rltrain.workers.actor_config import ActorConfig
     from rltrain.workers.rollout import RolloutConfig
 
     path = build_checkpoint(size, root)

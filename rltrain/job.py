@@ -26,7 +26,7 @@ from rltrain.config import from_mapping, require
 from rltrain.data.sampler import DataConfig
 from rltrain.embedded.config import CONTEXT_LENGTH
 from rltrain.tracking import LOGGERS
-from rltrain.workers.actor import ActorConfig
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.critic import CriticConfig
 from rltrain.workers.group import RayConfig
 from rltrain.workers.policy import ModelConfig

@@ -16,7 +16,9 @@ sampled it (weight_version), logged as rollout/version_lag_mean and _max; with r
 its own (token_versions: a push interrupts the generation in flight, which goes on with the new weights) and the
 lags are over tokens.
 The trainer holds its output directory's lock (rltrain/output_dir.py) from construction to close(), which stops
-every worker whatever fails; a local Ray it starts dies with the driver (rltrain/watchdog.py).
+every worker whatever fails; a local Ray it starts dies with the driver (rltrain/watchdog.py). Saving and resuming
+checkpoints: rltrain/trainer_checkpoints.py; the reward model's and the judge's scores blended into the reward:
+rltrain/rewards/combine.py.
 """
 
 from __future__ import annotations
@@ -33,33 +35,32 @@ import torch
 import transformers
 from tensordict import TensorDict
 
-from rltrain import checkpoint as ckpt
 from rltrain.algorithms.advantages import batch_advantages
 from rltrain.algorithms.config import LossConfig
 from rltrain.algorithms.dapo import collect_groups, mask_truncated, overlong_penalty
 from rltrain.algorithms.kl_control import KLController
 from rltrain.algorithms.rollout_correction import apply_rollout_correction
 from rltrain.async_rollout import (
-    ProducedBatch, RolloutProducer, dropped_on_resume, generate_in_segments, lag_metrics, token_lags,
-    warn_uncorrected,
+    ProducedBatch, RolloutProducer, generate_in_segments, lag_metrics, token_lags, warn_uncorrected,
 )
 from rltrain.config import ConfigError
 from rltrain.data.rows import load_rows
 from rltrain.data.sampler import PromptSampler, drop_long_prompts, encode_prompts
-from rltrain.distributed_checkpoint import CheckpointError
 from rltrain.embedded.model import embedded_policy_dir
 from rltrain.embedded.task import make_rows
 from rltrain.job import JobConfig, resolve_device, resolve_dtype
 from rltrain.output_dir import OutputDirLock, remove_unfinished
 from rltrain.perf import StepTimer, actor_step_flops, mfu, peak_flops
 from rltrain.ray_session import init_ray
+from rltrain.rewards.combine import add_judge_scores, add_model_scores
 from rltrain.rewards.health import ErrorRateGuard, RewardStats
 from rltrain.tracking import Tracker
+from rltrain.trainer_checkpoints import TrainerCheckpoints
 from rltrain.validation import validation_metrics
 from rltrain.workers.actor import ActorWorker, FSDPActorWorker
 from rltrain.workers.agent_loop import episode_metrics, prompt_tools
 from rltrain.workers.critic import CriticWorker, FSDPCriticWorker, value_metrics
-from rltrain.workers.group import call_each_rank, kill, place_model_roles, start_role
+from rltrain.workers.group import kill, place_model_roles, start_role
 from rltrain.workers.judge import JudgeWorker
 from rltrain.workers.lora import check_target_modules_of
 from rltrain.workers.policy import load_tokenizer
@@ -94,16 +95,7 @@ def resolve_model_and_data(job: JobConfig):
     return model_dir, train_rows, val_rows
 
 
-def on_every_rank(handle, method: str, *args, context: str) -> None:
-    """method(*args) on every rank of a role; a CheckpointError raised there (a checkpoint that does not fit the
-    model, a directory a rank cannot see) comes back as one line starting with `context`, not a worker's traceback."""
-    try:
-        ray.get(call_each_rank(handle, method, *args))
-    except CheckpointError as err:
-        raise CheckpointError(f"{context}: {getattr(err, 'cause', err)}") from None
-
-
-class GRPOTrainer:
+class GRPOTrainer(TrainerCheckpoints):
     # what close() stops; None until started (a constructor that failed half-way closes what it started)
     lock = tracker = actor = critic = rollout = reference = teacher = reward = reward_model = judge = None
     placement = rollout_placement = None
@@ -258,35 +250,12 @@ class GRPOTrainer:
                                                                                batch["response_mask"], response_rows,
                                                                                messages, env_rewards))
             if self.reward_model is not None:
-                rewards = self._add_model_scores(rewards, extras, response_rows, texts, messages)
+                rewards = add_model_scores(self.reward_model, self.job.reward.model, rewards, extras, response_rows,
+                                           texts, messages)
             if self.judge is not None:
-                rewards = self._add_judge_scores(rewards, extras, response_rows, texts)
+                rewards = add_judge_scores(self.judge, self.job.reward.judge, rewards, extras, response_rows, texts)
         batch["rewards"] = rewards
         return batch, extras, errors
-
-    def _add_model_scores(self, rule: torch.Tensor, extras: list[dict], rows, texts: list[str], messages) -> torch.Tensor:
-        """reward.model: rule_weight · the function's rewards + weight · the reward model's scores; each sample's
-        two parts join its extras (reward/rule_mean, reward/model_mean)."""
-        config = self.job.reward.model
-        scores = ray.get(self.reward_model.score.remote([row.prompt for row in rows], texts, messages))
-        for extra, rule_value, score in zip(extras, rule.tolist(), scores.tolist()):
-            extra.update(rule=rule_value, model=score)
-        return config.rule_weight * rule + config.weight * scores
-
-    def _add_judge_scores(self, before: torch.Tensor, extras: list[dict], rows, texts: list[str]) -> torch.Tensor:
-        """reward.judge: rule_weight · the reward so far + weight · the judge's scores; a batch past the judge's
-        timeout scores 0, each sample counted as a failed verdict (reward/judge_failed_mean)."""
-        config = self.job.reward.judge
-        ref = self.judge.score.remote([row.prompt for row in rows], texts, [row.ground_truth for row in rows])
-        try:
-            scores, failed = ray.get(ref, timeout=config.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            logger.warning("reward.judge: no verdicts within reward.judge.timeout_s=%s s; the batch's %d samples "
-                           "score 0", config.timeout_s, len(rows))
-            scores, failed = torch.zeros(len(rows)), torch.ones(len(rows), dtype=torch.bool)
-        for extra, score, miss in zip(extras, scores.tolist(), failed.tolist()):
-            extra.update(judge=score, judge_failed=float(miss))
-        return config.rule_weight * before + config.weight * scores
 
     def _collect(self, step: int, timer: StepTimer):
         """A batch of data.batch_size prompt groups (collect_groups), with the reward extras and error count of
@@ -458,81 +427,6 @@ class GRPOTrainer:
         start = time.monotonic()
         self.producer.publish(version, self.weight_push.snapshot())
         return time.monotonic() - start
-
-    # ---------------------------------------------------------------- checkpoints
-    def save(self, step: int) -> Path:
-        """A checkpoint of this step (rltrain/checkpoint.py): every actor rank writes its part of the weights and
-        optimizer state (with trainer.save_hf also an HF copy), then this process the trainer state, last."""
-        actor, job = self.actor, self.job
-        # asynchronous modes: the sampler as of the last trained batch, and the steps queued or in flight, which a
-        # resumed run drops (and generates again from the same prompts)
-        state = {"sampler": self.trained_sampler_state or self.sampler.state_dict(), "initial_val": self.initial_val,
-                 "lr_scheduler": ray.get(actor.lr_scheduler_state.remote()), "mode": job.trainer.mode,
-                 "pending": self.producer.pending() if self.producer is not None else {},
-                 "kl_control": self.kl_control.state_dict()}
-        if self.critic is not None:
-            state["critic_lr_scheduler"] = ray.get(self.critic.lr_scheduler_state.remote())
-
-        def save_actor(path: Path) -> None:
-            on_every_rank(actor, "save_checkpoint", str(path), job.trainer.save_hf, context="saving a checkpoint")
-            if self.critic is not None:
-                (path / ckpt.CRITIC_DIR).mkdir()
-                on_every_rank(self.critic, "save_checkpoint", str(path / ckpt.CRITIC_DIR), False,
-                              context="saving the critic's checkpoint")
-
-        path = ckpt.save_checkpoint(str(self.output_dir), step, save_actor, self.model_dir, self.saved_tokenizer,
-                                    state, job.actor.lora)
-        logger.info("saved checkpoint %s", path)
-        return path
-
-    def maybe_resume(self) -> None:
-        """Load the checkpoint trainer.resume names (auto: the newest complete one), then rewind the metrics to its
-        step; with none (never, or auto finding none) the metrics start over."""
-        mode = self.job.trainer.resume
-        path = self._checkpoint_to_resume(mode)
-        if path is not None:
-            self._resume_from(path)
-        self.tracker.rewind(self.step if path is not None else None)
-
-    def _checkpoint_to_resume(self, mode: str) -> Path | None:
-        if mode == "never":
-            return None
-        if mode != "auto":
-            return Path(mode)
-        path, skipped = ckpt.newest_complete_checkpoint(str(self.output_dir))
-        for incomplete, reason in skipped:
-            logger.warning("trainer.resume=auto: skipped the incomplete checkpoint %s (%s)", incomplete, reason)
-        return path
-
-    def _resume_from(self, path: Path) -> None:
-        if not path.is_dir():
-            raise FileNotFoundError(f"trainer.resume: no checkpoint directory {str(path)!r}")
-        state = ckpt.load_trainer_state(path)
-        lora = self.job.actor.lora.enabled
-        if ckpt.holds_adapters(path) != lora:
-            held = "LoRA adapters" if not lora else "a full model, no LoRA adapters"
-            raise ConfigError(f"trainer.resume: checkpoint {str(path)!r} holds {held}, but actor.lora.rank is "
-                              f"{self.job.actor.lora.rank}; resume with the run's actor.lora, or trainer.resume=never")
-        critic_dir = path / ckpt.CRITIC_DIR
-        if (self.critic is not None) != critic_dir.is_dir():
-            held = "a critic" if critic_dir.is_dir() else "no critic"
-            raise ConfigError(f"trainer.resume: checkpoint {str(path)!r} holds {held}, but algorithm.adv_estimator "
-                              f"is {self.job.algorithm.adv_estimator}; resume with the run's estimator, or "
-                              "trainer.resume=never")
-        # every rank reads what its shards cover, whatever the world size that wrote them
-        on_every_rank(self.actor, "load_checkpoint", str(path), context="trainer.resume")
-        ray.get(self.actor.load_lr_scheduler_state.remote(state["lr_scheduler"]))
-        if self.critic is not None:
-            on_every_rank(self.critic, "load_checkpoint", str(critic_dir), context="trainer.resume (the critic)")
-            ray.get(self.critic.load_lr_scheduler_state.remote(state["critic_lr_scheduler"]))
-        self.push_weights()  # the checkpoint's weights (or adapters) from the actor into every rollout process
-        self.sampler.load_state_dict(state["sampler"])
-        ckpt.set_rng_state(state["rng"])
-        self.step, self.initial_val = state["step"], state.get("initial_val")
-        self.kl_control.load_state_dict(state["kl_control"])
-        logger.info("resumed from %s at step %d", path, self.step)
-        if state.get("pending"):
-            logger.warning(dropped_on_resume(state, self.job.rollout.n))
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> dict:

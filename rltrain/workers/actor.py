@@ -13,14 +13,12 @@ algorithm.distill.kl=exact the worker also holds the frozen teacher (in model.dt
 gains coef × the exact reverse KL to it (linear_kl_div from both models' hidden states; actor/distill_kl).
 FSDPActorWorker is the same role sharded over the ranks of a WorkerGroup (actor.strategy=fsdp2;
 rltrain/workers/fsdp.py), with actor.ulysses_sequence_parallel_size > 1 also splitting each packed row's tokens over
-groups of ranks (rltrain/workers/ulysses.py)."""
+groups of ranks (rltrain/workers/ulysses.py). The `actor.*` config: rltrain/workers/actor_config.py; checkpoints:
+rltrain/workers/actor_checkpoint.py."""
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,18 +31,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.tensor import DTensor
 
 from rltrain.algorithms.config import DistillConfig, LossConfig
-from rltrain.checkpoint import HF_DIR, MODEL_DIR, OPTIMIZER_DIR
-from rltrain.config import require
-from rltrain.distributed_checkpoint import (
-    check_fits, check_visible_on_every_rank, load_state, materialize_optimizer_state, save_state,
-)
 from rltrain.perf import ModelShape
+from rltrain.workers.actor_checkpoint import ActorCheckpoints
+from rltrain.workers.actor_config import ActorConfig, LRSchedule
 from rltrain.workers.batch import IGNORE_INDEX, split
-from rltrain.workers.fsdp import FSDPConfig, ShardedPolicy, keyed_by_index
-from rltrain.workers.lora import (
-    LoraConfig, adapter_weights, adapters_disabled, attach_lora, is_adapter_weight, save_peft_adapter,
-)
-from rltrain.workers.packing import MicroBatching, Packing
+from rltrain.workers.fsdp import ShardedPolicy, keyed_by_index
+from rltrain.workers.lora import adapter_weights, adapters_disabled, attach_lora, save_peft_adapter
+from rltrain.workers.packing import Packing
 from rltrain.workers.policy import (
     DTYPES, assemble_rows, load_policy, plan_buckets, policy_hidden, release_cached_memory, resolve_batching,
     response_labels, response_logprobs, set_threads, untied_state_dict,
@@ -52,9 +45,6 @@ from rltrain.workers.policy import (
 from rltrain.workers.precision import MasterWeights, stored_fp32_weights, trained_dtype
 from rltrain.workers.router import ROUTING, RouterBalance, replay_tokens, scored_token_mask, scored_tokens
 from rltrain.workers.weight_sync import WeightSource
-
-STRATEGIES = ("single", "fsdp2")
-LR_SCHEDULERS = ("constant", "cosine", "linear")
 
 
 def weighted_advantages(batch: TensorDict) -> torch.Tensor:
@@ -70,105 +60,6 @@ def weighted_advantages(batch: TensorDict) -> torch.Tensor:
     return (advantages if advantages.dim() == 2 else advantages.unsqueeze(1)) * batch["rollout_is_weights"]
 
 
-ROUTER_REPLAY = ("disabled", "R3")
-
-
-@dataclass
-class RouterReplayConfig:
-    mode: str = "disabled"   # disabled | R3: route every token as the rollout engine did (rltrain/workers/router.py)
-
-    def validate(self):
-        require(self.mode in ROUTER_REPLAY, "mode", f"must be one of {', '.join(ROUTER_REPLAY)}", self.mode)
-
-
-@dataclass
-class ActorConfig:
-    lr: float = 5e-4
-    lr_scheduler: str = "constant"   # constant | cosine | linear: after the warm-up, over trainer.total_steps updates
-    lr_warmup_steps: int = 0         # the first N updates ramp the rate up linearly; 0 = lr_warmup_ratio decides
-    lr_warmup_ratio: float = 0.0     # the warm-up as a share of trainer.total_steps (with lr_warmup_steps 0)
-    min_lr_ratio: float = 0.0        # cosine / linear end at lr × this
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    ppo_epochs: int = 1          # passes over each batch, mini-batches reshuffled every pass
-    mini_batch_size: int = 0     # responses per optimizer step; 0 = the whole batch (one step per pass)
-    micro_batch_size: int = 64   # responses per forward/backward (gradient accumulation inside a mini-batch)
-    use_remove_padding: bool = True          # pack each micro-batch's sequences into one row (no padding)
-    max_tokens_per_micro_batch: int = 16384  # packed: micro-batches by token budget (per rank); 0 = by rows
-    torch_threads: int = 0       # 0 = all cores
-    strategy: str = "single"     # single: one process | fsdp2: trainer.nnodes × n_gpus_per_node sharded ranks
-    gradient_checkpointing: bool = False
-    mixed_precision: bool = True  # fp32 trained weights and optimizer state, model.dtype compute; false: in place
-    weight_bucket_mb: int = 256  # the weight push sends full tensors in buckets of about this size
-    router_aux_loss_coef: float = 0.0  # MoE policies: weight of the routers' load-balancing loss (router.py)
-    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  # MoE: the rollout's routing
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    ulysses_sequence_parallel_size: int = 1  # fsdp2, packed: ranks that split each packed row's tokens; 1 = off
-    lora: LoraConfig = field(default_factory=LoraConfig)
-
-    def validate(self):
-        require(self.strategy in STRATEGIES, "strategy", f"must be one of {', '.join(STRATEGIES)}", self.strategy)
-        require(self.weight_bucket_mb >= 1, "weight_bucket_mb", "must be >= 1", self.weight_bucket_mb)
-        require(self.router_aux_loss_coef >= 0, "router_aux_loss_coef", "must be >= 0 (0 = off)",
-                self.router_aux_loss_coef)
-        require(self.lr > 0, "lr", "must be > 0", self.lr)
-        require(self.lr_scheduler in LR_SCHEDULERS, "lr_scheduler", f"must be one of {', '.join(LR_SCHEDULERS)}",
-                self.lr_scheduler)
-        require(self.lr_warmup_steps >= 0, "lr_warmup_steps", "must be >= 0", self.lr_warmup_steps)
-        require(0 <= self.lr_warmup_ratio < 1, "lr_warmup_ratio", "must be in [0, 1)", self.lr_warmup_ratio)
-        require(self.lr_warmup_steps == 0 or self.lr_warmup_ratio == 0, "lr_warmup_ratio",
-                "set lr_warmup_steps or lr_warmup_ratio, not both", self.lr_warmup_ratio)
-        require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]", self.min_lr_ratio)
-        require(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1", self.ppo_epochs)
-        require(self.grad_clip > 0, "grad_clip", "must be > 0", self.grad_clip)
-        require(self.mini_batch_size >= 0, "mini_batch_size", "must be >= 0", self.mini_batch_size)
-        require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1", self.micro_batch_size)
-        sp = self.ulysses_sequence_parallel_size
-        require(sp >= 1, "ulysses_sequence_parallel_size", "must be >= 1 (1 = off)", sp)
-        require(sp == 1 or self.strategy == "fsdp2", "ulysses_sequence_parallel_size",
-                f"> 1 needs actor.strategy=fsdp2 (got {self.strategy!r})", sp)
-        require(sp == 1 or self.use_remove_padding, "ulysses_sequence_parallel_size",
-                "> 1 splits packed rows: needs actor.use_remove_padding=true", sp)
-        require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", "must be >= 0 (0 = by rows)",
-                self.max_tokens_per_micro_batch)
-
-    @property
-    def micro_batching(self) -> MicroBatching:
-        return MicroBatching(self.micro_batch_size, self.use_remove_padding, self.max_tokens_per_micro_batch)
-
-
-@dataclass(frozen=True)
-class LRSchedule:
-    """actor.lr_scheduler as a factor of actor.lr for update u = 0, 1, ... of the run. The first `warmup` updates
-    ramp up linearly, u -> (u + 1) / warmup; then `constant` stays at 1, and `cosine` / `linear` fall from 1 at
-    update `warmup` to min_lr_ratio at update total - 1, the run's last (total: trainer.total_steps, one update per
-    step), and stay there."""
-
-    kind: str = "constant"
-    total: int = 1
-    warmup: int = 0
-    min_ratio: float = 0.0
-
-    @classmethod
-    def of(cls, config: ActorConfig, total_steps: int | None) -> "LRSchedule":
-        if total_steps is None:
-            if config.lr_scheduler != "constant" or config.lr_warmup_ratio:
-                raise ValueError(f"actor.lr_scheduler={config.lr_scheduler!r} / lr_warmup_ratio need the run's "
-                                 "total_steps")
-            total_steps = 1
-        warmup = config.lr_warmup_steps or round(config.lr_warmup_ratio * total_steps)
-        return cls(config.lr_scheduler, total_steps, warmup, config.min_lr_ratio)
-
-    def factor(self, update: int) -> float:
-        if update < self.warmup:
-            return (update + 1) / self.warmup
-        if self.kind == "constant":
-            return 1.0
-        progress = min(1.0, (update - self.warmup) / max(1, self.total - 1 - self.warmup))
-        decay = 0.5 * (1 + math.cos(math.pi * progress)) if self.kind == "cosine" else 1 - progress
-        return self.min_ratio + (1 - self.min_ratio) * decay
-
-
 def minibatch_order(size: int, seed: int, step: int, epoch: int) -> torch.Tensor:
     """The row order of one pass over a batch of `size` rows: a permutation seeded by (seed, step, pass), the same
     on every FSDP rank and in a resumed run."""
@@ -176,7 +67,7 @@ def minibatch_order(size: int, seed: int, step: int, epoch: int) -> torch.Tensor
     return torch.randperm(size, generator=generator)
 
 
-class ActorWorker(WeightSource):
+class ActorWorker(ActorCheckpoints, WeightSource):
     adapters = None  # the PeftModel wrapping self.model with actor.lora on
     teacher = None   # algorithm.distill.kl=exact: the frozen teacher whose KL joins the loss (FSDPActorWorker: never)
     update_logprobs = None  # an on-policy update's (row indices, log-probs) per micro-batch of this process
@@ -428,84 +319,6 @@ class ActorWorker(WeightSource):
         The weight push exports one bucket of bucket_names at a time (rltrain/workers/weight_sync.py)."""
         state = self.pushed_weights()
         return {name: state[name].detach() for name in names}
-
-    def _checkpointed_weights(self):
-        """A context in which the model's parameters hold the weights a checkpoint saves and loads: the fp32 masters
-        where there are any (MasterWeights.in_model), else the model's own."""
-        return self.master.in_model() if self.master is not None else nullcontext()
-
-    def state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The trained weights as CPU tensors by state_dict name (fp32 under actor.mixed_precision; None on ranks
-        other than 0 under FSDP2)."""
-        with self._checkpointed_weights():
-            return {name: tensor.detach().cpu() for name, tensor in self.model.state_dict().items()}
-
-    def optimizer_state(self) -> dict:
-        """The optimizer state whole, in torch.optim's layout (parameter indices; None on ranks other than 0 under
-        FSDP2): what tests compare the strategies with. Checkpoints hold it by name (_optimizer_checkpoint_state)."""
-        return self.optimizer.state_dict()
-
-    def lr_scheduler_state(self) -> dict:
-        """The schedule's position (JSON-safe): the updates done."""
-        return {"updates": self.updates}
-
-    def load_lr_scheduler_state(self, state: dict) -> None:
-        self.updates = int(state["updates"])
-
-    # ------------------------------------------------------------------ checkpoints (rltrain/checkpoint.py: layout)
-    # One code path for both strategies: the states below are this process's tensors themselves (DTensors holding
-    # this rank's shards under FSDP2), which DCP writes from and reads into in place (rltrain/distributed_checkpoint.py)
-    def _model_checkpoint_state(self) -> dict[str, torch.Tensor]:
-        """The model's state_dict (a tied weight once, under its first name), or with LoRA its adapters alone (the
-        frozen base is model.path's); call inside _checkpointed_weights() for the fp32 masters."""
-        state = untied_state_dict(self.model)
-        return state if self.adapters is None else {n: t for n, t in state.items() if is_adapter_weight(n)}
-
-    def _optimizer_checkpoint_state(self) -> dict[str, torch.Tensor]:
-        """The optimizer's own state tensors as `<parameter name>.<key>` (a fresh optimizer's made first)."""
-        materialize_optimizer_state(self.optimizer)
-        named = self.master.masters.items() if self.master is not None else self.model.named_parameters()
-        names = {id(param): name for name, param in named}
-        state = {}
-        for param in (p for group in self.optimizer.param_groups for p in group["params"]):
-            for key, value in self.optimizer.state[param].items():
-                if not torch.is_tensor(value):
-                    raise TypeError(f"optimizer state {key!r} of {names[id(param)]} is not a tensor: {value!r}")
-                state[f"{names[id(param)]}.{key}"] = value
-        return state
-
-    def save_checkpoint(self, path: str, save_hf: bool = False) -> None:
-        """This process's part of the trained weights and the optimizer state into `path`/model and
-        `path`/optimizer (under FSDP2 every rank calls it and writes its own shards); with save_hf also the policy
-        into `path`/hf (save_pretrained: under FSDP2 gathered onto rank 0)."""
-        check_visible_on_every_rank(path)
-        with self._checkpointed_weights():
-            save_state(self._model_checkpoint_state(), Path(path) / MODEL_DIR)
-        save_state(self._optimizer_checkpoint_state(), Path(path) / OPTIMIZER_DIR)
-        if save_hf:
-            self.save_pretrained(str(Path(path) / HF_DIR))
-
-    def load_checkpoint(self, path: str) -> None:
-        """A checkpoint directory's model/ and optimizer/, written by any strategy and world size, into this
-        process's weights (the fp32 masters, then rounded into the model) and optimizer state; CheckpointError
-        naming the directory when they do not fit this model (every rank raises before any reads)."""
-        check_visible_on_every_rank(path)
-        with self._checkpointed_weights():
-            parts = [(self._model_checkpoint_state(), Path(path) / MODEL_DIR, "the model"),
-                     (self._optimizer_checkpoint_state(), Path(path) / OPTIMIZER_DIR, "the optimizer state")]
-            for state, directory, what in parts:
-                check_fits(state, directory, what)
-            for state, directory, what in parts:
-                load_state(state, directory, what)
-        if self.master is not None:
-            self.master.copy_to_model()
-
-    def save_pretrained(self, path: str) -> None:
-        """The policy in HF format, or with LoRA its adapters in PEFT's (adapter_config.json naming the base model's
-        directory, adapter_model.safetensors); the fp32 masters where there are any."""
-        with self._checkpointed_weights():
-            (self.model if self.adapters is None else self.adapters).save_pretrained(path)
-
 
 class FSDPActorWorker(ShardedPolicy, ActorWorker):
     """ActorWorker whose model is sharded across the ranks of its WorkerGroup (rltrain/workers/fsdp.py says how)."""

@@ -26,7 +26,8 @@ import torch
 from tensordict import TensorDict
 
 from rltrain.config import require
-from rltrain.workers.actor import ActorConfig, ActorWorker, FSDPActorWorker, RouterReplayConfig
+from rltrain.workers.actor import ActorWorker, FSDPActorWorker
+from rltrain.workers.actor_config import ActorConfig, RouterReplayConfig
 from rltrain.workers.packing import Packing
 from rltrain.workers.policy import release_cached_memory
 

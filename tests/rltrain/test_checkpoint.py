@@ -26,7 +26,8 @@ from rltrain.checkpoint import (
 )
 from rltrain.distributed_checkpoint import read_state, save_state
 from rltrain.output_dir import remove_unfinished
-from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.lora import LoraConfig
 from rltrain.workers.policy import DTYPES, load_tokenizer
 from tests.rltrain.tiny_job import save_tiny_policy

@@ -23,7 +23,8 @@ from rltrain_kernels.registry import KernelConfig, get_applied_kernels
 from tensordict import TensorDict
 
 from rltrain.algorithms.config import LossConfig
-from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from tests.helpers import ON_GPU, rel_error
 
 VOCAB, ROWS, PROMPT_WIDTH, RESPONSE_WIDTH = 128, 8, 6, 10

@@ -16,7 +16,8 @@ from rltrain.config import ConfigError
 from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.job import load_job_config
 from rltrain.main_grpo import run
-from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.reference import check_teacher
 from tests.rltrain.test_trainer_e2e import _record_started_roles, _records
 from tests.rltrain.tiny_job import TINY, merge, save_tiny_policy, tiny_job

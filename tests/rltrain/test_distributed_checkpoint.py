@@ -16,7 +16,8 @@ from rltrain.distributed_checkpoint import (
     CheckpointError, check_visible_on_every_rank, load_state, read_metadata, read_state, save_state,
     unreadable_reason,
 )
-from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.lora import LoraConfig
 from tests.rltrain.tiny_job import save_tiny_policy
 

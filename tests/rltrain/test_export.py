@@ -23,7 +23,8 @@ from rltrain.embedded.config import EmbeddedModelConfig
 from rltrain.embedded.model import build_model
 from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.export import export, main
-from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.packing import MicroBatching
 from rltrain.workers.policy import load_tokenizer
 from rltrain.workers.reference import ReferenceWorker

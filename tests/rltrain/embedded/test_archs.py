@@ -22,7 +22,8 @@ from rltrain.data.sampler import encode_prompts
 from rltrain.embedded.config import EmbeddedModelConfig, TaskConfig
 from rltrain.embedded.model import DEFAULT_LAYERS, embedded_policy_dir, layer_types
 from rltrain.embedded.task import make_rows
-from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 
 # The full default of every arch must end within 10 minutes. The Qwen3's took 4.1 min (0.7 s/step), 3.5 of them in

@@ -27,7 +27,8 @@ from rltrain.algorithms.config import LossConfig
 from rltrain.config import ConfigError
 from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.tools import MultiTurnConfig, ToolPool
-from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.agent_loop import AgentLoop, ToolTurns, Turn, episode_metrics
 from rltrain.workers.hf_engine import HFTurns
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker

@@ -13,7 +13,7 @@ from rltrain.algorithms.config import LossConfig
 from rltrain.data.sampler import encode_prompts
 from rltrain.embedded.model import embedded_policy_dir
 from rltrain.embedded.task import make_rows
-from rltrain.workers.actor import ActorConfig
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.critic import CriticConfig, CriticWorker, FSDPCriticWorker, value_loss, value_metrics
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from tests.helpers import rel_error

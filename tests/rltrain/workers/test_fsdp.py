@@ -26,7 +26,8 @@ from rltrain.data.sampler import encode_prompts
 from rltrain.embedded.model import embedded_policy_dir
 from rltrain.embedded.task import make_rows
 from rltrain.config import ConfigError
-from rltrain.workers.actor import ActorConfig, ActorWorker, FSDPActorWorker
+from rltrain.workers.actor import ActorWorker, FSDPActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.fsdp import FSDPConfig, rank_micro_batches
 from rltrain.workers.packing import MicroBatching
 from rltrain.workers.policy import DTYPES

@@ -20,7 +20,8 @@ from rltrain.algorithms.config import LossConfig
 from rltrain.checkpoint import MODEL_DIR, OPTIMIZER_DIR, write_hf_files
 from rltrain.distributed_checkpoint import CheckpointError
 from rltrain.export import export
-from rltrain.workers.actor import ActorConfig, ActorWorker, FSDPActorWorker
+from rltrain.workers.actor import ActorWorker, FSDPActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.policy import load_tokenizer
 from tests.rltrain.tiny_job import save_tiny_policy
 

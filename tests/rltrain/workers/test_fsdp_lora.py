@@ -28,7 +28,8 @@ from tensordict import TensorDict
 
 from rltrain.algorithms.advantages import compute_advantages
 from rltrain.algorithms.config import LossConfig
-from rltrain.workers.actor import ActorConfig, ActorWorker, FSDPActorWorker
+from rltrain.workers.actor import ActorWorker, FSDPActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.lora import LoraConfig, adapter_weights, is_adapter_weight
 from tests.rltrain.tiny_job import save_tiny_policy
 from tests.rltrain.workers.test_fsdp import TOLERANCES, rel_err

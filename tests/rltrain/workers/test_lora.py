@@ -30,7 +30,8 @@ from rltrain.checkpoint import save_checkpoint
 from rltrain.config import ConfigError
 from rltrain.distributed_checkpoint import read_state
 from rltrain.export import main as export_main
-from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.lora import (LoraConfig, adapter_modules_of, adapter_weights, check_target_modules,
                                   check_target_modules_of, is_adapter_weight, peft_checkpoint_name,
                                   save_peft_adapter)

@@ -17,7 +17,8 @@ from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
 
 from rltrain.algorithms.config import LossConfig
-from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.batch import IGNORE_INDEX
 from rltrain.workers.packing import (
     MicroBatching, Packing, balanced_groups, response_lengths, sequence_lengths, token_budget_groups, trim_padding,

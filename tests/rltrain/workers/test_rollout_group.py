@@ -20,7 +20,8 @@ from rltrain.algorithms.config import LossConfig
 from rltrain.embedded.config import EmbeddedModelConfig
 from rltrain.embedded.model import build_model
 from rltrain.embedded.tokenizer import build_char_tokenizer
-from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.batch import concat_batches
 from rltrain.workers.group import PlacementError, place_model_roles
 from rltrain.workers.packing import MicroBatching

@@ -10,7 +10,8 @@ from rltrain.algorithms.config import LossConfig
 from rltrain.data.sampler import encode_prompts
 from rltrain.embedded.model import embedded_policy_dir
 from rltrain.embedded.task import make_rows
-from rltrain.workers.actor import ActorConfig, ActorWorker, RouterReplayConfig
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.actor_config import ActorConfig, RouterReplayConfig
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from rltrain.workers.router import ROUTING, router_classes
 from tests.helpers import rel_error

@@ -10,7 +10,8 @@ from rltrain.algorithms.config import LossConfig
 from rltrain.data.sampler import encode_prompts
 from rltrain.embedded.model import embedded_policy_dir
 from rltrain.embedded.task import make_rows
-from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.batch import model_inputs
 from rltrain.workers.packing import MicroBatching
 from rltrain.workers.reference import ReferenceWorker

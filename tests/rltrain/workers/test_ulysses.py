@@ -24,7 +24,7 @@ from rltrain import trainer as trainer_module
 from rltrain.config import ConfigError
 from rltrain.job import load_job_config
 from rltrain.main_grpo import run
-from rltrain.workers.actor import ActorConfig
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.fsdp import rank_micro_batches
 from rltrain.workers.packing import Packing
 from rltrain.workers.policy import load_policy, resolve_batching

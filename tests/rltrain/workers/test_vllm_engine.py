@@ -16,7 +16,8 @@ import torch
 
 from rltrain.algorithms.config import LossConfig
 from rltrain.embedded.tokenizer import build_char_tokenizer
-from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from tests.rltrain.tiny_job import save_tiny_policy
 from tests.rltrain.vllm_device import MISMATCH, WORKER_SLEEP

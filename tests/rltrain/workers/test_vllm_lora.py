@@ -23,7 +23,8 @@ import torch
 from rltrain.algorithms.config import LossConfig
 from rltrain.config import ConfigError
 from rltrain.embedded.tokenizer import build_char_tokenizer
-from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.lora import LoraConfig, adapter_modules_of, peft_checkpoint_name
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from rltrain.workers.vllm_lora import (VLLM_LORA_RANKS, adapter_directory, check_adapter_modules, check_lora_dtype,

@@ -28,7 +28,8 @@ from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.tools import MultiTurnConfig
 from rltrain.tools.base import ToolCall
 from rltrain.tools.parsers import ParsedTurn
-from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.agent_loop import AgentLoop
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from rltrain.workers.sampling import response_seeds

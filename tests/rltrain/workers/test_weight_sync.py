@@ -19,7 +19,8 @@ import torch
 from tensordict import TensorDict
 
 from rltrain.algorithms.config import LossConfig
-from rltrain.workers.actor import ActorConfig, ActorWorker
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.weight_sync import (
     ALIGN_BYTES, ExportedBucket, HostBuffer, IpcBuffer, pack, plan_layout, plan_sources, receive, unpack,
 )
