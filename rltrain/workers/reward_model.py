@@ -5,10 +5,15 @@ reward/rule_mean and reward/model_mean logged per step.
 
 A conversation is the row's prompt (text as one user message, or its chat messages) and the response as the
 assistant's message (a multi-turn episode: its own messages), rendered with the reward model's chat template, or
-as plain prompt + response text where it has none. Each row's score is the `score` head's output at its last token
-(right padding, the head's per-token output taken by a forward hook), so it does not depend on a pad token id that a
-model's own pooling would look for; the conversation is cut from the left to reward.model.max_length tokens, keeping
-the response.
+as plain prompt + response text where it has none. Each conversation's score is the `score` head's output at its last
+token, so it does not depend on a pad token id that a model's own pooling would look for; the conversation is cut from
+the left to reward.model.max_length tokens, keeping the response.
+
+Batches are packed like the actor's (reward.model.use_remove_padding): conversations laid back to back in one row per
+micro-batch of at most reward.model.max_tokens_per_micro_batch tokens, variable-length attention keeping them apart
+(rltrain/workers/attention.py), the head applied at each one's last token. With packing off, or a model whose layers
+take no sequence boundaries, micro-batches of reward.model.micro_batch_size right-padded rows (the head's per-token
+output taken by a forward hook).
 """
 
 from __future__ import annotations
@@ -17,11 +22,17 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import logging
+
 import torch
 import transformers as tf
 
 from rltrain.config import ConfigError, require
-from rltrain.workers.policy import DTYPES, load_tokenizer, release_cached_memory, set_threads
+from rltrain.workers.attention import use_packed_attention, varlen_kwargs
+from rltrain.workers.packing import token_budget_groups
+from rltrain.workers.policy import DTYPES, can_pack, load_tokenizer, release_cached_memory, set_threads
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,8 +40,10 @@ class RewardModelConfig:
     path: str | None = None    # a sequence-classification checkpoint with one label; null = no reward model
     weight: float = 1.0        # its score's weight in the reward
     rule_weight: float = 1.0   # the reward function's weight (0: the reward model alone)
-    micro_batch_size: int = 8  # conversations per forward pass
+    micro_batch_size: int = 8  # padded: conversations per forward pass
     max_length: int = 4096     # tokens of a conversation the model reads (cut from the left)
+    use_remove_padding: bool = True          # pack each micro-batch's conversations into one row (no padding)
+    max_tokens_per_micro_batch: int = 16384  # packed: tokens per forward pass; 0 = micro_batch_size conversations
 
     @property
     def enabled(self) -> bool:
@@ -45,6 +58,8 @@ class RewardModelConfig:
         require(math.isfinite(self.rule_weight), "rule_weight", "must be a finite number", self.rule_weight)
         require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1", self.micro_batch_size)
         require(self.max_length >= 2, "max_length", "must be >= 2", self.max_length)
+        require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", "must be >= 0 (0 = by rows)",
+                self.max_tokens_per_micro_batch)
 
 
 class RewardModelWorker:
@@ -68,6 +83,12 @@ class RewardModelWorker:
         if model.config.pad_token_id is None:  # its own pooling refuses batches without one (the hook's is used)
             model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model = model.to(device).eval().requires_grad_(False)
+        self.packed = config.use_remove_padding and can_pack(model)
+        if self.packed:
+            use_packed_attention(model)  # for good: this worker runs packed rows only
+        elif config.use_remove_padding:
+            logger.warning("reward.model.use_remove_padding: %s has layers that take no sequence boundaries; "
+                           "scoring padded rows", type(model).__name__)
         self._token_scores: torch.Tensor | None = None
         head.register_forward_hook(self._keep_token_scores)
 
@@ -90,14 +111,34 @@ class RewardModelWorker:
         texts = [self.render(p, r, None if messages is None else m)
                  for p, r, m in zip(prompts, responses, messages or [None] * len(prompts))]
         templated = bool(self.tokenizer.chat_template)  # a template writes its own special tokens
-        scores = []
-        for start in range(0, len(texts), self.config.micro_batch_size):
-            encoded = self.tokenizer(texts[start:start + self.config.micro_batch_size], return_tensors="pt",
-                                     padding=True, truncation=True, max_length=self.config.max_length,
-                                     add_special_tokens=not templated).to(self.device)
-            self.model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"])
-            last = encoded["attention_mask"].sum(1) - 1
-            rows = torch.arange(last.shape[0], device=last.device)
-            scores.append(self._token_scores[rows, last, 0].float().cpu())
+        ids = self.tokenizer(texts, truncation=True, max_length=self.config.max_length,
+                             add_special_tokens=not templated)["input_ids"]
+        scores = torch.zeros(len(ids))
+        for group in self._micro_batches([len(row) for row in ids]):
+            rows = [ids[i] for i in group]
+            scores[group] = self._packed_scores(rows) if self.packed else self._padded_scores(rows)
         release_cached_memory()   # the GPU it shares: the actor trains next, the engine wakes after
-        return torch.cat(scores) if scores else torch.zeros(0)
+        return scores
+
+    def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
+        budget, rows = self.config.max_tokens_per_micro_batch, self.config.micro_batch_size
+        if self.packed and budget:
+            return token_budget_groups(lengths, budget)
+        return [list(range(start, min(start + rows, len(lengths)))) for start in range(0, len(lengths), rows)]
+
+    def _packed_scores(self, rows: list[list[int]]) -> torch.Tensor:
+        """One packed row of these conversations: the head at each one's last token."""
+        lengths = torch.tensor([len(row) for row in rows])
+        cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).to(self.device)
+        input_ids = torch.tensor([token for row in rows for token in row], device=self.device)[None]
+        positions = torch.cat([torch.arange(n) for n in lengths.tolist()]).to(self.device)[None]
+        hidden = self.model.base_model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                                       **varlen_kwargs(cu_seqlens, int(lengths.max()))).last_hidden_state
+        return self.model.score(hidden[0, cu_seqlens[1:] - 1]).float()[:, 0].cpu()
+
+    def _padded_scores(self, rows: list[list[int]]) -> torch.Tensor:
+        """Right-padded rows of these conversations: the head's output at each one's last token."""
+        encoded = self.tokenizer.pad({"input_ids": rows}, return_tensors="pt").to(self.device)
+        self.model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"])
+        last = encoded["attention_mask"].sum(1) - 1
+        return self._token_scores[torch.arange(len(rows), device=last.device), last, 0].float().cpu()

@@ -1,9 +1,9 @@
 """The reward model (reward.model): a tiny Qwen2.5-Instruct-shaped sequence classifier built from config, with the
 release's tokenizer and chat template (tests/fixtures/releases.py):
 
-- its batched, right-padded scores equal the model's own score of each conversation alone (its chat template over
-  the prompt and response), in micro-batches smaller than the batch; chat-message prompts and multi-turn episodes'
-  messages render through the same template;
+- its scores, packed into rows by a token budget (the default) and right-padded in micro-batches of rows, equal the
+  model's own score of each conversation alone (its chat template over the prompt and response), in micro-batches
+  smaller than the batch; chat-message prompts and multi-turn episodes' messages render through the same template;
 - a conversation over max_length is cut from the left: the score is the one of its last max_length tokens;
 - a bad reward.model.path, a model with two labels, bad weights: errors naming the key;
 - end to end: two GRPO steps with the embedded policy (its own tokenizer) and the reward model log reward/model_mean
@@ -42,38 +42,62 @@ def classifier(tmp_path_factory) -> str:
     return _classifier(tmp_path_factory.mktemp("reward_model"))
 
 
-def _alone(worker: RewardModelWorker, text: str, max_length: int | None = None) -> float:
-    ids = worker.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    if max_length is not None:
-        ids = ids[:, -max_length:]
-    with torch.no_grad():
-        return worker.model(input_ids=ids).logits[0, 0].item()
+@pytest.fixture(scope="module")
+def alone(classifier):
+    """The model's own score of one conversation (its text), loaded apart: the worker's packed model takes only
+    packed rows."""
+    model = tf.AutoModelForSequenceClassification.from_pretrained(classifier, dtype=torch.float32).eval()
+    tokenizer = tf.AutoTokenizer.from_pretrained(classifier)
+
+    def score(text: str, max_length: int | None = None) -> float:
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        if max_length is not None:
+            ids = ids[:, -max_length:]
+        with torch.no_grad():
+            return model(input_ids=ids).logits[0, 0].item()
+    return score
 
 
-def test_batched_scores_equal_each_conversation_scored_alone(classifier):
-    worker = RewardModelWorker(RewardModelConfig(path=classifier, micro_batch_size=3), "float32")
+@pytest.mark.parametrize("batching", [dict(max_tokens_per_micro_batch=150), dict(use_remove_padding=False,
+                                                                                 micro_batch_size=3)],
+                         ids=["packed", "padded"])
+def test_batched_scores_equal_each_conversation_scored_alone(classifier, alone, batching):
+    worker = RewardModelWorker(RewardModelConfig(path=classifier, **batching), "float32")
+    assert worker.packed == batching.get("use_remove_padding", True)
     prompts = ["What is 2 + 3?", "Name a prime.", [{"role": "system", "content": "Be brief."},
                                                     {"role": "user", "content": "7 * 6?"}], "Hi", "Say yes"]
     responses = ["5", "Seven is a prime number, and so is eleven.", "42", "Hello there, how are you today?", "yes"]
     scores = worker.score(prompts, responses)
     assert scores.shape == (5,) and scores.dtype == torch.float32
+    lengths = [len(worker.tokenizer(worker.render(p, r), add_special_tokens=False)["input_ids"])
+               for p, r in zip(prompts, responses)]
+    assert max(map(len, worker._micro_batches(lengths))) >= 2   # conversations share a row (or a padded batch)
     for prompt, response, score in zip(prompts, responses, scores.tolist()):
         text = worker.render(prompt, response)
         assert "<|im_start|>assistant\n" + response in text   # the release's chat template
-        assert score == pytest.approx(_alone(worker, text), abs=1e-5)
+        assert score == pytest.approx(alone(text), abs=1e-5)
     assert len(set(scores.tolist())) == 5
     episode = [{"role": "user", "content": "12+7="}, {"role": "assistant", "content": "calc(12+7)"},
                {"role": "tool", "content": "19"}, {"role": "assistant", "content": "19"}]
     [episode_score] = worker.score(["12+7="], ["ignored"], [episode]).tolist()
-    assert episode_score == pytest.approx(_alone(worker, worker.tokenizer.apply_chat_template(episode, tokenize=False)),
+    assert episode_score == pytest.approx(alone(worker.tokenizer.apply_chat_template(episode, tokenize=False)),
                                           abs=1e-5)
 
 
-def test_a_long_conversation_is_cut_from_the_left(classifier):
+def test_packed_micro_batches_keep_to_the_token_budget(classifier, monkeypatch):
+    worker = RewardModelWorker(RewardModelConfig(path=classifier, max_tokens_per_micro_batch=150), "float32")
+    rows = []
+    monkeypatch.setattr(worker, "_packed_scores", lambda group: rows.append(group) or torch.zeros(len(group)))
+    worker.score(["Hi", "What is 2 + 3?", "Name a prime.", "Say yes"], ["yes", "5", "Seven and eleven.", "yes"])
+    assert len(rows) > 1 and sum(len(group) for group in rows) == 4
+    assert all(sum(map(len, group)) <= 150 or len(group) == 1 for group in rows)
+
+
+def test_a_long_conversation_is_cut_from_the_left(classifier, alone):
     worker = RewardModelWorker(RewardModelConfig(path=classifier, max_length=12), "float32")
     prompt, response = "Tell me a long story about a number " * 4, "Once upon a time there was seven."
     [score] = worker.score([prompt], [response]).tolist()
-    assert score == pytest.approx(_alone(worker, worker.render(prompt, response), max_length=12), abs=1e-5)
+    assert score == pytest.approx(alone(worker.render(prompt, response), max_length=12), abs=1e-5)
 
 
 def test_bad_settings_name_their_key(tmp_path, classifier):
@@ -81,6 +105,8 @@ def test_bad_settings_name_their_key(tmp_path, classifier):
         from_mapping(RewardConfig, {"model": {"path": str(tmp_path)}}, "reward")
     with pytest.raises(ConfigError, match=r"^reward.model.weight: must be a finite number"):
         from_mapping(RewardConfig, {"model": {"path": classifier, "weight": float("nan")}}, "reward")
+    with pytest.raises(ConfigError, match=r"^reward.model.max_tokens_per_micro_batch: must be >= 0"):
+        from_mapping(RewardConfig, {"model": {"path": classifier, "max_tokens_per_micro_batch": -1}}, "reward")
     with pytest.raises(ConfigError, match=r"^reward.model.path: .* with 2 labels; a reward model has one label"):
         RewardModelWorker(RewardModelConfig(path=_classifier(tmp_path / "two", num_labels=2)), "float32")
 
