@@ -66,7 +66,7 @@ from rltrain.workers.lora import check_target_modules_of
 from rltrain.workers.policy import load_tokenizer
 from rltrain.workers.reference import FSDPReferenceWorker, ReferenceWorker, check_teacher
 from rltrain.workers.reward import RewardWorker
-from rltrain.workers.reward_model import RewardModelWorker
+from rltrain.workers.reward_model import FSDPRewardModelWorker, RewardModelWorker
 from rltrain.workers.rollout_group import RolloutReplicas, place_rollout
 from rltrain.workers.vllm_lora import check_lora_dtype
 from rltrain.workers.weight_sync import WeightPush
@@ -204,10 +204,11 @@ class GRPOTrainer(TrainerCheckpoints):
                                      cliprange_value=job.critic.cliprange_value,
                                      **dict(common, model_path=job.critic.model.path or self.model_dir))
         self.reward = ray.remote(RewardWorker).options(num_cpus=0).remote(job.reward, self.model_dir)
-        if reward_model:  # placed like an unsharded reference: a share of bundle 0
-            self.reward_model = start_role(RewardModelWorker, self.placement, share, False, config=job.reward.model,
-                                           dtype=common["dtype"], device=self.device,
-                                           torch_threads=job.actor.torch_threads)
+        if reward_model:  # placed and sharded like the reference
+            self.reward_model = start_role(FSDPRewardModelWorker if sharded else RewardModelWorker, self.placement,
+                                           share, sharded, config=job.reward.model, dtype=common["dtype"],
+                                           device=self.device, torch_threads=job.actor.torch_threads,
+                                           **(dict(fsdp=job.actor.fsdp) if sharded else {}))
         if judge:  # placed like the reward model: a share of bundle 0
             path = self.model_dir if job.reward.judge.path == "policy" else job.reward.judge.path
             self.judge = start_role(JudgeWorker, self.placement, share, False, config=job.reward.judge,

@@ -113,9 +113,10 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     return init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
 
 
-def shard_policy(model, mesh, device: str, config: FSDPConfig,
-                 compute_dtype: torch.dtype | None = None) -> PolicyWithHead:
-    """fully_shard each decoder layer (the classes in the model's `_no_split_modules`), then the root. With a
+def shard_policy(model, mesh, device: str, config: FSDPConfig, compute_dtype: torch.dtype | None = None,
+                 root: type[torch.nn.Module] = PolicyWithHead) -> torch.nn.Module:
+    """fully_shard each decoder layer (the classes in the model's `_no_split_modules`), then the root, `root(model)`
+    (PolicyWithHead; the reward model's ScoringRoot). With a
     compute_dtype other than some weights' (actor.mixed_precision: fp32 shards, model.dtype compute), each unit's
     gathered parameters are cast to it for the forward and backward, and gradients are reduced and kept in fp32
     (on CPU over gloo too)."""
@@ -136,7 +137,7 @@ def shard_policy(model, mesh, device: str, config: FSDPConfig,
         raise ValueError(f"{type(model).__name__} names no decoder layer class in _no_split_modules; FSDP2 needs one")
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=precision, offload_policy=offload)
-    root = PolicyWithHead(model)
+    root = root(model)
     fully_shard(root, mesh=mesh, mp_policy=precision, offload_policy=offload)
     for module in root.modules():
         if isinstance(module, FSDPModule):

@@ -25,11 +25,13 @@ from pathlib import Path
 import logging
 
 import torch
+import torch.distributed as dist
 import transformers as tf
 
 from rltrain.config import ConfigError, require
 from rltrain.workers.attention import use_packed_attention, varlen_kwargs
-from rltrain.workers.packing import token_budget_groups
+from rltrain.workers.fsdp import FSDPConfig, init_distributed, shard_policy
+from rltrain.workers.packing import balanced_groups, token_budget_groups
 from rltrain.workers.policy import DTYPES, can_pack, load_tokenizer, release_cached_memory, set_threads
 
 logger = logging.getLogger(__name__)
@@ -63,9 +65,14 @@ class RewardModelConfig:
 
 
 class RewardModelWorker:
+    root = None   # FSDPRewardModelWorker: the FSDP2 root every forward goes through
+
     def __init__(self, config: RewardModelConfig, dtype: str, device: str = "cpu", torch_threads: int = 0):
         set_threads(torch_threads)
         self.config, self.device = config, device
+        self._load(config, dtype, device)
+
+    def _load(self, config: RewardModelConfig, dtype: str, device: str) -> None:
         path = str(Path(config.path).expanduser())
         self.tokenizer = load_tokenizer(path, padding_side="right", truncation_side="left")
         if self.tokenizer.pad_token_id is None:
@@ -105,18 +112,21 @@ class RewardModelWorker:
             return self.tokenizer.apply_chat_template(messages, tokenize=False)
         return plain if plain is not None else "\n".join(str(m.get("content", "")) for m in messages)
 
-    @torch.no_grad()
-    def score(self, prompts: list, responses: list[str], messages: list[list[dict]] | None = None) -> torch.Tensor:
-        """The model's score of each (prompt, response), or of each multi-turn episode's messages: [B] float32."""
+    def encode(self, prompts: list, responses: list[str], messages: list[list[dict]] | None = None) -> list[list[int]]:
+        """Each conversation's token ids, cut from the left to max_length."""
         texts = [self.render(p, r, None if messages is None else m)
                  for p, r, m in zip(prompts, responses, messages or [None] * len(prompts))]
         templated = bool(self.tokenizer.chat_template)  # a template writes its own special tokens
-        ids = self.tokenizer(texts, truncation=True, max_length=self.config.max_length,
-                             add_special_tokens=not templated)["input_ids"]
+        return self.tokenizer(texts, truncation=True, max_length=self.config.max_length,
+                              add_special_tokens=not templated)["input_ids"]
+
+    @torch.no_grad()
+    def score(self, prompts: list, responses: list[str], messages: list[list[dict]] | None = None) -> torch.Tensor:
+        """The model's score of each (prompt, response), or of each multi-turn episode's messages: [B] float32."""
+        ids = self.encode(prompts, responses, messages)
         scores = torch.zeros(len(ids))
         for group in self._micro_batches([len(row) for row in ids]):
-            rows = [ids[i] for i in group]
-            scores[group] = self._packed_scores(rows) if self.packed else self._padded_scores(rows)
+            scores[group] = self._forward([ids[i] for i in group])
         release_cached_memory()   # the GPU it shares: the actor trains next, the engine wakes after
         return scores
 
@@ -126,19 +136,73 @@ class RewardModelWorker:
             return token_budget_groups(lengths, budget)
         return [list(range(start, min(start + rows, len(lengths)))) for start in range(0, len(lengths), rows)]
 
-    def _packed_scores(self, rows: list[list[int]]) -> torch.Tensor:
+    def _forward(self, rows: list[list[int]]) -> torch.Tensor:
+        """The scores of these conversations in one forward pass (through the FSDP2 root where there is one)."""
+        scores_of = self._packed_scores if self.packed else self._padded_scores
+        return scores_of(self.model, rows) if self.root is None else self.root(scores_of, rows)
+
+    def _packed_scores(self, model, rows: list[list[int]]) -> torch.Tensor:
         """One packed row of these conversations: the head at each one's last token."""
         lengths = torch.tensor([len(row) for row in rows])
         cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).to(self.device)
         input_ids = torch.tensor([token for row in rows for token in row], device=self.device)[None]
         positions = torch.cat([torch.arange(n) for n in lengths.tolist()]).to(self.device)[None]
-        hidden = self.model.base_model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                                       **varlen_kwargs(cu_seqlens, int(lengths.max()))).last_hidden_state
-        return self.model.score(hidden[0, cu_seqlens[1:] - 1]).float()[:, 0].cpu()
+        hidden = model.base_model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                                  **varlen_kwargs(cu_seqlens, int(lengths.max()))).last_hidden_state
+        return model.score(hidden[0, cu_seqlens[1:] - 1]).float()[:, 0].cpu()
 
-    def _padded_scores(self, rows: list[list[int]]) -> torch.Tensor:
+    def _padded_scores(self, model, rows: list[list[int]]) -> torch.Tensor:
         """Right-padded rows of these conversations: the head's output at each one's last token."""
         encoded = self.tokenizer.pad({"input_ids": rows}, return_tensors="pt").to(self.device)
-        self.model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"])
+        model(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"])
         last = encoded["attention_mask"].sum(1) - 1
         return self._token_scores[torch.arange(len(rows), device=last.device), last, 0].float().cpu()
+
+
+class ScoringRoot(torch.nn.Module):
+    """The FSDP2 root of a sharded reward model: `scores_of(model, rows)` in one forward, so the root's parameters
+    (embeddings, final norm, score head) are unsharded while they are used."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, scores_of, rows: list[list[int]]) -> torch.Tensor:
+        return scores_of(self.model, rows)
+
+
+class FSDPRewardModelWorker(RewardModelWorker):
+    """The reward model sharded over the ranks of a WorkerGroup like the reference (actor.strategy=fsdp2, the
+    actor's actor.fsdp settings): each rank scores its share of the conversations (balanced by tokens), every rank
+    running as many forward passes as the busiest (FSDP2's all-gathers pair up), and rank 0 returns all the scores
+    (None elsewhere)."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config: RewardModelConfig,
+                 dtype: str, fsdp: FSDPConfig, device: str = "cpu", torch_threads: int = 0):
+        set_threads(torch_threads)
+        self.config, self.device, self.rank, self.world_size = config, device, rank, world_size
+        mesh = init_distributed(rank, world_size, master_addr, master_port, device, fsdp.mesh_shape(world_size))
+        self._load(config, dtype, "cpu")
+        self.root = shard_policy(self.model, mesh, device, fsdp, DTYPES[dtype], root=ScoringRoot)
+
+    @torch.no_grad()
+    def score(self, prompts: list, responses: list[str], messages: list[list[dict]] | None = None):
+        ids = self.encode(prompts, responses, messages)
+        lengths = [len(row) for row in ids]
+        per_rank = [[[share[i] for i in group] for group in self._micro_batches([lengths[i] for i in share])]
+                    for share in balanced_groups(lengths, self.world_size)]
+        mine, parts = per_rank[self.rank], []
+        for group in mine:
+            parts.append((group, self._forward([ids[i] for i in group])))
+        for _ in range(max(map(len, per_rank)) - len(mine)):   # a one-token forward pass per missing one
+            self._forward([ids[0][:1]])
+        self.root.reshard()   # the root stays unsharded after a forward that no backward follows
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, parts)
+        release_cached_memory()
+        if self.rank:
+            return None
+        scores = torch.zeros(len(ids))
+        for group, values in (part for rank_parts in gathered for part in rank_parts):
+            scores[group] = values
+        return scores

@@ -4,24 +4,32 @@ release's tokenizer and chat template (tests/fixtures/releases.py):
 - its scores, packed into rows by a token budget (the default) and right-padded in micro-batches of rows, equal the
   model's own score of each conversation alone (its chat template over the prompt and response), in micro-batches
   smaller than the batch; chat-message prompts and multi-turn episodes' messages render through the same template;
+- sharded with FSDP2 over 2 gloo ranks (the trainer's actor.strategy=fsdp2), packed and padded: the scores equal the
+  single process's, rank 0 returning them all, the ranks running different numbers of micro-batches;
 - a conversation over max_length is cut from the left: the score is the one of its last max_length tokens;
 - a bad reward.model.path, a model with two labels, bad weights: errors naming the key;
 - end to end: two GRPO steps with the embedded policy (its own tokenizer) and the reward model log reward/model_mean
-  and reward/rule_mean, and the trained reward is their weighted sum.
+  and reward/rule_mean, and the trained reward is their weighted sum; with actor.strategy=fsdp2 on 2 CPU ranks the
+  reward model is sharded too.
 """
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
 import ray
 import torch
+import torch.multiprocessing as mp
 import transformers as tf
 
+from rltrain import trainer as trainer_module
 from rltrain.config import ConfigError, from_mapping
 from rltrain.main_grpo import run
 from rltrain.workers.reward import RewardConfig
-from rltrain.workers.reward_model import RewardModelConfig, RewardModelWorker
+from rltrain.workers.fsdp import FSDPConfig
+from rltrain.workers.packing import balanced_groups
+from rltrain.workers.reward_model import FSDPRewardModelWorker, RewardModelConfig, RewardModelWorker
 from tests.fixtures.releases import build_release
 from tests.rltrain.tiny_job import tiny_job
 
@@ -84,10 +92,40 @@ def test_batched_scores_equal_each_conversation_scored_alone(classifier, alone, 
                                           abs=1e-5)
 
 
+PROMPTS = ["What is 2 + 3?", "Name a prime.", "Hi", "Say yes", "7 * 6?"]
+RESPONSES = ["5", "Seven is a prime number, and so is eleven.", "Hello there, how are you today?", "yes", "42"]
+BATCHINGS = {"packed": dict(max_tokens_per_micro_batch=140), "padded": dict(use_remove_padding=False,
+                                                                              micro_batch_size=2)}
+
+
+def _sharded_rank(rank: int, port: int, classifier: str, out: str) -> None:
+    for name, batching in BATCHINGS.items():
+        worker = FSDPRewardModelWorker(rank, 2, "127.0.0.1", port, RewardModelConfig(path=classifier, **batching),
+                                       "float32", FSDPConfig())
+        scores = worker.score(PROMPTS, RESPONSES)
+        assert (scores is None) == (rank != 0)
+        if rank == 0:
+            torch.save(scores, f"{out}/{name}.pt")
+
+
+def test_sharded_scores_equal_the_single_process(classifier, tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_sharded_rank, args=(port, classifier, str(tmp_path)), nprocs=2, join=True)
+    for name, batching in BATCHINGS.items():
+        single = RewardModelWorker(RewardModelConfig(path=classifier, **batching), "float32")
+        lengths = [len(row) for row in single.encode(PROMPTS, RESPONSES)]
+        shares = [len(single._micro_batches([lengths[i] for i in share])) for share in balanced_groups(lengths, 2)]
+        assert shares[0] != shares[1], f"{name}: the ranks should run different numbers of micro-batches"
+        torch.testing.assert_close(torch.load(tmp_path / f"{name}.pt"), single.score(PROMPTS, RESPONSES), rtol=0,
+                                   atol=1e-5)
+
+
 def test_packed_micro_batches_keep_to_the_token_budget(classifier, monkeypatch):
     worker = RewardModelWorker(RewardModelConfig(path=classifier, max_tokens_per_micro_batch=150), "float32")
     rows = []
-    monkeypatch.setattr(worker, "_packed_scores", lambda group: rows.append(group) or torch.zeros(len(group)))
+    monkeypatch.setattr(worker, "_packed_scores", lambda model, group: rows.append(group) or torch.zeros(len(group)))
     worker.score(["Hi", "What is 2 + 3?", "Name a prime.", "Say yes"], ["yes", "5", "Seven and eleven.", "yes"])
     assert len(rows) > 1 and sum(len(group) for group in rows) == 4
     assert all(sum(map(len, group)) <= 150 or len(group) == 1 for group in rows)
@@ -118,9 +156,15 @@ def ray_session():
     ray.shutdown()
 
 
-def test_two_steps_with_a_reward_model_log_both_parts(tmp_path, classifier, ray_session):
-    job = tiny_job(tmp_path / "run", reward={"model": {"path": classifier, "weight": 0.5, "rule_weight": 2.0}})
+@pytest.mark.parametrize("strategy", ["single", "fsdp2"])
+def test_two_steps_with_a_reward_model_log_both_parts(tmp_path, classifier, ray_session, monkeypatch, strategy):
+    started, start_role = [], trainer_module.start_role
+    monkeypatch.setattr(trainer_module, "start_role", lambda cls, *args, **kwargs: (
+        started.append(cls.__name__), start_role(cls, *args, **kwargs))[1])
+    job = tiny_job(tmp_path / "run", reward={"model": {"path": classifier, "weight": 0.5, "rule_weight": 2.0}},
+                   actor={"strategy": strategy}, trainer={"n_gpus_per_node": 2 if strategy == "fsdp2" else 1})
     assert run(job)["step"] == 2
+    assert started[-1] == ("FSDPRewardModelWorker" if strategy == "fsdp2" else "RewardModelWorker")
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "train/reward_mean" in r]
     assert len(train) == 2
