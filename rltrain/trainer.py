@@ -121,6 +121,8 @@ class GRPOTrainer(TrainerCheckpoints):
         self.device = resolve_device(device)
         self.model_dir, train_rows, val_rows = resolve_model_and_data(job)
         check_target_modules_of(self.model_dir, job.actor.lora)
+        if job.algorithm.adv_estimator == "gae":
+            check_target_modules_of(job.critic.model.path or self.model_dir, job.critic.lora, "critic.lora")
         if job.actor.lora.enabled and job.rollout.engine == "vllm":
             check_lora_dtype(resolve_dtype(job.model.dtype, self.device), self.device)
         self.saved_tokenizer = load_tokenizer(self.model_dir)   # checkpoints carry the model's own, unchanged

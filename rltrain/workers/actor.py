@@ -75,6 +75,7 @@ class ActorWorker(ActorCheckpoints, WeightSource):
     routers = None   # RouterBalance: an MoE policy's routers (their auxiliary loss and metrics), else None
     master = None    # MasterWeights: the fp32 weights the optimizer trains, where model.dtype is not float32 under
                      # actor.mixed_precision (FSDPActorWorker: never; its shards are fp32 themselves)
+    trained_whole = ()  # with LoRA: the modules _extend added, trained whole beside the adapters
 
     def __init__(self, config: ActorConfig, loss: LossConfig, model_path: str, dtype: str,
                  kernel_config: KernelConfig | None, temperature: float, device: str = "cpu", seed: int = 0,
@@ -87,8 +88,9 @@ class ActorWorker(ActorCheckpoints, WeightSource):
         self.model = load_policy(model_path, dtype, kernel_config, device, attn_implementation)
         added = self._extend(self.model)
         self.routers = RouterBalance.of(self.model, config.router_aux_loss_coef)
-        # LoRA: the adapters go in after the kernels; self.model stays the transformers model (with them inside)
-        self.adapters = attach_lora(self.model, config.lora) if config.lora.enabled else None
+        # LoRA: the adapters go in after the kernels; self.model stays the transformers model (with them inside);
+        # what _extend added trains whole beside them
+        self.adapters = attach_lora(self.model, config.lora, whole=self._whole(added)) if config.lora.enabled else None
         if trained_dtype(dtype, config.mixed_precision) != dtype:  # fp32 masters of the trained parameters
             initial = None if self.adapters else stored_fp32_weights(model_path)
             if initial is not None:  # the checkpoint has no values for what _extend added: the model's own
@@ -108,8 +110,14 @@ class ActorWorker(ActorCheckpoints, WeightSource):
 
     def _extend(self, model) -> list[str]:
         """Modules a role adds to the loaded model before anything else (the critic's value head), trained and
-        checkpointed with it; the names of the parameters added. The actor adds none."""
+        checkpointed with it (with LoRA too: whole, beside the adapters); the names of the parameters added. The
+        actor adds none."""
         return []
+
+    def _whole(self, added: list[str]) -> tuple[str, ...]:
+        """The modules holding _extend's parameters, which LoRA leaves out of the adapters and trains whole."""
+        self.trained_whole = tuple(sorted({name.rsplit(".", 1)[0] for name in added}))
+        return self.trained_whole
 
     @contextmanager
     def _scoring(self):
@@ -338,10 +346,10 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
         lora = config.lora.enabled
 
         def prepare(model):
-            self._extend(model)
+            added = self._extend(model)
             self.routers = RouterBalance.of(model, config.router_aux_loss_coef)
             if lora:
-                self.adapters = attach_lora(model, config.lora, DTYPES[weights])
+                self.adapters = attach_lora(model, config.lora, DTYPES[weights], whole=self._whole(added))
 
         self._setup(rank, world_size, master_addr, master_port, model_path, dtype if lora else weights, kernel_config,
                     device, config.fsdp, config.micro_batching, attn_implementation, config.gradient_checkpointing,

@@ -21,7 +21,8 @@ from rltrain.workers.policy import untied_state_dict
 
 
 class ActorCheckpoints:
-    """Mixed into ActorWorker: reads its model, adapters, master (fp32 masters or None), optimizer and updates."""
+    """Mixed into ActorWorker: reads its model, adapters, trained_whole, master (fp32 masters or None), optimizer and
+    updates."""
 
     def _checkpointed_weights(self):
         """A context in which the model's parameters hold the weights a checkpoint saves and loads: the fp32 masters
@@ -47,10 +48,13 @@ class ActorCheckpoints:
         self.updates = int(state["updates"])
 
     def _model_checkpoint_state(self) -> dict[str, torch.Tensor]:
-        """The model's state_dict (a tied weight once, under its first name), or with LoRA its adapters alone (the
-        frozen base is model.path's); call inside _checkpointed_weights() for the fp32 masters."""
+        """The model's state_dict (a tied weight once, under its first name), or with LoRA its adapters and the
+        modules trained whole beside them (the frozen base is model.path's); call inside _checkpointed_weights() for
+        the fp32 masters."""
         state = untied_state_dict(self.model)
-        return state if self.adapters is None else {n: t for n, t in state.items() if is_adapter_weight(n)}
+        if self.adapters is None:
+            return state
+        return {n: t for n, t in state.items() if is_adapter_weight(n) or n.rsplit(".", 1)[0] in self.trained_whole}
 
     def _optimizer_checkpoint_state(self) -> dict[str, torch.Tensor]:
         """The optimizer's own state tensors as `<parameter name>.<key>` (a fresh optimizer's made first)."""

@@ -9,7 +9,9 @@ position that predicts response token t (the state before it), the same hidden s
 `CriticWorker` is the actor's worker with another head: everything else — packed rows and token-budget
 micro-batches, gradient checkpointing, fp32 masters (actor.mixed_precision), the schedule, `ppo_epochs` and
 mini-batches, sharded checkpoints — is ActorWorker's, and `FSDPCriticWorker` shards it like FSDPActorWorker (the
-value head sits in the FSDP root, gathered while the head runs). Its ActorConfig is built from the `critic` section
+value head sits in the FSDP root, gathered while the head runs). With `critic.lora.rank` > 0 LoRA adapters train on
+the backbone and the value head trains whole beside them (its checkpoints hold both; the frozen base is the critic's
+model.path). Its ActorConfig is built from the `critic` section
 with the actor's batching, precision and strategy (`CriticConfig.worker_config`).
 
 Loss (PPO's, as verl's): with returns R_t, the values of the rollout V_old and the prediction V, the token mean over
@@ -28,6 +30,7 @@ from tensordict import TensorDict
 from rltrain.config import require
 from rltrain.workers.actor import ActorWorker, FSDPActorWorker
 from rltrain.workers.actor_config import ActorConfig, RouterReplayConfig
+from rltrain.workers.lora import LoraConfig
 from rltrain.workers.packing import Packing
 from rltrain.workers.policy import release_cached_memory
 
@@ -51,6 +54,7 @@ class CriticConfig:
     cliprange_value: float = 0.5     # V stays within V_old ± this in the clipped term of the loss
     warmup_steps: int = 0            # the first N steps train the critic only (the actor waits for sensible values)
     gradient_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)  # rank > 0: adapters on the backbone, the value head whole
 
     def validate(self):
         require(self.model.path is None or os.path.isfile(os.path.join(self.model.path, "config.json")),
@@ -64,14 +68,14 @@ class CriticConfig:
         require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0", self.warmup_steps)
 
     def worker_config(self, actor: ActorConfig) -> ActorConfig:
-        """The critic worker's ActorConfig: this section's optimisation keys, the actor's batching (packing, token
-        budget, threads), precision and strategy; a constant learning rate, no LoRA."""
+        """The critic worker's ActorConfig: this section's optimisation keys and LoRA, the actor's batching (packing,
+        token budget, threads), precision and strategy; a constant learning rate."""
         return dataclasses.replace(actor, lr=self.lr, weight_decay=self.weight_decay, grad_clip=self.grad_clip,
                                    ppo_epochs=self.ppo_epochs, mini_batch_size=self.mini_batch_size,
                                    micro_batch_size=self.micro_batch_size, lr_scheduler="constant",
                                    lr_warmup_steps=0, lr_warmup_ratio=0.0,
                                    gradient_checkpointing=self.gradient_checkpointing, router_aux_loss_coef=0.0,
-                                   router_replay=RouterReplayConfig(), lora=dataclasses.replace(actor.lora, rank=0))
+                                   router_replay=RouterReplayConfig(), lora=self.lora)
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

@@ -61,7 +61,7 @@ class LoraConfig:
         return self.rank > 0
 
 
-def check_target_modules(model, config: LoraConfig) -> None:
+def check_target_modules(model, config: LoraConfig, key: str = "actor.lora") -> None:
     """Every name in actor.lora.target_modules matches a module of `model` (PEFT's rule for a list: the module's
     name, or its last components after a dot) and none matches the LM head, whose weight the fused log-prob and loss
     kernels take alone. ConfigError naming the key otherwise. (all-linear: PEFT leaves the head out itself.)"""
@@ -74,10 +74,10 @@ def check_target_modules(model, config: LoraConfig) -> None:
         if not matched:
             linear = sorted({name.rsplit(".", 1)[-1] for module, name in names.items()
                              if isinstance(module, torch.nn.Linear) and module is not head})
-            raise ConfigError(f"actor.lora.target_modules: {target!r} matches no module of {type(model).__name__}; "
+            raise ConfigError(f"{key}.target_modules: {target!r} matches no module of {type(model).__name__}; "
                               f"its linear layers: {', '.join(linear)} (or use {ALL_LINEAR})")
         if head is not None and names.get(head) in matched:
-            raise ConfigError(f"actor.lora.target_modules: {target!r} matches the LM head {names[head]!r}, which "
+            raise ConfigError(f"{key}.target_modules: {target!r} matches the LM head {names[head]!r}, which "
                               "stays frozen and outside the adapters (the fused log-prob kernels take its weight alone)")
 
 
@@ -87,12 +87,12 @@ def _meta_model(model_dir: str):
         return tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(model_dir))
 
 
-def check_target_modules_of(model_dir: str, config: LoraConfig) -> None:
+def check_target_modules_of(model_dir: str, config: LoraConfig, key: str = "actor.lora") -> None:
     """check_target_modules on the model in `model_dir` (on the meta device), so a bad name stops the run before any
-    worker starts."""
+    worker starts; errors name `key`."""
     if not config.enabled or config.target_modules == ALL_LINEAR:
         return
-    check_target_modules(_meta_model(model_dir), config)
+    check_target_modules(_meta_model(model_dir), config, key)
 
 
 def adapter_modules_of(model_dir: str, config: LoraConfig) -> set[str]:
@@ -104,15 +104,17 @@ def adapter_modules_of(model_dir: str, config: LoraConfig) -> set[str]:
     return {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in adapter_weights(model)}
 
 
-def peft_config(config: LoraConfig, base_model: str | None = None):
-    """actor.lora as PEFT's LoraConfig (what attach_lora wraps with and every adapter_config.json holds)."""
+def peft_config(config: LoraConfig, base_model: str | None = None, exclude: tuple[str, ...] = ()):
+    """actor.lora as PEFT's LoraConfig (what attach_lora wraps with and every adapter_config.json holds); `exclude`:
+    modules that take no adapters."""
     import peft  # optional: LoRA only (module docstring)
 
     return peft.LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout, bias="none",
-                           target_modules=config.target_modules, base_model_name_or_path=base_model)
+                           target_modules=config.target_modules, base_model_name_or_path=base_model,
+                           exclude_modules=list(exclude) or None)
 
 
-def attach_lora(model, config: LoraConfig, adapter_dtype: torch.dtype | None = None):
+def attach_lora(model, config: LoraConfig, adapter_dtype: torch.dtype | None = None, whole: tuple[str, ...] = ()):
     """Wrap `model` (a transformers causal LM, kernels already swapped in) with fresh LoRA adapters, in place: the
     LoRA layers go inside its modules, its own parameters are frozen. Returns the PeftModel (its get_base_model() is
     `model`). lora_B starts at zero, so the wrapped model computes what `model` did. The adapters take the model's
@@ -120,17 +122,22 @@ def attach_lora(model, config: LoraConfig, adapter_dtype: torch.dtype | None = N
     every adapted layer's input to fp32 and keep it for the backward (1.7B Qwen3 on an H100, 16k-token micro-batches:
     peak 58.7 GiB and 0.56x the full fine-tuning's tokens/s, RESULTS.md has the bf16 figures). adapter_dtype stores
     them in another dtype: the FSDP2 actor's fp32 adapter shards under actor.mixed_precision, which its
-    MixedPrecisionPolicy casts to model.dtype for the forward, so the compute is the same as here."""
+    MixedPrecisionPolicy casts to model.dtype for the forward, so the compute is the same as here. `whole`: modules
+    (by name) kept out of the adapters and trained whole beside them, in the adapters' dtype (the critic's value
+    head)."""
     import peft  # optional: LoRA only (module docstring)
 
     check_target_modules(model, config)
-    wrapped = peft.get_peft_model(model, peft_config(config), autocast_adapter_dtype=False)
+    wrapped = peft.get_peft_model(model, peft_config(config, exclude=whole), autocast_adapter_dtype=False)
+    for name in whole:
+        model.get_submodule(name).requires_grad_(True)
+    trained = {**adapter_weights(model), **{n: p for n, p in model.named_parameters() if n.rsplit(".", 1)[0] in whole}}
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
-    if trainable != set(adapter_weights(model)):
+    if trainable != set(trained):
         raise RuntimeError(f"LoRA left parameters outside the adapters trainable: "
-                           f"{sorted(trainable - set(adapter_weights(model)))[:5]}")
+                           f"{sorted(trainable - set(trained))[:5]}")
     if adapter_dtype is not None:
-        for param in adapter_weights(model).values():
+        for param in trained.values():
             param.data = param.data.to(adapter_dtype)
     return wrapped
 

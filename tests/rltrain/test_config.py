@@ -152,6 +152,7 @@ def test_every_algorithm_preset_validates(preset):
     ("actor.lora.target_modules=linear",
      "actor.lora.target_modules: must be 'all-linear' or a list of module names (got 'linear')"),
     ("actor.lora.target_modules=[]", "actor.lora.target_modules: must be a non-empty list of module names (got [])"),
+    ("critic.lora.rank=-1", "critic.lora.rank: must be >= 0 (got -1)"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=re.sub(r"([()+\[\]])", r"\\\1", message)):

@@ -1,6 +1,8 @@
 """The critic (rltrain/workers/critic.py): a zeroed value head's first values, packed rows against padded ones, the
 clipped value loss against its definition, fitting fixed returns, fp32 masters of a bf16 critic, a checkpoint
-round trip, and FSDP2 over 2 gloo processes against the single process (values, metrics, weights)."""
+round trip, FSDP2 over 2 gloo processes against the single process (values, metrics, weights), and critic.lora:
+adapters on the backbone with the value head trained whole beside them, the frozen weights unchanged, its checkpoint
+holding both, FSDP2 equal to the single process."""
 
 import copy
 import socket
@@ -15,6 +17,7 @@ from rltrain.embedded.model import embedded_policy_dir
 from rltrain.embedded.task import make_rows
 from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.critic import CriticConfig, CriticWorker, FSDPCriticWorker, value_loss, value_metrics
+from rltrain.workers.lora import LoraConfig
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from tests.helpers import rel_error
 from tests.rltrain.tiny_job import tiny_job
@@ -117,9 +120,34 @@ def test_checkpoint_round_trip(setup, tmp_path):
     assert restored.update(batch)["critic/vf_loss"] == pytest.approx(critic.update(batch)["critic/vf_loss"], rel=1e-6)
 
 
-def _rank_main(rank, port, model_dir, batch, out):
+LORA = {"rank": 4, "alpha": 8.0}
+
+
+def test_a_lora_critic_trains_adapters_and_the_whole_value_head(setup, tmp_path):
+    model_dir, batch = setup
+    critic = _critic(model_dir, lora=LoraConfig(**LORA))
+    trained = {name for name, param in critic.model.named_parameters() if param.requires_grad}
+    assert {"value_head.weight", "value_head.bias"} <= trained
+    assert all("lora_" in name or name.startswith("value_head.") for name in trained)
+    assert not any(name.startswith("value_head.") and "lora_" in name for name in critic.model.state_dict())
+    frozen = {n: p.detach().clone() for n, p in critic.model.named_parameters() if not p.requires_grad}
+    assert (critic.compute_values(batch) == 0).all()
+    for step in range(3):
+        batch["values"] = critic.compute_values(batch)
+        critic.update(batch, step)
+    assert critic.compute_values(batch).abs().sum() > 0
+    assert all(torch.equal(p, frozen[n]) for n, p in critic.model.named_parameters() if n in frozen)
+    critic.save_checkpoint(str(tmp_path))
+    restored = _critic(model_dir, lora=LoraConfig(**LORA))
+    restored.load_checkpoint(str(tmp_path))
+    assert torch.equal(restored.compute_values(batch), critic.compute_values(batch))
+    saved = set(restored._model_checkpoint_state())
+    assert {"value_head.weight", "value_head.bias"} <= saved and all("lora_" in n or "value_head" in n for n in saved)
+
+
+def _rank_main(rank, port, model_dir, batch, out, lora):
     actor = ActorConfig(torch_threads=1, strategy="fsdp2", use_remove_padding=True, max_tokens_per_micro_batch=30)
-    config = CriticConfig(lr=1e-2, mini_batch_size=7).worker_config(actor)   # 2 optimizer steps
+    config = CriticConfig(lr=1e-2, mini_batch_size=7, lora=LoraConfig(**lora)).worker_config(actor)   # 2 steps
     critic = FSDPCriticWorker(rank, 2, "127.0.0.1", port, config, LossConfig(), model_dir, "float32", None, 1.0,
                               cliprange_value=0.5)
     metrics = critic.update(batch)
@@ -129,16 +157,18 @@ def _rank_main(rank, port, model_dir, batch, out):
         torch.save({"metrics": metrics, "values": values, "weights": weights}, out)
 
 
-def test_fsdp2_critic_equals_the_single_process(setup, tmp_path):
+@pytest.mark.parametrize("lora", [{}, LORA], ids=["full", "lora"])
+def test_fsdp2_critic_equals_the_single_process(setup, tmp_path, lora):
     model_dir, batch = setup
-    single = CriticWorker(CriticConfig(lr=1e-2, mini_batch_size=7).worker_config(ActorConfig(torch_threads=1)),
-                          LossConfig(), model_dir, "float32", None, 1.0, cliprange_value=0.5)
+    config = CriticConfig(lr=1e-2, mini_batch_size=7, lora=LoraConfig(**lora))
+    single = CriticWorker(config.worker_config(ActorConfig(torch_threads=1)), LossConfig(), model_dir, "float32", None,
+                          1.0, cliprange_value=0.5)
     expected = {"metrics": single.update(batch), "values": single.compute_values(batch),
                 "weights": copy.deepcopy(single.state_dict())}
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_rank_main, args=(port, model_dir, batch, str(tmp_path / "rank0.pt")), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(port, model_dir, batch, str(tmp_path / "rank0.pt"), lora), nprocs=2, join=True)
     sharded = torch.load(tmp_path / "rank0.pt", weights_only=False)
     for key, value in expected["metrics"].items():
         assert sharded["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-7), key

@@ -252,6 +252,8 @@ def test_target_modules_are_checked_against_the_model(model_dir):
     with pytest.raises(ConfigError, match=r"'o' matches no module"):  # on the meta device, from the directory
         check_target_modules_of(model_dir, LoraConfig(rank=4, target_modules=["o"]))
     check_target_modules_of(model_dir, LoraConfig(rank=0, target_modules=["o"]))  # LoRA off: not checked
+    with pytest.raises(ConfigError, match=r"^critic.lora.target_modules: 'o' matches no module"):
+        check_target_modules_of(model_dir, LoraConfig(rank=4, target_modules=["o"]), "critic.lora")
     actor = _actor(model_dir, lora=LoraConfig(rank=4, target_modules=["q_proj", "v_proj"]))
     assert {name.split(".")[-4] for name in dict(actor.model.named_parameters()) if is_adapter_weight(name)} == \
            {"q_proj", "v_proj"}
