@@ -1,12 +1,13 @@
 """PPO through the real trainer (algorithm=ppo: a critic role, GAE): the critic's warm-up step trains it alone, its
 metrics and phases are logged, checkpoints hold it, a resumed run replays an uninterrupted one's steps, and a
-checkpoint with a critic refuses a resume without one."""
+checkpoint with a critic refuses a resume without one; a LoRA critic (critic.lora) trains through the trainer."""
 
 import json
 
 import pytest
 import ray
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint import FileSystemReader
 
 from rltrain.config import ConfigError
 from rltrain.main_grpo import run
@@ -29,12 +30,12 @@ def _train_records(output_dir) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, lines) if "train/reward_mean" in r}
 
 
-def _job(output_dir, tmp_path, preset="ppo", **trainer):
+def _job(output_dir, tmp_path, preset="ppo", critic=None, **trainer):
     plugin = tmp_path / "reward.py"   # 0 or 1 about evenly: returns and advantages that are not all alike
     plugin.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return float(sum(map(ord, solution_str)) % 2)\n")
     algorithm = OmegaConf.to_container(compose(f"algorithm={preset}").algorithm, resolve=True)
-    return tiny_job(output_dir, algorithm=algorithm, critic={"warmup_steps": 1, "lr": 0.01},
+    return tiny_job(output_dir, algorithm=algorithm, critic={"warmup_steps": 1, "lr": 0.01, **(critic or {})},
                     reward={"path": str(plugin), "name": "score"}, rollout={"temperature": 1.5},
                     trainer={"total_steps": 3, "save_every": 1, **trainer})
 
@@ -59,3 +60,15 @@ def test_ppo_warms_the_critic_up_checkpoints_it_and_resumes_exactly(tmp_path):
 
     with pytest.raises(ConfigError, match="holds a critic, but algorithm.adv_estimator is grpo"):
         run(_job(resumed, tmp_path, preset="grpo", total_steps=4))
+
+
+def test_ppo_with_a_lora_critic(tmp_path):
+    out = tmp_path / "lora"
+    assert run(_job(out, tmp_path, critic={"lora": {"rank": 4, "alpha": 8.0}}, total_steps=2, save_every=2))["step"] == 2
+    steps = _train_records(out)
+    assert all(steps[step]["critic/grad_norm"] > 0 for step in (1, 2))
+    assert steps[2]["critic/values_mean"] != 0   # the warm-up step moved the value head and adapters
+    reader = FileSystemReader(str(out / "checkpoints" / "step_000002" / "critic" / "model"))
+    saved = set(reader.read_metadata().state_dict_metadata)   # the adapters and the value head, no frozen weight
+    assert {"value_head.weight", "value_head.bias"} <= saved and any("lora_A" in name for name in saved)
+    assert all("lora_" in name or name.startswith("value_head.") for name in saved), sorted(saved)[:5]
