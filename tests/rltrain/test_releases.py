@@ -69,6 +69,12 @@ EXPECTED = {
         generation=dict(bos_token_id="<|endoftext|>", eos_token_id=["<|im_end|>", "<|endoftext|>"],
                         pad_token_id="<|endoftext|>", do_sample=True, temperature=0.6, top_k=20, top_p=0.95),
         tokenizer=dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None)),
+    "qwen3-next": dict(
+        model_type="qwen3_next", tied=False, rope_theta=10_000_000, rope_scaling=None,
+        bos="<|endoftext|>", eos="<|im_end|>",
+        generation=dict(bos_token_id="<|endoftext|>", eos_token_id=["<|im_end|>", "<|endoftext|>"],
+                        pad_token_id="<|endoftext|>", do_sample=True, temperature=0.7, top_k=20, top_p=0.8),
+        tokenizer=dict(eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None)),
     "llama-3.2-instruct": dict(
         model_type="llama", tied=True, rope_theta=500_000.0,
         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -136,9 +142,14 @@ def test_release_files_load_with_the_release_values(releases, name):
     model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert model.dtype == torch.bfloat16 and not any(info.values()), info
     names = set(model.state_dict())
-    if raw["model_type"] == "qwen3_moe":   # one tensor per expert, as the release ships them (transformers fuses)
-        assert {f"model.layers.1.mlp.experts.7.{p}_proj.weight" for p in ("gate", "up", "down")} <= \
+    if raw["model_type"] in ("qwen3_moe", "qwen3_next"):   # one tensor per expert, as released (transformers fuses)
+        last = raw["num_experts"] - 1
+        assert {f"model.layers.1.mlp.experts.{last}.{p}_proj.weight" for p in ("gate", "up", "down")} <= \
             set(index["weight_map"]) and "model.layers.1.mlp.experts.gate_up_proj" in names
+    if raw["model_type"] == "qwen3_next":   # Gated DeltaNet, then attention; a shared expert
+        assert config.layer_types == ["linear_attention", "full_attention"]
+        assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in names
+        assert "model.layers.0.mlp.shared_expert_gate.weight" in names
     else:
         assert set(index["weight_map"]) == names - ({"lm_head.weight"} if expected["tied"] else set())
     tied = model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
@@ -341,7 +352,7 @@ MODES = {
 }
 HF_RUNS = [("qwen3", "sync+lora"), ("qwen3", "tools"), ("qwen3", "one_step_off"),
            ("qwen2.5-instruct", "sync+lora"), ("qwen2.5-instruct", "tools"), ("qwen2.5-instruct", "async"),
-           ("qwen3-moe", "router_aux+r3"),
+           ("qwen3-moe", "router_aux+r3"), ("qwen3-next", "sync"),
            ("llama-3.2-instruct", "sync"), ("llama-3.2-instruct", "tools+lora"),
            ("llama-3.2-instruct", "one_step_off"), ("llama-3.2-instruct", "async+lora")]
 
@@ -433,3 +444,4 @@ def test_trainer_runs_on_release_with_vllm(tmp_path, monkeypatch, ray_session, r
     on_policy = train.values() if modes.startswith("sync") or modes == "tools" else [train[1]]
     for record in on_policy:
         assert record["rollout/logprob_abs_diff_max"] < MISMATCH.max and 0 <= record["rollout/kl"] < MISMATCH.kl, record
+
