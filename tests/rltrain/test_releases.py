@@ -146,12 +146,12 @@ def test_release_files_load_with_the_release_values(releases, name):
         last = raw["num_experts"] - 1
         assert {f"model.layers.1.mlp.experts.{last}.{p}_proj.weight" for p in ("gate", "up", "down")} <= \
             set(index["weight_map"]) and "model.layers.1.mlp.experts.gate_up_proj" in names
+    else:
+        assert set(index["weight_map"]) == names - ({"lm_head.weight"} if expected["tied"] else set())
     if raw["model_type"] == "qwen3_next":   # Gated DeltaNet, then attention; a shared expert
         assert config.layer_types == ["linear_attention", "full_attention"]
         assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in names
         assert "model.layers.0.mlp.shared_expert_gate.weight" in names
-    else:
-        assert set(index["weight_map"]) == names - ({"lm_head.weight"} if expected["tied"] else set())
     tied = model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     assert tied is expected["tied"]
 
