@@ -104,13 +104,14 @@ class ProcessPool(abc.ABC):
         self._workers[index] = self._new_worker()
         return self._workers[index]
 
-    def _wait(self) -> None:
-        """Until a worker that is not idle sends, dies or reaches its deadline (or wakes it another way)."""
+    def _wait(self, extra: tuple = ()) -> None:
+        """Until a worker that is not idle sends, dies or reaches its deadline (or wakes it another way), or one of
+        `extra` (waitables of the caller's) is ready."""
         active = [w for w in self._workers if w.state != "idle"]
         if not active:
             return
         timeout = max(0.0, min(w.deadline for w in active) - time.monotonic())
-        wait([handle for w in active for handle in w.waitables()], timeout=timeout)
+        wait([handle for w in active for handle in w.waitables()] + list(extra), timeout=timeout)
 
     def close(self) -> None:
         for worker in self._workers:

@@ -1,6 +1,7 @@
 """What answers the model between the turns of a multi-turn episode (rltrain/workers/agent_loop.py): the tools
 (rollout.multi_turn.tools, `ToolObservations`) or an environment of the user's (rollout.multi_turn.env,
-`EnvObservations`). Both take every open episode's finished turn at once and append what answers it.
+`EnvObservations`). Both take every open episode's finished turn at once and append what answers it (`respond`), or
+one episode's turn as it finishes (`respond_one`, a coroutine: rollout.mode=async).
 
 An environment is a class named by file and name, as reward functions are, built once per episode with
 rollout.multi_turn.env.kwargs:
@@ -23,6 +24,7 @@ examples/envs/guess_number.py is one.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import traceback
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from rltrain.config import ConfigError
 from rltrain.plugins import import_plugin_file, public_names
 from rltrain.tools.chat import assistant_message, tool_message
+from rltrain.tools.stream import ToolStream
 
 logger = logging.getLogger(__name__)
 ENV_KEY = "rollout.multi_turn.env"
@@ -74,11 +77,12 @@ def load_environment(config: EnvConfig) -> type:
 
 
 class ToolObservations:
-    """The tool loop: each turn is parsed for calls (rollout.multi_turn.parser); every episode's calls of the turn go
-    to one ToolPool.call_many, and their results answer as tool messages."""
+    """The tool loop: each turn is parsed for calls (rollout.multi_turn.parser). Turn-synchronous (`respond`): every
+    episode's calls of the turn go to one ToolPool.call_many. Per episode (`respond_one`, rollout.mode=async): its
+    calls go to the pool through a ToolStream as they come. Either way their results answer as tool messages."""
 
     def __init__(self, parse, pool):
-        self.parse, self.pool = parse, pool
+        self.parse, self.pool, self.stream = parse, pool, None
 
     def reset(self, episodes, rows, observe) -> None:
         pass
@@ -86,32 +90,51 @@ class ToolObservations:
     def respond(self, replies, last: bool, observe) -> None:
         """replies: (episode, text, finished) of the turn just generated; observe(episode, messages) appends an
         answer (or ends the episode at its budget)."""
-        calling = []
-        for episode, text, finished in replies:
-            parsed = self.parse(text)
-            episode.messages.append(assistant_message(parsed))
-            if not finished:  # the turn used up the episode's budget
-                episode.done = episode.truncated = True
-            elif not parsed.calls or last:
-                episode.done = True
-            else:
-                calling.append((episode, parsed.calls))
+        calling = [(episode, calls) for episode, text, finished in replies
+                   if (calls := self._calls(episode, text, finished, last))]
         if not calling:
             return
         results = iter(self.pool.call_many([call for _, calls in calling for call in calls]))
         for episode, calls in calling:   # they waited for their tools together
-            messages = []
-            for result in (next(results) for _ in calls):
-                episode.counts["tool_calls"] += 1
-                key = {"error": "tool_errors", "timeout": "tool_timeouts", "invalid": "tool_invalid_calls"}.get(
-                    result.status)
-                if key:
-                    episode.counts[key] += 1
-                episode.counts["tool_worker_deaths"] += result.worker_died
-                messages.append(tool_message(result))
-            observe(episode, messages)
+            self._answer(episode, [next(results) for _ in calls], observe)
+
+    async def respond_one(self, episode, text: str, finished: bool, last: bool, observe) -> None:
+        """One episode's turn, its calls run as they come (other episodes' calls run beside them)."""
+        calls = self._calls(episode, text, finished, last)
+        if calls:
+            if self.stream is None:
+                self.stream = ToolStream(self.pool)
+            results = await asyncio.gather(*(asyncio.wrap_future(self.stream.submit(call)) for call in calls))
+            self._answer(episode, results, observe)
+
+    def _calls(self, episode, text: str, finished: bool, last: bool) -> list:
+        """The turn's tool calls to answer (none: the episode ends here)."""
+        parsed = self.parse(text)
+        episode.messages.append(assistant_message(parsed))
+        if not finished:  # the turn used up the episode's budget
+            episode.done = episode.truncated = True
+        elif not parsed.calls or last:
+            episode.done = True
+        else:
+            return parsed.calls
+        return []
+
+    def _answer(self, episode, results, observe) -> None:
+        messages = []
+        for result in results:
+            episode.counts["tool_calls"] += 1
+            key = {"error": "tool_errors", "timeout": "tool_timeouts", "invalid": "tool_invalid_calls"}.get(
+                result.status)
+            if key:
+                episode.counts[key] += 1
+            episode.counts["tool_worker_deaths"] += result.worker_died
+            messages.append(tool_message(result))
+        observe(episode, messages)
 
     def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
         self.pool.close()
 
 
@@ -156,6 +179,11 @@ class EnvObservations:
                 episode.done = True
             elif messages:
                 observe(episode, list(messages))
+
+    async def respond_one(self, episode, text: str, finished: bool, last: bool, observe) -> None:
+        """One episode's turn (rollout.mode=async): its environment steps in a thread, so a slow step holds up its
+        own episode only."""
+        await asyncio.to_thread(self.respond, [(episode, text, finished)], last, observe)
 
     def _call(self, episode, method, create: bool = False):
         """method(the episode's environment); None (the episode over, counted in env_errors) where it raises."""

@@ -5,14 +5,15 @@ captured, so a tool that hangs, crashes or floods never stalls or kills the roll
         results = pool.call_many(calls)        # one ToolResult per ToolCall, same order
         metrics = pool.pop_metrics(episodes=len(batch))   # tool/calls, tool/errors, tool/timeouts, ...
 
-The multi-turn loop gathers every episode's calls of one turn into one `call_many`, so episodes wait for their tools
-together. Calls go to idle workers as they free up (at most `num_workers` at a time) and each call's clock starts
-when its worker takes it. The parent owns one pipe per worker (rltrain/process_pool.py, shared with the reward
-pool): a call past `timeout_s` gets its worker SIGKILLed (whatever it is stuck in: a sleep, a C loop, a child it
-waits on; no timer inside the worker, unlike rewards) and only that worker is replaced, while the others keep
-running; a worker that dies (os._exit, a segfault) is noticed at once through its process sentinel. Workers come
-from a forkserver (spawn where there is none): safe inside Ray actors and threaded parents, and a replacement starts
-in milliseconds instead of re-importing the interpreter. One thread drives a pool: call_many is not re-entrant.
+The turn-synchronous multi-turn loop gathers every episode's calls of one turn into one `call_many`, so episodes wait
+for their tools together; rollout.mode=async feeds calls as they come through `serve` (rltrain/tools/stream.py). Calls
+go to idle workers as they free up (at most `num_workers` at a time) and each call's clock starts when its worker
+takes it. The parent owns one pipe per worker (rltrain/process_pool.py, shared with the reward pool): a call past
+`timeout_s` gets its worker SIGKILLed (whatever it is stuck in: a sleep, a C loop, a child it waits on; no timer
+inside the worker, unlike rewards) and only that worker is replaced, while the others keep running; a worker that dies
+(os._exit, a segfault) is noticed at once through its process sentinel. Workers come from a forkserver (spawn where
+there is none): safe inside Ray actors and threaded parents, and a replacement starts in milliseconds instead of
+re-importing the interpreter. One thread drives a pool: call_many and serve are not re-entrant.
 """
 
 from __future__ import annotations
@@ -87,31 +88,45 @@ class ToolPool(ProcessPool):
         """Run the calls concurrently over the workers; one ToolResult per call, in order. Never raises for what a
         tool does (only if a worker cannot start at all)."""
         results: list[ToolResult | None] = [None] * len(calls)
-        queue = deque()
-        for i, call in enumerate(calls):
-            problem = call.error or self._problem(call)
-            if problem:
-                results[i] = self._finish(call, "invalid", problem, 0.0)
-            else:
-                queue.append(i)
-        if queue:
-            self._fill()
-        started: dict[int, float] = {}
-        while queue or any(w.state == "busy" for w in self._workers):
-            for worker in self._workers:
-                if worker.state == "idle" and queue:
-                    i = queue.popleft()
-                    try:
-                        worker.conn.send((calls[i].name, calls[i].arguments))
-                    except OSError:  # it died since; the next wait sees its sentinel and answers the call
-                        pass
-                    started[i], worker.state, worker.job = time.monotonic(), "busy", i
-                    worker.deadline = started[i] + self.timeout_s
-            self._wait_and_collect(calls, results, started)
+        self.serve(deque(enumerate(calls)), results.__setitem__)
         return results
 
-    def _wait_and_collect(self, calls, results, started) -> None:
-        self._wait()
+    def serve(self, queue: deque, deliver, refill=None, wake=None) -> None:
+        """Run the (key, ToolCall) pairs of `queue` over the workers, at most num_workers at a time, each result to
+        deliver(key, result) as it comes; returns when the queue is empty and no call runs. refill(queue) (if given)
+        may append more pairs before each dispatch, and `wake` (a waitable) interrupts the wait for them: how
+        `ToolStream` (rltrain/tools/stream.py) feeds calls that arrive while others run."""
+        calls, started, waiting = {}, {}, deque()   # waiting: keys of the calls no idle worker has taken yet
+        while True:
+            if refill is not None:
+                refill(queue)
+            pending = deque()
+            for key, call in queue:
+                problem = call.error or self._problem(call)
+                if problem:
+                    deliver(key, self._finish(call, "invalid", problem, 0.0))
+                else:
+                    pending.append(key)
+                    calls[key] = call
+            queue.clear()
+            if pending:
+                self._fill()
+            waiting.extend(pending)
+            if not waiting and not any(w.state == "busy" for w in self._workers):
+                return
+            for worker in self._workers:
+                if worker.state == "idle" and waiting:
+                    key = waiting.popleft()
+                    try:
+                        worker.conn.send((calls[key].name, calls[key].arguments))
+                    except OSError:  # it died since; the next wait sees its sentinel and answers the call
+                        pass
+                    started[key], worker.state, worker.job = time.monotonic(), "busy", key
+                    worker.deadline = started[key] + self.timeout_s
+            self._wait_and_collect(calls, started, deliver, wake)
+
+    def _wait_and_collect(self, calls, started, deliver, wake) -> None:
+        self._wait(() if wake is None else (wake,))
         now = time.monotonic()
         for index, worker in enumerate(self._workers):
             if worker.state == "idle":
@@ -122,7 +137,8 @@ class ToolPool(ProcessPool):
             if worker.state == "starting":
                 self._started(index, worker, message)
                 continue
-            call, elapsed = calls[worker.job], now - started[worker.job]
+            key = worker.job
+            call, elapsed = calls.pop(key), now - started.pop(key)
             dead = message is None and not worker.process.is_alive()
             if message is not None:
                 status, content = message
@@ -132,7 +148,7 @@ class ToolPool(ProcessPool):
                 content = (f"the tool's worker process died (exit code {worker.process.exitcode}) while running it"
                            if dead else f"the tool did not finish within {self.timeout_s:g} s and was stopped")
                 self._replace(index, worker)
-            results[worker.job] = self._finish(call, status, content, elapsed, worker_died=dead)
+            deliver(key, self._finish(call, status, content, elapsed, worker_died=dead))
 
     def _started(self, index: int, worker: PipeWorker, message) -> None:
         if message is not None and message[0] == "ready":

@@ -8,13 +8,19 @@ episodes, on the rollout engine through one small API. What answers a turn: rltr
 The Turns APIs: HFTurns (rltrain/workers/hf_engine.py) and VLLMTurns (rltrain/workers/vllm_engine.py), each
 returning a `Turn` (below) per context; both report the sampled tokens' log-probs where their engine does.
 
-One turn: every open episode generates its next assistant turn in one batched engine call (`Turns.generate`: token
-contexts in, each with its own token budget); each turn's text goes through the tool-call parser
+rollout.mode=async (a Turns API with `asynchronous = True`, `generate_one` and `run`: AsyncVLLMTurns in
+rltrain/workers/vllm_async.py) runs each episode as its own asyncio task instead: the same turns, seeds (`turn_seed`)
+and answers, but an episode sends its next turn as soon as its own tools (or environment step) have answered, and its
+tool calls run as they come (ToolObservations.respond_one), so no episode waits for another's turn or tools. The
+turn logic (`_take`, the answerers, `_observe`) is shared; only the scheduling differs.
+
+One turn (sync): every open episode generates its next assistant turn in one batched engine call (`Turns.generate`:
+token contexts in, each with its own token budget); each turn's text goes through the tool-call parser
 (rollout.multi_turn.parser); the calls of all episodes of that turn go to ONE `ToolPool.call_many`, so episodes wait
 for their tools together; each answer becomes a tool turn appended to its episode, and the episodes still open
-generate their next turn together. An episode ends at a turn without calls, at max_turns (the last turn's calls get
-no answers), or when its response reaches rollout.max_new_tokens, which counts every response token, the tools'
-included; a tool turn that would leave no token for the model's answer ends the episode instead (`truncated`).
+generate their next turn together. An episode ends at a turn without calls, at max_turns (the last turn's calls get no
+answers), or when its response reaches rollout.max_new_tokens, which counts every response token, the tools' included;
+a tool turn that would leave no token for the model's answer ends the episode instead (`truncated`).
 
 Tool turns: rendered through the tokenizer's chat template where it has one (the tokens the template adds for the
 tool messages and the next assistant header, found by rendering a fixed one-message conversation with and without
@@ -37,6 +43,7 @@ which the reward function receives as extra_info["messages"].
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 import torch
@@ -129,21 +136,52 @@ class AgentLoop:
         episodes = [Episode(ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids, prompt_mask)]
         self.answers.reset(episodes, None if rows is None else [row for row in rows for _ in range(n)],
                            self._observe)
+        if getattr(self.turns, "asynchronous", False):   # rollout.mode=async: each episode at its own pace
+            self.turns.run(self._all_episodes(episodes, seeds, temperature))
+        else:
+            self._turn_synchronous(episodes, seeds, temperature)
+        return self._batch(prompt_ids, prompt_mask, episodes, n)
+
+    def _turn_synchronous(self, episodes: list[Episode], seeds: list[int], temperature: float) -> None:
+        """Turn k of every open episode in one engine call, then all their answers (the module docstring)."""
         for turn in range(self.config.max_turns):
             active = [(i, e) for i, e in enumerate(episodes) if not e.done]
             if not active:
                 break
-            outs = self.turns.generate([e.context for _, e in active],
-                                       [self.max_new_tokens - len(e.response) for _, e in active], temperature,
-                                       [(seeds[i] + 7919 * turn) % 2**31 for i, _ in active])
-            replies = []
-            for (_, episode), out in zip(active, outs):
-                episode.append(out.token_ids, model=True, logprobs=out.logprobs)
-                episode.counts["turns"] += 1
-                replies.append((episode, self.tokenizer.decode(out.token_ids, skip_special_tokens=True),
-                                out.finished))
-            self.answers.respond(replies, turn == self.config.max_turns - 1, self._observe)
-        return self._batch(prompt_ids, prompt_mask, episodes, n)
+            outs = self.turns.generate([e.context for _, e in active], [self._budget(e) for _, e in active],
+                                       temperature, [turn_seed(seeds[i], turn) for i, _ in active])
+            replies = [self._take(episode, out) for (_, episode), out in zip(active, outs)]
+            self.answers.respond(replies, self._last(turn), self._observe)
+
+    async def _all_episodes(self, episodes: list[Episode], seeds: list[int], temperature: float) -> None:
+        tasks = [asyncio.ensure_future(self._episode(e, s, temperature)) for e, s in zip(episodes, seeds)]
+        try:
+            await asyncio.gather(*tasks)
+        finally:   # one episode raised: the others stop too (a cancelled request is aborted in the engine)
+            for task in tasks:
+                task.cancel()
+
+    async def _episode(self, episode: Episode, seed: int, temperature: float) -> None:
+        """One episode as its own task (rollout.mode=async): the same turns, seeds and answers as the turn-synchronous
+        loop, each turn one request sent as soon as the episode's previous answer is in."""
+        for turn in range(self.config.max_turns):
+            if episode.done:
+                return
+            out = await self.turns.generate_one(episode.context, self._budget(episode), temperature,
+                                                turn_seed(seed, turn))
+            await self.answers.respond_one(*self._take(episode, out), self._last(turn), self._observe)
+
+    def _budget(self, episode: Episode) -> int:
+        return self.max_new_tokens - len(episode.response)
+
+    def _last(self, turn: int) -> bool:
+        return turn == self.config.max_turns - 1
+
+    def _take(self, episode: Episode, out: Turn) -> tuple[Episode, str, bool]:
+        """Append a generated turn to its episode: (episode, its text, whether it ended at <eos>) for the answerer."""
+        episode.append(out.token_ids, model=True, logprobs=out.logprobs)
+        episode.counts["turns"] += 1
+        return episode, self.tokenizer.decode(out.token_ids, skip_special_tokens=True), out.finished
 
     def _observe(self, episode: Episode, messages: list[dict]) -> None:
         """Append the turn of `messages` (tool results, an environment's answer; each cut to max_tool_response_tokens),
@@ -175,6 +213,11 @@ class AgentLoop:
 
     def close(self) -> None:
         self.answers.close()
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The seed of an episode's turn `turn` (seed: the episode's response seed), in both modes."""
+    return (seed + 7919 * turn) % 2**31
 
 
 def episode_metrics(batch: TensorDict, prefix: str = "tool") -> dict[str, float]:

@@ -3,9 +3,11 @@ One worker is one process of one rollout replica; rltrain/workers/rollout_group.
 prompts across them and pushes the weights to all of them.
 
 Engines (rollout.engine): "hf" = transformers' generate with a KV cache, batched over prompts × n (left-padded
-prompts; rltrain/workers/hf_engine.py); "vllm" = a `vllm.LLM` (rltrain/workers/vllm_engine.py), which also
-reports the sampled tokens' log-probs (`rollout_logprobs`). Both take weights in buckets: begin_weight_update,
-load_weights (or load_bucket: an actor's export, rltrain/workers/weight_sync.py) per bucket, finish_weight_update.
+prompts; rltrain/workers/hf_engine.py); "vllm" = a `vllm.LLM` (rltrain/workers/vllm_engine.py), which also reports the
+sampled tokens' log-probs (`rollout_logprobs`). rollout.mode=async puts the vllm engine on vLLM's async engine
+(rltrain/workers/vllm_async.py): every request, and every multi-turn episode, runs at its own pace. Both take weights
+in buckets: begin_weight_update, load_weights (or load_bucket: an actor's export, rltrain/workers/weight_sync.py) per
+bucket, finish_weight_update.
 With actor.lora on, the buckets hold only the adapter tensors (rltrain/workers/lora.py) and neither engine's base
 weights ever change: the hf engine holds the policy wrapped with the same LoRA adapters (unmerged), the vllm engine
 loads each push as a vLLM LoRA adapter (rltrain/workers/vllm_lora.py).
@@ -36,16 +38,19 @@ from rltrain.workers.agent_loop import AgentLoop
 from rltrain.workers.hf_engine import HFEngine, HFTurns
 from rltrain.workers.lora import LoraConfig
 from rltrain.workers.policy import load_tokenizer, set_threads
+from rltrain.workers.vllm_async import AsyncVLLMEngine, AsyncVLLMTurns
 from rltrain.workers.vllm_engine import VLLMEngine, VLLMTurns
 from rltrain.workers.weight_sync import ExportedBucket, device_info, receive
 
 ENGINES = ("hf", "vllm")
+MODES = ("sync", "async")
 PLACEMENTS = ("colocated", "separate")
 
 
 @dataclass
 class RolloutConfig:
     engine: str = "hf"
+    mode: str = "sync"             # async: vLLM's async engine, each multi-turn episode at its own pace (vllm_async.py)
     n: int = 16                    # responses per prompt (the GRPO group size)
     temperature: float = 1.0
     top_p: float = 1.0             # nucleus sampling; 1 = off
@@ -70,6 +75,13 @@ class RolloutConfig:
 
     def validate(self):
         require(self.engine in ENGINES, "engine", f"must be one of {', '.join(ENGINES)}", self.engine)
+        require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}", self.mode)
+        require(self.mode == "sync" or self.engine == "vllm", "mode", "'async' needs rollout.engine=vllm (vLLM's "
+                "async engine; the hf engine runs the turn-synchronous loop: rollout.mode=sync)", self.mode)
+        # AsyncLLM runs its engine core in a process of its own; external_launcher runs it in the rollout's processes
+        require(self.mode == "sync" or self.tensor_parallel_size == 1, "mode", "'async' needs "
+                "rollout.tensor_parallel_size=1 (vLLM's async engine cannot run under the tensor-parallel "
+                "external_launcher; scale with replicas)", self.mode)
         require(self.partial_segment_tokens >= 1, "partial_segment_tokens", "must be >= 1",
                 self.partial_segment_tokens)
         require(not (self.partial and self.stop), "partial", "cannot be combined with rollout.stop (a stop string "
@@ -119,13 +131,14 @@ class RolloutWorker:
         set_threads(config.torch_threads)
         self.device = device
         if config.engine == "vllm":
-            self.engine = VLLMEngine(config, model_path, dtype, device, tensor_parallel, lora)
+            engine = AsyncVLLMEngine if config.mode == "async" else VLLMEngine
+            self.engine = engine(config, model_path, dtype, device, tensor_parallel, lora)
         else:
             self.engine = HFEngine(config, model_path, dtype, kernel_config, device, attn_implementation, lora,
                                    logprobs, routing)
         self.agent_loop = None
         if config.multi_turn.enabled:  # tool-using episodes through the same engine (rltrain/workers/agent_loop.py)
-            turns = VLLMTurns if config.engine == "vllm" else HFTurns
+            turns = HFTurns if config.engine == "hf" else AsyncVLLMTurns if config.mode == "async" else VLLMTurns
             self.agent_loop = AgentLoop(config.multi_turn, turns(self.engine), load_tokenizer(model_path),
                                         config.max_new_tokens)
 

@@ -13,6 +13,10 @@ reshapes it (the job refuses the off-policy settings otherwise: rltrain/workers/
 generation defaults are not applied (generation_config="vllm"), and every request stops at the checkpoint's
 end-of-sequence set (stop_token_ids).
 
+rollout.mode=async: the same engine on vLLM's AsyncLLM (rltrain/workers/vllm_async.py, a subclass that replaces the
+few methods below that touch vllm.LLM: `_start`, `_rpc`, `_wake_up`, `_sleep`, `_reset_prefix_cache`,
+`_lora_engine`, `sample`), so sampling parameters, seeds, weight pushes, sleep and LoRA have one code path.
+
 Multi-turn episodes (rollout.multi_turn): `VLLMTurns` (below) runs the agent loop of rltrain/workers/agent_loop.py on
 this engine through the same request path (`sample`): each open episode's whole context is one request, with its
 remaining budget, its turn's seed and the current adapter; vLLM's prefix cache keeps the re-sent contexts cheap.
@@ -89,6 +93,11 @@ class WeightSyncExtension:
             self.model_runner.get_model().load_weights(weights)
         return len(weights)
 
+    def rltrain_load_packed_weights(self, packed) -> int:
+        """rltrain_load_weights for tensors packed as bytes (`pack_tensors`): what reaches an engine core of its own
+        process (rollout.mode=async) through vLLM's RPC, whose msgpack has no untyped tensor form."""
+        return self.rltrain_load_weights(unpack_tensors(packed))
+
     def rltrain_finish_weight_update(self) -> None:
         from vllm.config import set_current_vllm_config  # optional: the vllm extra
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload  # optional: the vllm extra
@@ -111,6 +120,17 @@ class WeightSyncExtension:
                 suffix = name.rsplit(".", 1)[-1]
                 taken.update(packed.get(suffix, [suffix]))
         return type(model).__name__, sorted(taken)
+
+
+def pack_tensors(named_tensors) -> list[tuple[str, str, list[int], bytes]]:
+    """(name, dtype, shape, raw bytes) per tensor, in host memory: tensors as vLLM's RPC carries them untyped."""
+    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape),
+             t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()) for name, t in named_tensors]
+
+
+def unpack_tensors(packed) -> list[tuple[str, torch.Tensor]]:
+    return [(name, torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape))
+            for name, dtype, shape, data in packed]
 
 
 def retie_output_head(model) -> None:
@@ -162,19 +182,18 @@ class VLLMEngine:
                            "memory while the actor trains", current_platform.device_type or device)
         kv_cache = None if config.kv_cache_gb is None else int(config.kv_cache_gb * 2**30)
         # generation_config="vllm": the checkpoint's sampling defaults are not applied (sampling is rollout.*'s)
-        self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=0, logprobs_mode="processed_logprobs",
-                            generation_config="vllm",
-                            enforce_eager=config.enforce_eager, gpu_memory_utilization=config.gpu_memory_utilization,
-                            kv_cache_memory_bytes=kv_cache, enable_sleep_mode=self.sleeps,
-                            worker_extension_cls=EXTENSION, tensor_parallel_size=tp,
-                            distributed_executor_backend="uni" if tp == 1 else "external_launcher",
-                            disable_custom_all_reduce=tp > 1,  # its peer check indexes the other ranks' GPUs
-                            disable_log_stats=True, **(engine_lora_args(lora) if lora is not None else {}))
+        self.llm = self._start(dict(
+            model=model_path, dtype=dtype, seed=0, logprobs_mode="processed_logprobs", generation_config="vllm",
+            enforce_eager=config.enforce_eager, gpu_memory_utilization=config.gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache, enable_sleep_mode=self.sleeps, worker_extension_cls=EXTENSION,
+            tensor_parallel_size=tp, distributed_executor_backend="uni" if tp == 1 else "external_launcher",
+            disable_custom_all_reduce=tp > 1,  # its peer check indexes the other ranks' GPUs
+            disable_log_stats=True, **(engine_lora_args(lora) if lora is not None else {})))
         self.adapter = None
         if lora is not None:
-            architecture, taken = self.llm.collective_rpc("rltrain_lora_modules")[0]
+            architecture, taken = self._rpc("rltrain_lora_modules")[0]
             check_adapter_modules(adapter_modules_of(model_path, lora), set(taken), architecture)
-            self.adapter = PushedAdapter(self.llm, lora, model_path)
+            self.adapter = PushedAdapter(self._lora_engine(), lora, model_path)
         eos = end_of_sequence(model_path, self.llm.get_tokenizer())
         self.eos_token_ids, self.pad_token_id = list(eos.ids), eos.pad_id
         log_ignored_defaults(model_path)
@@ -183,22 +202,52 @@ class VLLMEngine:
                     model_path, dtype, current_platform.device_type, tp, "on" if self.sleeps else "off",
                     "off" if lora is None else f"rank {lora.rank} (vLLM max_lora_rank {max_lora_rank(lora.rank)})")
 
+    # ---------------------------------------------------------------- what the async engine (vllm_async.py) replaces
+    def _start(self, engine_args: dict):
+        import vllm  # optional: the vllm extra
+
+        return vllm.LLM(**engine_args)
+
+    def _rpc(self, method: str, *args) -> list:
+        return self.llm.collective_rpc(method, args=args)
+
+    def _wake_up(self, tags: list[str] | None = None) -> None:
+        self.llm.wake_up(tags=tags)
+
+    def _sleep(self) -> None:
+        self.llm.sleep(level=1)
+
+    def _reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def _lora_engine(self):
+        """What loads and drops LoRA adapters (add_lora, remove_lora): PushedAdapter's engine."""
+        return self.llm.llm_engine
+
+    def wake(self) -> None:
+        if self.asleep:
+            self._wake_up()
+            self.asleep = False
+
+    def sampling_params(self, max_tokens: int, temperature: float, seed: int):
+        """One request's SamplingParams: rollout.*'s sampling, its budget and its seed, the sampled token's
+        log-prob reported."""
+        from vllm import SamplingParams  # optional: the vllm extra
+
+        config, sampled = self.config, temperature > 0  # greedy (validation): the top token whatever the truncation
+        return SamplingParams(n=1, temperature=temperature, top_p=config.top_p if sampled else 1.0,
+                              top_k=config.top_k if sampled else -1, min_p=config.min_p if sampled else 0.0,
+                              repetition_penalty=config.repetition_penalty, stop_token_ids=self.eos_token_ids,
+                              max_tokens=max_tokens, stop=list(config.stop) or None, seed=int(seed), logprobs=0,
+                              detokenize=bool(config.stop))
+
     def sample(self, contexts: list[list[int]], max_tokens: list[int], temperature: float, seeds) -> list:
         """One request per token context, each with its own max_tokens and seed, through the current adapter (if
         any): vLLM's completions in order. Both generate() and VLLMTurns send their requests here."""
-        from vllm import SamplingParams  # optional: the vllm extra
         from vllm.inputs import TokensPrompt  # optional: the vllm extra
 
-        config = self.config
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
-        sampled = temperature > 0  # greedy (validation) takes the top token whatever the truncation settings
-        params = [SamplingParams(n=1, temperature=temperature, top_p=config.top_p if sampled else 1.0,
-                                 top_k=config.top_k if sampled else -1, min_p=config.min_p if sampled else 0.0,
-                                 repetition_penalty=config.repetition_penalty, stop_token_ids=self.eos_token_ids,
-                                 max_tokens=limit, stop=list(config.stop) or None, seed=int(s), logprobs=0,
-                                 detokenize=bool(config.stop)) for limit, s in zip(max_tokens, seeds)]
+        self.wake()
+        params = [self.sampling_params(limit, temperature, s) for limit, s in zip(max_tokens, seeds)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=c) for c in contexts], params, use_tqdm=False,
                                     lora_request=None if self.adapter is None else self.adapter.request)
         return [out.outputs[0] for out in outputs]
@@ -225,32 +274,32 @@ class VLLMEngine:
     # ---------------------------------------------------------------- weights and memory
     def begin_weight_update(self) -> None:
         if self.asleep:  # weights first: the KV cache is reallocated after they are in (vLLM's RLHF order)
-            self.llm.wake_up(tags=["weights"])
+            self._wake_up(tags=["weights"])
         if self.adapter is not None:
             self.adapter.begin()
         else:
-            self.llm.collective_rpc("rltrain_begin_weight_update")
+            self._rpc("rltrain_begin_weight_update")
 
     def load_weights(self, named_tensors) -> None:
         if self.adapter is not None:
             self.adapter.receive(named_tensors)
         else:
-            self.llm.collective_rpc("rltrain_load_weights", args=(list(named_tensors),))
+            self._rpc("rltrain_load_weights", list(named_tensors))
 
     def finish_weight_update(self) -> None:
         if self.adapter is not None:
             self.adapter.finish()
         else:
-            self.llm.collective_rpc("rltrain_finish_weight_update")
+            self._rpc("rltrain_finish_weight_update")
         if self.asleep:
-            self.llm.wake_up(tags=["kv_cache"])
+            self._wake_up(tags=["kv_cache"])
             self.asleep = False
-        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        self._reset_prefix_cache()  # cached prompt KV was computed with the old weights
 
     def sleep(self) -> None:
         """Colocated mode: offload the weights to CPU and drop the KV cache while the actor trains (GPU only)."""
         if self.sleeps and not self.asleep:
-            self.llm.sleep(level=1)
+            self._sleep()
             self.asleep = True
 
 
@@ -269,5 +318,9 @@ class VLLMTurns:
         self.engine = engine
 
     def generate(self, contexts: list[list[int]], budgets: list[int], temperature: float, seeds: list[int]) -> list:
-        return [Turn(list(c.token_ids), sampled_logprobs(c), c.finish_reason == "stop")  # "length": out of budget
-                for c in self.engine.sample(contexts, budgets, temperature, seeds)]
+        return [completion_turn(c) for c in self.engine.sample(contexts, budgets, temperature, seeds)]
+
+
+def completion_turn(completion) -> Turn:
+    """A vLLM completion as the agent loop's Turn (finish_reason "length": it ran out of budget)."""
+    return Turn(list(completion.token_ids), sampled_logprobs(completion), completion.finish_reason == "stop")

@@ -88,10 +88,11 @@ def adapter_directory() -> tempfile.TemporaryDirectory:
 
 class PushedAdapter:
     """The adapter a vLLM engine generates with: the latest push, loaded as LoRA `request` (see the module
-    docstring). `llm`: the engine's vllm.LLM; `model_path`: its base model (written into adapter_config.json)."""
+    docstring). `engine`: what adds and removes the engine's adapters (vllm.LLM's llm_engine, or the async engine's
+    stand-in, rltrain/workers/vllm_async.py); `model_path`: its base model (written into adapter_config.json)."""
 
-    def __init__(self, llm, config: LoraConfig, model_path: str):
-        self.llm, self.config, self.model_path = llm, config, model_path
+    def __init__(self, engine, config: LoraConfig, model_path: str):
+        self.engine, self.config, self.model_path = engine, config, model_path
         self.request = None   # vllm LoRARequest of the current version; None = the base
         self.version = 0
         self.pending: dict[str, torch.Tensor] | None = None
@@ -112,7 +113,7 @@ class PushedAdapter:
         adapters, self.pending = self.pending, None
         if not adapters:
             raise RuntimeError("weight push: finish_weight_update with no adapter tensors received")
-        engine = self.llm.llm_engine
+        engine = self.engine
         previous, self.request = self.request, None
         if previous is not None:
             engine.remove_lora(previous.lora_int_id)

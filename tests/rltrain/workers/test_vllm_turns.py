@@ -43,9 +43,8 @@ BUDGET = 32
 TOOL_ANSWER = "56088"  # 123*456: five tool tokens after every answered turn
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    path = tmp_path_factory.mktemp("vllm_turns_model")
+def save_eos_model(path):
+    """The module docstring's model and tokenizer, saved to `path`; returns the tokenizer."""
     tokenizer = build_char_tokenizer(EXTRA)
     model = build_model(EmbeddedModelConfig(hidden_size=64, num_layers=2, num_heads=2, head_dim=64), tokenizer, seed=0)
     with torch.no_grad():  # dimension 0: 0.05 in every embedding, untouched by the layers, read only by <eos>'s logit
@@ -57,16 +56,33 @@ def engine(tmp_path_factory):
         model.lm_head.weight[tokenizer.eos_token_id, 0] = 1.0
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+def turns_worker(path, **rollout) -> RolloutWorker:
+    """A vLLM RolloutWorker with the calculator tool on (multi-turn), n=4, at the module's budget and temperature."""
     multi_turn = MultiTurnConfig(enabled=True, tools=[{"builtin": "calculator"}], num_workers=1, max_turns=3)
     config = RolloutConfig(engine="vllm", n=4, temperature=TEMPERATURE, max_new_tokens=BUDGET, kv_cache_gb=1.0,
                            enforce_eager=True, torch_threads=1, multi_turn=multi_turn,
-                           sleep_while_training=WORKER_SLEEP)
-    rollout = RolloutWorker(config, str(path), "float32", None)
-    prompts = [tokenizer(text).input_ids for text in ("12+7=", "3+4=", "40+41=")]
+                           sleep_while_training=WORKER_SLEEP, **rollout)
+    return RolloutWorker(config, str(path), "float32", None)
+
+
+def prompt_batch(tokenizer, texts=("12+7=", "3+4=", "40+41=")):
+    """Left-padded prompt ids and mask."""
+    prompts = [tokenizer(text).input_ids for text in texts]
     width = max(map(len, prompts))
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    yield rollout, str(path), tokenizer, ids, mask
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vllm_turns_model")
+    tokenizer = save_eos_model(path)
+    rollout = turns_worker(path)
+    yield rollout, str(path), tokenizer, *prompt_batch(tokenizer)
     rollout.agent_loop.close()
 
 
