@@ -8,14 +8,15 @@ Triton, and does it spill or starve occupancy" when no GPU is at hand. Use the d
     pip download --no-deps --only-binary=:all: --python-version 3.11 -d /tmp/tw triton==3.6.0
     pip install --no-deps --target /tmp/t36 /tmp/tw/triton-3.6.0-*.whl
     PYTHONPATH=/tmp/t36:kernels python kernels/benchmarks/compile_report.py [--op gated_delta_rule] [--B 8 --T 2048]
+--op: gated_delta_rule | gated_delta_product | iplr_delta_rule | kda (Kimi Delta Attention, a decay per key channel).
 
 --launch NAME=WARPS,STAGES and --value-block wide|narrow compile another setting, as the benches take them (the op's
 `tuning` argument, ops/common/tuning.py). --asm DIR also writes each launch's Triton GPU IR, PTX and SASS there (NN_kernel[_config].ttgir / .ptx / .sass), to
 read what a kernel does per loop iteration: which tiles go through registers, which layout conversions and waits.
 
 --peer fla does the same for fla 0.6 (flash-linear-attention) on the same inputs, to set its kernels' resources
-beside ours: chunk_gated_delta_rule and chunk_gated_delta_product forward+backward, chunk_iplr_delta_rule forward
-only (fla has no IPLR backward). fla believes it is on the target GPU (see fake_gpu_for_fla), and every launch of
+beside ours: chunk_gated_delta_rule, chunk_gated_delta_product and chunk_kda forward+backward, chunk_iplr_delta_rule
+forward only (fla has no IPLR backward). fla believes it is on the target GPU (see fake_gpu_for_fla), and every launch of
 an autotuned fla kernel compiles each of its configs, one row per config, the rows of one launch sharing its number:
     pip install --no-deps --target /tmp/flasite .whl/fla_core-0.6.0-*.whl .whl/flash_linear_attention-0.6.0-*.whl einops
     PYTHONPATH=/tmp/t36:/tmp/flasite:kernels python kernels/benchmarks/compile_report.py --peer fla [--op ...]
@@ -173,14 +174,16 @@ def fla_notes() -> list[str]:
 
 
 def make_inputs(op: str, B: int, T: int, H: int, D: int, dtype: torch.dtype, num_householder: int) -> dict:
-    """CPU inputs in fla's conventions: k L2-normalised, g = logsigmoid, beta = sigmoid, an fp32 initial state."""
+    """CPU inputs in fla's conventions: k L2-normalised, g = logsigmoid (per key channel for kda), beta = sigmoid, an
+    fp32 initial state."""
     n = num_householder if op == "gated_delta_product" else 1
     beta = torch.rand(B, T * n, H).sigmoid().to(dtype)
+    gate_shape = (B, T, H, D) if op == "kda" else (B, T, H)
     inputs = dict(
         q=torch.randn(B, T, H, D, dtype=dtype),
         k=torch.nn.functional.normalize(torch.randn(B, T * n, H, D), dim=-1).to(dtype),
         v=torch.randn(B, T * n, H, D, dtype=dtype),
-        g=torch.nn.functional.logsigmoid(torch.randn(B, T, H)).to(dtype), beta=beta,
+        g=torch.nn.functional.logsigmoid(torch.randn(gate_shape)).to(dtype), beta=beta,
         initial_state=torch.randn(B, H, D, D))
     if op == "iplr_delta_rule":
         a = torch.nn.functional.normalize(torch.randn(B, T, H, D), dim=-1).to(dtype)
@@ -195,12 +198,14 @@ def op_function(op: str, peer: str | None):
         from fla.ops.gated_delta_product import chunk_gated_delta_product
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         from fla.ops.generalized_delta_rule import chunk_iplr_delta_rule
+        from fla.ops.kda import chunk_kda
     else:
         from rltrain_kernels.ops.gated_delta_product import chunk_gated_delta_product
         from rltrain_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
         from rltrain_kernels.ops.iplr_delta_rule import chunk_iplr_delta_rule
+        from rltrain_kernels.ops.kda import chunk_kda
     return {"gated_delta_rule": chunk_gated_delta_rule, "gated_delta_product": chunk_gated_delta_product,
-            "iplr_delta_rule": chunk_iplr_delta_rule}[op]
+            "iplr_delta_rule": chunk_iplr_delta_rule, "kda": chunk_kda}[op]
 
 
 def run_op(op: str, peer: str | None, inputs: dict, num_householder: int, tuning) -> None:
@@ -286,7 +291,7 @@ def write_asm(launches: list[Launch], folder: str) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", default="gated_delta_rule",
-                        choices=["gated_delta_rule", "gated_delta_product", "iplr_delta_rule"])
+                        choices=["gated_delta_rule", "gated_delta_product", "iplr_delta_rule", "kda"])
     parser.add_argument("--peer", choices=["fla"], help="compile fla 0.6's kernels for the op instead of ours")
     parser.add_argument("--B", type=int, default=8)
     parser.add_argument("--T", type=int, default=2048)

@@ -228,10 +228,10 @@ class KernelConfig:
 
     name: str = "auto"                                        # whose implementations: auto | cuda | npu | cpu
     include_kernels: str | list[str] | bool | None = "auto"   # auto | none | "id1,id2" | a list of kernel ids
-    delta_rule_recurrence_dot: str = "auto"                   # auto | bf16 | tf32 (gated delta rule / product)
+    delta_rule_recurrence_dot: str = "auto"                   # auto | bf16 | tf32 (gated delta rule / product, KDA)
 
     # The kernels that take delta_rule_recurrence_dot, as their apply's recurrence_dot (on every device they have).
-    RECURRENCE_DOT_KERNELS: ClassVar[tuple[str, ...]] = ("gated_delta_rule", "gated_delta_product")
+    RECURRENCE_DOT_KERNELS: ClassVar[tuple[str, ...]] = ("gated_delta_rule", "gated_delta_product", "kda")
 
     def __post_init__(self):
         # precision imports triton, which this module must not need at import time
@@ -277,10 +277,10 @@ def _require(condition: bool, key: str, message: str, *value) -> None:
 def apply_kernel_config(model: nn.Module, kernel_config: KernelConfig | Mapping | None) -> nn.Module:
     """The config form: a KernelConfig, or its mapping `{name: auto | cuda | npu | cpu, include_kernels: auto | none |
     "a,b" | [a, b], delta_rule_recurrence_dot: auto | bf16 | tf32}`. `name` picks the device whose implementations
-    are used (auto = detected); `delta_rule_recurrence_dot` the dots of the gated delta rule / product's recurrence
-    kernels for bf16 inputs, passed to those kernels, which bind it into this model's swapped layers as their ops'
-    recurrence_dot argument (KernelConfig.kernel_options; ops/common/precision.py): it holds for this model only, and
-    another model in the process may run another."""
+    are used (auto = detected); `delta_rule_recurrence_dot` the dots of the gated delta rule / product's and KDA's
+    recurrence kernels for bf16 inputs, passed to those kernels, which bind it into this model's swapped layers as
+    their ops' recurrence_dot argument (KernelConfig.kernel_options; ops/common/precision.py): it holds for this model
+    only, and another model in the process may run another."""
     if kernel_config is None:
         return model
     config = kernel_config if isinstance(kernel_config, KernelConfig) else KernelConfig.from_mapping(kernel_config)

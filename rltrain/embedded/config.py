@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from rltrain.config import require
 
-ARCHS = ("qwen3", "qwen3_moe", "hybrid", "gdp", "iplr")
+ARCHS = ("qwen3", "qwen3_moe", "hybrid", "gdp", "iplr", "kda")
 # the model's max_position_embeddings: data.max_prompt_length's default 256 + rollout.max_new_tokens must fit (the
 # job's context check); RoPE's frequencies do not depend on it, so the trained weights are those of any other length
 CONTEXT_LENGTH = 1024
@@ -18,7 +18,7 @@ KINDS = ("arithmetic", "tool_arithmetic")
 
 @dataclass
 class EmbeddedModelConfig:
-    arch: str = "qwen3"                    # qwen3 | qwen3_moe | hybrid | gdp | iplr (rltrain/embedded/model.py)
+    arch: str = "qwen3"                    # qwen3 | qwen3_moe | hybrid | gdp | iplr | kda (rltrain/embedded/model.py)
     hidden_size: int = 128
     num_layers: int = 0                    # 0 = the arch's own (rltrain/embedded/model.py DEFAULT_LAYERS)
     num_heads: int = 4

@@ -7,11 +7,15 @@ Archs (`model.embedded.arch`), each with its own layer count unless num_layers i
              3 Gated DeltaNet : 1 attention, repeated; the last layer is attention whatever the count
     gdp      2 Gated DeltaProduct layers (2 Householder steps per token), no attention
     iplr     2 IPLR delta-rule layers, no attention
+    kda      3 layers: 2 Kimi Delta Attention then 1 attention; with more layers Kimi Linear's mix, 3 KDA : 1
+             attention, repeated; the last layer is attention whatever the count (as hybrid)
     qwen3_moe  2 attention layers whose MLP is a mixture of 4 experts, 2 per token (transformers' Qwen3-MoE)
 The delta-rule archs keep Qwen3's attention, MLP and norms, and give their linear-attention layers num_heads heads
 of head_dim (keys and values). The layer counts keep each arch's full default (300 steps) within 10 minutes on a
 2-core CPU, Qwen3's budget (docs/delta-rule.md: the held-out gains per arch).
-tests/rltrain/embedded/test_archs.py keeps each delta-rule arch's step time within a bound of the Qwen3's.
+tests/rltrain/embedded/test_archs.py keeps each delta-rule arch's step time within a bound of the Qwen3's; not yet
+kda's, whose layers train on the CPU through the per-step recurrence (no chunked PyTorch form yet: a layer's forward
++ backward on the default's batch costs about 2× a Gated DeltaNet layer's).
 
 The warm start trains on the task's training prompts and answers until its greedy accuracy on a fixed sample of
 training problems reaches `warmstart_target_accuracy` (checked every `warmstart_eval_every` steps), so RL starts
@@ -51,19 +55,20 @@ logger = logging.getLogger(__name__)
 
 # the token mixers of an arch's layers (rltrain/embedded/config.py ARCHS), repeated to num_layers; None: a Qwen3
 ARCH_LAYERS = {"qwen3": None, "qwen3_moe": None, "hybrid": ("gated_delta_rule",) * 3 + ("full_attention",),
-               "gdp": ("gated_delta_product",), "iplr": ("iplr",)}
-DEFAULT_LAYERS = {"qwen3": 2, "qwen3_moe": 2, "hybrid": 3, "gdp": 2, "iplr": 2}
+               "gdp": ("gated_delta_product",), "iplr": ("iplr",), "kda": ("kda",) * 3 + ("full_attention",)}
+DEFAULT_LAYERS = {"qwen3": 2, "qwen3_moe": 2, "hybrid": 3, "gdp": 2, "iplr": 2, "kda": 3}
+ENDS_ON_ATTENTION = ("hybrid", "kda")   # archs whose last layer is attention at any layer count
 MOE = dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)   # qwen3_moe
 
 
 def layer_types(config: EmbeddedModelConfig) -> list[str] | None:
-    """The arch's token mixer per layer (None for a Qwen3). A hybrid's last layer is always attention, so fewer
-    than 4 layers still mix both kinds."""
+    """The arch's token mixer per layer (None for a Qwen3). A hybrid's (and kda's) last layer is always attention,
+    so fewer than 4 layers still mix both kinds."""
     pattern = ARCH_LAYERS[config.arch]
     count = config.num_layers or DEFAULT_LAYERS[config.arch]
     if pattern is None:
         return None
-    return [pattern[-1] if config.arch == "hybrid" and i == count - 1 else pattern[i % len(pattern)]
+    return [pattern[-1] if config.arch in ENDS_ON_ATTENTION and i == count - 1 else pattern[i % len(pattern)]
             for i in range(count)]
 
 

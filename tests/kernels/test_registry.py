@@ -176,50 +176,63 @@ def test_kernel_config_from_mapping_defaults_and_unknown_keys():
         KernelConfig.from_mapping({"include": "auto"})
 
 
-RECURRENCE_KERNELS = ("gated_wy_fwd_kernel", "state_pass_fwd_kernel", "state_pass_bwd_kernel", "gated_wy_bwd_kernel")
-DELTA_RULE_KERNELS = "gated_delta_rule,gated_delta_product"
+# The kernels that carry each layer's recurrence, by (ops module, kernel name): the gated delta rule / product's WY and
+# state passes (forward and backward), KDA's intra-chunk solve and state passes.
+COMMON_RECURRENCE = (("common.wy", "gated_wy_fwd_kernel"), ("common.state_pass", "state_pass_fwd_kernel"),
+                     ("common.state_pass", "state_pass_bwd_kernel"), ("common.wy_bwd", "gated_wy_bwd_kernel"))
+RECURRENCE_KERNELS = {"rule": COMMON_RECURRENCE, "product": COMMON_RECURRENCE,
+                      "kda": (("kda.intra", "kda_intra_fwd_kernel"), ("kda.chunk_fwd", "kda_state_fwd_kernel"),
+                              ("kda.chunk_bwd", "kda_state_bwd_kernel"))}
+DELTA_RULE_KERNELS = "gated_delta_rule,gated_delta_product,kda"
 
 
 def delta_rule_model() -> nn.ModuleDict:
-    """A GatedDeltaNet and a GatedDeltaProduct layer (K = V = 16, n_h = 2), bf16: the inputs the mode applies to."""
-    from rltrain_kernels.layers import GatedDeltaNet, GatedDeltaProduct
+    """A GatedDeltaNet, a GatedDeltaProduct (n_h = 2) and a KimiDeltaAttention layer (K = V = 16), bf16: the inputs
+    the mode applies to."""
+    from rltrain_kernels.layers import GatedDeltaNet, GatedDeltaProduct, KimiDeltaAttention
 
     torch.manual_seed(0)
     return nn.ModuleDict({"rule": GatedDeltaNet(32, num_heads=1, head_dim=16),
-                          "product": GatedDeltaProduct(32, num_heads=1, head_dim=16)}).to(torch.bfloat16)
+                          "product": GatedDeltaProduct(32, num_heads=1, head_dim=16),
+                          "kda": KimiDeltaAttention(32, num_heads=1, head_dim=16)}).to(torch.bfloat16)
 
 
 def test_delta_rule_recurrence_dot_holds_per_model(monkeypatch, device):
-    """kernel_config.delta_rule_recurrence_dot goes to the gated delta rule / product kernels of the model it is
-    applied to, bound into its swapped layers' op calls: two models in one process, configured differently, each
-    launch the WY and state-pass kernels with their own DOT_PREC, forward and backward, whatever ran before (a spy on
-    the launches: the interpreter ignores input_precision, so the outputs cannot show it). A mapping without the key
-    gets the default; the swapped layers' repr names the mode; applying the same config again changes nothing."""
-    from rltrain_kernels.ops.common import state_pass, wy, wy_bwd
+    """kernel_config.delta_rule_recurrence_dot goes to the gated delta rule / product and KDA kernels of the model it
+    is applied to, bound into its swapped layers' op calls: two models in one process, configured differently, each
+    launch their recurrence kernels (WY and state passes; KDA's intra-chunk solve and state passes) with their own
+    DOT_PREC, forward and backward, whatever ran before (a spy on the launches: the interpreter ignores
+    input_precision, so the outputs cannot show it). A mapping without the key gets the default; the swapped layers'
+    repr names the mode; applying the same config again changes nothing."""
+    import importlib
+
     from tests.helpers import spy_launches
 
     accurate = apply_kernel_config(delta_rule_model().to(device), KernelConfig(name="cuda", include_kernels=DELTA_RULE_KERNELS,
                                                                     delta_rule_recurrence_dot="tf32"))
     shipped = apply_kernel_config(delta_rule_model().to(device), {"name": "cuda", "include_kernels": DELTA_RULE_KERNELS})
     for model, mode in ((accurate, "tf32"), (shipped, "auto")):
-        assert get_applied_kernels(model) == {"gated_delta_rule": 1, "gated_delta_product": 1}
+        assert get_applied_kernels(model) == {"gated_delta_rule": 1, "gated_delta_product": 1, "kda": 1}
         assert all(f"recurrence_dot={mode}" in repr(layer) for layer in model.values())
     launched: dict[str, set[str]] = {}
-    for module, name in zip((wy, state_pass, state_pass, wy_bwd), RECURRENCE_KERNELS):
-        spy_launches(monkeypatch, module, name, lambda args, kwargs, name=name: launched.setdefault(name, set()).add(
-            kwargs["DOT_PREC"].removesuffix("_interpreted")))
+    for module, name in {entry for entries in RECURRENCE_KERNELS.values() for entry in entries}:
+        spy_launches(monkeypatch, importlib.import_module(f"rltrain_kernels.ops.{module}"), name,
+                     lambda args, kwargs, name=name: launched.setdefault(name, set()).add(
+                         kwargs["DOT_PREC"].removesuffix("_interpreted")))
     for model, dot_prec in ((accurate, "tf32"), (shipped, "bf16"), (accurate, "tf32")):
         for kind, layer in model.items():
             launched.clear()
             out, _ = layer(torch.randn(1, 20, 32, dtype=torch.bfloat16, device=device, requires_grad=True))
             out.float().square().sum().backward()
-            assert launched == {name: {dot_prec} for name in RECURRENCE_KERNELS}, (kind, launched)
+            assert launched == {name: {dot_prec} for _, name in RECURRENCE_KERNELS[kind]}, (kind, launched)
     assert get_kernel("gated_delta_rule", "cuda").apply(accurate, recurrence_dot="tf32") == 0
     assert get_kernel("gated_delta_product", "cuda").apply(shipped, recurrence_dot="tf32") == 1  # now it runs tf32
+    assert get_kernel("kda", "cuda").apply(accurate, recurrence_dot="tf32") == 0
     assert "recurrence_dot=tf32" in repr(shipped["product"]) and "recurrence_dot=auto" in repr(shipped["rule"])
+    assert "recurrence_dot=auto" in repr(shipped["kda"])
 
 
-@pytest.mark.parametrize("kernel_id", ["gated_delta_rule", "gated_delta_product"])
+@pytest.mark.parametrize("kernel_id", ["gated_delta_rule", "gated_delta_product", "kda"])
 def test_delta_rule_kernels_name_a_bad_recurrence_dot(kernel_id):
     """A bad mode handed to a kernel directly is a ValueError naming the argument, before any module changes (the
     config form names its key: test_kernel_config_is_validated_on_construction)."""

@@ -117,7 +117,7 @@ def test_every_algorithm_preset_validates(preset):
     ("kernel_config.delta_rule_recurrence_dot=fp8",
      "kernel_config.delta_rule_recurrence_dot: must be auto, bf16, tf32 (got 'fp8')"),
     ("data.task.operators=/", "data.task.operators: must be a non-empty subset"),
-    ("model.embedded.arch=mamba", "model.embedded.arch: must be one of qwen3, qwen3_moe, hybrid, gdp, iplr (got 'mamba')"),
+    ("model.embedded.arch=mamba", "model.embedded.arch: must be one of qwen3, qwen3_moe, hybrid, gdp, iplr, kda (got 'mamba')"),
     ("model.embedded.num_layers=-1", "model.embedded.num_layers: must be >= 0 (0 = the arch's own) (got -1)"),
     ("rollout.engine=sglang", "rollout.engine: must be one of hf, vllm (got 'sglang')"),
     ("rollout.stop=[Answer]", "rollout.stop: needs rollout.engine=vllm"),
@@ -207,7 +207,7 @@ def test_vllm_engine_refuses_delta_rule_policies(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
     refusal = "rollout.engine: 'vllm' cannot serve the delta-rule policy "
-    for arch in ("hybrid", "gdp", "iplr"):
+    for arch in ("hybrid", "gdp", "iplr", "kda"):
         with pytest.raises(ConfigError) as err:
             load_job_config(_compose("rollout.engine=vllm", f"model.embedded.arch={arch}"))
         assert str(err.value).startswith(refusal + f"model.embedded.arch={arch}"), err.value

@@ -4,7 +4,7 @@ actor's checkpoint exports to an HF model directory that transformers loads with
 actor (its fp32 masters read from the shards), the reference and the HF rollout engine all load that sharded
 directory as model.path with the same weights. Bad input exits 2 with one line naming the path. A checkpoint of the
 hybrid_delta family (Gated DeltaNet + attention) exports as Qwen3-Next with the policy's logits; one with Gated
-DeltaProduct layers keeps its own type, and --format qwen3_next refuses it naming layer_types. Exports of a 2-rank
+DeltaProduct or KDA layers keeps its own type, and --format qwen3_next refuses it naming layer_types. Exports of a 2-rank
 FSDP2 checkpoint: workers/test_fsdp_checkpoint.py; of a LoRA run's (merged into its base): workers/test_lora.py; of
 releases' layouts (tied heads, generation configs): test_releases.py."""
 
@@ -150,12 +150,16 @@ def test_a_gated_deltanet_hybrid_exports_as_qwen3_next_with_its_logits(tmp_path,
     assert AutoTokenizer.from_pretrained(tmp_path / "out").get_vocab() == build_char_tokenizer().get_vocab()
 
 
-def test_a_gated_deltaproduct_policy_has_no_qwen3_next_form(tmp_path, capsys):
-    _, path = delta_rule_checkpoint(tmp_path, "gdp")
+@pytest.mark.parametrize("arch, mixer", [("gdp", "gated_delta_product"), ("kda", "kda")])
+def test_a_policy_of_other_delta_rule_layers_has_no_qwen3_next_form(tmp_path, capsys, arch, mixer):
+    """Gated DeltaProduct and Kimi Delta Attention layers have no Qwen3-Next counterpart: --format qwen3_next is
+    refused naming the layers, and the default export keeps the family's own type."""
+    _, path = delta_rule_checkpoint(tmp_path, arch)
+    capsys.readouterr()   # the setup's own output (the checkpoint save's progress bar, the first time)
     assert main([str(path), str(tmp_path / "out"), "--format", "qwen3_next"]) == 2
     assert capsys.readouterr().err == (
         f"error: {path / 'hf' / 'config.json'}: no Qwen3-Next form, so vLLM cannot serve it: layer_types holds "
-        "gated_delta_product: Qwen3-Next (and so vLLM) has Gated DeltaNet (gated_delta_rule) and attention layers "
+        f"{mixer}: Qwen3-Next (and so vLLM) has Gated DeltaNet (gated_delta_rule) and attention layers "
         "only; export with --format checkpoint (transformers loads it after `import rltrain_kernels.models`)\n")
     assert not (tmp_path / "out").exists()
     assert main([str(path), str(tmp_path / "out")]) == 0   # auto: its own type

@@ -153,7 +153,7 @@ def test_algorithm_presets_train(tmp_path, preset):
         assert all("train/kl_penalty_mean" in r and "actor/ref_kl" in r for r in train), train
 
 
-@pytest.mark.parametrize("arch", ["hybrid", "gdp", "iplr"])
+@pytest.mark.parametrize("arch", ["hybrid", "gdp", "iplr", "kda"])
 def test_delta_rule_policies_train(tmp_path, arch):
     """model.embedded.arch: a delta-rule policy through the real trainer (packed actor batches, the HF engine's
     recurrent cache), 2 steps; its checkpoint's export (--format checkpoint) loads back as the hybrid family with the
@@ -176,7 +176,7 @@ def test_delta_rule_policies_train(tmp_path, arch):
     checkpoint = out / "checkpoints" / "step_000002"
     saved = AutoModelForCausalLM.from_pretrained(export(checkpoint, tmp_path / "hf", form="checkpoint"))
     expected = {"hybrid": ["gated_delta_rule", "full_attention"], "gdp": ["gated_delta_product"] * 2,
-                "iplr": ["iplr"] * 2}[arch]
+                "iplr": ["iplr"] * 2, "kda": ["kda", "full_attention"]}[arch]
     assert saved.config.model_type == "hybrid_delta" and saved.config.mixer_types == expected
     default = json.loads((export(checkpoint, tmp_path / "auto") / "config.json").read_text())["model_type"]
     assert default == ("qwen3_next" if arch == "hybrid" else "hybrid_delta")

@@ -46,6 +46,8 @@ def test_arch_layers_and_the_warm_start_they_key(tmp_path, monkeypatch):
     assert layer_types(EmbeddedModelConfig(arch="hybrid", num_layers=8)) == ([rule] * 3 + [attention]) * 2
     assert layer_types(EmbeddedModelConfig(arch="gdp")) == ["gated_delta_product"] * 2
     assert layer_types(EmbeddedModelConfig(arch="iplr", num_layers=3)) == ["iplr"] * 3
+    assert layer_types(EmbeddedModelConfig(arch="kda")) == ["kda", "kda", attention]
+    assert layer_types(EmbeddedModelConfig(arch="kda", num_layers=6)) == ["kda"] * 3 + [attention, "kda", attention]
     config = EmbeddedModelConfig(arch="hybrid", warmstart_steps=0)
     first = embedded_policy_dir(str(tmp_path), config, TaskConfig(), 0)
     assert embedded_policy_dir(str(tmp_path), config, TaskConfig(), 0) == first
