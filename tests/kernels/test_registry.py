@@ -242,6 +242,19 @@ def test_delta_rule_kernels_name_a_bad_recurrence_dot(kernel_id):
     assert get_applied_kernels(model) == {}
 
 
+def test_layer_kernels_refuse_options_they_do_not_take():
+    """An option a layer kernel has no use for is a TypeError naming it (IPLR's ops take no recurrence_dot), before
+    any module changes, rather than a silently ignored setting."""
+    from rltrain_kernels.layers import IPLRLinearAttention
+
+    model = torch.nn.ModuleDict({"iplr": IPLRLinearAttention(32, num_heads=1, head_dim=16)})
+    with pytest.raises(TypeError, match=r"iplr_delta_rule: apply\(\) takes no option\(s\) 'recurrence_dot'"):
+        apply_kernel("iplr_delta_rule", model, device="cuda", recurrence_dot="tf32")
+    with pytest.raises(TypeError, match=r"kda: apply\(\) takes no option\(s\) 'chunk_size'"):
+        apply_kernel("kda", delta_rule_model(), device="cuda", chunk_size=32)
+    assert get_applied_kernels(model) == {}
+
+
 def test_discovery_survives_a_broken_module(tmp_path, monkeypatch, scratch_registry, caplog):
     pkg = tmp_path / "fake_kernel_pkg"
     pkg.mkdir()

@@ -14,6 +14,7 @@ deep-copies; pickling it by reference is not supported (the subclasses are creat
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 import types
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from rltrain_kernels.registry import UnsupportedModelError, register_kernel
+from rltrain_kernels.registry import BaseKernel, UnsupportedModelError, register_kernel
 from rltrain_kernels.utils import module_available
 
 # What each device's implementations need importable.
@@ -205,3 +206,65 @@ def register_per_device(base: type, ops: dict[str, str]) -> None:
         name = f"{base.__name__.lstrip('_')}{device.upper()}"
         register_kernel(type(name, (base,), {"device": device, "check_deps": classmethod(check_deps),
                                              "load_op": classmethod(load_op), "__module__": base.__module__}))
+
+
+@functools.cache
+def _resolve(target: str):
+    module_name, name = target.split(":")
+    return getattr(importlib.import_module(module_name), name)
+
+
+def lazy_op(target: str):
+    """A function that calls the op at "module.path:function", imported at the first call: registering a kernel
+    imports no Triton module."""
+
+    def op(*args, **kwargs):
+        return _resolve(target)(*args, **kwargs)
+
+    op.__name__ = op.__qualname__ = target.split(":")[1]
+    return op
+
+
+class LayerKernel(BaseKernel):
+    """A kernel that swaps the token mixer of one rltrain_kernels.layers class (in whatever model holds it): the
+    layer's forward calls two module-level op names, its chunked op (whole sequences: training, prefill) and its
+    fused-recurrent one (decoding from a cache); they are plain PyTorch until swapped, and resolve to the device's
+    kernels in the swapped class. Subclasses name the layer and the ops; `register_layer_kernel` registers them."""
+
+    device = "cuda"
+    layer: str = ""                      # the class name in rltrain_kernels.layers
+    ops: dict[str, str] = {}             # {the forward's op name: "module.path:function"}
+    takes_recurrence_dot: bool = True    # apply(recurrence_dot=auto | bf16 | tf32), bound into this model's layers
+
+    @classmethod
+    def apply(cls, model, **options) -> int:
+        ops, swap_options = cls.bound_ops(options)
+        layer_cls = getattr(importlib.import_module("rltrain_kernels.layers"), cls.layer)
+        return layer_kernel_swap(model, layer_cls, cls.kernel_id, cls.device, options=swap_options, **ops)
+
+    @classmethod
+    def bound_ops(cls, options: dict) -> tuple[dict, tuple]:
+        """({op name: the kernel with apply's options bound}, the options as the swapped class records them: another
+        model in the process may run others)."""
+        options, bound = dict(options), {}
+        if cls.takes_recurrence_dot:
+            from rltrain_kernels.ops.common.precision import check_recurrence_dot
+
+            bound = {"recurrence_dot": check_recurrence_dot(options.pop("recurrence_dot", "auto"))}
+        if options:
+            raise TypeError(f"{cls.kernel_id}: apply() takes no option(s) {', '.join(map(repr, options))}")
+        ops = {name: functools.partial(lazy_op(target), **bound) for name, target in cls.ops.items()}
+        return ops, tuple(bound.items())
+
+    @classmethod
+    def check_deps(cls) -> bool:
+        return module_available(DEVICE_DEPS[cls.device])
+
+
+def register_layer_kernel(kernel_id: str, layer: str, ops: dict[str, str], takes_recurrence_dot: bool = True) -> None:
+    """Register the CUDA kernel `kernel_id` (a LayerKernel swapping rltrain_kernels.layers.`layer`, needing Triton):
+    elsewhere the layer's PyTorch recurrence stays."""
+    module = sys._getframe(1).f_globals["__name__"]
+    register_kernel(type(f"LayerKernel[{kernel_id}]", (LayerKernel,), {
+        "kernel_id": kernel_id, "layer": layer, "ops": dict(ops), "takes_recurrence_dot": takes_recurrence_dot,
+        "__module__": module}))

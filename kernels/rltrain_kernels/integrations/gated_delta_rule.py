@@ -19,13 +19,10 @@ through transformers' forward as above).
 binds the ops' recurrence_dot into this model's swapped layers: another model in the process may run another.
 """
 
-import functools
-
-from rltrain_kernels.integrations.families import (family_classes, holds_layers, layer_kernel_swap,
-                                                  original_class, register_per_device, swap_modules, with_globals,
-                                                  wrapped_model)
+from rltrain_kernels.integrations.families import (LayerKernel, family_classes, holds_layers, original_class,
+                                                  swap_modules, with_globals, wrapped_model)
 from rltrain_kernels.integrations.qwen3_next import PACKED_FAMILIES, packed_forward
-from rltrain_kernels.registry import BaseKernel
+from rltrain_kernels.registry import register_kernel
 
 
 # fla's keywords both ops take (fla.ops.gated_delta_rule, 0.6): passed through whenever the caller gives them.
@@ -57,33 +54,31 @@ def recurrent_adapter(query, key, value, g, beta, initial_state=None, output_fin
                                             recurrence_dot=recurrence_dot, **_fla_keywords(kwargs))
 
 
-ADAPTERS = (chunk_adapter, recurrent_adapter)
+class _GatedDeltaRule(LayerKernel):
+    """rltrain's GatedDeltaNet layers as any LayerKernel; else a transformers family's linear-attention classes
+    (Qwen3-Next), whose forwards call the same two names."""
 
-
-class _GatedDeltaRule(BaseKernel):
     kernel_id = "gated_delta_rule"
+    layer = "GatedDeltaNet"
+    ops = {"torch_chunk_gated_delta_rule": f"{__name__}:chunk_adapter",
+           "torch_recurrent_gated_delta_rule": f"{__name__}:recurrent_adapter"}
 
     @classmethod
-    def apply(cls, model, recurrence_dot: str = "auto") -> int:
+    def apply(cls, model, **options) -> int:
         from rltrain_kernels.layers import GatedDeltaNet
-        from rltrain_kernels.ops.common.precision import check_recurrence_dot
 
-        options = (("recurrence_dot", check_recurrence_dot(recurrence_dot)),)  # the swapped class says so
-        chunk, recurrent = (functools.partial(adapter, recurrence_dot=recurrence_dot) for adapter in cls.load_op())
         if holds_layers(model, GatedDeltaNet):
-            return layer_kernel_swap(model, GatedDeltaNet, cls.kernel_id, cls.device, options=options,
-                                     torch_chunk_gated_delta_rule=chunk, torch_recurrent_gated_delta_rule=recurrent)
-        classes = family_classes(model, "linear_attention", cls.kernel_id)
+            return super().apply(model, **options)
+        ops, swap_options = cls.bound_ops(options)
         packs = wrapped_model(model).config.model_type in PACKED_FAMILIES
         changed = 0
-        for layer_cls in classes:
-            forward = with_globals(layer_cls.forward, torch_chunk_gated_delta_rule=chunk,
-                                   torch_recurrent_gated_delta_rule=recurrent)
+        for layer_cls in family_classes(model, "linear_attention", cls.kernel_id):
+            forward = with_globals(layer_cls.forward, **ops)
             if packs:  # packed rows (cu_seq_lens_q) through the same chunked kernel, the conv restarting per sequence
-                forward = packed_forward(forward, chunk)
+                forward = packed_forward(forward, ops["torch_chunk_gated_delta_rule"])
             changed += swap_modules(model, (layer_cls,), cls.kernel_id, cls.device, forward,
-                                    accept=lambda m, c=layer_cls: original_class(m) is c, options=options)
+                                    accept=lambda m, c=layer_cls: original_class(m) is c, options=swap_options)
         return changed
 
 
-register_per_device(_GatedDeltaRule, {"cuda": "rltrain_kernels.integrations.gated_delta_rule:ADAPTERS"})
+register_kernel(_GatedDeltaRule)
