@@ -47,6 +47,11 @@ from rltrain.workers.router import ROUTING, RouterBalance, replay_tokens, scored
 from rltrain.workers.weight_sync import WeightSource
 
 
+def owning_modules(names: list[str]) -> tuple[str, ...]:
+    """The modules holding the named parameters (_extend's, which LoRA leaves out of the adapters: trained whole)."""
+    return tuple(sorted({name.rsplit(".", 1)[0] for name in names}))
+
+
 def weighted_advantages(batch: TensorDict) -> torch.Tensor:
     """The advantages, times the truncated importance weights where the batch has them
     (algorithm.rollout_correction.mode=truncate).
@@ -90,7 +95,8 @@ class ActorWorker(ActorCheckpoints, WeightSource):
         self.routers = RouterBalance.of(self.model, config.router_aux_loss_coef)
         # LoRA: the adapters go in after the kernels; self.model stays the transformers model (with them inside);
         # what _extend added trains whole beside them
-        self.adapters = attach_lora(self.model, config.lora, whole=self._whole(added)) if config.lora.enabled else None
+        self.trained_whole = owning_modules(added) if config.lora.enabled else ()
+        self.adapters = attach_lora(self.model, config.lora, whole=self.trained_whole) if config.lora.enabled else None
         if trained_dtype(dtype, config.mixed_precision) != dtype:  # fp32 masters of the trained parameters
             initial = None if self.adapters else stored_fp32_weights(model_path)
             if initial is not None:  # the checkpoint has no values for what _extend added: the model's own
@@ -113,11 +119,6 @@ class ActorWorker(ActorCheckpoints, WeightSource):
         checkpointed with it (with LoRA too: whole, beside the adapters); the names of the parameters added. The
         actor adds none."""
         return []
-
-    def _whole(self, added: list[str]) -> tuple[str, ...]:
-        """The modules holding _extend's parameters, which LoRA leaves out of the adapters and trains whole."""
-        self.trained_whole = tuple(sorted({name.rsplit(".", 1)[0] for name in added}))
-        return self.trained_whole
 
     @contextmanager
     def _scoring(self):
@@ -349,7 +350,8 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
             added = self._extend(model)
             self.routers = RouterBalance.of(model, config.router_aux_loss_coef)
             if lora:
-                self.adapters = attach_lora(model, config.lora, DTYPES[weights], whole=self._whole(added))
+                self.trained_whole = owning_modules(added)
+                self.adapters = attach_lora(model, config.lora, DTYPES[weights], whole=self.trained_whole)
 
         self._setup(rank, world_size, master_addr, master_port, model_path, dtype if lora else weights, kernel_config,
                     device, config.fsdp, config.micro_batching, attn_implementation, config.gradient_checkpointing,

@@ -6,5 +6,6 @@ kernel_config.delta_rule_recurrence_dot. CUDA only: elsewhere the PyTorch recurr
 
 from rltrain_kernels.integrations.families import register_layer_kernel
 
-register_layer_kernel("kda", "KimiDeltaAttention", {"torch_chunk_kda": "rltrain_kernels.ops.kda:chunk_kda",
-                                                    "torch_recurrent_kda": "rltrain_kernels.ops.kda:fused_recurrent_kda"})
+OPS = "rltrain_kernels.ops.kda"
+register_layer_kernel("kda", "KimiDeltaAttention", {"torch_chunk_kda": f"{OPS}:chunk_kda",
+                                                    "torch_recurrent_kda": f"{OPS}:fused_recurrent_kda"})
