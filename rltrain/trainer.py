@@ -213,9 +213,10 @@ class GRPOTrainer(TrainerCheckpoints):
                                            **(dict(fsdp=job.actor.fsdp) if sharded else {}))
         if judge:  # placed like the reward model: a share of bundle 0
             path = self.model_dir if job.reward.judge.path == "policy" else job.reward.judge.path
+            engine = job.rollout.engine if job.reward.judge.engine == "auto" else job.reward.judge.engine
             self.judge = start_role(JudgeWorker, self.placement, share, False, config=job.reward.judge,
                                     model_path=path, dtype=common["dtype"], device=self.device,
-                                    torch_threads=job.actor.torch_threads)
+                                    torch_threads=job.actor.torch_threads, engine=engine)
         self.weight_push = WeightPush(self.actor, self.rollout, job.actor.weight_bucket_mb)
         self.model_shape = ray.get(self.actor.model_shape.remote())
         actor_device = ray.get(self.actor.device_info.remote())

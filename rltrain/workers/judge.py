@@ -4,7 +4,8 @@ gives a verdict, which a named parser turns into a score in [0, 1]; the trainer 
 reward/judge_mean and reward/judge_failed_mean (the share of verdicts that did not parse) logged per step.
 
 The judge is `reward.judge.path` (a model directory) or `policy` (the policy's starting checkpoint, frozen), run in a
-Ray process of its own placed with the model roles (transformers; greedy). The template (`reward.judge.template`, a
+Ray process of its own placed with the model roles, greedy, on `reward.judge.engine`: transformers (hf) or vLLM
+(rltrain/workers/judge_vllm.py: the step's whole batch in one call); auto follows rollout.engine. The template (`reward.judge.template`, a
 text file, else DEFAULT_TEMPLATE) is formatted with {prompt}, {response} and {ground_truth} and rendered as one user
 message with the judge's chat template (plain text where it has none). Parsers:
 
@@ -30,9 +31,11 @@ import torch
 import transformers as tf
 
 from rltrain.config import ConfigError, require
+from rltrain.workers.judge_vllm import VLLMJudgeModel
 from rltrain.workers.policy import DTYPES, load_tokenizer, release_cached_memory, set_threads
 
 PARSERS = ("yes_no", "score")
+ENGINES = ("auto", "hf", "vllm")
 DEFAULT_TEMPLATE = ("Question:\n{prompt}\n\nReference answer: {ground_truth}\n\nResponse:\n{response}\n\n"
                     "Is the response correct? Answer Yes or No.")
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -42,14 +45,18 @@ YES, NO = ("Yes", "yes", " Yes", " yes"), ("No", "no", " No", " no")
 @dataclass
 class JudgeConfig:
     path: str | None = None          # a causal-LM directory, or `policy` (the policy's starting checkpoint); null = none
+    engine: str = "auto"             # auto (rollout.engine's kind) | hf | vllm (rltrain/workers/judge_vllm.py)
     template: str | None = None      # a text file with {prompt}, {response}, {ground_truth}; null = DEFAULT_TEMPLATE
     parser: str = "yes_no"           # yes_no | score
     max_score: float = 10.0          # score: the number that means 1
     max_new_tokens: int = 16         # score: the reply's length (greedy)
     weight: float = 1.0              # the judge's weight in the reward
     rule_weight: float = 1.0         # the weight of the reward before the judge (function, reward model)
-    micro_batch_size: int = 8        # conversations per forward / generate call
+    micro_batch_size: int = 8        # hf: conversations per forward / generate call
     timeout_s: float = 600.0         # one batch's verdicts; past it every sample scores 0 (and counts as failed)
+    gpu_memory_utilization: float = 0.2  # vllm: the judge engine's share of its GPU (weights + KV cache)
+    kv_cache_gb: float | None = None     # vllm: KV cache size in GiB; null = from gpu_memory_utilization (CPU: set it)
+    enforce_eager: bool = False          # vllm: no CUDA graphs (starts faster)
 
     @property
     def enabled(self) -> bool:
@@ -60,6 +67,11 @@ class JudgeConfig:
             return
         require(self.path == "policy" or (Path(self.path).expanduser() / "config.json").is_file(), "path",
                 "must be `policy` or a model directory holding config.json", self.path)
+        require(self.engine in ENGINES, "engine", f"must be one of {', '.join(ENGINES)}", self.engine)
+        require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]",
+                self.gpu_memory_utilization)
+        require(self.kv_cache_gb is None or self.kv_cache_gb > 0, "kv_cache_gb", "must be null or > 0",
+                self.kv_cache_gb)
         require(self.parser in PARSERS, "parser", f"must be one of {', '.join(PARSERS)}", self.parser)
         require(self.max_score > 0, "max_score", "must be > 0", self.max_score)
         require(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1", self.max_new_tokens)
@@ -102,21 +114,28 @@ def first_token_ids(tokenizer, words) -> list[int]:
 
 
 class JudgeWorker:
-    def __init__(self, config: JudgeConfig, model_path: str, dtype: str, device: str = "cpu", torch_threads: int = 0):
+    """`engine`: hf or vllm (the trainer resolves `auto` to rollout.engine)."""
+
+    def __init__(self, config: JudgeConfig, model_path: str, dtype: str, device: str = "cpu", torch_threads: int = 0,
+                 engine: str = "hf"):
         set_threads(torch_threads)
         self.config, self.device = config, device
         self.template = config.template_text()
         self.tokenizer = load_tokenizer(model_path, padding_side="left")
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = tf.AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).to(device).eval()
-        self.model.requires_grad_(False)
         # a token that begins both words (a lone space where " Yes" is no token of its own) tells neither apart
         yes, no = first_token_ids(self.tokenizer, YES), first_token_ids(self.tokenizer, NO)
         self.yes, self.no = sorted(set(yes) - set(no)), sorted(set(no) - set(yes))
         if config.parser == "yes_no" and not (self.yes and self.no):
             raise ConfigError(f"reward.judge.parser: yes_no needs the judge's tokenizer ({model_path}) to begin "
                               f"'Yes' and 'No' with tokens of their own (got {yes} and {no}); use score")
+        self.model = self.engine = None
+        if engine == "vllm":
+            self.engine = VLLMJudgeModel(config, model_path, dtype, self.yes, self.no)
+        else:
+            self.model = tf.AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).to(device).eval()
+            self.model.requires_grad_(False)
 
     def render(self, prompt: str | list[dict], response: str, ground_truth) -> str:
         content = self.template.format(prompt=prompt_text(prompt), response=response,
@@ -130,18 +149,21 @@ class JudgeWorker:
     def score(self, prompts: list, responses: list[str], ground_truths: list) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores [B] in [0, 1], failed [B] bool) of the responses."""
         texts = [self.render(p, r, g) for p, r, g in zip(prompts, responses, ground_truths)]
-        scores, failed = [], []
-        size = self.config.micro_batch_size
-        try:
-            for start in range(0, len(texts), size):
-                enc = self.tokenizer(texts[start:start + size], return_tensors="pt", padding=True,
-                                     add_special_tokens=False).to(self.device)
-                verdicts = self._yes_no(enc) if self.config.parser == "yes_no" else self._score(enc)
-                scores += [0.0 if v is None else v for v in verdicts]
-                failed += [v is None for v in verdicts]
-        finally:
-            release_cached_memory()
-        return torch.tensor(scores, dtype=torch.float32), torch.tensor(failed, dtype=torch.bool)
+        if self.engine is not None:  # the whole batch in one call: vLLM schedules it
+            ids = self.tokenizer(texts, add_special_tokens=False).input_ids
+            verdicts = self.engine.yes_no(ids) if self.config.parser == "yes_no" else \
+                [parse_score(reply, self.config.max_score) for reply in self.engine.replies(ids)]
+        else:
+            verdicts, size = [], self.config.micro_batch_size
+            try:
+                for start in range(0, len(texts), size):
+                    enc = self.tokenizer(texts[start:start + size], return_tensors="pt", padding=True,
+                                         add_special_tokens=False).to(self.device)
+                    verdicts += self._yes_no(enc) if self.config.parser == "yes_no" else self._score(enc)
+            finally:
+                release_cached_memory()
+        return (torch.tensor([0.0 if v is None else v for v in verdicts], dtype=torch.float32),
+                torch.tensor([v is None for v in verdicts], dtype=torch.bool))
 
     def _yes_no(self, enc) -> list[float | None]:
         logits = self.model(**enc).logits[:, -1].float()

