@@ -52,7 +52,7 @@ from rltrain.job import JobConfig, resolve_device, resolve_dtype
 from rltrain.output_dir import OutputDirLock, remove_unfinished
 from rltrain.perf import StepTimer, actor_step_flops, mfu, peak_flops
 from rltrain.ray_session import init_ray
-from rltrain.rewards.combine import add_judge_scores, add_model_scores
+from rltrain.rewards.combine import score_batch
 from rltrain.rewards.health import ErrorRateGuard, RewardStats
 from rltrain.tracking import Tracker
 from rltrain.trainer_checkpoints import TrainerCheckpoints
@@ -65,7 +65,7 @@ from rltrain.workers.judge import JudgeWorker
 from rltrain.workers.lora import check_target_modules_of
 from rltrain.workers.policy import load_tokenizer
 from rltrain.workers.reference import FSDPReferenceWorker, ReferenceWorker, check_teacher
-from rltrain.workers.reward import RewardWorker
+from rltrain.workers.reward import RewardWorker, response_texts
 from rltrain.workers.reward_model import FSDPRewardModelWorker, RewardModelWorker
 from rltrain.workers.rollout_group import RolloutReplicas, place_rollout
 from rltrain.workers.vllm_lora import check_lora_dtype
@@ -250,14 +250,10 @@ class GRPOTrainer(TrainerCheckpoints):
         messages = batch.pop("messages").tolist() if "messages" in batch.keys() else None  # multi-turn episodes
         env_rewards = batch["env_reward"].tolist() if "env_reward" in batch.keys() else None   # an environment's
         with timer.phase("reward"):
-            rewards, extras, errors, texts = ray.get(self.reward.score.remote(batch["response_ids"],
-                                                                               batch["response_mask"], response_rows,
-                                                                               messages, env_rewards))
-            if self.reward_model is not None:
-                rewards = add_model_scores(self.reward_model, self.job.reward.model, rewards, extras, response_rows,
-                                           texts, messages)
-            if self.judge is not None:
-                rewards = add_judge_scores(self.judge, self.job.reward.judge, rewards, extras, response_rows, texts)
+            texts = response_texts(self.tokenizer, batch["response_ids"], batch["response_mask"]) \
+                if self.reward_model is not None or self.judge is not None else None
+            rewards, extras, errors = score_batch(self, self.job.reward, batch, response_rows, messages, env_rewards,
+                                                  texts)
         batch["rewards"] = rewards
         return batch, extras, errors
 

@@ -1,10 +1,11 @@
-"""The step's reward beyond the reward function: reward.model's and reward.judge's scores blended into it. Each
-blend is rule_weight · the reward so far + weight · the scores, and each sample's parts join its extras (the
-reward/<part>_mean metrics)."""
+"""The step's reward: the reward function's, with reward.model's and reward.judge's scores blended into it, all three
+requested at once. Each blend is rule_weight · the reward so far + weight · the scores, and each sample's parts join
+its extras (the reward/<part>_mean metrics)."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 import ray
 import torch
@@ -19,21 +20,34 @@ def blend(before: torch.Tensor, scores: torch.Tensor, config, extras: list[dict]
     return config.rule_weight * before + config.weight * scores
 
 
-def add_model_scores(reward_model, config, before: torch.Tensor, extras: list[dict], rows, texts: list[str],
-                     messages) -> torch.Tensor:
-    """reward.model (`config`): the RewardModelWorker's scores of each (prompt, response or episode)."""
-    scores = ray.get(reward_model.score.remote([row.prompt for row in rows], texts, messages))
-    return blend(before, scores, config, extras, rule=before.tolist(), model=scores.tolist())
+def score_batch(scorers, config, batch, rows, messages, env_rewards, texts: list[str] | None):
+    """(rewards [B], extras, RewardStats) of one batch: the reward function's (`scorers.reward`), then blended with
+    the reward model's and the judge's scores where the job has them. All three are asked at once, each working in
+    its own process, so the model-based scores (GPU) overlap the function's (CPU pool); `texts`: the responses as
+    the reward worker decodes them (response_texts), needed only by the models."""
+    started = time.monotonic()
+    function = scorers.reward.score.remote(batch["response_ids"], batch["response_mask"], rows, messages, env_rewards)
+    model = None if scorers.reward_model is None else \
+        scorers.reward_model.score.remote([row.prompt for row in rows], texts, messages)
+    verdicts = None if scorers.judge is None else \
+        scorers.judge.score.remote([row.prompt for row in rows], texts, [row.ground_truth for row in rows])
+    rewards, extras, errors, _ = ray.get(function)
+    if model is not None:
+        scores = ray.get(model)
+        rewards = blend(rewards, scores, config.model, extras, rule=rewards.tolist(), model=scores.tolist())
+    if verdicts is not None:
+        scores, failed = judge_verdicts(verdicts, config.judge, len(rows), started)
+        rewards = blend(rewards, scores, config.judge, extras, judge=scores.tolist(),
+                        judge_failed=failed.float().tolist())
+    return rewards, extras, errors
 
 
-def add_judge_scores(judge, config, before: torch.Tensor, extras: list[dict], rows, texts: list[str]) -> torch.Tensor:
-    """reward.judge (`config`): the JudgeWorker's verdicts; a batch past config.timeout_s scores 0, each sample
-    counted as a failed verdict (reward/judge_failed_mean)."""
-    ref = judge.score.remote([row.prompt for row in rows], texts, [row.ground_truth for row in rows])
+def judge_verdicts(ref, config, size: int, started: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """reward.judge (`config`): the JudgeWorker's (scores, failed); a batch past config.timeout_s since `started`
+    scores 0, each sample counted as a failed verdict (reward/judge_failed_mean)."""
     try:
-        scores, failed = ray.get(ref, timeout=config.timeout_s)
+        return ray.get(ref, timeout=max(config.timeout_s - (time.monotonic() - started), 0.0))
     except ray.exceptions.GetTimeoutError:
         logger.warning("reward.judge: no verdicts within reward.judge.timeout_s=%s s; the batch's %d samples score 0",
-                       config.timeout_s, len(rows))
-        scores, failed = torch.zeros(len(rows)), torch.ones(len(rows), dtype=torch.bool)
-    return blend(before, scores, config, extras, judge=scores.tolist(), judge_failed=failed.float().tolist())
+                       config.timeout_s, size)
+        return torch.zeros(size), torch.ones(size, dtype=torch.bool)

@@ -18,6 +18,12 @@ from rltrain.workers.policy import load_tokenizer
 from rltrain.workers.reward_model import RewardModelConfig
 
 
+def response_texts(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """Each response as text: the whole of it (a multi-turn episode's tool output included: response_context)."""
+    context = response_context(response_mask).bool()
+    return [tokenizer.decode(ids[keep].tolist(), skip_special_tokens=True) for ids, keep in zip(response_ids, context)]
+
+
 @dataclass
 class RewardConfig:
     path: str | None = None   # a Python file with the reward function; null = a built-in
@@ -54,9 +60,7 @@ class RewardWorker:
         The text is the whole response (a multi-turn episode's tool output included: response_context); messages
         (multi-turn): each episode's chat messages, passed to the reward function as extra_info["messages"];
         env_rewards (an environment's episodes): each one's reward, as extra_info["env_reward"]."""
-        context = response_context(response_mask).bool()
-        texts = [self.tokenizer.decode(ids[keep].tolist(), skip_special_tokens=True)
-                 for ids, keep in zip(response_ids, context)]
+        texts = response_texts(self.tokenizer, response_ids, response_mask)
         infos = [row.extra_info for row in rows] if messages is None else \
             [{**(row.extra_info or {}), "messages": episode} for row, episode in zip(rows, messages)]
         if env_rewards is not None:

@@ -1,10 +1,12 @@
 """The generative judge (reward.judge, rltrain/workers/judge.py): the yes_no verdict against the judge model's own
 first-token probabilities (a Qwen3-layout release fixture with its chat template), the score parser, failed verdicts
-scoring 0, template errors naming the key, and the trainer adding the judge's scores (rule_weight, weight) with its
-timeout scoring a batch 0."""
+scoring 0, template errors naming the key, the trainer adding the judge's scores (rule_weight, weight) with its
+timeout scoring a batch 0, and the judge asked while the reward function is still scoring."""
 
 import json
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -12,6 +14,8 @@ import torch
 
 from rltrain.config import ConfigError
 from rltrain.main_grpo import run
+from rltrain.rewards.combine import score_batch
+from rltrain.rewards.health import RewardStats
 from rltrain.workers.judge import DEFAULT_TEMPLATE, NO, YES, JudgeConfig, JudgeWorker, first_token_ids, parse_score
 from tests.fixtures.releases import build_release
 from tests.rltrain.tiny_job import tiny_job
@@ -96,3 +100,36 @@ def test_the_trainer_adds_the_judges_scores(tmp_path, ray_session):
     run(tiny_job(late, reward={"judge": {"path": "policy", "rule_weight": 0.0, "timeout_s": 1e-3}}))
     for record in _train(late):
         assert record["reward/judge_failed_mean"] == 1.0 and record["train/reward_mean"] == 0.0
+
+
+@ray.remote(num_cpus=0)
+class Clocked:
+    """A scorer that returns `result` after `seconds`, and tells when its call ran."""
+
+    def __init__(self, result, seconds: float):
+        self.result, self.seconds, self.ran = result, seconds, None
+
+    def score(self, *args):
+        started = time.monotonic()
+        time.sleep(self.seconds)
+        self.ran = (started, time.monotonic())
+        return self.result
+
+    def times(self):
+        return self.ran
+
+
+def test_the_judge_scores_while_the_function_does(ray_session):
+    """score_batch asks the judge before the reward function has answered (each in its own process), then blends:
+    rule_weight · function + weight · judge."""
+    function = Clocked.remote((torch.ones(2), [{}, {}], RewardStats(2), None), 1.0)
+    judge = Clocked.remote((torch.tensor([0.5, 0.25]), torch.tensor([False, True])), 0.0)
+    scorers = SimpleNamespace(reward=function, reward_model=None, judge=judge)
+    config = SimpleNamespace(judge=JudgeConfig(path="policy", rule_weight=2.0, weight=1.0))
+    rows = [SimpleNamespace(prompt="p", ground_truth="g")] * 2
+    batch = {"response_ids": torch.zeros(2, 3, dtype=torch.long), "response_mask": torch.ones(2, 3)}
+    rewards, extras, errors = score_batch(scorers, config, batch, rows, None, None, ["a", "b"])
+    assert rewards.tolist() == [2.5, 2.25] and errors.samples == 2
+    assert [e["judge"] for e in extras] == [0.5, 0.25] and [e["judge_failed"] for e in extras] == [0.0, 1.0]
+    (_, function_end), (judge_start, _) = ray.get([function.times.remote(), judge.times.remote()])
+    assert judge_start < function_end
