@@ -124,6 +124,7 @@ def test_the_judge_scores_while_the_function_does(ray_session):
     rule_weight · function + weight · judge."""
     function = Clocked.remote((torch.ones(2), [{}, {}], RewardStats(2), None), 1.0)
     judge = Clocked.remote((torch.tensor([0.5, 0.25]), torch.tensor([False, True])), 0.0)
+    ray.get([function.times.remote(), judge.times.remote()])   # both processes up before the clock matters
     scorers = SimpleNamespace(reward=function, reward_model=None, judge=judge)
     config = SimpleNamespace(judge=JudgeConfig(path="policy", rule_weight=2.0, weight=1.0))
     rows = [SimpleNamespace(prompt="p", ground_truth="g")] * 2
