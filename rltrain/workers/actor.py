@@ -221,6 +221,11 @@ class ActorWorker(ActorCheckpoints, WeightSource):
             sums["loss"] += out.loss.item() * scale
             for key in ("entropy", "ppo_kl", "clipfrac", "ref_kl"):  # token means -> weight by tokens
                 sums[key] += out.metrics[key] * micro_tokens / n_tokens
+        return self._step(sums)
+
+    def _step(self, sums: dict[str, float]) -> dict[str, float]:
+        """After a mini-batch's backward passes: clip, step, refresh the model from the fp32 masters; `sums` (this
+        rank's metric sums) summed over the ranks, with the gradient norm."""
         grad_norm = self._clip_grad_norm()
         self.optimizer.step()
         if self.master is not None:

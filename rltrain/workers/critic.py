@@ -150,13 +150,7 @@ class CriticWorker(ActorWorker):
             loss.backward()
             for key, value in stats.items():
                 sums[key] += value
-        grad_norm = self._clip_grad_norm()
-        self.optimizer.step()
-        if self.master is not None:
-            self.master.copy_to_model()
-        sums = self._sum_over_ranks(sums)
-        sums["grad_norm"] = float(grad_norm)
-        return sums
+        return self._step(sums)
 
 
 class FSDPCriticWorker(CriticWorker, FSDPActorWorker):
