@@ -109,9 +109,10 @@ class JobConfig:
         require(size == -1 or ranks % size == 0, "actor.fsdp.fsdp_size", f"must divide trainer.nnodes × "
                 f"trainer.n_gpus_per_node = {ranks} (each group of fsdp_size ranks holds one sharded copy)", size)
         self._validate_sequence_parallel(ranks)
-        if self.actor.fsdp.cpu_offload:
-            require(device == "cuda", "actor.fsdp.cpu_offload", f"needs a CUDA device (trainer.device resolves to "
-                    f"{device})")
+        for key in self.actor.fsdp.offloads:
+            require(self.actor.strategy == "fsdp2", f"actor.fsdp.{key}", "offloads FSDP2's shards: needs "
+                    "actor.strategy=fsdp2 (one GPU is a world of one)", True)
+            require(device == "cuda", f"actor.fsdp.{key}", f"needs a CUDA device (trainer.device resolves to {device})")
         self._validate_rollout_layout(device, ranks)
         moe = moe_policy(self.model) and (self.model.path is None or model_type(self.model) is not None)
         require(not (self.rollout.engine == "vllm" and device == "cpu" and moe), "rollout.engine",

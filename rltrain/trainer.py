@@ -60,7 +60,7 @@ from rltrain.validation import validation_metrics
 from rltrain.workers.actor import ActorWorker, FSDPActorWorker
 from rltrain.workers.agent_loop import episode_metrics, prompt_tools
 from rltrain.workers.critic import CriticWorker, FSDPCriticWorker, value_metrics
-from rltrain.workers.group import kill, place_model_roles, start_role
+from rltrain.workers.group import call_each_rank, kill, place_model_roles, start_role
 from rltrain.workers.judge import JudgeWorker
 from rltrain.workers.lora import check_target_modules_of
 from rltrain.workers.policy import load_tokenizer
@@ -353,6 +353,8 @@ class GRPOTrainer(TrainerCheckpoints):
                                                         job.algorithm.loss.decoupled))
             metrics.update(update)
         timer.add("weight_sync", self.push_weights(step))
+        if self.producer is None:
+            self._offload_idle_roles()
         elapsed = time.monotonic() - start
         tokens = batch["prompt_mask"].sum().item() + batch["response_mask"].sum().item()
         record = {"step": step, "train/reward_mean": scores.mean().item(),
@@ -366,6 +368,13 @@ class GRPOTrainer(TrainerCheckpoints):
             values = [e[key] for e in extras if key in e]
             record[f"reward/{key}_mean"] = sum(values) / len(values)
         return record
+
+    def _offload_idle_roles(self) -> None:
+        """actor.fsdp.param_offload (sync mode): the actor's and critic's shards to CPU memory while the colocated
+        rollout generates; each returns at its next forward (the reference offloads itself after its log-probs)."""
+        if self.job.actor.strategy == "fsdp2" and self.job.actor.fsdp.param_offload:
+            ray.get([ref for role in (self.actor, self.critic) if role is not None
+                     for ref in call_each_rank(role, "offload")])
 
     def _reference_logprobs(self, batch: TensorDict) -> ray.ObjectRef:
         """The reference policy's log-probs: the ReferenceWorker's, or with actor.lora the actor's base model's
@@ -432,6 +441,8 @@ class GRPOTrainer(TrainerCheckpoints):
     def fit(self) -> dict:
         job = self.job.trainer
         self.maybe_resume()
+        if self.job.trainer.mode == "sync":
+            self._offload_idle_roles()   # the first rollout's turn
         if self.step == 0:
             record = self.validate(0)
             self.initial_val = record["val/reward_mean"] if record else None

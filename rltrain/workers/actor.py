@@ -35,7 +35,7 @@ from rltrain.perf import ModelShape
 from rltrain.workers.actor_checkpoint import ActorCheckpoints
 from rltrain.workers.actor_config import ActorConfig, LRSchedule
 from rltrain.workers.batch import IGNORE_INDEX, split
-from rltrain.workers.fsdp import ShardedPolicy, keyed_by_index
+from rltrain.workers.fsdp import ShardedPolicy, keyed_by_index, move_optimizer_state
 from rltrain.workers.lora import adapter_weights, adapters_disabled, attach_lora, save_peft_adapter
 from rltrain.workers.packing import Packing
 from rltrain.workers.policy import (
@@ -388,6 +388,15 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
         norm = norm.to(self.device).full_tensor() if isinstance(norm, DTensor) else norm
         torch.nn.utils.clip_grads_with_norm_(params, self.config.grad_clip, norm)
         return norm
+
+    def _step(self, sums: dict[str, float]) -> dict[str, float]:
+        if not self.fsdp.optimizer_offload:
+            return super()._step(sums)
+        move_optimizer_state(self.optimizer, self.device)   # on the GPU for the step alone
+        try:
+            return super()._step(sums)
+        finally:
+            move_optimizer_state(self.optimizer, "cpu")
 
     def _sum_over_ranks(self, sums: dict[str, float]) -> dict[str, float]:
         values = torch.tensor(list(sums.values()), dtype=torch.float64, device=self.device)

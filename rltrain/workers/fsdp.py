@@ -55,7 +55,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from rltrain.config import ConfigError, require
 from rltrain.workers.packing import MicroBatching, balanced_groups, response_lengths, sequence_lengths
-from rltrain.workers.policy import DTYPES, assemble_rows, load_policy, micro_logprobs, policy_hidden, resolve_batching
+from rltrain.workers.policy import (DTYPES, assemble_rows, load_policy, micro_logprobs, policy_hidden,
+                                    release_cached_memory, resolve_batching)
 from rltrain.workers.ulysses import check_model, sequence_parallel_batching, sequence_parallel_group
 
 logger = logging.getLogger(__name__)
@@ -67,12 +68,22 @@ DIST_TIMEOUT_S = 600
 @dataclass
 class FSDPConfig:
     cpu_offload: bool = False      # keep the sharded params, grads and optimizer state in CPU memory (GPU only)
+    param_offload: bool = False    # GPU: the sharded params (and grads) in CPU memory while the role is idle
+    optimizer_offload: bool = False  # GPU: the optimizer state in CPU memory outside the optimizer step
     fsdp_size: int = -1            # ranks a parameter is sharded over; -1 = all (FSDP); else groups of this many
                                    # ranks each hold a full copy in shards, replicated across groups (HSDP)
 
     def validate(self):
         require(self.fsdp_size == -1 or self.fsdp_size >= 1, "fsdp_size", "must be -1 (all ranks) or >= 1",
                 self.fsdp_size)
+        require(not (self.cpu_offload and (self.param_offload or self.optimizer_offload)), "cpu_offload",
+                "keeps the params and optimizer state in CPU memory all the time already; set it, or "
+                "param_offload / optimizer_offload (in CPU memory only between phases), not both", self.cpu_offload)
+
+    @property
+    def offloads(self) -> list[str]:
+        """The offload keys set (each needs a CUDA device)."""
+        return [key for key in ("cpu_offload", "param_offload", "optimizer_offload") if getattr(self, key)]
 
     def mesh_shape(self, world_size: int) -> tuple[int, ...]:
         """The device mesh: (world_size,) for FSDP, (replicas, fsdp_size) for HSDP (fully_shard shards over the last
@@ -128,8 +139,9 @@ def shard_policy(model, mesh, device: str, config: FSDPConfig, compute_dtype: to
                                          cast_forward_inputs=False)
     else:
         precision = MixedPrecisionPolicy(cast_forward_inputs=False)
-    if config.cpu_offload and device != "cuda":
-        raise ConfigError(f"actor.fsdp.cpu_offload: needs a CUDA device (trainer.device resolved to {device})")
+    if config.offloads and device != "cuda":
+        raise ConfigError(f"actor.fsdp.{config.offloads[0]}: needs a CUDA device (trainer.device resolved to "
+                          f"{device})")
     offload = CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
@@ -194,7 +206,28 @@ class ShardedPolicy:
         if checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.root = shard_policy(self.model, mesh, device, fsdp, DTYPES[compute_dtype or dtype])
+        self.fsdp = fsdp
+        if fsdp.param_offload:  # prepended: the shards return before FSDP's own pre-forward all-gathers them
+            self.root.register_forward_pre_hook(self._reload_params, prepend=True)
         logger.info("rank %d/%d: sharded %s over %s", rank, world_size, type(self.model).__name__, device)
+
+    # ------------------------------------------------------------------ param_offload / optimizer_offload
+    params_offloaded = False
+
+    def offload(self) -> None:
+        """actor.fsdp.param_offload: this rank's shards (and gradients) to CPU memory, where they wait until the
+        role's next forward brings them back (_reload_params), so that the colocated rollout engine has the GPU
+        memory while the role is idle. Full weights and checkpoints read offloaded shards as they are (their
+        collectives of CPU tensors go over gloo). A no-op without param_offload."""
+        if self.fsdp.param_offload and not self.params_offloaded:
+            self.root.to("cpu")   # FSDP2 re-registers the moved shards (FSDPModule._apply)
+            self.params_offloaded = True
+            release_cached_memory()
+
+    def _reload_params(self, *_) -> None:
+        if self.params_offloaded:
+            self.root.to(self.device)
+            self.params_offloaded = False
 
     def _rank_micro_batches(self, batch: TensorDict) -> tuple[list[torch.Tensor], list[TensorDict]]:
         """(this rank's row indices per micro-batch, its micro-batches on the device): as many as every rank runs,
@@ -234,6 +267,15 @@ class ShardedPolicy:
         gathered = [None] * self.world_size
         dist.all_gather_object(gathered, local)
         return assemble_rows(batch, gathered) if self.rank == 0 else None
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device) -> None:
+    """Every tensor of the optimizer's state to `device` (actor.fsdp.optimizer_offload), but AdamW's step counts,
+    which torch keeps on the CPU."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
 
 
 def keyed_by_index(state: dict, names: list[str]) -> dict:

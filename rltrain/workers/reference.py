@@ -76,4 +76,5 @@ class FSDPReferenceWorker(ShardedPolicy):
         try:
             return self._sharded_logprobs(batch, self.temperature)
         finally:
+            self.offload()   # param_offload: idle until the next step's call
             release_cached_memory()

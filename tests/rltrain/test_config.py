@@ -343,6 +343,23 @@ def test_rollout_layout_errors_name_the_keys(monkeypatch, overrides, message):
     assert load_job_config(_compose("trainer.device=cpu", "rollout.replicas=2", "ray.num_cpus=2")).rollout.replicas == 2
 
 
+@pytest.mark.parametrize("overrides, message", [
+    ("actor.strategy=fsdp2 actor.fsdp.param_offload=true",
+     "actor.fsdp.param_offload: needs a CUDA device (trainer.device resolves to cpu)"),
+    ("trainer.device=cuda actor.fsdp.optimizer_offload=true",
+     "actor.fsdp.optimizer_offload: offloads FSDP2's shards: needs actor.strategy=fsdp2"),
+    ("trainer.device=cuda actor.strategy=fsdp2 actor.fsdp.cpu_offload=true actor.fsdp.param_offload=true",
+     "actor.fsdp.cpu_offload: keeps the params and optimizer state in CPU memory all the time already"),
+], ids=["param-offload-without-cuda", "optimizer-offload-single", "cpu-offload-beside-param-offload"])
+def test_offload_keys_are_checked_up_front(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_job_config(_compose("trainer.device=cpu", *overrides.split()))
+    assert str(err.value).startswith(message), err.value
+    cuda = ("trainer.device=cuda", "actor.strategy=fsdp2", "actor.fsdp.param_offload=true",
+            "actor.fsdp.optimizer_offload=true")
+    assert load_job_config(_compose(*cuda)).actor.fsdp.offloads == ["param_offload", "optimizer_offload"]
+
+
 def test_int_widens_to_float_and_lists_coerce():
     job = load_job_config(_compose("actor.lr=1", "data.train_files=[a.jsonl,b.jsonl]"))
     assert job.actor.lr == 1.0 and isinstance(job.actor.lr, float)
@@ -382,7 +399,7 @@ def test_cli_reports_bad_data_and_model_paths_without_a_trace(tmp_path):
      "reward.name: 'nope' is not a function in '{plugin}'; functions there: score"),
     ("kernel_config.include_kernels=[fused_rope,fused_nope]",
      "kernel_config.include_kernels: unknown kernel id(s) 'fused_nope'; known kernel ids: fused_"),
-    ("trainer.device=cpu actor.fsdp.cpu_offload=true",
+    ("trainer.device=cpu actor.strategy=fsdp2 actor.fsdp.cpu_offload=true",
      "actor.fsdp.cpu_offload: needs a CUDA device (trainer.device resolves to cpu)"),
     ("trainer.device=cpu rollout.replicas=64 ray.num_cpus=2",
      "rollout.replicas: each CPU replica holds a CPU, and ray.num_cpus = 2 (got 64)"),

@@ -9,7 +9,8 @@ delta-rule policy (Gated DeltaNet + attention), and two in bf16 mixed precision 
 actor.mixed_precision: fp32 shards, bf16 compute; the reference sharded in bf16) against the fp32 single process.
 One spawn runs every case of a fixture (~30 s in all on 2 cores, mostly process start and imports). With 2 GPUs
 (@pytest.mark.gpu) the same cases run over NCCL, fp32 and bf16 mixed precision, the latter also with the shards,
-gradients and optimizer state offloaded to the CPU (actor.fsdp.cpu_offload), and the hybrid cases in bf16.
+gradients and optimizer state offloaded to the CPU (actor.fsdp.cpu_offload, or param_offload and optimizer_offload
+between phases), and the hybrid cases in bf16.
 benchmarks/bench_multi_gpu.py does the same at real sizes with the fused kernels."""
 
 import copy
@@ -70,13 +71,13 @@ def _configs(spec, sharded: bool):
     return rows, actor, LossConfig(loss_agg=loss_agg, kl_coef=kl)
 
 
-def _rank_main(rank, port, device, dtype, cpu_offload, model_dir, batches, out_dir, world=WORLD, fsdp_size=-1,
+def _rank_main(rank, port, device, dtype, offload, model_dir, batches, out_dir, world=WORLD, fsdp_size=-1,
                specs=CASES, sequence_parallel=1):
     import os
 
     os.environ["LOCAL_RANK"] = str(rank)  # this rank's GPU (under Ray each rank sees only its own)
 
-    fsdp = FSDPConfig(cpu_offload=cpu_offload, fsdp_size=fsdp_size)
+    fsdp = FSDPConfig(fsdp_size=fsdp_size, **{key: True for key in offload})
     reference = FSDPReferenceWorker(rank, world, "127.0.0.1", port, model_dir, dtype, None, 1.0,
                                     SHARDED_REFERENCE, fsdp=fsdp, device=device, torch_threads=1,
                                     sequence_parallel_size=sequence_parallel)
@@ -89,8 +90,10 @@ def _rank_main(rank, port, device, dtype, cpu_offload, model_dir, batches, out_d
         assert all(p.dtype == torch.float32 for p in actor.model.parameters())  # the shards: fp32 in every case
         # HSDP: every parameter on the 2-D mesh, sharded over its last dimension, replicated over the first
         assert {p.device_mesh.ndim for p in actor.model.parameters()} == {1 if fsdp_size in (-1, world) else 2}
-        result = {"old": actor.compute_logprobs(batch), "ref": reference.compute_logprobs(batch),
-                  "metrics": actor.update(batch)}
+        result = {"old": actor.compute_logprobs(batch), "ref": reference.compute_logprobs(batch)}
+        _offload(actor, fsdp)   # param_offload: the update's forward brings the shards back
+        result["metrics"] = actor.update(batch)
+        _offload(actor, fsdp)   # the gradients, full weights and checkpoints below read offloaded shards
         # offloaded shards live on the CPU: to the GPU for NCCL's all-gather (a no-op otherwise)
         grads = {n: p.grad.to(actor.device).full_tensor().cpu() for n, p in actor.model.named_parameters()}
         pushed = actor.full_weights(actor.bucket_names(256)[0])  # the weight push's tensors: model.dtype
@@ -107,7 +110,19 @@ def _rank_main(rank, port, device, dtype, cpu_offload, model_dir, batches, out_d
             torch.save(result, f"{out_dir}/{case}.pt")
 
 
-def run_cases(root, device: str, dtype: str = "float32", cpu_offload: bool = False, arch: str = "qwen3",
+def _offload(actor, fsdp: FSDPConfig) -> None:
+    """actor.offload(), checking what it and optimizer_offload leave in GPU memory: not the shards, gradients or
+    optimizer state they offload."""
+    actor.offload()
+    if fsdp.param_offload:
+        assert all(p.device.type == "cpu" for p in actor.model.parameters())
+        assert all(p.grad is None or p.grad.device.type == "cpu" for p in actor.model.parameters())
+    if fsdp.optimizer_offload:
+        assert all(value.device.type == "cpu" for state in actor.optimizer.state.values()
+                   for value in state.values() if torch.is_tensor(value))
+
+
+def run_cases(root, device: str, dtype: str = "float32", offload: tuple[str, ...] = (), arch: str = "qwen3",
               cases=tuple(CASES), world: int = WORLD, fsdp_size: int = -1, sequence_parallel: int = 1,
               embedded: dict | None = None, variant=None) -> dict:
     """Per case: (the fp32 single process's results, the `world`-rank FSDP2 ones (HSDP with fsdp_size, Ulysses
@@ -157,7 +172,7 @@ def run_cases(root, device: str, dtype: str = "float32", cpu_offload: bool = Fal
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_rank_main, args=(port, device, dtype, cpu_offload, model_dir, batches, str(root), world, fsdp_size,
+    mp.spawn(_rank_main, args=(port, device, dtype, offload, model_dir, batches, str(root), world, fsdp_size,
                                specs, sequence_parallel), nprocs=world, join=True)
     return {case: (single[case], torch.load(root / f"{case}.pt", weights_only=False), states[case])
             for case in specs}
@@ -267,12 +282,15 @@ def test_fsdp2_mixed_precision_over_gloo_matches_fp32(cpu_bf16_results, case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-cpu-offload", "bf16-hybrid"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-cpu_offload", "bf16-param_offload-optimizer_offload",
+                                       "bf16-hybrid"])
 def test_fsdp2_over_nccl_matches_single_process(tmp_path, precision):
+    """Offload: cpu_offload all the time; param_offload's shards offloaded after the old log-probs (the update's
+    forward brings them back) and after the update (gradients, full weights and checkpoints read them offloaded)."""
     hybrid = precision.endswith("hybrid")
     cases = HYBRID_CASES if hybrid else list(CASES)
     results = run_cases(tmp_path, "cuda", dtype="float32" if precision == "fp32" else "bfloat16",
-                        cpu_offload="offload" in precision,
+                        offload=tuple(key for key in precision.split("-") if key.endswith("offload")),
                         arch="hybrid" if hybrid else "qwen3", cases=cases)
     for case in cases:
         check_case(*results[case], TOLERANCES["cuda-fp32" if precision == "fp32" else "cuda-bf16"])
