@@ -26,11 +26,12 @@ reply's seed is the episode's turn seed (agent_loop.turn_seed), so a fixed seed 
 requests.
 
 Sampling is rollout.*'s (temperature, top_p, top_k, min_p, repetition_penalty): the trainer's log-probs are then those
-of the distribution that sampled. A request's own sampling settings (temperature, top_p, seed, stop, ...) are ignored
-and counted (`ignored`, logged once per rollout by the caller); n > 1 and stream=true are refused. With `tools` in a
-request, a reply's text goes through rollout.multi_turn.parser: well-formed calls come back as the message's
-`tool_calls` (arguments a JSON string, finish_reason "tool_calls"), the text outside them as its content; a reply
-with a malformed call comes back as text. `logprobs: true` returns the sampled tokens' log-probs in OpenAI's form.
+of the distribution that sampled. A request's own sampling settings (temperature, top_p, seed, stop, ...) are
+ignored and counted in the requests served (`ignored`, logged once per rollout by the caller); n > 1 and stream=true
+are refused. With `tools` in a request, a reply's text goes through rollout.multi_turn.parser: well-formed calls come
+back as the message's `tool_calls` (arguments a JSON string, finish_reason "tool_calls"), the text outside them as
+its content; a reply with a malformed call comes back as text. `logprobs: true` returns the sampled tokens'
+log-probs in OpenAI's form.
 """
 
 from __future__ import annotations
@@ -133,6 +134,7 @@ class ChatEndpoint:
             episode.done = len(episode.response) >= self.max_new_tokens
             message, finish = self._reply(episode, state.replies, out, bool(tools))
             state.replies += 1
+            self.ignored.update(key for key in IGNORED_KEYS if body.get(key) is not None)   # in served requests
             state.conversation = normalized + [normalize(message, len(normalized))]
             episode.messages = [plain(m) for m in messages] + [message]
         reply = {"id": f"chatcmpl-{state.key}-{state.replies}", "object": "chat.completion",
@@ -159,7 +161,6 @@ class ChatEndpoint:
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise HTTPError(400, f"max_tokens: must be a positive integer (got {limit!r})", "invalid_value")
-        self.ignored.update(key for key in IGNORED_KEYS if body.get(key) is not None)
         return messages, body.get("tools") or None, limit
 
     def _context(self, state: AgentEpisode, messages: list[dict], tools) -> tuple[Episode, list[int], list[dict]]:
