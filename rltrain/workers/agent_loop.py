@@ -107,15 +107,18 @@ class ToolTurns:
         return content if len(ids) <= self.max_tokens else self.tokenizer.decode(ids[:self.max_tokens])
 
     def render(self, messages: list[dict]) -> list[int]:
-        text = None
-        if self.templated:
-            base = self.tokenizer.apply_chat_template(_TEMPLATE_BASE, tokenize=False)
-            full = self.tokenizer.apply_chat_template(_TEMPLATE_BASE + messages, tokenize=False,
-                                                      add_generation_prompt=True)
-            text = full[len(base):] if full.startswith(base) else None
+        text = self.templated_text(messages) if self.templated else None
         if text is None:  # no template, or one that renders the base differently once more messages follow
             text = "".join(PLAIN_TOOL_TURN.format(content=m["content"]) for m in messages)
         return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def templated_text(self, messages: list[dict]) -> str | None:
+        """What the chat template adds for `messages` and the next assistant header after a fixed conversation;
+        None where the template renders that conversation differently once more messages follow."""
+        base = self.tokenizer.apply_chat_template(_TEMPLATE_BASE, tokenize=False)
+        full = self.tokenizer.apply_chat_template(_TEMPLATE_BASE + messages, tokenize=False,
+                                                  add_generation_prompt=True)
+        return full[len(base):] if full.startswith(base) else None
 
 
 class AgentLoop:

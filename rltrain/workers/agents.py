@@ -16,6 +16,9 @@ hangs past timeout_s cannot hold up the process's exit), a coroutine function on
 whatever replies are in flight, as for the agent loop's async episodes. An agent that never sends a request leaves
 an episode of its dataset prompt and no response tokens (response_mask all 0).
 
+Agents' HTTP clients honour HTTP(S)_PROXY from the environment; where one is set, 127.0.0.1 joins no_proxy in the
+rollout process, so their requests reach the endpoint rather than the proxy.
+
 Only the async vLLM engine serves requests as they arrive (rollout.mode=async); rollout.validate refuses the agent on
 the hf engine or the synchronous vLLM engine, naming rollout.mode / rollout.engine.
 """
@@ -27,6 +30,7 @@ import copy
 import inspect
 import logging
 import math
+import os
 import threading
 import traceback
 
@@ -43,6 +47,7 @@ from rltrain.workers.chat_endpoint import ChatEndpoint
 from rltrain.workers.sampling import response_seeds
 
 logger = logging.getLogger(__name__)
+PROXY_KEYS = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
 
 
 class AgentEpisodes(AgentLoop):
@@ -58,6 +63,7 @@ class AgentEpisodes(AgentLoop):
         self.config, self.turns, self.tokenizer, self.max_new_tokens = config, turns, tokenizer, max_new_tokens
         self.env, self.episode_rewards, self.warned = False, True, False
         self.agent = load_agent(config.agent)
+        bypass_proxies_for_localhost()
         self.endpoint = ChatEndpoint(turns, tokenizer, PARSERS.get(config.parser), max_new_tokens, config.max_turns)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float, seed: int,
@@ -122,6 +128,18 @@ class AgentEpisodes(AgentLoop):
 
     def close(self) -> None:
         pass   # the endpoint stops after every rollout call; agents hold nothing between them
+
+
+def bypass_proxies_for_localhost() -> None:
+    """Put 127.0.0.1 on no_proxy where a proxy is set: agents' HTTP clients (httpx under openai, urllib, requests)
+    read HTTP(S)_PROXY from the environment, and a cluster's proxy cannot reach the worker's own 127.0.0.1."""
+    if not any(os.environ.get(key) for key in PROXY_KEYS):
+        return
+    for key in ("no_proxy", "NO_PROXY"):
+        hosts = [host.strip() for host in os.environ.get(key, "").split(",") if host.strip()]
+        if "127.0.0.1" not in hosts:
+            os.environ[key] = ",".join(hosts + ["127.0.0.1"])
+            logger.info("%s: %s=%s (a proxy is set; the endpoint is local)", AGENT_KEY, key, os.environ[key])
 
 
 def in_daemon_thread(fn) -> asyncio.Future:

@@ -11,7 +11,7 @@ An episode is one conversation that every request extends. Its first request's m
 go through the tokenizer's chat template: those tokens are the episode's prompt. Each later request must resend that
 conversation — every earlier message, and each reply as it came back — and add messages after the last reply; the
 check is on messages (role, text content, tool calls' names and arguments), and only the added messages are
-rendered (as the tool loop renders tool answers: rltrain/workers/agent_loop.py ToolTurns), so the context is the
+rendered (as the tool loop renders tool answers through the template: rltrain/workers/agent_loop.py ToolTurns), so the context is the
 previous context followed by the tokens the model sampled and the new messages' tokens. Tokens, not text, carry the
 history: re-rendering a reply's text could tokenize differently from what was sampled (a template that drops a
 reply's reasoning, a reply cut at a budget, the <eos> a template writes otherwise). A request that edits or drops
@@ -71,7 +71,7 @@ class ChatEndpoint:
     def __init__(self, turns, tokenizer, parse, max_new_tokens: int, max_turns: int):
         self.turns, self.tokenizer, self.parse = turns, tokenizer, parse
         self.max_new_tokens, self.max_turns = max_new_tokens, max_turns
-        self.render_added = ToolTurns(tokenizer, max_new_tokens).render
+        self.tool_turns = ToolTurns(tokenizer, max_new_tokens)
         self.server = LocalHTTPServer(self.handle)
         self.episodes: dict[str, AgentEpisode] = {}
         self.temperature, self.ignored = 1.0, Counter()
@@ -185,7 +185,7 @@ class ChatEndpoint:
             raise HTTPError(400, f"{where}: each request must resend the conversation so far (every earlier "
                                  "message, each reply as it came back) and add messages after it",
                             "conversation_not_extended")
-        added = self.render_added([plain(m) for m in messages[len(seen):]])
+        added = self._render_added([plain(m) for m in messages[len(seen):]])
         if len(episode.response) + len(added) >= self.max_new_tokens:
             episode.done = episode.truncated = True
             raise HTTPError(400, f"the added messages ({len(added)} tokens) leave no room for a reply in the "
@@ -201,6 +201,20 @@ class ChatEndpoint:
             raise HTTPError(400, f"the chat template cannot render these messages: {type(err).__name__}: {err}",
                             "invalid_messages") from None
         # the template writes its special tokens (as rltrain.data.rows.prompt_ids tokenizes chat prompts)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _render_added(self, messages: list[dict]) -> list[int]:
+        """The added messages' tokens, as the tool loop renders tool answers (its plain-Hermes fallback, which would
+        show a user's message as a tool response, is refused instead)."""
+        try:
+            text = self.tool_turns.templated_text(messages)
+        except Exception as err:   # the template's own check (roles that must alternate, ...)
+            text, why = None, f"{type(err).__name__}: {err}"
+        else:
+            why = "it renders the earlier conversation differently once they follow"
+        if text is None:
+            raise HTTPError(400, f"the chat template cannot render the added messages after the conversation so far "
+                                 f"({why})", "invalid_messages")
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def _reply(self, episode: Episode, index: int, out, tools: bool) -> tuple[dict, str]:

@@ -8,13 +8,15 @@ tests/rltrain/workers/test_vllm_agents.py's.
   episode's so far, its seed the turn seed, its budget what is left; the agent's return value is env_reward;
 - tool calls in replies come back as OpenAI tool_calls and a tool answer joins the context as the tool loop renders it;
 - refusals are OpenAI-style JSON errors: unknown routes and episodes, n > 1, stream, bad JSON, an edited or
-  unextended conversation, max_turns, the token budget; the request's own sampling settings are ignored and counted;
-- agents that raise or time out end their episodes (env_errors, no reward), coroutine agents run on the loop;
+  unextended conversation, added messages the chat template cannot render, max_turns, the token budget; the request's own sampling settings are ignored and counted;
+- agents that raise or time out end their episodes (env_errors, no reward), coroutine agents run on the loop; a
+  proxy set in the environment is bypassed for the local endpoint;
 - config errors name the key (hf engine, sync mode, tools beside the agent, a missing function, bad kwargs).
 """
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -90,6 +92,7 @@ def probe(row, base_url, directory):
     out["edited"] = post(base_url, {"messages": [{"role": "user", "content": "9"}, reply,
                                                  {"role": "user", "content": "x"}]})
     out["nothing_added"] = post(base_url, {"messages": first + [reply]})
+    out["bad_role"] = post(base_url, {"messages": first + [reply, {"role": "bad", "content": "x"}]})
     out["second"] = post(base_url, {"messages": first + [reply, {"role": "user", "content": "x"}]})
     second = out["second"][1]["choices"][0]["message"]
     out["long"] = post(base_url, {"messages": first + [reply, {"role": "user", "content": "x"}, second,
@@ -236,8 +239,11 @@ def test_tool_calls_come_back_as_openai_tool_calls(agents, tmp_path):
         [1] * len(turns.outs[1].token_ids)
 
 
-def test_refusals_are_openai_errors(tokenizer, agents, tmp_path):
+def test_refusals_are_openai_errors(agents, tmp_path):
     (tmp_path / "seen").mkdir()
+    tokenizer = build_char_tokenizer()   # a template that raises on a role it has no form for
+    tokenizer.chat_template = ("{% for m in messages %}{% if m.role == 'bad' %}{{ raise_exception('no bad role') }}"
+                               "{% endif %}{{ m.content }}{% endfor %}")
     loop, turns = _loop(tokenizer, agents, "probe", {"directory": str(tmp_path / "seen")}, max_new_tokens=40)
     ids, mask = _prompts(tokenizer, ["5+5="])
     batch = loop.generate(ids, mask, 1, 1.0, seed=3, rows=_rows(["5+5="]))
@@ -249,11 +255,13 @@ def test_refusals_are_openai_errors(tokenizer, agents, tmp_path):
                 "bad_json": (400, None), "bad_max_tokens": (400, "invalid_value"),
                 "unknown_episode": (404, "episode_not_found"), "no_route": (404, "not_found"),
                 "edited": (400, "conversation_not_extended"), "nothing_added": (400, "conversation_not_extended"),
+                "bad_role": (400, "invalid_messages"),
                 "long": (400, "context_length_exceeded"), "after_budget": (400, "context_length_exceeded")}
     for key, (status, code) in expected.items():
         assert out[key][0] == status and out[key][1]["error"]["code"] == code, (key, out[key])
         assert out[key][1]["error"]["type"] == "invalid_request_error" and out[key][1]["error"]["message"]
     assert "messages[0] differs" in out["edited"][1]["error"]["message"]
+    assert "no bad role" in out["bad_role"][1]["error"]["message"]
     # max_tokens 2 cut the first reply (finish_reason length) without ending the episode; the second went through
     assert out["first"][1]["choices"][0]["finish_reason"] == "length" and len(turns.outs[0].token_ids) == 2
     assert out["second"][0] == 200 and [c[1] for c in turns.calls] == [2, 40 - 2 - 1]
@@ -285,6 +293,19 @@ def test_agents_that_fail_and_coroutine_agents(tokenizer, agents):
     assert batch["turns"].tolist() == [1, 1] and batch["env_errors"].tolist() == [0, 0]
     assert torch.isnan(batch["env_reward"]).all()   # None: the reward function decides
     assert batch["prompt_ids"][0][batch["prompt_mask"][0].bool()].tolist() == tokenizer("1").input_ids
+
+
+def test_a_proxy_in_the_environment_is_bypassed(tokenizer, agents, monkeypatch):
+    """A cluster's HTTP_PROXY (here a port nothing listens on) would take the agents' requests: 127.0.0.1 joins
+    no_proxy, kept beside the hosts already there."""
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("no_proxy", "example.org")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    loop, _ = _loop(tokenizer, agents, "asks_once")
+    ids, mask = _prompts(tokenizer, ["1+1="])
+    batch = loop.generate(ids, mask, 1, 1.0, seed=0, rows=_rows(["1+1="]))
+    assert batch["turns"].tolist() == [1] and batch["env_errors"].tolist() == [0]
+    assert os.environ["no_proxy"] == "example.org,127.0.0.1" and os.environ["NO_PROXY"] == "127.0.0.1"
 
 
 @pytest.mark.parametrize("rollout, key", [
