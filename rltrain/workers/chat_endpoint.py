@@ -11,12 +11,13 @@ An episode is one conversation that every request extends. Its first request's m
 go through the tokenizer's chat template: those tokens are the episode's prompt. Each later request must resend that
 conversation — every earlier message, and each reply as it came back — and add messages after the last reply; the
 check is on messages (role, text content, tool calls' names and arguments), and only the added messages are
-rendered (as the tool loop renders tool answers through the template: rltrain/workers/agent_loop.py ToolTurns), so the context is the
-previous context followed by the tokens the model sampled and the new messages' tokens. Tokens, not text, carry the
-history: re-rendering a reply's text could tokenize differently from what was sampled (a template that drops a
-reply's reasoning, a reply cut at a budget, the <eos> a template writes otherwise). A request that edits or drops
-earlier messages, or adds none, is refused (400, code "conversation_not_extended"): an episode is one token sequence
-trained as one response; an agent that rewrites its history must start that history in an episode of its own.
+rendered (as the tool loop renders tool answers through the template: rltrain/workers/agent_loop.py ToolTurns), so
+the context is the previous context followed by the tokens the model sampled and the new messages' tokens. Tokens,
+not text, carry the history: re-rendering a reply's text could tokenize differently from what was sampled (a
+template that drops a reply's reasoning, a reply cut at a budget, the <eos> a template writes otherwise). A request
+that edits or drops earlier messages, or adds none, is refused (400, code "conversation_not_extended"): an episode is
+one token sequence trained as one response; an agent that rewrites its history must start that history in an episode
+of its own.
 
 Per episode as in the tool loop: response_mask 1 on the sampled tokens (each reply through its <eos>), 0 on the added
 messages' tokens; rollout.max_new_tokens bounds the whole response (a reply's max_tokens is the budget left, or the
@@ -57,7 +58,7 @@ class AgentEpisode:
     """The endpoint's side of one episode: its key, its seed, and what it has recorded so far."""
     key: str
     seed: int
-    episode: Episode | None = None      # created by the first request (its prompt: `prompt`)
+    episode: Episode | None = None      # recorded with the first reply (its prompt: `prompt`)
     prompt: list[int] = field(default_factory=list)
     conversation: list[dict] = field(default_factory=list)   # the messages so far, normalized (the prefix check)
     replies: int = 0
@@ -127,6 +128,8 @@ class ChatEndpoint:
             budget = self.max_new_tokens - len(episode.response) - len(added)
             out = await self.turns.generate_one(episode.context + added, min(budget, limit or budget),
                                                 self.temperature, turn_seed(state.seed, state.replies))
+            if state.episode is None:   # recorded once a reply exists (a failed first request leaves none)
+                state.episode, state.prompt = episode, list(episode.context)
             episode.append(added, model=False)
             episode.append(out.token_ids, model=True, logprobs=out.logprobs)
             episode.counts["turns"] += 1
@@ -167,9 +170,7 @@ class ChatEndpoint:
         """(the episode, the tokens the request adds to its context, the request's messages normalized)."""
         normalized = [normalize(m, i) for i, m in enumerate(messages)]
         if state.episode is None:   # the first request: its rendered messages are the episode's prompt
-            state.prompt = self._render_prompt(messages, tools)
-            state.episode = Episode(list(state.prompt))
-            return state.episode, [], normalized
+            return Episode(self._render_prompt(messages, tools)), [], normalized
         episode, seen = state.episode, state.conversation
         if episode.done:
             raise HTTPError(400, f"the episode has used its token budget (rollout.max_new_tokens="
@@ -265,9 +266,9 @@ def plain(message: dict) -> dict:
     out = {key: value for key, value in message.items() if value is not None}
     out["content"] = text_of(message.get("content"), "message")
     if message.get("tool_calls"):
-        out["tool_calls"] = [{**call, "function": {**call.get("function", {}),
-                                                   "arguments": arguments_of(call.get("function", {}).get("arguments"))}}
-                             for call in message["tool_calls"]]
+        out["tool_calls"] = [{**call, "function": {**call["function"],
+                                                   "arguments": arguments_of(call["function"].get("arguments"))}}
+                             for call in message["tool_calls"]]   # their shape checked by normalize() first
     return out
 
 

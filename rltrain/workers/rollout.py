@@ -6,9 +6,9 @@ Engines (rollout.engine): "hf" = transformers' generate with a KV cache, batched
 prompts; rltrain/workers/hf_engine.py); "vllm" = a `vllm.LLM` (rltrain/workers/vllm_engine.py), which also reports the
 sampled tokens' log-probs (`rollout_logprobs`). rollout.mode=async puts the vllm engine on vLLM's async engine
 (rltrain/workers/vllm_async.py): every request, and every multi-turn episode, runs at its own pace; there a black-box
-agent may be the episode (rollout.multi_turn.agent), served by an OpenAI-compatible endpoint (rltrain/workers/agents.py). Both take weights
-in buckets: begin_weight_update, load_weights (or load_bucket: an actor's export, rltrain/workers/weight_sync.py) per
-bucket, finish_weight_update.
+agent may be the episode (rollout.multi_turn.agent), served by an OpenAI-compatible endpoint
+(rltrain/workers/agents.py). Both take weights in buckets: begin_weight_update, load_weights (or load_bucket: an
+actor's export, rltrain/workers/weight_sync.py) per bucket, finish_weight_update.
 With actor.lora on, the buckets hold only the adapter tensors (rltrain/workers/lora.py) and neither engine's base
 weights ever change: the hf engine holds the policy wrapped with the same LoRA adapters (unmerged), the vllm engine
 loads each push as a vLLM LoRA adapter (rltrain/workers/vllm_lora.py).

@@ -5,10 +5,13 @@ tests/rltrain/workers/test_vllm_agents.py's.
 
 - the recorded episode is exactly the engine's: prompt = the first request rendered, response = every sampled reply
   (mask 1, the engine's log-probs) with the added messages' tokens between them (mask 0), each request's context the
-  episode's so far, its seed the turn seed, its budget what is left; the agent's return value is env_reward;
+  episode's so far, its seed the turn seed, its budget what is left; the agent's return value is env_reward, which
+  the reward function gets (none for None) with the conversation;
 - tool calls in replies come back as OpenAI tool_calls and a tool answer joins the context as the tool loop renders it;
 - refusals are OpenAI-style JSON errors: unknown routes and episodes, n > 1, stream, bad JSON, an edited or
-  unextended conversation, added messages the chat template cannot render, max_turns, the token budget; the request's own sampling settings are ignored and counted;
+  unextended conversation, added messages the chat template cannot render, max_turns, the token budget; the
+  request's own sampling settings are ignored and counted;
+- an engine failure is a 500 that records nothing (the retried request is the episode's first);
 - agents that raise or time out end their episodes (env_errors, no reward), coroutine agents run on the loop; a
   proxy set in the environment is bypassed for the local endpoint;
 - config errors name the key (hf engine, sync mode, tools beside the agent, a missing function, bad kwargs).
@@ -22,10 +25,12 @@ import pytest
 import torch
 
 from rltrain.config import ConfigError, from_mapping
+from rltrain.data.rows import PromptRow
 from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.tools import MultiTurnConfig
 from rltrain.workers.agent_loop import Turn, turn_seed
 from rltrain.workers.agents import AgentEpisodes
+from rltrain.workers.reward import RewardConfig, RewardWorker
 from rltrain.workers.rollout import RolloutConfig
 from rltrain.workers.sampling import response_seeds
 from rltrain.workers.vllm_async import EventLoopThread
@@ -100,6 +105,16 @@ def probe(row, base_url, directory):
     out["after_budget"] = post(base_url, {"messages": first + [reply, {"role": "user", "content": "x"}, second,
                                                                {"role": "user", "content": "z"}]})
     record(directory, base_url, out)
+
+
+def retries(row, base_url):
+    """The first request meets an engine failure (500), the same request again a reply."""
+    body = {"messages": [{"role": "user", "content": row["prompt"]}]}
+    status, reply = post(base_url, body)
+    assert status == 500 and reply["error"]["type"] == "server_error" and "hiccup" in reply["error"]["message"]
+    status, reply = post(base_url, body)
+    assert status == 200, reply
+    return 1.0
 
 
 def raises(row, base_url):
@@ -306,6 +321,47 @@ def test_a_proxy_in_the_environment_is_bypassed(tokenizer, agents, monkeypatch):
     batch = loop.generate(ids, mask, 1, 1.0, seed=0, rows=_rows(["1+1="]))
     assert batch["turns"].tolist() == [1] and batch["env_errors"].tolist() == [0]
     assert os.environ["no_proxy"] == "example.org,127.0.0.1" and os.environ["NO_PROXY"] == "127.0.0.1"
+
+
+def test_an_engine_failure_is_a_500_and_records_nothing(tokenizer, agents):
+    failed = []
+
+    def script(context, seed):
+        if not failed:
+            failed.append(seed)
+            raise RuntimeError("engine hiccup")
+        return "7"
+
+    loop, turns = _loop(tokenizer, agents, "retries", turns=FakeTurns(tokenizer, script))
+    ids, mask = _prompts(tokenizer, ["1+1="])
+    batch = loop.generate(ids, mask, 1, 1.0, seed=0, rows=_rows(["1+1="]))
+    assert batch["env_errors"].tolist() == [0] and batch["turns"].tolist() == [1]
+    assert batch["prompt_ids"][0][batch["prompt_mask"][0].bool()].tolist() == tokenizer("1+1=").input_ids
+    sampled = tokenizer("7", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    assert batch["response_ids"][0].tolist() == sampled and batch["response_mask"][0].tolist() == [1, 1]
+    assert turns.calls[0][3] == failed[0]   # the retry is the same turn: the same seed
+
+
+def test_the_reward_function_gets_the_agents_reward_and_conversation(tokenizer, agents, tmp_path):
+    """As the trainer passes them: env_reward where the agent returned one (none for None), the conversation of the
+    last request and reply as extra_info["messages"]."""
+    (tmp_path / "reward.py").write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': extra_info.get('env_reward', -1.0), 'messages': float(len(extra_info['messages']))}\n")
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    worker = RewardWorker(RewardConfig(path=str(tmp_path / "reward.py"), name="score", num_workers=1),
+                          str(tmp_path / "tokenizer"))
+    ids, mask = _prompts(tokenizer, ["2+2="])
+    try:
+        for name, score, messages in (("chat", 2.0, 4.0), ("asks_once", -1.0, 2.0)):
+            loop, _ = _loop(tokenizer, agents, name)
+            batch = loop.generate(ids, mask, 1, 1.0, seed=0, rows=_rows(["2+2="]))
+            rewards, extras, errors, _ = worker.score(batch["response_ids"], batch["response_mask"],
+                                                      [PromptRow("2+2=", "t", "4", {})], batch["messages"].tolist(),
+                                                      batch["env_reward"].tolist())
+            assert errors.errors == 0 and rewards.tolist() == [score] and extras[0]["messages"] == messages, name
+    finally:
+        worker.close()
 
 
 @pytest.mark.parametrize("rollout, key", [

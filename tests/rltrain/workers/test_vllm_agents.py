@@ -131,7 +131,8 @@ def test_an_openai_client_agent_is_recorded_token_for_token(worker):
         for t in range(batch["turns"][i]):
             context, budget, _, _, out = by_seed[turn_seed(seeds[i], t)]
             if t:
-                response, pattern, logprobs = response + again, pattern + [0] * len(again), logprobs + [0.0] * len(again)
+                response, pattern = response + again, pattern + [0] * len(again)
+                logprobs = logprobs + [0.0] * len(again)
             assert context == prompt + response and budget == BUDGET - len(response)
             response, pattern = response + out.token_ids, pattern + [1] * len(out.token_ids)
             logprobs, contents = logprobs + out.logprobs, contents + [tokenizer.decode(out.token_ids,
