@@ -231,8 +231,8 @@ class GRPOTrainer(TrainerCheckpoints):
         ids, mask = encode_prompts(rows, self.tokenizer, self.tools)
         with timer.phase("rollout"):
             if refresh is None:
-                env_rows = [dataclasses.asdict(row) for row in rows] if self.job.rollout.multi_turn.env.enabled \
-                    else None   # an environment's reset reads each episode's row
+                env_rows = [dataclasses.asdict(row) for row in rows] if self.job.rollout.multi_turn.needs_rows \
+                    else None   # an environment's reset, or an agent, reads each episode's row
                 batch = self.rollout.generate(ids, mask, n, temperature, seed, rows=env_rows)
             else:
                 def timed_refresh() -> int:  # its loads count as weight_load (the producer's), not as rollout

@@ -9,6 +9,10 @@ how long they may run, which tools the model gets and how its tool calls are par
         tools: [{builtin: calculator}, {path: my_tools.py, name: search}]
         parser: hermes
 
+Instead of tools, an environment (`env`, rltrain/tools/environment.py) answers the model's turns, or a black-box
+agent (`agent`, rltrain/tools/agent.py) is the whole episode, talking to the policy through an OpenAI-compatible
+endpoint.
+
 validate() imports every tool (like reward.path), so a bad file, name or schema fails before any worker starts,
 with the entry's key: `rollout.multi_turn.tools[1].name: 'search' is not a function or class in 'my_tools.py'`; and
 a `python` tool where no sandbox backend works (rltrain/sandbox/) fails there too.
@@ -21,6 +25,7 @@ from typing import Any
 
 from rltrain.config import ConfigError, require
 from rltrain.sandbox import SandboxUnavailable
+from rltrain.tools.agent import AgentConfig
 from rltrain.tools.builtin.python import PythonTool
 from rltrain.tools.loader import TOOLS_KEY, ToolSpec, load_tools
 from rltrain.tools.parsers import PARSERS
@@ -39,6 +44,7 @@ class MultiTurnConfig:
     num_workers: int = 4                 # tool processes: calls of all episodes in a turn run this many at a time
     max_output_chars: int = 4000         # a tool's answer is cut to this many characters (before tokenizing)
     env: EnvConfig = field(default_factory=EnvConfig)   # an environment answers instead of tools (environment.py)
+    agent: AgentConfig = field(default_factory=AgentConfig)   # a black-box agent is the episode (agent.py)
 
     def validate(self):
         require(self.max_turns >= 1, "max_turns", "must be >= 1", self.max_turns)
@@ -49,13 +55,18 @@ class MultiTurnConfig:
         require(self.tool_timeout_s > 0, "tool_timeout_s", "must be > 0", self.tool_timeout_s)
         require(self.num_workers >= 1, "num_workers", "must be >= 1", self.num_workers)
         require(self.max_output_chars >= 1, "max_output_chars", "must be >= 1", self.max_output_chars)
-        require(not self.enabled or bool(self.tools) or self.env.enabled, "tools", "must list at least one tool "
-                "when enabled, e.g. [{builtin: calculator}] or [{path: my_tools.py, name: fn}] (or set "
-                "rollout.multi_turn.env)", self.tools)
+        require(not self.enabled or bool(self.tools) or self.env.enabled or self.agent.enabled, "tools", "must list "
+                "at least one tool when enabled, e.g. [{builtin: calculator}] or [{path: my_tools.py, name: fn}] (or "
+                "set rollout.multi_turn.env or rollout.multi_turn.agent)", self.tools)
         require(not (self.tools and self.env.enabled), "env", "answers the model's turns instead of tools: set "
                 "rollout.multi_turn.tools=[] with it (an environment may call tools itself)", self.env.path)
         require(not self.env.enabled or self.enabled, "env", "needs rollout.multi_turn.enabled=true (its episodes "
                 "are multi-turn)", self.env.path)
+        require(not (self.agent.enabled and (self.tools or self.env.enabled)), "agent", "is the whole episode "
+                "(it runs its own tools and decides what the model reads): set rollout.multi_turn.tools=[] and "
+                "rollout.multi_turn.env.path=null with it", self.agent.path)
+        require(not self.agent.enabled or self.enabled, "agent", "needs rollout.multi_turn.enabled=true (its "
+                "episodes are multi-turn)", self.agent.path)
         try:  # imported once here (the pool imports them again), so a bad file, name or schema fails up front
             loaded = load_tools(self.tool_specs())
         except (OSError, ImportError, ValueError) as err:  # their messages start with the entry's key
@@ -70,6 +81,11 @@ class MultiTurnConfig:
                 except SandboxUnavailable as exc:
                     raise ConfigError(f"{TOOLS_KEY}[{i}]: the python tool runs the model's programs in a sandbox, "
                                       f"and {exc}") from None
+
+    @property
+    def needs_rows(self) -> bool:
+        """Whether the rollout needs each prompt's data row (an environment's reset, an agent's call read it)."""
+        return self.env.enabled or self.agent.enabled
 
     def tool_specs(self) -> list[ToolSpec]:
         specs = []

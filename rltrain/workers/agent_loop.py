@@ -27,6 +27,9 @@ tool messages and the next assistant header, found by rendering a fixed one-mess
 them), else in the plain Hermes form `\\n<tool_response>\\n{content}\\n</tool_response>\\n` per result. Each tool
 answer is cut to max_tool_response_tokens tokens before rendering.
 
+A black-box agent (rollout.multi_turn.agent) drives its episode itself through an OpenAI-compatible endpoint:
+rltrain/workers/agents.py (AgentEpisodes, this loop's batch and episodes) and rltrain/workers/chat_endpoint.py.
+
 An environment's messages (its opening after the prompt, its answer to each turn) join the context the same way, cut
 to max_tool_response_tokens each.
 
@@ -104,15 +107,18 @@ class ToolTurns:
         return content if len(ids) <= self.max_tokens else self.tokenizer.decode(ids[:self.max_tokens])
 
     def render(self, messages: list[dict]) -> list[int]:
-        text = None
-        if self.templated:
-            base = self.tokenizer.apply_chat_template(_TEMPLATE_BASE, tokenize=False)
-            full = self.tokenizer.apply_chat_template(_TEMPLATE_BASE + messages, tokenize=False,
-                                                      add_generation_prompt=True)
-            text = full[len(base):] if full.startswith(base) else None
+        text = self.templated_text(messages) if self.templated else None
         if text is None:  # no template, or one that renders the base differently once more messages follow
             text = "".join(PLAIN_TOOL_TURN.format(content=m["content"]) for m in messages)
         return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def templated_text(self, messages: list[dict]) -> str | None:
+        """What the chat template adds for `messages` and the next assistant header after a fixed conversation;
+        None where the template renders that conversation differently once more messages follow."""
+        base = self.tokenizer.apply_chat_template(_TEMPLATE_BASE, tokenize=False)
+        full = self.tokenizer.apply_chat_template(_TEMPLATE_BASE + messages, tokenize=False,
+                                                  add_generation_prompt=True)
+        return full[len(base):] if full.startswith(base) else None
 
 
 class AgentLoop:
@@ -121,6 +127,7 @@ class AgentLoop:
     def __init__(self, config: MultiTurnConfig, turns, tokenizer, max_new_tokens: int, pool: ToolPool | None = None):
         self.config, self.turns, self.tokenizer, self.max_new_tokens = config, turns, tokenizer, max_new_tokens
         self.env = config.env.enabled
+        self.episode_rewards = self.env   # whether episodes carry env_reward (an agent's do too: agents.py)
         self.answers = EnvObservations(load_environment(config.env), config.env.kwargs) if self.env else \
             ToolObservations(PARSERS.get(config.parser), pool if pool is not None else config.build_pool())
         self.tool_turns = ToolTurns(tokenizer, config.max_tool_response_tokens)
@@ -205,7 +212,7 @@ class AgentLoop:
                   "truncated": torch.tensor([e.truncated for e in episodes]),
                   "messages": NonTensorStack.from_list([e.messages for e in episodes]),
                   **{key: torch.tensor([e.counts[key] for e in episodes]) for key in EPISODE_FIELDS}}
-        if self.env:
+        if self.episode_rewards:
             fields["env_reward"] = torch.tensor([e.env_reward for e in episodes], dtype=torch.float32)
         if any(e.logprobs and any(e.logprobs) for e in episodes):
             fields["rollout_logprobs"] = logprobs * response_mask

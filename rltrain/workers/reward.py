@@ -3,6 +3,7 @@ per-sample timeout, a memory limit and capped output (rltrain.rewards.pool); Rew
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -59,12 +60,14 @@ class RewardWorker:
         """rows[i] is the prompt row of response i. Returns (rewards [B], per-sample metrics, RewardStats, texts).
         The text is the whole response (a multi-turn episode's tool output included: response_context); messages
         (multi-turn): each episode's chat messages, passed to the reward function as extra_info["messages"];
-        env_rewards (an environment's episodes): each one's reward, as extra_info["env_reward"]."""
+        env_rewards (an environment's or agent's episodes): each one's reward, as extra_info["env_reward"] (NaN: an
+        agent's episode without one, whose extra_info has no env_reward)."""
         texts = response_texts(self.tokenizer, response_ids, response_mask)
         infos = [row.extra_info for row in rows] if messages is None else \
             [{**(row.extra_info or {}), "messages": episode} for row, episode in zip(rows, messages)]
         if env_rewards is not None:
-            infos = [{**(info or {}), "env_reward": reward} for info, reward in zip(infos, env_rewards)]
+            infos = [info if math.isnan(reward) else {**(info or {}), "env_reward": reward}
+                     for info, reward in zip(infos, env_rewards)]
         items = [RewardInput(row.data_source, text, row.ground_truth, info)
                  for row, text, info in zip(rows, texts, infos)]
         result = self.pool.score(items)

@@ -5,9 +5,10 @@ prompts across them and pushes the weights to all of them.
 Engines (rollout.engine): "hf" = transformers' generate with a KV cache, batched over prompts × n (left-padded
 prompts; rltrain/workers/hf_engine.py); "vllm" = a `vllm.LLM` (rltrain/workers/vllm_engine.py), which also reports the
 sampled tokens' log-probs (`rollout_logprobs`). rollout.mode=async puts the vllm engine on vLLM's async engine
-(rltrain/workers/vllm_async.py): every request, and every multi-turn episode, runs at its own pace. Both take weights
-in buckets: begin_weight_update, load_weights (or load_bucket: an actor's export, rltrain/workers/weight_sync.py) per
-bucket, finish_weight_update.
+(rltrain/workers/vllm_async.py): every request, and every multi-turn episode, runs at its own pace; there a black-box
+agent may be the episode (rollout.multi_turn.agent), served by an OpenAI-compatible endpoint
+(rltrain/workers/agents.py). Both take weights in buckets: begin_weight_update, load_weights (or load_bucket: an
+actor's export, rltrain/workers/weight_sync.py) per bucket, finish_weight_update.
 With actor.lora on, the buckets hold only the adapter tensors (rltrain/workers/lora.py) and neither engine's base
 weights ever change: the hf engine holds the policy wrapped with the same LoRA adapters (unmerged), the vllm engine
 loads each push as a vLLM LoRA adapter (rltrain/workers/vllm_lora.py).
@@ -35,6 +36,7 @@ from tensordict import TensorDict
 from rltrain.config import require
 from rltrain.tools.config import MultiTurnConfig
 from rltrain.workers.agent_loop import AgentLoop
+from rltrain.workers.agents import AgentEpisodes
 from rltrain.workers.hf_engine import HFEngine, HFTurns
 from rltrain.workers.lora import LoraConfig
 from rltrain.workers.policy import load_tokenizer, set_threads
@@ -82,6 +84,11 @@ class RolloutConfig:
         require(self.mode == "sync" or self.tensor_parallel_size == 1, "mode", "'async' needs "
                 "rollout.tensor_parallel_size=1 (vLLM's async engine cannot run under the tensor-parallel "
                 "external_launcher; scale with replicas)", self.mode)
+        # the endpoint serves each request as it comes, which only the async engine does (rltrain/workers/agents.py)
+        require(not self.multi_turn.agent.enabled or (self.engine == "vllm" and self.mode == "async"),
+                "multi_turn.agent", "needs rollout.engine=vllm and rollout.mode=async (the agent's requests are "
+                "served one by one as they arrive, on vLLM's async engine)",
+                f"engine={self.engine}, mode={self.mode}")
         require(self.partial_segment_tokens >= 1, "partial_segment_tokens", "must be >= 1",
                 self.partial_segment_tokens)
         require(not (self.partial and self.stop), "partial", "cannot be combined with rollout.stop (a stop string "
@@ -139,8 +146,9 @@ class RolloutWorker:
         self.agent_loop = None
         if config.multi_turn.enabled:  # tool-using episodes through the same engine (rltrain/workers/agent_loop.py)
             turns = HFTurns if config.engine == "hf" else AsyncVLLMTurns if config.mode == "async" else VLLMTurns
-            self.agent_loop = AgentLoop(config.multi_turn, turns(self.engine), load_tokenizer(model_path),
-                                        config.max_new_tokens)
+            loop = AgentEpisodes if config.multi_turn.agent.enabled else AgentLoop   # a black-box agent: agents.py
+            self.agent_loop = loop(config.multi_turn, turns(self.engine), load_tokenizer(model_path),
+                                   config.max_new_tokens)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
                  seed: int, first_prompt: int = 0, max_new_tokens: int | None = None,
@@ -148,7 +156,7 @@ class RolloutWorker:
         """n responses per prompt, grouped consecutively; group_ids[i] = index of the prompt (in this call).
         first_prompt: where these prompts start in the step's batch (their seeds: response_seeds). max_new_tokens:
         this call's limit instead of rollout.max_new_tokens (a segment of a partial rollout). rows: the prompts' data
-        rows, for an environment (rollout.multi_turn.env)."""
+        rows, for an environment or agent (rollout.multi_turn.env, .agent)."""
         if max_new_tokens is not None:
             return self.engine.generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt, max_new_tokens)
         if self.agent_loop is not None:

@@ -5,11 +5,13 @@ device's rounding (tests/rltrain/vllm_device.py; a missed weight push shows up i
 importance-sampling correction runs. With actor.lora the same run pushes only the adapters, which the engine loads as
 a vLLM LoRA adapter on its fixed base, and the mismatch stays as small. With rollout.multi_turn on, the same run goes
 through the agent loop on the vLLM engine (VLLMTurns), logs tool/* and keeps the mismatch as small; with
-rollout.mode=async (and LoRA) on vLLM's async engine as well. On 2 GPUs (@pytest.mark.gpu) the colocated run shards
-the actor over both (FSDP2) and serves from one engine split over them (rollout.tensor_parallel_size=2) or from two
-replicas, one per GPU: the push reaches every shard and replica, so the mismatch stays as small."""
+rollout.mode=async (and LoRA) on vLLM's async engine as well, and with a black-box agent written against the openai
+client (examples/agents/retry.py) as the episode. On 2 GPUs (@pytest.mark.gpu) the colocated run shards the actor
+over both (FSDP2) and serves from one engine split over them (rollout.tensor_parallel_size=2) or from two replicas,
+one per GPU: the push reaches every shard and replica, so the mismatch stays as small."""
 
 import json
+from pathlib import Path
 
 import pytest
 import ray
@@ -20,6 +22,7 @@ from tests.rltrain.tiny_job import tiny_job
 from tests.rltrain.vllm_device import MISMATCH, separate_gpus
 
 pytestmark = pytest.mark.vllm
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,6 +111,28 @@ def test_async_rollout_mode_with_lora_and_tools(tmp_path):
     assert train[2]["actor/ref_kl"] != 0  # the policy has left its base: step 2 samples from moved adapters
     for record in train.values():
         assert record["tool/turns_per_episode"] >= 1, record  # the agent loop made the rollout
+        assert record["rollout/logprob_abs_diff_max"] < MISMATCH.max, record
+        assert 0 <= record["rollout/kl"] < MISMATCH.kl, record
+
+
+def test_an_openai_client_agent_as_the_episode(tmp_path):
+    """rollout.multi_turn.agent with examples/agents/retry.py (the openai client against the rollout actor's
+    endpoint, on the async engine): the agent's reward is the reward (reward.name=env), its second attempt follows
+    the feedback it sent, and the engine's log-probs on the replies are the actor's after each push."""
+    job = tiny_job(tmp_path, model={"embedded": {"hidden_size": 64, "num_heads": 2, "head_dim": 64}},
+                   rollout={"engine": "vllm", "mode": "async", "kv_cache_gb": 1.0, "enforce_eager": True,
+                            "max_new_tokens": 24,
+                            "multi_turn": {"enabled": True, "max_turns": 2,
+                                           "agent": {"path": str(EXAMPLES / "agents" / "retry.py"),
+                                                     "name": "answer_with_retry"}}},
+                   reward={"name": "env"}, actor={"lr": 0.01}, algorithm={"loss": {"entropy_coef": 0.01}})
+    assert run(job)["step"] == 2
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "train/reward_mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for record in train:
+        assert 1 < record["tool/turns_per_episode"] <= 2, record   # wrong first answers were retried
+        assert record["tool/env_errors"] == 0 and 0 <= record["train/reward_mean"] <= 1, record
         assert record["rollout/logprob_abs_diff_max"] < MISMATCH.max, record
         assert 0 <= record["rollout/kl"] < MISMATCH.kl, record
 
