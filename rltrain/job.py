@@ -162,10 +162,10 @@ class JobConfig:
         require(self.reward.path is not None or self.reward.name == "code", "reward.name", "must be 'code' with "
                 "data.task.kind=code_arithmetic (its programs run in the sandbox): select the preset "
                 "task=code_arithmetic, or set reward.name=code", self.reward.name)
-        longest = code_task.answer_tokens(task.max_operand)
-        require(self.rollout.max_new_tokens >= longest, "rollout.max_new_tokens", f"must be >= {longest} with "
-                f"data.task.kind=code_arithmetic (its longest answer and <eos> at data.task.max_operand="
-                f"{task.max_operand}): select the preset task=code_arithmetic, or raise it", self.rollout.max_new_tokens)
+        longest, tokens = code_task.answer_tokens(task.max_operand), self.rollout.max_new_tokens
+        require(tokens >= longest, "rollout.max_new_tokens", f"must be >= {longest} with data.task.kind="
+                f"code_arithmetic (its longest answer and <eos> at data.task.max_operand={task.max_operand}): select "
+                "the preset task=code_arithmetic, or raise it", tokens)
 
     def _validate_sequence_parallel(self, ranks: int) -> None:
         """actor.ulysses_sequence_parallel_size against the other sections (its model checks run where the model

@@ -32,7 +32,7 @@ FORMS = ("linear", "square", "factored")
 PREFIX = "f=lambda x:"
 TEST_POINTS = 4            # asserts per row: x drawn from TEST_RANGE, none of them shown in the prompt
 TEST_RANGE = range(-9, 13)
-PYTHON_SHARE = 0.15        # warm-start answers in Python: RL's first steps sample right programs on ~15% of responses
+PYTHON_SHARE = 0.15        # warm-start answers in Python: then ~3% of sampled programs pass (seed 0, first RL step)
 
 
 def math_notation(form: str, a: int, op: str, b: int) -> str:

@@ -59,7 +59,7 @@ class TaskConfig:
         require(not self.uses_code or set(self.operators) <= set("+-"), "operators", "must be a non-empty subset of "
                 "'+-' with kind=code_arithmetic (the sign between a formula's terms)", self.operators)
         require(self.num_val >= 1, "num_val", "must be >= 1", self.num_val)
-        forms = 3 if self.uses_code else 1   # code_arithmetic: linear, square and factored (rltrain/embedded/code_task.py)
+        forms = 3 if self.uses_code else 1   # code_arithmetic: linear, square, factored (rltrain/embedded/code_task.py)
         problems = forms * len(self.operators) * (self.max_operand - self.min_operand + 1) ** 2
         require(self.num_val < problems, "num_val", f"leaves no training problems (the task has {problems})",
                 self.num_val)

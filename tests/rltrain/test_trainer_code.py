@@ -50,14 +50,18 @@ def test_code_task_scores_every_sample_in_the_sandbox(tmp_path):
     train = [r for r in _records(tmp_path) if "train/reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2]
     for record in train:
-        assert record["reward/errors"] == 0 and record["reward/tests_mean"] == 1.0   # one assert run per sample
+        # no sample failed to be scored (a row without its tests, a sandbox that cannot run: reward errors), and each
+        # ran its asserts in one run
+        assert record["reward/errors"] == 0 and record["reward/tests_mean"] == 1.0
         assert record["reward/timed_out_mean"] == 0.0
 
 
 @pytest.mark.slow
 def test_code_task_preset_learns_python(tmp_path):
     """The preset as it ships: RL raises held-out accuracy (greedy programs passing their asserts in the sandbox) by
-    >= 20 points within 10 minutes on a 2-core CPU."""
+    >= 20 points within 10 minutes on a 2-core CPU. Measured (2026-11-28, seed 0, CLI): 0.010 -> 0.770 at step 10,
+    0.920 at 20 (+91.0 points), 6.7 min on the 2-core machine shared with other jobs (load 7-12; the warm start 2.7
+    of them)."""
     job = load_job_config(compose("task=code_arithmetic", f"trainer.output_dir={tmp_path}"))
     started = time.monotonic()
     result = run(job)
