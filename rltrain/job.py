@@ -24,6 +24,7 @@ from rltrain.algorithms.config import AlgorithmConfig
 from rltrain.async_rollout import MODES
 from rltrain.config import from_mapping, require
 from rltrain.data.sampler import DataConfig
+from rltrain.embedded import code_task
 from rltrain.embedded.config import CONTEXT_LENGTH
 from rltrain.tracking import LOGGERS
 from rltrain.workers.actor_config import ActorConfig
@@ -150,6 +151,22 @@ class JobConfig:
             spec.builtin == "calculator" for spec in multi_turn.tool_specs()), "data.task.kind", "'tool_arithmetic' "
             "runs as multi-turn episodes with the calculator tool: select the preset task=tool_arithmetic, or set "
             "rollout.multi_turn.enabled=true and rollout.multi_turn.tools=[{builtin: calculator}]", self.data.task.kind)
+        self._validate_code_task()
+
+    def _validate_code_task(self) -> None:
+        """The embedded code task (config/task/code_arithmetic.yaml sets both): its programs are scored by the `code`
+        reward, refused at start where no sandbox works (`default` would score them too, but find that out only at
+        the first batch), and its longest answer fits rollout.max_new_tokens."""
+        task = self.data.task
+        if not task.uses_code or self.data.train_files is not None:
+            return
+        require(self.reward.path is not None or self.reward.name == "code", "reward.name", "must be 'code' with "
+                "data.task.kind=code_arithmetic (its programs run in the sandbox): select the preset "
+                "task=code_arithmetic, or set reward.name=code", self.reward.name)
+        longest, tokens = code_task.answer_tokens(task.max_operand), self.rollout.max_new_tokens
+        require(tokens >= longest, "rollout.max_new_tokens", f"must be >= {longest} with data.task.kind="
+                f"code_arithmetic (its longest answer and <eos> at data.task.max_operand={task.max_operand}): select "
+                "the preset task=code_arithmetic, or raise it", tokens)
 
     def _validate_sequence_parallel(self, ranks: int) -> None:
         """actor.ulysses_sequence_parallel_size against the other sections (its model checks run where the model

@@ -13,7 +13,7 @@ ARCHS = ("qwen3", "qwen3_moe", "hybrid", "gdp", "iplr", "kda")
 # the model's max_position_embeddings: data.max_prompt_length's default 256 + rollout.max_new_tokens must fit (the
 # job's context check); RoPE's frequencies do not depend on it, so the trained weights are those of any other length
 CONTEXT_LENGTH = 1024
-KINDS = ("arithmetic", "tool_arithmetic")
+KINDS = ("arithmetic", "tool_arithmetic", "code_arithmetic")
 
 
 @dataclass
@@ -42,10 +42,10 @@ class EmbeddedModelConfig:
 
 @dataclass
 class TaskConfig:
-    kind: str = "arithmetic"    # arithmetic | tool_arithmetic (rltrain/embedded/task.py)
+    kind: str = "arithmetic"    # arithmetic | tool_arithmetic | code_arithmetic (rltrain/embedded/task.py)
     min_operand: int = 0        # operands drawn from [min_operand, max_operand]
     max_operand: int = 49
-    operators: str = "+"        # any of "+-*"
+    operators: str = "+"        # any of "+-*" (code_arithmetic: of "+-", the sign between its terms)
     num_val: int = 200          # held-out problems (never trained on)
     seed: int = 0
 
@@ -56,11 +56,18 @@ class TaskConfig:
                 f"({self.min_operand})", self.max_operand)
         require(bool(self.operators) and set(self.operators) <= set("+-*"), "operators",
                 "must be a non-empty subset of '+-*'", self.operators)
+        require(not self.uses_code or set(self.operators) <= set("+-"), "operators", "must be a non-empty subset of "
+                "'+-' with kind=code_arithmetic (the sign between a formula's terms)", self.operators)
         require(self.num_val >= 1, "num_val", "must be >= 1", self.num_val)
-        problems = len(self.operators) * (self.max_operand - self.min_operand + 1) ** 2
+        forms = 3 if self.uses_code else 1   # code_arithmetic: linear, square, factored (rltrain/embedded/code_task.py)
+        problems = forms * len(self.operators) * (self.max_operand - self.min_operand + 1) ** 2
         require(self.num_val < problems, "num_val", f"leaves no training problems (the task has {problems})",
                 self.num_val)
 
     @property
     def uses_tools(self) -> bool:
         return self.kind == "tool_arithmetic"
+
+    @property
+    def uses_code(self) -> bool:
+        return self.kind == "code_arithmetic"

@@ -24,7 +24,9 @@ sudden jumps, so a fixed step count gives starting points from 10% to 80% across
 `<output_dir>/warmstart/<hash>` (written to a temporary of the process's own and renamed, under the trainer's lock on
 the output directory) and reused by later runs with the same settings. The tool task
 (data.task.kind=tool_arithmetic) warm-starts on the examples of rltrain/embedded/tool_task.py instead, with the
-tokenizer's tool vocabulary, and its accuracy is that of episodes made to open with a calculator call.
+tokenizer's tool vocabulary, and its accuracy is that of episodes made to open with a calculator call. The code task
+(data.task.kind=code_arithmetic) warm-starts on rltrain/embedded/code_task.py's mix of Python and math-notation
+answers, and its accuracy is that of right transcriptions in either notation.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from rltrain_kernels.models import HybridDeltaConfig
 
 from rltrain.data.rows import PromptRow
 from rltrain.data.sampler import encode_prompts
-from rltrain.embedded import tool_task
+from rltrain.embedded import code_task, tool_task
 from rltrain.embedded.config import CONTEXT_LENGTH, EmbeddedModelConfig
 from rltrain.embedded.task import make_rows
 from rltrain.embedded.tokenizer import build_char_tokenizer
@@ -116,20 +118,25 @@ def greedy_accuracy(model, tokenizer, rows: list[PromptRow]) -> float:
 
 
 def warm_start(model, tokenizer, rows: list[PromptRow], config: EmbeddedModelConfig, seed: int,
-               tools: bool = False) -> float:
+               tools: bool = False, code: bool = False) -> float:
     """Supervised training on prompt -> answer, in place, until the target accuracy (on 128 training problems)
     or the step limit; returns the last measured accuracy. `tools` (the tool task): the examples and the accuracy
-    of rltrain/embedded/tool_task.py instead (demonstrated calculator episodes, forced-call accuracy)."""
+    of rltrain/embedded/tool_task.py instead (demonstrated calculator episodes, forced-call accuracy); `code` (the
+    code task): those of rltrain/embedded/code_task.py (answers in Python or math notation, transcription accuracy)."""
     rng = random.Random(seed)
     probe = rng.sample(rows, min(128, len(rows)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.warmstart_lr, weight_decay=0.0)
-    measure, what = (tool_task.forced_call_accuracy, "forced-call accuracy") if tools else \
-        (greedy_accuracy, "greedy accuracy")
+    if tools:
+        measure, what, batch = tool_task.forced_call_accuracy, "forced-call accuracy", tool_task.sft_batch
+    elif code:
+        measure, what, batch = code_task.transcription_accuracy, "transcription accuracy", code_task.sft_batch
+    else:
+        measure, what, batch = greedy_accuracy, "greedy accuracy", lambda sample, tok, _: _sft_batch(sample, tok)
     accuracy = 0.0
     for step in range(1, config.warmstart_steps + 1):
         model.train()
         sample = rng.sample(rows, min(config.warmstart_batch_size, len(rows)))
-        ids, mask, labels = tool_task.sft_batch(sample, tokenizer, rng) if tools else _sft_batch(sample, tokenizer)
+        ids, mask, labels = batch(sample, tokenizer, rng)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -141,10 +148,13 @@ def warm_start(model, tokenizer, rows: list[PromptRow], config: EmbeddedModelCon
                         accuracy, config.warmstart_target_accuracy)
             if accuracy >= config.warmstart_target_accuracy:
                 break
+    model.eval()
     if tools:
-        model.eval()
         logger.info("warm start done: the model opens a calculator call with probability %.3f",
                     tool_task.call_probability(model, tokenizer, probe))
+    if code:
+        logger.info("warm start done: %.3f of its greedy answers are in Python",
+                    code_task.python_share(model, tokenizer, probe))
     return accuracy
 
 
@@ -158,11 +168,11 @@ def embedded_policy_dir(output_dir: str, config: EmbeddedModelConfig, task_confi
     if (target / "config.json").is_file():
         logger.info("reusing the warm-started embedded model at %s", target)
         return target
-    tokenizer = build_char_tokenizer(tools=task_config.uses_tools)
+    tokenizer = build_char_tokenizer(tools=task_config.uses_tools, code=task_config.uses_code)
     model = build_model(config, tokenizer, seed)
     train_rows, _ = make_rows(task_config)
     logger.info("warm-starting the embedded model (%d steps) -> %s", config.warmstart_steps, target)
-    warm_start(model, tokenizer, train_rows, config, seed, tools=task_config.uses_tools)
+    warm_start(model, tokenizer, train_rows, config, seed, tools=task_config.uses_tools, code=task_config.uses_code)
     tmp = temporary_dir(target.parent, target.name)   # this process's own: renamed into place whole
     try:
         model.save_pretrained(tmp)

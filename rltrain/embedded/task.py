@@ -7,6 +7,10 @@
   (data_source "rltrain/tool_arithmetic"). It runs as multi-turn episodes: select the preset `task=tool_arithmetic`
   (config/task/tool_arithmetic.yaml), which turns on rollout.multi_turn with the calculator. Warm start and its
   demonstrations: rltrain/embedded/tool_task.py.
+- `code_arithmetic`: a formula in math notation ("f(x)=3x^2-7") that the model writes as a Python program
+  ("f=lambda x:3*x**2-7"), which the built-in `code` reward runs in the sandbox against assert lines on held-out x
+  values (data_source "rltrain/code_arithmetic"; preset `task=code_arithmetic`). Rows, tests and warm start:
+  rltrain/embedded/code_task.py.
 
 Rows use the same verl format as data files (`rltrain.data.rows.PromptRow`), so everything downstream is the path
 real data takes.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import random
 
 from rltrain.data.rows import PromptRow
+from rltrain.embedded import code_task
 from rltrain.embedded.config import TaskConfig
 
 DATA_SOURCE = "rltrain/arithmetic"
@@ -30,12 +35,15 @@ def _answer(a: int, op: str, b: int) -> int:
 def make_rows(config: TaskConfig) -> tuple[list[PromptRow], list[PromptRow]]:
     """All problems of the task, shuffled with the seed: (train, val), disjoint."""
     operands = range(config.min_operand, config.max_operand + 1)
-    problems = [(a, op, b) for op in config.operators for a in operands for b in operands]
+    problems = code_task.problems(config.min_operand, config.max_operand, config.operators) if config.uses_code \
+        else [(a, op, b) for op in config.operators for a in operands for b in operands]
     if config.num_val >= len(problems):
         raise ValueError(f"data.task.num_val={config.num_val} leaves no training problems "
                          f"(the task has {len(problems)})")
     random.Random(config.seed).shuffle(problems)
-    if config.uses_tools:
+    if config.uses_code:
+        rows = code_task.make_rows(problems, config.seed)
+    elif config.uses_tools:
         rows = [PromptRow([{"role": "user", "content": f"{a}{op}{b}="}], TOOL_DATA_SOURCE, str(_answer(a, op, b)),
                           {"index": i}) for i, (a, op, b) in enumerate(problems)]
     else:

@@ -12,6 +12,9 @@ them, so the tool-call parser reads them. Its chat template renders the tools ha
 `tools: calculator(expression)`, then the messages: user and assistant contents as they are (an assistant's calls
 as compact Hermes calls), tool answers as `<tool_response>{content}</tool_response>`, with no role headers, so a
 tool turn joins the context as exactly those tokens and the model answers right after it.
+
+With `code=True` (the embedded code task, data.task.kind=code_arithmetic) it also holds CODE_CHARS, the characters of
+math notation the default vocabulary lacks (`^`, as in `3x^2`), after the default ones.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>
 # multi-character tokens of the tool vocabulary: the tags, the calculator call's words and its JSON punctuation
 TOOL_TOKENS = TOOL_TAGS + ["name", "arguments", "calculator", "expression", '{"', '":"', '","', '":{"', '"}}']
 TOOL_CHARS = list('{}"')
+CODE_CHARS = list("^")   # the code task's formulas write powers as x^2 (Python's ** needs no new character)
 # A tool's schema is shown as name(arguments), not its description: a tiny char-level model cannot read prose, and
 # the calculator's 150-character description would triple every prompt's length.
 TOOL_CHAT_TEMPLATE = (
@@ -45,12 +49,13 @@ TOOL_CHAT_TEMPLATE = (
     "{%- endif %}{%- endfor %}")
 
 
-def build_char_tokenizer(extra_chars: str = "", tools: bool = False):
+def build_char_tokenizer(extra_chars: str = "", tools: bool = False, code: bool = False):
     """`extra_chars`: characters added after the default ones (tests of tool calls need `<>{}"_/`). `tools`: add the
-    tool-call tokens and the tool chat template (module docstring); the ids of the default vocabulary stay as they
-    are, the new tokens follow them."""
+    tool-call tokens and the tool chat template (module docstring); `code`: add CODE_CHARS. The ids of the default
+    vocabulary stay as they are, the new tokens follow them."""
     words = TOOL_TOKENS if tools else []
     tokens = SPECIAL + CHARS + words + [c for c in TOOL_CHARS if tools and c not in CHARS]
+    tokens += [c for c in CODE_CHARS if code and c not in tokens]
     tokens += [c for c in dict.fromkeys(extra_chars) if c not in tokens]
     vocab = {token: i for i, token in enumerate(tokens)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))

@@ -6,7 +6,8 @@
   ground-truth integer.
 - `tool_arithmetic`: the embedded tool task's scorer: the same check on the final answer, the text after the last
   `</tool_response>` (the whole response when no tool was called).
-- `code`: runs the program in the response against the row's tests in the sandbox (rltrain/rewards/code.py).
+- `code`: runs the program in the response against the row's tests in the sandbox (rltrain/rewards/code.py); the
+  embedded code task's scorer (data_source "rltrain/code_arithmetic").
 - `default`: picks by `data_source` (known sources below), falling back to `math`.
 """
 
@@ -110,4 +111,5 @@ def default_reward(data_source, solution_str, ground_truth, extra_info=None, san
 # sources verl scores with prime_code, and for "code". The sandbox it gets is reward.sandbox's (rewards/plugin.py).
 BUILTIN_REWARDS.register("code")(code_reward)
 SANDBOXED_REWARDS = ("code",)
-DATA_SOURCE_REWARDS.update({source: "code" for source in ("code", "codecontests", "apps", "codeforces", "taco")})
+DATA_SOURCE_REWARDS.update({source: "code" for source in ("code", "codecontests", "apps", "codeforces", "taco",
+                                                          "rltrain/code_arithmetic")})
