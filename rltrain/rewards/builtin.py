@@ -92,10 +92,12 @@ DATA_SOURCE_REWARDS = {
 
 @BUILTIN_REWARDS.register("env")
 def env_reward(data_source, solution_str, ground_truth, extra_info=None) -> float:
-    """An environment's episode reward (rollout.multi_turn.env: the sum of its steps' rewards)."""
+    """An environment's episode reward (rollout.multi_turn.env: the sum of its steps' rewards), or an agent's
+    (rollout.multi_turn.agent: its return value)."""
     if not extra_info or "env_reward" not in extra_info:
-        raise ValueError("reward.name=env reads extra_info['env_reward'], which only an environment's episodes "
-                         "carry (rollout.multi_turn.env)")
+        raise ValueError("reward.name=env reads extra_info['env_reward'], which only the episodes of an environment "
+                         "(rollout.multi_turn.env) or of an agent that returned a reward (rollout.multi_turn.agent) "
+                         "carry")
     return float(extra_info["env_reward"])
 
 
