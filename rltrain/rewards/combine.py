@@ -30,7 +30,7 @@ def score_batch(scorers, config, batch, rows, messages, env_rewards, texts: list
     model = None if scorers.reward_model is None else \
         scorers.reward_model.score.remote([row.prompt for row in rows], texts, messages)
     verdicts = None if scorers.judge is None else \
-        scorers.judge.score.remote([row.prompt for row in rows], texts, [row.ground_truth for row in rows])
+        scorers.judge.timed_score.remote([row.prompt for row in rows], texts, [row.ground_truth for row in rows])
     rewards, extras, errors, _ = ray.get(function)
     if model is not None:
         scores = ray.get(model)
@@ -43,11 +43,16 @@ def score_batch(scorers, config, batch, rows, messages, env_rewards, texts: list
 
 
 def judge_verdicts(ref, config, size: int, started: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """reward.judge (`config`): the JudgeWorker's (scores, failed); a batch past config.timeout_s since `started`
-    scores 0, each sample counted as a failed verdict (reward/judge_failed_mean)."""
+    """reward.judge (`config`): the JudgeWorker's (scores, failed); verdicts that took longer than config.timeout_s,
+    or that have not come config.timeout_s after `started` (when they were asked for), score 0, each sample counted
+    as a failed verdict (reward/judge_failed_mean). Judged by the judge's own time, not by when the trainer looks,
+    so the outcome does not depend on how long the reward function took beside it."""
     try:
-        return ray.get(ref, timeout=max(config.timeout_s - (time.monotonic() - started), 0.0))
+        scores, failed, seconds = ray.get(ref, timeout=max(config.timeout_s - (time.monotonic() - started), 0.0))
+        if seconds <= config.timeout_s:
+            return scores, failed
     except ray.exceptions.GetTimeoutError:
-        logger.warning("reward.judge: no verdicts within reward.judge.timeout_s=%s s; the batch's %d samples score 0",
-                       config.timeout_s, size)
-        return torch.zeros(size), torch.ones(size, dtype=torch.bool)
+        pass
+    logger.warning("reward.judge: no verdicts within reward.judge.timeout_s=%s s; the batch's %d samples score 0",
+                   config.timeout_s, size)
+    return torch.zeros(size), torch.ones(size, dtype=torch.bool)

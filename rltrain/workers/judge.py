@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,6 +165,12 @@ class JudgeWorker:
                 release_cached_memory()
         return (torch.tensor([0.0 if v is None else v for v in verdicts], dtype=torch.float32),
                 torch.tensor([v is None for v in verdicts], dtype=torch.bool))
+
+    def timed_score(self, prompts: list, responses: list[str], ground_truths: list):
+        """score()'s (scores, failed) and the seconds it took (reward.judge.timeout_s applies to them)."""
+        start = time.monotonic()
+        scores, failed = self.score(prompts, responses, ground_truths)
+        return scores, failed, time.monotonic() - start
 
     def _yes_no(self, enc) -> list[float | None]:
         logits = self.model(**enc).logits[:, -1].float()
