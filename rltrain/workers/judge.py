@@ -5,9 +5,10 @@ reward/judge_mean and reward/judge_failed_mean (the share of verdicts that did n
 
 The judge is `reward.judge.path` (a model directory) or `policy` (the policy's starting checkpoint, frozen), run in a
 Ray process of its own placed with the model roles, greedy, on `reward.judge.engine`: transformers (hf) or vLLM
-(rltrain/workers/judge_vllm.py: the step's whole batch in one call); auto follows rollout.engine. The template (`reward.judge.template`, a
-text file, else DEFAULT_TEMPLATE) is formatted with {prompt}, {response} and {ground_truth} and rendered as one user
-message with the judge's chat template (plain text where it has none). Parsers:
+(rltrain/workers/judge_vllm.py: the step's whole batch in one call); auto follows rollout.engine. The template
+(`reward.judge.template`, a text file, else DEFAULT_TEMPLATE) is formatted with {prompt}, {response} and
+{ground_truth} and rendered as one user message with the judge's chat template (plain text where it has none).
+Parsers:
 
 - `yes_no`: P(yes) / (P(yes) + P(no)) of its first reply token, each the probability summed over the tokens that
   begin "Yes", "yes", " Yes", " yes" (and the same for no; a token beginning both, such as a lone space, counts for
