@@ -26,6 +26,7 @@ import torch
 
 from rltrain.data.rows import PromptRow
 from rltrain.data.sampler import encode_prompts
+from rltrain.workers.batch import IGNORE_INDEX, supervised_batch
 
 DATA_SOURCE = "rltrain/code_arithmetic"
 FORMS = ("linear", "square", "factored")
@@ -78,19 +79,14 @@ def verbatim(row: PromptRow) -> str:
 def sft_batch(rows: list[PromptRow], tokenizer, rng: random.Random):
     """(ids, attention mask, labels) of warm-start examples (module docstring), right-padded; loss on the answer and
     <eos> only."""
-    sequences, starts = [], []
+    sequences, labels = [], []
     for row in rows:
         answer = row.ground_truth if rng.random() < PYTHON_SHARE else verbatim(row)
         prompt = tokenizer(row.prompt).input_ids
-        sequences.append(prompt + tokenizer(answer).input_ids + [tokenizer.eos_token_id])
-        starts.append(len(prompt))
-    width = max(map(len, sequences))
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-    labels = torch.full((len(rows), width), -100)
-    for i, (seq, start) in enumerate(zip(sequences, starts)):
-        ids[i, :len(seq)] = torch.tensor(seq)
-        labels[i, start:len(seq)] = torch.tensor(seq[start:])
-    return ids, (ids != tokenizer.pad_token_id).long(), labels
+        target = tokenizer(answer).input_ids + [tokenizer.eos_token_id]
+        sequences.append(prompt + target)
+        labels.append([IGNORE_INDEX] * len(prompt) + target)
+    return supervised_batch(sequences, labels, tokenizer.pad_token_id)
 
 
 @torch.no_grad()

@@ -51,6 +51,7 @@ from rltrain.embedded.task import make_rows
 from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.output_dir import temporary_dir
 from rltrain.rewards.builtin import arithmetic_reward
+from rltrain.workers.batch import IGNORE_INDEX, supervised_batch
 
 logger = logging.getLogger(__name__)
 
@@ -95,16 +96,11 @@ def build_model(config: EmbeddedModelConfig, tokenizer, seed: int):
 
 
 def _sft_batch(rows: list[PromptRow], tokenizer):
-    texts = [row.prompt + str(row.ground_truth) for row in rows]
     prompt_lens = [len(tokenizer(row.prompt).input_ids) for row in rows]
-    enc = [tokenizer(t).input_ids + [tokenizer.eos_token_id] for t in texts]
-    width = max(map(len, enc))
-    ids = torch.full((len(enc), width), tokenizer.pad_token_id)
-    labels = torch.full((len(enc), width), -100)
-    for i, (seq, p) in enumerate(zip(enc, prompt_lens)):
-        ids[i, :len(seq)] = torch.tensor(seq)
-        labels[i, p:len(seq)] = torch.tensor(seq[p:])  # train on the answer and <eos> only
-    return ids, (ids != tokenizer.pad_token_id).long(), labels
+    enc = [tokenizer(row.prompt + str(row.ground_truth)).input_ids + [tokenizer.eos_token_id] for row in rows]
+    # train on the answer and <eos> only
+    labels = [[IGNORE_INDEX] * p + seq[p:] for seq, p in zip(enc, prompt_lens)]
+    return supervised_batch(enc, labels, tokenizer.pad_token_id)
 
 
 @torch.no_grad()

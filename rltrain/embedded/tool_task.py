@@ -31,7 +31,7 @@ from rltrain.tools.builtin.calculator import CalculatorError, calculator
 from rltrain.tools.chat import chat_template_tools
 from rltrain.tools.parsers import parse_hermes
 from rltrain.workers.agent_loop import ToolTurns
-from rltrain.workers.batch import left_pad
+from rltrain.workers.batch import left_pad, supervised_batch
 
 DEMO_SHARE = 0.5     # examples that demonstrate a calculator episode: half, so the format is learned in ~100 steps
 CALL_SHARE = 0.03    # examples whose <tool_call> opening is a label: calls start at ~6% of samples
@@ -82,13 +82,7 @@ def sft_batch(rows: list[PromptRow], tokenizer, rng: random.Random):
         else:
             sequences.append(prompt + answer)
             targets.append([-100] * len(prompt) + answer)
-    width = max(map(len, sequences))
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-    labels = torch.full((len(rows), width), -100)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (seq, target) in enumerate(zip(sequences, targets)):
-        ids[i, :len(seq)], labels[i, :len(seq)], mask[i, :len(seq)] = torch.tensor(seq), torch.tensor(target), 1
-    return ids, mask, labels
+    return supervised_batch(sequences, targets, tokenizer.pad_token_id)
 
 
 def _greedy(model, tokenizer, contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -37,6 +37,13 @@ def right_pad(rows: list[list], pad, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+def supervised_batch(sequences: list[list[int]], labels: list[list[int]], pad_token_id: int):
+    """(ids, attention mask, labels) of supervised examples (the embedded warm starts), right-padded: each sequence's
+    labels as long as it, IGNORE_INDEX where no loss is taken."""
+    return (right_pad(sequences, pad_token_id, torch.long), right_pad([[1] * len(s) for s in sequences], 0, torch.long),
+            right_pad(labels, IGNORE_INDEX, torch.long))
+
+
 def group_ids(responses: int, n: int) -> torch.Tensor:
     """[responses] the index of each response's prompt, n consecutive responses per prompt."""
     return torch.arange(responses // n).repeat_interleave(n)

@@ -30,7 +30,7 @@ from rltrain.checkpoint import latest_checkpoint
 from rltrain.job import load_job_config
 from rltrain.trainer import GRPOTrainer
 from tests.rltrain.test_trainer_e2e import _overrides
-from tests.rltrain.tiny_job import compose, merge, tiny_job
+from tests.rltrain.tiny_job import compose, merge, metric_records, tiny_job
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,9 +159,6 @@ def ray_session():
     ray.shutdown()
 
 
-def _records(output_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
-
 
 def _reward_plugin(tmp_path) -> dict:
     """A reward 0 or 1 about evenly over responses, so advantages are nonzero and the weights move every step."""
@@ -206,7 +203,7 @@ def test_modes_train_end_to_end_with_bounded_lag(tmp_path, ray_session, mode, k,
     finally:
         trainer.close()
     assert result["step"] == 5
-    records = _records(out)
+    records = metric_records(out)
     train = {r["step"]: r for r in records if "train/reward_mean" in r}
     assert [r["step"] for r in records if "val/reward_mean" in r] == [0, 2, 4, 5]
     lags = [train[s]["rollout/version_lag_max"] for s in range(1, 6)]
@@ -268,7 +265,7 @@ def test_killed_async_run_resumes_and_drops_its_queue(tmp_path, ray_session, cap
     dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
     assert len(dropped) == 1 and dropped[0].startswith(f"resume: the checkpoint of step {last} (trainer.mode=async) "
                                                        "had "), dropped
-    train = [r for r in _records(out) if "train/reward_mean" in r]
+    train = [r for r in metric_records(out) if "train/reward_mean" in r]
     assert [r["step"] for r in train] == list(range(1, last + 5))  # once each: what the killed run logged after
     resumed = {r["step"]: r for r in train if r["step"] > last}     # its checkpoint was dropped at the resume
     lags = [r["rollout/version_lag_max"] for r in resumed.values()]

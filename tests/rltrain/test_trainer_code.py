@@ -7,7 +7,6 @@ with the probe's reason, where no sandbox backend works (the preset then exits 2
     pytest tests/rltrain/test_trainer_code.py -m "not slow"   # about a minute on 2 cores
 """
 
-import json
 import time
 
 import pytest
@@ -17,7 +16,7 @@ from omegaconf import OmegaConf
 from rltrain.job import load_job_config
 from rltrain.main_grpo import run
 from tests.helpers import sandbox_unavailable
-from tests.rltrain.tiny_job import TINY, compose, merge
+from tests.rltrain.tiny_job import TINY, compose, merge, metric_records
 
 NO_SANDBOX = sandbox_unavailable()
 pytestmark = pytest.mark.skipif(NO_SANDBOX is not None, reason=f"needs a sandbox: {NO_SANDBOX}")
@@ -37,9 +36,6 @@ def ray_session():
     ray.shutdown()
 
 
-def _records(output_dir):
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-
 
 def test_code_task_scores_every_sample_in_the_sandbox(tmp_path):
     preset = OmegaConf.to_container(compose("task=code_arithmetic"), resolve=True)
@@ -47,7 +43,7 @@ def test_code_task_scores_every_sample_in_the_sandbox(tmp_path):
     assert job.reward.name == "code" and job.data.task.kind == "code_arithmetic"
     result = run(job)
     assert result["step"] == 2
-    train = [r for r in _records(tmp_path) if "train/reward_mean" in r]
+    train = [r for r in metric_records(tmp_path) if "train/reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2]
     for record in train:
         # no sample failed to be scored (a row without its tests, a sandbox that cannot run: reward errors), and each
@@ -66,7 +62,7 @@ def test_code_task_preset_learns_python(tmp_path):
     started = time.monotonic()
     result = run(job)
     minutes = (time.monotonic() - started) / 60
-    val = [r["val/reward_mean"] for r in _records(tmp_path) if "val/reward_mean" in r]
+    val = [r["val/reward_mean"] for r in metric_records(tmp_path) if "val/reward_mean" in r]
     assert len(val) >= 3 and val[0] == result["initial_val"] and val[-1] == result["final_val"]
     assert result["final_val"] >= result["initial_val"] + 0.20, val
     assert minutes <= 10, f"the code task took {minutes:.1f} min"

@@ -36,7 +36,7 @@ from rltrain.job import load_job_config
 from rltrain.main_grpo import run
 from rltrain.watchdog import descendants
 from tests.helpers import alive_after
-from tests.rltrain.tiny_job import TINY, compose, merge, tiny_job
+from tests.rltrain.tiny_job import TINY, compose, merge, metric_records, tiny_job
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,9 +52,6 @@ def ray_session():
     yield
     ray.shutdown()
 
-
-def _records(output_dir):
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _record_started_roles(monkeypatch) -> list[str]:
@@ -95,7 +92,7 @@ def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path, monkeypatch, 
     result = run(job)
     assert result["step"] == 2
     assert started == ["ActorWorker", "RolloutWorker×1", "ReferenceWorker"]  # kl_coef > 0 starts the reference
-    records = _records(out)
+    records = metric_records(out)
     train = [r for r in records if "train/reward_mean" in r]
     val = [r for r in records if "val/reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2] and [r["step"] for r in val] == [0, 1, 2]
@@ -140,7 +137,7 @@ def test_algorithm_presets_train(tmp_path, preset):
     result = run(tiny_job(out, algorithm=algorithm, reward={"path": str(plugin), "name": "score"},
                           rollout={"temperature": 1.5}))
     assert result["step"] == 2
-    train = [r for r in _records(out) if "train/reward_mean" in r]
+    train = [r for r in metric_records(out) if "train/reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2]
     for record in train:
         assert math.isfinite(record["actor/loss"]) and math.isfinite(record["actor/grad_norm"]), record
@@ -169,7 +166,7 @@ def test_delta_rule_policies_train(tmp_path, arch):
     result = run(tiny_job(out, model={"embedded": {"arch": arch, "num_layers": 2}}, rollout={"temperature": 1.5},
                           reward={"path": str(plugin), "name": "score"}))
     assert result["step"] == 2
-    train = [r for r in _records(out) if "train/reward_mean" in r]
+    train = [r for r in metric_records(out) if "train/reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2]
     assert all(math.isfinite(r["actor/loss"]) and math.isfinite(r["actor/grad_norm"]) for r in train), train
     assert any(r["actor/grad_norm"] > 0 for r in train), train   # a step's groups may all tie (zero advantages)
@@ -227,7 +224,7 @@ def test_a_reward_function_failing_on_every_sample_stops_the_run_with_exit_3(tmp
     assert "Traceback" not in done.stderr
     steps = [line for line in done.stdout.splitlines() if line.startswith("[train")]
     assert len(steps) == 1 and " reward errors 16 |" in steps[0], done.stdout[-3000:]
-    assert [r["reward/errors"] for r in _records(out) if "train/reward_mean" in r] == [16]
+    assert [r["reward/errors"] for r in metric_records(out) if "train/reward_mean" in r] == [16]
     assert latest_checkpoint(str(out)) is None
 
 
@@ -322,7 +319,7 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
     broken = checkpoints / f"step_{last + 1:06d}"  # renamed into place by a run whose temporary another one emptied
     (broken / "hf").mkdir(parents=True)
     (broken / "trainer_state.json").write_text(json.dumps({"step": last + 1}))
-    killed_train, _ = _steps(_records(out))
+    killed_train, _ = _steps(metric_records(out))
     assert killed_train[-1] > last  # the killed run logged steps its checkpoints do not hold
 
     # resume=auto: the default
@@ -332,7 +329,7 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
     assert f"took over the lock of {out} left by a run that is gone (host {socket.gethostname()}, pid {proc.pid}" \
         in caplog.text
     assert f"skipped the incomplete checkpoint {broken} (model/.metadata is missing)" in caplog.text
-    after_auto = _records(out)
+    after_auto = metric_records(out)
     assert _steps(after_auto) == (list(range(1, last + 2)), [0, last + 1])  # each step once
     assert sorted(p.name for p in checkpoints.iterdir()) == [f"step_{s:06d}" for s in range(1, last + 2)]
     auto_weights = read_state(checkpoints / f"step_{last + 1:06d}" / "model")
@@ -340,7 +337,7 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
     result = _run_cli_config(out, trainer={"total_steps": 2, "resume": str(checkpoints / "step_000001")},
                              reward=reward, rollout=rollout, actor=actor)
     assert result["step"] == 2
-    after_explicit = _records(out)
+    after_explicit = metric_records(out)
     assert _steps(after_explicit) == ([1, 2], [0, 2])
     assert after_explicit[:2] == after_auto[:2]  # step 0's validation and step 1, as the killed run logged them
 
@@ -350,7 +347,7 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
                              actor=actor)
     assert result["step"] == last + 1
     assert started == ["ActorWorker", "RolloutWorker×2"]  # kl_coef=0: no ReferenceWorker
-    fresh = _records(out)  # resume=never starts metrics.jsonl over
+    fresh = metric_records(out)  # resume=never starts metrics.jsonl over
     assert _steps(fresh) == (list(range(1, last + 2)), [0, last + 1])
     reference = _train(fresh)
     assert all(r["actor/grad_norm"] > 0 for r in reference.values())  # the weights move every step
@@ -402,7 +399,7 @@ def test_embedded_default_learns(tmp_path):
     started = time.monotonic()
     result = run(job)
     minutes = (time.monotonic() - started) / 60
-    val = [r["val/reward_mean"] for r in _records(tmp_path) if "val/reward_mean" in r]
+    val = [r["val/reward_mean"] for r in metric_records(tmp_path) if "val/reward_mean" in r]
     assert len(val) >= 3 and val[0] == result["initial_val"] and val[-1] == result["final_val"]
     assert result["final_val"] >= result["initial_val"] + 0.20, val
     assert minutes <= 10, f"the embedded default took {minutes:.1f} min"
@@ -414,7 +411,7 @@ def test_embedded_default_learns_with_ppo(tmp_path):
     (2026-11-28, seed 0, 300 steps): 0.155 -> 0.410 at step 100, 0.460 at 150, 0.655 at 300, in about 5 minutes."""
     job = load_job_config(compose(f"trainer.output_dir={tmp_path}", "algorithm=ppo", "trainer.total_steps=150"))
     result = run(job)
-    val = [r["val/reward_mean"] for r in _records(tmp_path) if "val/reward_mean" in r]
+    val = [r["val/reward_mean"] for r in metric_records(tmp_path) if "val/reward_mean" in r]
     assert result["final_val"] >= result["initial_val"] + 0.20, val
-    train = [r for r in _records(tmp_path) if "critic/vf_explained_var" in r]
+    train = [r for r in metric_records(tmp_path) if "critic/vf_explained_var" in r]
     assert len(train) >= 100 and sum(r["critic/vf_explained_var"] for r in train[-20:]) / 20 > 0, train[-1]

@@ -6,7 +6,6 @@ test runs the preset as it ships and checks its promise: >= 20 held-out points, 
     pytest tests/rltrain/test_trainer_tools.py -m "not slow"   # about a minute on 2 cores (100 s on a busy machine)
 """
 
-import json
 import time
 
 import pytest
@@ -16,7 +15,7 @@ from omegaconf import OmegaConf
 from rltrain.embedded import tool_task
 from rltrain.job import load_job_config
 from rltrain.main_grpo import run
-from tests.rltrain.tiny_job import TINY, compose, merge
+from tests.rltrain.tiny_job import TINY, compose, merge, metric_records
 
 TINY_TOOLS = merge(TINY, {
     "trainer": {"total_steps": 3},
@@ -33,9 +32,6 @@ def ray_session():
     ray.shutdown()
 
 
-def _records(output_dir):
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-
 
 def test_tool_task_calls_the_calculator_and_logs_calls_per_episode(tmp_path, monkeypatch):
     # every demonstration's <tool_call> opening a label: a 60-step warm start opens calls on ~15% of samples (the
@@ -46,7 +42,7 @@ def test_tool_task_calls_the_calculator_and_logs_calls_per_episode(tmp_path, mon
     assert job.rollout.multi_turn.enabled and job.data.task.kind == "tool_arithmetic"
     result = run(job)
     assert result["step"] == 3
-    records = _records(tmp_path)
+    records = metric_records(tmp_path)
     train = [r for r in records if "train/reward_mean" in r]
     val = [r for r in records if "val/reward_mean" in r]
     assert [r["step"] for r in train] == [1, 2, 3] and [r["step"] for r in val] == [0, 3]
@@ -70,7 +66,7 @@ def test_tool_task_preset_learns_to_call(tmp_path):
     started = time.monotonic()
     result = run(job)
     minutes = (time.monotonic() - started) / 60
-    records = _records(tmp_path)
+    records = metric_records(tmp_path)
     calls = [r["tool/calls_per_episode"] for r in records if "tool/calls_per_episode" in r]
     assert calls[0] < 0.2 and calls[-1] > 0.8, calls
     assert result["final_val"] >= result["initial_val"] + 0.20, result

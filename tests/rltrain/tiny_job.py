@@ -5,6 +5,7 @@ embedded model directory the worker tests load."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 from hydra import compose as hydra_compose
@@ -40,6 +41,11 @@ def merge(base: dict, extra: dict) -> dict:
     for key, value in extra.items():
         out[key] = merge(out.get(key, {}), value) if isinstance(value, dict) else value
     return out
+
+
+def metric_records(output_dir) -> list[dict]:
+    """The records a run wrote to output_dir/metrics.jsonl, in order."""
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def tiny_job(output_dir, **sections) -> JobConfig:

@@ -4,7 +4,7 @@ right-padded, every real token and mask value kept in place (dynamic sampling re
 import torch
 from tensordict import TensorDict
 
-from rltrain.workers.batch import concat_batches, model_inputs
+from rltrain.workers.batch import IGNORE_INDEX, concat_batches, model_inputs, supervised_batch
 
 
 def _batch(n, p, r, fill):
@@ -45,3 +45,10 @@ def test_concat_pads_recorded_routing_with_minus_one():
     assert torch.equal(out["prompt_routed_experts"][:2, 2:], a["prompt_routed_experts"])
     assert torch.equal(out["response_routed_experts"][2, :2], b["response_routed_experts"][0])
     assert (out["response_routed_experts"][2, 2:] == -1).all()
+
+
+def test_supervised_batch_pads_right_with_ignored_labels():
+    ids, mask, labels = supervised_batch([[5, 6, 7], [8]], [[IGNORE_INDEX, 6, 7], [8]], pad_token_id=0)
+    assert ids.tolist() == [[5, 6, 7], [8, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert labels.tolist() == [[IGNORE_INDEX, 6, 7], [8, IGNORE_INDEX, IGNORE_INDEX]]
+    assert ids.dtype == mask.dtype == labels.dtype == torch.long
