@@ -19,8 +19,7 @@ from rltrain.main_grpo import run
 from rltrain.workers.actor import ActorWorker
 from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.reference import check_teacher
-from tests.rltrain.test_trainer_e2e import _record_started_roles, _records
-from tests.rltrain.tiny_job import TINY, merge, save_tiny_policy, tiny_job
+from tests.rltrain.tiny_job import TINY, merge, metric_records, record_started_roles, save_tiny_policy, tiny_job
 
 
 def _policy(path, head_scale: float) -> str:
@@ -46,11 +45,11 @@ def test_a_peaked_student_distils_a_uniform_teacher(tmp_path, monkeypatch, kl):
         job = tiny_job(out, trainer={"total_steps": 10}, actor={"lr": 1e-2}, model={"path": student},
                        reward={"path": str(plugin), "name": "score"},
                        algorithm={"distill": {"teacher_path": teacher, "coef": 1.0, "kl": kl}})
-        started = _record_started_roles(monkeypatch)
+        started = record_started_roles(monkeypatch)
         run(job)
     finally:
         ray.shutdown()
-    train = [r for r in _records(out) if "train/reward_mean" in r]
+    train = [r for r in metric_records(out) if "train/reward_mean" in r]
     assert len(train) == 10
     log_vocab = math.log(json.loads((tmp_path / "teacher" / "config.json").read_text())["vocab_size"])
     exact = [log_vocab - r["actor/entropy"] for r in train]   # KL(π ‖ uniform) of each step's policy

@@ -28,7 +28,6 @@ import torch
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from rltrain import trainer as trainer_module
 from rltrain.checkpoint import latest_checkpoint
 from rltrain.distributed_checkpoint import read_state
 from rltrain.export import export
@@ -36,7 +35,7 @@ from rltrain.job import load_job_config
 from rltrain.main_grpo import run
 from rltrain.watchdog import descendants
 from tests.helpers import alive_after
-from tests.rltrain.tiny_job import TINY, compose, merge, metric_records, tiny_job
+from tests.rltrain.tiny_job import TINY, compose, merge, metric_records, record_started_roles, tiny_job
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,22 +51,6 @@ def ray_session():
     yield
     ray.shutdown()
 
-
-
-def _record_started_roles(monkeypatch) -> list[str]:
-    """The class names the trainer starts roles with (rltrain.trainer.start_role; the reward worker aside), and
-    the rollout replicas' as RolloutWorker×<processes>."""
-    started, start_role, replicas = [], trainer_module.start_role, trainer_module.RolloutReplicas
-    monkeypatch.setattr(trainer_module, "start_role", lambda cls, *args, **kwargs: (
-        started.append(cls.__name__), start_role(cls, *args, **kwargs))[1])
-
-    def start_replicas(*args, **kwargs):
-        handle = replicas(*args, **kwargs)
-        started.append(f"RolloutWorker×{len(handle.processes)}")
-        return handle
-
-    monkeypatch.setattr(trainer_module, "RolloutReplicas", start_replicas)
-    return started
 
 
 def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path, monkeypatch, capsys):
@@ -88,7 +71,7 @@ def test_embedded_default_runs_with_kl_and_plugin_errors(tmp_path, monkeypatch, 
                    reward={"path": str(plugin), "name": "score", "timeout_s": 0.5, "max_error_rate": 1.0},
                    algorithm={"loss": {"kl_coef": 0.05},
                               "rollout_correction": {"mode": "mask", "level": "sequence"}})
-    started = _record_started_roles(monkeypatch)
+    started = record_started_roles(monkeypatch)
     result = run(job)
     assert result["step"] == 2
     assert started == ["ActorWorker", "RolloutWorker×1", "ReferenceWorker"]  # kl_coef > 0 starts the reference
@@ -341,7 +324,7 @@ def test_killed_run_resumes_from_its_newest_complete_checkpoint(tmp_path, monkey
     assert _steps(after_explicit) == ([1, 2], [0, 2])
     assert after_explicit[:2] == after_auto[:2]  # step 0's validation and step 1, as the killed run logged them
 
-    started = _record_started_roles(monkeypatch)
+    started = record_started_roles(monkeypatch)
     result = _run_cli_config(out, trainer={"total_steps": last + 1, "resume": "never",
                                            "logger": ["jsonl", "tensorboard"]}, reward=reward, rollout=rollout,
                              actor=actor)

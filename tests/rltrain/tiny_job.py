@@ -1,6 +1,6 @@
 """Tiny settings for trainer tests: a 1-layer embedded model, a few warm-start steps, small batches; the Hydra
 composition of config/ that the entry point does (for presets and overrides); and save_tiny_policy, the small
-embedded model directory the worker tests load."""
+embedded model directory the worker tests load; metric_records and record_started_roles read what a run did."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from hydra import initialize_config_dir
 from rltrain.embedded.config import EmbeddedModelConfig
 from rltrain.embedded.model import build_model
 from rltrain.embedded.tokenizer import build_char_tokenizer
+from rltrain import trainer as trainer_module
 from rltrain.job import JobConfig, load_job_config
 
 TINY = {
@@ -46,6 +47,22 @@ def merge(base: dict, extra: dict) -> dict:
 def metric_records(output_dir) -> list[dict]:
     """The records a run wrote to output_dir/metrics.jsonl, in order."""
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def record_started_roles(monkeypatch) -> list[str]:
+    """The class names the trainer starts roles with (rltrain.trainer.start_role; the reward worker aside), and
+    the rollout replicas' as RolloutWorker×<processes>."""
+    started, start_role, replicas = [], trainer_module.start_role, trainer_module.RolloutReplicas
+    monkeypatch.setattr(trainer_module, "start_role", lambda cls, *args, **kwargs: (
+        started.append(cls.__name__), start_role(cls, *args, **kwargs))[1])
+
+    def start_replicas(*args, **kwargs):
+        handle = replicas(*args, **kwargs)
+        started.append(f"RolloutWorker×{len(handle.processes)}")
+        return handle
+
+    monkeypatch.setattr(trainer_module, "RolloutReplicas", start_replicas)
+    return started
 
 
 def tiny_job(output_dir, **sections) -> JobConfig:
