@@ -27,6 +27,10 @@ rollout_logprobs are each token's under that version: the behaviour policy the o
 token. weight_version is then a response's oldest token's version, which the bound k applies to (newer tokens lag
 less); the trainer checks every token's lag and logs rollout/version_lag_mean and _max over tokens.
 
+Scoring. Where nothing waits on a batch's rewards before the next rollout (no dynamic sampling, which reads a round's
+rewards to decide on another), the trainer hands a batch's scoring (function, reward model, judge) to a thread of its
+own and the producer goes on to the next batch's rollout at once: ProducedBatch.scored, which take() waits for.
+
 Checkpoints record the mode and the steps queued or in flight; a resumed run drops them (a log line says how many
 groups) and generates those steps again, from the same prompts (the checkpoint's sampler position is the last trained
 batch's), on the checkpoint's weights.
@@ -38,6 +42,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -176,6 +181,8 @@ class ProducedBatch:
     counts: dict[str, float]       # rollout_tokens
     sampler_state: dict            # the prompt sampler right after this batch's prompts
     version: int = -1              # the weights that sampled it
+    scored: Future | None = None   # its scoring, still running beside the next rollout: batch["rewards"], extras,
+                                   # errors and seconds["reward"] are filled in when it is done (take() waits)
 
 
 class RolloutProducer:
@@ -299,6 +306,11 @@ class RolloutProducer:
             self._cond.notify_all()
         if item.step != step:
             raise RuntimeError(f"the rollout producer handed step {item.step}'s batch to step {step}")
+        if item.scored is not None:
+            try:
+                item.scored.result()
+            except BaseException as err:
+                raise RuntimeError(f"scoring step {step}'s batch failed") from err
         return item
 
     def with_weights(self, version: int, fn: Callable[[], object]):

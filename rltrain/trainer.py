@@ -14,7 +14,8 @@ trainer.mode one_step_off / async hand the sampling, rollout and scoring to a Ro
 publishes each update's weights to it instead of pushing them. Every response carries the weight version that
 sampled it (weight_version), logged as rollout/version_lag_mean and _max; with rollout.partial every token carries
 its own (token_versions: a push interrupts the generation in flight, which goes on with the new weights) and the
-lags are over tokens.
+lags are over tokens. Without dynamic sampling a batch is scored on a thread of its own (self.scoring) while the
+producer generates the next one.
 The trainer holds its output directory's lock (rltrain/output_dir.py) from construction to close(), which stops
 every worker whatever fails; a local Ray it starts dies with the driver (rltrain/watchdog.py). Saving and resuming
 checkpoints: rltrain/trainer_checkpoints.py; the reward model's and the judge's scores blended into the reward:
@@ -27,6 +28,7 @@ import dataclasses
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -60,7 +62,7 @@ from rltrain.validation import validation_metrics
 from rltrain.workers.actor import ActorWorker, FSDPActorWorker
 from rltrain.workers.agent_loop import episode_metrics, prompt_tools
 from rltrain.workers.critic import CriticWorker, FSDPCriticWorker, value_metrics
-from rltrain.workers.group import call_each_rank, kill, place_model_roles, start_role
+from rltrain.workers.group import Placement, call_each_rank, kill, place_model_roles, place_separate, start_role
 from rltrain.workers.judge import JudgeWorker
 from rltrain.workers.lora import check_target_modules_of
 from rltrain.workers.policy import load_tokenizer
@@ -102,6 +104,7 @@ class GRPOTrainer(TrainerCheckpoints):
 
     def __init__(self, job: JobConfig):
         self.job = job
+        self.own_placements: list[Placement] = []   # the reward roles' placement=separate devices
         self.output_dir = Path(job.trainer.output_dir)
         # first: a second run in this directory stops here (exit 2), before it touches anything in it
         self.lock = OutputDirLock.acquire(self.output_dir)
@@ -147,6 +150,7 @@ class GRPOTrainer(TrainerCheckpoints):
                                config=dataclasses.asdict(job))
         self.step, self.initial_val = 0, None
         self.producer: RolloutProducer | None = None   # trainer.mode one_step_off / async, while fit() runs
+        self.scoring: ThreadPoolExecutor | None = None  # the producer's batches' scoring, beside its next rollout
         self.first_version, self.trained_sampler_state = 0, None
         self.reward_guard = ErrorRateGuard.for_config(job.reward)   # reward.max_error_rate: stops a failing run
         self.kl_control = KLController(job.algorithm.kl_ctrl, job.algorithm.loss.kl_coef)   # kl_in_reward's β
@@ -167,7 +171,11 @@ class GRPOTrainer(TrainerCheckpoints):
         teacher_worker = distill.enabled and not distill.exact  # exact: the teacher lives in the actor's process
         reward_model, critic = job.reward.model.enabled, job.algorithm.adv_estimator == "gae"
         judge = job.reward.judge.enabled
-        model_roles = 2 + needs_reference + teacher_worker + reward_model + judge + critic - separate
+        # reward.model / reward.judge .placement=separate: GPUs of their own (place_separate), not a share of these
+        own_model, own_judge = (reward_model and job.reward.model.placement == "separate",
+                                judge and job.reward.judge.placement == "separate")
+        model_roles = (2 + needs_reference + teacher_worker + critic - separate + reward_model - own_model + judge
+                       - own_judge)
         share, sharded = 1 / model_roles, job.actor.strategy == "fsdp2"
         self.placement = place_model_roles(job.trainer.nnodes, job.trainer.n_gpus_per_node, self.device,
                                            job.ray.placement_timeout_s)
@@ -206,28 +214,48 @@ class GRPOTrainer(TrainerCheckpoints):
                                      cliprange_value=job.critic.cliprange_value,
                                      **dict(common, model_path=job.critic.model.path or self.model_dir))
         self.reward = ray.remote(RewardWorker).options(num_cpus=0).remote(job.reward, self.model_dir)
-        if reward_model:  # placed and sharded like the reference
-            self.reward_model = start_role(FSDPRewardModelWorker if sharded else RewardModelWorker, self.placement,
-                                           share, sharded, config=job.reward.model, dtype=common["dtype"],
-                                           device=self.device, torch_threads=job.actor.torch_threads,
-                                           **(dict(fsdp=job.actor.fsdp) if sharded else {}))
-        if judge:  # placed like the reward model: a share of bundle 0
+        if reward_model:  # colocated: placed and sharded like the reference; separate: FSDP2 over its own GPUs
+            config, timeout = job.reward.model, job.ray.placement_timeout_s
+            placement = self._own_placement("reward.model.placement", config.n_gpus, timeout) if own_model \
+                else self.placement
+            fsdp = dataclasses.replace(job.actor.fsdp, fsdp_size=-1) if own_model else job.actor.fsdp
+            shard = config.n_gpus > 1 if own_model else sharded
+            self.reward_model = start_role(FSDPRewardModelWorker if shard else RewardModelWorker, placement,
+                                           1.0 if own_model else share, shard, config=config,
+                                           dtype=common["dtype"], device=self.device,
+                                           torch_threads=job.actor.torch_threads, **(dict(fsdp=fsdp) if shard else {}))
+        if judge:  # colocated: a share of bundle 0, like the reward model; separate: a GPU of its own
             path = self.model_dir if job.reward.judge.path == "policy" else job.reward.judge.path
             engine = job.rollout.engine if job.reward.judge.engine == "auto" else job.reward.judge.engine
-            self.judge = start_role(JudgeWorker, self.placement, share, False, config=job.reward.judge,
-                                    model_path=path, dtype=common["dtype"], device=self.device,
-                                    torch_threads=job.actor.torch_threads, engine=engine)
+            placement = self._own_placement("reward.judge.placement", 1, job.ray.placement_timeout_s) if own_judge \
+                else self.placement
+            self.judge = start_role(JudgeWorker, placement, 1.0 if own_judge else share, False,
+                                    config=job.reward.judge, model_path=path, dtype=common["dtype"],
+                                    device=self.device, torch_threads=job.actor.torch_threads, engine=engine)
         self.weight_push = WeightPush(self.actor, self.rollout, job.actor.weight_bucket_mb)
         self.model_shape = ray.get(self.actor.model_shape.remote())
         actor_device = ray.get(self.actor.device_info.remote())
         self.peak_flops = peak_flops(actor_device[1]) if actor_device else None
 
+    def _own_placement(self, key: str, ranks: int, timeout_s: float) -> Placement:
+        """A reward role's devices of its own (`key`=separate), removed with the others at close."""
+        placement = place_separate(key, ranks, self.device, timeout_s)
+        self.own_placements.append(placement)
+        return placement
+
     # ---------------------------------------------------------------- one step
     def _generate_and_score(self, rows, n: int, temperature: float, seed: int, timer: StepTimer | None = None,
                             refresh=None):
-        """refresh: rollout.partial's RolloutProducer.refresh (training batches): generate in segments, newer weights
-        loaded between them (rltrain/async_rollout.py)."""
+        """(batch with its rewards, reward extras, RewardStats): _generate, then _score."""
         timer = timer or StepTimer()
+        batch, scoring = self._generate(rows, n, temperature, seed, timer, refresh)
+        extras, errors = self._score(batch, scoring, timer)
+        return batch, extras, errors
+
+    def _generate(self, rows, n: int, temperature: float, seed: int, timer: StepTimer, refresh=None):
+        """(batch, what _score needs besides it) for n responses per row. refresh: rollout.partial's
+        RolloutProducer.refresh (training batches): generate in segments, newer weights loaded between them
+        (rltrain/async_rollout.py)."""
         ids, mask = encode_prompts(rows, self.tokenizer, self.tools)
         with timer.phase("rollout"):
             if refresh is None:
@@ -249,13 +277,18 @@ class GRPOTrainer(TrainerCheckpoints):
         response_rows = [row for row in rows for _ in range(n)]
         messages = batch.pop("messages").tolist() if "messages" in batch.keys() else None  # multi-turn episodes
         env_rewards = batch["env_reward"].tolist() if "env_reward" in batch.keys() else None   # an environment's
+        return batch, (response_rows, messages, env_rewards)
+
+    def _score(self, batch: TensorDict, scoring: tuple, timer: StepTimer) -> tuple[list, RewardStats]:
+        """batch["rewards"] from the reward function, model and judge; (reward extras, RewardStats)."""
+        response_rows, messages, env_rewards = scoring
         with timer.phase("reward"):
             texts = response_texts(self.tokenizer, batch["response_ids"], batch["response_mask"]) \
                 if self.reward_model is not None or self.judge is not None else None
             rewards, extras, errors = score_batch(self, self.job.reward, batch, response_rows, messages, env_rewards,
                                                   texts)
         batch["rewards"] = rewards
-        return batch, extras, errors
+        return extras, errors
 
     def _collect(self, step: int, timer: StepTimer):
         """A batch of data.batch_size prompt groups (collect_groups), with the reward extras and error count of
@@ -263,13 +296,11 @@ class GRPOTrainer(TrainerCheckpoints):
         job = self.job
         want, n = job.data.batch_size, job.rollout.n
         extras, errors = [], RewardStats()
-        refresh = self.producer.refresh if job.rollout.partial and self.producer is not None else None
 
         def generate_round(round_: int) -> TensorDict:
             nonlocal errors
             batch, round_extras, round_errors = self._generate_and_score(
-                self.sampler.next(want), n, job.rollout.temperature,
-                seed=job.trainer.seed * 1_000_003 + step * 101 + round_, timer=timer, refresh=refresh)
+                self.sampler.next(want), n, job.rollout.temperature, self._seed(step, round_), timer, self._refresh())
             extras.extend(round_extras)
             errors += round_errors
             return batch
@@ -278,12 +309,32 @@ class GRPOTrainer(TrainerCheckpoints):
                                        job.algorithm.dynamic_sampling_max_rounds)
         return batch, extras, errors, rounds * want
 
+    def _seed(self, step: int, round_: int) -> int:
+        return self.job.trainer.seed * 1_000_003 + step * 101 + round_
+
+    def _refresh(self):
+        return self.producer.refresh if self.job.rollout.partial and self.producer is not None else None
+
     def _produce(self, step: int) -> ProducedBatch:
-        """The producer's work for one step (on its thread): _collect, timed apart from the trainer's step."""
+        """The producer's work for one step (on its thread), timed apart from the trainer's step: _collect; or, where
+        nothing waits on the rewards (no dynamic sampling), the rollout alone, its scoring handed to the scoring
+        thread so that the next step's rollout overlaps it (take() waits for it)."""
         timer = StepTimer()
-        batch, extras, errors, prompts = self._collect(step, timer)
-        return ProducedBatch(step, batch, extras, errors, prompts, timer.seconds, timer.counts,
+        if self.scoring is None:
+            batch, extras, errors, prompts = self._collect(step, timer)
+            return ProducedBatch(step, batch, extras, errors, prompts, timer.seconds, timer.counts,
+                                 self.sampler.state_dict())
+        want = self.job.data.batch_size
+        batch, scoring = self._generate(self.sampler.next(want), self.job.rollout.n, self.job.rollout.temperature,
+                                        self._seed(step, 0), timer, self._refresh())
+        item = ProducedBatch(step, batch, [], RewardStats(), want, timer.seconds, timer.counts,
                              self.sampler.state_dict())
+
+        def score():
+            item.extras, item.errors = self._score(batch, scoring, timer)
+
+        item.scored = self.scoring.submit(score)
+        return item
 
     def _take(self, step: int, timer: StepTimer):
         """Step `step`'s batch from the producer's queue, like _collect's; its phases join the step's record and the
@@ -449,6 +500,8 @@ class GRPOTrainer(TrainerCheckpoints):
         final_val, self.first_version = None, self.step
         if job.mode != "sync":
             warn_uncorrected(self.job)
+            if not self.job.algorithm.dynamic_sampling:   # dynamic sampling reads a round's rewards before the next
+                self.scoring = ThreadPoolExecutor(1, thread_name_prefix="scoring")
             self.producer = RolloutProducer(self._produce, self.weight_push.load_snapshot,
                                             range(self.step + 1, job.total_steps + 1), self.step, job.mode,
                                             job.max_staleness)
@@ -467,6 +520,9 @@ class GRPOTrainer(TrainerCheckpoints):
         finally:
             if self.producer is not None:
                 self.producer.stop()
+            if self.scoring is not None:   # a batch still being scored after a failed step is not waited for
+                self.scoring.shutdown(wait=False, cancel_futures=True)
+                self.scoring = None
         if self.initial_val is not None and final_val is not None:
             print(f"held-out reward: {self.initial_val:.3f} before RL -> {final_val:.3f} after "
                   f"({100 * (final_val - self.initial_val):+.1f} points)", flush=True)
@@ -494,11 +550,13 @@ class GRPOTrainer(TrainerCheckpoints):
                      ("reward worker", self.reward), ("reward model", self.reward_model), ("judge", self.judge))),
                  ("placement", method(self.placement, "remove")),
                  ("rollout placement", method(self.rollout_placement, "remove")),
+                 *(("reward roles' placement", placement.remove) for placement in self.own_placements),
                  ("output directory lock", method(self.lock, "release"))]
         self.tracker = self.reward = self.reward_model = self.judge = self.rollout = self.actor = self.critic = None
         self.reference = None
         self.teacher = None
         self.placement = self.rollout_placement = self.lock = None
+        self.own_placements = []
         errors = []
         for name, step in steps:
             try:

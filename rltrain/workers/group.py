@@ -29,6 +29,8 @@ from rltrain.config import ConfigError, require
 
 logger = logging.getLogger(__name__)
 
+PLACEMENTS = ("colocated", "separate")   # a role shares the model roles' bundles, or holds devices of its own
+
 
 @dataclass
 class RayConfig:
@@ -92,6 +94,14 @@ def place_model_roles(nnodes: int, ranks_per_node: int, device: str, timeout_s: 
     logger.info("placed %d rank(s) on node(s) %s", placement.world_size,
                 ", ".join(n[:8] for n in placement.node_ids()))
     return placement
+
+
+def place_separate(key: str, ranks: int, device: str, timeout_s: float) -> Placement:
+    """A role with `key`=separate: `ranks` one-GPU (one-CPU) bundles of its own on one node, beside the model roles'."""
+    resource = "GPU" if device == "cuda" else "CPU"
+    asked = (f"{key}=separate asks for a placement group of {ranks} {resource} of its own on one node "
+             f"(trainer.device resolved to {device})")
+    return reserve(1, ranks, resource, asked, timeout_s)
 
 
 def reserve(count: int, per_group: int, resource: str, asked: str, timeout_s: float) -> Placement:

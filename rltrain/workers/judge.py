@@ -34,6 +34,7 @@ import transformers as tf
 
 from rltrain.config import ConfigError, require
 from rltrain.workers.judge_vllm import VLLMJudgeModel
+from rltrain.workers.group import PLACEMENTS
 from rltrain.workers.policy import DTYPES, load_tokenizer, release_cached_memory, set_threads
 
 PARSERS = ("yes_no", "score")
@@ -56,7 +57,8 @@ class JudgeConfig:
     rule_weight: float = 1.0         # the weight of the reward before the judge (function, reward model)
     micro_batch_size: int = 8        # hf: conversations per forward / generate call
     timeout_s: float = 600.0         # one batch's verdicts; past it every sample scores 0 (and counts as failed)
-    gpu_memory_utilization: float = 0.2  # vllm: the judge engine's share of its GPU (weights + KV cache)
+    placement: str = "colocated"     # colocated (a share of the first model-role GPU) | separate (a GPU of its own)
+    gpu_memory_utilization: float | None = None  # vllm: its GPU's share for weights + KV cache; null = 0.2 colocated, 0.85 separate
     kv_cache_gb: float | None = None     # vllm: KV cache size in GiB; null = from gpu_memory_utilization (CPU: set it)
     enforce_eager: bool = False          # vllm: no CUDA graphs (starts faster)
 
@@ -70,8 +72,9 @@ class JudgeConfig:
         require(self.path == "policy" or (Path(self.path).expanduser() / "config.json").is_file(), "path",
                 "must be `policy` or a model directory holding config.json", self.path)
         require(self.engine in ENGINES, "engine", f"must be one of {', '.join(ENGINES)}", self.engine)
-        require(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]",
-                self.gpu_memory_utilization)
+        require(self.placement in PLACEMENTS, "placement", f"must be one of {', '.join(PLACEMENTS)}", self.placement)
+        require(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+                "gpu_memory_utilization", "must be null or in (0, 1]", self.gpu_memory_utilization)
         require(self.kv_cache_gb is None or self.kv_cache_gb > 0, "kv_cache_gb", "must be null or > 0",
                 self.kv_cache_gb)
         require(self.parser in PARSERS, "parser", f"must be one of {', '.join(PARSERS)}", self.parser)
@@ -88,6 +91,13 @@ class JudgeConfig:
             raise ConfigError(f"reward.judge.template: {self.template}: a placeholder other than {{prompt}}, "
                               f"{{response}}, {{ground_truth}} ({type(err).__name__}: {err}); write a literal brace "
                               "as {{ or }}") from None
+
+    @property
+    def memory_share(self) -> float:
+        """vLLM's gpu_memory_utilization: as set, else a share beside the model roles or most of a GPU of its own."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return 0.85 if self.placement == "separate" else 0.2
 
     def template_text(self) -> str:
         if self.template is None:

@@ -9,7 +9,8 @@ conversations at once with its prefix cache (every prompt of a step shares the t
   neither among them fails.
 - `score`: greedy replies of up to max_new_tokens, parsed as the transformers judge parses them.
 
-The engine holds `reward.judge.gpu_memory_utilization` of its GPU (weights and KV cache; on CPU `kv_cache_gb`) for
+The engine holds `reward.judge.gpu_memory_utilization` of its GPU (JudgeConfig.memory_share: by default 0.2 colocated, 0.85
+on a GPU of its own; weights and KV cache; on CPU `kv_cache_gb`) for
 the whole run: the judge does not sleep while the actor trains.
 """
 
@@ -39,7 +40,7 @@ class VLLMJudgeModel:
         self.names_ids = "logprob_token_ids" in vllm.SamplingParams.__struct_fields__
         kv_cache = None if config.kv_cache_gb is None else int(config.kv_cache_gb * 2**30)
         self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=0, generation_config="vllm",
-                            gpu_memory_utilization=config.gpu_memory_utilization, kv_cache_memory_bytes=kv_cache,
+                            gpu_memory_utilization=config.memory_share, kv_cache_memory_bytes=kv_cache,
                             enforce_eager=config.enforce_eager, max_logprobs=max(TOP_LOGPROBS, len(yes) + len(no)),
                             disable_log_stats=True)
 

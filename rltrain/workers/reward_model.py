@@ -32,6 +32,7 @@ from rltrain.config import ConfigError, require
 from rltrain.workers.attention import use_packed_attention, varlen_kwargs
 from rltrain.workers.fsdp import FSDPConfig, init_distributed, shard_policy
 from rltrain.workers.packing import balanced_groups, token_budget_groups
+from rltrain.workers.group import PLACEMENTS
 from rltrain.workers.policy import DTYPES, can_pack, load_tokenizer, release_cached_memory, set_threads
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ class RewardModelConfig:
     max_length: int = 4096     # tokens of a conversation the model reads (cut from the left)
     use_remove_padding: bool = True          # pack each micro-batch's conversations into one row (no padding)
     max_tokens_per_micro_batch: int = 16384  # packed: tokens per forward pass; 0 = micro_batch_size conversations
+    placement: str = "colocated"   # colocated (a share of the model roles' GPUs) | separate (GPUs of its own)
+    n_gpus: int = 1                # separate: its GPUs (CPUs on CPU runs), on one node; FSDP2 over them when > 1
 
     @property
     def enabled(self) -> bool:
@@ -60,6 +63,10 @@ class RewardModelConfig:
         require(math.isfinite(self.rule_weight), "rule_weight", "must be a finite number", self.rule_weight)
         require(self.micro_batch_size >= 1, "micro_batch_size", "must be >= 1", self.micro_batch_size)
         require(self.max_length >= 2, "max_length", "must be >= 2", self.max_length)
+        require(self.placement in PLACEMENTS, "placement", f"must be one of {', '.join(PLACEMENTS)}", self.placement)
+        require(self.n_gpus >= 1, "n_gpus", "must be >= 1", self.n_gpus)
+        require(self.n_gpus == 1 or self.placement == "separate", "n_gpus", "needs reward.model.placement=separate "
+                "(colocated, the reward model takes the model roles' GPUs)", self.n_gpus)
         require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", "must be >= 0 (0 = by rows)",
                 self.max_tokens_per_micro_batch)
 

@@ -37,6 +37,7 @@ from rltrain.config import require
 from rltrain.tools.config import MultiTurnConfig
 from rltrain.workers.agent_loop import AgentLoop
 from rltrain.workers.agents import AgentEpisodes
+from rltrain.workers.group import PLACEMENTS
 from rltrain.workers.hf_engine import HFEngine, HFTurns
 from rltrain.workers.lora import LoraConfig
 from rltrain.workers.policy import load_tokenizer, set_threads
@@ -46,7 +47,6 @@ from rltrain.workers.weight_sync import ExportedBucket, device_info, receive
 
 ENGINES = ("hf", "vllm")
 MODES = ("sync", "async")
-PLACEMENTS = ("colocated", "separate")
 
 
 @dataclass

@@ -25,9 +25,11 @@ import ray
 import torch
 from tensordict import TensorDict
 
+from rltrain import trainer as trainer_module
 from rltrain.async_rollout import ProducedBatch, RolloutProducer, check_lag, dropped_on_resume
 from rltrain.checkpoint import latest_checkpoint
 from rltrain.job import load_job_config
+from rltrain.main_grpo import run
 from rltrain.trainer import GRPOTrainer
 from tests.rltrain.test_trainer_e2e import _overrides
 from tests.rltrain.tiny_job import compose, merge, metric_records, tiny_job
@@ -221,6 +223,50 @@ def test_modes_train_end_to_end_with_bounded_lag(tmp_path, ray_session, mode, k,
         else:  # fp32 recompute of the same weights: ~1e-14
             assert (record["rollout/kl"] > 1e-8) == stale, (step, record["rollout/kl"])
             assert (abs(record["rollout/is_weight_mean"] - 1) > 1e-6) == stale, (step, record)
+
+
+def _timed(events: list, name: str, method):
+    """method, appending (name, its thread's name, start, end) to events at each call."""
+    def timed(self, *args, **kwargs):
+        start = time.monotonic()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            events.append((name, threading.current_thread().name, start, time.monotonic()))
+    return timed
+
+
+def test_scoring_overlaps_the_next_rollout_and_trains_the_same(tmp_path, ray_session, monkeypatch):
+    """one_step_off: a batch's scoring (a reward function slow enough to be the producer's bottleneck) runs on the
+    scoring thread while the producer generates the next batch, and the run trains exactly as it does with each batch
+    scored before the next rollout (one_step_off replays exactly)."""
+    plugin = tmp_path / "slow.py"
+    plugin.write_text("import time\n\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    time.sleep(0.05)\n    return float(sum(map(ord, solution_str)) % 2)\n")
+
+    def train(name: str, overlapped: bool) -> tuple[list, dict]:
+        events = []
+        with monkeypatch.context() as patch:
+            patch.setattr(GRPOTrainer, "_generate", _timed(events, "generate", GRPOTrainer._generate))
+            patch.setattr(GRPOTrainer, "_score", _timed(events, "score", GRPOTrainer._score))
+            if not overlapped:   # no scoring thread: the producer scores each batch itself
+                patch.setattr(trainer_module, "ThreadPoolExecutor", lambda *args, **kwargs: None)
+            job = tiny_job(tmp_path / name, trainer={"total_steps": 4, "mode": "one_step_off"},
+                           reward={"path": str(plugin), "name": "score"})
+            assert run(job)["step"] == 4
+        return events, {r["step"]: r for r in metric_records(tmp_path / name) if "train/reward_mean" in r}
+
+    events, overlapped = train("overlapped", True)
+    rollouts = [start for name, thread, start, _ in events if name == "generate" and thread == "rollout-producer"]
+    scorings = [(start, end) for name, thread, start, end in events if name == "score" and thread.startswith("scoring")]
+    assert len(rollouts) == len(scorings) == 4
+    assert sum(start < rollout < end for start, end in scorings for rollout in rollouts) >= 2, events
+    events, alone = train("alone", False)
+    assert [thread for name, thread, *_ in events if name == "score"].count("rollout-producer") == 4
+    for step, record in alone.items():
+        for key in ("train/reward_mean", "actor/grad_norm", "actor/loss"):
+            assert overlapped[step][key] == record[key], (step, key)
+        assert overlapped[step]["time/reward_s"] > 0.5   # the step's record still says how long it was scored
 
 
 def test_killed_async_run_resumes_and_drops_its_queue(tmp_path, ray_session, caplog):

@@ -275,8 +275,8 @@ def _job(out, model_dir, task, **sections):
 
 
 def _record_batches(monkeypatch) -> list:
-    """The rollout batches the trainer generates (its _generate_and_score, in the controller, every mode)."""
-    batches, generate = [], GRPOTrainer._generate_and_score
+    """The rollout batches the trainer generates (its _generate, in the controller, every mode)."""
+    batches, generate = [], GRPOTrainer._generate
 
     def recorded(self, *args, **kwargs):
         out = generate(self, *args, **kwargs)
@@ -284,7 +284,7 @@ def _record_batches(monkeypatch) -> list:
                                                    "truncated") if k in out[0].keys()]).clone())
         return out
 
-    monkeypatch.setattr(GRPOTrainer, "_generate_and_score", recorded)
+    monkeypatch.setattr(GRPOTrainer, "_generate", recorded)
     return batches
 
 

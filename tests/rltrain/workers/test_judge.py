@@ -12,6 +12,7 @@ import pytest
 import ray
 import torch
 
+from rltrain import trainer as trainer_module
 from rltrain.config import ConfigError
 from rltrain.main_grpo import run
 from rltrain.rewards.combine import score_batch
@@ -69,6 +70,11 @@ def test_template_errors_name_the_key(tmp_path):
         JudgeConfig(path="policy", template=str(bad)).validate()
     with pytest.raises(ConfigError, match=r"^reward.judge.template: cannot read '.*missing.txt'"):
         JudgeConfig(path="policy", template=str(tmp_path / "missing.txt")).validate()
+    with pytest.raises(ConfigError, match=r"^reward.judge.placement: must be one of colocated, separate"):
+        tiny_job(tmp_path, reward={"judge": {"path": "policy", "placement": "remote"}})
+    assert JudgeConfig(path="policy").memory_share == 0.2
+    assert JudgeConfig(path="policy", placement="separate").memory_share == 0.85
+    assert JudgeConfig(path="policy", placement="separate", gpu_memory_utilization=0.5).memory_share == 0.5
     with pytest.raises(ConfigError, match=r"^reward.judge.parser: must be one of yes_no, score"):
         tiny_job(tmp_path, reward={"judge": {"path": "policy", "parser": "likert"}})
     assert "{prompt}" in DEFAULT_TEMPLATE and "{response}" in DEFAULT_TEMPLATE
@@ -78,7 +84,7 @@ def test_template_errors_name_the_key(tmp_path):
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -88,11 +94,18 @@ def _train(output_dir) -> list[dict]:
             if "train/reward_mean" in r]
 
 
-def test_the_trainer_adds_the_judges_scores(tmp_path, ray_session):
+def test_the_trainer_adds_the_judges_scores(tmp_path, ray_session, monkeypatch):
     """The policy as its own judge (the embedded model: yes_no over its char tokenizer's Y / N), the function's reward
-    weighted 0: the train reward is the judge's score; a timeout too short for any verdict scores every sample 0."""
+    weighted 0: the train reward is the judge's score, here from a CPU of the judge's own (placement=separate); a
+    timeout too short for any verdict scores every sample 0."""
+    placements, start_role = {}, trainer_module.start_role
+    monkeypatch.setattr(trainer_module, "start_role", lambda cls, placement, *args, **kwargs: (
+        placements.setdefault(cls.__name__, placement), start_role(cls, placement, *args, **kwargs))[1])
     out = tmp_path / "run"
-    run(tiny_job(out, reward={"judge": {"path": "policy", "rule_weight": 0.0, "weight": 1.0}}))
+    run(tiny_job(out, reward={"judge": {"path": "policy", "rule_weight": 0.0, "weight": 1.0,
+                                        "placement": "separate"}}))
+    assert placements["JudgeWorker"] is not placements["ActorWorker"]
+    assert placements["JudgeWorker"].ranks_per_node == 1 and placements["JudgeWorker"].groups == []  # released
     for record in _train(out):
         assert 0 < record["reward/judge_mean"] < 1 and record["reward/judge_failed_mean"] == 0.0
         assert record["train/reward_mean"] == pytest.approx(record["reward/judge_mean"], abs=1e-6)

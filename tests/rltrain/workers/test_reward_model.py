@@ -13,7 +13,6 @@ release's tokenizer and chat template (tests/fixtures/releases.py):
   reward model is sharded too.
 """
 
-import json
 import socket
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from rltrain.workers.fsdp import FSDPConfig
 from rltrain.workers.packing import balanced_groups
 from rltrain.workers.reward_model import FSDPRewardModelWorker, RewardModelConfig, RewardModelWorker
 from tests.fixtures.releases import build_release
-from tests.rltrain.tiny_job import tiny_job
+from tests.rltrain.tiny_job import metric_records, tiny_job
 
 
 def _classifier(path: Path, num_labels: int = 1) -> str:
@@ -145,28 +144,42 @@ def test_bad_settings_name_their_key(tmp_path, classifier):
         from_mapping(RewardConfig, {"model": {"path": classifier, "weight": float("nan")}}, "reward")
     with pytest.raises(ConfigError, match=r"^reward.model.max_tokens_per_micro_batch: must be >= 0"):
         from_mapping(RewardConfig, {"model": {"path": classifier, "max_tokens_per_micro_batch": -1}}, "reward")
+    with pytest.raises(ConfigError, match=r"^reward.model.placement: must be one of colocated, separate"):
+        from_mapping(RewardConfig, {"model": {"path": classifier, "placement": "elsewhere"}}, "reward")
+    with pytest.raises(ConfigError, match=r"^reward.model.n_gpus: needs reward.model.placement=separate"):
+        from_mapping(RewardConfig, {"model": {"path": classifier, "n_gpus": 2}}, "reward")
     with pytest.raises(ConfigError, match=r"^reward.model.path: .* with 2 labels; a reward model has one label"):
         RewardModelWorker(RewardModelConfig(path=_classifier(tmp_path / "two", num_labels=2)), "float32")
 
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, configure_logging=False, log_to_driver=False)
     yield
     ray.shutdown()
 
 
-@pytest.mark.parametrize("strategy", ["single", "fsdp2"])
-def test_two_steps_with_a_reward_model_log_both_parts(tmp_path, classifier, ray_session, monkeypatch, strategy):
+@pytest.mark.parametrize("strategy,placement", [("single", "colocated"), ("fsdp2", "colocated"),
+                                                ("single", "separate")])
+def test_two_steps_with_a_reward_model_log_both_parts(tmp_path, classifier, ray_session, monkeypatch, strategy,
+                                                      placement):
+    """Colocated, the reward model takes the actor's strategy and bundles; separate, two CPUs of its own (FSDP2 over
+    them), released at the end."""
     started, start_role = [], trainer_module.start_role
-    monkeypatch.setattr(trainer_module, "start_role", lambda cls, *args, **kwargs: (
-        started.append(cls.__name__), start_role(cls, *args, **kwargs))[1])
-    job = tiny_job(tmp_path / "run", reward={"model": {"path": classifier, "weight": 0.5, "rule_weight": 2.0}},
+    monkeypatch.setattr(trainer_module, "start_role", lambda cls, placement, *args, **kwargs: (
+        started.append((cls.__name__, placement)), start_role(cls, placement, *args, **kwargs))[1])
+    own = dict(placement="separate", n_gpus=2) if placement == "separate" else {}
+    job = tiny_job(tmp_path / "run", reward={"model": {"path": classifier, "weight": 0.5, "rule_weight": 2.0, **own}},
                    actor={"strategy": strategy}, trainer={"n_gpus_per_node": 2 if strategy == "fsdp2" else 1})
     assert run(job)["step"] == 2
-    assert started[-1] == ("FSDPRewardModelWorker" if strategy == "fsdp2" else "RewardModelWorker")
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if "train/reward_mean" in r]
+    (actor, actor_placement), (name, reward_placement) = started[0], started[-1]
+    assert name == ("FSDPRewardModelWorker" if strategy == "fsdp2" or own else "RewardModelWorker")
+    if own:
+        assert reward_placement is not actor_placement and reward_placement.ranks_per_node == 2
+        assert reward_placement.groups == []   # removed by the trainer's close
+    else:
+        assert reward_placement is actor_placement
+    train = [r for r in metric_records(tmp_path / "run") if "train/reward_mean" in r]
     assert len(train) == 2
     for record in train:
         combined = 2.0 * record["reward/rule_mean"] + 0.5 * record["reward/model_mean"]
