@@ -145,12 +145,13 @@ class JobConfig:
                 "rollout.tensor_parallel_size", "must be 1 with actor.lora.rank > 0 and rollout.engine=vllm (LoRA "
                 "into a tensor-parallel vLLM engine is not supported yet; use rollout.replicas)",
                 self.rollout.tensor_parallel_size)
-        # the embedded tool task's episodes need the calculator (its preset, config/task/tool_arithmetic.yaml, sets it)
+        # the embedded tool task's episodes call a tool named calculator (its preset, config/task/tool_arithmetic.yaml,
+        # sets the built-in; a tool of the user's with that name and schema serves too)
         multi_turn = self.rollout.multi_turn
-        require(not self.data.task.uses_tools or multi_turn.enabled and any(
-            spec.builtin == "calculator" for spec in multi_turn.tool_specs()), "data.task.kind", "'tool_arithmetic' "
-            "runs as multi-turn episodes with the calculator tool: select the preset task=tool_arithmetic, or set "
-            "rollout.multi_turn.enabled=true and rollout.multi_turn.tools=[{builtin: calculator}]", self.data.task.kind)
+        require(not self.data.task.uses_tools or multi_turn.enabled and "calculator" in multi_turn.tool_names(),
+                "data.task.kind", "'tool_arithmetic' runs as multi-turn episodes with a tool named calculator: select "
+                "the preset task=tool_arithmetic, or set rollout.multi_turn.enabled=true and "
+                "rollout.multi_turn.tools=[{builtin: calculator}]", self.data.task.kind)
         self._validate_code_task()
 
     def _validate_code_task(self) -> None:

