@@ -213,7 +213,7 @@ class GRPOTrainer(TrainerCheckpoints):
                                      temperature=1.0, seed=job.trainer.seed, total_steps=job.trainer.total_steps,
                                      cliprange_value=job.critic.cliprange_value,
                                      **dict(common, model_path=job.critic.model.path or self.model_dir))
-        self.reward = ray.remote(RewardWorker).options(num_cpus=0).remote(job.reward, self.model_dir)
+        self.reward = ray.remote(RewardWorker).options(num_cpus=0).remote(job.reward)
         if reward_model:  # colocated: placed and sharded like the reference; separate: FSDP2 over its own GPUs
             config, timeout = job.reward.model, job.ray.placement_timeout_s
             placement = self._own_placement("reward.model.placement", config.n_gpus, timeout) if own_model \
@@ -283,10 +283,8 @@ class GRPOTrainer(TrainerCheckpoints):
         """batch["rewards"] from the reward function, model and judge; (reward extras, RewardStats)."""
         response_rows, messages, env_rewards = scoring
         with timer.phase("reward"):
-            texts = response_texts(self.tokenizer, batch["response_ids"], batch["response_mask"]) \
-                if self.reward_model is not None or self.judge is not None else None
-            rewards, extras, errors = score_batch(self, self.job.reward, batch, response_rows, messages, env_rewards,
-                                                  texts)
+            texts = response_texts(self.tokenizer, batch["response_ids"], batch["response_mask"])
+            rewards, extras, errors = score_batch(self, self.job.reward, texts, response_rows, messages, env_rewards)
         batch["rewards"] = rewards
         return extras, errors
 

@@ -20,18 +20,18 @@ def blend(before: torch.Tensor, scores: torch.Tensor, config, extras: list[dict]
     return config.rule_weight * before + config.weight * scores
 
 
-def score_batch(scorers, config, batch, rows, messages, env_rewards, texts: list[str] | None):
-    """(rewards [B], extras, RewardStats) of one batch: the reward function's (`scorers.reward`), then blended with
-    the reward model's and the judge's scores where the job has them. All three are asked at once, each working in
-    its own process, so the model-based scores (GPU) overlap the function's (CPU pool); `texts`: the responses as
-    the reward worker decodes them (response_texts), needed only by the models."""
+def score_batch(scorers, config, texts: list[str], rows, messages, env_rewards):
+    """(rewards [B], extras, RewardStats) of one batch of responses (`texts`: response_texts): the reward
+    function's (`scorers.reward`), then blended with the reward model's and the judge's scores where the job has
+    them. All three are asked at once, each working in its own process, so the model-based scores (GPU) overlap the
+    function's (CPU pool)."""
     started = time.monotonic()
-    function = scorers.reward.score.remote(batch["response_ids"], batch["response_mask"], rows, messages, env_rewards)
+    function = scorers.reward.score.remote(texts, rows, messages, env_rewards)
     model = None if scorers.reward_model is None else \
         scorers.reward_model.score.remote([row.prompt for row in rows], texts, messages)
     verdicts = None if scorers.judge is None else \
         scorers.judge.timed_score.remote([row.prompt for row in rows], texts, [row.ground_truth for row in rows])
-    rewards, extras, errors, _ = ray.get(function)
+    rewards, extras, errors = ray.get(function)
     if model is not None:
         scores = ray.get(model)
         rewards = blend(rewards, scores, config.model, extras, rule=rewards.tolist(), model=scores.tolist())

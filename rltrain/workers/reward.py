@@ -1,5 +1,6 @@
-"""RewardWorker: decodes responses and scores them with the configured reward function in a process pool with a
-per-sample timeout, a memory limit and capped output (rltrain.rewards.pool); RewardConfig, the job's reward section."""
+"""RewardWorker: scores responses (their text, response_texts) with the configured reward function in a process pool
+with a per-sample timeout, a memory limit and capped output (rltrain.rewards.pool); RewardConfig, the job's reward
+section."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from rltrain.rewards.pool import RewardInput, RewardPool, check_reward_settings
 from rltrain.sandbox import SandboxConfig
 from rltrain.workers.batch import response_context
 from rltrain.workers.judge import JudgeConfig
-from rltrain.workers.policy import load_tokenizer
 from rltrain.workers.reward_model import RewardModelConfig
 
 
@@ -50,19 +50,17 @@ class RewardConfig:
 
 
 class RewardWorker:
-    def __init__(self, config: RewardConfig, tokenizer_path: str):
-        self.tokenizer = load_tokenizer(tokenizer_path)
+    def __init__(self, config: RewardConfig):
         self.pool = RewardPool(config.path, config.name, config.timeout_s, config.num_workers,
                                config.max_output_bytes, config.memory_limit_mb, config.sandbox)
 
-    def score(self, response_ids: torch.Tensor, response_mask: torch.Tensor, rows: list[PromptRow],
-              messages: list[list[dict]] | None = None, env_rewards: list[float] | None = None):
-        """rows[i] is the prompt row of response i. Returns (rewards [B], per-sample metrics, RewardStats, texts).
-        The text is the whole response (a multi-turn episode's tool output included: response_context); messages
-        (multi-turn): each episode's chat messages, passed to the reward function as extra_info["messages"];
-        env_rewards (an environment's or agent's episodes): each one's reward, as extra_info["env_reward"] (NaN: an
-        agent's episode without one, whose extra_info has no env_reward)."""
-        texts = response_texts(self.tokenizer, response_ids, response_mask)
+    def score(self, texts: list[str], rows: list[PromptRow], messages: list[list[dict]] | None = None,
+              env_rewards: list[float] | None = None):
+        """texts[i] is response i (response_texts: the whole of it, a multi-turn episode's tool output included),
+        rows[i] its prompt row. Returns (rewards [B], per-sample metrics, RewardStats). messages (multi-turn): each
+        episode's chat messages, passed to the reward function as extra_info["messages"]; env_rewards (an
+        environment's or agent's episodes): each one's reward, as extra_info["env_reward"] (NaN: an agent's episode
+        without one, whose extra_info has no env_reward)."""
         infos = [row.extra_info for row in rows] if messages is None else \
             [{**(row.extra_info or {}), "messages": episode} for row, episode in zip(rows, messages)]
         if env_rewards is not None:
@@ -71,7 +69,7 @@ class RewardWorker:
         items = [RewardInput(row.data_source, text, row.ground_truth, info)
                  for row, text, info in zip(rows, texts, infos)]
         result = self.pool.score(items)
-        return torch.tensor(result.scores, dtype=torch.float32), result.metrics, RewardStats.of(result), texts
+        return torch.tensor(result.scores, dtype=torch.float32), result.metrics, RewardStats.of(result)
 
     def close(self) -> None:
         self.pool.close()

@@ -301,9 +301,9 @@ def test_tool_turns_through_a_chat_template_and_cut_to_max_tokens(tokenizer):
         "\n<tool_response>\n42\n</tool_response>\n"
 
 
-def test_reward_gets_the_episode(model_dir, tokenizer, calculator_pool, tmp_path):
+def test_reward_gets_the_episode(tokenizer, calculator_pool, tmp_path):
     from rltrain.data.rows import PromptRow
-    from rltrain.workers.reward import RewardConfig, RewardWorker
+    from rltrain.workers.reward import RewardConfig, RewardWorker, response_texts
 
     (tmp_path / "reward.py").write_text(
         "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -313,10 +313,10 @@ def test_reward_gets_the_episode(model_dir, tokenizer, calculator_pool, tmp_path
     loop, _ = _loop(tokenizer, _calc_then_answer, calculator_pool)
     batch = loop.generate(*_prompts(tokenizer, ["12*34=", "7*8="]), 1, 1.0, seed=0)
     rows = [PromptRow("12*34=", "t", "408", {"index": 0}), PromptRow("7*8=", "t", "56", {"index": 1})]
-    worker = RewardWorker(RewardConfig(path=str(tmp_path / "reward.py"), name="score", num_workers=1), model_dir)
+    worker = RewardWorker(RewardConfig(path=str(tmp_path / "reward.py"), name="score", num_workers=1))
+    texts = response_texts(tokenizer, batch["response_ids"], batch["response_mask"])
     try:
-        rewards, extras, errors, texts = worker.score(batch["response_ids"], batch["response_mask"], rows,
-                                                      batch["messages"].tolist())
+        rewards, extras, errors = worker.score(texts, rows, batch["messages"].tolist())
     finally:
         worker.close()
     assert errors.errors == 0 and errors.samples == 2 and rewards.tolist() == [1.0, 1.0]

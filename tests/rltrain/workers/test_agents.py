@@ -30,7 +30,7 @@ from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.tools import MultiTurnConfig
 from rltrain.workers.agent_loop import Turn, turn_seed
 from rltrain.workers.agents import AgentEpisodes
-from rltrain.workers.reward import RewardConfig, RewardWorker
+from rltrain.workers.reward import RewardConfig, RewardWorker, response_texts
 from rltrain.workers.rollout import RolloutConfig
 from rltrain.workers.sampling import response_seeds
 from rltrain.workers.vllm_async import EventLoopThread
@@ -348,17 +348,15 @@ def test_the_reward_function_gets_the_agents_reward_and_conversation(tokenizer, 
     (tmp_path / "reward.py").write_text(
         "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return {'score': extra_info.get('env_reward', -1.0), 'messages': float(len(extra_info['messages']))}\n")
-    tokenizer.save_pretrained(tmp_path / "tokenizer")
-    worker = RewardWorker(RewardConfig(path=str(tmp_path / "reward.py"), name="score", num_workers=1),
-                          str(tmp_path / "tokenizer"))
+    worker = RewardWorker(RewardConfig(path=str(tmp_path / "reward.py"), name="score", num_workers=1))
     ids, mask = _prompts(tokenizer, ["2+2="])
     try:
         for name, score, messages in (("chat", 2.0, 4.0), ("asks_once", -1.0, 2.0)):
             loop, _ = _loop(tokenizer, agents, name)
             batch = loop.generate(ids, mask, 1, 1.0, seed=0, rows=_rows(["2+2="]))
-            rewards, extras, errors, _ = worker.score(batch["response_ids"], batch["response_mask"],
-                                                      [PromptRow("2+2=", "t", "4", {})], batch["messages"].tolist(),
-                                                      batch["env_reward"].tolist())
+            texts = response_texts(tokenizer, batch["response_ids"], batch["response_mask"])
+            rewards, extras, errors = worker.score(texts, [PromptRow("2+2=", "t", "4", {})],
+                                                   batch["messages"].tolist(), batch["env_reward"].tolist())
             assert errors.errors == 0 and rewards.tolist() == [score] and extras[0]["messages"] == messages, name
     finally:
         worker.close()

@@ -138,14 +138,13 @@ def test_the_judge_scores_while_the_function_does(ray_session):
     """score_batch asks the judge before the reward function has answered (each in its own process), then blends:
     rule_weight · function + weight · judge; a judge slower than timeout_s scores 0 (its own time, which a fake
     judge reports)."""
-    function = Clocked.remote((torch.ones(2), [{}, {}], RewardStats(2), None), 1.0)
+    function = Clocked.remote((torch.ones(2), [{}, {}], RewardStats(2)), 1.0)
     judge = Clocked.remote((torch.tensor([0.5, 0.25]), torch.tensor([False, True]), 0.0), 0.0)
     ray.get([function.times.remote(), judge.times.remote()])   # both processes up before the clock matters
     scorers = SimpleNamespace(reward=function, reward_model=None, judge=judge)
     config = SimpleNamespace(judge=JudgeConfig(path="policy", rule_weight=2.0, weight=1.0))
     rows = [SimpleNamespace(prompt="p", ground_truth="g")] * 2
-    batch = {"response_ids": torch.zeros(2, 3, dtype=torch.long), "response_mask": torch.ones(2, 3)}
-    rewards, extras, errors = score_batch(scorers, config, batch, rows, None, None, ["a", "b"])
+    rewards, extras, errors = score_batch(scorers, config, ["a", "b"], rows, None, None)
     assert rewards.tolist() == [2.5, 2.25] and errors.samples == 2
     assert [e["judge"] for e in extras] == [0.5, 0.25] and [e["judge_failed"] for e in extras] == [0.0, 1.0]
     (_, function_end), (judge_start, _) = ray.get([function.times.remote(), judge.times.remote()])
@@ -153,5 +152,5 @@ def test_the_judge_scores_while_the_function_does(ray_session):
     # verdicts that took the judge longer than timeout_s score 0, however long the function took beside them
     scorers.judge = Clocked.remote((torch.tensor([0.5, 0.25]), torch.tensor([False, False]), 0.7), 0.0)
     config.judge.timeout_s = 0.5
-    rewards, extras, _ = score_batch(scorers, config, batch, rows, None, None, ["a", "b"])
+    rewards, extras, _ = score_batch(scorers, config, ["a", "b"], rows, None, None)
     assert rewards.tolist() == [2.0, 2.0] and [e["judge_failed"] for e in extras] == [1.0, 1.0]
