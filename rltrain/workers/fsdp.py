@@ -11,7 +11,9 @@ parameter's all-gather stays inside a group (one node, say) and only the gradien
 takes its own share of the rows (contiguous rows, or, with packed micro-batches, a share balanced by tokens:
 rltrain/workers/packing.py). With `actor.ulysses_sequence_parallel_size` > 1 the ranks are a data × sequence mesh:
 each data rank takes a share of the rows and the ranks of its sequence group split each packed row's tokens
-(rltrain/workers/ulysses.py), FSDP2 still sharding over all ranks.
+(rltrain/workers/ulysses.py), FSDP2 still sharding over all ranks. With `actor.expert_parallel_size` > 1 (the actor
+only) groups of ranks split an MoE policy's experts, each experts module an FSDP2 unit over the ranks holding the same
+experts (rltrain/workers/expert_parallel.py).
 
 Gradients equal the single-process ones: every normaliser (token count, sequence count, rows) is the mini-batch's
 global one, which each rank computes from the whole batch, the per-rank losses are partial sums of the global loss,

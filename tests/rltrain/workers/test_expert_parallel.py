@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import transformers as tf
 
+from rltrain import trainer as trainer_module
 from rltrain.config import ConfigError
 from rltrain.embedded.model import embedded_policy_dir
 from rltrain.job import load_job_config
@@ -128,9 +129,16 @@ def test_expert_parallel_transformers_qwen3_moe_matches_single_process(tmp_path)
                        results[case][0]["grads"]["model.layers.0.mlp.experts.down_proj"]) < 1e-5
 
 
-def test_trainer_runs_the_actor_expert_parallel(tmp_path):
+def test_trainer_runs_the_actor_expert_parallel(tmp_path, monkeypatch):
     """main_grpo through Ray on 2 CPU ranks with actor.strategy=fsdp2 and expert_parallel_size=2 (KL on: the
     reference FSDP2 beside it): 2 steps, each pushing the gathered experts to the rollout engine."""
+    started, start_role = {}, trainer_module.start_role
+
+    def record(cls, *args, **kwargs):
+        started[cls.__name__] = getattr(kwargs.get("config"), "expert_parallel_size", None)
+        return start_role(cls, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "start_role", record)
     job = tiny_job(tmp_path / "run", trainer={"n_gpus_per_node": 2}, model={"embedded": MOE},
                    actor={"strategy": "fsdp2", "expert_parallel_size": 2}, algorithm={"loss": {"kl_coef": 0.05}})
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
@@ -138,6 +146,7 @@ def test_trainer_runs_the_actor_expert_parallel(tmp_path):
         assert run(job)["step"] == 2
     finally:
         ray.shutdown()
+    assert started["FSDPActorWorker"] == 2 and "FSDPReferenceWorker" in started
 
 
 FSDP2 = "trainer.device=cpu trainer.n_gpus_per_node=4 ray.num_cpus=4 actor.strategy=fsdp2 model.embedded.arch=qwen3_moe "
