@@ -110,6 +110,7 @@ class JobConfig:
         require(size == -1 or ranks % size == 0, "actor.fsdp.fsdp_size", f"must divide trainer.nnodes × "
                 f"trainer.n_gpus_per_node = {ranks} (each group of fsdp_size ranks holds one sharded copy)", size)
         self._validate_sequence_parallel(ranks)
+        self._validate_expert_parallel(ranks)
         for key in self.actor.fsdp.offloads:
             require(self.actor.strategy == "fsdp2", f"actor.fsdp.{key}", "offloads FSDP2's shards: needs "
                     "actor.strategy=fsdp2 (one GPU is a world of one)", True)
@@ -185,6 +186,17 @@ class JobConfig:
                 "sdpa or eager", size)
         require(self.algorithm.adv_estimator != "gae", key, "> 1 is the actor's and the reference's: the critic of "
                 "algorithm.adv_estimator=gae has no sequence-parallel path yet", size)
+
+    def _validate_expert_parallel(self, ranks: int) -> None:
+        """actor.expert_parallel_size against the world and the policy (the expert count is checked where the model
+        loads: rltrain/workers/expert_parallel.py)."""
+        size, key = self.actor.expert_parallel_size, "actor.expert_parallel_size"
+        if size == 1:
+            return
+        require(ranks % size == 0, key, f"must divide trainer.nnodes × trainer.n_gpus_per_node = {ranks} (each "
+                "group of that many ranks splits the experts)", size)
+        require(moe_policy(self.model), key, "> 1 splits a mixture-of-experts policy's experts; this policy is dense "
+                "(model.embedded.arch=qwen3_moe or a checkpoint with experts): set it to 1", size)
 
     def _validate_router_replay(self) -> None:
         """actor.router_replay.mode=R3: an MoE policy, the hf engine's recording, single-turn unsegmented rows."""

@@ -13,7 +13,8 @@ algorithm.distill.kl=exact the worker also holds the frozen teacher (in model.dt
 gains coef × the exact reverse KL to it (linear_kl_div from both models' hidden states; actor/distill_kl).
 FSDPActorWorker is the same role sharded over the ranks of a WorkerGroup (actor.strategy=fsdp2;
 rltrain/workers/fsdp.py), with actor.ulysses_sequence_parallel_size > 1 also splitting each packed row's tokens over
-groups of ranks (rltrain/workers/ulysses.py). The `actor.*` config: rltrain/workers/actor_config.py; checkpoints:
+groups of ranks (rltrain/workers/ulysses.py), and actor.expert_parallel_size > 1 splitting an MoE policy's experts
+over groups of ranks (rltrain/workers/expert_parallel.py). The `actor.*` config: rltrain/workers/actor_config.py; checkpoints:
 rltrain/workers/actor_checkpoint.py."""
 
 from __future__ import annotations
@@ -361,10 +362,22 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
         self._setup(rank, world_size, master_addr, master_port, model_path, dtype if lora else weights, kernel_config,
                     device, config.fsdp, config.micro_batching, attn_implementation, config.gradient_checkpointing,
                     compute_dtype=dtype, prepare=prepare,
-                    sequence_parallel_size=config.ulysses_sequence_parallel_size)
+                    sequence_parallel_size=config.ulysses_sequence_parallel_size,
+                    expert_parallel_size=config.expert_parallel_size)
         self.model.train()
-        self.optimizer = torch.optim.AdamW([p for p in self.root.parameters() if p.requires_grad], lr=config.lr,
+        trained = [p for p in self.root.parameters() if p.requires_grad]
+        # expert parallelism: the experts (DTensors over their replicas) in a group of their own, as foreach steps
+        # take one mesh at a time
+        experts = {id(p) for p in self._expert_parameters()}
+        groups = [group for group in ([p for p in trained if id(p) not in experts],
+                                      [p for p in trained if id(p) in experts]) if group]
+        self.optimizer = torch.optim.AdamW([{"params": group} for group in groups], lr=config.lr,
                                            weight_decay=config.weight_decay)
+
+    def _expert_parameters(self) -> list[torch.nn.Parameter]:
+        """The experts' parameters under expert parallelism (else none)."""
+        names = self.expert_parallel.names if self.expert_parallel is not None else ()
+        return [p for name, p in self.model.named_parameters() if name in names]
 
     def _logprobs(self, batch: TensorDict, around=None) -> torch.Tensor | None:
         return self._sharded_logprobs(batch, self.temperature, around=around)
@@ -384,6 +397,13 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
 
     def _clip_grad_norm(self) -> torch.Tensor:
         params = [p for p in self.root.parameters() if p.grad is not None]
+        if self.expert_parallel is not None:   # the dense part and the experts live on different meshes
+            experts = {id(p) for p in self._expert_parameters()}
+            parts = [[p for p in params if id(p) not in experts], [p for p in params if id(p) in experts]]
+            norm = self.expert_parallel.grad_norm(*[[p.grad for p in part] for part in parts], self.device)
+            for part in parts:
+                torch.nn.utils.clip_grads_with_norm_(part, self.config.grad_clip, norm)
+            return norm
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         norm = norm.to(self.device).full_tensor() if isinstance(norm, DTensor) else norm
         torch.nn.utils.clip_grads_with_norm_(params, self.config.grad_clip, norm)
@@ -410,25 +430,54 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
         return self._full_tensors(names, self.compute_dtype)
 
     def _full_tensors(self, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        state, full = self.model.state_dict(), {}
-        for name in names:
-            tensor = state[name].detach()
-            if dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(dtype)
-            if isinstance(tensor, DTensor):
-                # CPU-offloaded shards go to the GPU for the all-gather (NCCL gathers device tensors only)
-                tensor = tensor.to(self.device).full_tensor()
-            full[name] = tensor
-        return full
+        state = self.model.state_dict()
+        return {name: self.gathered(name, state[name].detach(), dtype) for name in names}
+
+    def gathered(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole tensor of the parameter `name` (its value or its gradient) on every rank, in `dtype` where
+        given (a collective); an expert-parallel experts tensor gathered over its groups too."""
+        if self.expert_parallel is not None and name in self.expert_parallel.names:
+            tensor = self.expert_parallel.global_view(tensor)
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        # CPU-offloaded shards go to the GPU for the all-gather (NCCL gathers device tensors only)
+        return tensor.to(self.device).full_tensor() if isinstance(tensor, DTensor) else tensor
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         full = {name: tensor.cpu() for name, tensor in self._full_tensors(list(self.model.state_dict())).items()}
         return full if self.rank == 0 else None
 
     def optimizer_state(self) -> dict | None:
+        if self.expert_parallel is not None:   # get_optimizer_state_dict knows one mesh: gathered by name here
+            return self._gathered_optimizer_state()
         state = get_optimizer_state_dict(self.model, self.optimizer,
                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return keyed_by_index(state, self._param_names()) if self.rank == 0 else None
+
+    def _gathered_optimizer_state(self) -> dict | None:
+        """optimizer_state under expert parallelism: every state tensor gathered (a collective), in the single
+        process's layout (one group of every trained parameter, by named_parameters index)."""
+        names = self._param_names()
+        index, per_param = {name: i for i, name in enumerate(names)}, {}
+        for key, tensor in self._optimizer_checkpoint_state().items():   # the experts as global views
+            name, field = key.rsplit(".", 1)
+            per_param.setdefault(index[name], {})[field] = \
+                (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).cpu()
+        group = {k: v for k, v in self.optimizer.state_dict()["param_groups"][0].items() if k != "params"}
+        return {"state": per_param, "param_groups": [dict(group, params=list(range(len(names))))]} \
+            if self.rank == 0 else None
+
+    def _model_checkpoint_state(self) -> dict[str, torch.Tensor]:
+        state = super()._model_checkpoint_state()
+        return state if self.expert_parallel is None else self.expert_parallel.global_views(state)
+
+    def _optimizer_checkpoint_state(self) -> dict[str, torch.Tensor]:
+        state = super()._optimizer_checkpoint_state()
+        return state if self.expert_parallel is None else self.expert_parallel.global_views(state, suffix=True)
+
+    def pushed_weights(self) -> dict[str, torch.Tensor]:
+        state = super().pushed_weights()   # the experts' full shapes, for bucket_names' sizes
+        return state if self.expert_parallel is None else self.expert_parallel.global_views(state)
 
     def save_pretrained(self, path: str) -> None:
         if self.adapters is not None:  # the adapters alone, gathered (in the trained dtype), in PEFT's format

@@ -50,6 +50,7 @@ class ActorConfig:
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)  # MoE: the rollout's routing
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     ulysses_sequence_parallel_size: int = 1  # fsdp2, packed: ranks that split each packed row's tokens; 1 = off
+    expert_parallel_size: int = 1  # fsdp2, MoE: ranks that split each MoE layer's experts (all-to-all); 1 = off
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self):
@@ -75,6 +76,16 @@ class ActorConfig:
                 f"> 1 needs actor.strategy=fsdp2 (got {self.strategy!r})", sp)
         require(sp == 1 or self.use_remove_padding, "ulysses_sequence_parallel_size",
                 "> 1 splits packed rows: needs actor.use_remove_padding=true", sp)
+        ep = self.expert_parallel_size
+        require(ep >= 1, "expert_parallel_size", "must be >= 1 (1 = off)", ep)
+        require(ep == 1 or self.strategy == "fsdp2", "expert_parallel_size",
+                f"> 1 needs actor.strategy=fsdp2 (got {self.strategy!r})", ep)
+        require(ep == 1 or not self.lora.enabled, "expert_parallel_size",
+                "> 1 is not supported with actor.lora (adapters on split experts): set one of them off", ep)
+        require(ep == 1 or sp == 1, "expert_parallel_size", "> 1 is not supported with "
+                "actor.ulysses_sequence_parallel_size > 1 yet: set one of them to 1", ep)
+        require(ep == 1 or self.fsdp.fsdp_size == -1, "expert_parallel_size", "> 1 is not supported with HSDP "
+                "(actor.fsdp.fsdp_size) yet: set fsdp_size=-1", ep)
         require(self.max_tokens_per_micro_batch >= 0, "max_tokens_per_micro_batch", "must be >= 0 (0 = by rows)",
                 self.max_tokens_per_micro_batch)
 

@@ -11,7 +11,9 @@ parameter's all-gather stays inside a group (one node, say) and only the gradien
 takes its own share of the rows (contiguous rows, or, with packed micro-batches, a share balanced by tokens:
 rltrain/workers/packing.py). With `actor.ulysses_sequence_parallel_size` > 1 the ranks are a data × sequence mesh:
 each data rank takes a share of the rows and the ranks of its sequence group split each packed row's tokens
-(rltrain/workers/ulysses.py), FSDP2 still sharding over all ranks.
+(rltrain/workers/ulysses.py), FSDP2 still sharding over all ranks. With `actor.expert_parallel_size` > 1 (the actor
+only) groups of ranks split an MoE policy's experts, each experts module an FSDP2 unit over the ranks holding the same
+experts (rltrain/workers/expert_parallel.py).
 
 Gradients equal the single-process ones: every normaliser (token count, sequence count, rows) is the mini-batch's
 global one, which each rank computes from the whole batch, the per-rank losses are partial sums of the global loss,
@@ -50,10 +52,11 @@ import torch
 import torch.distributed as dist
 from rltrain_kernels.registry import KernelConfig
 from tensordict import TensorDict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from rltrain.config import ConfigError, require
+from rltrain.workers.expert_parallel import ExpertParallel
 from rltrain.workers.packing import MicroBatching, balanced_groups, response_lengths, sequence_lengths
 from rltrain.workers.policy import (DTYPES, assemble_rows, load_policy, micro_logprobs, policy_hidden,
                                     release_cached_memory, resolve_batching)
@@ -125,12 +128,14 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 
 
 def shard_policy(model, mesh, device: str, config: FSDPConfig, compute_dtype: torch.dtype | None = None,
-                 root: type[torch.nn.Module] = PolicyWithHead) -> torch.nn.Module:
+                 root: type[torch.nn.Module] = PolicyWithHead,
+                 inner_units: tuple[tuple[torch.nn.Module, DeviceMesh], ...] = ()) -> torch.nn.Module:
     """fully_shard each decoder layer (the classes in the model's `_no_split_modules`), then the root, `root(model)`
     (PolicyWithHead; the reward model's ScoringRoot). With a
     compute_dtype other than some weights' (actor.mixed_precision: fp32 shards, model.dtype compute), each unit's
     gathered parameters are cast to it for the forward and backward, and gradients are reduced and kept in fp32
-    (on CPU over gloo too)."""
+    (on CPU over gloo too). `inner_units`: (module, mesh) pairs sharded first as their own units, over their own
+    mesh (expert parallelism's experts over their replicas, rltrain/workers/expert_parallel.py)."""
     # fp32 inputs (advantages, old log-probs) must reach the loss unrounded: no casting of forward inputs.
     # LoRA's fp32 adapters on a model.dtype base mix dtypes within a unit: FSDP2 asks one dtype of the trainable
     # parameters only, and casts every parameter to param_dtype (the base's own) before the all-gather
@@ -147,6 +152,8 @@ def shard_policy(model, mesh, device: str, config: FSDPConfig, compute_dtype: to
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
         raise ValueError(f"{type(model).__name__} names no decoder layer class in _no_split_modules; FSDP2 needs one")
+    for module, unit_mesh in inner_units:
+        fully_shard(module, mesh=unit_mesh, mp_policy=precision, offload_policy=offload)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=precision, offload_policy=offload)
     root = root(model)
@@ -177,14 +184,16 @@ class ShardedPolicy:
     """What the FSDP2 actor and reference share: joining the group, loading and sharding, sharded log-probs."""
 
     sequence_parallel = None   # SequenceParallel: this rank's group sharing each packed row (ulysses.py), or None
+    expert_parallel = None     # ExpertParallel: this rank's experts and their groups (expert_parallel.py), or None
 
     def _setup(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, dtype: str,
                kernel_config: KernelConfig | None, device: str, fsdp: FSDPConfig, batching: MicroBatching,
                attn_implementation: str, checkpointing: bool = False, compute_dtype: str | None = None,
-               prepare: Callable[[torch.nn.Module], None] | None = None, sequence_parallel_size: int = 1):
+               prepare: Callable[[torch.nn.Module], None] | None = None, sequence_parallel_size: int = 1,
+               expert_parallel_size: int = 1):
         """The model loaded in `dtype`; forward and backward in compute_dtype (default: the same). `prepare(model)`
         runs on the whole model before sharding (the actor's LoRA adapters go in there). sequence_parallel_size:
-        actor.ulysses_sequence_parallel_size."""
+        actor.ulysses_sequence_parallel_size; expert_parallel_size: actor.expert_parallel_size (the actor's)."""
         self.rank, self.world_size, self.device = rank, world_size, device
         mesh = init_distributed(rank, world_size, master_addr, master_port, device, fsdp.mesh_shape(world_size))
         # the rows are shared by data rank: every rank of a sequence group gets the same ones
@@ -205,7 +214,13 @@ class ShardedPolicy:
             self.batching = sequence_parallel_batching(self.batching, sequence_parallel_size)
         if checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.root = shard_policy(self.model, mesh, device, fsdp, DTYPES[compute_dtype or dtype])
+        inner_units = ()
+        if expert_parallel_size > 1:
+            self.expert_parallel = ExpertParallel(rank, world_size, expert_parallel_size, device)
+            replicas = self.expert_parallel.replicas
+            inner_units = tuple((module, replicas) for module in self.expert_parallel.shard(self.model))
+        self.root = shard_policy(self.model, mesh, device, fsdp, DTYPES[compute_dtype or dtype],
+                                 inner_units=inner_units)
         self.fsdp = fsdp
         if fsdp.param_offload:  # prepended: the shards return before FSDP's own pre-forward all-gathers them
             self.root.register_forward_pre_hook(self._reload_params, prepend=True)

@@ -72,7 +72,7 @@ def _configs(spec, sharded: bool):
 
 
 def _rank_main(rank, port, device, dtype, offload, model_dir, batches, out_dir, world=WORLD, fsdp_size=-1,
-               specs=CASES, sequence_parallel=1):
+               specs=CASES, sequence_parallel=1, expert_parallel=1, after=None):
     import os
 
     os.environ["LOCAL_RANK"] = str(rank)  # this rank's GPU (under Ray each rank sees only its own)
@@ -85,6 +85,7 @@ def _rank_main(rank, port, device, dtype, offload, model_dir, batches, out_dir, 
     for case, batch in batches.items():
         _, config, loss = _configs(specs[case], sharded=True)
         config.fsdp, config.ulysses_sequence_parallel_size = fsdp, sequence_parallel
+        config.expert_parallel_size = expert_parallel
         actor = FSDPActorWorker(rank, world, "127.0.0.1", port, config, loss, model_dir, dtype, None, 1.0,
                                 device=device)
         assert all(p.dtype == torch.float32 for p in actor.model.parameters())  # the shards: fp32 in every case
@@ -95,7 +96,7 @@ def _rank_main(rank, port, device, dtype, offload, model_dir, batches, out_dir, 
         result["metrics"] = actor.update(batch)
         _offload(actor, fsdp)   # the gradients, full weights and checkpoints below read offloaded shards
         # offloaded shards live on the CPU: to the GPU for NCCL's all-gather (a no-op otherwise)
-        grads = {n: p.grad.to(actor.device).full_tensor().cpu() for n, p in actor.model.named_parameters()}
+        grads = {n: actor.gathered(n, p.grad).cpu() for n, p in actor.model.named_parameters()}
         pushed = actor.full_weights(actor.bucket_names(256)[0])  # the weight push's tensors: model.dtype
         assert all(t.dtype == DTYPES[dtype] for t in pushed.values() if t.is_floating_point())
         # a copy: the step counts are the live tensors, which the load below overwrites in place
@@ -106,6 +107,8 @@ def _rank_main(rank, port, device, dtype, offload, model_dir, batches, out_dir, 
         if config.mini_batch_size == 0:   # one optimizer step: on-policy from the loaded checkpoint
             on_policy = actor.update(batch.exclude("old_logprobs"))
             result.update(on_policy=on_policy and on_policy.pop("old_logprobs"), on_policy_weights=actor.state_dict())
+        if after is not None:   # the caller's checks of the ranks' state, its results beside ours
+            result.update(after(actor, f"{out_dir}/{case}"))
         if rank == 0:
             torch.save(result, f"{out_dir}/{case}.pt")
 
@@ -124,11 +127,13 @@ def _offload(actor, fsdp: FSDPConfig) -> None:
 
 def run_cases(root, device: str, dtype: str = "float32", offload: tuple[str, ...] = (), arch: str = "qwen3",
               cases=tuple(CASES), world: int = WORLD, fsdp_size: int = -1, sequence_parallel: int = 1,
-              embedded: dict | None = None, variant=None) -> dict:
+              embedded: dict | None = None, variant=None, expert_parallel: int = 1, after=None) -> dict:
     """Per case: (the fp32 single process's results, the `world`-rank FSDP2 ones (HSDP with fsdp_size, Ulysses
     groups of `sequence_parallel` ranks) at model.dtype=`dtype` with actor.mixed_precision, the checkpoint the ranks
     loaded), on the embedded model of `arch` (2 layers for a delta-rule arch; `embedded`: other settings of it;
-    `variant(model_dir, root)`: the directory of another model made from it). `cases`: names in CASES, or a dict of
+    `variant(model_dir, root)`: the directory of another model made from it; expert_parallel: actor.expert_parallel_size;
+    `after(actor, directory)`, a module-level function, runs on every rank at the end of each case and returns what
+    rank 0 adds to its results). `cases`: names in CASES, or a dict of
     name: CASES-style entry."""
     specs = cases if isinstance(cases, dict) else {case: CASES[case] for case in cases}
     job = tiny_job(root, model={"embedded": {"arch": arch, "num_layers": 1 if arch == "qwen3" else 2,
@@ -173,7 +178,7 @@ def run_cases(root, device: str, dtype: str = "float32", offload: tuple[str, ...
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     mp.spawn(_rank_main, args=(port, device, dtype, offload, model_dir, batches, str(root), world, fsdp_size,
-                               specs, sequence_parallel), nprocs=world, join=True)
+                               specs, sequence_parallel, expert_parallel, after), nprocs=world, join=True)
     return {case: (single[case], torch.load(root / f"{case}.pt", weights_only=False), states[case])
             for case in specs}
 

@@ -1,0 +1,191 @@
+"""Expert parallelism (actor.expert_parallel_size) over gloo against the single process, fp32, with test_fsdp.py's
+machinery: old and reference log-probs, the update's metrics (loss, gradient norm), every gradient (the experts'
+gathered over the groups), the weights and optimizer state after one or two optimizer steps, a single-process
+checkpoint loaded into the split experts, and an on-policy update from it. Beside that, on every rank: each holds
+only its block of experts (n / E of every layer, the values of that block); its sharded checkpoint loads into the
+single process and its HF export (save_pretrained) reloads as the same weights. Layouts: 2 ranks as one EP group of
+2, and 4 ranks as 2 groups of 2 (the experts FSDP-sharded over the 2 replicas), on the embedded qwen3_moe (4 experts,
+2 per token), and 2 ranks on a transformers Qwen3-MoE of 8 experts, 3 per token, built from a small config. Also the
+config checks, each naming the key, and a 2-step main_grpo run through Ray with EP=2.
+
+Run: `pytest tests/rltrain/workers/test_expert_parallel.py`.
+"""
+
+import os
+import shutil
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+import transformers as tf
+
+from rltrain import trainer as trainer_module
+from rltrain.config import ConfigError
+from rltrain.embedded.model import embedded_policy_dir
+from rltrain.job import load_job_config
+from rltrain.main_grpo import run
+from rltrain.workers.actor import ActorWorker
+from rltrain.workers.actor_config import ActorConfig
+from rltrain.algorithms.config import LossConfig
+from rltrain.workers.expert_parallel import check_model, experts_modules
+from rltrain.workers.policy import load_policy
+from tests.rltrain.tiny_job import compose, tiny_job
+from tests.rltrain.workers.test_fsdp import TOLERANCES, check_case, rel_err, run_cases
+
+# test_fsdp.py's CASES entries: (rows, micro_batch_size, mini_batch_size, loss_agg, kl_coef, gradient checkpointing,
+# packed token budget)
+CASES = {
+    "rows11-micro5-token-mean": (11, 5, 0, "token-mean", 0.0, False, None),   # rank 1: a padding micro-batch
+    "rows12-packed40-mini7-seq-mean-token-mean-kl": (12, 0, 7, "seq-mean-token-mean", 0.1, False, 40),  # 2 steps
+    "rows8-micro3-token-mean-checkpointing": (8, 3, 0, "token-mean", 0.0, True, None),  # all-to-alls recomputed
+}
+MOE = {"arch": "qwen3_moe"}
+
+
+def ep_state(actor, directory: str) -> dict:
+    """On every rank: its experts are its block of the gathered ones; a checkpoint and an HF export for the single
+    process to read back."""
+    ep = actor.expert_parallel
+    full = actor.state_dict()   # a collective; rank 0's
+    holder = [full]
+    dist.broadcast_object_list(holder, src=0)
+    for name, param in actor.model.named_parameters():
+        if name in ep.names:
+            per_rank = param.shape[0]   # over the replicas: this group member's experts
+            whole = holder[0][name]
+            assert per_rank * ep.size == whole.shape[0], name
+            assert torch.equal(param.full_tensor().cpu(), whole[ep.index * per_rank:(ep.index + 1) * per_rank]), name
+    assert ep.names and len(ep.names) == 2 * len(experts_modules(actor.model))
+    os.makedirs(f"{directory}-ep", exist_ok=True)
+    actor.save_checkpoint(f"{directory}-ep", save_hf=True)
+    return {"final_weights": full}
+
+
+def check(single, sharded, checkpoint):
+    """check_case without actor/router_*: each rank's routers measure their own micro-batches (as under FSDP2 without
+    EP: the routers run before the exchange), which differ from the single process's."""
+    metrics = {k: v for k, v in single["metrics"].items() if not k.startswith("actor/router_")}
+    assert len(metrics) < len(single["metrics"])
+    check_case(dict(single, metrics=metrics), sharded, checkpoint, TOLERANCES["cpu"])
+
+
+def check_read_back(results, root, case: str):
+    """The single process loads the EP ranks' checkpoint and their HF export: the ranks' gathered weights."""
+    _, sharded, _ = results[case]
+    config = ActorConfig(torch_threads=1)
+    model_dir = str(root / "hf-of-ep")
+    shutil.copytree(root / f"{case}-ep" / "hf", model_dir)
+    actor = ActorWorker(config, LossConfig(), model_dir, "float32", None, temperature=1.0)
+    for name, value in sharded["final_weights"].items():
+        assert torch.equal(actor.state_dict()[name], value), name   # the export
+    actor.load_checkpoint(str(root / f"{case}-ep"))
+    for name, value in sharded["final_weights"].items():
+        assert torch.equal(actor.state_dict()[name], value), name   # the sharded checkpoint
+
+
+@pytest.fixture(scope="module")
+def ep2_results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep2")
+    return root, run_cases(root, "cpu", cases=CASES, arch="qwen3_moe", embedded=MOE, expert_parallel=2,
+                           after=ep_state)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_parallel_2_ranks_matches_single_process(ep2_results, case):
+    root, results = ep2_results
+    check(*results[case])
+    if case == "rows11-micro5-token-mean":
+        check_read_back(results, root, case)
+
+
+def test_expert_parallel_2_groups_of_2_matches_single_process(tmp_path):
+    """4 ranks: 2 EP groups whose experts modules are FSDP2 units over the 2 replicas (gradients summed there)."""
+    cases = {case: CASES[case] for case in ("rows12-packed40-mini7-seq-mean-token-mean-kl",)}
+    results = run_cases(tmp_path, "cpu", cases=cases, arch="qwen3_moe", embedded=MOE, world=4, expert_parallel=2,
+                        after=ep_state)
+    for case in cases:
+        check(*results[case])
+
+
+def wide_moe_variant(model_dir: str, root) -> str:
+    """A transformers Qwen3-MoE of 8 experts, 3 per token, unnormalised top-k, drawn afresh (tokenizer kept)."""
+    out = root / "wide-moe"
+    shutil.copytree(model_dir, out)
+    config = tf.AutoConfig.from_pretrained(model_dir)
+    config.num_experts, config.num_experts_per_tok, config.norm_topk_prob = 8, 3, False
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    return str(out)
+
+
+def test_expert_parallel_transformers_qwen3_moe_matches_single_process(tmp_path):
+    cases = {case: CASES[case] for case in ("rows11-micro5-token-mean",)}
+    results = run_cases(tmp_path, "cpu", cases=cases, arch="qwen3_moe", embedded=MOE, expert_parallel=2,
+                        variant=wide_moe_variant, after=ep_state)
+    for case in cases:
+        check(*results[case])
+        assert rel_err(results[case][1]["grads"]["model.layers.0.mlp.experts.down_proj"],
+                       results[case][0]["grads"]["model.layers.0.mlp.experts.down_proj"]) < 1e-5
+
+
+def test_trainer_runs_the_actor_expert_parallel(tmp_path, monkeypatch):
+    """main_grpo through Ray on 2 CPU ranks with actor.strategy=fsdp2 and expert_parallel_size=2 (KL on: the
+    reference FSDP2 beside it): 2 steps, each pushing the gathered experts to the rollout engine."""
+    started, start_role = {}, trainer_module.start_role
+
+    def record(cls, *args, **kwargs):
+        started[cls.__name__] = getattr(kwargs.get("config"), "expert_parallel_size", None)
+        return start_role(cls, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "start_role", record)
+    job = tiny_job(tmp_path / "run", trainer={"n_gpus_per_node": 2}, model={"embedded": MOE},
+                   actor={"strategy": "fsdp2", "expert_parallel_size": 2}, algorithm={"loss": {"kl_coef": 0.05}})
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        assert run(job)["step"] == 2
+    finally:
+        ray.shutdown()
+    assert started["FSDPActorWorker"] == 2 and "FSDPReferenceWorker" in started
+
+
+FSDP2 = "trainer.device=cpu trainer.n_gpus_per_node=4 ray.num_cpus=4 actor.strategy=fsdp2 model.embedded.arch=qwen3_moe "
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ("actor.expert_parallel_size=2", "actor.expert_parallel_size: > 1 needs actor.strategy=fsdp2 (got 'single')"),
+    (FSDP2 + "actor.expert_parallel_size=0", "actor.expert_parallel_size: must be >= 1"),
+    (FSDP2 + "actor.expert_parallel_size=3", "actor.expert_parallel_size: must divide trainer.nnodes × "
+     "trainer.n_gpus_per_node = 4"),
+    (FSDP2 + "actor.expert_parallel_size=2 model.embedded.arch=qwen3", "actor.expert_parallel_size: > 1 splits a "
+     "mixture-of-experts policy's experts; this policy is dense"),
+    (FSDP2 + "actor.expert_parallel_size=2 actor.lora.rank=8", "actor.expert_parallel_size: > 1 is not supported "
+     "with actor.lora"),
+    (FSDP2 + "actor.expert_parallel_size=2 actor.ulysses_sequence_parallel_size=2", "actor.expert_parallel_size: > 1 "
+     "is not supported with actor.ulysses_sequence_parallel_size > 1"),
+    (FSDP2 + "actor.expert_parallel_size=2 actor.fsdp.fsdp_size=2", "actor.expert_parallel_size: > 1 is not "
+     "supported with HSDP"),
+], ids=["single", "zero", "ranks", "dense", "lora", "ulysses", "hsdp"])
+def test_config_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        load_job_config(compose(*overrides.split()))
+
+
+def test_valid_config_loads():
+    job = load_job_config(compose(*(FSDP2 + "actor.expert_parallel_size=4").split()))
+    assert job.actor.expert_parallel_size == 4
+
+
+def test_model_checks_name_the_key(tmp_path):
+    """The expert count (known once the model loads) and a dense checkpoint."""
+    job = tiny_job(tmp_path, model={"embedded": MOE})
+    moe = load_policy(str(embedded_policy_dir(job.trainer.output_dir, job.model.embedded, job.data.task, 0)),
+                      "float32", None, "cpu", "auto")
+    assert len(check_model(moe, 4)) == moe.config.num_hidden_layers
+    with pytest.raises(ConfigError, match=r"^actor.expert_parallel_size: 8 must divide .*'qwen3_moe'.*'s 4 experts"):
+        check_model(moe, 8)
+    dense = tiny_job(tmp_path / "dense", model={"embedded": {"arch": "qwen3"}})
+    model = load_policy(str(embedded_policy_dir(dense.trainer.output_dir, dense.model.embedded, dense.data.task, 0)),
+                        "float32", None, "cpu", "auto")
+    with pytest.raises(ConfigError, match=r"^actor.expert_parallel_size: .*'qwen3'.* no stacked experts"):
+        check_model(model, 2)
