@@ -17,11 +17,13 @@ the engine lock, which every generation holds too, so a push never races a gener
 under the same lock on the newest version (`with_weights`). The trainer checks every batch's lag against the mode's
 bound (`check_lag`) and logs rollout/version_lag_mean and _max; batch["weight_version"] holds each response's version.
 
-Partial rollouts (rollout.partial, async only). A batch is generated in segments of rollout.partial_segment_tokens
-new tokens (`generate_in_segments`); between two segments the producer loads the newest published version if the
-engines hold an older one (`RolloutProducer.refresh`, under the engine lock it already holds), and the unfinished
-responses continue from their prompt + the tokens so far on the new weights (prefilled again; vLLM's prefix
-cache spares that between segments with no push between them).
+Partial rollouts (rollout.partial, async only): a push reaches the generation in flight. On the vllm engine
+(rollout.mode=async) every response is one request that runs until it ends; while they run, the replicas' wait calls
+`RolloutProducer.refresh` (under the engine lock the producer holds), whose load of a newer version aborts the requests
+in flight, and the update's finish resumes them as prompt + tokens so far on the new weights
+(rltrain/workers/interruptible.py, RolloutReplicas.generate_partial). The hf engine has no async engine: a batch is
+generated in segments of rollout.partial_segment_tokens new tokens (`generate_in_segments`), refresh() loading the
+newest version between two segments, and the unfinished responses continue from their prompt + the tokens so far.
 batch["token_versions"] [B, R] holds the version that sampled each token (0 past a response's end), and
 rollout_logprobs are each token's under that version: the behaviour policy the off-policy corrections need, token by
 token. weight_version is then a response's oldest token's version, which the bound k applies to (newer tokens lag
@@ -187,8 +189,9 @@ class ProducedBatch:
 
 class RolloutProducer:
     """Generates steps[0], steps[1], ... in order on a thread of its own. generate(step) -> ProducedBatch (the
-    trainer's sampling, rollout and scoring of that step); load_weights(snapshot) -> seconds, into the engines.
-    generate may call refresh() between the segments of a partial rollout (the newest weights, loaded).
+    trainer's sampling, rollout and scoring of that step); load_weights(snapshot, version) -> seconds, into the engines.
+    generate may call refresh() during a partial rollout (the newest weights, loaded: vLLM's requests in flight are
+    aborted and resumed on them, the hf engine's next segment starts on them).
     The trainer calls publish(version, snapshot) after each update, take(step) for each step's batch,
     with_weights(version, fn) to run fn on the engines with that version loaded, and stop() at the end."""
 
@@ -259,7 +262,7 @@ class RolloutProducer:
             return 0.0
         with self._cond:
             snapshot = self._snapshots[version]
-        seconds = self.load_weights(snapshot)
+        seconds = self.load_weights(snapshot, version)
         self._loaded = version
         return seconds
 
@@ -270,7 +273,7 @@ class RolloutProducer:
             newest = self._published
             snapshot = self._snapshots[newest] if newest > self._loaded else None
         if snapshot is not None:
-            self._refresh_s += self.load_weights(snapshot)
+            self._refresh_s += self.load_weights(snapshot, newest)
             self._loaded = newest
         return self._loaded
 

@@ -254,7 +254,8 @@ class GRPOTrainer(TrainerCheckpoints):
 
     def _generate(self, rows, n: int, temperature: float, seed: int, timer: StepTimer, refresh=None):
         """(batch, what _score needs besides it) for n responses per row. refresh: rollout.partial's
-        RolloutProducer.refresh (training batches): generate in segments, newer weights loaded between them
+        RolloutProducer.refresh (training batches): newer weights loaded during the generation, which the vllm engine
+        aborts and resumes (rltrain/workers/interruptible.py) and the hf engine generates in segments for
         (rltrain/async_rollout.py)."""
         ids, mask = encode_prompts(rows, self.tokenizer, self.tools)
         with timer.phase("rollout"):
@@ -270,9 +271,12 @@ class GRPOTrainer(TrainerCheckpoints):
                     return version
 
                 rollout = self.job.rollout
-                batch = generate_in_segments(self.rollout.generate, timed_refresh, ids, mask, n, temperature, seed,
-                                             rollout.max_new_tokens, rollout.partial_segment_tokens,
-                                             self.tokenizer.pad_token_id)
+                if rollout.engine == "vllm":   # the async engine: a push aborts the requests in flight and resumes them
+                    batch = self.rollout.generate_partial(ids, mask, n, temperature, seed, timed_refresh)
+                else:   # the hf engine has no async engine: segments, newer weights loaded between them
+                    batch = generate_in_segments(self.rollout.generate, timed_refresh, ids, mask, n, temperature,
+                                                 seed, rollout.max_new_tokens, rollout.partial_segment_tokens,
+                                                 self.tokenizer.pad_token_id)
         timer.count("rollout_tokens", batch["response_mask"].sum().item())
         response_rows = [row for row in rows for _ in range(n)]
         messages = batch.pop("messages").tolist() if "messages" in batch.keys() else None  # multi-turn episodes

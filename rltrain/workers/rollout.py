@@ -72,8 +72,8 @@ class RolloutConfig:
     replicas: int = 1              # CPU runs: rollout engines, each a process with its own CPU (GPU: set by the above)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)  # tool-using episodes: agent_loop.py
     placement: str = "colocated"   # colocated (share the actor's GPUs, take turns) | separate (devices of their own)
-    partial: bool = False          # trainer.mode=async: a weight push interrupts generations (rltrain/async_rollout.py)
-    partial_segment_tokens: int = 16  # partial: new tokens per segment; newer weights load between segments
+    partial: bool = False          # trainer.mode=async: a weight push interrupts generations (vllm: interruptible.py)
+    partial_segment_tokens: int = 16  # partial with engine=hf: new tokens per segment; newer weights load between them
 
     def validate(self):
         require(self.engine in ENGINES, "engine", f"must be one of {', '.join(ENGINES)}", self.engine)
@@ -91,8 +91,12 @@ class RolloutConfig:
                 f"engine={self.engine}, mode={self.mode}")
         require(self.partial_segment_tokens >= 1, "partial_segment_tokens", "must be >= 1",
                 self.partial_segment_tokens)
+        # vLLM aborts and resumes requests only on its async engine; the segment loop stays the hf engine's
+        require(not (self.partial and self.engine == "vllm" and self.mode != "async"), "partial", "with "
+                "rollout.engine=vllm needs rollout.mode=async (a weight push aborts the requests in flight on vLLM's "
+                "async engine and resumes them on the new weights)", self.partial)
         require(not (self.partial and self.stop), "partial", "cannot be combined with rollout.stop (a stop string "
-                "could straddle two segments and go unseen)", self.partial)
+                "could straddle an interruption, two segments or an abort and its resumption, and go unseen)", self.partial)
         require(not (self.partial and self.multi_turn.enabled), "partial", "cannot be combined with "
                 "rollout.multi_turn.enabled (an episode's turns are not split into segments)", self.partial)
         # vllm: a turn that ends at a stop string has no <eos>, and tensor-parallel ranks would each call the tools
@@ -155,13 +159,24 @@ class RolloutWorker:
                  rows: list[dict] | None = None) -> TensorDict:
         """n responses per prompt, grouped consecutively; group_ids[i] = index of the prompt (in this call).
         first_prompt: where these prompts start in the step's batch (their seeds: response_seeds). max_new_tokens:
-        this call's limit instead of rollout.max_new_tokens (a segment of a partial rollout). rows: the prompts' data
-        rows, for an environment or agent (rollout.multi_turn.env, .agent)."""
+        this call's limit instead of rollout.max_new_tokens (the hf engine's segments of a partial rollout; vllm's
+        abort and resume instead: generate_partial). rows: the prompts' data rows, for an environment or agent
+        (rollout.multi_turn.env, .agent)."""
         if max_new_tokens is not None:
+            if not isinstance(self.engine, HFEngine):
+                raise ValueError("generate(max_new_tokens=...): segments are the hf engine's partial rollouts; the "
+                                 "vllm engine's are generate_partial (rollout.mode=async)")
             return self.engine.generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt, max_new_tokens)
         if self.agent_loop is not None:
             return self.agent_loop.generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt, rows)
         return self.engine.generate(prompt_ids, prompt_mask, n, temperature, seed, first_prompt)
+
+    def generate_partial(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
+                         seed: int, first_prompt: int, version: int) -> TensorDict:
+        """rollout.partial on the async engine: generate()'s responses, each token stamped with the version that
+        sampled it (token_versions); a weight update meanwhile (another thread of this actor) aborts and resumes
+        them (rltrain/workers/interruptible.py). version: what the engine holds now."""
+        return self.engine.generate_partial(prompt_ids, prompt_mask, n, temperature, seed, first_prompt, version)
 
     def device_info(self):
         """This process's GPU (uuid, name), or None on CPU: the weight push pairs it with an actor rank by uuid."""
@@ -184,8 +199,13 @@ class RolloutWorker:
             torch.cuda.synchronize()
         return route
 
-    def finish_weight_update(self) -> None:
-        self.engine.finish_weight_update()
+    def finish_weight_update(self, version: int | None = None) -> None:
+        """version (trainer.mode=async's snapshots): the weights' version, which the async engine stamps on the tokens
+        of the partial rollouts it resumes."""
+        if isinstance(self.engine, AsyncVLLMEngine):
+            self.engine.finish_weight_update(version)
+        else:
+            self.engine.finish_weight_update()
 
     def sleep(self) -> None:
         """Colocated mode: free the engine's memory while the actor trains (vLLM on GPU; a no-op otherwise)."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 
 import ray
 import torch
@@ -47,6 +48,8 @@ from rltrain.workers.lora import LoraConfig
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 
 logger = logging.getLogger(__name__)
+
+PARTIAL_POLL_S = 0.05   # rollout.partial: how often a generation in flight checks for newer weights
 
 
 def replica_bundles(world_size: int, tensor_parallel_size: int, replicas: int, device: str) -> list[list[int | None]]:
@@ -115,7 +118,10 @@ class RolloutReplicas:
             config = dataclasses.replace(config, torch_threads=threads)
         extra = sum(bundle is None for bundles in layout for bundle in bundles)
         self.extra_cpus = reserve_cpus(extra, placement.world_size, len(layout), timeout_s) if extra else None
-        worker, next_extra = ray.remote(RolloutWorker), 0
+        # rollout.partial on the async engine: a weight update arrives while generate_partial runs, on a second thread
+        interruptible = config.partial and config.engine == "vllm" and config.mode == "async"
+        worker = ray.remote(max_concurrency=2)(RolloutWorker) if interruptible else ray.remote(RolloutWorker)
+        next_extra = 0
         self.replicas: list[list[ray.actor.ActorHandle]] = []
         for bundles in layout:
             rendezvous = None
@@ -149,8 +155,8 @@ class RolloutReplicas:
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
                  seed: int, max_new_tokens: int | None = None, rows: list[dict] | None = None) -> TensorDict:
         """n responses per prompt, grouped consecutively in prompt order; group_ids[i] = index of the prompt.
-        max_new_tokens: this call's limit instead of rollout.max_new_tokens (a partial rollout's segment); rows: the
-        prompts' data rows, for an environment (split with the prompts)."""
+        max_new_tokens: this call's limit instead of rollout.max_new_tokens (the hf engine's partial segments);
+        rows: the prompts' data rows, for an environment (split with the prompts)."""
         calls = []
         for (start, stop), processes in zip(split_prompts(prompt_ids.shape[0], len(self.replicas)), self.replicas):
             if stop > start:
@@ -161,6 +167,28 @@ class RolloutReplicas:
         results = ray.get([ref for refs in calls for ref in refs])  # submitted together: the replicas run at once
         per_replica = len(calls[0])
         batch = concat_batches(results[::per_replica])
+        batch["group_ids"] = group_ids(batch.batch_size[0], n)
+        return batch
+
+    def generate_partial(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
+                         seed: int, refresh: Callable[[], int]) -> TensorDict:
+        """rollout.partial on the async engine: generate()'s batch plus token_versions, every response one request
+        that runs until it ends. refresh() -> the version the engines hold, loading newer weights first if any are
+        out (RolloutProducer.refresh): called before the requests start and every PARTIAL_POLL_S while they run, so
+        that a push aborts them and they resume on the new weights (rltrain/workers/interruptible.py)."""
+        version, calls = refresh(), []
+        for (start, stop), processes in zip(split_prompts(prompt_ids.shape[0], len(self.replicas)), self.replicas):
+            if stop > start:
+                calls.append([p.generate_partial.remote(prompt_ids[start:stop], prompt_mask[start:stop], n,
+                                                        temperature, seed, start, version) for p in processes])
+        refs = [ref for refs in calls for ref in refs]
+        pending = refs
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=PARTIAL_POLL_S)
+            if pending:
+                refresh()
+        results = ray.get(refs)
+        batch = concat_batches(results[::len(calls[0])])
         batch["group_ids"] = group_ids(batch.batch_size[0], n)
         return batch
 
@@ -180,8 +208,9 @@ class RolloutReplicas:
         """Process j loads buckets[j] (an actor rank's ExportedBucket); the routes taken, "ipc" or "host"."""
         return ray.get([process.load_bucket.remote(bucket) for process, bucket in zip(self.processes, buckets)])
 
-    def finish_weight_update(self) -> None:
-        self._on_every_process("finish_weight_update")
+    def finish_weight_update(self, version: int | None = None) -> None:
+        """version: the weights' (trainer.mode=async's snapshots), for partial rollouts' token versions."""
+        self._on_every_process("finish_weight_update", version)
 
     def kill(self) -> None:
         for process in self.processes:

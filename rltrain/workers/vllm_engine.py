@@ -256,15 +256,14 @@ class VLLMEngine:
         return [out.outputs[0] for out in outputs]
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, temperature: float,
-                 seed: int, first_prompt: int = 0, max_new_tokens: int | None = None) -> TensorDict:
-        """max_new_tokens: this call's limit instead of rollout.max_new_tokens (a partial rollout's segment, whose
-        continuation arrives as prompt + tokens so far: vLLM's prefix cache serves the prefill)."""
+                 seed: int, first_prompt: int = 0) -> TensorDict:
+        """n responses per prompt of at most rollout.max_new_tokens (partial rollouts: the async engine's
+        generate_partial, rltrain/workers/vllm_async.py)."""
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
         seeds = response_seeds(seed, first_prompt * n, prompt_ids.shape[0])
         contexts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
-        limit = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
-        completions = self.sample(contexts, [limit] * len(contexts), temperature, seeds)
+        completions = self.sample(contexts, [self.config.max_new_tokens] * len(contexts), temperature, seeds)
         size = len(completions)
         response_ids = right_pad([list(c.token_ids) for c in completions], self.pad_token_id, torch.long)
         response_mask = right_pad([[1] * len(c.token_ids) for c in completions], 0, torch.long)

@@ -275,11 +275,13 @@ class WeightPush:
         ray.wait(refs, num_returns=len(refs), fetch_local=False)
         return refs
 
-    def load_snapshot(self, refs: list) -> float:
-        """A snapshot() into every rollout process, bucket by bucket; returns the seconds it took."""
+    def load_snapshot(self, refs: list, version: int) -> float:
+        """A snapshot() of weight version `version` into every rollout process, bucket by bucket; returns the
+        seconds it took. With partial rollouts on the async engine this may land during a generation, which the
+        update's begin aborts and its finish resumes."""
         start = time.monotonic()
         self.rollout.begin_weight_update()
         for ref in refs:
             self.rollout.load_buckets([ref] * len(self.sources))
-        self.rollout.finish_weight_update()
+        self.rollout.finish_weight_update(version)
         return time.monotonic() - start

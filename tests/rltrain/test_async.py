@@ -62,7 +62,8 @@ class FakeEngines:
         batch = TensorDict({"rewards": torch.zeros(4)}, batch_size=[4])
         return ProducedBatch(step, batch, [], 0, 1, {"rollout": 0.0}, {}, {"index": step})
 
-    def load(self, snapshot) -> float:
+    def load(self, snapshot, version: int) -> float:
+        assert snapshot == version   # _train publishes each version's number as its snapshot
         with self._exclusive():
             time.sleep(self.random.uniform(0, self.seconds / 4))
             self.held = snapshot
@@ -116,7 +117,7 @@ def test_producer_errors_reach_the_trainer():
     def generate(step):
         raise ValueError("engine died")
 
-    producer = RolloutProducer(generate, lambda snapshot: 0.0, range(1, 3), 0, "async", 2).start()
+    producer = RolloutProducer(generate, lambda snapshot, version: 0.0, range(1, 3), 0, "async", 2).start()
     with pytest.raises(RuntimeError, match="rollout producer failed") as err:
         producer.take(1)
     assert isinstance(err.value.__cause__, ValueError)

@@ -311,6 +311,21 @@ def test_async_rollout_mode_needs_the_vllm_engine(monkeypatch):
     assert load_job_config(_compose(*gpus)).rollout.mode == "async"
 
 
+def test_partial_rollouts_on_vllm_need_the_async_engine(monkeypatch):
+    """rollout.partial aborts and resumes requests on vLLM's async engine; the segment loop is the hf engine's."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    partial = ("trainer.mode=async", "rollout.placement=separate", "rollout.partial=true")
+    with pytest.raises(ConfigError, match=r"^rollout.partial: with rollout.engine=vllm needs rollout.mode=async .*"
+                                          r"\(got True\)$"):
+        load_job_config(_compose(*partial, "rollout.engine=vllm"))
+    assert load_job_config(_compose(*partial, "rollout.engine=vllm", "rollout.mode=async")).rollout.partial
+    assert load_job_config(_compose(*partial, "rollout.engine=hf")).rollout.partial
+
+
 @pytest.mark.parametrize("overrides, message", [
     ("trainer.device=cpu rollout.replicas=64 ray.num_cpus=2",
      "rollout.replicas: each CPU replica holds a CPU, and ray.num_cpus = 2 (got 64)"),

