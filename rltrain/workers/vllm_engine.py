@@ -182,16 +182,14 @@ class VLLMEngine:
                            "memory while the actor trains", current_platform.device_type or device)
         kv_cache = None if config.kv_cache_gb is None else int(config.kv_cache_gb * 2**30)
         # generation_config="vllm": the checkpoint's sampling defaults are not applied (sampling is rollout.*'s)
-        self.llm = self._start(dict(
+        engine_args = dict(
             model=model_path, dtype=dtype, seed=0, logprobs_mode="processed_logprobs", generation_config="vllm",
             enforce_eager=config.enforce_eager, gpu_memory_utilization=config.gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache, enable_sleep_mode=self.sleeps, worker_extension_cls=EXTENSION,
             tensor_parallel_size=tp, distributed_executor_backend="uni" if tp == 1 else "external_launcher",
             disable_custom_all_reduce=tp > 1,  # its peer check indexes the other ranks' GPUs
-            disable_log_stats=True, **(engine_lora_args(lora) if lora is not None else {}),
-            # CPU: a seeded request's chunked prefill rewinds its torch.Generator's offset, which CPU generators lack
-            # (RuntimeError once a step's prompts pass one engine step's tokens): prefill each prompt whole
-            **({"enable_chunked_prefill": False} if current_platform.is_cpu() else {})))
+            disable_log_stats=True, **(engine_lora_args(lora) if lora is not None else {}))
+        self.llm = self._start_whole_prefills(engine_args) if current_platform.is_cpu() else self._start(engine_args)
         self.adapter = None
         if lora is not None:
             architecture, taken = self._rpc("rltrain_lora_modules")[0]
@@ -206,6 +204,19 @@ class VLLMEngine:
                     "off" if lora is None else f"rank {lora.rank} (vLLM max_lora_rank {max_lora_rank(lora.rank)})")
 
     # ---------------------------------------------------------------- what the async engine (vllm_async.py) replaces
+    def _start_whole_prefills(self, engine_args: dict):
+        """CPU: each prompt prefilled whole. A seeded request's chunked prefill rewinds its torch.Generator's offset,
+        which CPU generators lack (RuntimeError once a step's prompts pass one engine step's tokens); vLLM keeps
+        chunked prefill for models that need it (hybrid layers' state caching), which then say so in one line."""
+        try:
+            return self._start({**engine_args, "enable_chunked_prefill": False})
+        except ValueError as err:
+            if "Chunked prefill is required" not in str(err):
+                raise
+        logger.warning("vLLM on CPU needs chunked prefill for %s: a step whose prompts pass one engine step's tokens "
+                       "may fail in its seeded sampler", engine_args["model"])
+        return self._start(engine_args)
+
     def _start(self, engine_args: dict):
         import vllm  # optional: the vllm extra
 
