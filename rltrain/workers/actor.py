@@ -14,8 +14,8 @@ gains coef × the exact reverse KL to it (linear_kl_div from both models' hidden
 FSDPActorWorker is the same role sharded over the ranks of a WorkerGroup (actor.strategy=fsdp2;
 rltrain/workers/fsdp.py), with actor.ulysses_sequence_parallel_size > 1 also splitting each packed row's tokens over
 groups of ranks (rltrain/workers/ulysses.py), and actor.expert_parallel_size > 1 splitting an MoE policy's experts
-over groups of ranks (rltrain/workers/expert_parallel.py). The `actor.*` config: rltrain/workers/actor_config.py; checkpoints:
-rltrain/workers/actor_checkpoint.py."""
+over groups of ranks (rltrain/workers/expert_parallel.py). The `actor.*` config: rltrain/workers/actor_config.py;
+checkpoints: rltrain/workers/actor_checkpoint.py."""
 
 from __future__ import annotations
 

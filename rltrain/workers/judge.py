@@ -58,7 +58,7 @@ class JudgeConfig:
     micro_batch_size: int = 8        # hf: conversations per forward / generate call
     timeout_s: float = 600.0         # one batch's verdicts; past it every sample scores 0 (and counts as failed)
     placement: str = "colocated"     # colocated (a share of the first model-role GPU) | separate (a GPU of its own)
-    gpu_memory_utilization: float | None = None  # vllm: its GPU's share for weights + KV cache; null = 0.2 colocated, 0.85 separate
+    gpu_memory_utilization: float | None = None  # vllm: its GPU's share (weights + KV cache); null = memory_share
     kv_cache_gb: float | None = None     # vllm: KV cache size in GiB; null = from gpu_memory_utilization (CPU: set it)
     enforce_eager: bool = False          # vllm: no CUDA graphs (starts faster)
 

@@ -9,9 +9,9 @@ conversations at once with its prefix cache (every prompt of a step shares the t
   neither among them fails.
 - `score`: greedy replies of up to max_new_tokens, parsed as the transformers judge parses them.
 
-The engine holds `reward.judge.gpu_memory_utilization` of its GPU (JudgeConfig.memory_share: by default 0.2 colocated, 0.85
-on a GPU of its own; weights and KV cache; on CPU `kv_cache_gb`) for
-the whole run: the judge does not sleep while the actor trains.
+The engine holds `reward.judge.gpu_memory_utilization` of its GPU (JudgeConfig.memory_share: by default 0.2 beside
+the model roles, 0.85 of a GPU of its own; weights and KV cache; on CPU `kv_cache_gb`) for the whole run: the judge
+does not sleep while the actor trains.
 """
 
 from __future__ import annotations

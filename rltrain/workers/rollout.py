@@ -96,7 +96,8 @@ class RolloutConfig:
                 "rollout.engine=vllm needs rollout.mode=async (a weight push aborts the requests in flight on vLLM's "
                 "async engine and resumes them on the new weights)", self.partial)
         require(not (self.partial and self.stop), "partial", "cannot be combined with rollout.stop (a stop string "
-                "could straddle an interruption, two segments or an abort and its resumption, and go unseen)", self.partial)
+                "could straddle an interruption, two segments or an abort and its resumption, and go unseen)",
+                self.partial)
         require(not (self.partial and self.multi_turn.enabled), "partial", "cannot be combined with "
                 "rollout.multi_turn.enabled (an episode's turns are not split into segments)", self.partial)
         # vllm: a turn that ends at a stop string has no <eos>, and tensor-parallel ranks would each call the tools

@@ -149,7 +149,8 @@ def test_trainer_runs_the_actor_expert_parallel(tmp_path, monkeypatch):
     assert started["FSDPActorWorker"] == 2 and "FSDPReferenceWorker" in started
 
 
-FSDP2 = "trainer.device=cpu trainer.n_gpus_per_node=4 ray.num_cpus=4 actor.strategy=fsdp2 model.embedded.arch=qwen3_moe "
+FSDP2 = ("trainer.device=cpu trainer.n_gpus_per_node=4 ray.num_cpus=4 actor.strategy=fsdp2 "
+         "model.embedded.arch=qwen3_moe ")
 
 
 @pytest.mark.parametrize("overrides, message", [
