@@ -49,12 +49,18 @@ def metric_records(output_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def record_started_roles(monkeypatch) -> list[str]:
+def record_started_roles(monkeypatch, placements: dict | None = None) -> list[str]:
     """The class names the trainer starts roles with (rltrain.trainer.start_role; the reward worker aside), and
-    the rollout replicas' as RolloutWorker×<processes>."""
+    the rollout replicas' as RolloutWorker×<processes>; `placements` gets each role's Placement by class name."""
     started, start_role, replicas = [], trainer_module.start_role, trainer_module.RolloutReplicas
-    monkeypatch.setattr(trainer_module, "start_role", lambda cls, *args, **kwargs: (
-        started.append(cls.__name__), start_role(cls, *args, **kwargs))[1])
+
+    def start(cls, placement, *args, **kwargs):
+        started.append(cls.__name__)
+        if placements is not None:
+            placements[cls.__name__] = placement
+        return start_role(cls, placement, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "start_role", start)
 
     def start_replicas(*args, **kwargs):
         handle = replicas(*args, **kwargs)

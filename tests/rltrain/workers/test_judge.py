@@ -12,14 +12,13 @@ import pytest
 import ray
 import torch
 
-from rltrain import trainer as trainer_module
 from rltrain.config import ConfigError
 from rltrain.main_grpo import run
 from rltrain.rewards.combine import score_batch
 from rltrain.rewards.health import RewardStats
 from rltrain.workers.judge import DEFAULT_TEMPLATE, NO, YES, JudgeConfig, JudgeWorker, first_token_ids, parse_score
 from tests.fixtures.releases import build_release
-from tests.rltrain.tiny_job import tiny_job
+from tests.rltrain.tiny_job import record_started_roles, tiny_job
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "rewards"
 PROMPTS = ["What is 12 + 7?", [{"role": "user", "content": "What is 3 * 4?"}], "Name a colour."]
@@ -98,9 +97,8 @@ def test_the_trainer_adds_the_judges_scores(tmp_path, ray_session, monkeypatch):
     """The policy as its own judge (the embedded model: yes_no over its char tokenizer's Y / N), the function's reward
     weighted 0: the train reward is the judge's score, here from a CPU of the judge's own (placement=separate); a
     timeout too short for any verdict scores every sample 0."""
-    placements, start_role = {}, trainer_module.start_role
-    monkeypatch.setattr(trainer_module, "start_role", lambda cls, placement, *args, **kwargs: (
-        placements.setdefault(cls.__name__, placement), start_role(cls, placement, *args, **kwargs))[1])
+    placements = {}
+    record_started_roles(monkeypatch, placements)
     out = tmp_path / "run"
     run(tiny_job(out, reward={"judge": {"path": "policy", "rule_weight": 0.0, "weight": 1.0,
                                         "placement": "separate"}}))

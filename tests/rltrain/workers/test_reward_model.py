@@ -22,7 +22,6 @@ import torch
 import torch.multiprocessing as mp
 import transformers as tf
 
-from rltrain import trainer as trainer_module
 from rltrain.config import ConfigError, from_mapping
 from rltrain.main_grpo import run
 from rltrain.workers.reward import RewardConfig
@@ -30,7 +29,7 @@ from rltrain.workers.fsdp import FSDPConfig
 from rltrain.workers.packing import balanced_groups
 from rltrain.workers.reward_model import FSDPRewardModelWorker, RewardModelConfig, RewardModelWorker
 from tests.fixtures.releases import build_release
-from tests.rltrain.tiny_job import metric_records, tiny_job
+from tests.rltrain.tiny_job import metric_records, record_started_roles, tiny_job
 
 
 def _classifier(path: Path, num_labels: int = 1) -> str:
@@ -165,15 +164,15 @@ def test_two_steps_with_a_reward_model_log_both_parts(tmp_path, classifier, ray_
                                                       placement):
     """Colocated, the reward model takes the actor's strategy and bundles; separate, two CPUs of its own (FSDP2 over
     them), released at the end."""
-    started, start_role = [], trainer_module.start_role
-    monkeypatch.setattr(trainer_module, "start_role", lambda cls, placement, *args, **kwargs: (
-        started.append((cls.__name__, placement)), start_role(cls, placement, *args, **kwargs))[1])
+    placements = {}
+    started = record_started_roles(monkeypatch, placements)
     own = dict(placement="separate", n_gpus=2) if placement == "separate" else {}
     job = tiny_job(tmp_path / "run", reward={"model": {"path": classifier, "weight": 0.5, "rule_weight": 2.0, **own}},
                    actor={"strategy": strategy}, trainer={"n_gpus_per_node": 2 if strategy == "fsdp2" else 1})
     assert run(job)["step"] == 2
-    (actor, actor_placement), (name, reward_placement) = started[0], started[-1]
+    name = started[-1]
     assert name == ("FSDPRewardModelWorker" if strategy == "fsdp2" or own else "RewardModelWorker")
+    actor_placement, reward_placement = placements[started[0]], placements[name]
     if own:
         assert reward_placement is not actor_placement and reward_placement.ranks_per_node == 2
         assert reward_placement.groups == []   # removed by the trainer's close
