@@ -101,10 +101,10 @@ class GRPOTrainer(TrainerCheckpoints):
     # what close() stops; None until started (a constructor that failed half-way closes what it started)
     lock = tracker = actor = critic = rollout = reference = teacher = reward = reward_model = judge = None
     placement = rollout_placement = None
+    own_placements: tuple[Placement, ...] = ()   # the reward roles' placement=separate devices
 
     def __init__(self, job: JobConfig):
         self.job = job
-        self.own_placements: list[Placement] = []   # the reward roles' placement=separate devices
         self.output_dir = Path(job.trainer.output_dir)
         # first: a second run in this directory stops here (exit 2), before it touches anything in it
         self.lock = OutputDirLock.acquire(self.output_dir)
@@ -240,7 +240,7 @@ class GRPOTrainer(TrainerCheckpoints):
     def _own_placement(self, key: str, ranks: int, timeout_s: float) -> Placement:
         """A reward role's devices of its own (`key`=separate), removed with the others at close."""
         placement = place_separate(key, ranks, self.device, timeout_s)
-        self.own_placements.append(placement)
+        self.own_placements += (placement,)
         return placement
 
     # ---------------------------------------------------------------- one step
@@ -558,7 +558,7 @@ class GRPOTrainer(TrainerCheckpoints):
         self.reference = None
         self.teacher = None
         self.placement = self.rollout_placement = self.lock = None
-        self.own_placements = []
+        self.own_placements = ()
         errors = []
         for name, step in steps:
             try:
