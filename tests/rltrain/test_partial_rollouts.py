@@ -32,7 +32,7 @@ from rltrain.workers.actor import ActorWorker
 from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.batch import concat_batches
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
-from tests.rltrain.tiny_job import tiny_job
+from tests.rltrain.tiny_job import record_token_versions, tiny_job
 
 EOS, PAD = 99, 0
 
@@ -247,17 +247,9 @@ def test_async_partial_trains_end_to_end_with_every_tokens_lag_within_k(tmp_path
                             "partial_segment_tokens": 1},
                    reward={"path": str(plugin), "name": "score"},
                    algorithm={"old_logprobs": "rollout", "rollout_correction": {"mode": "truncate", "high": 1.5}})
-    produced = {}
     try:
         trainer = GRPOTrainer(job)
-        produce = trainer._produce
-
-        def recorded(step):  # each batch's token versions as the producer hands it over
-            item = produce(step)
-            produced[step] = (item.batch["token_versions"].clone(), item.batch["response_mask"].clone())
-            return item
-
-        trainer._produce = recorded
+        produced = record_token_versions(trainer)
         try:
             result = trainer.fit()
         finally:

@@ -349,6 +349,8 @@ MODES = {
     "lora": {"actor": {"lora": {"rank": 4, "alpha": 8.0}, "lr": 0.05}},
     "router_aux": {"actor": {"router_aux_loss_coef": 0.001}},
     "r3": {"actor": {"router_replay": {"mode": "R3"}}},
+    # vLLM's async engine: a push aborts the requests in flight, which resume as prompt + tokens so far (eos list kept)
+    "partial": {"rollout": {"mode": "async", "partial": True}},
 }
 HF_RUNS = [("qwen3", "sync+lora"), ("qwen3", "tools"), ("qwen3", "one_step_off"),
            ("qwen2.5-instruct", "sync+lora"), ("qwen2.5-instruct", "tools"), ("qwen2.5-instruct", "async"),
@@ -434,7 +436,8 @@ VLLM_RUNS = [pytest.param("qwen3", "sync", id="qwen3-sync"),
              pytest.param("qwen3", "tools", id="qwen3-tools"),
              pytest.param("qwen2.5-instruct", "async", id="qwen2.5-instruct-async", marks=separate_gpus(2)),
              pytest.param("llama-3.2-instruct", "one_step_off", id="llama-3.2-instruct-one_step_off",
-                          marks=separate_gpus(2))]
+                          marks=separate_gpus(2)),
+             pytest.param("qwen3", "async+partial", id="qwen3-async+partial", marks=separate_gpus(2))]
 
 
 @pytest.mark.vllm

@@ -7,7 +7,6 @@ with the probe's reason, where no sandbox backend works (the preset then exits 2
     pytest tests/rltrain/test_trainer_code.py -m "not slow"   # about a minute on 2 cores
 """
 
-import time
 
 import pytest
 import ray
@@ -16,7 +15,7 @@ from omegaconf import OmegaConf
 from rltrain.job import load_job_config
 from rltrain.main_grpo import run
 from tests.helpers import sandbox_unavailable
-from tests.rltrain.tiny_job import TINY, compose, merge, metric_records
+from tests.rltrain.tiny_job import TINY, check_learns, compose, merge, metric_records
 
 NO_SANDBOX = sandbox_unavailable()
 pytestmark = pytest.mark.skipif(NO_SANDBOX is not None, reason=f"needs a sandbox: {NO_SANDBOX}")
@@ -58,11 +57,4 @@ def test_code_task_preset_learns_python(tmp_path):
     >= 20 points within 10 minutes on a 2-core CPU. Measured (2026-11-28, seed 0, CLI): 0.010 -> 0.770 at step 10,
     0.920 at 20 (+91.0 points), 6.7 min on the 2-core machine shared with other jobs (load 7-12; the warm start 2.7
     of them)."""
-    job = load_job_config(compose("task=code_arithmetic", f"trainer.output_dir={tmp_path}"))
-    started = time.monotonic()
-    result = run(job)
-    minutes = (time.monotonic() - started) / 60
-    val = [r["val/reward_mean"] for r in metric_records(tmp_path) if "val/reward_mean" in r]
-    assert len(val) >= 3 and val[0] == result["initial_val"] and val[-1] == result["final_val"]
-    assert result["final_val"] >= result["initial_val"] + 0.20, val
-    assert minutes <= 10, f"the code task took {minutes:.1f} min"
+    check_learns(load_job_config(compose("task=code_arithmetic", f"trainer.output_dir={tmp_path}")), "the code task")

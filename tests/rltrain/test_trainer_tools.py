@@ -6,7 +6,6 @@ test runs the preset as it ships and checks its promise: >= 20 held-out points, 
     pytest tests/rltrain/test_trainer_tools.py -m "not slow"   # about a minute on 2 cores (100 s on a busy machine)
 """
 
-import time
 
 import pytest
 import ray
@@ -15,7 +14,7 @@ from omegaconf import OmegaConf
 from rltrain.embedded import tool_task
 from rltrain.job import load_job_config
 from rltrain.main_grpo import run
-from tests.rltrain.tiny_job import TINY, compose, merge, metric_records
+from tests.rltrain.tiny_job import TINY, check_learns, compose, merge, metric_records
 
 TINY_TOOLS = merge(TINY, {
     "trainer": {"total_steps": 3},
@@ -62,12 +61,7 @@ def test_tool_task_preset_learns_to_call(tmp_path):
     out (+85.0 points), calls per episode 0.03 at step 1, 0.50 at 3, 0.92 at 5, 1.00 at 30; 17.9 min on the 2-core
     machine shared with other jobs (load 4-7; its uncontended steps took 5 s). Seed 1: 0.005 -> 0.870 (+86.5), calls
     0.03 -> 1.00, 3.5 min (load 2)."""
-    job = load_job_config(compose("task=tool_arithmetic", f"trainer.output_dir={tmp_path}"))
-    started = time.monotonic()
-    result = run(job)
-    minutes = (time.monotonic() - started) / 60
-    records = metric_records(tmp_path)
+    records = check_learns(load_job_config(compose("task=tool_arithmetic", f"trainer.output_dir={tmp_path}")),
+                           "the tool task")
     calls = [r["tool/calls_per_episode"] for r in records if "tool/calls_per_episode" in r]
     assert calls[0] < 0.2 and calls[-1] > 0.8, calls
-    assert result["final_val"] >= result["initial_val"] + 0.20, result
-    assert minutes <= 10, f"the tool task took {minutes:.1f} min"

@@ -21,7 +21,7 @@ import torch
 from rltrain.async_rollout import oldest_versions
 from rltrain.main_grpo import run
 from rltrain.trainer import GRPOTrainer
-from tests.rltrain.tiny_job import metric_records, tiny_job
+from tests.rltrain.tiny_job import metric_records, record_token_versions, tiny_job
 from tests.rltrain.vllm_device import MISMATCH, separate_gpus
 
 pytestmark = pytest.mark.vllm
@@ -179,15 +179,8 @@ def test_partial_rollouts_abort_and_resume_in_an_async_run(tmp_path):
                             "enforce_eager": True, "placement": "separate", "max_new_tokens": 32},
                    actor={"lr": 0.01, "weight_bucket_mb": 1},
                    algorithm={"loss": {"decoupled": True, "entropy_coef": 0.01}})
-    trainer, produced = GRPOTrainer(job), {}
-    produce = trainer._produce
-
-    def recorded(step):   # each batch's token versions as the producer hands it over
-        item = produce(step)
-        produced[step] = (item.batch["token_versions"].clone(), item.batch["response_mask"].clone())
-        return item
-
-    trainer._produce = recorded
+    trainer = GRPOTrainer(job)
+    produced = record_token_versions(trainer)
     try:
         assert trainer.fit()["step"] == 3
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 
 from hydra import compose as hydra_compose
@@ -16,6 +17,7 @@ from rltrain.embedded.model import build_model
 from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain import trainer as trainer_module
 from rltrain.job import JobConfig, load_job_config
+from rltrain.main_grpo import run
 
 TINY = {
     "trainer": {"total_steps": 2, "val_every": 0, "logger": ["jsonl"]},
@@ -69,6 +71,34 @@ def record_started_roles(monkeypatch, placements: dict | None = None) -> list[st
 
     monkeypatch.setattr(trainer_module, "RolloutReplicas", start_replicas)
     return started
+
+
+def record_token_versions(trainer) -> dict[int, tuple]:
+    """{step: (token_versions, response_mask)} of each batch as the trainer's rollout producer hands it over
+    (partial rollouts: every token's weight version)."""
+    produced, produce = {}, trainer._produce
+
+    def recorded(step):
+        item = produce(step)
+        produced[step] = (item.batch["token_versions"].clone(), item.batch["response_mask"].clone())
+        return item
+
+    trainer._produce = recorded
+    return produced
+
+
+def check_learns(job: JobConfig, what: str) -> list[dict]:
+    """A preset's promise: `job` (run in process) raises the held-out reward by >= 20 points within 10 minutes, its
+    validations logged from the first to the last; returns the run's metric records."""
+    started = time.monotonic()
+    result = run(job)
+    minutes = (time.monotonic() - started) / 60
+    records = metric_records(job.trainer.output_dir)
+    val = [r["val/reward_mean"] for r in records if "val/reward_mean" in r]
+    assert len(val) >= 3 and val[0] == result["initial_val"] and val[-1] == result["final_val"]
+    assert result["final_val"] >= result["initial_val"] + 0.20, val
+    assert minutes <= 10, f"{what} took {minutes:.1f} min"
+    return records
 
 
 def tiny_job(output_dir, **sections) -> JobConfig:
