@@ -21,10 +21,11 @@
 #   bash scripts/gpu_check.sh gdp-accuracy     # gated delta product: bf16 error by gate/β regime under the shipped,
 #                                              # "tf32 WY + state passes" and all-tf32 precision, with each one's time
 #   bash scripts/gpu_check.sh fsdp             # 2+ GPUs: FSDP2 over NCCL against one process (fp32, bf16, bf16 with
-#                                              # CPU offload; Ulysses sp=2) in plain processes; Ray must still
-#                                              # import (the job config imports rltrain.workers.group): the
-#                                              # framework's wheels and Ray's in .whl/, or Ray's runtime as
-#                                              # .raysite/ray-site.tgz, unpacked here (benchmarks/README.md)
+#                                              # CPU offload; Ulysses sp=2; expert parallelism) in plain
+#                                              # processes; Ray must still import (the job config imports
+#                                              # rltrain.workers.group): the framework's wheels and Ray's in
+#                                              # .whl/, or Ray's runtime as .raysite/ray-site.tgz, unpacked
+#                                              # here (benchmarks/README.md)
 #
 # Logs go to $RLTRAIN_GPU_LOGS (default /tmp/gpu_check).
 set -uo pipefail
@@ -141,7 +142,7 @@ if [ "$what" = gdp-accuracy ]; then
 fi
 if [ "$what" = fsdp ]; then
     python3 -m pytest -q -rs -p no:cacheprovider tests/rltrain/workers/test_fsdp.py \
-        tests/rltrain/workers/test_ulysses.py -k nccl 2>&1 \
+        tests/rltrain/workers/test_ulysses.py tests/rltrain/workers/test_expert_parallel.py -k nccl 2>&1 \
         | tee "$out/fsdp.log" | tail -40
     rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || status=1

@@ -15,9 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(path.name for path in (ROOT / "benchmarks").glob("bench_*.py"))
 
 
-def test_the_framework_benchmarks_are_the_six():
+def test_the_framework_benchmarks_are_the_seven():
     assert SCRIPTS == ["bench_actor_step.py", "bench_agentic_rollout.py", "bench_hybrid_policy.py",
-                       "bench_multi_gpu.py", "bench_rl_step.py", "bench_weight_push.py"]
+                       "bench_multi_gpu.py", "bench_parallel_layouts.py", "bench_rl_step.py", "bench_weight_push.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

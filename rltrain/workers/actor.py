@@ -436,12 +436,15 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
     def gathered(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole tensor of the parameter `name` (its value or its gradient) on every rank, in `dtype` where
         given (a collective); an expert-parallel experts tensor gathered over its groups too."""
-        if self.expert_parallel is not None and name in self.expert_parallel.names:
-            tensor = self.expert_parallel.global_view(tensor)
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
+        if not isinstance(tensor, DTensor):
+            return tensor
         # CPU-offloaded shards go to the GPU for the all-gather (NCCL gathers device tensors only)
-        return tensor.to(self.device).full_tensor() if isinstance(tensor, DTensor) else tensor
+        tensor = tensor.to(self.device)
+        if self.expert_parallel is not None and name in self.expert_parallel.names:
+            return self.expert_parallel.full_tensor(tensor)
+        return tensor.full_tensor()
 
     def state_dict(self) -> dict[str, torch.Tensor] | None:
         full = {name: tensor.cpu() for name, tensor in self._full_tensors(list(self.model.state_dict())).items()}
@@ -459,10 +462,9 @@ class FSDPActorWorker(ShardedPolicy, ActorWorker):
         process's layout (one group of every trained parameter, by named_parameters index)."""
         names = self._param_names()
         index, per_param = {name: i for i, name in enumerate(names)}, {}
-        for key, tensor in self._optimizer_checkpoint_state().items():   # the experts as global views
+        for key, tensor in super()._optimizer_checkpoint_state().items():
             name, field = key.rsplit(".", 1)
-            per_param.setdefault(index[name], {})[field] = \
-                (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).cpu()
+            per_param.setdefault(index[name], {})[field] = self.gathered(name, tensor).cpu()
         group = {k: v for k, v in self.optimizer.state_dict()["param_groups"][0].items() if k != "params"}
         return {"state": per_param, "param_groups": [dict(group, params=list(range(len(names))))]} \
             if self.rank == 0 else None

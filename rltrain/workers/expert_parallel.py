@@ -137,6 +137,15 @@ class ExpertParallel:
         return DTensor.from_local(tensor.to_local(), self.mesh, [Shard(0), Shard(0)], run_check=False, shape=shape,
                                   stride=stride)
 
+    def full_tensor(self, tensor: DTensor) -> torch.Tensor:
+        """An experts tensor (its FSDP2 DTensor over the replicas) whole, [n, ...] on every rank (a collective): its
+        block gathered over the replicas, then the group's blocks in expert order. Not global_view's full_tensor():
+        on NCCL, torch 2.11's redistribute planner refuses that 2-D layout (mesh dims not in ascending order)."""
+        block = tensor.full_tensor()
+        blocks = [torch.empty_like(block) for _ in range(self.size)]
+        dist.all_gather(blocks, block.contiguous(), group=self.group)
+        return torch.cat(blocks)
+
     def global_views(self, state: dict[str, torch.Tensor], suffix: bool = False) -> dict[str, torch.Tensor]:
         """`state` with the experts' entries as global_view; suffix: names are `<parameter>.<key>` (optimizer)."""
         def owner(name):

@@ -6,7 +6,8 @@ only its block of experts (n / E of every layer, the values of that block); its 
 single process and its HF export (save_pretrained) reloads as the same weights. Layouts: 2 ranks as one EP group of
 2, and 4 ranks as 2 groups of 2 (the experts FSDP-sharded over the 2 replicas), on the embedded qwen3_moe (4 experts,
 2 per token), and 2 ranks on a transformers Qwen3-MoE of 8 experts, 3 per token, built from a small config. Also the
-config checks, each naming the key, and a 2-step main_grpo run through Ray with EP=2.
+config checks, each naming the key, and a 2-step main_grpo run through Ray with EP=2. On 2+ GPUs (@pytest.mark.gpu)
+the 2-rank cases run over NCCL, fp32 and bf16 mixed precision.
 
 Run: `pytest tests/rltrain/workers/test_expert_parallel.py`.
 """
@@ -62,12 +63,12 @@ def ep_state(actor, directory: str) -> dict:
     return {"final_weights": full}
 
 
-def check(single, sharded, checkpoint):
+def check(single, sharded, checkpoint, tolerances: str = "cpu"):
     """check_case without actor/router_*: each rank's routers measure their own micro-batches (as under FSDP2 without
     EP: the routers run before the exchange), which differ from the single process's."""
     metrics = {k: v for k, v in single["metrics"].items() if not k.startswith("actor/router_")}
     assert len(metrics) < len(single["metrics"])
-    check_case(dict(single, metrics=metrics), sharded, checkpoint, TOLERANCES["cpu"])
+    check_case(dict(single, metrics=metrics), sharded, checkpoint, TOLERANCES[tolerances])
 
 
 def check_read_back(results, root, case: str):
@@ -106,6 +107,19 @@ def test_expert_parallel_2_groups_of_2_matches_single_process(tmp_path):
                         after=ep_state)
     for case in cases:
         check(*results[case])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_expert_parallel_over_nccl_matches_single_process(tmp_path, dtype):
+    """The 2-rank cases over NCCL against the single process on one GPU: fp32 (TF32 matmuls) and bf16 mixed
+    precision, at test_fsdp.py's CUDA bars; the all-to-alls on NCCL, the local experts through the registry's
+    kernels."""
+    results = run_cases(tmp_path, "cuda", dtype=dtype, cases=CASES, arch="qwen3_moe", embedded=MOE,
+                        expert_parallel=2, after=ep_state)
+    for case in CASES:
+        check(*results[case], tolerances="cuda-fp32" if dtype == "float32" else "cuda-bf16")
 
 
 def wide_moe_variant(model_dir: str, root) -> str:
