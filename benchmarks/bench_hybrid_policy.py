@@ -20,10 +20,10 @@ fused-recurrent kernels), both in bf16, built from config:
 Actor step: `--responses` responses after `--prompt-len`-token prompts, log-normal lengths (bench_actor_step.py's
 batch); tokens/s counts prompt + response tokens over both passes, the faster of two steps after two warm-up
 steps. Decoding: `--decode-batch` prompts of `--decode-prompt` random tokens, `--decode-len` new tokens sampled at
-temperature 1 (an <eos> the random model never draws, so every row decodes the full length); tokens/s = rows ×
-new tokens over the wall time. Correctness first: each delta-rule model's old log-probs with the kernels against
-its plain-PyTorch path (fp32 recurrence) on a small batch, as a relative error. Needs a CUDA GPU, rltrain and
-rltrain-kernels installed (README.md beside this file).
+temperature 1 (an <eos> the random model hardly ever draws, so rows decode the full length); tokens/s = the new
+tokens generated (the response masks) over the wall time. Correctness first: each delta-rule model's old log-probs
+with the kernels against its plain-PyTorch path (fp32 recurrence) on a small batch, as a relative error. Needs a
+CUDA GPU, rltrain and rltrain-kernels installed (README.md beside this file).
 
     python benchmarks/bench_hybrid_policy.py                  # all four archs
     python benchmarks/bench_hybrid_policy.py --archs qwen3,hybrid
@@ -75,8 +75,10 @@ def build_model_dir(arch: str, root: str) -> str:
                                             **SHAPE, **eos)
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    with torch.no_grad():   # the <eos> row of the LM head (tied: the embedding) pushed down: sampling never draws it
-        model.get_output_embeddings().weight[VOCAB - 1].mul_(-50)
+    # the LM head's <eos> row (tied: the embedding's) zeroed: its logit is 0 everywhere: a draw's chance about 4e-6 at
+    # 151,936 words (scaling the row flips its logit's sign with the hidden state's: an untied head then draws it)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[VOCAB - 1].zero_()
     path = f"{root}/{arch}"
     model.save_pretrained(path)
     word_tokenizer(VOCAB).save_pretrained(path)   # the rollout engine loads it (generation_config.json's ids win)
@@ -102,7 +104,7 @@ def kernel_vs_torch_error(model_dir: str, device: str = "cuda") -> float:
 
 
 def decode(model_dir: str, args, device: str = "cuda") -> tuple[float, int]:
-    """(tokens/s, new tokens per row) of the HF rollout engine."""
+    """(tokens/s, decoding steps) of the HF rollout engine."""
     from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 
     worker = RolloutWorker(RolloutConfig(n=1, max_new_tokens=args.decode_len, micro_batch_size=args.decode_batch),
@@ -119,7 +121,7 @@ def decode(model_dir: str, args, device: str = "cuda") -> tuple[float, int]:
     steps = out["response_ids"].shape[1]
     worker = None
     release_memory()
-    return args.decode_batch * steps / elapsed, steps
+    return float(out["response_mask"].sum()) / elapsed, steps
 
 
 def actor_step(model_dir: str, batch, args, packed: bool = True, mixed_precision: bool = False,
