@@ -12,6 +12,11 @@ for Qwen3 models built from config, side by side in one process:
     (f) rltrain packed lora   (d) with actor.lora: rank `--lora-rank` adapters on every linear layer but the LM head
                    (PEFT), the base frozen; its MFU counts the full model's 8·N (the adapters' weight gradients are
                    skipped, so it reads low)
+    (g) rltrain packed mixed+critic   PPO's actor-side work: (e) plus a CriticWorker (value model) on the same
+                   checkpoint, built as the trainer builds it (default critic settings); the old pass adds its values,
+                   the update its value-loss step on fixed random returns (the trainer's order: values after the
+                   log-probs, the critic's update before the actor's); the table's last line gives its added time and
+                   peak against (e)'s; its MFU counts the actor's flops only (the critic's passes not), so it reads low
 
 (a) to (d) and (f) train the bf16 weights in place, as TRL does (actor.mixed_precision=false): at lr 1e-6 such an
 update is lost on most elements, which changes nothing in the timing.
@@ -29,6 +34,7 @@ rltrain-kernels installed, and liger-kernel for (b) (README.md beside this file)
     python benchmarks/bench_actor_step.py --size 1.7b --probe-lens 4096,8192,16384,32768
     python benchmarks/bench_actor_step.py --size 1.7b --variants "rltrain packed,rltrain packed lora"
     python benchmarks/bench_actor_step.py --variants "rltrain packed,rltrain packed mixed" --no-probe
+    python benchmarks/bench_actor_step.py --variants "rltrain packed mixed,rltrain packed mixed+critic" --no-probe
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import torch
 from checkpoints import QWEN3_SIZES, VOCAB, build_checkpoint
 
 LIGER_COMPILE_FAILED: list[str] = []
+KERNELS = {"name": "auto", "include_kernels": "auto"}   # rltrain's: the registry's kernels for the model
 
 
 def gemm_rates(n: int = 8192, sustain_s: float = 2.0) -> tuple[float, float]:
@@ -205,7 +212,7 @@ class RltrainPath:
     """rltrain's ActorWorker on the GPU; bf16 weights trained in place unless `mixed_precision` (fp32 masters)."""
 
     def __init__(self, model_dir: str, rows: int, packed: bool, max_tokens: int, checkpointing: bool = False,
-                 lora_rank: int = 0, mixed_precision: bool = False):
+                 lora_rank: int = 0, mixed_precision: bool = False, device: str = "cuda"):
         from rltrain.algorithms.config import LossConfig
         from rltrain.workers.actor import ActorWorker
         from rltrain.workers.actor_config import ActorConfig
@@ -216,7 +223,7 @@ class RltrainPath:
                              gradient_checkpointing=checkpointing, mixed_precision=mixed_precision,
                              lora=LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank or 16.0))
         self.actor = ActorWorker(config, LossConfig(clip_low=0.2, clip_high=0.2), model_dir, "bfloat16",
-                                 {"name": "auto", "include_kernels": "auto"}, temperature=1.0, device="cuda")
+                                 KERNELS, temperature=1.0, device=device)
         self.model, self.note = self.actor.model, ""
 
     def old_logprobs(self, batch):
@@ -228,6 +235,36 @@ class RltrainPath:
         self.actor.update(batch)
 
 
+class CriticPath(RltrainPath):
+    """(g): (e)'s actor and a CriticWorker on the same checkpoint, its ActorConfig from the default CriticConfig and
+    the actor's (as the trainer builds it); gradient checkpointing follows the actor's (the length probe's: on)."""
+
+    def __init__(self, model_dir: str, rows: int, max_tokens: int, checkpointing: bool = False, device: str = "cuda"):
+        from rltrain.algorithms.config import LossConfig
+        from rltrain.workers.critic import CriticConfig, CriticWorker
+
+        super().__init__(model_dir, rows, packed=True, max_tokens=max_tokens, checkpointing=checkpointing,
+                         mixed_precision=True, device=device)
+        critic = CriticConfig(gradient_checkpointing=checkpointing)
+        self.critic = CriticWorker(critic.worker_config(self.actor.config), LossConfig(), model_dir, "bfloat16",
+                                   KERNELS, temperature=1.0, device=device, cliprange_value=critic.cliprange_value)
+        self.values = None
+        self.note = "MFU: the actor's flops only"
+
+    def old_logprobs(self, batch):
+        logprobs = super().old_logprobs(batch)
+        self.values = self.critic.compute_values(batch)   # V_old, kept for the update
+        return logprobs
+
+    def update(self, batch, old):
+        # fixed random targets (seed 5) on the response tokens: the value loss's cost does not depend on them
+        returns = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(5))
+        critic_batch = batch.clone()
+        critic_batch["values"], critic_batch["returns"] = self.values, returns * batch["response_mask"]
+        self.critic.update(critic_batch)
+        super().update(batch, old)
+
+
 VARIANTS = {
     "trl": lambda d, a: TRLPath(d, a.rows, liger=False, checkpointing=a.checkpointing),
     "trl+liger": lambda d, a: TRLPath(d, a.rows, liger=True, checkpointing=a.checkpointing),
@@ -236,6 +273,8 @@ VARIANTS = {
                                                checkpointing=a.checkpointing),
     "rltrain packed mixed": lambda d, a: RltrainPath(d, a.rows, packed=True, max_tokens=a.max_tokens,
                                                      checkpointing=a.checkpointing, mixed_precision=True),
+    "rltrain packed mixed+critic": lambda d, a: CriticPath(d, a.rows, max_tokens=a.max_tokens,
+                                                           checkpointing=a.checkpointing),
     "rltrain packed lora": lambda d, a: RltrainPath(d, a.rows, packed=True, max_tokens=a.max_tokens,
                                                     checkpointing=a.checkpointing, lora_rank=a.lora_rank),
 }
@@ -385,6 +424,7 @@ def main():
         print(f"| {name} | {tps:.0f} | {ratio['trl']} | {ratio['trl+liger']} | {old_s:.2f} | {update_s:.2f} | "
               f"{peak:.1f} | {mfu:.1%} | {longest.get(name, '-')} | {note} |")
     print(mixed_precision_cost(rows))
+    print(critic_cost(rows))
 
 
 def mixed_precision_cost(rows: list) -> str:
@@ -395,6 +435,17 @@ def mixed_precision_cost(rows: list) -> str:
     pure, mixed = by_name["rltrain packed"], by_name["rltrain packed mixed"]
     return (f"\nmixed precision (fp32 masters) against bf16 in place: {mixed[1] / pure[1]:.2f}x the tokens/s "
             f"(goal >= 0.90), update {mixed[3]:.2f} s against {pure[3]:.2f} s, peak {mixed[4] - pure[4]:+.1f} GiB")
+
+
+def critic_cost(rows: list) -> str:
+    """A line: 'rltrain packed mixed+critic' (PPO's actor + critic) against 'rltrain packed mixed' (GRPO's actor)."""
+    by_name = {row[0]: row for row in rows}
+    if not {"rltrain packed mixed", "rltrain packed mixed+critic"} <= set(by_name):
+        return ""
+    grpo, ppo = by_name["rltrain packed mixed"], by_name["rltrain packed mixed+critic"]
+    return (f"\nthe critic (PPO) against GRPO's actor alone: old pass {ppo[2] - grpo[2]:+.2f} s, update "
+            f"{ppo[3] - grpo[3]:+.2f} s, step {(ppo[2] + ppo[3]) / (grpo[2] + grpo[3]):.2f}x the time, peak "
+            f"{ppo[4] - grpo[4]:+.1f} GiB")
 
 
 if __name__ == "__main__":

@@ -1,23 +1,33 @@
 """A delta-rule policy against a Qwen3 of the same shape, on one GPU, side by side in one process: rltrain's actor
 step (old log-probs + one update, packed micro-batches, the registry's kernels) and the HF rollout engine's
-decoding (transformers' `generate`, KV cache for Qwen3; for the hybrid, the recurrent cache and the fused-recurrent
-kernels), both in bf16, built from config:
+decoding (transformers' `generate`, KV cache for Qwen3; for the hybrid and Qwen3-Next, the recurrent cache and the
+fused-recurrent kernels), both in bf16, built from config:
 
     qwen3    a 1B-class Qwen3: 16 layers, hidden 2048, MLP 6144, 16 query / 8 key-value heads of 128, vocab 151,936
     hybrid   the same with 3 of every 4 layers Gated DeltaNet (16 heads of 128 keys and values), Qwen3-Next's mix
     gdp      every layer Gated DeltaProduct (2 Householder steps per token)
     iplr     every layer IPLR
+    qwen3_next   transformers' Qwen3-Next at Qwen3-Next-80B-A3B's widths (hidden 2048; 16 query / 2 key-value heads of
+             256, partial rotary 0.25; Gated DeltaNet 16 key / 32 value heads of 128, conv 4; MoE top-10 of experts of
+             512 plus a shared expert of 512; untied head) at 4 layers (3 Gated DeltaNet, then attention) and 128 of
+             its 512 experts: 2.38B parameters, 44 GiB at mixed precision's 20 bytes a parameter (bf16 weights, fp32
+             masters, gradients and AdamW state; all 512: 7.2B, 134 GiB, no room left on a 139 GiB H200 for the
+             activations). Its actor step runs with actor.mixed_precision (the framework's default; the others train
+             bf16 in place) twice: packed (the default) and padded (use_remove_padding=false, micro-batches of 4
+             rows); the note gives packed's speed-up and its old log-probs against padded's ("vs qwen3": "-", another
+             shape). Not in the default --archs
 
 Actor step: `--responses` responses after `--prompt-len`-token prompts, log-normal lengths (bench_actor_step.py's
 batch); tokens/s counts prompt + response tokens over both passes, the faster of two steps after two warm-up
 steps. Decoding: `--decode-batch` prompts of `--decode-prompt` random tokens, `--decode-len` new tokens sampled at
-temperature 1 (an <eos> the random model never draws, so every row decodes the full length); tokens/s = rows ×
-new tokens over the wall time. Correctness first: each delta-rule model's old log-probs with the kernels against
-its plain-PyTorch path (fp32 recurrence) on a small batch, as a relative error. Needs a CUDA GPU, rltrain and
-rltrain-kernels installed (README.md beside this file).
+temperature 1 (an <eos> the random model hardly ever draws, so rows decode the full length); tokens/s = the new
+tokens generated (the response masks) over the wall time. Correctness first: each delta-rule model's old log-probs
+with the kernels against its plain-PyTorch path (fp32 recurrence) on a small batch, as a relative error. Needs a
+CUDA GPU, rltrain and rltrain-kernels installed (README.md beside this file).
 
     python benchmarks/bench_hybrid_policy.py                  # all four archs
     python benchmarks/bench_hybrid_policy.py --archs qwen3,hybrid
+    python benchmarks/bench_hybrid_policy.py --archs qwen3_next          # packed vs padded, and decoding
 """
 
 from __future__ import annotations
@@ -36,6 +46,15 @@ LAYERS = 16
 SHAPE = {**QWEN3_SIZES["1.7b"], **QWEN3_COMMON, "num_hidden_layers": LAYERS}   # Qwen3-1.7B's shape at 16 layers
 MIXERS = {"hybrid": ["gated_delta_rule"] * 3 + ["full_attention"], "gdp": ["gated_delta_product"],
           "iplr": ["iplr"]}
+# Qwen3-Next-80B-A3B's config.json at 4 layers and 128 experts (the docstring's sizing); every layer sparse
+QWEN3_NEXT = dict(hidden_size=2048, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                  num_attention_heads=16, num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25,
+                  rope_theta=1e7, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                  linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=128, num_experts_per_tok=10,
+                  moe_intermediate_size=512, shared_expert_intermediate_size=512, decoder_sparse_step=1,
+                  mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=262144, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, vocab_size=VOCAB)
+PADDED_ROWS = 4   # qwen3_next's padded micro-batches: 4 rows of up to 4,352 tokens, about the packed 16k budget
 AUTO = {"name": "auto", "include_kernels": "auto"}
 
 
@@ -47,6 +66,8 @@ def build_model_dir(arch: str, root: str) -> str:
     eos = dict(eos_token_id=VOCAB - 1, pad_token_id=VOCAB - 1, bos_token_id=VOCAB - 1)
     if arch == "qwen3":
         config = tf.Qwen3Config(**SHAPE, **eos)
+    elif arch == "qwen3_next":
+        config = tf.Qwen3NextConfig(**QWEN3_NEXT, **eos)
     else:
         pattern = MIXERS[arch]
         config = families.HybridDeltaConfig(layer_types=[pattern[i % len(pattern)] for i in range(LAYERS)],
@@ -54,15 +75,17 @@ def build_model_dir(arch: str, root: str) -> str:
                                             **SHAPE, **eos)
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    with torch.no_grad():   # the <eos> row of the tied embedding pushed down: random sampling never draws it
-        model.get_input_embeddings().weight[VOCAB - 1].mul_(-50)
+    # the LM head's <eos> row (tied: the embedding's) zeroed: its logit is 0 everywhere: a draw's chance about 4e-6 at
+    # 151,936 words (scaling the row flips its logit's sign with the hidden state's: an untied head then draws it)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[VOCAB - 1].zero_()
     path = f"{root}/{arch}"
     model.save_pretrained(path)
     word_tokenizer(VOCAB).save_pretrained(path)   # the rollout engine loads it (generation_config.json's ids win)
     return path
 
 
-def kernel_vs_torch_error(model_dir: str) -> float:
+def kernel_vs_torch_error(model_dir: str, device: str = "cuda") -> float:
     """Old log-probs on 8 short responses: the registry's kernels against the plain-PyTorch layers."""
     from rltrain.algorithms.config import LossConfig
     from rltrain.workers.actor import ActorWorker
@@ -72,7 +95,7 @@ def kernel_vs_torch_error(model_dir: str) -> float:
     logps = []
     for kernels in (AUTO, {"name": "auto", "include_kernels": "none"}):
         actor = ActorWorker(ActorConfig(lr=1e-6, use_remove_padding=True), LossConfig(), model_dir, "bfloat16",
-                            kernels, temperature=1.0, device="cuda")
+                            kernels, temperature=1.0, device=device)
         logps.append(actor.compute_logprobs(batch).double())
         actor = None
         release_memory()
@@ -80,12 +103,12 @@ def kernel_vs_torch_error(model_dir: str) -> float:
     return ((logps[0] - logps[1])[mask].norm() / logps[1][mask].norm()).item()
 
 
-def decode(model_dir: str, args) -> tuple[float, int]:
-    """(tokens/s, new tokens per row) of the HF rollout engine."""
+def decode(model_dir: str, args, device: str = "cuda") -> tuple[float, int]:
+    """(tokens/s, decoding steps) of the HF rollout engine."""
     from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 
     worker = RolloutWorker(RolloutConfig(n=1, max_new_tokens=args.decode_len, micro_batch_size=args.decode_batch),
-                           model_dir, "bfloat16", AUTO, device="cuda")
+                           model_dir, "bfloat16", AUTO, device=device)
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(100, VOCAB - 100, (args.decode_batch, args.decode_prompt), generator=g)
     mask = torch.ones_like(ids)
@@ -98,12 +121,32 @@ def decode(model_dir: str, args) -> tuple[float, int]:
     steps = out["response_ids"].shape[1]
     worker = None
     release_memory()
-    return args.decode_batch * steps / elapsed, steps
+    return float(out["response_mask"].sum()) / elapsed, steps
+
+
+def actor_step(model_dir: str, batch, args, packed: bool = True, mixed_precision: bool = False,
+               device: str = "cuda") -> tuple:
+    """(params in billions, old log-probs s, update s, peak GiB, applied kernels, the first step's old log-probs) of
+    rltrain's actor step on `batch`: two warm-up steps (autotuning, allocator), then the faster of two steps (the
+    first at a new size can still autotune a kernel for it)."""
+    path = RltrainPath(model_dir, PADDED_ROWS, packed=packed, max_tokens=args.max_tokens if packed else 0,
+                       mixed_precision=mixed_precision, device=device)
+    params = sum(p.numel() for p in path.model.parameters()) / 1e9
+    for warm_batch in (make_batch(8, 64, 128, 256, seed=1), make_batch(8, 96, 300, 600, seed=2)):
+        timed_step(path, warm_batch)
+    torch.cuda.reset_peak_memory_stats()
+    steps = [timed_step(path, batch) for _ in range(2)]
+    old_s, update_s, _ = min(steps, key=lambda step: step[0] + step[1])
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    kernels = sorted(get_applied_kernels(path.model))
+    path = None
+    release_memory()
+    return params, old_s, update_s, peak, kernels, steps[0][2]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--archs", default="qwen3,hybrid,gdp,iplr")
+    parser.add_argument("--archs", default="qwen3,hybrid,gdp,iplr", help="of qwen3, hybrid, gdp, iplr, qwen3_next")
     parser.add_argument("--responses", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--mean-len", type=float, default=1024)
@@ -120,38 +163,40 @@ def main():
     batch = make_batch(args.responses, args.prompt_len, args.mean_len, args.max_len)
     tokens = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
     print(f"actor batch: {args.responses} responses, {tokens} tokens (max response {batch['response_ids'].shape[1]})")
-    warm = [make_batch(8, 64, 128, 256, seed=1), make_batch(8, 96, 300, 600, seed=2)]
-    rows = []
+    rows, mask = [], batch["response_mask"].bool()
     for arch in args.archs.split(","):
         model_dir = build_model_dir(arch, root)
         error = kernel_vs_torch_error(model_dir) if arch != "qwen3" else None
-        path = RltrainPath(model_dir, 4, packed=True, max_tokens=args.max_tokens)
-        params = sum(p.numel() for p in path.model.parameters()) / 1e9
-        for warm_batch in warm:   # autotuning, allocator
-            timed_step(path, warm_batch)
-        torch.cuda.reset_peak_memory_stats()
-        # the faster of two steps: the first at a new size can still autotune a kernel for it
-        old_s, update_s = min((timed_step(path, batch)[:2] for _ in range(2)), key=sum)
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        kernels = sorted(get_applied_kernels(path.model))
-        path = None
-        release_memory()
-        decode_tps, steps = decode(model_dir, args)
-        rows.append((arch, params, tokens / (old_s + update_s), old_s, update_s, peak, decode_tps, steps, error))
-        print(f"  {arch}: {params:.2f}B params, actor {rows[-1][2]:.0f} tok/s (old {old_s:.2f} s, update "
-              f"{update_s:.2f} s, peak {peak:.1f} GiB), decode {decode_tps:.0f} tok/s over {steps} steps"
-              + (f", kernels vs torch log-prob rel. error {error:.1e}" if error is not None else "")
-              + f"; kernels {', '.join(kernels)}",
-              flush=True)
+        # qwen3_next: packed, then padded, at mixed precision; the others packed, bf16 in place (as in RESULTS.md)
+        layouts = {"qwen3_next packed": True, "qwen3_next padded": False} if arch == "qwen3_next" else {arch: True}
+        logps = {}
+        for name, packed in layouts.items():
+            params, old_s, update_s, peak, kernels, logps[name] = actor_step(model_dir, batch, args, packed,
+                                                                             mixed_precision=arch == "qwen3_next")
+            rows.append([name, params, tokens / (old_s + update_s), old_s, update_s, peak, None, 0, error, ""])
+            print(f"  {name}: {params:.2f}B params, actor {rows[-1][2]:.0f} tok/s (old {old_s:.2f} s, update "
+                  f"{update_s:.2f} s, peak {peak:.1f} GiB)"
+                  + (f", kernels vs torch log-prob rel. error {error:.1e}" if error is not None else "")
+                  + f"; kernels {', '.join(kernels)}", flush=True)
+        if len(logps) == 2:   # packed against padded: the same model, the same step
+            (_, packed_logps), (_, padded_logps) = logps.items()
+            err = ((packed_logps - padded_logps)[mask].norm() / padded_logps[mask].norm()).item()
+            rows[-2][9] = f"{rows[-2][2] / rows[-1][2]:.2f}x padded's tok/s; old log-probs vs padded {err:.1e}"
+            rows[-1][9] = f"{PADDED_ROWS} rows/micro-batch"
+            print(f"  old log-probs {arch} packed vs padded: relative error {err:.2e}")
+        row = rows[-len(layouts)]   # decoding: once per arch, on its first row
+        row[6], row[7] = decode(model_dir, args)
+        print(f"  {arch}: decode {row[6]:.0f} tok/s over {row[7]} steps", flush=True)
     base = {r[0]: r for r in rows}.get("qwen3")
     print(f"\n### Delta-rule policies vs Qwen3, bf16, {torch.cuda.get_device_name()}\n")
     print("| arch | params | actor tok/s | vs qwen3 | old log-probs s | update s | peak GiB | decode tok/s "
-          "| vs qwen3 | kernels vs torch rel. err |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for arch, params, tps, old_s, update_s, peak, dtps, steps, error in rows:
-        vs = (f"{tps / base[2]:.2f}x", f"{dtps / base[6]:.2f}x") if base else ("-", "-")
-        print(f"| {arch} | {params:.2f}B | {tps:.0f} | {vs[0]} | {old_s:.2f} | {update_s:.2f} | {peak:.1f} | "
-              f"{dtps:.0f} | {vs[1]} | {'-' if error is None else f'{error:.1e}'} |")
+          "| vs qwen3 | kernels vs torch rel. err | note |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for name, params, tps, old_s, update_s, peak, dtps, steps, error, note in rows:
+        same_shape = base is not None and not name.startswith("qwen3_next")   # qwen3_next: another shape
+        vs = (f"{tps / base[2]:.2f}x", f"{dtps / base[6]:.2f}x" if dtps else "-") if same_shape else ("-", "-")
+        print(f"| {name} | {params:.2f}B | {tps:.0f} | {vs[0]} | {old_s:.2f} | {update_s:.2f} | {peak:.1f} | "
+              f"{f'{dtps:.0f}' if dtps else '-'} | {vs[1]} | {'-' if error is None else f'{error:.1e}'} | {note} |")
 
 
 if __name__ == "__main__":
