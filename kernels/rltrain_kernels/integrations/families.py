@@ -58,10 +58,10 @@ FAMILIES: dict[str, ModelFamily] = {
     # rltrain's hybrid delta-rule family (rltrain_kernels.models.hybrid_delta); its linear-attention layers are
     # rltrain_kernels.layers classes, which their kernels find in any model (layer_kernel_swap).
     "hybrid_delta": _family("HybridDelta"),
-    # Qwen3-Next: its RMSNorm is (1 + w)-scaled and its attention uses partial rotary, so only the MLPs, the
-    # Gated DeltaNet layers and their gated output norms take our kernels.
+    # Qwen3-Next: its RMSNorm is (1 + w)-scaled and its attention uses partial rotary, so only the MLPs (the shared
+    # expert's too), the routed experts, the Gated DeltaNet layers and their gated output norms take our kernels.
     "qwen3_next": ModelFamily(mlp=("Qwen3NextMLP",), linear_attention=("Qwen3NextGatedDeltaNet",),
-                              gated_rmsnorm=("Qwen3NextRMSNormGated",)),
+                              gated_rmsnorm=("Qwen3NextRMSNormGated",), experts=("Qwen3NextExperts",)),
 }
 
 

@@ -1,5 +1,5 @@
-"""`fused_moe`: runs the routed experts of a sparse MoE block (Qwen3-MoE, Mixtral) as one fused op instead of
-transformers' per-expert loop (or its torch grouped_mm path).
+"""`fused_moe`: runs the routed experts of a sparse MoE block (Qwen3-MoE, Mixtral, Qwen3-Next) as one fused op
+instead of transformers' per-expert loop (or its torch grouped_mm path).
 
 In transformers 5 the sparse block is a router (`gate`: logits → softmax → top-k, whose logits the model records for
 the auxiliary loss) followed by one experts module holding stacked weights (`gate_up_proj` [E, 2I, H], gate rows

@@ -36,6 +36,12 @@ def tiny_moe(model_type: str, device="cpu", **overrides):
     elif model_type == "mixtral":
         config = transformers.MixtralConfig(**DIMS, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
                                             **overrides)
+    elif model_type == "qwen3_next":   # a Gated DeltaNet layer, then attention; each MoE beside a shared expert
+        config = transformers.Qwen3NextConfig(**DIMS, intermediate_size=48, moe_intermediate_size=48, num_experts=8,
+                                              num_experts_per_tok=2, shared_expert_intermediate_size=32,
+                                              layer_types=["linear_attention", "full_attention"],
+                                              linear_num_key_heads=2, linear_num_value_heads=4,
+                                              linear_key_head_dim=16, linear_value_head_dim=16, **overrides)
     else:
         raise ValueError(model_type)
     config._attn_implementation = "eager"
@@ -80,7 +86,7 @@ def assert_same_model_outputs(swapped_run, reference_run):
 
 
 @pytest.mark.parametrize("impl", ["cuda", "cpu"])
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen3_next"])
 def test_fused_moe_keeps_logits_router_logits_aux_loss_and_gradients(model_type, impl, device):
     if impl == "cpu":
         device = "cpu"
