@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ import torch
 import torch.multiprocessing as mp
 from bench_actor_step import gemm_rates
 from bench_actor_step import make_batch as tail_batch
+from bench_multi_gpu import free_port
 from checkpoints import VOCAB
 
 AUTO = {"name": "auto", "include_kernels": "auto"}
@@ -189,12 +189,6 @@ def rank_main(rank: int, world: int, port: int, sp: int, ep: int, model_dir: str
         torch.save(results, f"{out}/result.pt")
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_layout(layout: str, model_dir: str, args, root: str) -> dict | str:
