@@ -24,7 +24,7 @@ from rltrain.algorithms.config import AlgorithmConfig
 from rltrain.async_rollout import MODES
 from rltrain.config import from_mapping, require
 from rltrain.data.sampler import DataConfig
-from rltrain.embedded import code_task
+from rltrain.embedded import chain_task, code_task
 from rltrain.embedded.config import CONTEXT_LENGTH
 from rltrain.tracking import LOGGERS
 from rltrain.workers.actor_config import ActorConfig
@@ -154,6 +154,12 @@ class JobConfig:
                 "the preset task=tool_arithmetic, or set rollout.multi_turn.enabled=true and "
                 "rollout.multi_turn.tools=[{builtin: calculator}]", self.data.task.kind)
         self._validate_code_task()
+        task = self.data.task
+        if task.uses_chain and self.data.train_files is None:
+            longest, tokens = chain_task.answer_tokens(task), self.rollout.max_new_tokens
+            require(tokens >= longest, "rollout.max_new_tokens", f"must be >= {longest} with data.task.kind="
+                    f"chain_arithmetic (its longest worked answer and <eos> at max_terms={task.max_terms}, "
+                    f"max_operand={task.max_operand}): select the preset task=chain_arithmetic, or raise it", tokens)
 
     def _validate_code_task(self) -> None:
         """The embedded code task (config/task/code_arithmetic.yaml sets both): its programs are scored by the `code`

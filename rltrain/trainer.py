@@ -88,7 +88,7 @@ def resolve_model_and_data(job: JobConfig):
         val_rows = load_rows(job.data.val_files) if job.data.val_files is not None else []
     if job.model.path is None:
         model_dir = str(embedded_policy_dir(job.trainer.output_dir, job.model.embedded, job.data.task,
-                                            job.trainer.seed))
+                                            job.trainer.seed, resolve_device(job.trainer.device)))
     else:
         model_dir = job.model.path
         if not (Path(model_dir) / "config.json").is_file():

@@ -94,7 +94,8 @@ def greedy_answers(model, tokenizer, rows: list[PromptRow]) -> list[str]:
     """Each row's greedy answer, up to <eos> or one token past the longest right answer."""
     longest = max(len(tokenizer(row.ground_truth).input_ids) for row in rows) + 1
     ids, mask = encode_prompts(rows, tokenizer)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), do_sample=False,
+                         max_new_tokens=longest,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     return [answer.strip() for answer in tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)]
 

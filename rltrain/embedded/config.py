@@ -13,7 +13,9 @@ ARCHS = ("qwen3", "qwen3_moe", "hybrid", "gdp", "iplr", "kda")
 # the model's max_position_embeddings: data.max_prompt_length's default 256 + rollout.max_new_tokens must fit (the
 # job's context check); RoPE's frequencies do not depend on it, so the trained weights are those of any other length
 CONTEXT_LENGTH = 1024
-KINDS = ("arithmetic", "tool_arithmetic", "code_arithmetic")
+# chain_arithmetic draws this many distinct problems (train + held out) from a space far larger than a run samples
+CHAIN_PROBLEMS = 50_000
+KINDS = ("arithmetic", "tool_arithmetic", "code_arithmetic", "chain_arithmetic")
 
 
 @dataclass
@@ -42,10 +44,12 @@ class EmbeddedModelConfig:
 
 @dataclass
 class TaskConfig:
-    kind: str = "arithmetic"    # arithmetic | tool_arithmetic | code_arithmetic (rltrain/embedded/task.py)
+    kind: str = "arithmetic"    # arithmetic | tool_arithmetic | code_arithmetic | chain_arithmetic (task.py)
     min_operand: int = 0        # operands drawn from [min_operand, max_operand]
     max_operand: int = 49
-    operators: str = "+"        # any of "+-*" (code_arithmetic: of "+-", the sign between its terms)
+    operators: str = "+"        # any of "+-*" (code_arithmetic: of "+-", the sign between its terms; chain: of "+-")
+    min_terms: int = 3          # chain_arithmetic: terms per problem, from [min_terms, max_terms]
+    max_terms: int = 6
     num_val: int = 200          # held-out problems (never trained on)
     seed: int = 0
 
@@ -58,9 +62,19 @@ class TaskConfig:
                 "must be a non-empty subset of '+-*'", self.operators)
         require(not self.uses_code or set(self.operators) <= set("+-"), "operators", "must be a non-empty subset of "
                 "'+-' with kind=code_arithmetic (the sign between a formula's terms)", self.operators)
+        require(not self.uses_chain or set(self.operators) <= set("+-"), "operators", "must be a non-empty subset of "
+                "'+-' with kind=chain_arithmetic", self.operators)
+        require(self.min_terms >= 2, "min_terms", "must be >= 2", self.min_terms)
+        require(self.max_terms >= self.min_terms, "max_terms", f"must be >= min_terms ({self.min_terms})",
+                self.max_terms)
         require(self.num_val >= 1, "num_val", "must be >= 1", self.num_val)
-        forms = 3 if self.uses_code else 1   # code_arithmetic: linear, square, factored (rltrain/embedded/code_task.py)
-        problems = forms * len(self.operators) * (self.max_operand - self.min_operand + 1) ** 2
+        operands = self.max_operand - self.min_operand + 1
+        if self.uses_chain:   # PROBLEMS are drawn from this space (rltrain/embedded/chain_task.py)
+            problems = min(CHAIN_PROBLEMS, sum(operands ** n * len(self.operators) ** (n - 1)
+                                                      for n in range(self.min_terms, self.max_terms + 1)))
+        else:
+            forms = 3 if self.uses_code else 1   # code_arithmetic: linear, square, factored (code_task.py)
+            problems = forms * len(self.operators) * operands ** 2
         require(self.num_val < problems, "num_val", f"leaves no training problems (the task has {problems})",
                 self.num_val)
 
@@ -71,3 +85,7 @@ class TaskConfig:
     @property
     def uses_code(self) -> bool:
         return self.kind == "code_arithmetic"
+
+    @property
+    def uses_chain(self) -> bool:
+        return self.kind == "chain_arithmetic"

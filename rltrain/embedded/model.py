@@ -20,13 +20,16 @@ kda's, whose layers train on the CPU through the per-step recurrence (no chunked
 The warm start trains on the task's training prompts and answers until its greedy accuracy on a fixed sample of
 training problems reaches `warmstart_target_accuracy` (checked every `warmstart_eval_every` steps), so RL starts
 from a model that is right about that often, whatever the seed: supervised learning on this task improves in
-sudden jumps, so a fixed step count gives starting points from 10% to 80% across seeds. The result is saved in HF format under
-`<output_dir>/warmstart/<hash>` (written to a temporary of the process's own and renamed, under the trainer's lock on
-the output directory) and reused by later runs with the same settings. The tool task
+sudden jumps, so a fixed step count gives starting points from 10% to 80% across seeds. It trains on the device
+trainer.device resolves to (the GPU preset's 21M-parameter model in about a minute). The result is saved in HF format
+under `<output_dir>/warmstart/<hash>` (written to a temporary of the process's own and renamed, under the trainer's
+lock on the output directory) and reused by later runs with the same settings. The tool task
 (data.task.kind=tool_arithmetic) warm-starts on the examples of rltrain/embedded/tool_task.py instead, with the
 tokenizer's tool vocabulary, and its accuracy is that of episodes made to open with a calculator call. The code task
 (data.task.kind=code_arithmetic) warm-starts on rltrain/embedded/code_task.py's mix of Python and math-notation
-answers, and its accuracy is that of right transcriptions in either notation.
+answers, and its accuracy is that of right transcriptions in either notation. The chain task
+(data.task.kind=chain_arithmetic) warm-starts on rltrain/embedded/chain_task.py's worked answers, with `#` added to
+the vocabulary.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from rltrain_kernels.models import HybridDeltaConfig
 
 from rltrain.data.rows import PromptRow
 from rltrain.data.sampler import encode_prompts
-from rltrain.embedded import code_task, tool_task
+from rltrain.embedded import chain_task, code_task, tool_task
 from rltrain.embedded.config import CONTEXT_LENGTH, EmbeddedModelConfig
 from rltrain.embedded.task import make_rows
 from rltrain.embedded.tokenizer import build_char_tokenizer
@@ -107,32 +110,37 @@ def _sft_batch(rows: list[PromptRow], tokenizer):
 def greedy_accuracy(model, tokenizer, rows: list[PromptRow]) -> float:
     """Fraction of rows whose greedy answer (up to <eos>) the task's reward function scores as right."""
     ids, mask = encode_prompts(rows, tokenizer)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), do_sample=False,
+                         max_new_tokens=6, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     answers = tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
     return sum(arithmetic_reward(r.data_source, a, r.ground_truth) for a, r in zip(answers, rows)) / len(rows)
 
 
+# per task kind: (the warm start's accuracy, its name in the log, its examples (rows, tokenizer, rng) -> batch)
+WARM_STARTS = {
+    "arithmetic": (greedy_accuracy, "greedy accuracy", lambda sample, tok, _: _sft_batch(sample, tok)),
+    "tool_arithmetic": (tool_task.forced_call_accuracy, "forced-call accuracy", tool_task.sft_batch),
+    "code_arithmetic": (code_task.transcription_accuracy, "transcription accuracy", code_task.sft_batch),
+    "chain_arithmetic": (chain_task.greedy_accuracy, "greedy accuracy", chain_task.sft_batch),
+}
+
+
 def warm_start(model, tokenizer, rows: list[PromptRow], config: EmbeddedModelConfig, seed: int,
-               tools: bool = False, code: bool = False) -> float:
-    """Supervised training on prompt -> answer, in place, until the target accuracy (on 128 training problems)
-    or the step limit; returns the last measured accuracy. `tools` (the tool task): the examples and the accuracy
-    of rltrain/embedded/tool_task.py instead (demonstrated calculator episodes, forced-call accuracy); `code` (the
-    code task): those of rltrain/embedded/code_task.py (answers in Python or math notation, transcription accuracy)."""
+               kind: str = "arithmetic") -> float:
+    """Supervised training on prompt -> answer, in place on the model's device, until the target accuracy (on 128
+    training problems) or the step limit; returns the last measured accuracy. `kind` (data.task.kind) picks the
+    examples and the accuracy (WARM_STARTS): the tool task's demonstrated calculator episodes and forced-call
+    accuracy (rltrain/embedded/tool_task.py), the code task's answers in Python or math notation and their
+    transcription accuracy (code_task.py), the chain task's worked answers (chain_task.py)."""
     rng = random.Random(seed)
     probe = rng.sample(rows, min(128, len(rows)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.warmstart_lr, weight_decay=0.0)
-    if tools:
-        measure, what, batch = tool_task.forced_call_accuracy, "forced-call accuracy", tool_task.sft_batch
-    elif code:
-        measure, what, batch = code_task.transcription_accuracy, "transcription accuracy", code_task.sft_batch
-    else:
-        measure, what, batch = greedy_accuracy, "greedy accuracy", lambda sample, tok, _: _sft_batch(sample, tok)
+    measure, what, batch = WARM_STARTS[kind]
     accuracy = 0.0
     for step in range(1, config.warmstart_steps + 1):
         model.train()
         sample = rng.sample(rows, min(config.warmstart_batch_size, len(rows)))
-        ids, mask, labels = batch(sample, tokenizer, rng)
+        ids, mask, labels = (t.to(model.device) for t in batch(sample, tokenizer, rng))
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -145,17 +153,19 @@ def warm_start(model, tokenizer, rows: list[PromptRow], config: EmbeddedModelCon
             if accuracy >= config.warmstart_target_accuracy:
                 break
     model.eval()
-    if tools:
+    if kind == "tool_arithmetic":
         logger.info("warm start done: the model opens a calculator call with probability %.3f",
                     tool_task.call_probability(model, tokenizer, probe))
-    if code:
+    if kind == "code_arithmetic":
         logger.info("warm start done: %.3f of its greedy answers are in Python",
                     code_task.python_share(model, tokenizer, probe))
     return accuracy
 
 
-def embedded_policy_dir(output_dir: str, config: EmbeddedModelConfig, task_config, seed: int) -> Path:
-    """Build (or reuse) the warm-started embedded model; returns its HF-format directory."""
+def embedded_policy_dir(output_dir: str, config: EmbeddedModelConfig, task_config, seed: int,
+                        device: str = "cpu") -> Path:
+    """Build (or reuse) the warm-started embedded model; returns its HF-format directory. `device`: where the warm
+    start trains (trainer.device resolved: a GPU preset's model warm-starts on the GPU, in seconds)."""
     mixers = layer_types(config)   # resolved: a change of an arch's default layer count makes a new warm start
     # the context length is part of the key: a model cached with a shorter one would fail the job's context check
     key = hashlib.sha256(json.dumps([asdict(config), asdict(task_config), seed, CONTEXT_LENGTH]
@@ -164,11 +174,15 @@ def embedded_policy_dir(output_dir: str, config: EmbeddedModelConfig, task_confi
     if (target / "config.json").is_file():
         logger.info("reusing the warm-started embedded model at %s", target)
         return target
-    tokenizer = build_char_tokenizer(tools=task_config.uses_tools, code=task_config.uses_code)
-    model = build_model(config, tokenizer, seed)
+    tokenizer = build_char_tokenizer(chain_task.CHAIN_CHARS if task_config.kind == "chain_arithmetic" else "",
+                                     tools=task_config.uses_tools, code=task_config.uses_code)
+    model = build_model(config, tokenizer, seed).to(device)
     train_rows, _ = make_rows(task_config)
-    logger.info("warm-starting the embedded model (%d steps) -> %s", config.warmstart_steps, target)
-    warm_start(model, tokenizer, train_rows, config, seed, tools=task_config.uses_tools, code=task_config.uses_code)
+    logger.info("warm-starting the embedded model (%d steps, on %s) -> %s", config.warmstart_steps, device, target)
+    warm_start(model, tokenizer, train_rows, config, seed, task_config.kind)
+    model.to("cpu")
+    if device == "cuda":
+        torch.cuda.empty_cache()   # the driver keeps no GPU blocks the model roles could use
     tmp = temporary_dir(target.parent, target.name)   # this process's own: renamed into place whole
     try:
         model.save_pretrained(tmp)

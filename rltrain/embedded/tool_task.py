@@ -88,7 +88,8 @@ def sft_batch(rows: list[PromptRow], tokenizer, rng: random.Random):
 def _greedy(model, tokenizer, contexts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Each context's greedy continuation, through its first <eos> (kept) or the budget."""
     ids, mask = left_pad(contexts, tokenizer.pad_token_id)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), do_sample=False,
+                         max_new_tokens=max_new_tokens,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     turns = []
     for tokens in out[:, ids.shape[1]:].tolist():
@@ -123,6 +124,7 @@ def call_probability(model, tokenizer, rows: list[PromptRow]) -> float:
     tools, opening = calculator_tools(), tokenizer.convert_tokens_to_ids("<tool_call>")
     ids, mask = left_pad([prompt_ids(row.prompt, tokenizer, tools) for row in rows],
                          tokenizer.pad_token_id)
+    ids, mask = ids.to(model.device), mask.to(model.device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
     return logits.softmax(-1)[:, opening].mean().item()

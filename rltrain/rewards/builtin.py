@@ -84,6 +84,7 @@ def tool_arithmetic_reward(data_source, solution_str, ground_truth, extra_info=N
 DATA_SOURCE_REWARDS = {
     "rltrain/arithmetic": "arithmetic",
     "rltrain/tool_arithmetic": "tool_arithmetic",
+    "rltrain/chain_arithmetic": "math",   # the embedded chain task answers `#### 190`
     "openai/gsm8k": "math",
     "lighteval/MATH": "math",
     "DigitalLearningGmbH/MATH-lighteval": "math",

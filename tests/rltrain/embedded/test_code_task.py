@@ -129,6 +129,7 @@ class Copier(torch.nn.Module):
     def __init__(self, tokenizer, answer):
         super().__init__()
         self.tokenizer, self.answer = tokenizer, answer
+        self.device = torch.device("cpu")   # where the accuracy sends the prompts
 
     def generate(self, input_ids, attention_mask, max_new_tokens, **kwargs):
         tok, out = self.tokenizer, []

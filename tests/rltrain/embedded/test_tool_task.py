@@ -177,6 +177,7 @@ class PerfectCaller(torch.nn.Module):
     def __init__(self, tokenizer):
         super().__init__()
         self.tokenizer = tokenizer
+        self.device = torch.device("cpu")   # where the accuracy sends the prompts
 
     def generate(self, input_ids, attention_mask, max_new_tokens, **kwargs):
         tok, out = self.tokenizer, []
