@@ -69,9 +69,10 @@ class TaskConfig:
                 self.max_terms)
         require(self.num_val >= 1, "num_val", "must be >= 1", self.num_val)
         operands = self.max_operand - self.min_operand + 1
-        if self.uses_chain:   # PROBLEMS are drawn from this space (rltrain/embedded/chain_task.py)
-            problems = min(CHAIN_PROBLEMS, sum(operands ** n * len(self.operators) ** (n - 1)
-                                                      for n in range(self.min_terms, self.max_terms + 1)))
+        if self.uses_chain:   # CHAIN_PROBLEMS are drawn from this space (rltrain/embedded/chain_task.py)
+            terms = range(self.min_terms, self.max_terms + 1)
+            space = sum(operands ** n * len(self.operators) ** (n - 1) for n in terms)
+            problems = min(CHAIN_PROBLEMS, space)
         else:
             forms = 3 if self.uses_code else 1   # code_arithmetic: linear, square, factored (code_task.py)
             problems = forms * len(self.operators) * operands ** 2

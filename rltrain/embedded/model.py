@@ -174,7 +174,7 @@ def embedded_policy_dir(output_dir: str, config: EmbeddedModelConfig, task_confi
     if (target / "config.json").is_file():
         logger.info("reusing the warm-started embedded model at %s", target)
         return target
-    tokenizer = build_char_tokenizer(chain_task.CHAIN_CHARS if task_config.kind == "chain_arithmetic" else "",
+    tokenizer = build_char_tokenizer(chain_task.CHAIN_CHARS if task_config.uses_chain else "",
                                      tools=task_config.uses_tools, code=task_config.uses_code)
     model = build_model(config, tokenizer, seed).to(device)
     train_rows, _ = make_rows(task_config)

@@ -39,7 +39,7 @@ def make_rows(config: TaskConfig) -> tuple[list[PromptRow], list[PromptRow]]:
     """All problems of the task, shuffled with the seed: (train, val), disjoint."""
     operands = range(config.min_operand, config.max_operand + 1)
     if config.uses_chain:
-        problems = chain_task.problems(config)   # drawn with the seed: already in random order
+        problems = chain_task.problems(config)   # drawn with the seed from a space too large to list
     elif config.uses_code:
         problems = code_task.problems(config.min_operand, config.max_operand, config.operators)
     else:
