@@ -60,6 +60,8 @@ class TaskConfig:
                 f"({self.min_operand})", self.max_operand)
         require(bool(self.operators) and set(self.operators) <= set("+-*"), "operators",
                 "must be a non-empty subset of '+-*'", self.operators)
+        require(len(set(self.operators)) == len(self.operators), "operators", "must not repeat an operator (the "
+                "problems are counted and drawn per operator)", self.operators)
         require(not self.uses_code or set(self.operators) <= set("+-"), "operators", "must be a non-empty subset of "
                 "'+-' with kind=code_arithmetic (the sign between a formula's terms)", self.operators)
         require(not self.uses_chain or set(self.operators) <= set("+-"), "operators", "must be a non-empty subset of "

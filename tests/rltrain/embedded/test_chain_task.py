@@ -180,12 +180,13 @@ def test_preset_composes_and_fits_its_longest_answer(monkeypatch):
      "rollout.max_new_tokens: must be >= 85 with data.task.kind=chain_arithmetic"),
     (["task=chain_arithmetic", "data.task.operators=+*"],
      "data.task.operators: must be a non-empty subset of '+-' with kind=chain_arithmetic"),
+    (["task=chain_arithmetic", "data.task.operators=++"], "data.task.operators: must not repeat an operator"),
     (["task=chain_arithmetic", "data.task.min_terms=1"], "data.task.min_terms: must be >= 2"),
     (["task=chain_arithmetic", "data.task.max_terms=2"], "data.task.max_terms: must be >= min_terms (3)"),
     (["task=chain_arithmetic", "data.task.min_operand=0", "data.task.max_operand=1", "data.task.min_terms=2",
       "data.task.max_terms=2", "data.task.num_val=4"],
      "data.task.num_val: leaves no training problems (the task has 4)"),
-], ids=["max-new-tokens", "operators", "min-terms", "max-terms", "no-training-rows"])
+], ids=["max-new-tokens", "operators", "repeated-operator", "min-terms", "max-terms", "no-training-rows"])
 def test_bad_settings_are_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_job_config(compose(*overrides, "rollout.engine=hf"))
