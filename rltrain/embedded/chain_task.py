@@ -32,11 +32,9 @@ CHAIN_CHARS = "#"        # the answer line's marker, `#### 190`, beyond the defa
 def problems(config) -> list[tuple]:
     """CHAIN_PROBLEMS distinct problems (fewer when the space is smaller), each (a, op, b, op, c, ...), seeded."""
     rng = random.Random(config.seed)
-    operands = config.max_operand - config.min_operand + 1
-    space = sum(operands ** n * len(config.operators) ** (n - 1) for n in range(config.min_terms,
-                                                                                 config.max_terms + 1))
+    count = min(CHAIN_PROBLEMS, config.chain_space)
     drawn: dict[tuple, None] = {}
-    while len(drawn) < min(CHAIN_PROBLEMS, space):
+    while len(drawn) < count:
         terms = rng.randint(config.min_terms, config.max_terms)
         problem = [rng.randint(config.min_operand, config.max_operand)]
         for _ in range(terms - 1):

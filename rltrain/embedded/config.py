@@ -72,9 +72,7 @@ class TaskConfig:
         require(self.num_val >= 1, "num_val", "must be >= 1", self.num_val)
         operands = self.max_operand - self.min_operand + 1
         if self.uses_chain:   # CHAIN_PROBLEMS are drawn from this space (rltrain/embedded/chain_task.py)
-            terms = range(self.min_terms, self.max_terms + 1)
-            space = sum(operands ** n * len(self.operators) ** (n - 1) for n in terms)
-            problems = min(CHAIN_PROBLEMS, space)
+            problems = min(CHAIN_PROBLEMS, self.chain_space)
         else:
             forms = 3 if self.uses_code else 1   # code_arithmetic: linear, square, factored (code_task.py)
             problems = forms * len(self.operators) * operands ** 2
@@ -92,3 +90,9 @@ class TaskConfig:
     @property
     def uses_chain(self) -> bool:
         return self.kind == "chain_arithmetic"
+
+    @property
+    def chain_space(self) -> int:
+        """How many distinct chain problems the settings allow (terms, operands and operators between them)."""
+        operands = self.max_operand - self.min_operand + 1
+        return sum(operands ** n * len(self.operators) ** (n - 1) for n in range(self.min_terms, self.max_terms + 1))
