@@ -14,8 +14,8 @@ runs its contiguous slice of it; `model_inputs()`, `tokens()` and `labels()` giv
 cu_seqlens stay the whole row's, and `rows()` gathers the slices back first.
 
 Micro-batches: `token_budget_groups` splits rows into the fewest groups of at most `budget` tokens it finds (a
-longer sequence alone), balanced by the longest-processing-time rule; `balanced_groups` splits rows into k groups
-of near-equal tokens (the FSDP ranks' shares).
+longer sequence alone), balanced by the longest-processing-time rule where that needs no more groups than first-fit
+decreasing; `balanced_groups` splits rows into k groups of near-equal tokens (the FSDP ranks' shares).
 """
 
 from __future__ import annotations
@@ -163,17 +163,34 @@ def balanced_groups(lengths: list[int], k: int) -> list[list[int]]:
     return _lpt(lengths, k)
 
 
+def _first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
+    """Each index, longest first, to the first group it fits in (a new group when none): at most 11/9 of the fewest
+    groups possible, plus one (a sequence over budget gets a group of its own)."""
+    groups: list[list[int]] = []
+    totals: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        g = next((g for g, total in enumerate(totals) if total + lengths[i] <= budget), None)
+        if g is None:
+            groups.append([])
+            totals.append(0)
+            g = len(groups) - 1
+        groups[g].append(i)
+        totals[g] += lengths[i]
+    return [sorted(g) for g in groups]
+
+
 def token_budget_groups(lengths: list[int], budget: int) -> list[list[int]]:
-    """Row indices in groups of at most `budget` tokens each (a longer sequence alone in its group), as few groups as
-    the balanced split finds, ordered by their first row."""
+    """Row indices in groups of at most `budget` tokens each (a longer sequence alone in its group), ordered by their
+    first row: the balanced split (LPT) into the fewest groups it fits in, unless first-fit decreasing needs fewer
+    (LPT wastes room when lengths are close to half the budget), then that one."""
     if not lengths:
         return []
-    k = max(1, -(-sum(lengths) // budget))
-    while True:
+    packed = _first_fit_decreasing(lengths, budget)
+    for k in range(max(1, -(-sum(lengths) // budget)), len(packed) + 1):
         groups = [g for g in _lpt(lengths, k) if g]
         if all(sum(lengths[i] for i in g) <= budget or len(g) == 1 for g in groups):
             return sorted(groups, key=lambda g: g[0])
-        k += 1
+    return sorted(packed, key=lambda g: g[0])
 
 
 @dataclass(frozen=True)
