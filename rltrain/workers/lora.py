@@ -34,6 +34,7 @@ import transformers as tf
 from safetensors.torch import save_file
 
 from rltrain.config import ConfigError, require
+from rltrain.workers.hf_config import load_config
 
 ALL_LINEAR = "all-linear"
 
@@ -84,7 +85,7 @@ def check_target_modules(model, config: LoraConfig, key: str = "actor.lora") -> 
 def _meta_model(model_dir: str):
     """The transformers model in `model_dir` built on the meta device from its config: no weights read."""
     with torch.device("meta"):
-        return tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(model_dir))
+        return tf.AutoModelForCausalLM.from_config(load_config(model_dir))
 
 
 def check_target_modules_of(model_dir: str, config: LoraConfig, key: str = "actor.lora") -> None:

@@ -41,6 +41,8 @@ import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families 
 import torch
 import transformers as tf
 
+from rltrain.workers.hf_config import load_config
+
 logger = logging.getLogger(__name__)
 
 
@@ -63,7 +65,7 @@ def stored_fp32_weights(path: str) -> dict[str, torch.Tensor] | None:
     fields = json.loads((Path(path) / "config.json").read_text())
     if (fields.get("dtype") or fields.get("torch_dtype")) != "float32":
         return None
-    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = tf.AutoModelForCausalLM.from_pretrained(path, config=load_config(path), dtype=torch.float32)
     return {name: param.detach() for name, param in model.named_parameters()}
 
 
