@@ -17,6 +17,12 @@ fused-recurrent kernels), both in bf16, built from config:
              rows); the note gives packed's speed-up and its old log-probs against padded's ("vs qwen3": "-", another
              shape). Not in the default --archs
 
+`--engines hf,vllm` decodes with vLLM too (the rollout engine's vllm path, CUDA graphs, gpu_memory_utilization 0.5)
+where vLLM serves the model: qwen3 and qwen3_next as built, hybrid through its Qwen3-Next form (rltrain.export's
+conversion, the form `python -m rltrain.export` writes); gdp and iplr have none. Correctness first there too: the
+log-probs vLLM reports for its sampled tokens (8 prompts) against rltrain's actor on the model as trained (for hybrid:
+the family with the registry's kernels), as a relative error. `--decode-only` skips the actor steps.
+
 Actor step: `--responses` responses after `--prompt-len`-token prompts, log-normal lengths (bench_actor_step.py's
 batch); tokens/s counts prompt + response tokens over both passes, the faster of two steps after two warm-up
 steps. Decoding: `--decode-batch` prompts of `--decode-prompt` random tokens, `--decode-len` new tokens sampled at
@@ -28,18 +34,24 @@ CUDA GPU, rltrain and rltrain-kernels installed (README.md beside this file).
     python benchmarks/bench_hybrid_policy.py                  # all four archs
     python benchmarks/bench_hybrid_policy.py --archs qwen3,hybrid
     python benchmarks/bench_hybrid_policy.py --archs qwen3_next          # packed vs padded, and decoding
+    python benchmarks/bench_hybrid_policy.py --archs qwen3,hybrid,qwen3_next --engines hf,vllm --decode-only
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from bench_actor_step import RltrainPath, make_batch, release_memory, timed_step
 from checkpoints import QWEN3_COMMON, QWEN3_SIZES, VOCAB, word_tokenizer
 
+from rltrain_kernels.models.hybrid_delta import HybridDeltaConfig
+from rltrain_kernels.models.hybrid_delta.qwen3_next import qwen3_next_refusal
 from rltrain_kernels.registry import get_applied_kernels
 
 LAYERS = 16
@@ -103,15 +115,19 @@ def kernel_vs_torch_error(model_dir: str, device: str = "cuda") -> float:
     return ((logps[0] - logps[1])[mask].norm() / logps[1][mask].norm()).item()
 
 
+def decode_prompts(args) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(100, VOCAB - 100, (args.decode_batch, args.decode_prompt), generator=g)
+    return ids, torch.ones_like(ids)
+
+
 def decode(model_dir: str, args, device: str = "cuda") -> tuple[float, int]:
     """(tokens/s, decoding steps) of the HF rollout engine."""
     from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 
     worker = RolloutWorker(RolloutConfig(n=1, max_new_tokens=args.decode_len, micro_batch_size=args.decode_batch),
                            model_dir, "bfloat16", AUTO, device=device)
-    g = torch.Generator().manual_seed(4)
-    ids = torch.randint(100, VOCAB - 100, (args.decode_batch, args.decode_prompt), generator=g)
-    mask = torch.ones_like(ids)
+    ids, mask = decode_prompts(args)
     worker.generate(ids[:, :16], mask[:, :16], 1, 1.0, seed=0)   # warm-up: autotuning, allocator
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -122,6 +138,72 @@ def decode(model_dir: str, args, device: str = "cuda") -> tuple[float, int]:
     worker = None
     release_memory()
     return float(out["response_mask"].sum()) / elapsed, steps
+
+
+def vllm_form(arch: str, model_dir: str) -> tuple[str | None, str]:
+    """(the directory vLLM serves for `arch`'s model, how), or (None, why not): the hybrid family through its
+    Qwen3-Next form (written beside model_dir by rltrain.export's conversion), the others as built."""
+    import transformers as tf
+
+    from rltrain.export import write_hf_model
+
+    config = tf.AutoConfig.from_pretrained(model_dir)
+    if not isinstance(config, HybridDeltaConfig):
+        return model_dir, "as built"
+    reason = qwen3_next_refusal(config)
+    if reason is not None:
+        return None, reason
+    weights = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        weights.update(load_file(file))
+    out = write_hf_model(weights, Path(model_dir), Path(f"{model_dir}_as_qwen3_next"), "5GB", "bfloat16", "qwen3_next")
+    return str(out), "its Qwen3-Next form"
+
+
+def decode_vllm(serve_dir: str, model_dir: str, args) -> tuple[float, int, float]:
+    """(tokens/s, decoding steps, relative error of vLLM's sampled-token log-probs against the actor's on
+    model_dir) of the vLLM rollout engine serving serve_dir, in a process of its own: vLLM's sleep-mode allocator
+    takes one engine per process."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    process = context.Process(target=vllm_decode_process, args=(serve_dir, model_dir, args, results))
+    process.start()
+    process.join()
+    if process.exitcode != 0:
+        raise RuntimeError(f"the vLLM decoding process for {serve_dir} exited with {process.exitcode}")
+    return results.get()
+
+
+def vllm_decode_process(serve_dir: str, model_dir: str, args, results) -> None:
+    results.put(decode_vllm_here(serve_dir, model_dir, args))
+
+
+def decode_vllm_here(serve_dir: str, model_dir: str, args) -> tuple[float, int, float]:
+    """decode_vllm in this process."""
+    from rltrain.algorithms.config import LossConfig
+    from rltrain.workers.actor import ActorWorker
+    from rltrain.workers.actor_config import ActorConfig
+    from rltrain.workers.rollout import RolloutConfig, RolloutWorker
+
+    worker = RolloutWorker(RolloutConfig(engine="vllm", n=1, max_new_tokens=args.decode_len,
+                                         gpu_memory_utilization=0.5), serve_dir, "bfloat16", None, device="cuda")
+    ids, mask = decode_prompts(args)
+    check = worker.generate(ids[:8, :32], mask[:8, :32], 1, 1.0, seed=0)   # also the warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = worker.generate(ids, mask, 1, 1.0, seed=1)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    worker.sleep()   # the engine's weights and KV cache off the GPU before the actor loads
+    worker = None
+    release_memory()
+    actor = ActorWorker(ActorConfig(), LossConfig(), model_dir, "bfloat16", AUTO, temperature=1.0, device="cuda")
+    valid = check["response_mask"].bool()
+    ours = actor.compute_logprobs(check).double()[valid]
+    error = ((check["rollout_logprobs"].double()[valid] - ours).norm() / ours.norm()).item()
+    actor = None
+    release_memory()
+    return float(out["response_mask"].sum()) / elapsed, out["response_ids"].shape[1], error
 
 
 def actor_step(model_dir: str, batch, args, packed: bool = True, mixed_precision: bool = False,
@@ -144,6 +226,34 @@ def actor_step(model_dir: str, batch, args, packed: bool = True, mixed_precision
     return params, old_s, update_s, peak, kernels, steps[0][2]
 
 
+def decode_row(arch: str, model_dir: str, engines: list[str], args) -> list:
+    """[arch, served as, hf tok/s, steps, vllm tok/s, vllm log-prob rel. err] (0 / None where an engine did not run)."""
+    row = [arch, "-", 0.0, 0, 0.0, None]
+    if "hf" in engines:
+        row[2], row[3] = decode(model_dir, args)
+        print(f"  {arch}: hf decode {row[2]:.0f} tok/s over {row[3]} steps", flush=True)
+    if "vllm" in engines:
+        serve_dir, row[1] = vllm_form(arch, model_dir)
+        if serve_dir is None:
+            print(f"  {arch}: vLLM cannot serve it: {row[1]}", flush=True)
+            row[1] = "no vLLM form"
+        else:
+            row[4], steps, row[5] = decode_vllm(serve_dir, model_dir, args)
+            print(f"  {arch}: vllm ({row[1]}) decode {row[4]:.0f} tok/s over {steps} steps; its log-probs vs the "
+                  f"actor's: relative error {row[5]:.1e}", flush=True)
+    return row
+
+
+def print_decode_table(decodes: list[list]) -> None:
+    print(f"\n### Decoding, HF engine vs vLLM, bf16, {torch.cuda.get_device_name()}\n")
+    print("| arch | vLLM serves | hf tok/s | vllm tok/s | vllm / hf | vllm log-probs vs actor rel. err |")
+    print("|---|---|---:|---:|---:|---:|")
+    for arch, served, hf, _, vllm, error in decodes:
+        ratio = f"{vllm / hf:.2f}x" if hf and vllm else "-"
+        print(f"| {arch} | {served} | {f'{hf:.0f}' if hf else '-'} | {f'{vllm:.0f}' if vllm else '-'} | {ratio} | "
+              f"{'-' if error is None else f'{error:.1e}'} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--archs", default="qwen3,hybrid,gdp,iplr", help="of qwen3, hybrid, gdp, iplr, qwen3_next")
@@ -155,7 +265,12 @@ def main():
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--decode-prompt", type=int, default=128)
     parser.add_argument("--decode-len", type=int, default=256)
+    parser.add_argument("--engines", default="hf", help="decoding engines, of hf, vllm (module docstring)")
+    parser.add_argument("--decode-only", action="store_true", help="skip the actor steps")
     args = parser.parse_args()
+    engines = args.engines.split(",")
+    if set(engines) - {"hf", "vllm"}:
+        parser.error(f"--engines {args.engines!r}: expected a comma-separated list of hf, vllm")
     import transformers
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}")
@@ -163,9 +278,12 @@ def main():
     batch = make_batch(args.responses, args.prompt_len, args.mean_len, args.max_len)
     tokens = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
     print(f"actor batch: {args.responses} responses, {tokens} tokens (max response {batch['response_ids'].shape[1]})")
-    rows, mask = [], batch["response_mask"].bool()
+    rows, decodes, mask = [], [], batch["response_mask"].bool()
     for arch in args.archs.split(","):
         model_dir = build_model_dir(arch, root)
+        if args.decode_only:
+            decodes.append(decode_row(arch, model_dir, engines, args))
+            continue
         error = kernel_vs_torch_error(model_dir) if arch != "qwen3" else None
         # qwen3_next: packed, then padded, at mixed precision; the others packed, bf16 in place (as in RESULTS.md)
         layouts = {"qwen3_next packed": True, "qwen3_next padded": False} if arch == "qwen3_next" else {arch: True}
@@ -185,8 +303,12 @@ def main():
             rows[-1][9] = f"{PADDED_ROWS} rows/micro-batch"
             print(f"  old log-probs {arch} packed vs padded: relative error {err:.2e}")
         row = rows[-len(layouts)]   # decoding: once per arch, on its first row
-        row[6], row[7] = decode(model_dir, args)
-        print(f"  {arch}: decode {row[6]:.0f} tok/s over {row[7]} steps", flush=True)
+        decodes.append(decode_row(arch, model_dir, engines, args))
+        row[6], row[7] = decodes[-1][2] or None, decodes[-1][3]
+    if "vllm" in engines:
+        print_decode_table(decodes)
+    if args.decode_only:
+        return
     base = {r[0]: r for r in rows}.get("qwen3")
     print(f"\n### Delta-rule policies vs Qwen3, bf16, {torch.cuda.get_device_name()}\n")
     print("| arch | params | actor tok/s | vs qwen3 | old log-probs s | update s | peak GiB | decode tok/s "
