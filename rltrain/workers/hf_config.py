@@ -24,6 +24,7 @@ def load_config(path: str, **kwargs) -> tf.PreTrainedConfig:
 
 
 def mend(config: tf.PreTrainedConfig) -> tf.PreTrainedConfig:
+    """`config` (in place) with DEFAULTED's attributes set where it or its text_config lacks them."""
     for section in (config, getattr(config, "text_config", None)):
         if section is None:
             continue
