@@ -32,7 +32,7 @@ from ..common.tuning import DEFAULT_TUNING, Tuning
 from ..common.wy import solve_unit_lower
 
 # the backward's key channels per program: [BT, K] fp32 tiles of the whole key width spilled (3.9 KB a thread at
-# K = 128, sm_90; benchmarks/compile_report.py)
+# K = 128, sm_90; kernels/benchmarks/compile_report.py)
 INTRA_BWD_BK = 32
 
 
