@@ -41,7 +41,7 @@ from rltrain_kernels.models.hybrid_delta.qwen3_next import qwen3_next_config, qw
 
 from rltrain.checkpoint import HF_DIR, INDEX_FILE, MODEL_DIR, holds_adapters
 from rltrain.distributed_checkpoint import CheckpointError, read_state, unreadable_reason
-from rltrain.workers.hf_config import load_config
+from rltrain.workers.hf_config import from_pretrained
 from rltrain.workers.lora import load_adapters, peft_checkpoint_name
 from rltrain.workers.policy import DTYPES, untied_state_dict
 
@@ -78,8 +78,7 @@ def merge_adapters(adapters: dict[str, torch.Tensor], hf: Path, base: str | None
     holds them) merged in, in fp32; a tied weight once."""
     import peft  # optional: LoRA only (rltrain/workers/lora.py)
 
-    base_dir = base_model_dir(hf, base)
-    model = tf.AutoModelForCausalLM.from_pretrained(base_dir, config=load_config(base_dir), dtype=torch.float32)
+    model = from_pretrained(tf.AutoModelForCausalLM, base_model_dir(hf, base), dtype=torch.float32)
     wrapped = peft.get_peft_model(model, peft.LoraConfig.from_pretrained(str(hf)), autocast_adapter_dtype=False)
     try:
         load_adapters(wrapped, {peft_checkpoint_name(name): tensor for name, tensor in adapters.items()})

@@ -17,10 +17,15 @@ import transformers as tf
 DEFAULTED = {"pad_token_id": None}
 
 
-def load_config(path: str, **kwargs) -> tf.PreTrainedConfig:
+def load_config(path: str) -> tf.PreTrainedConfig:
     """tf.AutoConfig.from_pretrained(path), with DEFAULTED's attributes set where the config (or its text_config)
     lacks them."""
-    return mend(tf.AutoConfig.from_pretrained(path, **kwargs))
+    return mend(tf.AutoConfig.from_pretrained(path))
+
+
+def from_pretrained(auto_class, path: str, **kwargs):
+    """auto_class.from_pretrained(path, **kwargs) (a transformers Auto model class) with load_config's config."""
+    return auto_class.from_pretrained(path, config=load_config(path), **kwargs)
 
 
 def mend(config: tf.PreTrainedConfig) -> tf.PreTrainedConfig:

@@ -35,7 +35,7 @@ import transformers as tf
 from rltrain.config import ConfigError, require
 from rltrain.workers.judge_vllm import VLLMJudgeModel
 from rltrain.workers.group import PLACEMENTS
-from rltrain.workers.hf_config import load_config
+from rltrain.workers.hf_config import from_pretrained
 from rltrain.workers.policy import DTYPES, load_tokenizer, release_cached_memory, set_threads
 
 PARSERS = ("yes_no", "score")
@@ -147,8 +147,7 @@ class JudgeWorker:
         if engine == "vllm":
             self.engine = VLLMJudgeModel(config, model_path, dtype, self.yes, self.no)
         else:
-            self.model = tf.AutoModelForCausalLM.from_pretrained(model_path, config=load_config(model_path),
-                                                                 dtype=DTYPES[dtype]).to(device).eval()
+            self.model = from_pretrained(tf.AutoModelForCausalLM, model_path, dtype=DTYPES[dtype]).to(device).eval()
             self.model.requires_grad_(False)
 
     def render(self, prompt: str | list[dict], response: str, ground_truth) -> str:

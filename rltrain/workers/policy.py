@@ -26,7 +26,7 @@ from rltrain.workers.attention import (
     ATTN_IMPLEMENTATIONS, resolve_attn_implementation, use_packed_attention, varlen_kwargs,
 )
 from rltrain.workers.batch import IGNORE_INDEX, response_hidden
-from rltrain.workers.hf_config import load_config
+from rltrain.workers.hf_config import from_pretrained
 from rltrain.workers.packing import MicroBatching, Packing
 
 logger = logging.getLogger(__name__)
@@ -77,8 +77,7 @@ def load_policy(path: str, dtype: str, kernel_config: KernelConfig | None, devic
                 attn_implementation: str = "auto"):
     tf.utils.logging.disable_progress_bar()  # one bar per load and save per worker is noise in the run's log
     attn = resolve_attn_implementation(attn_implementation)
-    model = tf.AutoModelForCausalLM.from_pretrained(path, config=load_config(path), dtype=DTYPES[dtype],
-                                                 attn_implementation=attn)
+    model = from_pretrained(tf.AutoModelForCausalLM, path, dtype=DTYPES[dtype], attn_implementation=attn)
     model.to(device)
     apply_kernel_config(model, kernel_config)
     # Qwen3-Next's Gated DeltaNet: a forward that also takes packed rows, whatever the kernels (a no-op elsewhere;

@@ -41,7 +41,7 @@ import rltrain_kernels.models  # noqa: F401  (registers the delta-rule families 
 import torch
 import transformers as tf
 
-from rltrain.workers.hf_config import load_config
+from rltrain.workers.hf_config import from_pretrained
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def stored_fp32_weights(path: str) -> dict[str, torch.Tensor] | None:
     fields = json.loads((Path(path) / "config.json").read_text())
     if (fields.get("dtype") or fields.get("torch_dtype")) != "float32":
         return None
-    model = tf.AutoModelForCausalLM.from_pretrained(path, config=load_config(path), dtype=torch.float32)
+    model = from_pretrained(tf.AutoModelForCausalLM, path, dtype=torch.float32)
     return {name: param.detach() for name, param in model.named_parameters()}
 
 

@@ -33,7 +33,7 @@ from rltrain.workers.attention import use_packed_attention, varlen_kwargs
 from rltrain.workers.fsdp import FSDPConfig, init_distributed, shard_policy
 from rltrain.workers.packing import balanced_groups, token_budget_groups
 from rltrain.workers.group import PLACEMENTS
-from rltrain.workers.hf_config import load_config
+from rltrain.workers.hf_config import from_pretrained
 from rltrain.workers.policy import DTYPES, can_pack, load_tokenizer, release_cached_memory, set_threads
 
 logger = logging.getLogger(__name__)
@@ -86,8 +86,7 @@ class RewardModelWorker:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         try:
-            model = tf.AutoModelForSequenceClassification.from_pretrained(path, config=load_config(path),
-                                                                          dtype=DTYPES[dtype])
+            model = from_pretrained(tf.AutoModelForSequenceClassification, path, dtype=DTYPES[dtype])
         except (OSError, ValueError) as err:
             raise ConfigError(f"reward.model.path: {path} does not load as a sequence-classification model "
                               f"({err})") from None
