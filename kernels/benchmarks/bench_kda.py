@@ -2,8 +2,8 @@
 rule (a scalar decay per head: what the per-channel decay costs on top).
 
 Run on a CUDA machine (fla-core / flash-linear-attention installed for the comparison columns):
-    python kernels/benchmarks/bench_kda.py [--quick] [--profile] [--launch kda_dqkv=8,2]
-    python kernels/benchmarks/bench_kda.py --sweep-launch kda_intra_fwd kda_dqkv [--isolate]
+    python kernels/benchmarks/bench_kda.py [--quick] [--profile] [--launch kda_dqk=8,2]
+    python kernels/benchmarks/bench_kda.py --sweep-launch kda_intra_fwd kda_dqk [--isolate]
     # the script's code paths without a GPU (tiny sizes, Triton interpreter; timings meaningless):
     TRITON_INTERPRET=1 PYTHONPATH=kernels:. python kernels/benchmarks/bench_kda.py --cpu-smoke
 Checks correctness first (ours vs the fp32 naive recurrence at a small size, forward and every gradient, with the
@@ -158,7 +158,7 @@ def main():
                         help="also print ours and fla's per-kernel CUDA time for one forward+backward at B8 T2048")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny sizes on CPU through the Triton interpreter (TRITON_INTERPRET=1): checks the script")
-    add_tuning_arguments(parser, "kda_dqkv=8,2",
+    add_tuning_arguments(parser, "kda_dqk=8,2",
                          "sweep warps x stages of these kernels (ops/common/launch.py kda_* names; none listed = all "
                          "of KDA's) and exit", "unused by KDA's kernels (taken for the shared option parser)")
     args = parser.parse_args()

@@ -63,19 +63,19 @@ def test_report_rejects_an_unknown_launch_entry():
 def test_report_compiles_the_kda_kernels():
     """--op kda: Kimi Delta Attention's chunk kernels (a decay per key channel), forward and backward, each compiled
     for sm_90 with its resources, a --launch entry of KDA's taking effect."""
-    result = run_report("--op", "kda", "--B", "1", "--T", "100", "--H", "2", "--D", "32", "--launch", "kda_dqkv=8,1")
+    result = run_report("--op", "kda", "--B", "1", "--T", "100", "--H", "2", "--D", "32", "--launch", "kda_dqk=8,1")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines()
             if line.startswith("| ") and "_kernel" in line]
     names = [row[0].strip() for row in rows]
     # the backward recomputes the states (kda_state_fwd_kernel again) from the forward's stored solve
     assert names == ["kda_gate_cumsum_kernel", "kda_intra_fwd_kernel", "kda_state_fwd_kernel",
-                     "kda_output_fwd_kernel", "kda_state_fwd_kernel", "kda_state_bwd_kernel", "kda_dqkv_kernel",
-                     "kda_intra_bwd_kernel", "kda_gate_bwd_kernel"]
+                     "kda_output_fwd_kernel", "kda_state_fwd_kernel", "kda_state_bwd_kernel", "kda_dv_kernel",
+                     "kda_dqk_kernel", "kda_intra_bwd_kernel", "kda_gate_bwd_kernel"]
     for row in rows:
         grid, warps, stages, regs, spilled, shared = (cell.strip() for cell in row[1:7])
         assert re.fullmatch(r"\(\d+(, \d+)*,?\)", grid) and 0 < int(regs) <= 255 and int(spilled) >= 0
         assert float(shared) > 0
-    dqkv = rows[names.index("kda_dqkv_kernel")]
-    assert (dqkv[2].strip(), dqkv[3].strip()) == ("8", "1")
+    dqk = rows[names.index("kda_dqk_kernel")]
+    assert (dqk[2].strip(), dqk[3].strip()) == ("8", "1")
     assert "sm_90, kda bfloat16" in result.stdout

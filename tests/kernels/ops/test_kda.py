@@ -142,7 +142,7 @@ def test_inputs_are_validated_with_the_argument_name():
 
 # (B, T, H, HV, K, V, gate, chunk_size, cu_seqlens): chunk boundaries, GVA, K != V, varlen with a one-token sequence,
 # decays strong enough that e^{G} leaves fp32's range inside a chunk, a key width the intra-chunk backward splits
-# (K = 48: channel blocks of intra.INTRA_BWD_BK = 32, the second one part masked).
+# (K = 48: channel blocks of intra.INTRA_BK = 32, the second one part masked).
 CHUNK_CASES = [
     (2, 1, 1, 1, 32, 32, "normal", 64, None),
     (1, 70, 1, 2, 48, 16, "mixed", 64, None),

@@ -36,8 +36,9 @@ LAUNCH: dict[str, dict[str, int]] = {
     "kda_state_fwd": dict(num_warps=4, num_stages=2),    # kda/chunk_fwd.py
     "kda_output_fwd": dict(num_warps=4, num_stages=2),   # kda/chunk_fwd.py
     "kda_state_bwd": dict(num_warps=4, num_stages=2),    # kda/chunk_bwd.py
-    "kda_dqkv": dict(num_warps=4, num_stages=2),         # kda/chunk_bwd.py: the per-chunk state-side gradients
-    "kda_intra_bwd": dict(num_warps=8, num_stages=2),    # kda/intra.py: 8 warps hold it without spills (4: 392 B)
+    "kda_dv": dict(num_warps=8, num_stages=2),           # kda/chunk_bwd.py: dv, dβ, dM_P, dA (4 warps spill 184 B)
+    "kda_dqk": dict(num_warps=8, num_stages=2),          # kda/chunk_bwd.py: state-side dq, dk, dG (4 warps: 336 B)
+    "kda_intra_bwd": dict(num_warps=4, num_stages=2),    # kda/intra.py (8 warps spill 8 B)
 }
 
 

@@ -26,6 +26,9 @@ from .chunk_fwd import STATE_BV, kda_state_fwd
 from .gate import kda_gate_bwd
 from .intra import kda_intra_bwd
 
+# key channels per dqk program: [64, K] fp32 accumulators of the whole key width spilled 3.8 KB a thread at K = 128
+DQK_BK = 64
+
 
 @triton.jit
 def kda_state_bwd_kernel(
@@ -71,30 +74,75 @@ def kda_state_bwd_kernel(
 
 
 @triton.jit
-def kda_dqkv_kernel(
-    q, k, v, G, beta, Ai, h, dh, v_new, dv_new, do, dq, dk, dv, dG, dbeta, dMP, dA,
+def kda_dv_kernel(
+    k, v, G, beta, Ai, h, v_new, dv_new, do, dv, dbeta, dMP, dA,
     cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
+    # The value side of a chunk: dv = diag(β) Y, dβ = Σ_v Y ⊙ X, dM_P = scale dO δᵀ and dA = −Tᵀ (dδ Xᵀ diag(β)) Tᵀ,
+    # with X = V − K̃ S formed a value block at a time (nothing of the key width is accumulated here)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
     i_c, i_n, i_t, bos, eos, o_i, o_t, m_t = chunk_program(cu_seqlens, chunk_indices, BT)
     i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
-    last = tl.minimum(bos + (i_t + 1) * BT, eos) - 1
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
     p_A = (o_t[:, None] * HV + i_hv) * BT + o_i[None, :]
     b_T = tl.load(Ai + p_A, mask=m_t[:, None], other=0.0)
     b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_G = tl.load(G + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_kg = b_k * tl.exp(b_G)                       # K̃
+    b_dP = tl.zeros([BT, BT], dtype=tl.float32)    # dO δᵀ
+    b_dT = tl.zeros([BT, BT], dtype=tl.float32)    # dδ Xᵀ
+    b_db = tl.zeros([BT], dtype=tl.float32)        # Σ_v Y ⊙ X
+    p_state = (i_hc * HV + i_hv) * K * V + o_k[:, None] * V
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
+        b_h = tl.load(h + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dd = tl.load(dv_new + p_v, mask=m_tv, other=0.0)
+        b_do = tl.load(do + p_v, mask=m_tv, other=0.0)
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_x = b_v - mm(b_kg, b_h, DOT_PREC)
+        b_y = mm(tl.trans(b_T), b_dd, DOT_PREC)  # Y = Tᵀ dδ
+        b_db += tl.sum(b_y * b_x, 1)
+        tl.store(dv + p_v, cast_for_store(b_y * b_beta[:, None], dv, DOT_PREC), mask=m_tv)
+        b_dP = mma(b_do, tl.trans(tl.load(v_new + p_v, mask=m_tv, other=0.0)), b_dP, DOT_PREC)
+        # Xᵀ = Vᵀ − Sᵀ K̃ᵀ as its own dot of loaded tiles (never tl.trans of a dot result: common/precision.py)
+        b_dT = mma(b_dd, tl.trans(b_v) - mm(tl.trans(b_h), tl.trans(b_kg), DOT_PREC), b_dT, DOT_PREC)
+    b_dA = -mm(mm(tl.trans(b_T), b_dT * b_beta[None, :], DOT_PREC), tl.trans(b_T), DOT_PREC)
+    m_tt = m_t[:, None] & m_t[None, :]
+    tl.store(dA + p_A, tl.where((o_i[:, None] > o_i[None, :]) & m_tt, b_dA, 0.0), mask=m_t[:, None])
+    tl.store(dMP + p_A, tl.where((o_i[:, None] >= o_i[None, :]) & m_tt, b_dP * scale, 0.0), mask=m_t[:, None])
+    tl.store(dbeta + o_t * HV + i_hv, b_db, mask=m_t)
+
+
+@triton.jit
+def kda_dqk_kernel(
+    q, k, G, beta, Ai, h, dh, v_new, dv_new, do, dq, dk, dG,
+    cu_seqlens, chunk_indices, chunk_offsets, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # The state side of a chunk's dq, dk, dG, BK key channels a program (every term is per channel):
+    # dq = scale (dO Sᵀ) ⊙ Γ, dk = (δ dS'ᵀ) ⊙ e^{G_L − G} + dK̃ ⊙ Γ with dK̃ = −diag(β) Tᵀ (dδ Sᵀ), and dG
+    i_hv, i_kb = tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_c, i_n, i_t, bos, eos, o_i, o_t, m_t = chunk_program(cu_seqlens, chunk_indices, BT)
+    i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
+    last = tl.minimum(bos + (i_t + 1) * BT, eos) - 1
+    o_k = i_kb * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
     b_dos = tl.zeros([BT, BK], dtype=tl.float32)   # dO Sᵀ
     b_dkh = tl.zeros([BT, BK], dtype=tl.float32)   # δ dS'ᵀ
     b_z = tl.zeros([BT, BK], dtype=tl.float32)     # dδ Sᵀ
-    b_dP = tl.zeros([BT, BT], dtype=tl.float32)    # dO δᵀ
-    b_ddv = tl.zeros([BT, BT], dtype=tl.float32)   # dδ Vᵀ
     b_hdh = tl.zeros([BK], dtype=tl.float32)       # Σ_v S ⊙ dS'
-    b_db = tl.zeros([BT], dtype=tl.float32)        # Σ_v Y ⊙ V
     p_state = (i_hc * HV + i_hv) * K * V + o_k[:, None] * V
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -103,36 +151,20 @@ def kda_dqkv_kernel(
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
         b_h = tl.load(h + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_dh = tl.load(dh + p_state + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_vn = tl.load(v_new + p_v, mask=m_tv, other=0.0)
-        b_dd = tl.load(dv_new + p_v, mask=m_tv, other=0.0)
-        b_do = tl.load(do + p_v, mask=m_tv, other=0.0)
-        b_v = tl.load(v + p_v, mask=m_tv, other=0.0)
-        b_dos = mma(b_do, tl.trans(b_h), b_dos, DOT_PREC)
-        b_dkh = mma(b_vn, tl.trans(b_dh), b_dkh, DOT_PREC)
-        b_z = mma(b_dd, tl.trans(b_h), b_z, DOT_PREC)
-        b_dP = mma(b_do, tl.trans(b_vn), b_dP, DOT_PREC)
-        b_ddv = mma(b_dd, tl.trans(b_v), b_ddv, DOT_PREC)
+        b_dos = mma(tl.load(do + p_v, mask=m_tv, other=0.0), tl.trans(b_h), b_dos, DOT_PREC)
+        b_dkh = mma(tl.load(v_new + p_v, mask=m_tv, other=0.0), tl.trans(b_dh), b_dkh, DOT_PREC)
+        b_z = mma(tl.load(dv_new + p_v, mask=m_tv, other=0.0), tl.trans(b_h), b_z, DOT_PREC)
         b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
-        b_y = mm(tl.trans(b_T), b_dd, DOT_PREC)  # Y = Tᵀ dδ
-        b_db += tl.sum(b_y * b_v.to(tl.float32), 1)
-        tl.store(dv + p_v, cast_for_store(b_y * b_beta[:, None], dv, DOT_PREC), mask=m_tv)
+    b_T = tl.load(Ai + (o_t[:, None] * HV + i_hv) * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+    b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     b_G = tl.load(G + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
     b_Gl = tl.load(G + (last * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
     b_E = tl.exp(b_G)
-    b_kg = b_k * b_E                                              # K̃
-    b_kh = tl.where(m_tk, b_k * tl.exp(b_Gl[None, :] - b_G), 0.0)  # K̂
-    # The WY part: Tᵀ (dδ Sᵀ) gives dK̃ and dβ's X-term; dT gives dA (strictly lower)
-    b_tz = mm(tl.trans(b_T), b_z, DOT_PREC)
-    b_dkt = -b_tz * b_beta[:, None]
-    b_db -= tl.sum(b_kg * b_tz, 1)
-    b_dT = (b_ddv - mm(b_z, tl.trans(b_kg), DOT_PREC)) * b_beta[None, :]
-    b_dA = -mm(mm(tl.trans(b_T), b_dT, DOT_PREC), tl.trans(b_T), DOT_PREC)
-    m_tt = m_t[:, None] & m_t[None, :]
-    tl.store(dA + p_A, tl.where((o_i[:, None] > o_i[None, :]) & m_tt, b_dA, 0.0), mask=m_t[:, None])
-    tl.store(dMP + p_A, tl.where((o_i[:, None] >= o_i[None, :]) & m_tt, b_dP * scale, 0.0), mask=m_t[:, None])
-    # The state-side parts of dq, dk, dG (intra.py adds the intra-chunk ones)
+    b_kg = b_k * b_E                                                      # K̃
+    b_kh = tl.where(m_tk, b_k * tl.exp(b_Gl[None, :] - b_G), 0.0)          # K̂
+    b_dkt = -mm(tl.trans(b_T), b_z, DOT_PREC) * b_beta[:, None]           # dK̃
     b_dq = b_dos * b_E * scale
     b_dk = b_dkh * tl.exp(tl.where(m_tk, b_Gl[None, :] - b_G, 0.0)) + b_dkt * b_E
     b_dkhk = b_dkh * b_kh
@@ -142,7 +174,6 @@ def kda_dqkv_kernel(
     tl.store(dq + p_k, b_dq, mask=m_tk)
     tl.store(dk + p_k, b_dk, mask=m_tk)
     tl.store(dG + p_k, b_dG, mask=m_tk)
-    tl.store(dbeta + o_t * HV + i_hv, b_db, mask=m_t)
 
 
 def chunk_kda_bwd(q, k, v, beta, scale: float, initial_state, G, Ai, Aqk, do, dht, layout: ChunkLayout,
@@ -174,10 +205,15 @@ def chunk_kda_bwd(q, k, v, beta, scale: float, initial_state, G, Ai, Aqk, do, dh
     dbeta = torch.empty(TT, HV, **f32)
     dMP, dA = torch.empty(TT, HV, BT, **f32), torch.empty(TT, HV, BT, **f32)
     if layout.num_chunks:
-        kda_dqkv_kernel[(layout.num_chunks, HV)](
-            q, k, v, G, beta, Ai, h, dh, v_new, dv_new, do, dq, dk, dv, dG, dbeta, dMP, dA, layout.cu_seqlens,
-            layout.chunk_indices, layout.chunk_offsets, scale, H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV,
-            DOT_PREC=tuning.dot(kda_dqkv_kernel, dot_prec), **tuning.launch("kda_dqkv"))
+        common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BV=BV)
+        kda_dv_kernel[(layout.num_chunks, HV)](
+            k, v, G, beta, Ai, h, v_new, dv_new, do, dv, dbeta, dMP, dA, layout.cu_seqlens, layout.chunk_indices,
+            layout.chunk_offsets, scale, BK=BK, **common, DOT_PREC=tuning.dot(kda_dv_kernel, dot_prec),
+            **tuning.launch("kda_dv"))
+        kda_dqk_kernel[(layout.num_chunks, HV, triton.cdiv(K, DQK_BK))](
+            q, k, G, beta, Ai, h, dh, v_new, dv_new, do, dq, dk, dG, layout.cu_seqlens, layout.chunk_indices,
+            layout.chunk_offsets, scale, BK=min(BK, DQK_BK), **common, DOT_PREC=tuning.dot(kda_dqk_kernel, dot_prec),
+            **tuning.launch("kda_dqk"))
         kda_intra_bwd(q, k, G, beta, dMP, dA, dq, dk, dG, dbeta, layout, dot_prec=dot_prec, tuning=tuning)
     if HV != H:  # value heads hv = h·(HV/H) + j share q/k head h
         dq, dk = dq.view(TT, H, HV // H, K).sum(2), dk.view(TT, H, HV // H, K).sum(2)

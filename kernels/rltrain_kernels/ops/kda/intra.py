@@ -6,17 +6,18 @@ With a decay per key channel, a chunk's pair (i, j) scores through the channels'
 
 G the chunk-local cumsum of g (≤ 0, decreasing). The factors e^{G_i} and e^{−G_j} alone overflow once a chunk
 decays by more than e^88, so every product is split at a reference row r between i and j, e^{G_i − G_r} · e^{G_r −
-G_j}, both ≤ 1: for the 16-row blocks below the diagonal r is the first row of i's block (a [64, K] × [K, 64] dot
-per block row, columns restricted to earlier blocks); inside a diagonal 16 × 16 block each pair's exponent is formed
-directly (16 steps, each a [64, K] product reduced over K: row i against row j = 16⌊i/16⌋ + c of its own block).
-The backward's four decayed products take the same split: row-side (Σ_j M_ij k_j e^{G_i − G_j}, dq and the k of
-Akk's rows) with r the first row of i's block, column-side (Σ_i M_ij x_i e^{G_i − G_j}, dk) with r the last row of
-j's block.
+G_j}, both ≤ 1: for the 16-row blocks below the diagonal r is the first row of i's block (a [64, BK] × [BK, 64] dot
+per block row and INTRA_BK channels, columns restricted to earlier blocks); inside a diagonal 16 × 16 block each
+pair's exponent is formed directly, a row block at a time (16 steps, each its [16, K] rows against one token c of
+the block, a vector). The backward's four decayed products take the same split: row-side (Σ_j M_ij k_j e^{G_i − G_j},
+dq and the k of Akk's rows) with r the first row of i's block, column-side (Σ_i M_ij x_i e^{G_i − G_j}, dk) with r the
+last row of j's block; its diagonal steps serve both sides with one exponent.
 
-Forward (`kda_intra_fwd`, one program per (chunk, value head)): Akk and Aqk, then T = (I + diag(β) Akk)⁻¹ by
-common/wy.py's solve; stores T and Aqk. Backward (`kda_intra_bwd`): from dM_P = scale·dO δᵀ and dA (the gradient of
-diag(β) Akk) written by chunk_bwd.py's kernel, adds the intra-chunk parts of dq, dk, dG and dβ (README.md); one
-program per (chunk, value head, INTRA_BWD_BK key channels), since every term but dβ's is per channel.
+Forward (`kda_intra_fwd`, one program per (chunk, value head)): the diagonal blocks (Aqk's stored in place, Akk's to
+an fp32 scratch), then the rest of Akk and Aqk, then T = (I + diag(β) Akk)⁻¹ by common/wy.py's solve; stores T and
+Aqk. Backward (`kda_intra_bwd`): from dM_P = scale·dO δᵀ and dA (the gradient of diag(β) Akk) written by
+chunk_bwd.py's kernels, adds the intra-chunk parts of dq, dk, dG and dβ (README.md); one program per (chunk, value
+head, INTRA_BK key channels), since every term but dβ's is per channel, walking the 16-row blocks.
 """
 
 from __future__ import annotations
@@ -31,20 +32,14 @@ from ..common.precision import cast_for_store, mm, mma, operand_dtype, solve_pre
 from ..common.tuning import DEFAULT_TUNING, Tuning
 from ..common.wy import solve_unit_lower
 
-# the backward's key channels per program: [BT, K] fp32 tiles of the whole key width spilled (3.9 KB a thread at
-# K = 128, sm_90; kernels/benchmarks/compile_report.py)
-INTRA_BWD_BK = 32
-
-
-@triton.jit
-def gate_row(b_G, r, BT: tl.constexpr):
-    """Row r of the [BT, BK] tile b_G, as a [BK] vector."""
-    return tl.sum(tl.where((tl.arange(0, BT) == r)[:, None], b_G, 0.0), 0)
+# key channels a step: the forward's off-diagonal dots and the backward's programs take this many at a time (the
+# whole key width in [64, K] fp32 tiles spilled at K = 128 on sm_90; kernels/benchmarks/compile_report.py)
+INTRA_BK = 32
 
 
 @triton.jit
 def chunk_rows(x, t0, rows, mask, i_head, NH: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, k0=0):
-    """The [BT, BK] fp32 tile whose row i is channels k0 .. k0 + BK of token t0 + rows[i] of head i_head of
+    """The [len(rows), BK] fp32 tile whose row i is channels k0 .. k0 + BK of token t0 + rows[i] of head i_head of
     x [tokens, NH, K] (0 off mask)."""
     o_k = k0 + tl.arange(0, BK)
     return tl.load(x + ((t0 + rows)[:, None] * NH + i_head) * K + o_k[None, :],
@@ -52,9 +47,18 @@ def chunk_rows(x, t0, rows, mask, i_head, NH: tl.constexpr, K: tl.constexpr, BK:
 
 
 @triton.jit
+def token_row(x, t0, row, n_rows, i_head, NH: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, k0=0):
+    """Channels k0 .. k0 + BK of token t0 + row of head i_head of x [tokens, NH, K] as a [BK] fp32 vector (0 unless
+    row < n_rows; the row test is made a vector: the interpreter cannot broadcast a scalar mask)."""
+    o_k = k0 + tl.arange(0, BK)
+    return tl.load(x + ((t0 + row) * NH + i_head) * K + o_k, mask=(o_k * 0 + row < n_rows) & (o_k < K),
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
 def kda_intra_fwd_kernel(
-    q, k, G, beta, Aqk, Ai, cu_seqlens, chunk_indices,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    q, k, G, beta, Aqk, Ai, Akk_diag, cu_seqlens, chunk_indices,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, KT: tl.constexpr, BK: tl.constexpr,
     DOT_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
 ):
     i_hv = tl.program_id(1)
@@ -62,33 +66,52 @@ def kda_intra_fwd_kernel(
     i_c, i_n, i_t, bos, eos, o_i, o_t, m_t = chunk_program(cu_seqlens, chunk_indices, BT)
     t0 = bos + i_t * BT
     n_valid = tl.minimum(eos - t0, BT)
-    b_q = chunk_rows(q, t0, o_i, m_t, i_h, H, K, BK)
-    b_k = chunk_rows(k, t0, o_i, m_t, i_h, H, K, BK)
-    b_G = chunk_rows(G, t0, o_i, m_t, i_hv, HV, K, BK)
-    b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    o16 = tl.arange(0, 16)
+    # 1. The diagonal 16 × 16 blocks, a row block at a time: its rows against token c of the block, each pair's
+    #    exponent formed directly. Aqk's blocks are stored where they belong, Akk's to the fp32 scratch Akk_diag.
+    for I in tl.static_range(BT // 16):
+        rows = I * 16 + o16
+        m_r = rows < n_valid
+        b_q = chunk_rows(q, t0, rows, m_r, i_h, H, K, KT)
+        b_k = chunk_rows(k, t0, rows, m_r, i_h, H, K, KT)
+        b_G = chunk_rows(G, t0, rows, m_r, i_hv, HV, K, KT)
+        b_aq = tl.zeros([16, 16], dtype=tl.float32)
+        b_ak = tl.zeros([16, 16], dtype=tl.float32)
+        for c in range(16):
+            m_j = (m_r & (o16 >= c) & (o16 * 0 + I * 16 + c < n_valid))[:, None]
+            b_Gc = token_row(G, t0, I * 16 + c, n_valid, i_hv, HV, K, KT)
+            b_E = tl.where(m_j, token_row(k, t0, I * 16 + c, n_valid, i_h, H, K, KT)[None, :]
+                           * tl.exp(tl.where(m_j, b_G - b_Gc[None, :], 0.0)), 0.0)
+            sel = o16[None, :] == c
+            b_aq += tl.where(sel, tl.sum(b_q * b_E, 1)[:, None], 0.0)
+            b_ak += tl.where(sel & (o16 > c)[:, None], tl.sum(b_k * b_E, 1)[:, None], 0.0)
+        p_d = (t0 + rows)[:, None] * HV + i_hv
+        tl.store(Aqk + p_d * BT + I * 16 + o16[None, :], cast_for_store(b_aq, Aqk, DOT_PREC), mask=m_r[:, None])
+        tl.store(Akk_diag + p_d * 16 + o16[None, :], b_ak, mask=m_r[:, None])
+    tl.debug_barrier()  # the block's threads read each other's diagonal blocks below
+    # 2. Below the diagonal blocks, BK channels a step: rows of block I against the earlier blocks' columns, split
+    #    at r = 16 I (a [BT, BK] × [BK, BT] dot per block row, columns restricted to earlier blocks)
     blk = o_i // 16
-    b_Aqk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_Akk = tl.zeros([BT, BT], dtype=tl.float32)
-    for I in tl.static_range(1, BT // 16):  # rows of block I against the earlier blocks' columns, split at r = 16 I
-        b_Gr = gate_row(b_G, I * 16, BT)
-        m_row = ((blk == I) & m_t)[:, None]
-        m_col = ((o_i < I * 16) & m_t & (I * 16 < n_valid))[:, None]
-        b_col = tl.where(m_col, b_k * tl.exp(tl.where(m_col, b_Gr[None, :] - b_G, 0.0)), 0.0)
-        b_rs = tl.where(m_row, tl.exp(tl.where(m_row, b_G - b_Gr[None, :], 0.0)), 0.0)
-        b_Aqk = mma(b_q * b_rs, tl.trans(b_col), b_Aqk, DOT_PREC)
-        b_Akk = mma(b_k * b_rs, tl.trans(b_col), b_Akk, DOT_PREC)
-    for c in range(16):  # the diagonal blocks: row i against j = 16⌊i/16⌋ + c, each pair's exponent formed directly
-        j = blk * 16 + c
-        m_j = (j <= o_i) & m_t
-        b_Gj = chunk_rows(G, t0, j, m_j, i_hv, HV, K, BK)
-        b_E = chunk_rows(k, t0, j, m_j, i_h, H, K, BK) * tl.exp(tl.where(m_j[:, None], b_G - b_Gj, 0.0))
-        sel = o_i[None, :] == j[:, None]
-        b_Aqk += tl.where(sel, tl.sum(b_q * b_E, 1)[:, None], 0.0)
-        b_Akk += tl.where(sel & (j < o_i)[:, None], tl.sum(b_k * b_E, 1)[:, None], 0.0)
-    b_T = solve_unit_lower(b_Akk * b_beta[:, None], BT, SOLVE_PREC)
+    m_diag = (blk[:, None] == blk[None, :]) & m_t[:, None]
     p_A = (o_t[:, None] * HV + i_hv) * BT + o_i[None, :]
+    b_Akk = tl.load(Akk_diag + (o_t[:, None] * HV + i_hv) * 16 + (o_i % 16)[None, :], mask=m_diag, other=0.0)
+    b_Aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in tl.static_range(KT // BK):
+        b_q = chunk_rows(q, t0, o_i, m_t, i_h, H, K, BK, i_k * BK)
+        b_k = chunk_rows(k, t0, o_i, m_t, i_h, H, K, BK, i_k * BK)
+        b_G = chunk_rows(G, t0, o_i, m_t, i_hv, HV, K, BK, i_k * BK)
+        for I in tl.static_range(1, BT // 16):
+            b_Gr = token_row(G, t0, I * 16, n_valid, i_hv, HV, K, BK, i_k * BK)
+            m_row = ((blk == I) & m_t)[:, None]
+            m_col = ((o_i < I * 16) & m_t & (I * 16 < n_valid))[:, None]
+            b_col = tl.where(m_col, b_k * tl.exp(tl.where(m_col, b_Gr[None, :] - b_G, 0.0)), 0.0)
+            b_rs = tl.where(m_row, tl.exp(tl.where(m_row, b_G - b_Gr[None, :], 0.0)), 0.0)
+            b_Aqk = mma(b_q * b_rs, tl.trans(b_col), b_Aqk, DOT_PREC)
+            b_Akk = mma(b_k * b_rs, tl.trans(b_col), b_Akk, DOT_PREC)
+    b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_T = solve_unit_lower(b_Akk * b_beta[:, None], BT, SOLVE_PREC)
     tl.store(Ai + p_A, cast_for_store(b_T, Ai, DOT_PREC), mask=m_t[:, None])
-    tl.store(Aqk + p_A, cast_for_store(b_Aqk, Aqk, DOT_PREC), mask=m_t[:, None])
+    tl.store(Aqk + p_A, cast_for_store(b_Aqk, Aqk, DOT_PREC), mask=m_t[:, None] & (blk[:, None] != blk[None, :]))
 
 
 @triton.jit
@@ -97,73 +120,83 @@ def kda_intra_bwd_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    # one program per (chunk, value head, BK channels): every term is per channel but dβ's, a partial sum here
+    # one program per (chunk, value head, BK channels): every term is per channel but dβ's, a partial sum here.
+    # A row block's gradients are complete once its own block is done (rows take columns at or before them, columns
+    # rows at or after them), so the program walks the blocks and stores each.
     i_hv, i_kb = tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     k0 = i_kb * BK
     i_c, i_n, i_t, bos, eos, o_i, o_t, m_t = chunk_program(cu_seqlens, chunk_indices, BT)
     t0 = bos + i_t * BT
     n_valid = tl.minimum(eos - t0, BT)
-    b_q = chunk_rows(q, t0, o_i, m_t, i_h, H, K, BK, k0)
+    o16 = tl.arange(0, 16)
+    o_k = k0 + tl.arange(0, BK)
+    b_q = chunk_rows(q, t0, o_i, m_t, i_h, H, K, BK, k0)  # the whole chunk: the other side of the off-diagonal dots
     b_k = chunk_rows(k, t0, o_i, m_t, i_h, H, K, BK, k0)
     b_G = chunk_rows(G, t0, o_i, m_t, i_hv, HV, K, BK, k0)
     b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    blk = o_i // 16
-    m_A = m_t[:, None] & m_t[None, :]
-    p_M = (o_t[:, None] * HV + i_hv) * BT + o_i[None, :]
-    b_dMP = tl.load(dMP + p_M, mask=m_A, other=0.0)
-    b_dA = tl.load(dA + p_M, mask=m_A, other=0.0)
-    # Row side: dq_P = Σ_j dM_P,ij k_j e^{G_i − G_j};  R = Σ_j dA_ij k_j e^{G_i − G_j}
-    b_dqP = tl.zeros([BT, BK], dtype=tl.float32)
-    b_R = tl.zeros([BT, BK], dtype=tl.float32)
-    for I in tl.static_range(1, BT // 16):
-        b_Gr = gate_row(b_G, I * 16, BT)
-        m_row = ((blk == I) & m_t)[:, None]
-        m_col = ((o_i < I * 16) & m_t & (I * 16 < n_valid))[:, None]
-        b_col = tl.where(m_col, b_k * tl.exp(tl.where(m_col, b_Gr[None, :] - b_G, 0.0)), 0.0)
-        b_rs = tl.where(m_row, tl.exp(tl.where(m_row, b_G - b_Gr[None, :], 0.0)), 0.0)
-        b_dqP += b_rs * mm(b_dMP, b_col, DOT_PREC)
-        b_R += b_rs * mm(b_dA, b_col, DOT_PREC)
-    for c in range(16):
-        j = blk * 16 + c
-        m_j = (j <= o_i) & m_t
-        b_Gj = chunk_rows(G, t0, j, m_j, i_hv, HV, K, BK, k0)
-        b_E = chunk_rows(k, t0, j, m_j, i_h, H, K, BK, k0) * tl.exp(tl.where(m_j[:, None], b_G - b_Gj, 0.0))
-        sel = o_i[None, :] == j[:, None]
-        b_dqP += tl.sum(tl.where(sel, b_dMP, 0.0), 1)[:, None] * b_E
-        b_R += tl.sum(tl.where(sel, b_dA, 0.0), 1)[:, None] * b_E
-    # Column side: dk_P = Σ_i dM_P,ij q_i e^{G_i − G_j};  C = Σ_i β_i dA_ij k_i e^{G_i − G_j}. Mᵀ [j, i] is read
-    # from memory with transposed addresses, after the row side is done with M
-    p_Mt = (o_t[None, :] * HV + i_hv) * BT + o_i[:, None]
-    b_dMPt = tl.load(dMP + p_Mt, mask=m_A, other=0.0)
-    b_dAt = tl.load(dA + p_Mt, mask=m_A, other=0.0) * b_beta[None, :]  # ∂L/∂Akk_ij = β_i dA_ij, transposed
-    b_dkP = tl.zeros([BT, BK], dtype=tl.float32)
-    b_C = tl.zeros([BT, BK], dtype=tl.float32)
-    for J in tl.static_range(0, BT // 16 - 1):  # columns of block J against the later blocks' rows
-        b_Gr = gate_row(b_G, tl.minimum(J * 16 + 15, n_valid - 1), BT)
-        m_col = ((blk == J) & m_t)[:, None]
-        m_row = ((o_i > J * 16 + 15) & m_t)[:, None]
-        b_cs = tl.where(m_col, tl.exp(tl.where(m_col, b_Gr[None, :] - b_G, 0.0)), 0.0)
-        b_e = tl.where(m_row, tl.exp(tl.where(m_row, b_G - b_Gr[None, :], 0.0)), 0.0)
-        b_dkP += b_cs * mm(b_dMPt, b_q * b_e, DOT_PREC)
-        b_C += b_cs * mm(b_dAt, b_k * b_e, DOT_PREC)
-    for c in range(16):
-        i = blk * 16 + c
-        m_i = (i >= o_i) & (i < n_valid) & m_t
-        b_E = tl.exp(tl.where(m_i[:, None], chunk_rows(G, t0, i, m_i, i_hv, HV, K, BK, k0) - b_G, 0.0))
-        sel = o_i[None, :] == i[:, None]
-        b_dkP += tl.sum(tl.where(sel, b_dMPt, 0.0), 1)[:, None] * chunk_rows(q, t0, i, m_i, i_h, H, K, BK, k0) * b_E
-        b_C += tl.sum(tl.where(sel, b_dAt, 0.0), 1)[:, None] * chunk_rows(k, t0, i, m_i, i_h, H, K, BK, k0) * b_E
-    # Add to the state-side parts chunk_bwd.py's kernel wrote (fp32, per value head)
-    o_k = k0 + tl.arange(0, BK)
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    p_k = (o_t[:, None] * HV + i_hv) * K + o_k[None, :]
-    b_bR = b_R * b_beta[:, None]
-    tl.store(dq + p_k, tl.load(dq + p_k, mask=m_tk, other=0.0) + b_dqP, mask=m_tk)
-    tl.store(dk + p_k, tl.load(dk + p_k, mask=m_tk, other=0.0) + b_dkP + b_bR + b_C, mask=m_tk)
-    b_dG = b_q * b_dqP - b_k * b_dkP + b_k * (b_bR - b_C)
-    tl.store(dG + p_k, tl.load(dG + p_k, mask=m_tk, other=0.0) + b_dG, mask=m_tk)
-    tl.store(dbeta_part + (o_t * HV + i_hv) * tl.num_programs(2) + i_kb, tl.sum(b_k * b_R, 1), mask=m_t)
+    for I in tl.static_range(BT // 16):
+        rows = I * 16 + o16
+        m_r = rows < n_valid
+        b_qI = chunk_rows(q, t0, rows, m_r, i_h, H, K, BK, k0)
+        b_kI = chunk_rows(k, t0, rows, m_r, i_h, H, K, BK, k0)
+        b_GI = chunk_rows(G, t0, rows, m_r, i_hv, HV, K, BK, k0)
+        p_rI = ((t0 + rows) * HV + i_hv) * BT  # the block's rows of M = dM_P or dA [tokens, HV, BT]
+        b_dqP = tl.zeros([16, BK], dtype=tl.float32)
+        b_R = tl.zeros([16, BK], dtype=tl.float32)
+        b_dkP = tl.zeros([16, BK], dtype=tl.float32)
+        b_C = tl.zeros([16, BK], dtype=tl.float32)
+        # The diagonal block, against its token c: rows at or after c take c as their column j (row side), rows at
+        # or before c as their row i (column side), one exponent serving both (G_row − G_c after c, G_c − G_row
+        # before). First, so that the loop's accumulators keep its own layout rather than the dots' (no conversions)
+        for c in range(16):
+            t_c = t0 + I * 16 + c
+            m_c = o16 * 0 + I * 16 + c < n_valid
+            m_lo = m_r & (o16 >= c) & m_c
+            m_hi = m_r & (o16 <= c) & m_c
+            b_kc = token_row(k, t0, I * 16 + c, n_valid, i_h, H, K, BK, k0)
+            b_Gc = token_row(G, t0, I * 16 + c, n_valid, i_hv, HV, K, BK, k0)
+            b_D = tl.where(m_lo[:, None], b_GI - b_Gc[None, :], b_Gc[None, :] - b_GI)
+            b_E = tl.exp(tl.where((m_lo | m_hi)[:, None], b_D, 0.0))
+            b_Ek = b_E * b_kc[None, :]
+            p_c = (t_c * HV + i_hv) * BT + I * 16  # token c's row of M, from the block's first column
+            b_dqP += tl.load(dMP + p_rI + I * 16 + c, mask=m_lo, other=0.0)[:, None] * b_Ek
+            b_R += tl.load(dA + p_rI + I * 16 + c, mask=m_lo, other=0.0)[:, None] * b_Ek
+            b_dkP += tl.load(dMP + p_c + o16, mask=m_hi, other=0.0)[:, None] * b_E \
+                * token_row(q, t0, I * 16 + c, n_valid, i_h, H, K, BK, k0)[None, :]
+            b_beta_c = tl.load(beta + t_c * HV + i_hv, mask=I * 16 + c < n_valid, other=0.0).to(tl.float32)
+            b_C += (tl.load(dA + p_c + o16, mask=m_hi, other=0.0) * b_beta_c)[:, None] * b_Ek
+        # Row side, earlier blocks (split at r = 16 I): dq_P = Σ_j dM_P,ij k_j e^{G_i − G_j}; R = Σ_j dA_ij k_j ...
+        if I > 0:
+            b_Gr = token_row(G, t0, I * 16, n_valid, i_hv, HV, K, BK, k0)
+            m_col = ((o_i < I * 16) & m_t)[:, None]
+            b_col = tl.where(m_col, b_k * tl.exp(tl.where(m_col, b_Gr[None, :] - b_G, 0.0)), 0.0)
+            b_rs = tl.where(m_r[:, None], tl.exp(tl.where(m_r[:, None], b_GI - b_Gr[None, :], 0.0)), 0.0)
+            m_M = m_r[:, None] & (o_i < I * 16)[None, :]
+            b_dqP += b_rs * mm(tl.load(dMP + p_rI[:, None] + o_i[None, :], mask=m_M, other=0.0), b_col, DOT_PREC)
+            b_R += b_rs * mm(tl.load(dA + p_rI[:, None] + o_i[None, :], mask=m_M, other=0.0), b_col, DOT_PREC)
+        # Column side, later blocks (split at r = the block's last row): dk_P = Σ_i dM_P,ij q_i e^{G_i − G_j};
+        # C = Σ_i β_i dA_ij k_i e^{G_i − G_j}. Mᵀ is read from memory with transposed addresses.
+        if I < BT // 16 - 1:
+            b_Gr = token_row(G, t0, tl.minimum(I * 16 + 15, n_valid - 1), n_valid, i_hv, HV, K, BK, k0)
+            m_row = (o_i > I * 16 + 15) & m_t
+            b_e = tl.where(m_row[:, None], tl.exp(tl.where(m_row[:, None], b_G - b_Gr[None, :], 0.0)), 0.0)
+            b_cs = tl.where(m_r[:, None], tl.exp(tl.where(m_r[:, None], b_Gr[None, :] - b_GI, 0.0)), 0.0)
+            p_Mt = (o_t[None, :] * HV + i_hv) * BT + rows[:, None]
+            m_Mt = m_r[:, None] & m_row[None, :]
+            b_dAt = tl.load(dA + p_Mt, mask=m_Mt, other=0.0) * b_beta[None, :]
+            b_dkP += b_cs * mm(tl.load(dMP + p_Mt, mask=m_Mt, other=0.0), b_q * b_e, DOT_PREC)
+            b_C += b_cs * mm(b_dAt, b_k * b_e, DOT_PREC)
+        # Add to the state-side parts chunk_bwd.py's kernel wrote (fp32, per value head)
+        m_rk = m_r[:, None] & (o_k < K)[None, :]
+        p_k = ((t0 + rows)[:, None] * HV + i_hv) * K + o_k[None, :]
+        b_betaI = tl.load(beta + (t0 + rows) * HV + i_hv, mask=m_r, other=0.0).to(tl.float32)
+        b_bR = b_R * b_betaI[:, None]
+        tl.store(dq + p_k, tl.load(dq + p_k, mask=m_rk, other=0.0) + b_dqP, mask=m_rk)
+        tl.store(dk + p_k, tl.load(dk + p_k, mask=m_rk, other=0.0) + b_dkP + b_bR + b_C, mask=m_rk)
+        b_dG = b_qI * b_dqP - b_kI * b_dkP + b_kI * (b_bR - b_C)
+        tl.store(dG + p_k, tl.load(dG + p_k, mask=m_rk, other=0.0) + b_dG, mask=m_rk)
+        tl.store(dbeta_part + ((t0 + rows) * HV + i_hv) * tl.num_programs(2) + i_kb, tl.sum(b_kI * b_R, 1), mask=m_r)
 
 
 def kda_intra_fwd(q, k, G, beta, layout: ChunkLayout, *, aqk_dtype: torch.dtype, dot_prec: str,
@@ -177,8 +210,11 @@ def kda_intra_fwd(q, k, G, beta, layout: ChunkLayout, *, aqk_dtype: torch.dtype,
     Ai = torch.empty(TT, HV, BT, dtype=operand_dtype(k.dtype, dot_prec), device=k.device)
     Aqk = torch.empty(TT, HV, BT, dtype=aqk_dtype, device=k.device)
     if layout.num_chunks:
+        KT = tile(K)
+        akk_diag = torch.empty(TT, HV, 16, dtype=torch.float32, device=k.device)
         kda_intra_fwd_kernel[(layout.num_chunks, HV)](
-            q, k, G, beta, Aqk, Ai, layout.cu_seqlens, layout.chunk_indices, H=H, HV=HV, K=K, BT=BT, BK=tile(K),
+            q, k, G, beta, Aqk, Ai, akk_diag, layout.cu_seqlens, layout.chunk_indices, H=H, HV=HV, K=K, BT=BT,
+            KT=KT, BK=min(KT, INTRA_BK),
             DOT_PREC=tuning.dot(kda_intra_fwd_kernel, dot_prec), SOLVE_PREC=solve_precision(k.dtype),
             **tuning.launch("kda_intra_fwd"))
     return Ai, Aqk
@@ -188,11 +224,11 @@ def kda_intra_bwd(q, k, G, beta, dMP, dA, dq, dk, dG, dbeta, layout: ChunkLayout
                   tuning: Tuning = DEFAULT_TUNING) -> None:
     """Adds the intra-chunk gradients into dq, dk [tokens, HV, K], dG [tokens, HV, K] and dbeta [tokens, HV] (all
     fp32, in place) from dMP = scale·dO δᵀ and dA [tokens, HV, BT] (fp32, masked to the chunk's triangles). The key
-    channels split over programs of INTRA_BWD_BK each; dβ sums their partial sums."""
+    channels split over programs of INTRA_BK each; dβ sums their partial sums."""
     TT, H, K = k.shape
     HV = beta.shape[1]
     if layout.num_chunks:
-        BK = tile(K, INTRA_BWD_BK)
+        BK = tile(K, INTRA_BK)
         NK = triton.cdiv(K, BK)
         dbeta_part = torch.empty(TT, HV, NK, dtype=torch.float32, device=k.device)
         kda_intra_bwd_kernel[(layout.num_chunks, HV, NK)](
