@@ -33,6 +33,7 @@ LAUNCH: dict[str, dict[str, int]] = {
     "iplr_bwd_key": dict(num_warps=8, num_stages=3),     # dk, db, dv: 0.440 ms, 8w/2s 0.470
     # KDA (ops/kda): first settings, not yet swept nor gradient-checked on a GPU (bench_kda.py --sweep-launch does both)
     "kda_intra_fwd": dict(num_warps=4, num_stages=2),    # kda/intra.py: Akk, Aqk and the solve
+    "kda_gated_keys": dict(num_warps=4, num_stages=2),   # kda/chunk_fwd.py: the state passes' K̃, K̂, scale Q ⊙ Γ
     "kda_state_fwd": dict(num_warps=4, num_stages=2),    # kda/chunk_fwd.py
     "kda_output_fwd": dict(num_warps=4, num_stages=2),   # kda/chunk_fwd.py
     "kda_state_bwd": dict(num_warps=4, num_stages=2),    # kda/chunk_bwd.py

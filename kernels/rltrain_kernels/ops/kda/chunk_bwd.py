@@ -22,7 +22,7 @@ from ..common.chunking import ChunkLayout, chunk_program, state_program
 from ..common.launch import tile
 from ..common.precision import cast_for_store, mm, mma, work_dtype
 from ..common.tuning import DEFAULT_TUNING, Tuning
-from .chunk_fwd import STATE_BV, kda_state_fwd
+from .chunk_fwd import STATE_BV, kda_gated_keys, kda_state_fwd
 from .gate import kda_gate_bwd
 from .intra import kda_intra_bwd
 
@@ -32,11 +32,12 @@ DQK_BK = 64
 
 @triton.jit
 def kda_state_bwd_kernel(
-    q, k, G, beta, Ai, Aqk, do, dv, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
+    qs, kg, kh, G, beta, Ai, Aqk, do, dv, dh, dht, dh0, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_FINAL_STATE_GRADIENT: tl.constexpr,
     STORE_INITIAL_STATE_GRADIENT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
+    # H = HV: the gated operands qs = scale Q ⊙ Γ, kg = K̃ and kh = K̂ are per value head (kda_gated_keys)
     i_n, i_hv, i_h, bos, eos, c0, o_i, o_k, o_v, m_k, m_v, m_h, state_offset = state_program(
         cu_seqlens, chunk_offsets, H, HV, K, V, BT, BK, BV)
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
@@ -51,9 +52,10 @@ def kda_state_bwd_kernel(
         m_t = o_t < eos
         m_tk = m_t[:, None] & m_k[None, :]
         last = tl.minimum(bos + (i_t + 1) * BT, eos) - 1
-        b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_G = tl.load(G + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
+        p_g = (o_t[:, None] * HV + i_hv) * K + o_k[None, :]
+        b_qs = tl.load(qs + p_g, mask=m_tk, other=0.0)
+        b_kg = tl.load(kg + p_g, mask=m_tk, other=0.0)
+        b_kh = tl.load(kh + p_g, mask=m_tk, other=0.0)
         b_Gl = tl.load(G + (last * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
         p_A = (o_t[:, None] * HV + i_hv) * BT + o_i[None, :]
         b_T = tl.load(Ai + p_A, mask=m_t[:, None], other=0.0)
@@ -62,13 +64,11 @@ def kda_state_bwd_kernel(
         p_v = (o_t[:, None] * HV + i_hv) * V + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         b_do = tl.load(do + p_v, mask=m_tv, other=0.0)
-        b_kd = tl.where(m_tk, b_k * tl.exp(b_Gl[None, :] - b_G), 0.0)
-        b_dd = mma(b_kd, b_dh, mm(tl.trans(b_A), b_do, DOT_PREC) * scale, DOT_PREC)
+        b_dd = mma(b_kh, b_dh, mm(tl.trans(b_A), b_do, DOT_PREC) * scale, DOT_PREC)
         tl.store(dv + p_v, cast_for_store(b_dd, dv, DOT_PREC), mask=m_tv)
         b_ny = mm(tl.trans(b_T), -b_dd, DOT_PREC) * b_beta[:, None]  # −diag(β) Tᵀ dδ
-        b_E = tl.exp(b_G)
-        b_dh = mma(tl.trans(b_q * b_E * scale), b_do, b_dh * tl.exp(b_Gl)[:, None], DOT_PREC)
-        b_dh = mma(tl.trans(b_k * b_E), b_ny, b_dh, DOT_PREC)
+        b_dh = mma(tl.trans(b_qs), b_do, b_dh * tl.exp(b_Gl)[:, None], DOT_PREC)
+        b_dh = mma(tl.trans(b_kg), b_ny, b_dh, DOT_PREC)
     if STORE_INITIAL_STATE_GRADIENT:
         tl.store(dh0 + (i_n * HV + i_hv).to(tl.int64) * K * V + state_offset, b_dh, mask=m_h)
 
@@ -185,7 +185,8 @@ def chunk_kda_bwd(q, k, v, beta, scale: float, initial_state, G, Ai, Aqk, do, dh
     TT, H, K = k.shape
     HV, V = v.shape[1:]
     N, BT = layout.num_seqs, layout.chunk_size
-    h, v_new, _ = kda_state_fwd(k, v, beta, G, Ai, initial_state, False, layout, dot_prec=recurrence_prec,
+    kg, kh, qs = kda_gated_keys(q, k, G, layout, scale, dot_prec=recurrence_prec, tuning=tuning)
+    h, v_new, _ = kda_state_fwd(kg, kh, v, beta, G, Ai, initial_state, False, layout, dot_prec=recurrence_prec,
                                 tuning=tuning)
     BK, BV = tile(K), tile(V, STATE_BV)
     dh = torch.empty(layout.num_chunks, HV, K, V, dtype=work_dtype(k.dtype), device=k.device)
@@ -195,8 +196,8 @@ def chunk_kda_bwd(q, k, v, beta, scale: float, initial_state, G, Ai, Aqk, do, dh
         dht = dht.contiguous()
     if N:
         kda_state_bwd_kernel[(N * HV, triton.cdiv(V, BV))](
-            q, k, G, beta, Ai, Aqk, do, dv_new, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale, H=H,
-            HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_FINAL_STATE_GRADIENT=dht is not None,
+            qs, kg, kh, G, beta, Ai, Aqk, do, dv_new, dh, dht, dh0, layout.cu_seqlens, layout.chunk_offsets, scale,
+            H=HV, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=BV, USE_FINAL_STATE_GRADIENT=dht is not None,
             STORE_INITIAL_STATE_GRADIENT=dh0 is not None, DOT_PREC=tuning.dot(kda_state_bwd_kernel, recurrence_prec),
             **tuning.launch("kda_state_bwd"))
     f32 = dict(dtype=torch.float32, device=k.device)
