@@ -75,7 +75,7 @@ def kda_state_bwd_kernel(
 
 @triton.jit
 def kda_dv_kernel(
-    k, v, G, beta, Ai, h, v_new, dv_new, do, dv, dbeta, dMP, dA,
+    kg, v, beta, Ai, h, v_new, dv_new, do, dv, dbeta, dMP, dA,
     cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -83,7 +83,6 @@ def kda_dv_kernel(
     # The value side of a chunk: dv = diag(β) Y, dβ = Σ_v Y ⊙ X, dM_P = scale dO δᵀ and dA = −Tᵀ (dδ Xᵀ diag(β)) Tᵀ,
     # with X = V − K̃ S formed a value block at a time (nothing of the key width is accumulated here)
     i_hv = tl.program_id(1)
-    i_h = i_hv // (HV // H)
     i_c, i_n, i_t, bos, eos, o_i, o_t, m_t = chunk_program(cu_seqlens, chunk_indices, BT)
     i_hc = tl.load(chunk_offsets + i_n).to(tl.int64) + i_t
     o_k = tl.arange(0, BK)
@@ -92,9 +91,7 @@ def kda_dv_kernel(
     p_A = (o_t[:, None] * HV + i_hv) * BT + o_i[None, :]
     b_T = tl.load(Ai + p_A, mask=m_t[:, None], other=0.0)
     b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    b_G = tl.load(G + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_kg = b_k * tl.exp(b_G)                       # K̃
+    b_kg = tl.load(kg + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0)  # K̃, as stored
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)    # dO δᵀ
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)    # dδ Xᵀ
     b_db = tl.zeros([BT], dtype=tl.float32)        # Σ_v Y ⊙ X
@@ -208,7 +205,7 @@ def chunk_kda_bwd(q, k, v, beta, scale: float, initial_state, G, Ai, Aqk, do, dh
     if layout.num_chunks:
         common = dict(H=H, HV=HV, K=K, V=V, BT=BT, BV=BV)
         kda_dv_kernel[(layout.num_chunks, HV)](
-            k, v, G, beta, Ai, h, v_new, dv_new, do, dv, dbeta, dMP, dA, layout.cu_seqlens, layout.chunk_indices,
+            kg, v, beta, Ai, h, v_new, dv_new, do, dv, dbeta, dMP, dA, layout.cu_seqlens, layout.chunk_indices,
             layout.chunk_offsets, scale, BK=BK, **common, DOT_PREC=tuning.dot(kda_dv_kernel, dot_prec),
             **tuning.launch("kda_dv"))
         kda_dqk_kernel[(layout.num_chunks, HV, triton.cdiv(K, DQK_BK))](
