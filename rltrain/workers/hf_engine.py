@@ -58,7 +58,8 @@ class HFEngine:
         for name, tensor in named_tensors:
             self.state[name].copy_(tensor)
 
-    def finish_weight_update(self) -> None:
+    def finish_weight_update(self, version: int | None = None) -> None:
+        """version: unused here (only the async vLLM engine stamps resumed partial rollouts with it)."""
         self.state = None
 
     def sleep(self) -> None:

@@ -203,10 +203,7 @@ class RolloutWorker:
     def finish_weight_update(self, version: int | None = None) -> None:
         """version (trainer.mode=async's snapshots): the weights' version, which the async engine stamps on the tokens
         of the partial rollouts it resumes."""
-        if isinstance(self.engine, AsyncVLLMEngine):
-            self.engine.finish_weight_update(version)
-        else:
-            self.engine.finish_weight_update()
+        self.engine.finish_weight_update(version)
 
     def sleep(self) -> None:
         """Colocated mode: free the engine's memory while the actor trains (vLLM on GPU; a no-op otherwise)."""

@@ -299,7 +299,8 @@ class VLLMEngine:
         else:
             self._rpc("rltrain_load_weights", list(named_tensors))
 
-    def finish_weight_update(self) -> None:
+    def finish_weight_update(self, version: int | None = None) -> None:
+        """version: unused here (AsyncVLLMEngine stamps the partial rollouts it resumes with it)."""
         if self.adapter is not None:
             self.adapter.finish()
         else:
