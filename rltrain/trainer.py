@@ -54,7 +54,7 @@ from rltrain.job import JobConfig, resolve_device, resolve_dtype
 from rltrain.output_dir import OutputDirLock, remove_unfinished
 from rltrain.perf import StepTimer, actor_step_flops, mfu, peak_flops
 from rltrain.ray_session import init_ray
-from rltrain.rewards.combine import score_batch
+from rltrain.rewards.combine import Scorers, score_batch
 from rltrain.rewards.health import ErrorRateGuard, RewardStats
 from rltrain.tracking import Tracker
 from rltrain.trainer_checkpoints import TrainerCheckpoints
@@ -288,7 +288,8 @@ class GRPOTrainer(TrainerCheckpoints):
         response_rows, messages, env_rewards = scoring
         with timer.phase("reward"):
             texts = response_texts(self.tokenizer, batch["response_ids"], batch["response_mask"])
-            rewards, extras, errors = score_batch(self, self.job.reward, texts, response_rows, messages, env_rewards)
+            rewards, extras, errors = score_batch(Scorers(self.reward, self.reward_model, self.judge), self.job.reward,
+                                                  texts, response_rows, messages, env_rewards)
         batch["rewards"] = rewards
         return extras, errors
 

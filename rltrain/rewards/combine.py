@@ -6,11 +6,21 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any, NamedTuple
 
 import ray
 import torch
 
 logger = logging.getLogger(__name__)
+
+
+class Scorers(NamedTuple):
+    """The job's scoring actors: the RewardWorker, and the reward model's and the judge's workers (None when the job
+    has no reward.model / reward.judge)."""
+
+    reward: Any
+    reward_model: Any = None
+    judge: Any = None
 
 
 def blend(before: torch.Tensor, scores: torch.Tensor, config, extras: list[dict], **parts: list) -> torch.Tensor:
@@ -20,7 +30,7 @@ def blend(before: torch.Tensor, scores: torch.Tensor, config, extras: list[dict]
     return config.rule_weight * before + config.weight * scores
 
 
-def score_batch(scorers, config, texts: list[str], rows, messages, env_rewards):
+def score_batch(scorers: Scorers, config, texts: list[str], rows, messages, env_rewards):
     """(rewards [B], extras, RewardStats) of one batch of responses (`texts`: response_texts): the reward
     function's (`scorers.reward`), then blended with the reward model's and the judge's scores where the job has
     them. All three are asked at once, each working in its own process, so the model-based scores (GPU) overlap the

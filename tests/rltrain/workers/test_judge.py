@@ -14,7 +14,7 @@ import torch
 
 from rltrain.config import ConfigError
 from rltrain.main_grpo import run
-from rltrain.rewards.combine import score_batch
+from rltrain.rewards.combine import Scorers, score_batch
 from rltrain.rewards.health import RewardStats
 from rltrain.workers.judge import DEFAULT_TEMPLATE, NO, YES, JudgeConfig, JudgeWorker, first_token_ids, parse_score
 from tests.fixtures.releases import build_release
@@ -139,7 +139,7 @@ def test_the_judge_scores_while_the_function_does(ray_session):
     function = Clocked.remote((torch.ones(2), [{}, {}], RewardStats(2)), 1.0)
     judge = Clocked.remote((torch.tensor([0.5, 0.25]), torch.tensor([False, True]), 0.0), 0.0)
     ray.get([function.times.remote(), judge.times.remote()])   # both processes up before the clock matters
-    scorers = SimpleNamespace(reward=function, reward_model=None, judge=judge)
+    scorers = Scorers(reward=function, judge=judge)
     config = SimpleNamespace(judge=JudgeConfig(path="policy", rule_weight=2.0, weight=1.0))
     rows = [SimpleNamespace(prompt="p", ground_truth="g")] * 2
     rewards, extras, errors = score_batch(scorers, config, ["a", "b"], rows, None, None)
@@ -148,7 +148,8 @@ def test_the_judge_scores_while_the_function_does(ray_session):
     (_, function_end), (judge_start, _) = ray.get([function.times.remote(), judge.times.remote()])
     assert judge_start < function_end
     # verdicts that took the judge longer than timeout_s score 0, however long the function took beside them
-    scorers.judge = Clocked.remote((torch.tensor([0.5, 0.25]), torch.tensor([False, False]), 0.7), 0.0)
+    scorers = scorers._replace(judge=Clocked.remote((torch.tensor([0.5, 0.25]), torch.tensor([False, False]), 0.7),
+                                                    0.0))
     config.judge.timeout_s = 0.5
     rewards, extras, _ = score_batch(scorers, config, ["a", "b"], rows, None, None)
     assert rewards.tolist() == [2.0, 2.0] and [e["judge_failed"] for e in extras] == [1.0, 1.0]
