@@ -82,7 +82,10 @@ def assert_same_model_outputs(swapped_run, reference_run):
     assert set(grads) == set(ref_grads)
     assert any("gate_up_proj" in name for name in grads) and any("mlp.gate.weight" in name for name in grads)
     for name, grad in ref_grads.items():
-        assert_rel_close(grads[name], grad, name=f"grad {name}")
+        # Qwen3-Next's gate parameters sum a term over every token, and those terms cancel: the fused experts' other
+        # fp32 summation order moves that small sum by up to ~1e-4 of itself (seed-dependent)
+        decay = name.endswith(("linear_attn.dt_bias", "linear_attn.A_log"))
+        assert_rel_close(grads[name], grad, threshold=1e-3 if decay else None, name=f"grad {name}")
 
 
 @pytest.mark.parametrize("impl", ["cuda", "cpu"])

@@ -391,8 +391,10 @@ def test_chunk_gradients_in_both_state_pass_launches(dtype, device, monkeypatch)
         wide = wide.endswith("_wide")
         if device == "cpu":  # the interpreter counts one SM: both launches are reached here
             assert wide == (V == 64)
+        # bf16: dg is the remainder of per-chunk terms that cancel (README), so its error reaches 1e-2 for some seeds
         check_gradients(chunk_gated_delta_rule, *inputs, cu_seqlens=cu,
-                        threshold=(1e-5, 2e-5) if dtype == torch.float32 else (5e-3, 1e-2))
+                        threshold=(1e-5, 2e-5) if dtype == torch.float32 else (5e-3, 1e-2),
+                        dg_threshold=None if dtype == torch.float32 else 2e-2)
         assert launches == (["wy"] if wide else ["wy", "local_dv"]), launches  # the forward's solve only
         launches.clear()
 
