@@ -67,6 +67,7 @@ def kda_state_fwd_kernel(
     BK: tl.constexpr, BV: tl.constexpr, USE_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
+    # H = HV: the gated keys K̃ = kg and K̂ = kh are per value head (kda_gated_keys)
     i_n, i_hv, i_h, bos, eos, c0, o_i, o_k, o_v, m_k, m_v, m_h, state_offset = state_program(
         cu_seqlens, chunk_offsets, H, HV, K, V, BT, BK, BV)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
