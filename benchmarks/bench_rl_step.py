@@ -207,8 +207,10 @@ def bare_replica(model_dir: str, contexts, lengths, seeds, settings: dict, gpu: 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from rltrain.workers.vllm_engine import without_flashinfer_args
+
     llm = LLM(model=model_dir, dtype="bfloat16", seed=0, generation_config="vllm", disable_log_stats=True,
-              logprobs_mode="processed_logprobs", **settings)
+              logprobs_mode="processed_logprobs", **settings, **without_flashinfer_args())
     params = [SamplingParams(n=1, temperature=1.0, max_tokens=length, seed=seed, logprobs=0, detokenize=False,
                              stop_token_ids=[llm.get_tokenizer().eos_token_id])
               for length, seed in zip(lengths, seeds)]

@@ -20,6 +20,7 @@ import math
 import os
 
 from rltrain.config import ConfigError
+from rltrain.workers.vllm_engine import without_flashinfer_args
 
 TOP_LOGPROBS = 20   # vLLM's default max_logprobs: the candidates the yes_no parser sees where it cannot name them
 
@@ -42,7 +43,7 @@ class VLLMJudgeModel:
         self.llm = vllm.LLM(model=model_path, dtype=dtype, seed=0, generation_config="vllm",
                             gpu_memory_utilization=config.memory_share, kv_cache_memory_bytes=kv_cache,
                             enforce_eager=config.enforce_eager, max_logprobs=max(TOP_LOGPROBS, len(yes) + len(no)),
-                            disable_log_stats=True)
+                            disable_log_stats=True, **without_flashinfer_args())
 
     def _generate(self, prompts: list[list[int]], params) -> list:
         from vllm.inputs import TokensPrompt  # optional: the vllm extra

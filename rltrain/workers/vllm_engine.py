@@ -56,6 +56,8 @@ kv_cache_gb (vLLM then skips its warm-up), 158 s with its default compiled mode 
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import logging
 import os
 
@@ -120,6 +122,20 @@ class WeightSyncExtension:
                 suffix = name.rsplit(".", 1)[-1]
                 taken.update(packed.get(suffix, [suffix]))
         return type(model).__name__, sorted(taken)
+
+
+def without_flashinfer_args() -> dict:
+    """What vLLM needs where flashinfer (its dependency, absent from a `--no-deps` install) cannot be imported:
+    its top-k/top-p sampler then stays off (VLLM_USE_FLASHINFER_SAMPLER=0, unless set), and Gated DeltaNet models
+    (Qwen3-Next) prefill with vLLM's Triton kernels (engine argument gdn_prefill_backend, where this vLLM has it):
+    on Hopper vLLM 0.24 picks flashinfer's prefill and fails at the first request. The one feature check of both."""
+    from vllm.engine.arg_utils import EngineArgs  # optional: the vllm extra
+
+    if importlib.util.find_spec("flashinfer") is not None:
+        return {}
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    fields = {field.name for field in dataclasses.fields(EngineArgs)}
+    return {"gdn_prefill_backend": "triton"} if "gdn_prefill_backend" in fields else {}
 
 
 def pack_tensors(named_tensors) -> list[tuple[str, str, list[int], bytes]]:
@@ -188,7 +204,8 @@ class VLLMEngine:
             kv_cache_memory_bytes=kv_cache, enable_sleep_mode=self.sleeps, worker_extension_cls=EXTENSION,
             tensor_parallel_size=tp, distributed_executor_backend="uni" if tp == 1 else "external_launcher",
             disable_custom_all_reduce=tp > 1,  # its peer check indexes the other ranks' GPUs
-            disable_log_stats=True, **(engine_lora_args(lora) if lora is not None else {}))
+            disable_log_stats=True, **without_flashinfer_args(),
+            **(engine_lora_args(lora) if lora is not None else {}))
         self.llm = self._start_whole_prefills(engine_args) if current_platform.is_cpu() else self._start(engine_args)
         self.adapter = None
         if lora is not None:

