@@ -5,8 +5,9 @@ checkpoint loaded into the split experts, and an on-policy update from it. Besid
 only its block of experts (n / E of every layer, the values of that block); its sharded checkpoint loads into the
 single process and its HF export (save_pretrained) reloads as the same weights. Layouts: 2 ranks as one EP group of
 2, and 4 ranks as 2 groups of 2 (the experts FSDP-sharded over the 2 replicas), on the embedded qwen3_moe (4 experts,
-2 per token), and 2 ranks on a transformers Qwen3-MoE of 8 experts, 3 per token, built from a small config. Also the
-config checks, each naming the key, and a 2-step main_grpo run through Ray with EP=2. On 2+ GPUs (@pytest.mark.gpu)
+2 per token), and 2 ranks on transformers models built from small configs: a Qwen3-MoE of 8 experts, 3 per token,
+a Qwen3-Next (a shared expert beside the routed ones, Gated DeltaNet layers) and a Mixtral. R3 on 2 EP ranks: the
+rollout's recorded routing replayed gives the engine's log-probs. Also the config checks, each naming the key, and a 2-step main_grpo run through Ray with EP=2. On 2+ GPUs (@pytest.mark.gpu)
 the 2-rank cases run over NCCL in fp32.
 
 Run: `pytest tests/rltrain/workers/test_expert_parallel.py`.
@@ -14,11 +15,13 @@ Run: `pytest tests/rltrain/workers/test_expert_parallel.py`.
 
 import os
 import shutil
+import socket
 
 import pytest
 import ray
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import transformers as tf
 
 from rltrain import trainer as trainer_module
@@ -26,11 +29,16 @@ from rltrain.config import ConfigError
 from rltrain.embedded.model import embedded_policy_dir
 from rltrain.job import load_job_config
 from rltrain.main_grpo import run
-from rltrain.workers.actor import ActorWorker
-from rltrain.workers.actor_config import ActorConfig
+from rltrain.data.sampler import encode_prompts
+from rltrain.embedded.task import make_rows
+from rltrain.workers.actor import ActorWorker, FSDPActorWorker
+from rltrain.workers.actor_config import ActorConfig, RouterReplayConfig
 from rltrain.algorithms.config import LossConfig
 from rltrain.workers.expert_parallel import check_model, experts_modules
 from rltrain.workers.policy import load_policy
+from rltrain.workers.rollout import RolloutConfig, RolloutWorker
+from tests.model_factory import tiny_qwen3_next
+from tests.rltrain.workers.test_router import second_choices
 from tests.rltrain.tiny_job import compose, tiny_job
 from tests.rltrain.workers.test_fsdp import TOLERANCES, check_case, rel_err, run_cases
 
@@ -132,6 +140,83 @@ def wide_moe_variant(model_dir: str, root) -> str:
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
     return str(out)
+
+
+def released_moe_variant(model_type: str):
+    """variant(model_dir, root): a transformers model of `model_type` drawn afresh at the embedded tokenizer's
+    vocabulary: Qwen3-Next (Gated DeltaNet and attention, 4 experts top 2 with a shared expert in its sparse layers,
+    tests/model_factory.py) or Mixtral (4 experts, top 2, every layer sparse)."""
+    def variant(model_dir: str, root) -> str:
+        out = root / model_type
+        shutil.copytree(model_dir, out)
+        vocab = tf.AutoConfig.from_pretrained(model_dir).vocab_size
+        if model_type == "qwen3_next":
+            model = tiny_qwen3_next(vocab_size=vocab, seed=0)
+        else:
+            torch.manual_seed(0)
+            config = tf.MixtralConfig(vocab_size=vocab, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                      num_experts_per_tok=2, max_position_embeddings=512, tie_word_embeddings=False)
+            model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(out)
+        return str(out)
+    return variant
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "mixtral"])
+def test_expert_parallel_released_moe_layouts_match_single_process(tmp_path, model_type):
+    """The MoE layouts of released models beyond Qwen3-MoE: Qwen3-Next (shared expert beside the routed ones, Gated
+    DeltaNet layers) and Mixtral (every layer sparse)."""
+    cases = {case: CASES[case] for case in ("rows11-micro5-token-mean",)}
+    results = run_cases(tmp_path, "cpu", cases=cases, arch="qwen3_moe", embedded=MOE, expert_parallel=2,
+                        variant=released_moe_variant(model_type), after=ep_state)
+    for case in cases:
+        check(*results[case])
+
+
+def _r3_rank(rank, port, model_dir, batch, out_dir):
+    """One of 2 EP ranks: old log-probs with the rollout's routing replayed and with the ranks' own."""
+    import os
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    result = {}
+    for mode in ("R3", "disabled"):
+        config = ActorConfig(torch_threads=1, strategy="fsdp2", expert_parallel_size=2, use_remove_padding=True,
+                             max_tokens_per_micro_batch=40, router_replay=RouterReplayConfig(mode))
+        actor = FSDPActorWorker(rank, 2, "127.0.0.1", port, config, LossConfig(), model_dir, "float32", None, 1.0)
+        result[mode] = actor.compute_logprobs(batch)
+        if mode == "R3":   # on-policy: the update's own forward replays too
+            result["update"] = actor.update(batch.exclude("rollout_logprobs"))
+        del actor
+    if rank == 0:
+        torch.save(result, f"{out_dir}/r3.pt")
+
+
+def test_r3_replays_the_rollouts_routing_under_expert_parallelism(tmp_path):
+    """test_router.py's R3 check on 2 EP ranks: the engine routes every token to its 2nd and 3rd likeliest experts and
+    records that; the EP actor replaying it (each rank its own tokens, before their exchange) computes the engine's
+    log-probs at fp32, and its own routing does not."""
+    from transformers import AutoTokenizer
+
+    job = tiny_job(tmp_path, model={"embedded": {**MOE, "num_layers": 2}})
+    model_dir = str(embedded_policy_dir(job.trainer.output_dir, job.model.embedded, job.data.task, 0))
+    ids, mask = encode_prompts(make_rows(job.data.task)[0][:3], AutoTokenizer.from_pretrained(model_dir))
+    engine = RolloutWorker(RolloutConfig(n=4, max_new_tokens=5, torch_threads=1), model_dir, "float32", None,
+                           logprobs=True, routing=True)
+    for router in engine.engine.routing.routers:
+        router.register_forward_hook(second_choices, prepend=True)
+    batch = engine.generate(ids, mask, 4, 1.0, seed=3)
+    batch["advantages"] = torch.randn(12, 1).expand_as(batch["response_mask"]).contiguous()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_r3_rank, args=(port, model_dir, batch, str(tmp_path)), nprocs=2, join=True)
+    result = torch.load(tmp_path / "r3.pt", weights_only=False)
+    valid, engine_logprobs = batch["response_mask"].bool(), batch["rollout_logprobs"]
+    assert (result["R3"] - engine_logprobs)[valid].abs().max() < 1e-5
+    assert (result["disabled"] - engine_logprobs)[valid].abs().max() > 1e-3
+    assert (result["update"]["old_logprobs"] - engine_logprobs)[valid].abs().max() < 1e-5
+    assert result["update"]["actor/router_replay_mismatch"] == pytest.approx(1.0)
 
 
 def test_expert_parallel_transformers_qwen3_moe_matches_single_process(tmp_path):

@@ -100,7 +100,7 @@ def test_a_dense_policy_has_no_routers(tmp_path):
     assert _actor(model_dir, COEF, True).routers is None
 
 
-def _second_choices(module, args, output):
+def second_choices(module, args, output):
     """A router that sends every token to its 2nd and 3rd likeliest experts: routing other than the actor's own."""
     logits, weights, _ = output
     probs = torch.softmax(logits, -1, dtype=torch.float)
@@ -125,7 +125,7 @@ def test_r3_replays_the_rollouts_routing(setup, packed):
     engine = RolloutWorker(RolloutConfig(n=4, max_new_tokens=5, torch_threads=1, micro_batch_size=5), model_dir,
                            "float32", None, logprobs=True, routing=True)
     for router in engine.engine.routing.routers:
-        router.register_forward_hook(_second_choices, prepend=True)
+        router.register_forward_hook(second_choices, prepend=True)
     ids, mask = scored["prompt_ids"][::4], scored["prompt_mask"][::4]
     batch = engine.generate(ids, mask, 4, 1.0, seed=3)
     prompt, response = batch[ROUTING[0]], batch[ROUTING[1]]
