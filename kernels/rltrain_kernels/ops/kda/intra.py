@@ -7,11 +7,15 @@ With a decay per key channel, a chunk's pair (i, j) scores through the channels'
 G the chunk-local cumsum of g (≤ 0, decreasing). The factors e^{G_i} and e^{−G_j} alone overflow once a chunk
 decays by more than e^88, so every product is split at a reference row r between i and j, e^{G_i − G_r} · e^{G_r −
 G_j}, both ≤ 1: for the 16-row blocks below the diagonal r is the first row of i's block (a [64, BK] × [BK, 64] dot
-per block row and INTRA_BK channels, columns restricted to earlier blocks); inside a diagonal 16 × 16 block each
-pair's exponent is formed directly, a row block at a time (16 steps, each its [16, K] rows against one token c of
-the block, a vector). The backward's four decayed products take the same split: row-side (Σ_j M_ij k_j e^{G_i − G_j},
-dq and the k of Akk's rows) with r the first row of i's block, column-side (Σ_i M_ij x_i e^{G_i − G_j}, dk) with r the
-last row of j's block; its diagonal steps serve both sides with one exponent.
+per block row and INTRA_BK channels, columns restricted to earlier blocks). A diagonal 16 × 16 block whose decay over
+its rows stays within DIAG_SPAN takes the same split at its first row as one dot at the solve's precision (one factor
+then ≥ 1, at most e^SPAN); a block that decays more has each pair's exponent formed directly, a row block at a time
+(16 steps, each its [16, K] rows against one token c of the block, a vector). The backward's four decayed products
+take the same split: row-side (Σ_j M_ij k_j e^{G_i − G_j}, dq and the k of Akk's rows) with r the first row of i's
+block, column-side (Σ_i M_ij x_i e^{G_i − G_j}, dk) with r the last row of j's block; its diagonal blocks go through
+four dots at the solve's precision within DIAG_SPAN (over the program's channels), else steps that serve both sides
+with one exponent. The solve's precision (≈ fp32) keeps dG's cancellations: its pair terms q_i·dM_ij·k_j e^{G_i − G_j}
+enter dq's and dk's sides alike and cancel in dG, which bf16 dots would leave as noise (3× dG's error, measured).
 
 Forward (`kda_intra_fwd`, one program per (chunk, value head)): the diagonal blocks (Aqk's stored in place, Akk's to
 an fp32 scratch), then the rest of Akk and Aqk, then T = (I + diag(β) Akk)⁻¹ by common/wy.py's solve; stores T and
@@ -31,6 +35,10 @@ from ..common.launch import tile
 from ..common.precision import cast_for_store, mm, mma, operand_dtype, solve_precision
 from ..common.tuning import DEFAULT_TUNING, Tuning
 from ..common.wy import solve_unit_lower
+
+# a diagonal block's decay over its 16 rows (the largest over the channels) up to which its pairs go through one
+# dot at the solve's precision: the operands stay within e^±40 of q and k, far inside fp32's range
+DIAG_SPAN = 40.0
 
 # key channels a step: the forward's off-diagonal dots and the backward's programs take this many at a time (the
 # whole key width in [64, K] fp32 tiles spilled at K = 128 on sm_90; kernels/benchmarks/compile_report.py)
@@ -59,7 +67,7 @@ def token_row(x, t0, row, n_rows, i_head, NH: tl.constexpr, K: tl.constexpr, BK:
 def kda_intra_fwd_kernel(
     q, k, G, beta, Aqk, Ai, Akk_diag, cu_seqlens, chunk_indices,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, KT: tl.constexpr, BK: tl.constexpr,
-    DOT_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr, DIAG_SPAN: tl.constexpr,
 ):
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -67,24 +75,42 @@ def kda_intra_fwd_kernel(
     t0 = bos + i_t * BT
     n_valid = tl.minimum(eos - t0, BT)
     o16 = tl.arange(0, 16)
-    # 1. The diagonal 16 × 16 blocks, a row block at a time: its rows against token c of the block, each pair's
-    #    exponent formed directly. Aqk's blocks are stored where they belong, Akk's to the fp32 scratch Akk_diag.
+    # 1. The diagonal 16 × 16 blocks. Where a block decays by at most DIAG_SPAN over its rows (the largest over the
+    #    channels), one dot at SOLVE_PREC split at its first row r (column factors e^{G_r − G_j} ≤ e^SPAN); beyond,
+    #    its rows against token c of the block, each pair's exponent formed directly. Aqk's blocks are stored where
+    #    they belong, Akk's to the fp32 scratch Akk_diag.
     for I in tl.static_range(BT // 16):
         rows = I * 16 + o16
         m_r = rows < n_valid
-        b_q = chunk_rows(q, t0, rows, m_r, i_h, H, K, KT)
-        b_k = chunk_rows(k, t0, rows, m_r, i_h, H, K, KT)
-        b_G = chunk_rows(G, t0, rows, m_r, i_hv, HV, K, KT)
+        b_first = token_row(G, t0, I * 16, n_valid, i_hv, HV, K, KT)
+        b_last = token_row(G, t0, tl.minimum(I * 16 + 15, n_valid - 1), n_valid, i_hv, HV, K, KT)
         b_aq = tl.zeros([16, 16], dtype=tl.float32)
         b_ak = tl.zeros([16, 16], dtype=tl.float32)
-        for c in range(16):
-            m_j = (m_r & (o16 >= c) & (o16 * 0 + I * 16 + c < n_valid))[:, None]
-            b_Gc = token_row(G, t0, I * 16 + c, n_valid, i_hv, HV, K, KT)
-            b_E = tl.where(m_j, token_row(k, t0, I * 16 + c, n_valid, i_h, H, K, KT)[None, :]
-                           * tl.exp(tl.where(m_j, b_G - b_Gc[None, :], 0.0)), 0.0)
-            sel = o16[None, :] == c
-            b_aq += tl.where(sel, tl.sum(b_q * b_E, 1)[:, None], 0.0)
-            b_ak += tl.where(sel & (o16 > c)[:, None], tl.sum(b_k * b_E, 1)[:, None], 0.0)
+        if tl.max(b_first - b_last, 0) <= DIAG_SPAN:   # BK channels a step (whole [16, K] tiles would spill)
+            for i_k in tl.static_range(KT // BK):
+                b_qs = chunk_rows(q, t0, rows, m_r, i_h, H, K, BK, i_k * BK)
+                b_ks = chunk_rows(k, t0, rows, m_r, i_h, H, K, BK, i_k * BK)
+                b_Gs = chunk_rows(G, t0, rows, m_r, i_hv, HV, K, BK, i_k * BK)
+                b_Gr = token_row(G, t0, I * 16, n_valid, i_hv, HV, K, BK, i_k * BK)
+                b_rs = tl.where(m_r[:, None], tl.exp(tl.where(m_r[:, None], b_Gs - b_Gr[None, :], 0.0)), 0.0)
+                b_col = tl.trans(tl.where(m_r[:, None], b_ks * tl.exp(tl.where(m_r[:, None], b_Gr[None, :] - b_Gs,
+                                                                               0.0)), 0.0))
+                b_aq = mma(b_qs * b_rs, b_col, b_aq, SOLVE_PREC)
+                b_ak = mma(b_ks * b_rs, b_col, b_ak, SOLVE_PREC)
+            b_aq = tl.where(o16[None, :] <= o16[:, None], b_aq, 0.0)
+            b_ak = tl.where(o16[None, :] < o16[:, None], b_ak, 0.0)
+        else:
+            b_q = chunk_rows(q, t0, rows, m_r, i_h, H, K, KT)
+            b_k = chunk_rows(k, t0, rows, m_r, i_h, H, K, KT)
+            b_G = chunk_rows(G, t0, rows, m_r, i_hv, HV, K, KT)
+            for c in range(16):
+                m_j = (m_r & (o16 >= c) & (o16 * 0 + I * 16 + c < n_valid))[:, None]
+                b_Gc = token_row(G, t0, I * 16 + c, n_valid, i_hv, HV, K, KT)
+                b_E = tl.where(m_j, token_row(k, t0, I * 16 + c, n_valid, i_h, H, K, KT)[None, :]
+                               * tl.exp(tl.where(m_j, b_G - b_Gc[None, :], 0.0)), 0.0)
+                sel = o16[None, :] == c
+                b_aq += tl.where(sel, tl.sum(b_q * b_E, 1)[:, None], 0.0)
+                b_ak += tl.where(sel & (o16 > c)[:, None], tl.sum(b_k * b_E, 1)[:, None], 0.0)
         p_d = (t0 + rows)[:, None] * HV + i_hv
         tl.store(Aqk + p_d * BT + I * 16 + o16[None, :], cast_for_store(b_aq, Aqk, DOT_PREC), mask=m_r[:, None])
         tl.store(Akk_diag + p_d * 16 + o16[None, :], b_ak, mask=m_r[:, None])
@@ -118,7 +144,7 @@ def kda_intra_fwd_kernel(
 def kda_intra_bwd_kernel(
     q, k, G, beta, dMP, dA, dq, dk, dG, dbeta_part, cu_seqlens, chunk_indices,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr, DIAG_SPAN: tl.constexpr,
 ):
     # one program per (chunk, value head, BK channels): every term is per channel but dβ's, a partial sum here.
     # A row block's gradients are complete once its own block is done (rows take columns at or before them, columns
@@ -146,26 +172,45 @@ def kda_intra_bwd_kernel(
         b_R = tl.zeros([16, BK], dtype=tl.float32)
         b_dkP = tl.zeros([16, BK], dtype=tl.float32)
         b_C = tl.zeros([16, BK], dtype=tl.float32)
-        # The diagonal block, against its token c: rows at or after c take c as their column j (row side), rows at
-        # or before c as their row i (column side), one exponent serving both (G_row − G_c after c, G_c − G_row
-        # before). First, so that the loop's accumulators keep its own layout rather than the dots' (no conversions)
-        for c in range(16):
-            t_c = t0 + I * 16 + c
-            m_c = o16 * 0 + I * 16 + c < n_valid
-            m_lo = m_r & (o16 >= c) & m_c
-            m_hi = m_r & (o16 <= c) & m_c
-            b_kc = token_row(k, t0, I * 16 + c, n_valid, i_h, H, K, BK, k0)
-            b_Gc = token_row(G, t0, I * 16 + c, n_valid, i_hv, HV, K, BK, k0)
-            b_D = tl.where(m_lo[:, None], b_GI - b_Gc[None, :], b_Gc[None, :] - b_GI)
-            b_E = tl.exp(tl.where((m_lo | m_hi)[:, None], b_D, 0.0))
-            b_Ek = b_E * b_kc[None, :]
-            p_c = (t_c * HV + i_hv) * BT + I * 16  # token c's row of M, from the block's first column
-            b_dqP += tl.load(dMP + p_rI + I * 16 + c, mask=m_lo, other=0.0)[:, None] * b_Ek
-            b_R += tl.load(dA + p_rI + I * 16 + c, mask=m_lo, other=0.0)[:, None] * b_Ek
-            b_dkP += tl.load(dMP + p_c + o16, mask=m_hi, other=0.0)[:, None] * b_E \
-                * token_row(q, t0, I * 16 + c, n_valid, i_h, H, K, BK, k0)[None, :]
-            b_beta_c = tl.load(beta + t_c * HV + i_hv, mask=I * 16 + c < n_valid, other=0.0).to(tl.float32)
-            b_C += (tl.load(dA + p_c + o16, mask=m_hi, other=0.0) * b_beta_c)[:, None] * b_Ek
+        # The diagonal block. Where it decays by at most DIAG_SPAN over its rows (the largest over these channels):
+        # four dots at SOLVE_PREC, the row side split at its first row, the column side at its last (every factor
+        # within e^±SPAN; the precision keeps dG's exact cancellations, e.g. q_i·dM_ii·k_i on both sides, as the
+        # pairwise form does). Beyond, against its token c: rows at or after c take c as their column j (row side),
+        # rows at or before c as their row i (column side), one exponent serving both (G_row − G_c after c,
+        # G_c − G_row before). First, so that the accumulators keep its own layout rather than the dots'
+        b_first = token_row(G, t0, I * 16, n_valid, i_hv, HV, K, BK, k0)
+        b_last = token_row(G, t0, tl.minimum(I * 16 + 15, n_valid - 1), n_valid, i_hv, HV, K, BK, k0)
+        b_betaI = tl.load(beta + (t0 + rows) * HV + i_hv, mask=m_r, other=0.0).to(tl.float32)
+        if tl.max(b_first - b_last, 0) <= DIAG_SPAN:
+            m_d = m_r[:, None] & m_r[None, :]
+            p_MI = p_rI[:, None] + I * 16 + o16[None, :]   # M_ij, i and j in the block
+            p_MIt = ((t0 + rows)[None, :] * HV + i_hv) * BT + rows[:, None]   # [j, i] = M_ij
+            b_rs = tl.where(m_r[:, None], tl.exp(tl.where(m_r[:, None], b_GI - b_first[None, :], 0.0)), 0.0)
+            b_kr = tl.where(m_r[:, None], b_kI * tl.exp(tl.where(m_r[:, None], b_first[None, :] - b_GI, 0.0)), 0.0)
+            b_dqP += b_rs * mm(tl.load(dMP + p_MI, mask=m_d, other=0.0), b_kr, SOLVE_PREC)
+            b_R += b_rs * mm(tl.load(dA + p_MI, mask=m_d, other=0.0), b_kr, SOLVE_PREC)
+            b_cs = tl.where(m_r[:, None], tl.exp(tl.where(m_r[:, None], b_last[None, :] - b_GI, 0.0)), 0.0)
+            b_ei = tl.where(m_r[:, None], tl.exp(tl.where(m_r[:, None], b_GI - b_last[None, :], 0.0)), 0.0)
+            b_dkP += b_cs * mm(tl.load(dMP + p_MIt, mask=m_d, other=0.0), b_qI * b_ei, SOLVE_PREC)
+            b_C += b_cs * mm(tl.load(dA + p_MIt, mask=m_d, other=0.0) * b_betaI[None, :], b_kI * b_ei, SOLVE_PREC)
+        else:
+            for c in range(16):
+                t_c = t0 + I * 16 + c
+                m_c = o16 * 0 + I * 16 + c < n_valid
+                m_lo = m_r & (o16 >= c) & m_c
+                m_hi = m_r & (o16 <= c) & m_c
+                b_kc = token_row(k, t0, I * 16 + c, n_valid, i_h, H, K, BK, k0)
+                b_Gc = token_row(G, t0, I * 16 + c, n_valid, i_hv, HV, K, BK, k0)
+                b_D = tl.where(m_lo[:, None], b_GI - b_Gc[None, :], b_Gc[None, :] - b_GI)
+                b_E = tl.exp(tl.where((m_lo | m_hi)[:, None], b_D, 0.0))
+                b_Ek = b_E * b_kc[None, :]
+                p_c = (t_c * HV + i_hv) * BT + I * 16  # token c's row of M, from the block's first column
+                b_dqP += tl.load(dMP + p_rI + I * 16 + c, mask=m_lo, other=0.0)[:, None] * b_Ek
+                b_R += tl.load(dA + p_rI + I * 16 + c, mask=m_lo, other=0.0)[:, None] * b_Ek
+                b_dkP += tl.load(dMP + p_c + o16, mask=m_hi, other=0.0)[:, None] * b_E \
+                    * token_row(q, t0, I * 16 + c, n_valid, i_h, H, K, BK, k0)[None, :]
+                b_beta_c = tl.load(beta + t_c * HV + i_hv, mask=I * 16 + c < n_valid, other=0.0).to(tl.float32)
+                b_C += (tl.load(dA + p_c + o16, mask=m_hi, other=0.0) * b_beta_c)[:, None] * b_Ek
         # Row side, earlier blocks (split at r = 16 I): dq_P = Σ_j dM_P,ij k_j e^{G_i − G_j}; R = Σ_j dA_ij k_j ...
         if I > 0:
             b_Gr = token_row(G, t0, I * 16, n_valid, i_hv, HV, K, BK, k0)
@@ -190,7 +235,6 @@ def kda_intra_bwd_kernel(
         # Add to the state-side parts chunk_bwd.py's kernel wrote (fp32, per value head)
         m_rk = m_r[:, None] & (o_k < K)[None, :]
         p_k = ((t0 + rows)[:, None] * HV + i_hv) * K + o_k[None, :]
-        b_betaI = tl.load(beta + (t0 + rows) * HV + i_hv, mask=m_r, other=0.0).to(tl.float32)
         b_bR = b_R * b_betaI[:, None]
         tl.store(dq + p_k, tl.load(dq + p_k, mask=m_rk, other=0.0) + b_dqP, mask=m_rk)
         tl.store(dk + p_k, tl.load(dk + p_k, mask=m_rk, other=0.0) + b_dkP + b_bR + b_C, mask=m_rk)
@@ -216,7 +260,7 @@ def kda_intra_fwd(q, k, G, beta, layout: ChunkLayout, *, aqk_dtype: torch.dtype,
             q, k, G, beta, Aqk, Ai, akk_diag, layout.cu_seqlens, layout.chunk_indices, H=H, HV=HV, K=K, BT=BT,
             KT=KT, BK=min(KT, INTRA_BK),
             DOT_PREC=tuning.dot(kda_intra_fwd_kernel, dot_prec), SOLVE_PREC=solve_precision(k.dtype),
-            **tuning.launch("kda_intra_fwd"))
+            DIAG_SPAN=DIAG_SPAN, **tuning.launch("kda_intra_fwd"))
     return Ai, Aqk
 
 
@@ -234,5 +278,5 @@ def kda_intra_bwd(q, k, G, beta, dMP, dA, dq, dk, dG, dbeta, layout: ChunkLayout
         kda_intra_bwd_kernel[(layout.num_chunks, HV, NK)](
             q, k, G, beta, dMP, dA, dq, dk, dG, dbeta_part, layout.cu_seqlens, layout.chunk_indices, H=H, HV=HV,
             K=K, BT=layout.chunk_size, BK=BK, DOT_PREC=tuning.dot(kda_intra_bwd_kernel, dot_prec),
-            **tuning.launch("kda_intra_bwd"))
+            SOLVE_PREC=solve_precision(k.dtype), DIAG_SPAN=DIAG_SPAN, **tuning.launch("kda_intra_bwd"))
         dbeta += dbeta_part.sum(-1)
