@@ -181,15 +181,16 @@ def kda_intra_bwd_kernel(
         b_first = token_row(G, t0, I * 16, n_valid, i_hv, HV, K, BK, k0)
         b_last = token_row(G, t0, tl.minimum(I * 16 + 15, n_valid - 1), n_valid, i_hv, HV, K, BK, k0)
         b_betaI = tl.load(beta + (t0 + rows) * HV + i_hv, mask=m_r, other=0.0).to(tl.float32)
+        # the block's row factors e^{G_i − G_first} and column factors e^{G_last − G_j}, both ≤ 1
+        b_rs = tl.where(m_r[:, None], tl.exp(tl.where(m_r[:, None], b_GI - b_first[None, :], 0.0)), 0.0)
+        b_cs = tl.where(m_r[:, None], tl.exp(tl.where(m_r[:, None], b_last[None, :] - b_GI, 0.0)), 0.0)
         if tl.max(b_first - b_last, 0) <= DIAG_SPAN:
             m_d = m_r[:, None] & m_r[None, :]
             p_MI = p_rI[:, None] + I * 16 + o16[None, :]   # M_ij, i and j in the block
             p_MIt = ((t0 + rows)[None, :] * HV + i_hv) * BT + rows[:, None]   # [j, i] = M_ij
-            b_rs = tl.where(m_r[:, None], tl.exp(tl.where(m_r[:, None], b_GI - b_first[None, :], 0.0)), 0.0)
             b_kr = tl.where(m_r[:, None], b_kI * tl.exp(tl.where(m_r[:, None], b_first[None, :] - b_GI, 0.0)), 0.0)
             b_dqP += b_rs * mm(tl.load(dMP + p_MI, mask=m_d, other=0.0), b_kr, SOLVE_PREC)
             b_R += b_rs * mm(tl.load(dA + p_MI, mask=m_d, other=0.0), b_kr, SOLVE_PREC)
-            b_cs = tl.where(m_r[:, None], tl.exp(tl.where(m_r[:, None], b_last[None, :] - b_GI, 0.0)), 0.0)
             b_ei = tl.where(m_r[:, None], tl.exp(tl.where(m_r[:, None], b_GI - b_last[None, :], 0.0)), 0.0)
             b_dkP += b_cs * mm(tl.load(dMP + p_MIt, mask=m_d, other=0.0), b_qI * b_ei, SOLVE_PREC)
             b_C += b_cs * mm(tl.load(dA + p_MIt, mask=m_d, other=0.0) * b_betaI[None, :], b_kI * b_ei, SOLVE_PREC)
@@ -213,20 +214,16 @@ def kda_intra_bwd_kernel(
                 b_C += (tl.load(dA + p_c + o16, mask=m_hi, other=0.0) * b_beta_c)[:, None] * b_Ek
         # Row side, earlier blocks (split at r = 16 I): dq_P = Σ_j dM_P,ij k_j e^{G_i − G_j}; R = Σ_j dA_ij k_j ...
         if I > 0:
-            b_Gr = token_row(G, t0, I * 16, n_valid, i_hv, HV, K, BK, k0)
             m_col = ((o_i < I * 16) & m_t)[:, None]
-            b_col = tl.where(m_col, b_k * tl.exp(tl.where(m_col, b_Gr[None, :] - b_G, 0.0)), 0.0)
-            b_rs = tl.where(m_r[:, None], tl.exp(tl.where(m_r[:, None], b_GI - b_Gr[None, :], 0.0)), 0.0)
+            b_col = tl.where(m_col, b_k * tl.exp(tl.where(m_col, b_first[None, :] - b_G, 0.0)), 0.0)
             m_M = m_r[:, None] & (o_i < I * 16)[None, :]
             b_dqP += b_rs * mm(tl.load(dMP + p_rI[:, None] + o_i[None, :], mask=m_M, other=0.0), b_col, DOT_PREC)
             b_R += b_rs * mm(tl.load(dA + p_rI[:, None] + o_i[None, :], mask=m_M, other=0.0), b_col, DOT_PREC)
         # Column side, later blocks (split at r = the block's last row): dk_P = Σ_i dM_P,ij q_i e^{G_i − G_j};
         # C = Σ_i β_i dA_ij k_i e^{G_i − G_j}. Mᵀ is read from memory with transposed addresses.
         if I < BT // 16 - 1:
-            b_Gr = token_row(G, t0, tl.minimum(I * 16 + 15, n_valid - 1), n_valid, i_hv, HV, K, BK, k0)
             m_row = (o_i > I * 16 + 15) & m_t
-            b_e = tl.where(m_row[:, None], tl.exp(tl.where(m_row[:, None], b_G - b_Gr[None, :], 0.0)), 0.0)
-            b_cs = tl.where(m_r[:, None], tl.exp(tl.where(m_r[:, None], b_Gr[None, :] - b_GI, 0.0)), 0.0)
+            b_e = tl.where(m_row[:, None], tl.exp(tl.where(m_row[:, None], b_G - b_last[None, :], 0.0)), 0.0)
             p_Mt = (o_t[None, :] * HV + i_hv) * BT + rows[:, None]
             m_Mt = m_r[:, None] & m_row[None, :]
             b_dAt = tl.load(dA + p_Mt, mask=m_Mt, other=0.0) * b_beta[None, :]
