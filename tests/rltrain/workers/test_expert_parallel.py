@@ -5,10 +5,10 @@ checkpoint loaded into the split experts, and an on-policy update from it. Besid
 only its block of experts (n / E of every layer, the values of that block); its sharded checkpoint loads into the
 single process and its HF export (save_pretrained) reloads as the same weights. Layouts: 2 ranks as one EP group of
 2, and 4 ranks as 2 groups of 2 (the experts FSDP-sharded over the 2 replicas), on the embedded qwen3_moe (4 experts,
-2 per token), and 2 ranks on transformers models built from small configs: a Qwen3-MoE of 8 experts, 3 per token,
-a Qwen3-Next (a shared expert beside the routed ones, Gated DeltaNet layers) and a Mixtral. R3 on 2 EP ranks: the
-rollout's recorded routing replayed gives the engine's log-probs. Also the config checks, each naming the key, and a 2-step main_grpo run through Ray with EP=2. On 2+ GPUs (@pytest.mark.gpu)
-the 2-rank cases run over NCCL in fp32.
+2 per token), and 2 ranks on transformers models built from small configs: a Qwen3-MoE of 8 experts, 3 per token, a
+Qwen3-Next (a shared expert beside the routed ones, Gated DeltaNet layers) and a Mixtral. R3 on 2 EP ranks: the
+rollout's recorded routing replayed gives the engine's log-probs. Also the config checks, each naming the key, and a
+2-step main_grpo run through Ray with EP=2. On 2+ GPUs (@pytest.mark.gpu) the 2-rank cases run over NCCL in fp32.
 
 Run: `pytest tests/rltrain/workers/test_expert_parallel.py`.
 """
@@ -176,8 +176,6 @@ def test_expert_parallel_released_moe_layouts_match_single_process(tmp_path, mod
 
 def _r3_rank(rank, port, model_dir, batch, out_dir):
     """One of 2 EP ranks: old log-probs with the rollout's routing replayed and with the ranks' own."""
-    import os
-
     os.environ["LOCAL_RANK"] = str(rank)
     result = {}
     for mode in ("R3", "disabled"):
