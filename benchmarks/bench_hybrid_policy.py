@@ -19,7 +19,8 @@ fused-recurrent kernels), both in bf16, built from config:
 
 `--engines hf,vllm` decodes with vLLM too (the rollout engine's vllm path, CUDA graphs, gpu_memory_utilization 0.5)
 where vLLM serves the model: qwen3 and qwen3_next as built, hybrid through its Qwen3-Next form (rltrain.export's
-conversion, the form `python -m rltrain.export` writes); gdp and iplr have none. Correctness first there too: the
+conversion, the form `python -m rltrain.export` writes: two copies of each value head, so vLLM decodes twice the
+Gated DeltaNet state hf does); gdp and iplr have none. Correctness first there too: the
 log-probs vLLM reports for its sampled tokens (8 prompts) against rltrain's actor on the model as trained (for hybrid:
 the family with the registry's kernels), as a relative error. `--decode-only` skips the actor steps.
 
