@@ -36,9 +36,8 @@ from rltrain.workers.actor_config import ActorConfig, RouterReplayConfig
 from rltrain.algorithms.config import LossConfig
 from rltrain.workers.expert_parallel import check_model, experts_modules
 from rltrain.workers.policy import load_policy
-from rltrain.workers.rollout import RolloutConfig, RolloutWorker
 from tests.model_factory import tiny_qwen3_next
-from tests.rltrain.workers.test_router import second_choices
+from tests.rltrain.workers.test_router import second_choice_rollouts
 from tests.rltrain.tiny_job import compose, tiny_job
 from tests.rltrain.workers.test_fsdp import TOLERANCES, check_case, rel_err, run_cases
 
@@ -199,11 +198,7 @@ def test_r3_replays_the_rollouts_routing_under_expert_parallelism(tmp_path):
     job = tiny_job(tmp_path, model={"embedded": {**MOE, "num_layers": 2}})
     model_dir = str(embedded_policy_dir(job.trainer.output_dir, job.model.embedded, job.data.task, 0))
     ids, mask = encode_prompts(make_rows(job.data.task)[0][:3], AutoTokenizer.from_pretrained(model_dir))
-    engine = RolloutWorker(RolloutConfig(n=4, max_new_tokens=5, torch_threads=1), model_dir, "float32", None,
-                           logprobs=True, routing=True)
-    for router in engine.engine.routing.routers:
-        router.register_forward_hook(second_choices, prepend=True)
-    batch = engine.generate(ids, mask, 4, 1.0, seed=3)
+    batch = second_choice_rollouts(model_dir, ids, mask)
     batch["advantages"] = torch.randn(12, 1).expand_as(batch["response_mask"]).contiguous()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

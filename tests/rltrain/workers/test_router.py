@@ -109,6 +109,16 @@ def second_choices(module, args, output):
     return logits, (top / top.sum(-1, keepdim=True)).to(weights.dtype), experts
 
 
+def second_choice_rollouts(model_dir, ids, mask):
+    """4 responses a prompt from an hf engine whose routers take every token's 2nd and 3rd likeliest experts (routing
+    other than the policy's own), with their log-probs and that routing recorded."""
+    engine = RolloutWorker(RolloutConfig(n=4, max_new_tokens=5, torch_threads=1, micro_batch_size=5), model_dir,
+                           "float32", None, logprobs=True, routing=True)
+    for router in engine.engine.routing.routers:
+        router.register_forward_hook(second_choices, prepend=True)
+    return engine.generate(ids, mask, 4, 1.0, seed=3)
+
+
 def _actor_r3(model_dir, mode, packed=True):
     config = ActorConfig(torch_threads=1, grad_clip=1e9, micro_batch_size=5, use_remove_padding=packed,
                          max_tokens_per_micro_batch=40 if packed else 0, router_replay=RouterReplayConfig(mode))
@@ -122,12 +132,8 @@ def test_r3_replays_the_rollouts_routing(setup, packed):
     log-probs of its samples at fp32, and the mismatch metric reports that every choice was replayed; without
     replay they differ."""
     model_dir, scored = setup
-    engine = RolloutWorker(RolloutConfig(n=4, max_new_tokens=5, torch_threads=1, micro_batch_size=5), model_dir,
-                           "float32", None, logprobs=True, routing=True)
-    for router in engine.engine.routing.routers:
-        router.register_forward_hook(second_choices, prepend=True)
     ids, mask = scored["prompt_ids"][::4], scored["prompt_mask"][::4]
-    batch = engine.generate(ids, mask, 4, 1.0, seed=3)
+    batch = second_choice_rollouts(model_dir, ids, mask)
     prompt, response = batch[ROUTING[0]], batch[ROUTING[1]]
     assert prompt.shape[:3] == (12, ids.shape[1], 2) and response.shape[:3] == (12, batch["response_ids"].shape[1], 2)
     assert (prompt[mask.repeat_interleave(4, 0).bool()] >= 0).all()
