@@ -69,7 +69,7 @@ def test_report_compiles_the_kda_kernels():
             if line.startswith("| ") and "_kernel" in line]
     names = [row[0].strip() for row in rows]
     # the backward recomputes the states (kda_state_fwd_kernel again) from the forward's stored solve
-    assert names == ["kda_gate_cumsum_kernel", "kda_intra_fwd_kernel", "kda_gated_keys_kernel",
+    assert names == ["kda_gate_cumsum_kernel", "kda_intra_fwd_kernel", "kda_solve_kernel", "kda_gated_keys_kernel",
                      "kda_state_fwd_kernel", "kda_output_fwd_kernel", "kda_gated_keys_kernel", "kda_state_fwd_kernel",
                      "kda_state_bwd_kernel", "kda_dv_kernel", "kda_dqk_kernel", "kda_intra_bwd_kernel",
                      "kda_gate_bwd_kernel"]

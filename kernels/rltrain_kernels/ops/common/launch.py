@@ -32,14 +32,15 @@ LAUNCH: dict[str, dict[str, int]] = {
     "iplr_bwd_query": dict(num_warps=4, num_stages=2),   # iplr_delta_rule/chunk_bwd.py dq, da: 0.355 ms, 8w/3s 0.362
     "iplr_bwd_key": dict(num_warps=8, num_stages=3),     # dk, db, dv: 0.440 ms, 8w/2s 0.470
     # KDA (ops/kda): first settings, not yet swept nor gradient-checked on a GPU (bench_kda.py --sweep-launch does both)
-    "kda_intra_fwd": dict(num_warps=4, num_stages=2),    # kda/intra.py: Akk, Aqk and the solve
+    "kda_intra_fwd": dict(num_warps=2, num_stages=3),    # kda/intra.py, a 16-row block a program: 4w/2s +0.13 ms
+    "kda_solve": dict(num_warps=4, num_stages=2),        # kda/intra.py: T from Akk; 2 warps +0.34 ms
     "kda_gated_keys": dict(num_warps=4, num_stages=2),   # kda/chunk_fwd.py: the state passes' K̃, K̂, scale Q ⊙ Γ
     "kda_state_fwd": dict(num_warps=4, num_stages=2),    # kda/chunk_fwd.py
     "kda_output_fwd": dict(num_warps=4, num_stages=2),   # kda/chunk_fwd.py
     "kda_state_bwd": dict(num_warps=4, num_stages=2),    # kda/chunk_bwd.py
     "kda_dv": dict(num_warps=8, num_stages=2),           # kda/chunk_bwd.py: dv, dβ, dM_P, dA (4 warps spill 184 B)
     "kda_dqk": dict(num_warps=8, num_stages=2),          # kda/chunk_bwd.py: state-side dq, dk, dG (4 warps: 336 B)
-    "kda_intra_bwd": dict(num_warps=4, num_stages=2),    # kda/intra.py (8 warps spill 8 B)
+    "kda_intra_bwd": dict(num_warps=2, num_stages=2),    # kda/intra.py, a 16-row block a program: 4w/2s +0.23 ms
 }
 
 
