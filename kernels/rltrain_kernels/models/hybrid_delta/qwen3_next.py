@@ -15,6 +15,8 @@ What maps (family → Qwen3-Next), exact in fp32 and in bf16 (only ×2, ×½, �
                o_proj → out_proj with each head's columns halved onto both copies, A_log and dt_bias repeated (the
                same β = sigmoid(b), g = −exp(A_log)·softplus(a + dt_bias)). The two copies hold the same state and
                output, so the halves add up to the family's o_proj
+  output head  a tied one as its own lm_head.weight (tie_word_embeddings false): vLLM's Qwen3-Next (0.24, 0.32)
+               never ties its head to the embedding, so a file without one served an uninitialised head
   MLP          one routed expert per layer (num_experts = 1, top-1: its routing weight is exactly 1) holding
                gate/up/down_proj, and a shared expert of size 1 whose weights are zero (its output exactly 0): vLLM
                0.32's Qwen3-Next raises on a model without MoE layers (set_moe_parameters), so dense layers
@@ -85,7 +87,7 @@ def qwen3_next_config(config: HybridDeltaConfig) -> Qwen3NextConfig:
         num_experts=1, num_experts_per_tok=1, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         moe_intermediate_size=config.intermediate_size, shared_expert_intermediate_size=SHARED_EXPERT_SIZE,
         rms_norm_eps=config.rms_norm_eps, initializer_range=config.initializer_range, use_cache=config.use_cache,
-        tie_word_embeddings=config.tie_word_embeddings, pad_token_id=config.pad_token_id,
+        tie_word_embeddings=False, pad_token_id=config.pad_token_id,   # a tied head is written out (state dict)
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
         architectures=["Qwen3NextForCausalLM"])   # vLLM picks its model class by this (else an embedding model)
     qwen3_next.dtype = getattr(config, "dtype", None)
@@ -172,6 +174,8 @@ def qwen3_next_state_dict(config: HybridDeltaConfig, weights: dict[str, torch.Te
             out[name] = tensor
         else:
             raise KeyError(f"{name}: not a weight of the hybrid_delta family")
+    if "lm_head.weight" not in out and config.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
     for index, layer in sorted(layers.items()):
         for name, tensor in _layer(config.mixer_types[index], layer, config).items():
             out[f"model.layers.{index}.{name}"] = tensor
