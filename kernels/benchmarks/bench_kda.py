@@ -126,13 +126,17 @@ def time_decode(fn, B, H, D):
 
 
 def profile_kernels(ours, fla_chunk, B=8, T=2048, H=16, D=128):
-    """Per-kernel CUDA time of one forward+backward, ours and fla's on the same inputs: which kernel carries a gap."""
+    """Per-kernel CUDA time of one forward+backward, ours and fla's on the same inputs, with g precomputed and with
+    the gate and l2norm in the op: which kernel carries a gap."""
     from kernel_profile import print_autotune_picks, print_fwd_bwd_kernel_times
 
-    (q, k, v, g, beta), h0, _ = make_inputs(B, T, H, D, D, requires_grad=True)
-    print_fwd_bwd_kernel_times(
-        f"fwd+bwd B{B} T{T} H{H} K=V={D}", (("ours", ours), ("fla", fla_chunk)), [q, k, v, g, beta],
-        lambda fn: fn(q, k, v, g, beta, initial_state=h0, output_final_state=True), torch.randn_like(v))
+    for gate_in_op in (False, True):
+        (q, k, v, g, beta), h0, keywords = make_inputs(B, T, H, D, D, requires_grad=True, gate_in_op=gate_in_op)
+        print_fwd_bwd_kernel_times(
+            f"fwd+bwd B{B} T{T} H{H} K=V={D}{', gate + l2norm in op' if gate_in_op else ''}",
+            (("ours", ours), ("fla", fla_chunk)), [q, k, v, g, beta],
+            lambda fn: fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **keywords),
+            torch.randn_like(v))
     if fla_chunk is not None:
         print_autotune_picks("fla.")
 
@@ -155,7 +159,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one small shape (smoke run on a GPU)")
     parser.add_argument("--profile", action="store_true",
-                        help="also print ours and fla's per-kernel CUDA time for one forward+backward at B8 T2048")
+                        help="also print ours and fla's per-kernel CUDA time for one forward+backward at B8 T2048 "
+                             "(g precomputed, then the gate and l2norm in the op)")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="tiny sizes on CPU through the Triton interpreter (TRITON_INTERPRET=1): checks the script")
     add_tuning_arguments(parser, "kda_dqk=8,2",
