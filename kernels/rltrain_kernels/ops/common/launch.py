@@ -31,7 +31,8 @@ LAUNCH: dict[str, dict[str, int]] = {
     "iplr_output_fwd": dict(num_warps=4, num_stages=2),  # iplr_delta_rule/chunk_fwd.py: 0.205 ms (1 stage 0.202)
     "iplr_bwd_query": dict(num_warps=4, num_stages=2),   # iplr_delta_rule/chunk_bwd.py dq, da: 0.355 ms, 8w/3s 0.362
     "iplr_bwd_key": dict(num_warps=8, num_stages=3),     # dk, db, dv: 0.440 ms, 8w/2s 0.470
-    # KDA (ops/kda): first settings, not yet swept nor gradient-checked on a GPU (bench_kda.py --sweep-launch does both)
+    # KDA (ops/kda): the intra-chunk kernels swept on an H200 (bench_kda.py --sweep-launch: gradients checked, B8 T2048
+    # fwd+bwd); the others first settings, not yet swept
     "kda_intra_fwd": dict(num_warps=2, num_stages=3),    # kda/intra.py, a 16-row block a program: 4w/2s +0.13 ms
     "kda_solve": dict(num_warps=4, num_stages=2),        # kda/intra.py: T from Akk; 2 warps +0.34 ms
     "kda_gated_keys": dict(num_warps=4, num_stages=2),   # kda/chunk_fwd.py: the state passes' K̃, K̂, scale Q ⊙ Γ
