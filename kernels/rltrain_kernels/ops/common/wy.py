@@ -56,7 +56,14 @@ def solve_unit_lower(b_A, BT: tl.constexpr, SOLVE_PREC: tl.constexpr):
     # back to [BT, BT], block diagonal: repeat each block along the column blocks, keep the diagonal one
     b_TD = tl.reshape(tl.broadcast_to(b_T3[:, :, None, :], (NB, 16, NB, 16)), (BT, BT))
     b_TD = tl.where(same_block, b_TD, 0.0)
-    b_M = tl.dot(b_TD, tl.where(same_block, 0.0, b_A), input_precision=SOLVE_PREC)
+    return merge_block_inverses(b_TD, tl.where(same_block, 0.0, b_A), SOLVE_PREC)
+
+
+@triton.jit
+def merge_block_inverses(b_TD, b_L, SOLVE_PREC: tl.constexpr):
+    """(I + D + L)⁻¹ from T_D = (I + D)⁻¹ (block diagonal, 16 × 16 blocks) and L (strictly block-lower), [BT, BT]
+    fp32, BT ≤ 64: with M = T_D L, I + D + L = (I + D)(I + M) and M⁴ = 0, so the inverse is (I − M)(I + M²) T_D."""
+    b_M = tl.dot(b_TD, b_L, input_precision=SOLVE_PREC)
     b_X = b_TD + tl.dot(tl.dot(b_M, b_M, input_precision=SOLVE_PREC), b_TD, input_precision=SOLVE_PREC)
     return b_X - tl.dot(b_M, b_X, input_precision=SOLVE_PREC)
 

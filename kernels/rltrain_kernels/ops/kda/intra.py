@@ -37,6 +37,7 @@ from ..common.chunking import ChunkLayout, chunk_program
 from ..common.launch import tile
 from ..common.precision import cast_for_store, mm, mma, operand_dtype, solve_precision
 from ..common.tuning import DEFAULT_TUNING, Tuning
+from ..common.wy import merge_block_inverses
 
 # a diagonal block's decay over its 16 rows (the largest over the channels) up to which its pairs go through one
 # dot at the solve's precision: the operands stay within e^±40 of q and k, far inside fp32's range
@@ -152,8 +153,7 @@ def kda_solve_kernel(Akk, beta, Ai, cu_seqlens, chunk_indices, HV: tl.constexpr,
                      DOT_PREC: tl.constexpr, SOLVE_PREC: tl.constexpr):
     """T = (I + A)⁻¹ per (chunk, value head), A = diag(β) Akk, from the scratch Akk [tokens, HV, BT] fp32: its blocks
     below the diagonal are Akk's, its diagonal 16 × 16 blocks already T's own, T_D = (I + D)⁻¹ (kda_intra_fwd_kernel;
-    above, unwritten). With L = A − D (strictly block-lower) and M = T_D L: I + A = (I + D)(I + M), M⁴ = 0, so
-    T = (I − M)(I + M²) T_D, four dots (common/wy.py's solve_unit_lower, its diagonal blocks done)."""
+    above, unwritten), merged with L = A − D (strictly block-lower) by common/wy.py's merge_block_inverses."""
     i_hv = tl.program_id(1)
     i_c, i_n, i_t, bos, eos, o_i, o_t, m_t = chunk_program(cu_seqlens, chunk_indices, BT)
     p_A = (o_t[:, None] * HV + i_hv) * BT + o_i[None, :]
@@ -162,9 +162,7 @@ def kda_solve_kernel(Akk, beta, Ai, cu_seqlens, chunk_indices, HV: tl.constexpr,
     b_S = tl.load(Akk + p_A, mask=m_t[:, None] & (same_block | below), other=0.0)
     b_beta = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     b_TD = tl.where(same_block & (o_i[None, :] <= o_i[:, None]), b_S, 0.0)
-    b_M = tl.dot(b_TD, tl.where(below, b_S * b_beta[:, None], 0.0), input_precision=SOLVE_PREC)
-    b_X = b_TD + tl.dot(tl.dot(b_M, b_M, input_precision=SOLVE_PREC), b_TD, input_precision=SOLVE_PREC)
-    b_T = b_X - tl.dot(b_M, b_X, input_precision=SOLVE_PREC)
+    b_T = merge_block_inverses(b_TD, tl.where(below, b_S * b_beta[:, None], 0.0), SOLVE_PREC)
     tl.store(Ai + p_A, cast_for_store(b_T, Ai, DOT_PREC), mask=m_t[:, None])
 
 
